@@ -1,0 +1,37 @@
+"""Typed engine errors. Every message says what the user should do."""
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model folder or file is missing, corrupt or of an unsupported kind."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture or tensor type cannot be converted or run."""
+
+
+class ConversionError(EngineError):
+    """Converting a checkpoint to ONNX failed; nothing was written to the cache."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A generation request is malformed (empty prompt, unknown role, bad value)."""
+
+
+class InvalidSamplingError(InvalidRequestError):
+    """A sampling value is out of range (negative temperature, top_p outside (0, 1], ...)."""
+
+
+class InvalidSchemaError(InvalidRequestError):
+    """A JSON schema given as response format is not valid JSON Schema."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """The prompt (plus requested tokens) does not fit in the model's context."""
+
+
+class CancelledError(EngineError):
+    """Generation was cancelled from another thread."""
