@@ -30,7 +30,7 @@ setup(
     zip_safe=True,
     maintainer='edge_llm_ros developers',
     maintainer_email='edge-llm-ros@example.com',
-    description='On-device language model for ROS 2 (ONNX Runtime INT4 engine, zero-copy tensors).',
+    description='On-device language model for ROS 2 (ONNX Runtime INT4 engine, zero-copy IPC).',
     license='Apache-2.0',
     entry_points={
         'console_scripts': [

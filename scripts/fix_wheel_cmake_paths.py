@@ -15,7 +15,8 @@ import numpy
 def main(venv: str) -> int:
     py_inc = sysconfig.get_paths()['include']
     np_inc = numpy.get_include()
-    pattern_np = re.compile(r'/opt/python/cp3\d+-cp3\d+/lib/python3\.\d+/site-packages/numpy/[\w/]*include')
+    pattern_np = re.compile(
+        r'/opt/python/cp3\d+-cp3\d+/lib/python3\.\d+/site-packages/numpy/[\w/]*include')
     pattern_py = re.compile(r'/opt/python/cp3\d+-cp3\d+/include/python3\.\d+')
     changed = 0
     for path in pathlib.Path(venv, 'share').glob('*/cmake/**/*.cmake'):

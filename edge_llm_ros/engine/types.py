@@ -4,8 +4,8 @@ No rclpy here: nodes translate ROS messages to and from these.
 """
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
+import enum
 from typing import Optional, Sequence
 
 import numpy as np

@@ -1,0 +1,225 @@
+"""KV cache bookkeeping: what the preallocated KV buffers hold, and how to reuse it.
+
+The decoder owns nothing but the buffers ([1, kv_heads, max_ctx, head_dim] per layer, bound as
+both past and present). This module tracks which positions are valid and what produced them,
+so that a new request only prefills what differs from the cache:
+
+* ``keys`` holds one hashable key per cached position: a token id (int), or
+  ``('emb', digest, i)`` for position i of prefix embeddings whose bytes hash to ``digest``.
+  A position's K/V depends only on the keys before and at it, so equal key prefixes mean
+  equal K/V and can be reused: embeddings are keyed by content, never by accident.
+* ``plan(keys)`` picks the longest common prefix among the live cache and the saved session
+  snapshots, restores it into the live buffers if it came from a snapshot, and returns how
+  many positions need no prefill (always at least one fewer than the request, because the
+  last prompt position must be recomputed to get its logits).
+* Session snapshots (LRU of ``max_sessions``) keep alternating conversations' prefixes. They
+  are saved lazily, only when another request is about to overwrite the live cache.
+
+Snapshot storage (``snapshot_dtype``): 'float32' keeps an exact copy of the buffers' dtype
+(46 KB per token for SmolLM2-135M). 'int8' stores each (head, position) row of head_dim values
+as int8 with one float32 scale (max|x|/127): 3.8x smaller, but a restored prefix differs from a
+fresh prefill by up to half a quantization step per value (~0.4 % of the row's max), so logits
+after a restore are close to, not bit-equal with, a fresh run; near-ties in greedy decoding can
+flip. The live cache itself always stays at full precision.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from edge_llm_ros.engine.errors import ContextOverflowError
+
+SNAPSHOT_DTYPES = ('float32', 'int8')
+
+
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Length of the longest common prefix of two key sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, capacity: int) -> Optional[str]:
+    """Return None when prompt + max_tokens fits in the context, else a message saying why not."""
+    if prompt_tokens + max_tokens <= capacity:
+        return None
+    return (f'prompt {prompt_tokens} tokens + max_tokens {max_tokens} > context {capacity}: '
+            'shorten the prompt or lower max_tokens')
+
+
+@dataclass
+class _Snapshot:
+    """A copy of the first len(keys) positions of every KV buffer."""
+
+    keys: Tuple[Hashable, ...]
+    data: List[np.ndarray]             # per buffer: [1, kv_heads, n, head_dim]
+    scales: Optional[List[np.ndarray]]  # int8 only: per buffer [1, kv_heads, n, 1] float32
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(s.nbytes for s in self.scales) if self.scales is not None else 0
+        return sum(d.nbytes for d in self.data) + extra
+
+
+class KVCache:
+    """Bookkeeping of the decoder's preallocated KV buffers (see the module docstring)."""
+
+    def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
+                 snapshot_dtype: str = 'float32', max_sessions: int = 8) -> None:
+        if snapshot_dtype not in SNAPSHOT_DTYPES:
+            raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
+        if max_sessions < 0:
+            raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
+        for buf in buffers:
+            if buf.ndim != 4 or buf.shape[2] < capacity:
+                raise ValueError(f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
+        self._buffers = list(buffers)
+        self._capacity = capacity
+        self._snapshot_dtype = snapshot_dtype
+        self._max_sessions = max_sessions
+        self._keys: List[Hashable] = []
+        self._owner = ''          # session whose conversation the live cache holds
+        self._owner_saved = True  # its snapshot already equals the live cache
+        self._sessions: 'OrderedDict[str, _Snapshot]' = OrderedDict()
+
+    # --- state -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def length(self) -> int:
+        return len(self._keys)
+
+    @property
+    def keys(self) -> Tuple[Hashable, ...]:
+        return tuple(self._keys)
+
+    def room(self) -> int:
+        return self._capacity - len(self._keys)
+
+    def occupancy(self) -> Tuple[int, int]:
+        """(positions used, capacity)."""
+        return len(self._keys), self._capacity
+
+    def sessions(self) -> List[str]:
+        """Saved session ids, least recently used first."""
+        return list(self._sessions)
+
+    def snapshot_bytes(self) -> int:
+        return sum(s.nbytes for s in self._sessions.values())
+
+    # --- live cache --------------------------------------------------------------------------
+    def append(self, keys: Sequence[Hashable]) -> None:
+        """Record that the decoder just wrote K/V for these positions (after the current ones)."""
+        if len(self._keys) + len(keys) > self._capacity:
+            raise ContextOverflowError(
+                f'KV cache full: {len(self._keys)} + {len(keys)} positions > capacity '
+                f'{self._capacity}: raise max_context or shorten the request')
+        self._keys.extend(keys)
+        self._owner_saved = False
+
+    def append_token(self, token_id: int) -> None:
+        """Cheap single-position append for the decode loop (the caller checked the room)."""
+        self._keys.append(token_id)
+        self._owner_saved = False
+
+    def rewind_to(self, n: int) -> None:
+        """Forget every position from n on (the buffers' bytes there become garbage)."""
+        if not 0 <= n <= len(self._keys):
+            raise ValueError(f'cannot rewind to {n}: the cache holds {len(self._keys)} positions')
+        if n < len(self._keys):
+            del self._keys[n:]
+            self._owner_saved = False
+
+    def reset(self) -> None:
+        """Empty the live cache (saved sessions stay)."""
+        self._keys.clear()
+        self._owner = ''
+        self._owner_saved = True
+
+    def clear_sessions(self) -> None:
+        self._sessions.clear()
+
+    # --- reuse -------------------------------------------------------------------------------
+    def plan(self, keys: Sequence[Hashable], session_id: str = '') -> int:
+        """Prepare the live cache for a request of these position keys.
+
+        Returns how many leading positions are already in place (0 .. len(keys) - 1); the
+        caller prefills keys[returned:]. The live cache is rewound to that length, after
+        saving it as its owner's snapshot when another session's request overwrites it.
+        """
+        if not keys:
+            raise ValueError('a request needs at least one position')
+        limit = len(keys) - 1  # the last position is recomputed for its logits
+        best = min(common_prefix(self._keys, keys), limit)
+        source: Optional[_Snapshot] = None
+        for snap in self._sessions.values():
+            n = min(common_prefix(snap.keys, keys), limit)
+            if n > best:
+                best, source = n, snap
+
+        # First live position this request overwrites.
+        keep = best if source is None else common_prefix(self._keys, source.keys[:best])
+        if self._owner and self._owner != session_id and not self._owner_saved \
+                and keep < len(self._keys):
+            self._save(self._owner)
+        self.rewind_to(min(keep, len(self._keys)))
+        if source is not None:
+            self._restore(source, best)
+        if session_id in self._sessions:
+            self._sessions.move_to_end(session_id)
+        self._owner = session_id
+        self._owner_saved = False
+        return best
+
+    def _save(self, session_id: str) -> None:
+        if self._max_sessions == 0 or not self._keys:
+            return
+        n = len(self._keys)
+        if self._snapshot_dtype == 'int8':
+            pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
+            snap = _Snapshot(tuple(self._keys), [q for q, _ in pairs], [s for _, s in pairs])
+        else:
+            snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
+                             None)
+        self._sessions[session_id] = snap
+        self._sessions.move_to_end(session_id)
+        while len(self._sessions) > self._max_sessions:
+            self._sessions.popitem(last=False)
+        if session_id == self._owner:
+            self._owner_saved = True
+
+    def save_session(self, session_id: str) -> None:
+        """Save the live cache as this session's snapshot now (normally done lazily)."""
+        self._save(session_id)
+
+    def _restore(self, snap: _Snapshot, n: int) -> None:
+        # The live cache was rewound to what it shares with the snapshot: copy only the rest.
+        start = len(self._keys)
+        for i, buf in enumerate(self._buffers):
+            if snap.scales is None:
+                buf[:, :, start:n] = snap.data[i][:, :, start:n]
+            else:
+                buf[:, :, start:n] = dequantize_int8(
+                    snap.data[i][:, :, start:n], snap.scales[i][:, :, start:n], buf.dtype)
+        self._keys.extend(snap.keys[start:n])
+
+
+def quantize_int8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per row of the last axis: returns (q, scale)."""
+    xf = x.astype(np.float32, copy=False)
+    scale = np.abs(xf).max(axis=-1, keepdims=True) / 127.0
+    safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(xf / safe), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """Inverse of quantize_int8 (up to half a step per value)."""
+    return (q.astype(np.float32) * scale).astype(dtype, copy=False)

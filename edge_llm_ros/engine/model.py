@@ -1,0 +1,311 @@
+"""ONNX decoder session: one onnxruntime session, IOBinding, preallocated KV buffers.
+
+One graph serves prefill and decode (see the engine contract): inputs ``input_ids [1, s]``,
+``inputs_embeds [1, e, hidden]`` (fed ahead of the ids), ``seqlens_k [1]`` (total - 1),
+``total_sequence_length []`` and ``past_key_values.{i}.key/value [1, kv_heads, L, head_dim]``;
+outputs ``logits [1, 1, vocab]`` (last position) and ``present.{i}.key/value``.
+
+The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
+writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
+small decode inputs are numpy arrays bound once and rewritten in place each step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import onnxruntime as ort
+import yaml
+
+from edge_llm_ros.engine.errors import ModelLoadError, UnsupportedModelError
+
+ARCHITECTURES = ('llama', 'qwen2')
+REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
+                   'embedded model)')
+_ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model.yaml written by the converter (only what the runtime needs is typed)."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: Optional[int]
+    eos_token_ids: Tuple[int, ...]
+    add_bos_token: bool
+    activation_dtype: str = 'float32'
+    kv_max_context: Optional[int] = None
+    extra: Dict = field(default_factory=dict)  # every other key, kept for reports
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 2 if self.activation_dtype == 'float16' else 4
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+_REQUIRED_INT = ('num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'hidden_size',
+                 'vocab_size', 'max_position_embeddings')
+
+
+def load_model_spec(model_dir: str) -> ModelSpec:
+    """Read and check <model_dir>/model.yaml; ModelLoadError says which file and what to do."""
+    path = os.path.join(model_dir, 'model.yaml')
+    if not os.path.isdir(model_dir):
+        raise ModelLoadError(f'model folder {model_dir} does not exist: give a folder written by '
+                             'edge-llm-convert (or leave model_dir empty for the embedded model)')
+    try:
+        with open(path, encoding='utf-8') as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f'{path} is missing: {REGENERATE_HINT}') from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f'{path} is unreadable ({e}): {REGENERATE_HINT}') from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f'{path} is not a mapping of keys: {REGENERATE_HINT}')
+    missing = [k for k in _REQUIRED_INT + ('architecture', 'eos_token_ids') if k not in raw]
+    if missing:
+        raise ModelLoadError(f'{path} lacks {", ".join(missing)}: {REGENERATE_HINT}')
+    try:
+        ints = {k: int(raw[k]) for k in _REQUIRED_INT}
+        eos = raw['eos_token_ids']
+        eos = tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        bos = raw.get('bos_token_id')
+        kv_max = raw.get('kv_max_context')
+        spec = ModelSpec(
+            name=str(raw.get('name') or os.path.basename(os.path.normpath(model_dir))),
+            architecture=str(raw['architecture']),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos,
+            add_bos_token=bool(raw.get('add_bos_token', False)),
+            activation_dtype=str(raw.get('activation_dtype', 'float32')),
+            kv_max_context=None if kv_max is None else int(kv_max),
+            extra={k: v for k, v in raw.items() if k not in _REQUIRED_INT},
+            **ints)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f'{path} has a malformed value ({e}): {REGENERATE_HINT}') from None
+    if spec.architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f'{path}: architecture {spec.architecture!r} is not supported (supported: '
+            f'{", ".join(ARCHITECTURES)})')
+    if spec.activation_dtype not in ('float32', 'float16'):
+        raise UnsupportedModelError(f'{path}: activation_dtype {spec.activation_dtype!r} is not '
+                                    'float32 or float16: reconvert the model')
+    if min(ints.values()) < 1:
+        raise ModelLoadError(f'{path} has a non-positive size: {REGENERATE_HINT}')
+    return spec
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How the onnxruntime session runs (chosen once, at load)."""
+
+    providers: Tuple[str, ...] = ('CPUExecutionProvider',)
+    provider_options: Tuple[dict, ...] = ()  # one dict per provider, or empty
+    intra_op_threads: int = 0                # 0 = onnxruntime's default
+    intra_op_affinity: str = ''              # 'session.intra_op_thread_affinities'
+    max_context: int = 2048                  # KV positions to allocate
+
+
+def check_providers(providers: Sequence[str], provider_options: Sequence[dict]) -> None:
+    """Raise ModelLoadError when a provider is unknown to (or not built into) this onnxruntime."""
+    if not providers:
+        raise ModelLoadError('no execution provider given: use e.g. CPUExecutionProvider')
+    available = ort.get_available_providers()
+    bad = [p for p in providers if p not in available]
+    if bad:
+        raise ModelLoadError(
+            f'execution provider(s) {", ".join(bad)} not available in this onnxruntime '
+            f'{ort.__version__} build; available: {", ".join(available)}')
+    if provider_options and len(provider_options) != len(providers):
+        raise ModelLoadError(f'{len(provider_options)} provider_options for {len(providers)} '
+                             'providers: give one dict per provider (or none)')
+
+
+def _session_options(config: SessionConfig) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if config.intra_op_threads < 0:
+        raise ModelLoadError(f'intra_op_threads must be >= 0, got {config.intra_op_threads}')
+    if config.intra_op_threads:
+        opts.intra_op_num_threads = config.intra_op_threads
+    if config.intra_op_affinity:
+        if config.intra_op_threads < 2:
+            raise ModelLoadError(
+                'intra_op_affinity needs intra_op_threads >= 2 (it lists the cores of the '
+                'threads after the first, e.g. "1;2;3" for 4 threads)')
+        entries = config.intra_op_affinity.split(';')
+        if len(entries) != config.intra_op_threads - 1:
+            raise ModelLoadError(
+                f'intra_op_affinity {config.intra_op_affinity!r} has {len(entries)} entries; '
+                f'{config.intra_op_threads} threads need {config.intra_op_threads - 1} '
+                '(";"-separated, one per thread after the first, e.g. "1;2;3" or "1,2;3,4")')
+        opts.add_session_config_entry('session.intra_op_thread_affinities',
+                                      config.intra_op_affinity)
+    return opts
+
+
+class OnnxDecoder:
+    """The model's forward pass, with KV buffers preallocated and bound once.
+
+    ``forward`` and ``decode`` return a view of one preallocated logits buffer: read it (or copy
+    it) before the next call.
+    """
+
+    def __init__(self, model_dir: str, spec: ModelSpec, config: SessionConfig) -> None:
+        self.spec = spec
+        model_path = os.path.join(model_dir, 'model.onnx')
+        if not os.path.isfile(model_path):
+            raise ModelLoadError(f'{model_path} is missing: {REGENERATE_HINT}')
+        if config.max_context < 1:
+            raise ModelLoadError(f'max_context must be >= 1, got {config.max_context}')
+        if config.max_context > spec.max_position_embeddings:
+            raise ModelLoadError(
+                f'max_context {config.max_context} exceeds the model\'s '
+                f'max_position_embeddings {spec.max_position_embeddings}: lower max_context')
+        if spec.kv_max_context is not None and config.max_context > spec.kv_max_context:
+            raise ModelLoadError(
+                f'max_context {config.max_context} exceeds the static KV length '
+                f'{spec.kv_max_context} the graph was built for: lower max_context or reconvert')
+        check_providers(config.providers, config.provider_options)
+        opts = _session_options(config)
+        providers = list(config.providers)
+        if config.provider_options:
+            providers = list(zip(config.providers, config.provider_options))
+        try:
+            self._session = ort.InferenceSession(model_path, sess_options=opts,
+                                                 providers=providers)
+        except Exception as e:  # onnxruntime raises several unrelated types here
+            raise ModelLoadError(f'onnxruntime could not load {model_path} (and its '
+                                 f'model.onnx.data): {e}. {REGENERATE_HINT[0].upper()}'
+                                 f'{REGENERATE_HINT[1:]}') from None
+        self.providers = tuple(self._session.get_providers())
+        self._check_io(model_path)
+        self.capacity = config.max_context
+        kv_len = spec.kv_max_context or config.max_context
+        kv_shape = (1, spec.num_kv_heads, kv_len, spec.head_dim)
+        # Owned here for the session's life: the OrtValues below point into these arrays.
+        self.kv_buffers: List[np.ndarray] = []
+        self._kv_values: List[ort.OrtValue] = []
+        self._binding = self._session.io_binding()
+        for i in range(spec.num_layers):
+            for kind in ('key', 'value'):
+                buf = np.zeros(kv_shape, dtype=self._kv_dtype)
+                value = ort.OrtValue.ortvalue_from_numpy(buf)
+                self._binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}', value)
+                self._binding.bind_ortvalue_output(f'present.{i}.{kind}', value)
+                self.kv_buffers.append(buf)
+                self._kv_values.append(value)
+        self._logits = np.zeros((1, 1, spec.vocab_size), dtype=np.float32)
+        self.logits = self._logits.reshape(-1)  # the view every call returns
+        self._binding.bind_ortvalue_output(
+            'logits', ort.OrtValue.ortvalue_from_numpy(self._logits))
+        # Decode inputs: bound once, rewritten in place every step.
+        self._ids1 = np.zeros((1, 1), dtype=np.int64)
+        self._no_embeds = np.zeros((1, 0, spec.hidden_size), dtype=self._act_dtype)
+        self._seqlens = np.zeros((1,), dtype=np.int32)
+        self._total = np.zeros((), dtype=np.int32)
+        self._decode_inputs = {
+            'input_ids': ort.OrtValue.ortvalue_from_numpy(self._ids1),
+            'seqlens_k': ort.OrtValue.ortvalue_from_numpy(self._seqlens),
+            'total_sequence_length': ort.OrtValue.ortvalue_from_numpy(self._total),
+        }
+        if self.accepts_embeds:
+            self._decode_inputs['inputs_embeds'] = ort.OrtValue.ortvalue_from_numpy(
+                self._no_embeds)
+        self._prefill_keep: list = []  # keeps the last prefill's input arrays alive
+        self._decode_bound = False
+        self._bind(self._decode_inputs)
+        self._decode_bound = True
+
+    # --- graph checks ------------------------------------------------------------------------
+    def _check_io(self, model_path: str) -> None:
+        spec = self.spec
+        inputs = {i.name: i for i in self._session.get_inputs()}
+        outputs = {o.name: o for o in self._session.get_outputs()}
+        want_in = ['input_ids', 'seqlens_k', 'total_sequence_length']
+        want_out = ['logits']
+        for i in range(spec.num_layers):
+            want_in += [f'past_key_values.{i}.key', f'past_key_values.{i}.value']
+            want_out += [f'present.{i}.key', f'present.{i}.value']
+        missing = [n for n in want_in if n not in inputs] + \
+            [n for n in want_out if n not in outputs]
+        if missing:
+            raise ModelLoadError(
+                f'{model_path} does not match model.yaml ({spec.num_layers} layers): missing '
+                f'graph inputs/outputs {", ".join(missing[:6])}: {REGENERATE_HINT}')
+        self.accepts_embeds = 'inputs_embeds' in inputs
+        kv_type = inputs['past_key_values.0.key'].type
+        if kv_type not in _ORT_DTYPES:
+            raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
+                                        'supported (float or float16)')
+        self._kv_dtype = _ORT_DTYPES[kv_type]
+        self._act_dtype = _ORT_DTYPES.get(
+            inputs['inputs_embeds'].type if self.accepts_embeds else kv_type, np.float32)
+        logits_shape = outputs['logits'].shape
+        if isinstance(logits_shape[-1], int) and logits_shape[-1] != spec.vocab_size:
+            raise ModelLoadError(f'{model_path}: logits width {logits_shape[-1]} != vocab_size '
+                                 f'{spec.vocab_size} in model.yaml: {REGENERATE_HINT}')
+
+    # --- running -----------------------------------------------------------------------------
+    def _bind(self, values: Dict[str, ort.OrtValue]) -> None:
+        for name, value in values.items():
+            self._binding.bind_ortvalue_input(name, value)
+
+    def decode(self, token_id: int, past_len: int) -> np.ndarray:
+        """One token at position past_len; returns the logits view [vocab]. The hot path."""
+        if not self._decode_bound:
+            self._bind(self._decode_inputs)
+            self._prefill_keep = []
+            self._decode_bound = True
+        self._ids1[0, 0] = token_id
+        self._seqlens[0] = past_len
+        self._total[()] = past_len + 1
+        self._session.run_with_iobinding(self._binding)
+        return self.logits
+
+    def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int) -> np.ndarray:
+        """Run ``embeds`` (ahead) then ``ids`` at positions past_len..; returns logits [vocab].
+
+        ids: int [s] or [1, s] (s may be 0 when embeds are given); embeds: [e, hidden] or
+        [1, e, hidden] or None. The caller keeps past_len + e + s within the capacity.
+        """
+        ids = np.asarray(ids).reshape(-1)
+        if embeds is None and ids.shape[0] == 1:
+            return self.decode(int(ids[0]), past_len)
+        n_emb = 0
+        if embeds is not None:
+            if not self.accepts_embeds:
+                raise ModelLoadError('this model.onnx has no inputs_embeds input: reconvert it '
+                                     'with a current edge-llm-convert to feed embeddings')
+            embeds = np.ascontiguousarray(embeds, dtype=self._act_dtype).reshape(
+                1, -1, self.spec.hidden_size)
+            n_emb = embeds.shape[1]
+        n = n_emb + ids.shape[0]
+        if n == 0:
+            raise ValueError('forward needs at least one id or embedding')
+        if past_len < 0 or past_len + n > self.capacity:
+            raise ValueError(f'positions {past_len}..{past_len + n} outside the KV capacity '
+                             f'{self.capacity}')
+        ids2 = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
+        arrays = {'input_ids': ids2, 'seqlens_k': self._seqlens,
+                  'total_sequence_length': self._total}
+        if self.accepts_embeds:
+            arrays['inputs_embeds'] = embeds if embeds is not None else self._no_embeds
+        values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+        self._prefill_keep = [arrays, values]
+        self._bind(values)
+        self._decode_bound = False
+        self._seqlens[0] = past_len + n - 1
+        self._total[()] = past_len + n
+        self._session.run_with_iobinding(self._binding)
+        return self.logits

@@ -1,0 +1,269 @@
+"""Text side of the engine: tokenizer.json + the model's Jinja chat template + streaming decode.
+
+The chat template comes from the model file, so it is rendered in jinja2's immutable sandbox: a
+template cannot reach Python internals, and message content is data inserted as text, never
+evaluated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import datetime
+import json
+import os
+import pathlib
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+import yaml
+
+from .errors import InvalidRequestError, ModelLoadError
+from .gguf_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+from .types import ChatMessage, ROLES
+
+MODEL_YAML = 'model.yaml'
+
+MessageLike = Union[ChatMessage, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Special-token facts from model.yaml."""
+
+    bos_token_id: Optional[int]
+    eos_token_ids: Tuple[int, ...]
+    add_bos_token: bool
+
+
+class TextTokenizer:
+    """Encode/decode, chat templating and incremental detokenization for one model."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str, special: SpecialTokens) -> None:
+        self._tok = tokenizer
+        self._special = special
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        for tid in (special.bos_token_id, *special.eos_token_ids):
+            if tid is not None and not 0 <= tid < self.vocab_size:
+                raise ModelLoadError(f'special token id {tid} is outside the vocabulary '
+                                     f'(size {self.vocab_size}); fix model.yaml')
+        self._template = _compile_template(chat_template)
+        self._template_vars = {
+            'bos_token': self._token_text(special.bos_token_id),
+            'eos_token': self._token_text(special.eos_token_ids[0] if special.eos_token_ids
+                                          else None),
+        }
+        self._special_ids = frozenset(
+            i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def from_dir(cls, model_dir: os.PathLike) -> 'TextTokenizer':
+        """Load tokenizer.json, chat_template.jinja and the special ids of model.yaml."""
+        root = pathlib.Path(model_dir)
+        paths = {name: root / name for name in (TOKENIZER_FILE, CHAT_TEMPLATE_FILE, MODEL_YAML)}
+        missing = [name for name, p in paths.items() if not p.is_file()]
+        if missing:
+            raise ModelLoadError(f'model folder {root} lacks {", ".join(missing)}; '
+                                 're-run the converter (edge-llm-convert) on the source model')
+        try:
+            tokenizer = Tokenizer.from_file(str(paths[TOKENIZER_FILE]))
+        except Exception as exc:  # the library raises a bare Exception on bad JSON
+            raise ModelLoadError(f'{paths[TOKENIZER_FILE]} is not a valid tokenizer: {exc}; '
+                                 're-run the converter') from exc
+        try:
+            meta = yaml.safe_load(paths[MODEL_YAML].read_text(encoding='utf-8')) or {}
+        except yaml.YAMLError as exc:
+            raise ModelLoadError(f'{paths[MODEL_YAML]} is not valid YAML: {exc}') from exc
+        special = _special_from_yaml(meta, paths[MODEL_YAML])
+        template = paths[CHAT_TEMPLATE_FILE].read_text(encoding='utf-8')
+        return cls(tokenizer, template, special)
+
+    # --- plain tokenization -----------------------------------------------------------------
+
+    @property
+    def hf_tokenizer(self) -> Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (shared, do not mutate)."""
+        return self._tok
+
+    @property
+    def bos_token_id(self) -> Optional[int]:
+        return self._special.bos_token_id
+
+    @property
+    def eos_token_ids(self) -> Tuple[int, ...]:
+        return self._special.eos_token_ids
+
+    @property
+    def add_bos_token(self) -> bool:
+        return self._special.add_bos_token
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        """Token ids of `text`; special tokens written in it (e.g. <|im_start|>) are parsed.
+
+        add_special_tokens=True adds BOS (and EOS) where the model asks for it.
+        """
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, ids: Iterable[int]) -> List[str]:
+        """The vocabulary entries of `ids` (byte-level forms such as 'Ġthe', not decoded text)."""
+        out = []
+        for i in ids:
+            text = self._tok.id_to_token(int(i))
+            if text is None:
+                raise InvalidRequestError(f'token id {i} is outside the vocabulary '
+                                          f'(0..{self.vocab_size - 1})')
+            out.append(text)
+        return out
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_ids
+
+    # --- chat --------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[MessageLike],
+                            add_generation_prompt: bool = True) -> str:
+        """Render the conversation with the model's own template."""
+        dicts = [_message_dict(m, i) for i, m in enumerate(messages)]
+        if not dicts:
+            raise InvalidRequestError('the conversation is empty: give at least one message')
+        try:
+            return self._template.render(messages=dicts,
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self._template_vars)
+        except jinja2.exceptions.SecurityError as exc:
+            raise ModelLoadError(f'the chat template tried an unsafe operation ({exc}); '
+                                 'replace chat_template.jinja') from exc
+        except jinja2.TemplateError as exc:
+            # raise_exception() in templates reports conversations they cannot express.
+            raise InvalidRequestError(f'the chat template rejected the conversation: {exc}') \
+                from exc
+
+    def encode_chat(self, messages: Sequence[MessageLike],
+                    add_generation_prompt: bool = True) -> List[int]:
+        """Render and tokenize a conversation, adding BOS once if the model wants it."""
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        bos = self._special.bos_token_id
+        if self._special.add_bos_token and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    # --- streaming ---------------------------------------------------------------------------
+
+    def new_stream(self, skip_special_tokens: bool = True) -> 'TokenStream':
+        """Start incremental detokenization of one generation."""
+        return TokenStream(self._tok, skip_special_tokens)
+
+    def _token_text(self, token_id: Optional[int]) -> str:
+        return '' if token_id is None else (self._tok.id_to_token(token_id) or '')
+
+
+class TokenStream:
+    """Turns generated ids into text deltas that are always complete UTF-8 characters.
+
+    Only a short trailing window is decoded per token: `_prefix` marks the start of the window
+    (text already emitted up to `_read`), so each push costs O(window), not O(sequence).  When
+    the window's text ends with U+FFFD, the last token(s) hold part of a multi-byte character
+    and nothing is emitted until it completes (or `flush()` at the end).  Joining every delta
+    plus `flush()` equals `decode(all ids)`.
+    """
+
+    # A stream whose tokens never complete a character stops holding back after this many
+    # tokens, so a degenerate model cannot make each step slower than the last.
+    MAX_HELD_TOKENS = 64
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: List[int] = []
+        self._prefix = 0          # window start (ids before it are never decoded again)
+        self._read = 0            # ids before this have been emitted
+        self._prefix_text = ''    # decode(ids[_prefix:_read])
+
+    @property
+    def token_ids(self) -> List[int]:
+        return self._ids
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the new text (possibly '')."""
+        self._ids.append(int(token_id))
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        held = len(self._ids) - self._read
+        if text.endswith('\ufffd') and held < self.MAX_HELD_TOKENS:
+            return ''
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """Return whatever is still held back (a trailing partial character becomes U+FFFD)."""
+        if self._read == len(self._ids):
+            return ''
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        return self._advance(text)
+
+    def _advance(self, text: str) -> str:
+        delta = text[len(self._prefix_text):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_text = self._tok.decode(self._ids[self._prefix:],
+                                             skip_special_tokens=self._skip)
+        return delta
+
+
+# --- chat template sandbox ------------------------------------------------------------------
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[Tuple[str, str]] = None, sort_keys: bool = False) -> str:
+    # Like HF's: unlike jinja's built-in, no HTML escaping, since prompts are not HTML.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=['jinja2.ext.loopcontrols'])
+    env.filters['tojson'] = _tojson
+    env.globals['raise_exception'] = _raise_exception
+    env.globals['strftime_now'] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ModelLoadError(f'the chat template does not compile: {exc}; '
+                             'fix chat_template.jinja') from exc
+
+
+def _message_dict(message: MessageLike, index: int) -> Dict[str, str]:
+    if isinstance(message, ChatMessage):
+        role, content = message.role, message.content
+    elif isinstance(message, Mapping):
+        role, content = message.get('role'), message.get('content')
+    else:
+        raise InvalidRequestError(f'message {index} must be a ChatMessage or a dict with role '
+                                  f'and content, not {type(message).__name__}')
+    if role not in ROLES:
+        raise InvalidRequestError(f'message {index} has unknown role {role!r}; '
+                                  f'use one of {", ".join(ROLES)}')
+    if not isinstance(content, str):
+        raise InvalidRequestError(f'message {index} content must be text')
+    return {'role': role, 'content': content}
+
+
+def _special_from_yaml(meta: Mapping[str, Any], path: pathlib.Path) -> SpecialTokens:
+    try:
+        bos = meta.get('bos_token_id')
+        eos = meta.get('eos_token_ids')
+        eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]) if i is not None)
+        return SpecialTokens(bos_token_id=None if bos is None else int(bos),
+                             eos_token_ids=eos_ids,
+                             add_bos_token=bool(meta.get('add_bos_token', False)))
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f'{path}: bos_token_id / eos_token_ids must be integers ({exc})') \
+            from exc

@@ -1,0 +1,219 @@
+"""Plain records of served goals, decoupled from both rclpy and rosbags message classes.
+
+A `TranscriptRecord` mirrors edge_llm_msgs/msg/Transcript. `transcript_from_msg` reads
+it from any object with the same attribute names: a message deserialized by rosbags
+from a bag, or an rclpy message received live.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+import uuid
+
+# SamplingParams sentinels (edge_llm_msgs/msg/SamplingParams.msg).
+UNSET_FLOAT = -1.0
+UNSET_INT = -1
+
+
+@dataclass(frozen=True)
+class SamplingRecord:
+    temperature: float = UNSET_FLOAT
+    top_k: int = UNSET_INT
+    top_p: float = UNSET_FLOAT
+    min_p: float = UNSET_FLOAT
+    repetition_penalty: float = UNSET_FLOAT
+    presence_penalty: float = 0.0
+    seed: int = UNSET_INT
+
+    def is_unset(self) -> bool:
+        """Whether every field still holds the node-default sentinel."""
+        return self == SamplingRecord()
+
+
+@dataclass(frozen=True)
+class TimingsRecord:
+    queue_wait_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    prefill_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChatRecord:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TensorHandleRecord:
+    pool_id: str
+    slot: int
+    generation: int
+    sequence: int
+    buffer_kind: int
+    dtype: str
+    shape: tuple
+    strides: tuple
+    byte_offset: int
+    nbytes: int
+    frame_id: str = ''
+    stamp_ns: int = 0
+
+    def describe(self) -> str:
+        """Short human-readable identity of the handle."""
+        return (f"pool '{self.pool_id}' slot {self.slot} generation {self.generation} "
+                f'({self.dtype} {list(self.shape)})')
+
+
+@dataclass
+class TranscriptRecord:
+    """One served request and its outcome (edge_llm_msgs/msg/Transcript)."""
+
+    goal_id: str                       # hex of the 16-byte goal UUID
+    source: str = 'action'
+    accepted_stamp_ns: int = 0
+    finished_stamp_ns: int = 0
+    model: str = ''
+    effective_sampling: SamplingRecord = field(default_factory=SamplingRecord)
+    prompt: str = ''
+    messages: list = field(default_factory=list)           # ChatRecord
+    system_prompt: str = ''
+    sampling: SamplingRecord = field(default_factory=SamplingRecord)
+    max_tokens: int = 0
+    stop: list = field(default_factory=list)               # str
+    json_schema: str = ''
+    prefix_embeddings: list = field(default_factory=list)  # TensorHandleRecord
+    session_id: str = ''
+    accepted: bool = False
+    text: str = ''
+    token_ids: list = field(default_factory=list)          # int
+    finish_reason: str = ''
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    timings: TimingsRecord = field(default_factory=TimingsRecord)
+    error_message: str = ''
+    # Where it came from: bag receive time and topic (not part of the message).
+    bag_stamp_ns: int = 0
+    topic: str = ''
+
+    def effective_temperature(self) -> Optional[float]:
+        """Temperature after node defaults; None when neither side says.
+
+        The node's effective sampling is authoritative; a transcript without it (all
+        UNSET) falls back to the request's own temperature when that was set.
+        """
+        if self.effective_sampling.temperature >= 0.0:
+            return float(self.effective_sampling.temperature)
+        if self.sampling.temperature >= 0.0:
+            return float(self.sampling.temperature)
+        return None
+
+    def label(self, width: int = 48) -> str:
+        """A one-line excerpt of the request for tables."""
+        if self.prompt:
+            text = self.prompt
+        elif self.messages:
+            text = self.messages[-1].content
+        else:
+            text = ''
+        text = ' '.join(text.split())
+        return text if len(text) <= width else text[:width - 1] + '\u2026'
+
+    def to_json(self) -> dict:
+        """JSON-friendly dict of every field."""
+        return asdict(self)
+
+
+def uuid_hex(raw: Any) -> str:
+    """Hex string of a unique_identifier_msgs/UUID's 16 bytes (any sequence of ints)."""
+    return bytes(int(b) for b in raw).hex()
+
+
+def uuid_bytes(hex_id: str) -> bytes:
+    """Inverse of `uuid_hex`; raises ValueError on a malformed id."""
+    return uuid.UUID(hex=hex_id).bytes
+
+
+def stamp_ns(stamp: Any) -> int:
+    """Nanoseconds of a builtin_interfaces/Time."""
+    return int(stamp.sec) * 1_000_000_000 + int(stamp.nanosec)
+
+
+def sampling_from_msg(msg: Any) -> SamplingRecord:
+    return SamplingRecord(
+        temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(msg.top_p),
+        min_p=float(msg.min_p), repetition_penalty=float(msg.repetition_penalty),
+        presence_penalty=float(msg.presence_penalty), seed=int(msg.seed))
+
+
+def timings_from_msg(msg: Any) -> TimingsRecord:
+    return TimingsRecord(
+        queue_wait_s=float(msg.queue_wait_s),
+        time_to_first_token_s=float(msg.time_to_first_token_s),
+        prefill_tokens=int(msg.prefill_tokens),
+        cached_prompt_tokens=int(msg.cached_prompt_tokens),
+        prefill_tokens_per_second=float(msg.prefill_tokens_per_second),
+        decode_tokens_per_second=float(msg.decode_tokens_per_second),
+        total_s=float(msg.total_s))
+
+
+def tensor_handle_from_msg(msg: Any) -> TensorHandleRecord:
+    return TensorHandleRecord(
+        pool_id=str(msg.pool_id), slot=int(msg.slot), generation=int(msg.generation),
+        sequence=int(msg.sequence), buffer_kind=int(msg.buffer_kind), dtype=str(msg.dtype),
+        shape=tuple(int(x) for x in msg.shape), strides=tuple(int(x) for x in msg.strides),
+        byte_offset=int(msg.byte_offset), nbytes=int(msg.nbytes),
+        frame_id=str(msg.header.frame_id), stamp_ns=stamp_ns(msg.header.stamp))
+
+
+def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> TranscriptRecord:
+    """Build a record from a Transcript message (rosbags- or rclpy-generated class)."""
+    return TranscriptRecord(
+        goal_id=uuid_hex(msg.goal_id.uuid),
+        source=str(msg.source),
+        accepted_stamp_ns=stamp_ns(msg.accepted_stamp),
+        finished_stamp_ns=stamp_ns(msg.finished_stamp),
+        model=str(msg.model),
+        effective_sampling=sampling_from_msg(msg.effective_sampling),
+        prompt=str(msg.prompt),
+        messages=[ChatRecord(str(m.role), str(m.content)) for m in msg.messages],
+        system_prompt=str(msg.system_prompt),
+        sampling=sampling_from_msg(msg.sampling),
+        max_tokens=int(msg.max_tokens),
+        stop=[str(s) for s in msg.stop],
+        json_schema=str(msg.json_schema),
+        prefix_embeddings=[tensor_handle_from_msg(h) for h in msg.prefix_embeddings],
+        session_id=str(msg.session_id),
+        accepted=bool(msg.accepted),
+        text=str(msg.text),
+        token_ids=[int(t) for t in msg.token_ids],
+        finish_reason=str(msg.finish_reason),
+        prompt_tokens=int(msg.prompt_tokens),
+        completion_tokens=int(msg.completion_tokens),
+        timings=timings_from_msg(msg.timings),
+        error_message=str(msg.error_message),
+        bag_stamp_ns=int(bag_stamp_ns),
+        topic=topic)
+
+
+@dataclass
+class FeedbackRecord:
+    """One feedback message of a goal (the text delta and how many tokens so far)."""
+
+    goal_id: str
+    bag_stamp_ns: int
+    text_delta: str
+    completion_tokens: int
+    queue_position: int
+
+
+def feedback_from_msg(msg: Any, bag_stamp_ns: int) -> FeedbackRecord:
+    """Build a record from a Generate_FeedbackMessage."""
+    return FeedbackRecord(
+        goal_id=uuid_hex(msg.goal_id.uuid), bag_stamp_ns=int(bag_stamp_ns),
+        text_delta=str(msg.feedback.text_delta),
+        completion_tokens=int(msg.feedback.completion_tokens),
+        queue_position=int(msg.feedback.queue_position))

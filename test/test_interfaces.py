@@ -1,0 +1,99 @@
+"""Cross-process round trips of the edge_llm_msgs interfaces over real DDS."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
+from edge_llm_msgs.srv import Tokenize
+import pytest
+import rclpy
+from rclpy.action import ActionClient
+
+PEER = pathlib.Path(__file__).with_name('interface_peer.py')
+
+
+@pytest.fixture(scope='module')
+def peer():
+    proc = subprocess.Popen([sys.executable, str(PEER)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    assert proc.stdout.readline().strip() == 'READY'
+    yield proc
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail('interface peer did not stop on SIGINT')
+
+
+@pytest.fixture(scope='module')
+def node():
+    rclpy.init()
+    n = rclpy.create_node('interface_test_client')
+    yield n
+    n.destroy_node()
+    rclpy.shutdown()
+
+
+def _spin_until(node, future, timeout: float) -> None:
+    rclpy.spin_until_future_complete(node, future, timeout_sec=timeout)
+    assert future.done(), 'no answer from the peer process within %.0f s' % timeout
+
+
+def test_generate_action_round_trip(peer, node):
+    client = ActionClient(node, Generate, '/interface_peer/generate')
+    assert client.wait_for_server(timeout_sec=20), 'action server of the peer not discovered'
+    goal = Generate.Goal()
+    goal.prompt = 'one two three four'
+    goal.messages = [ChatMessage(role=ChatMessage.ROLE_USER, content='hi')]
+    goal.sampling = SamplingParams(temperature=0.25, seed=7)
+    goal.stop = ['a', 'b']
+    goal.prefix_embeddings = [TensorHandle(dtype='float32', shape=[4, 576])]
+    deltas = []
+    send = client.send_goal_async(goal, feedback_callback=lambda m: deltas.append(
+        m.feedback.text_delta))
+    _spin_until(node, send, 10)
+    goal_handle = send.result()
+    assert goal_handle.accepted
+    result_future = goal_handle.get_result_async()
+    _spin_until(node, result_future, 10)
+    result = result_future.result().result
+    assert result.text == 'four three two one'
+    assert list(result.token_ids) == [0, 1, 2, 3]
+    assert result.finish_reason == 'stop'
+    assert result.error_message == 'user|0.25|7|a,b|[4, 576]'
+    # Feedback is best effort in time but must arrive in order and be complete here.
+    assert ''.join(deltas) == result.text
+
+
+def test_tokenize_service_round_trip(peer, node):
+    client = node.create_client(Tokenize, '/interface_peer/tokenize')
+    assert client.wait_for_service(timeout_sec=20)
+    future = client.call_async(Tokenize.Request(text='robots need words'))
+    _spin_until(node, future, 10)
+    response = future.result()
+    assert response.success
+    assert list(response.tokens) == ['robots', 'need', 'words']
+    assert list(response.token_ids) == [6, 4, 5]
+
+
+def test_tensor_handle_topic(peer, node):
+    received = []
+    got = threading.Event()
+
+    def on_handle(msg):
+        received.append(msg)
+        got.set()
+    sub = node.create_subscription(TensorHandle, '/interface_peer/handles', on_handle, 10)
+    deadline = node.get_clock().now().nanoseconds + 20e9
+    while not got.is_set() and node.get_clock().now().nanoseconds < deadline:
+        rclpy.spin_once(node, timeout_sec=0.1)
+    node.destroy_subscription(sub)
+    assert received, 'no TensorHandle received from the peer'
+    handle = received[0]
+    assert handle.pool_id == 'peer_pool' and list(handle.shape) == [2, 3]
+    assert handle.buffer_kind == TensorHandle.KIND_MEMFD and handle.nbytes == 6
