@@ -38,6 +38,8 @@ setup(
             'ask = edge_llm_ros.nodes.ask:main',
             'edge-llm = edge_llm_ros.cli:main',
             'edge-llm-convert = edge_llm_ros.engine.convert:main',
+            'edge-llm-bringup = edge_llm_ros.bringup.__main__:main',
+            'edge-llm-kernel-check = edge_llm_ros.bringup.cuda_runner:main',
         ],
     },
 )

@@ -39,23 +39,23 @@ TOKEN_BYTE = 6
 
 # Used only when the GGUF carries no tokenizer.chat_template (logged when it happens).
 DEFAULT_CHATML_TEMPLATE = (
-    "{% for message in messages %}"
+    '{% for message in messages %}'
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
+    '{% endfor %}'
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # --- pre-tokenizer regexes (each applied in turn, matches and gaps both kept) -----------------
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+           r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
+_GPT4O = (r'[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+'
           r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+          r'|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*'
           r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+          r'|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 
 # family -> (regexes, ignore_merges, add_bos default when the GGUF does not say)
 _FAMILIES: Dict[str, Tuple[Tuple[str, ...], bool, bool]] = {
@@ -148,7 +148,8 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
 
     bos = _optional_id(meta, 'tokenizer.ggml.bos_token_id', len(tokens))
     eos = _optional_id(meta, 'tokenizer.ggml.eos_token_id', len(tokens))
-    add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', add_bos_default))
+    # Without the key, llama.cpp's per-vocabulary default applies (when a BOS id exists).
+    add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', add_bos_default and bos is not None))
     add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', False))
     if add_bos and bos is None:
         raise ModelLoadError('GGUF sets add_bos_token but has no tokenizer.ggml.bos_token_id')
@@ -215,7 +216,8 @@ def _sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int], meta: _Metad
     if len(scores) != len(tokens):
         raise ModelLoadError('GGUF tokenizer.ggml.scores and tokens differ in length')
     unk_id = _optional_id(meta, 'tokenizer.ggml.unknown_token_id', len(tokens))
-    model = models.BPE(vocab=_vocab_dict(tokens), merges=_merges_from_scores(tokens, types, scores),
+    merges = _merges_from_scores(tokens, types, scores)
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=merges,
                        unk_token=tokens[unk_id] if unk_id is not None else None,
                        fuse_unk=True, byte_fallback=True)
     tokenizer = Tokenizer(model)

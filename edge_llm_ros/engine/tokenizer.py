@@ -82,7 +82,7 @@ class TextTokenizer:
 
     @property
     def hf_tokenizer(self) -> Tokenizer:
-        """The underlying `tokenizers.Tokenizer` (shared, do not mutate)."""
+        """Return the underlying `tokenizers.Tokenizer` (shared, do not mutate)."""
         return self._tok
 
     @property
@@ -108,7 +108,7 @@ class TextTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Iterable[int]) -> List[str]:
-        """The vocabulary entries of `ids` (byte-level forms such as 'Ġthe', not decoded text)."""
+        """Return the vocabulary entries of `ids` (byte-level forms like 'Ġthe', not text)."""
         out = []
         for i in ids:
             text = self._tok.id_to_token(int(i))
@@ -171,7 +171,8 @@ class TokenStream:
     """
 
     # A stream whose tokens never complete a character stops holding back after this many
-    # tokens, so a degenerate model cannot make each step slower than the last.
+    # tokens, so a degenerate model cannot make each step slower than the last (only then can
+    # the joined deltas differ from decode(all ids), in where U+FFFD marks appear).
     MAX_HELD_TOKENS = 64
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
@@ -186,14 +187,24 @@ class TokenStream:
     def token_ids(self) -> List[int]:
         return self._ids
 
+    @property
+    def window_size(self) -> int:
+        """Return how many ids the next push will decode (stays small)."""
+        return len(self._ids) - self._prefix + 1
+
     def push(self, token_id: int) -> str:
         """Add one id; return the new text (possibly '')."""
         self._ids.append(int(token_id))
         text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
-        held = len(self._ids) - self._read
-        if text.endswith('\ufffd') and held < self.MAX_HELD_TOKENS:
+        if not text.endswith('\ufffd'):
+            return self._advance(text)
+        if len(self._ids) - self._read < self.MAX_HELD_TOKENS:
             return ''
-        return self._advance(text)
+        # Give up on completing the character: emit as is and restart the window here.
+        delta = text[len(self._prefix_text):]
+        self._prefix = self._read = len(self._ids)
+        self._prefix_text = ''
+        return delta
 
     def flush(self) -> str:
         """Return whatever is still held back (a trailing partial character becomes U+FFFD)."""

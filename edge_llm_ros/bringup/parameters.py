@@ -1,0 +1,409 @@
+"""Single source of truth for the nodes' ROS parameters: names, types, defaults, ranges.
+
+Board profiles (config/boards/*.yaml), user parameter files and launch overrides are all
+validated against these schemas before a node starts, and the nodes declare their
+parameters from them (type, default, range and read_only go into the descriptor), so a
+name can only be spelled one way. No rclpy here: `ParamType` member names equal
+`rclpy.Parameter.Type` member names so the node maps them with `Parameter.Type[t.name]`.
+
+Names are flat and dotted (`kv.max_context`), which is how rclpy stores nested YAML keys.
+An empty list default (engine.provider_options) must be declared by type, not by value:
+rclpy would infer BYTE_ARRAY from `[]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import enum
+import math
+import re
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+
+from edge_llm_ros.bringup.errors import (
+    ParameterRangeError, ParameterTypeError, UnknownParameterError)
+
+
+class ParamType(enum.Enum):
+    """Parameter value types; member names match rclpy.Parameter.Type."""
+
+    BOOL = 'bool'
+    INTEGER = 'integer'
+    DOUBLE = 'double'
+    STRING = 'string'
+    STRING_ARRAY = 'string array'
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric interval; ROS descriptors only know closed ones, so openness is ours."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        """Whether `value` lies in the interval."""
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return '%s%s, %s%s' % ('(' if self.low_open else '[', _num(self.low),
+                               _num(self.high), ')' if self.high_open else ']')
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e15 else repr(value)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: what it is, what values it takes, whether it can change at run time."""
+
+    name: str
+    type: ParamType  # noqa: A003 (the natural name; rclpy calls it type too)
+    default: Any
+    description: str
+    read_only: bool = True           # load-time settings: changing them needs a re-configure
+    range: Optional[Range] = None    # noqa: A003 (numbers)
+    choices: Tuple[str, ...] = ()    # strings, or each element of a string array
+    pattern: str = ''                # strings: a regex the whole value must match
+    min_items: int = 0               # string arrays
+    check: Optional[Callable[[Any], None]] = None   # extra syntax check; raises ValueError
+
+    @property
+    def constraints(self) -> str:
+        """Describe the constraints in words (ParameterDescriptor.additional_constraints)."""
+        parts = []
+        if self.range is not None:
+            parts.append('range %s' % self.range)
+        if self.choices:
+            parts.append('one of: %s' % ', '.join(self.choices))
+        if self.pattern:
+            parts.append('matches %s' % self.pattern)
+        if self.min_items:
+            parts.append('at least %d item(s)' % self.min_items)
+        return '; '.join(parts)
+
+    def validate(self, value: Any, source: str = '') -> Any:
+        """Return `value` (arrays as lists) if it fits this spec, else raise a typed error."""
+        where = '%s: %s' % (source, self.name) if source else self.name
+        value = _check_type(self, value, where)
+        if self.range is not None and not self.range.contains(value):
+            raise ParameterRangeError('%s = %r is outside %s (%s)' % (
+                where, value, self.range, self.description))
+        items = value if self.type is ParamType.STRING_ARRAY else (
+            [value] if self.type is ParamType.STRING else [])
+        for item in items:
+            if self.choices and item not in self.choices:
+                raise ParameterRangeError('%s = %r: %r is not one of %s' % (
+                    where, value, item, ', '.join(self.choices)))
+            if self.pattern and not re.fullmatch(self.pattern, item):
+                raise ParameterRangeError('%s = %r does not match %s (%s)' % (
+                    where, value, self.pattern, self.description))
+        if self.type is ParamType.STRING_ARRAY and len(value) < self.min_items:
+            raise ParameterRangeError('%s needs at least %d item(s), got %r' % (
+                where, self.min_items, value))
+        if self.check is not None:
+            try:
+                self.check(value)
+            except ValueError as exc:
+                raise ParameterRangeError('%s = %r: %s' % (where, value, exc)) from None
+        return value
+
+
+def _check_type(spec: ParamSpec, value: Any, where: str) -> Any:
+    expected = spec.type
+    if expected is ParamType.BOOL:
+        ok = isinstance(value, bool)
+    elif expected is ParamType.INTEGER:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is ParamType.DOUBLE:
+        ok = isinstance(value, float) and math.isfinite(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            # ROS refuses an integer for a double parameter at declare time: say so now.
+            raise ParameterTypeError('%s = %r: expected a double; ROS rejects integers here, '
+                                     'write %r' % (where, value, float(value)))
+    elif expected is ParamType.STRING:
+        ok = isinstance(value, str)
+    else:
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        if ok:
+            value = list(value)
+    if not ok:
+        raise ParameterTypeError('%s = %r: expected %s, got %s' % (
+            where, value, expected.value, type(value).__name__))
+    return value
+
+
+def _check_cpu_list(text: str) -> None:
+    from edge_llm_ros.bringup.affinity import parse_cpu_list   # affinity imports nothing of ours
+    if text:
+        parse_cpu_list(text)
+
+
+def _check_provider_options(items: list) -> None:
+    parse_provider_options(items)
+
+
+PROVIDERS = ('CPUExecutionProvider', 'CUDAExecutionProvider', 'TensorrtExecutionProvider',
+             'XnnpackExecutionProvider')
+KERNEL_SETS = ('none', 'int4_decode')
+_THREADS = Range(0, 256)
+_TEMPERATURE_C = Range(20.0, 125.0)
+
+
+def engine_specs(role: str) -> Tuple[ParamSpec, ...]:
+    """ONNX Runtime settings shared by every node that runs a model (`role` words the help)."""
+    return (
+        ParamSpec('engine.providers', ParamType.STRING_ARRAY, ['CPUExecutionProvider'],
+                  'ONNX Runtime execution providers for the %s, in priority order' % role,
+                  choices=PROVIDERS, min_items=1),
+        ParamSpec('engine.provider_options', ParamType.STRING_ARRAY, [],
+                  "Provider options as 'Provider:key=value' items, e.g. "
+                  "'CUDAExecutionProvider:device_id=0'", check=_check_provider_options),
+        ParamSpec('engine.intra_op_threads', ParamType.INTEGER, 0,
+                  'ONNX Runtime intra-op threads of the %s; 0 = one per core of '
+                  'engine.cpu_affinity (or the ORT default without affinity)' % role,
+                  range=_THREADS),
+        ParamSpec('engine.cpu_affinity', ParamType.STRING, '',
+                  "Cores the %s process is pinned to, as a CPU list like '4-7' or '0,2'; "
+                  "'' = no pinning" % role, check=_check_cpu_list),
+    )
+
+
+LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('board.name', ParamType.STRING, '',
+              'Board profile these settings came from (reported in diagnostics)'),
+    ParamSpec('model.path', ParamType.STRING, '',
+              "Converted model folder (model.onnx + model.yaml); '' = embedded SmolLM2-135M"),
+    ParamSpec('model.default_size', ParamType.STRING, '135M',
+              'Largest model this board serves comfortably (parameters, e.g. 1.5B); '
+              'a bigger model.path logs a warning at configure', pattern=r'\d+(\.\d+)?[MB]'),
+    ParamSpec('model.quantization', ParamType.STRING, 'int4',
+              'Weight format the board profile expects (MatMulNBits 4-bit blocks)',
+              choices=('int4',)),
+    *engine_specs('language model'),
+    ParamSpec('engine.prefill_chunk', ParamType.INTEGER, 256,
+              'Prompt tokens per forward pass during prefill (bounds memory and how long a '
+              'cancel waits)', range=Range(1, 8192)),
+    ParamSpec('kv.max_context', ParamType.INTEGER, 2048,
+              "KV-cache capacity in tokens (must not exceed the model's context length)",
+              range=Range(64, 131072)),
+    ParamSpec('kv.dtype', ParamType.STRING, 'float32',
+              'Storage type of saved per-session KV prefixes', choices=('float32', 'int8')),
+    ParamSpec('kv.prefix_reuse', ParamType.BOOL, True,
+              'Reuse the KV of a shared prompt prefix (system prompt, earlier turns)'),
+    ParamSpec('kv.max_sessions', ParamType.INTEGER, 8,
+              'Saved per-session KV prefixes kept (least recently used dropped first)',
+              range=Range(0, 1024)),
+    ParamSpec('sampling.temperature', ParamType.DOUBLE, 0.0,
+              'Default temperature; 0 = greedy', read_only=False, range=Range(0.0, 2.0)),
+    ParamSpec('sampling.top_k', ParamType.INTEGER, 0,
+              'Default top-k; 0 = disabled', read_only=False, range=Range(0, 1000)),
+    ParamSpec('sampling.top_p', ParamType.DOUBLE, 1.0,
+              'Default nucleus mass; 1 = disabled', read_only=False,
+              range=Range(0.0, 1.0, low_open=True)),
+    ParamSpec('sampling.min_p', ParamType.DOUBLE, 0.0,
+              'Default min-p; 0 = disabled', read_only=False,
+              range=Range(0.0, 1.0, high_open=True)),
+    ParamSpec('sampling.repetition_penalty', ParamType.DOUBLE, 1.0,
+              'Default repetition penalty; 1 = disabled', read_only=False,
+              range=Range(0.0, 10.0, low_open=True)),
+    ParamSpec('sampling.presence_penalty', ParamType.DOUBLE, 0.0,
+              'Default presence penalty; 0 = disabled', read_only=False,
+              range=Range(-2.0, 2.0)),
+    ParamSpec('sampling.seed', ParamType.INTEGER, -1,
+              'Default seed; -1 = a random seed per request', read_only=False,
+              range=Range(-1, 2 ** 63 - 1)),
+    ParamSpec('system_prompt', ParamType.STRING, '',
+              "System prompt used when a goal gives none; '' = none", read_only=False),
+    ParamSpec('max_tokens', ParamType.INTEGER, 256,
+              'Completion tokens when a goal asks for 0', read_only=False,
+              range=Range(1, 131072)),
+    ParamSpec('queue.depth', ParamType.INTEGER, 8,
+              'Goals waiting beyond the running one; more are rejected', range=Range(1, 1024)),
+    ParamSpec('feedback.period_tokens', ParamType.INTEGER, 1,
+              'Send feedback after this many new tokens', read_only=False,
+              range=Range(1, 1024)),
+    ParamSpec('feedback.period_ms', ParamType.INTEGER, 0,
+              'Also send feedback when this long passed since the last one (and a token '
+              'is pending); 0 = token count only', read_only=False, range=Range(0, 60000)),
+    ParamSpec('autostart', ParamType.BOOL, False,
+              'Configure and activate on start-up (no lifecycle manager needed)'),
+    ParamSpec('diagnostics.period_s', ParamType.DOUBLE, 1.0,
+              'Period of /diagnostics and thermal polling', range=Range(0.1, 60.0)),
+    ParamSpec('thermal.enabled', ParamType.BOOL, True,
+              'Throttle generation when the SoC runs hot'),
+    ParamSpec('thermal.zones', ParamType.STRING_ARRAY, ['*'],
+              "thermal_zone types watched, shell patterns ('*' = every zone); the hottest "
+              'counts', min_items=1),
+    ParamSpec('thermal.limit_c', ParamType.DOUBLE, 85.0,
+              'Throttle at or above this temperature (deg C)', range=_TEMPERATURE_C),
+    ParamSpec('thermal.resume_c', ParamType.DOUBLE, 75.0,
+              'Stop throttling at or below this temperature (deg C; below limit_c)',
+              range=_TEMPERATURE_C),
+    ParamSpec('thermal.throttle_threads', ParamType.INTEGER, 0,
+              'Cores kept busy while throttled; 0 = half of them', range=_THREADS),
+    ParamSpec('thermal.token_pause_ms', ParamType.DOUBLE, 20.0,
+              'Pause between generated tokens while throttled', range=Range(0.0, 1000.0)),
+    ParamSpec('cuda.kernel_set', ParamType.STRING, 'none',
+              'CUDA kernel set built and checked at configure (kernels/*.cu)',
+              choices=KERNEL_SETS),
+    ParamSpec('cuda.sm_arch', ParamType.STRING, '',
+              "GPU architecture the kernels are built for, e.g. sm_87 (Orin); '' = no GPU",
+              pattern=r'(sm_\d{2,3})?'),
+)
+
+PERCEPTION_SPECS: Tuple[ParamSpec, ...] = engine_specs('perception model')
+
+
+@dataclass(frozen=True)
+class NodeSchema:
+    """The parameters of one node; `complete` = bringup knows all of them."""
+
+    node: str
+    specs: Tuple[ParamSpec, ...]
+    complete: bool
+
+    def get(self, name: str) -> ParamSpec:
+        """Spec of `name`, or UnknownParameterError naming close matches."""
+        for spec in self.specs:
+            if spec.name == name:
+                return spec
+        raise UnknownParameterError(_unknown_message(name, self.node, self.names()))
+
+    def names(self) -> Tuple[str, ...]:
+        """All parameter names, in declaration order."""
+        return tuple(spec.name for spec in self.specs)
+
+    def defaults(self) -> Dict[str, Any]:
+        """Name -> default value (fresh lists)."""
+        return {s.name: list(s.default) if isinstance(s.default, list) else s.default
+                for s in self.specs}
+
+    def validate(self, params: Mapping[str, Any], source: str = '',
+                 strict: bool = True) -> Dict[str, Any]:
+        """Check every key and value; unknown keys are errors when strict or complete."""
+        out: Dict[str, Any] = {}
+        known = set(self.names())
+        for name, value in params.items():
+            if name in known:
+                out[name] = self.get(name).validate(value, source)
+            elif strict or self.complete:
+                prefix = '%s: ' % source if source else ''
+                raise UnknownParameterError(prefix + _unknown_message(
+                    name, self.node, self.names()))
+            else:
+                out[name] = value   # owned by the node itself; it validates its own
+        return out
+
+
+def _unknown_message(name: str, node: str, names: Iterable[str]) -> str:
+    import difflib
+    names = list(names)
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = ('did you mean %s?' % ' or '.join(close)) if close else (
+        'known: %s' % ', '.join(names))
+    return 'unknown parameter %r for %s; %s' % (name, node, hint)
+
+
+SCHEMAS: Dict[str, NodeSchema] = {
+    'llm_node': NodeSchema('llm_node', LLM_NODE_SPECS, complete=True),
+    # frame_source/perception belong to the ipc work; bringup validates what profiles set.
+    'perception': NodeSchema('perception', PERCEPTION_SPECS, complete=False),
+}
+
+
+def schema(node: str) -> NodeSchema:
+    """Return the schema of `node` ('llm_node', 'perception')."""
+    try:
+        return SCHEMAS[node]
+    except KeyError:
+        raise UnknownParameterError('no parameter schema for node %r; known: %s' % (
+            node, ', '.join(SCHEMAS))) from None
+
+
+def parse_provider_options(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
+    """'Provider:key=value' items -> {provider: {key: value}}; ValueError on bad syntax."""
+    out: Dict[str, Dict[str, str]] = {}
+    for item in items:
+        provider, sep, pair = item.partition(':')
+        key, eq, value = pair.partition('=')
+        if not sep or not eq or not key.strip():
+            raise ValueError("%r is not 'Provider:key=value'" % item)
+        if provider not in PROVIDERS:
+            raise ValueError('%r names provider %r; known: %s' % (
+                item, provider, ', '.join(PROVIDERS)))
+        out.setdefault(provider, {})[key.strip()] = value.strip()
+    return out
+
+
+def check_consistency(values: Mapping[str, Any], source: str = '') -> None:
+    """Cross-parameter rules of llm_node (after merging all layers)."""
+    from edge_llm_ros.bringup.affinity import parse_cpu_list
+    from edge_llm_ros.bringup.errors import ThermalError
+    where = '%s: ' % source if source else ''
+    limit, resume = values['thermal.limit_c'], values['thermal.resume_c']
+    if resume >= limit:
+        raise ThermalError('%sthermal.resume_c (%s) must be below thermal.limit_c (%s) '
+                           'for hysteresis' % (where, resume, limit))
+    cpus = parse_cpu_list(values['engine.cpu_affinity'])
+    threads = values['engine.intra_op_threads']
+    if cpus and threads > len(cpus):
+        raise ParameterRangeError(
+            '%sengine.intra_op_threads = %d exceeds the %d core(s) of engine.cpu_affinity %r: '
+            'lower the threads or widen the affinity' % (
+                where, threads, len(cpus), values['engine.cpu_affinity']))
+    options = parse_provider_options(values['engine.provider_options'])
+    unused = sorted(set(options) - set(values['engine.providers']))
+    if unused:
+        raise ParameterRangeError('%sengine.provider_options name %s, which is not in '
+                                  'engine.providers %r' % (where, ', '.join(unused),
+                                                           values['engine.providers']))
+    if values['cuda.kernel_set'] != 'none' and not values['cuda.sm_arch']:
+        raise ParameterRangeError('%scuda.kernel_set %r needs cuda.sm_arch (e.g. sm_87)' % (
+            where, values['cuda.kernel_set']))
+
+
+def resolved_threads(values: Mapping[str, Any]) -> int:
+    """Intra-op threads to use: 0 with an affinity means one thread per pinned core."""
+    from edge_llm_ros.bringup.affinity import parse_cpu_list
+    threads = values['engine.intra_op_threads']
+    cpus = parse_cpu_list(values['engine.cpu_affinity'])
+    return len(cpus) if threads == 0 and cpus else threads
+
+
+def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments of engine.EngineConfig built from llm_node parameter values."""
+    from edge_llm_ros.bringup.affinity import ort_intra_op_affinity, parse_cpu_list
+    providers = tuple(values['engine.providers'])
+    options = parse_provider_options(values['engine.provider_options'])
+    threads = resolved_threads(values)
+    return {
+        'model_dir': values['model.path'],
+        'providers': providers,
+        'provider_options': tuple(options.get(p, {}) for p in providers),
+        'intra_op_threads': threads,
+        'intra_op_affinity': ort_intra_op_affinity(
+            parse_cpu_list(values['engine.cpu_affinity']), threads),
+        'max_context': values['kv.max_context'],
+        'kv_dtype': values['kv.dtype'],
+        'prefix_reuse': values['kv.prefix_reuse'],
+        'max_sessions': values['kv.max_sessions'],
+        'prefill_chunk': values['engine.prefill_chunk'],
+    }
+
+
+def sampling_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments of engine.types.SamplingConfig (the node's defaults)."""
+    seed = values['sampling.seed']
+    return {
+        'temperature': values['sampling.temperature'],
+        'top_k': values['sampling.top_k'],
+        'top_p': values['sampling.top_p'],
+        'min_p': values['sampling.min_p'],
+        'repetition_penalty': values['sampling.repetition_penalty'],
+        'presence_penalty': values['sampling.presence_penalty'],
+        'seed': None if seed < 0 else seed,
+    }

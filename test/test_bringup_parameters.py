@@ -1,0 +1,91 @@
+"""The parameter schema: self-consistent, and in step with the engine's config types."""
+import dataclasses
+
+import pytest
+
+from edge_llm_ros.bringup import parameters
+from edge_llm_ros.bringup.errors import ParameterRangeError, UnknownParameterError
+
+LLM = parameters.schema('llm_node')
+
+
+def test_names_unique_and_dotted_lowercase():
+    names = LLM.names()
+    assert len(names) == len(set(names))
+    for name in names:
+        assert name == name.lower() and ' ' not in name
+
+
+@pytest.mark.parametrize('spec', LLM.specs + parameters.schema('perception').specs,
+                         ids=lambda s: s.name)
+def test_default_satisfies_its_own_spec(spec):
+    assert spec.validate(spec.default) == spec.default
+    assert spec.description
+
+
+def test_defaults_are_consistent():
+    parameters.check_consistency(LLM.defaults())
+
+
+def test_engine_kwargs_cover_engine_config():
+    engine = pytest.importorskip('edge_llm_ros.engine.engine')
+    fields = {f.name for f in dataclasses.fields(engine.EngineConfig)}
+    kwargs = parameters.engine_kwargs(LLM.defaults())
+    assert set(kwargs) == fields
+    engine.EngineConfig(**kwargs)
+
+
+def test_sampling_kwargs_cover_sampling_config():
+    from edge_llm_ros.engine.types import SamplingConfig
+    fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+    values = dict(LLM.defaults(), **{'sampling.seed': 7})
+    kwargs = parameters.sampling_kwargs(values)
+    assert set(kwargs) == fields
+    assert SamplingConfig(**kwargs).seed == 7
+    assert parameters.sampling_kwargs(LLM.defaults())['seed'] is None
+
+
+def test_engine_kwargs_resolve_threads_and_ort_affinity():
+    values = dict(LLM.defaults(), **{
+        'engine.cpu_affinity': '4-7', 'engine.intra_op_threads': 0,
+        'engine.providers': ['CUDAExecutionProvider', 'CPUExecutionProvider'],
+        'engine.provider_options': ['CUDAExecutionProvider:device_id=0',
+                                    'CUDAExecutionProvider:gpu_mem_limit=1024']})
+    kwargs = parameters.engine_kwargs(values)
+    assert kwargs['intra_op_threads'] == 4          # one per pinned core
+    assert kwargs['intra_op_affinity'] == '6;7;8'   # 1-based ids, decode thread keeps core 4
+    assert kwargs['provider_options'] == ({'device_id': '0', 'gpu_mem_limit': '1024'}, {})
+
+
+def test_read_only_split():
+    runtime = {s.name for s in LLM.specs if not s.read_only}
+    assert runtime == {n for n in LLM.names() if n.startswith(('sampling.', 'feedback.'))} | {
+        'system_prompt', 'max_tokens'}
+
+
+def test_constraints_text_for_descriptors():
+    assert LLM.get('sampling.top_p').constraints == 'range (0, 1]'
+    assert 'one of: float32, int8' in LLM.get('kv.dtype').constraints
+
+
+def test_unknown_name_suggests():
+    with pytest.raises(UnknownParameterError, match='did you mean kv.max_context'):
+        LLM.get('kv.max_ctx')
+    with pytest.raises(UnknownParameterError, match='no parameter schema'):
+        parameters.schema('camera')
+
+
+def test_provider_options_parsing():
+    assert parameters.parse_provider_options(
+        ['CUDAExecutionProvider:device_id=0', 'CUDAExecutionProvider: x = y ']) == {
+        'CUDAExecutionProvider': {'device_id': '0', 'x': 'y'}}
+    for bad in ('device_id=0', 'CUDAExecutionProvider:device_id', 'Foo:a=b'):
+        with pytest.raises(ValueError):
+            parameters.parse_provider_options([bad])
+
+
+def test_spec_bool_is_not_an_integer():
+    with pytest.raises(Exception, match='expected integer'):
+        LLM.get('max_tokens').validate(True)
+    with pytest.raises(ParameterRangeError):
+        LLM.get('sampling.seed').validate(-2)

@@ -1,0 +1,157 @@
+"""JSON-schema constrained decoding on the real SmolLM2 vocabulary.
+
+Random logits stand in for a model that knows nothing about JSON: whatever they favour, the
+sampler + constraint loop must produce text that parses and validates.
+"""
+from dataclasses import replace
+import json
+
+from hypothesis import given, HealthCheck, settings, strategies as st
+import jsonschema
+import numpy as np
+import pytest
+from smollm2_files import write_text_model_dir
+
+from edge_llm_ros.engine.constraint import JsonSchemaConstraint
+from edge_llm_ros.engine.errors import EngineError, InvalidSchemaError
+from edge_llm_ros.engine.sampling import build_sampler
+from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.engine.types import SamplingConfig
+
+SCHEMAS = {
+    'required_fields': {
+        'type': 'object',
+        'properties': {'name': {'type': 'string', 'maxLength': 12},
+                       'age': {'type': 'integer', 'minimum': 0, 'maximum': 150},
+                       'ok': {'type': 'boolean'}},
+        'required': ['name', 'age', 'ok'], 'additionalProperties': False},
+    'enums': {
+        'type': 'object',
+        'properties': {'color': {'enum': ['red', 'green', 'blue']},
+                       'mode': {'type': 'string', 'enum': ['auto', 'manual', 'off']},
+                       'level': {'enum': [1, 2, None]}},
+        'required': ['color', 'mode', 'level'], 'additionalProperties': False},
+    'array_of_numbers': {
+        'type': 'array', 'items': {'type': 'number'}, 'minItems': 1, 'maxItems': 4},
+    'numbers': {
+        'type': 'object',
+        'properties': {'x': {'type': 'number', 'minimum': -10, 'maximum': 10},
+                       'n': {'type': 'integer', 'exclusiveMinimum': 0},
+                       'f': {'type': 'number'}},
+        'required': ['x', 'n'], 'additionalProperties': False},
+    'nested_tool_call': {
+        'type': 'object',
+        'properties': {
+            'tool': {'const': 'move_to'},
+            'args': {'type': 'object',
+                     'properties': {
+                         'pose': {'type': 'array', 'items': {'type': 'number'},
+                                  'minItems': 3, 'maxItems': 3},
+                         'frame': {'type': 'string', 'maxLength': 8},
+                         'speed': {'anyOf': [{'type': 'number', 'maximum': 2},
+                                             {'type': 'null'}]}},
+                     'required': ['pose', 'frame'], 'additionalProperties': False},
+            'tags': {'type': 'array', 'items': {'enum': ['a', 'b']}, 'maxItems': 2}},
+        'required': ['tool', 'args'], 'additionalProperties': False},
+}
+
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope='module')
+def tok(tmp_path_factory):
+    out = tmp_path_factory.mktemp('constraint_model')
+    write_text_model_dir(out)
+    return TextTokenizer.from_dir(out)
+
+
+@pytest.fixture(scope='module')
+def compiled(tok):
+    return {name: JsonSchemaConstraint.compile(json.dumps(s), tok) for name, s in SCHEMAS.items()}
+
+
+def generate(tok, constraint, config, logit_seed):
+    """Run the sampler + constraint loop on random logits; return (text, ended by EOS)."""
+    rng = np.random.default_rng(logit_seed)
+    state = constraint.start()
+    sampler = build_sampler(config, tok.vocab_size)
+    sampler.reset([])
+    mask = np.empty(tok.vocab_size, dtype=bool)
+    ids = []
+    for _ in range(MAX_TOKENS):
+        state.fill_mask(mask)
+        if any(mask[e] for e in tok.eos_token_ids):
+            assert state.is_accepting()  # EOS only once the value is complete
+        token = sampler.sample(rng.standard_normal(tok.vocab_size).astype(np.float32) * 3,
+                               allowed_mask=mask)
+        assert mask[token]
+        state.accept(token)
+        sampler.accept(token)
+        if token in tok.eos_token_ids:
+            return tok.decode(ids), True
+        ids.append(token)
+        if state.is_finished():
+            return tok.decode(ids), False
+    pytest.fail(f'no complete JSON value within {MAX_TOKENS} tokens: {tok.decode(ids)!r}')
+
+
+SAMPLING = [SamplingConfig(),
+            SamplingConfig(temperature=1.0),
+            SamplingConfig(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2)]
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), config=st.sampled_from(SAMPLING))
+@pytest.mark.parametrize('name', sorted(SCHEMAS))
+def test_random_logits_always_give_valid_json(tok, compiled, name, seed, config):
+    config = replace(config, seed=seed) if config.temperature else config
+    text, _ = generate(tok, compiled[name], config, seed)
+    value = json.loads(text)
+    jsonschema.validate(value, SCHEMAS[name])
+
+
+@pytest.mark.parametrize('seed', range(5))
+def test_output_uses_the_standard_layout(tok, compiled, seed):
+    text, _ = generate(tok, compiled['enums'], SamplingConfig(), seed)
+    assert text == json.dumps(json.loads(text))
+
+
+def test_finished_state_allows_only_eos(tok, compiled):
+    constraint = JsonSchemaConstraint.compile('{"enum": ["yes"]}', tok)
+    state = constraint.start()
+    for token in tok.encode('"yes"'):
+        state.accept(token)
+    assert state.is_finished() and state.is_accepting()
+    mask = np.empty(tok.vocab_size + 64, dtype=bool)  # a model vocabulary padded past the
+    state.fill_mask(mask)                              # tokenizer's gets False there
+    assert set(np.flatnonzero(mask).tolist()) <= set(tok.eos_token_ids)
+    assert mask.any()
+
+
+def test_disallowed_token_is_an_error(tok):
+    state = JsonSchemaConstraint.compile('{"type": "integer"}', tok).start()
+    with pytest.raises(EngineError, match='violates the JSON schema'):
+        state.accept(tok.encode('"')[0])
+
+
+def test_mask_must_be_bool_of_vocab_size(tok, compiled):
+    state = compiled['enums'].start()
+    with pytest.raises(EngineError, match='1-D bool array'):
+        state.fill_mask(np.empty(10, dtype=bool))
+    with pytest.raises(EngineError, match='1-D bool array'):
+        state.fill_mask(np.empty(tok.vocab_size, dtype=np.uint8))
+
+
+@pytest.mark.parametrize('schema_text, words', [
+    ('{"type": ', 'not valid JSON'),
+    ('[1, 2]', 'must be an object'),
+    ('false', 'must be an object'),
+    ('{"type": "strin"}', r'invalid at type: .strin.'),
+    ('{"properties": {"a": {"minimum": "x"}}}', 'invalid at properties/a/minimum'),
+    ('{"type": "string", "format": "no-such-format"}', 'no-such-format'),
+    ('{"not": {"type": "string"}}', 'Unimplemented keys'),
+])
+def test_invalid_schemas(tok, schema_text, words):
+    with pytest.raises(InvalidSchemaError, match=words):
+        JsonSchemaConstraint.compile(schema_text, tok)

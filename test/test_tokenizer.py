@@ -1,0 +1,207 @@
+"""TextTokenizer on the real SmolLM2 vocabulary: encode/decode, chat template, streaming."""
+import shutil
+
+from hypothesis import given, HealthCheck, settings, strategies as st
+import jinja2
+import pytest
+from smollm2_files import write_text_model_dir
+
+from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
+from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.engine.types import ChatMessage
+
+FIXTURE_CHECKS = [HealthCheck.function_scoped_fixture]
+
+
+@pytest.fixture(scope='module')
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp('text_model')
+    write_text_model_dir(out)
+    return out
+
+
+@pytest.fixture(scope='module')
+def tok(model_dir):
+    return TextTokenizer.from_dir(model_dir)
+
+
+def _copy_dir(model_dir, tmp_path):
+    dst = tmp_path / 'model'
+    shutil.copytree(model_dir, dst)
+    return dst
+
+
+# --- loading -------------------------------------------------------------------------------
+
+def test_special_ids_from_model_yaml(tok):
+    assert tok.bos_token_id == 1
+    assert tok.eos_token_ids[0] == 2 and 0 in tok.eos_token_ids
+    assert tok.add_bos_token is False
+    assert tok.vocab_size == 49152
+
+
+@pytest.mark.parametrize('name', ['tokenizer.json', 'chat_template.jinja', 'model.yaml'])
+def test_missing_file_is_a_load_error(model_dir, tmp_path, name):
+    d = _copy_dir(model_dir, tmp_path)
+    (d / name).unlink()
+    with pytest.raises(ModelLoadError, match=name):
+        TextTokenizer.from_dir(d)
+
+
+@pytest.mark.parametrize('name, text, words', [
+    ('tokenizer.json', '{"not": "a tokenizer"', 'not a valid tokenizer'),
+    ('model.yaml', 'bos_token_id: [1', 'not valid YAML'),
+    ('model.yaml', 'bos_token_id: 999999\neos_token_ids: [2]', 'outside the vocabulary'),
+    ('model.yaml', 'bos_token_id: one\neos_token_ids: [2]', 'must be integers'),
+    ('chat_template.jinja', '{% for m in messages %}', 'does not compile'),
+])
+def test_corrupt_files_are_load_errors(model_dir, tmp_path, name, text, words):
+    d = _copy_dir(model_dir, tmp_path)
+    (d / name).write_text(text)
+    with pytest.raises(ModelLoadError, match=words):
+        TextTokenizer.from_dir(d)
+
+
+# --- encode / decode -----------------------------------------------------------------------
+
+@pytest.mark.parametrize('text', ['Hello world', 'naïve café 😀🤖', 'def f(x):\n\treturn x', ''])
+def test_encode_decode_roundtrip(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_token_strings(tok):
+    ids = tok.encode('Hello world')
+    strings = tok.token_strings(ids)
+    assert len(strings) == len(ids) and strings[1].startswith('Ġ')
+    assert tok.token_strings([1]) == ['<|im_start|>']
+    with pytest.raises(InvalidRequestError, match='outside the vocabulary'):
+        tok.token_strings([tok.vocab_size])
+
+
+# --- chat template -------------------------------------------------------------------------
+
+def test_chat_template_matches_plain_jinja_render(tok, model_dir):
+    source = (model_dir / 'chat_template.jinja').read_text()
+    plain = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    messages = [{'role': 'system', 'content': 'Be brief.'},
+                {'role': 'user', 'content': 'Hi'},
+                {'role': 'assistant', 'content': 'Hello!'},
+                {'role': 'user', 'content': 'Sky colour?'}]
+    for gen in (True, False):
+        assert tok.apply_chat_template(messages, gen) == plain.render(
+            messages=messages, add_generation_prompt=gen)
+    text = tok.apply_chat_template([ChatMessage('user', 'Hi')])
+    assert '<|im_start|>user\nHi<|im_end|>\n' in text
+    assert text.endswith('<|im_start|>assistant\n')
+
+
+def test_encode_chat_has_special_ids(tok):
+    ids = tok.encode_chat([ChatMessage('user', 'Hi')])
+    assert ids[0] == tok.bos_token_id == 1  # <|im_start|> opens the template's system turn
+    assert ids.count(1) == 3 and ids.count(2) == 2
+    assert tok.decode(ids) == tok.apply_chat_template([ChatMessage('user', 'Hi')])
+
+
+@pytest.mark.parametrize('messages, words', [
+    ([{'role': 'robot', 'content': 'x'}], "unknown role 'robot'"),
+    ([ChatMessage('wizard', 'x')], "unknown role 'wizard'"),
+    ([{'role': 'user', 'content': 3}], 'content must be text'),
+    (['hello'], 'must be a ChatMessage'),
+    ([], 'empty'),
+])
+def test_bad_messages(tok, messages, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        tok.apply_chat_template(messages)
+
+
+def test_hostile_content_is_only_text(tok):
+    evil = "{{ ''.__class__.__mro__ }}{% for x in range(3) %}X{% endfor %}{{ 7*7 }}"
+    text = tok.apply_chat_template([ChatMessage('user', evil)])
+    assert evil in text and '49' not in text
+
+
+def _with_template(model_dir, tmp_path, template):
+    d = _copy_dir(model_dir, tmp_path)
+    (d / 'chat_template.jinja').write_text(template)
+    return TextTokenizer.from_dir(d)
+
+
+def test_hostile_template_cannot_reach_python(model_dir, tmp_path):
+    t = _with_template(model_dir, tmp_path,
+                       "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ModelLoadError, match='unsafe'):
+        t.apply_chat_template([ChatMessage('user', 'x')])
+    t = _with_template(model_dir, tmp_path / 'b',
+                       "{{ messages.append({'role': 'system'}) }}")
+    with pytest.raises(ModelLoadError, match='unsafe'):
+        t.apply_chat_template([ChatMessage('user', 'x')])
+
+
+def test_template_helpers(model_dir, tmp_path):
+    t = _with_template(model_dir, tmp_path, (
+        "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tool turns here') }}"
+        "{% endif %}{{ messages[0]['content'] | tojson }}#{{ strftime_now('%Y') }}"
+        '#{{ bos_token }}#{{ eos_token }}'))
+    out = t.apply_chat_template([ChatMessage('user', '<b>é"')])
+    first, year, bos, eos = out.split('#')
+    assert first == '"<b>é\\""'  # JSON, not HTML-escaped
+    assert len(year) == 4 and year.isdigit()
+    assert (bos, eos) == ('<|im_start|>', '<|im_end|>')
+    with pytest.raises(InvalidRequestError, match='no tool turns here'):
+        t.apply_chat_template([ChatMessage('tool', 'x')])
+
+
+# --- streaming -----------------------------------------------------------------------------
+
+def _stream_all(tok, ids, skip):
+    stream = tok.new_stream(skip_special_tokens=skip)
+    deltas = [stream.push(i) for i in ids]
+    deltas.append(stream.flush())
+    return deltas, stream
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=FIXTURE_CHECKS)
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), skip=st.booleans())
+def test_stream_concatenation_equals_decode_of_random_ids(tok, ids, skip):
+    deltas, _ = _stream_all(tok, ids, skip)
+    assert ''.join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=FIXTURE_CHECKS)
+@given(text=st.text(alphabet=st.characters(blacklist_categories=('Cs', 'Cn')), max_size=60))
+def test_stream_of_real_text_never_emits_partial_characters(tok, text):
+    ids = tok.encode(text)
+    deltas, _ = _stream_all(tok, ids, skip=False)
+    assert ''.join(deltas) == tok.decode(ids)
+    if '\ufffd' not in tok.decode(ids):
+        assert not any('\ufffd' in d for d in deltas)
+
+
+def test_stream_holds_back_split_emoji(tok):
+    ids = tok.encode(' 🤖🦾')
+    assert len(ids) > 2  # each emoji spans several byte-level tokens
+    deltas, _ = _stream_all(tok, ids, skip=False)
+    assert [d for d in deltas if d] == [' 🤖', '🦾']
+
+
+def test_stream_skips_special_tokens_by_default(tok):
+    ids = tok.encode('<|im_start|>assistant\nSure<|im_end|>')
+    deltas, _ = _stream_all(tok, ids, skip=True)
+    assert ''.join(deltas) == 'assistant\nSure'
+
+
+def test_stream_window_stays_small(tok):
+    ids = tok.encode('The quick brown fox jumps over the lazy dog. ' * 60)
+    stream = tok.new_stream()
+    widest = 0
+    for i in ids:
+        stream.push(i)
+        widest = max(widest, stream.window_size)
+    assert len(ids) > 500 and widest <= 3
+
+
+def test_stream_bounds_hold_back_of_broken_bytes(tok):
+    lead = tok.hf_tokenizer.token_to_id('â')  # the lone UTF-8 lead byte 0xE2
+    stream = tok.new_stream()
+    deltas = [stream.push(lead) for _ in range(stream.MAX_HELD_TOKENS + 5)]
+    assert any(deltas) and stream.window_size <= 6
