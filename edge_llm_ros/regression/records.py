@@ -6,7 +6,7 @@ from a bag, or an rclpy message received live.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Optional
 import uuid
 
@@ -112,7 +112,7 @@ class TranscriptRecord:
         return None
 
     def label(self, width: int = 48) -> str:
-        """A one-line excerpt of the request for tables."""
+        """Return a one-line excerpt of the request for tables."""
         if self.prompt:
             text = self.prompt
         elif self.messages:
@@ -121,10 +121,6 @@ class TranscriptRecord:
             text = ''
         text = ' '.join(text.split())
         return text if len(text) <= width else text[:width - 1] + '\u2026'
-
-    def to_json(self) -> dict:
-        """JSON-friendly dict of every field."""
-        return asdict(self)
 
 
 def uuid_hex(raw: Any) -> str:

@@ -1,0 +1,445 @@
+"""Compare a replay with its recording: outputs per goal, latency over the run.
+
+Pure functions over records (no rclpy, no bag access), so every rule is unit-testable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+import json
+import statistics
+from typing import Optional, Sequence
+
+from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
+from edge_llm_ros.regression.thresholds import Thresholds
+
+# Finding severities, strongest first. Exit status: 1 if any regression, else 2 if any
+# input problem (the bag could not be fully replayed), else 0.
+REGRESSION = 'regression'
+INPUT = 'input'
+WARNING = 'warning'
+INFO = 'info'
+
+FINISH_OK = ('stop', 'length')
+
+EXIT_OK = 0
+EXIT_REGRESSION = 1
+EXIT_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str
+    message: str
+    goal: Optional[int] = None      # index of the goal in the recording, None = whole run
+
+
+@dataclass
+class ReplayOutcome:
+    """What happened when one recorded goal was sent again."""
+
+    # ok | rejected | aborted | canceled | timeout | skipped | not_sent
+    status: str
+    new: Optional[TranscriptRecord] = None
+    detail: str = ''
+    # The node published no transcript: `new` was built from the action result alone.
+    synthesized: bool = False
+
+
+@dataclass
+class GoalComparison:
+    index: int
+    old: TranscriptRecord
+    outcome: ReplayOutcome
+    kind: str = 'unknown'              # greedy | sampled | unknown
+    compared: bool = False             # outputs were compared (both runs finished)
+    tokens_equal: Optional[bool] = None
+    first_divergence: Optional[int] = None
+    similarity: Optional[float] = None
+    json_valid_old: Optional[bool] = None
+    json_valid_new: Optional[bool] = None
+    findings: list = field(default_factory=list)
+
+    @property
+    def new(self) -> Optional[TranscriptRecord]:
+        return self.outcome.new
+
+    def worst(self) -> str:
+        for severity in (REGRESSION, INPUT, WARNING):
+            if any(f.severity == severity for f in self.findings):
+                return severity
+        return 'pass'
+
+
+@dataclass
+class MetricSummary:
+    """One latency metric over the goals that finished in both runs."""
+
+    name: str
+    unit: str
+    higher_is_better: bool
+    old: list = field(default_factory=list)
+    new: list = field(default_factory=list)
+    gated: bool = False
+    limit: Optional[float] = None          # the bound the new median was held to
+    regression: bool = False
+
+    @property
+    def old_median(self) -> Optional[float]:
+        return statistics.median(self.old) if self.old else None
+
+    @property
+    def new_median(self) -> Optional[float]:
+        return statistics.median(self.new) if self.new else None
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if not self.old or not self.new or self.old_median == 0:
+            return None
+        return self.new_median / self.old_median
+
+
+@dataclass
+class ComparisonResult:
+    goals: list = field(default_factory=list)        # GoalComparison
+    metrics: list = field(default_factory=list)      # MetricSummary
+    findings: list = field(default_factory=list)     # run-level Finding
+
+    def all_findings(self) -> list:
+        out = list(self.findings)
+        for goal in self.goals:
+            out.extend(goal.findings)
+        return out
+
+    def by_severity(self, severity: str) -> list:
+        return [f for f in self.all_findings() if f.severity == severity]
+
+    def exit_code(self) -> int:
+        if self.by_severity(REGRESSION):
+            return EXIT_REGRESSION
+        if self.by_severity(INPUT):
+            return EXIT_INPUT
+        return EXIT_OK
+
+    def verdict(self) -> str:
+        return {EXIT_OK: 'PASS', EXIT_REGRESSION: 'REGRESSION',
+                EXIT_INPUT: 'INCOMPLETE'}[self.exit_code()]
+
+
+# ---------------------------------------------------------------- text measures
+
+def edit_distance(a: Sequence, b: Sequence) -> int:
+    """Levenshtein distance (insert, delete, substitute cost 1)."""
+    start = 0
+    while start < len(a) and start < len(b) and a[start] == b[start]:
+        start += 1
+    end_a, end_b = len(a), len(b)
+    while end_a > start and end_b > start and a[end_a - 1] == b[end_b - 1]:
+        end_a -= 1
+        end_b -= 1
+    a, b = a[start:end_a], b[start:end_b]
+    if len(a) < len(b):
+        a, b = b, a
+    previous = list(range(len(b) + 1))
+    for i, item_a in enumerate(a, 1):
+        current = [i]
+        for j, item_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1,
+                               previous[j - 1] + (item_a != item_b)))
+        previous = current
+    return previous[-1]
+
+
+def similarity(a: Sequence, b: Sequence) -> float:
+    """1 - edit distance / longer length; 1.0 for two empty sequences."""
+    longest = max(len(a), len(b))
+    return 1.0 if longest == 0 else 1.0 - edit_distance(a, b) / longest
+
+
+def first_divergence(a: Sequence, b: Sequence) -> Optional[int]:
+    """Index of the first differing element (or the shorter length); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def json_valid(text: str, schema_text: str) -> tuple:
+    """Check `text` is JSON and, when the schema parses, conforms to it: (valid, reason)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return False, f'not JSON ({exc})'
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return True, 'schema is not JSON: only JSON syntax was checked'
+    import jsonschema
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError as exc:
+        return False, f'violates the schema: {exc.message}'
+    except jsonschema.SchemaError as exc:
+        return True, f'schema is invalid ({exc.message}): only JSON syntax was checked'
+    return True, ''
+
+
+def _excerpt(text: str, width: int = 60) -> str:
+    text = text.replace('\n', '\\n')
+    return repr(text if len(text) <= width else text[:width - 1] + '\u2026')
+
+
+def _sampling_diff(old: TranscriptRecord, new: TranscriptRecord) -> list:
+    """Fields of the effective sampling that differ ('name old -> new')."""
+    a, b = old.effective_sampling, new.effective_sampling
+    if a.is_unset() or b.is_unset():
+        return []  # one side did not report it: nothing to compare
+    if old.sampling.seed < 0:
+        # A node draws a fresh seed when none was asked for: that is not a setting change.
+        a, b = replace(a, seed=-1), replace(b, seed=-1)
+    return [f'{name} {getattr(a, name):g} -> {getattr(b, name):g}'
+            for name in SamplingRecord.__dataclass_fields__
+            if getattr(a, name) != getattr(b, name)]
+
+
+# ---------------------------------------------------------------- per goal
+
+def compare_goal(index: int, old: TranscriptRecord, outcome: ReplayOutcome,
+                 thresholds: Thresholds) -> GoalComparison:
+    """Compare one recorded goal with its replay."""
+    result = GoalComparison(index=index, old=old, outcome=outcome)
+    temperature = old.effective_temperature()
+    result.kind = 'unknown' if temperature is None else (
+        'greedy' if temperature == 0.0 else 'sampled')
+
+    def add(code: str, severity: str, message: str) -> None:
+        result.findings.append(Finding(code, severity, message, index))
+
+    if outcome.status == 'skipped':
+        add('skipped', INFO, f'not replayed: {outcome.detail}')
+        return result
+    if outcome.status == 'not_sent':
+        add('not_replayed', INPUT, f'not replayed: {outcome.detail}')
+        return result
+
+    new = outcome.new
+    new_ok = outcome.status == 'ok' and new is not None and new.finish_reason in FINISH_OK
+    old_ok = old.accepted and old.finish_reason in FINISH_OK
+    if not old_ok:
+        state = 'rejected' if not old.accepted else f'ended with {old.finish_reason!r}'
+        if new_ok:
+            add('recorded_failure_now_ok', WARNING,
+                f'the recorded goal {state} ({old.error_message or "no message"}); '
+                'it succeeds now: outputs not compared')
+        else:
+            add('recorded_failure', INFO,
+                f'the recorded goal {state}; it fails again now ({outcome.status}): '
+                f'{_new_error(outcome)}')
+        return result
+
+    if not new_ok:
+        reason = _new_error(outcome)
+        if old.prefix_embeddings:
+            handles = '; '.join(h.describe() for h in old.prefix_embeddings)
+            add('stale_tensor_handle', INPUT,
+                f'the goal references tensor handles that no longer exist ({handles}); the '
+                f'node answered: {reason}. Replay it while the producer of those buffers '
+                'runs, or pass --skip-tensor-goals')
+        elif thresholds.outputs.new_failures:
+            add('goal_failed', REGRESSION,
+                f'succeeded in the recording ({old.finish_reason}) but {outcome.status} now: '
+                f'{reason}')
+        else:
+            add('goal_failed', WARNING, f'{outcome.status} now: {reason}')
+        return result
+
+    result.compared = True
+    if outcome.synthesized:
+        add('no_transcript', WARNING,
+            'the node published no transcript for this goal: the comparison uses the action '
+            'result only (effective sampling unknown)')
+    _compare_outputs(result, old, new, thresholds, add)
+    return result
+
+
+def _new_error(outcome: ReplayOutcome) -> str:
+    parts = []
+    if outcome.new is not None and outcome.new.error_message:
+        parts.append(outcome.new.error_message)
+    if outcome.new is not None and outcome.new.finish_reason:
+        parts.append(f'finish reason {outcome.new.finish_reason!r}')
+    if outcome.detail:
+        parts.append(outcome.detail)
+    return '; '.join(parts) or 'no details'
+
+
+def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: TranscriptRecord,
+                     thresholds: Thresholds, add) -> None:
+    limits = thresholds.outputs
+    result.similarity = similarity(old.text, new.text)
+    if old.token_ids or new.token_ids:
+        result.tokens_equal = list(old.token_ids) == list(new.token_ids)
+        result.first_divergence = first_divergence(old.token_ids, new.token_ids)
+    else:
+        result.tokens_equal = old.text == new.text
+        result.first_divergence = first_divergence(old.text, new.text)
+
+    if result.kind == 'greedy':
+        if not result.tokens_equal:
+            severity = REGRESSION if limits.greedy_exact_match else WARNING
+            add('token_mismatch', severity,
+                f'greedy output changed at token {result.first_divergence} '
+                f'({len(old.token_ids)} -> {len(new.token_ids)} tokens): '
+                f'{_excerpt(old.text)} -> {_excerpt(new.text)}')
+    else:
+        if result.kind == 'unknown':
+            add('sampling_unknown', WARNING,
+                'neither the transcript nor the request says the temperature: compared as '
+                'sampled text')
+        if result.similarity < limits.min_sampled_similarity:
+            add('low_similarity', REGRESSION,
+                f'text similarity {result.similarity:.2f} is below '
+                f'{limits.min_sampled_similarity:.2f}: {_excerpt(old.text)} -> '
+                f'{_excerpt(new.text)}')
+
+    if old.json_schema:
+        result.json_valid_old, _ = json_valid(old.text, old.json_schema)
+        result.json_valid_new, why = json_valid(new.text, old.json_schema)
+        if result.json_valid_old and not result.json_valid_new:
+            add('json_invalid', REGRESSION if limits.json_must_stay_valid else WARNING,
+                f'the answer was valid JSON for its schema and is not any more: {why}')
+        elif not result.json_valid_old and not result.json_valid_new:
+            add('json_invalid_before', WARNING,
+                f'the recorded answer was not valid for its schema either: {why}')
+
+    if old.finish_reason != new.finish_reason:
+        add('finish_reason_changed', REGRESSION if limits.finish_reason_change else WARNING,
+            f'finish reason {old.finish_reason!r} -> {new.finish_reason!r} '
+            f'(completion tokens {old.completion_tokens} -> {new.completion_tokens})')
+
+    changed = _sampling_diff(old, new)
+    if changed:
+        add('effective_sampling_changed',
+            REGRESSION if limits.effective_sampling_change else WARNING,
+            'the node applied other sampling than in the recording: ' + ', '.join(changed))
+    if old.model and new.model and old.model != new.model:
+        add('model_changed', INFO, f'model {old.model!r} -> {new.model!r}')
+
+
+# ---------------------------------------------------------------- recorded pairs
+
+def _same_request(a: TranscriptRecord, b: TranscriptRecord) -> bool:
+    return (a.prompt, a.messages, a.system_prompt, a.json_schema, a.stop, a.session_id) == \
+        (b.prompt, b.messages, b.system_prompt, b.json_schema, b.stop, b.session_id)
+
+
+def outcome_of(new: TranscriptRecord) -> ReplayOutcome:
+    """Return the outcome a recorded transcript stands for."""
+    if not new.accepted:
+        return ReplayOutcome('rejected', new, new.error_message or 'rejected')
+    status = 'ok' if new.finish_reason in FINISH_OK else (
+        'canceled' if new.finish_reason == 'cancelled' else 'aborted')
+    return ReplayOutcome(status, new)
+
+
+def pair_recordings(olds: Sequence[TranscriptRecord], news: Sequence[TranscriptRecord],
+                    goal_map: Optional[dict] = None) -> list:
+    """Outcomes for `olds` taken from another recording `news`.
+
+    With `goal_map` (old goal id -> new goal id, stored by edge-llm-replay in its bag)
+    goals pair by id when the map is about `olds`; otherwise the n-th new transcript with
+    the same request answers the n-th old one (two recordings of the same script).
+    """
+    by_id = {n.goal_id: n for n in news}
+    outcomes = []
+    # A replay bag's map is keyed by the goals of the bag it replayed: useless for another.
+    if goal_map and any(old.goal_id in goal_map for old in olds):
+        for old in olds:
+            new = by_id.get(goal_map.get(old.goal_id, ''))
+            outcomes.append(outcome_of(new) if new is not None else ReplayOutcome(
+                'not_sent', None, 'no transcript for this goal in the new bag'))
+        return outcomes
+    used = set()
+    for old in olds:
+        match = next((i for i, n in enumerate(news)
+                      if i not in used and _same_request(old, n)), None)
+        if match is None:
+            outcomes.append(ReplayOutcome('not_sent', None,
+                                          'no goal with the same request in the new bag'))
+        else:
+            used.add(match)
+            outcomes.append(outcome_of(news[match]))
+    return outcomes
+
+
+# ---------------------------------------------------------------- whole run
+
+def _metric_values(goals: Sequence, attr: str, min_tokens: int) -> tuple:
+    old, new = [], []
+    for goal in goals:
+        if not goal.compared:
+            continue
+        a = getattr(goal.old.timings, attr)
+        b = getattr(goal.new.timings, attr)
+        if goal.old.completion_tokens < min_tokens or goal.new.completion_tokens < min_tokens:
+            continue
+        if a > 0 and b > 0:
+            old.append(a)
+            new.append(b)
+    return old, new
+
+
+def compare_latency(goals: Sequence, thresholds: Thresholds) -> tuple:
+    """Median TTFT and tokens/s of both runs, gated by the latency thresholds."""
+    limits = thresholds.latency
+    specs = (
+        ('time_to_first_token_s', 'TTFT', 's', False, 1, limits.max_ttft_ratio),
+        ('decode_tokens_per_second', 'decode tok/s', 'tok/s', True, 2,
+         limits.min_decode_tps_ratio),
+        ('prefill_tokens_per_second', 'prefill tok/s', 'tok/s', True, 1,
+         limits.min_prefill_tps_ratio),
+        ('total_s', 'total time', 's', False, 1, 0.0),
+    )
+    metrics, findings = [], []
+    for attr, name, unit, higher_better, min_tokens, ratio in specs:
+        old, new = _metric_values(goals, attr, min_tokens)
+        metric = MetricSummary(name=name, unit=unit, higher_is_better=higher_better,
+                               old=old, new=new)
+        metrics.append(metric)
+        if not limits.enabled or ratio <= 0 or len(old) < max(1, limits.min_goals):
+            continue
+        metric.gated = True
+        if higher_better:
+            metric.limit = metric.old_median * ratio
+            metric.regression = metric.new_median < metric.limit
+        else:
+            metric.limit = metric.old_median * ratio + limits.ttft_slack_s
+            metric.regression = metric.new_median > metric.limit
+        if metric.regression:
+            direction = 'dropped' if higher_better else 'grew'
+            findings.append(Finding(
+                f'{attr}_regression', REGRESSION,
+                f'median {name} {direction}: {metric.old_median:.4g} -> '
+                f'{metric.new_median:.4g} {unit} (limit {metric.limit:.4g} {unit}, '
+                f'{len(old)} goals)'))
+    if limits.enabled and metrics and len(metrics[0].old) < limits.min_goals:
+        findings.append(Finding(
+            'latency_not_gated', INFO,
+            f'only {len(metrics[0].old)} goals finished in both runs (< min_goals '
+            f'{limits.min_goals}): latency reported, not gated'))
+    return metrics, findings
+
+
+def compare_run(olds: Sequence[TranscriptRecord], outcomes: Sequence[ReplayOutcome],
+                thresholds: Thresholds, problems: Sequence[str] = ()) -> ComparisonResult:
+    """Compare every goal and the run's latency; `problems` are input problems met earlier."""
+    if len(olds) != len(outcomes):
+        raise ValueError(f'{len(olds)} recorded goals but {len(outcomes)} outcomes')
+    result = ComparisonResult()
+    for problem in problems:
+        result.findings.append(Finding('bad_input', INPUT, problem))
+    for index, (old, outcome) in enumerate(zip(olds, outcomes)):
+        result.goals.append(compare_goal(index, old, outcome, thresholds))
+    result.metrics, latency_findings = compare_latency(result.goals, thresholds)
+    result.findings.extend(latency_findings)
+    return result

@@ -1,0 +1,152 @@
+"""Record llm_node sessions into rosbag2 folders.
+
+- `TranscriptBagWriter`: what llm_node itself uses to log every served goal (one
+  Transcript per goal) when its bag parameter is set.
+- `edge-llm-record`: a recorder process for the transcript, the action's feedback and
+  status topics, and optionally TensorHandle topics and /diagnostics.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+from edge_llm_ros.regression.bagio import (
+    BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, Interfaces, LlmTopics, STORAGES,
+    TENSOR_HANDLE_TYPE, TRANSCRIPT_TYPE)
+from edge_llm_ros.regression.errors import RegressionToolError
+
+
+class TranscriptBagWriter:
+    """Append Transcript messages to a new bag; thread-safe; close() writes metadata.yaml.
+
+    `write` takes an rclpy edge_llm_msgs/msg/Transcript or its CDR bytes. The bag time of
+    each message is `stamp_ns` or, by default, the wall clock at the call.
+    """
+
+    def __init__(self, path: str | os.PathLike, storage: str = 'mcap',
+                 topic: str = '/llm_node/transcript',
+                 interfaces: Optional[Interfaces] = None) -> None:
+        self.topic = topic
+        self._bag = BagWriter(path, interfaces, storage)
+        self._bag.add_topic(topic, TRANSCRIPT_TYPE)
+        self._serialize = None
+
+    @property
+    def path(self) -> str:
+        return str(self._bag.path)
+
+    @property
+    def count(self) -> int:
+        return self._bag.counts[self.topic]
+
+    def write(self, transcript: Any, stamp_ns: Optional[int] = None) -> None:
+        if isinstance(transcript, (bytes, bytearray, memoryview)):
+            data = bytes(transcript)
+        else:
+            if self._serialize is None:
+                from rclpy.serialization import serialize_message
+                self._serialize = serialize_message
+            data = self._serialize(transcript)
+        self._bag.write(self.topic, time.time_ns() if stamp_ns is None else stamp_ns, data)
+
+    def close(self) -> None:
+        self._bag.close()
+
+    def __enter__(self) -> 'TranscriptBagWriter':
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def recording_topics(node: str, tensor_topics: Sequence[str] = (),
+                     diagnostics: bool = False) -> dict:
+    """Map topic -> type of a regression recording of `node` (docs/regression.md)."""
+    topics = LlmTopics(node).core()
+    for topic in tensor_topics:
+        topics[topic] = TENSOR_HANDLE_TYPE
+    if diagnostics:
+        topics[DIAGNOSTICS_TOPIC] = DIAGNOSTICS_TYPE
+    return topics
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog='edge-llm-record',
+        description='Record an llm_node session (transcripts = goal/result pairs, action '
+                    'feedback and status) into a rosbag2 folder for edge-llm-replay. '
+                    'Stops on Ctrl-C, --duration or --max-goals.')
+    parser.add_argument('-o', '--output', required=True, help='new bag folder to write')
+    parser.add_argument('--node', default='/llm_node',
+                        help='full name of the llm_node (default /llm_node)')
+    parser.add_argument('--storage', choices=STORAGES, default='mcap')
+    parser.add_argument('--tensor-topic', action='append', default=[], metavar='TOPIC',
+                        help='also record this edge_llm_msgs/TensorHandle topic (repeatable)')
+    parser.add_argument('--diagnostics', action='store_true', help='also record /diagnostics')
+    parser.add_argument('--duration', type=float, default=0.0,
+                        help='stop after this many seconds (0 = until Ctrl-C)')
+    parser.add_argument('--max-goals', type=int, default=0,
+                        help='stop after this many transcripts (0 = no limit)')
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        topics = recording_topics(args.node, args.tensor_topic, args.diagnostics)
+        writer = BagWriter(args.output, storage=args.storage)
+    except (RegressionToolError, ValueError) as exc:
+        print(f'edge-llm-record: {exc}', file=sys.stderr)
+        return 2
+
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+
+    from edge_llm_ros.regression.live import RawRecorder
+
+    rclpy.init(args=None)
+    node = rclpy.create_node('edge_llm_record')
+    done = threading.Event()
+    transcript_topic = LlmTopics(args.node).transcript
+
+    def on_message(topic: str, msgtype: str, stamp: int, data: bytes) -> None:
+        if topic == transcript_topic and args.max_goals and \
+                writer.counts[topic] >= args.max_goals:
+            done.set()
+
+    recorder = RawRecorder(node, writer, topics, on_message=on_message)
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    print(f'edge-llm-record: recording {", ".join(topics)} into {args.output}', flush=True)
+    deadline = time.monotonic() + args.duration if args.duration > 0 else None
+    unmatched = set(topics)
+    try:
+        while not done.is_set() and (deadline is None or time.monotonic() < deadline):
+            executor.spin_once(timeout_sec=0.1)
+            for topic in sorted(unmatched):
+                # Messages published before a topic matches are lost: say when it does.
+                count = recorder.publisher_count(topic)
+                if count:
+                    unmatched.discard(topic)
+                    print(f'edge-llm-record: matched {count} publisher(s) on {topic}',
+                          flush=True)
+    finally:
+        recorder.close()
+        writer.close()
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.try_shutdown()
+    counts = ', '.join(f'{t}: {n}' for t, n in writer.counts.items())
+    print(f'edge-llm-record: wrote {args.output} ({counts})', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Bag reading/writing of the regression tools, stock `ros2 bag record` layouts, bad bags.
+
+No ROS graph: bags are written with rosbags and rclpy's serializer; the command-line tools
+are run on inputs that fail before they would contact a node.
+"""
+import numpy as np
+import pytest
+from rclpy.serialization import serialize_message
+from regression_helpers import (
+    handle, read_report, RELIABLE_VOLATILE, rosidl_hash, run_tool, stock_record_layout,
+    transcript, write_transcript_bag)
+from rosbags.rosbag2 import StoragePlugin, Writer
+from rosbags.typesys import get_types_from_msg, get_typestore, Stores
+
+from edge_llm_msgs.action import Generate
+from edge_llm_ros.regression import bagio
+from edge_llm_ros.regression.errors import (
+    BagContentError, BagCorruptError, BagNotFoundError, BagTypeMismatchError)
+from edge_llm_ros.regression.record import TranscriptBagWriter
+
+
+def test_type_hashes_match_rosidl():
+    interfaces = bagio.load_interfaces()
+    assert interfaces.rihs01(bagio.TRANSCRIPT_TYPE) == rosidl_hash(
+        'msg/Transcript', bagio.TRANSCRIPT_TYPE)
+    for part in ('Goal', 'Result', 'Feedback', 'FeedbackMessage'):
+        name = f'edge_llm_msgs/action/Generate_{part}'
+        assert interfaces.rihs01(name) == rosidl_hash('action/Generate', name)
+    assert interfaces.rihs01(bagio.TENSOR_HANDLE_TYPE) == rosidl_hash(
+        'msg/TensorHandle', bagio.TENSOR_HANDLE_TYPE)
+
+
+@pytest.mark.parametrize('storage', ['mcap', 'sqlite3'])
+def test_transcripts_round_trip_with_feedback_and_handles(tmp_path, storage):
+    msgs = [transcript('why is the sky blue?', text='Rayleigh', tokens=(11, 12)),
+            transcript('describe', handles=[handle('cam')], temperature=0.5,
+                       effective_temperature=0.5)]
+    topics = bagio.LlmTopics('/robot/llm_node')
+    feedback = Generate.Impl.FeedbackMessage()
+    feedback.goal_id = msgs[0].goal_id
+    feedback.feedback.text_delta = 'Ray'
+    feedback.feedback.completion_tokens = 1
+    with bagio.BagWriter(tmp_path / 'bag', storage=storage) as bag:
+        for topic, msgtype in topics.core().items():
+            bag.add_topic(topic, msgtype, [RELIABLE_VOLATILE])
+        bag.add_topic('/camera/embeddings', bagio.TENSOR_HANDLE_TYPE)
+        bag.write(topics.feedback, 5, serialize_message(feedback))
+        for i, msg in enumerate(msgs):
+            bag.write(topics.transcript, 10 + i, serialize_message(msg))
+        bag.write('/camera/embeddings', 7, serialize_message(handle('cam')))
+    contents = bagio.read_bag(tmp_path / 'bag')
+    assert contents.storage == storage and contents.complete and contents.problems == []
+    first, second = contents.transcripts
+    assert first.goal_id == bytes(msgs[0].goal_id.uuid).hex()
+    assert (first.prompt, first.text, first.token_ids) == ('why is the sky blue?', 'Rayleigh',
+                                                           [11, 12])
+    assert first.topic == '/robot/llm_node/transcript' and first.bag_stamp_ns == 10
+    assert second.prefix_embeddings[0].pool_id == 'cam'
+    assert second.prefix_embeddings[0].shape == (4, 576)
+    assert second.effective_temperature() == pytest.approx(0.5)
+    assert [f.text_delta for f in contents.feedback[first.goal_id]] == ['Ray']
+    assert contents.tensor_handles[0][0] == '/camera/embeddings'
+    assert {t.status for t in contents.topics} == {'ok'}
+
+
+def test_goal_id_is_read_from_raw_bytes():
+    msg = transcript('x')
+    assert bagio.goal_id_of_raw(serialize_message(msg)) == bytes(msg.goal_id.uuid).hex()
+    feedback = Generate.Impl.FeedbackMessage()
+    feedback.goal_id = msg.goal_id
+    assert bagio.goal_id_of_raw(serialize_message(feedback)) == bytes(msg.goal_id.uuid).hex()
+
+
+def test_transcript_bag_writer_for_the_node(tmp_path):
+    with TranscriptBagWriter(tmp_path / 'log', storage='sqlite3') as log:
+        log.write(transcript('one'), stamp_ns=41)
+        log.write(serialize_message(transcript('two')), stamp_ns=42)
+        log.write(transcript('three'))  # stamped with the wall clock
+        assert log.count == 3
+    records = bagio.transcripts_of(tmp_path / 'log')
+    assert [r.prompt for r in records] == ['one', 'two', 'three']
+    assert records[1].bag_stamp_ns == 42 and records[2].bag_stamp_ns > 1.7e18
+    with pytest.raises(Exception, match='already exists'):
+        TranscriptBagWriter(tmp_path / 'log')
+
+
+@pytest.mark.parametrize('storage', [StoragePlugin.MCAP, StoragePlugin.SQLITE3])
+def test_stock_ros2_bag_record_layout_is_accepted(tmp_path, storage):
+    bag = stock_record_layout(tmp_path / 'stock', [transcript('a'), transcript('b')], storage)
+    contents = bagio.read_bag(bag)
+    assert [t.prompt for t in contents.transcripts] == ['a', 'b']
+    assert contents.problems == [] and contents.complete
+    statuses = {t.topic: t.status for t in contents.topics}
+    assert set(statuses.values()) == {'ok'}
+
+
+def test_bag_without_hashes_is_checked_through_its_definitions(tmp_path):
+    bag = stock_record_layout(tmp_path / 'old', [transcript('a')], StoragePlugin.MCAP,
+                              with_hash=False)
+    contents = bagio.read_bag(bag)
+    checks = {t.topic: t for t in contents.topics}
+    transcript_check = checks['/llm_node/transcript']
+    assert transcript_check.status == 'ok'
+    assert transcript_check.digest == transcript_check.expected
+    assert checks['/llm_node/generate/_action/feedback'].status == 'unverified'
+    assert any('no type hash or definition' in w for w in contents.warnings)
+    assert contents.complete and contents.problems == []  # a warning, not damage
+
+
+OLD_TRANSCRIPT = """unique_identifier_msgs/UUID goal_id
+string prompt
+string text
+int32[] token_ids
+string finish_reason
+"""
+
+
+def write_other_version_bag(path, topic='/llm_node/transcript', msgtype=None):
+    """Write a bag whose Transcript (or another type) has another definition and hash."""
+    msgtype = msgtype or bagio.TRANSCRIPT_TYPE
+    store = get_typestore(Stores.ROS2_JAZZY)
+    store.register(get_types_from_msg(OLD_TRANSCRIPT, msgtype))
+    msgdef, _ = store.generate_msgdef(msgtype, ros_version=2) if '/msg/' in msgtype else (
+        OLD_TRANSCRIPT, None)
+    cls = store.types[msgtype]
+    uuid_cls = store.types['unique_identifier_msgs/msg/UUID']
+    old = cls(goal_id=uuid_cls(uuid=np.arange(16, dtype=np.uint8)), prompt='hi', text='yo',
+              token_ids=np.array([1, 2], dtype=np.int32), finish_reason='stop')
+    writer = Writer(path, version=9, storage_plugin=StoragePlugin.MCAP)
+    writer.open()
+    conn = writer.add_connection(topic, msgtype, msgdef=msgdef,
+                                 rihs01=store.hash_rihs01(msgtype))
+    writer.write(conn, 1, store.serialize_cdr(old, msgtype))
+    if msgtype != bagio.TRANSCRIPT_TYPE:
+        good = writer.add_connection('/llm_node/transcript', bagio.TRANSCRIPT_TYPE,
+                                     msgdef=bagio.load_interfaces().msgdef(
+                                         bagio.TRANSCRIPT_TYPE),
+                                     rihs01=bagio.load_interfaces().rihs01(
+                                         bagio.TRANSCRIPT_TYPE))
+        writer.write(good, 2, serialize_message(transcript('still readable')))
+    writer.close()
+    return path
+
+
+def test_other_interface_version_is_refused_with_both_hashes(tmp_path):
+    bag = write_other_version_bag(tmp_path / 'v0')
+    with pytest.raises(BagTypeMismatchError) as err:
+        bagio.read_bag(bag)
+    text = str(err.value)
+    expected = bagio.load_interfaces().rihs01(bagio.TRANSCRIPT_TYPE)
+    assert 'another version of edge_llm_msgs/msg/Transcript' in text
+    assert expected in text and 're-record' in text
+
+
+def test_mismatch_on_an_optional_topic_keeps_the_transcripts(tmp_path):
+    bag = write_other_version_bag(tmp_path / 'fb', '/llm_node/generate/_action/feedback',
+                                  bagio.FEEDBACK_TYPE)
+    contents = bagio.read_bag(bag)
+    assert [t.prompt for t in contents.transcripts] == ['still readable']
+    assert not contents.complete
+    assert any('another version of edge_llm_msgs/action/Generate_FeedbackMessage' in p
+               for p in contents.problems)
+
+
+def test_missing_and_corrupt_bags(tmp_path):
+    with pytest.raises(BagNotFoundError, match='does not exist'):
+        bagio.read_bag(tmp_path / 'nope')
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(BagNotFoundError, match='without metadata.yaml'):
+        bagio.read_bag(tmp_path / 'empty')
+    bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')])
+    (bag / 'metadata.yaml').write_text('rosbag2_bagfile_information: [garbage\n')
+    with pytest.raises(BagCorruptError, match='cannot open bag'):
+        bagio.read_bag(bag)
+    bag2 = write_transcript_bag(tmp_path / 'bag2', [transcript('a')])
+    mcap = next(bag2.glob('*.mcap'))
+    mcap.write_bytes(mcap.read_bytes()[:-100])
+    with pytest.raises(BagCorruptError, match='cannot open bag'):
+        bagio.read_bag(bag2)
+    with pytest.raises(BagContentError, match='no edge_llm_msgs/msg/Transcript'):
+        bagio.read_bag(write_transcript_bag(tmp_path / 'bag3', []))
+
+
+def test_undecodable_message_is_skipped_and_reported(tmp_path):
+    topics = bagio.LlmTopics()
+    with bagio.BagWriter(tmp_path / 'bag', storage='sqlite3') as bag:
+        bag.add_topic(topics.transcript, bagio.TRANSCRIPT_TYPE)
+        bag.write(topics.transcript, 1, serialize_message(transcript('good one')))
+        bag.write(topics.transcript, 2, b'\x00\x01\x00\x00' + b'\xff' * 40)
+        bag.write(topics.transcript, 3, serialize_message(transcript('good two')))
+    contents = bagio.read_bag(tmp_path / 'bag')
+    assert [t.prompt for t in contents.transcripts] == ['good one', 'good two']
+    assert not contents.complete
+    assert 'undecodable edge_llm_msgs/msg/Transcript message' in contents.problems[0]
+
+
+@pytest.mark.parametrize('case', ['missing', 'corrupt', 'mismatch'])
+def test_replay_cli_on_bad_bags_writes_a_report_and_exits_2(tmp_path, case):
+    if case == 'missing':
+        bag = tmp_path / 'missing'
+        expected = 'does not exist'
+    elif case == 'corrupt':
+        bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')])
+        (bag / 'metadata.yaml').write_text('{not: yaml: at all')
+        expected = 'cannot open bag'
+    else:
+        bag = write_other_version_bag(tmp_path / 'v0')
+        expected = 'another version of edge_llm_msgs/msg/Transcript'
+    report = tmp_path / 'report'
+    proc = run_tool('replay', bag, '--report', report, '--server-timeout', '1')
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert expected in proc.stderr
+    data = read_report(report)
+    assert data['verdict'] == 'ERROR' and data['exit_code'] == 2
+    assert expected in data['run']['error']
+    assert expected in (report / 'summary.md').read_text()
+    assert expected in (report / 'report.html').read_text()
+
+
+def test_replay_cli_rejects_bad_overrides_and_thresholds(tmp_path):
+    bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')])
+    proc = run_tool('replay', bag, '--set', 'temperature=0.5')
+    assert proc.returncode == 2 and "cannot override 'temperature'" in proc.stderr
+    bad = tmp_path / 't.yaml'
+    bad.write_text('latency: {typo: 1}\n')
+    proc = run_tool('replay', bag, '--thresholds', bad, '--report', tmp_path / 'r')
+    assert proc.returncode == 2 and 'latency.typo' in proc.stderr
+    assert read_report(tmp_path / 'r')['verdict'] == 'ERROR'
+
+
+def test_offline_report_between_two_recordings(tmp_path):
+    old = write_transcript_bag(tmp_path / 'old', [
+        transcript('a', text='x y', tokens=(1, 2)), transcript('b', tokens=(3,))])
+    same = write_transcript_bag(tmp_path / 'same', [
+        transcript('a', text='x y', tokens=(1, 2)), transcript('b', tokens=(3,))])
+    changed = write_transcript_bag(tmp_path / 'changed', [
+        transcript('a', text='x z', tokens=(1, 9)), transcript('b', tokens=(3,))])
+    proc = run_tool('report', old, same, '--report', tmp_path / 'r1')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_tool('report', old, changed, '--report', tmp_path / 'r2')
+    assert proc.returncode == 1
+    data = read_report(tmp_path / 'r2')
+    assert [f['code'] for f in data['findings'] if f['severity'] == 'regression'] == [
+        'token_mismatch']
+    assert data['goals'][0]['first_divergence'] == 1
+    html = (tmp_path / 'r2' / 'report.html').read_text()
+    assert 'data:image/png;base64,' in html and 'token_mismatch' in html
+    assert (tmp_path / 'r2' / 'per_goal.png').read_bytes()[:4] == b'\x89PNG'

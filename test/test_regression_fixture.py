@@ -1,0 +1,117 @@
+"""CI regression gate: replay the checked-in SmolLM2 bag against the current llm_node.
+
+test/data/bags/smollm2_greedy/ was recorded by edge_llm_ros.regression.make_fixture from a
+real llm_node (embedded SmolLM2, greedy). The current build must reproduce every greedy
+answer token for token; two deliberate changes must be reported as regressions.
+"""
+import pathlib
+
+import pytest
+import rclpy
+from rclpy.context import Context
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import Parameter
+from rclpy.parameter_client import AsyncParameterClient
+from regression_helpers import read_report, run_tool
+
+from edge_llm_ros.regression import bagio
+from edge_llm_ros.regression.make_fixture import (
+    DEFAULT_OUT, FIXTURE_GOALS, MAX_TOKENS, NODE_PARAMETERS, start_node, stop_node)
+
+pytestmark = pytest.mark.timeout(600)
+FIXTURE = DEFAULT_OUT
+NAMESPACE = '/fixture_ci'
+NODE = f'{NAMESPACE}/llm_node'
+
+
+@pytest.fixture(scope='module')
+def outputs_only(tmp_path_factory) -> pathlib.Path:
+    """Thresholds for the fixture: the bag was recorded on another machine (no latency)."""
+    path = tmp_path_factory.mktemp('thresholds') / 'outputs_only.yaml'
+    path.write_text('latency:\n  enabled: false\n')
+    return path
+
+
+@pytest.fixture(scope='module')
+def llm_node(tmp_path_factory):
+    """Run the current build's llm_node with the parameters the fixture was recorded with."""
+    log = tmp_path_factory.mktemp('llm_node') / 'llm_node.log'
+    proc = start_node(NAMESPACE, NODE_PARAMETERS, log_path=str(log))
+    try:
+        yield NODE
+    finally:
+        stop_node(proc)
+        print(log.read_text()[-3000:])
+
+
+def replay(tmp_path, outputs_only, *args):
+    report = tmp_path / 'report'
+    proc = run_tool('replay', FIXTURE, '--node', NODE, '--report', report, '--thresholds',
+                    outputs_only, '--server-timeout', '240', '--goal-timeout', '60', *args,
+                    timeout=500)
+    data = read_report(report)
+    # Every goal must have been answered: a lost or timed-out goal would hide behind
+    # the regressions the tests expect.
+    assert [g['status'] for g in data['goals']] == ['ok'] * len(FIXTURE_GOALS), proc.stdout
+    return proc, data
+
+
+def set_node_parameter(name: str, value) -> None:
+    context = Context()
+    rclpy.init(context=context)
+    node = rclpy.create_node('fixture_parameter_setter', context=context)
+    try:
+        client = AsyncParameterClient(node, NODE)
+        assert client.wait_for_services(timeout_sec=30.0)
+        future = client.set_parameters([Parameter(name, value=value)])
+        executor = SingleThreadedExecutor(context=context)
+        executor.add_node(node)
+        executor.spin_until_future_complete(future, timeout_sec=30.0)
+        executor.shutdown()
+        assert future.result().results[0].successful, future.result()
+    finally:
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+
+
+def test_fixture_is_a_small_greedy_smollm2_session():
+    size = sum(f.stat().st_size for f in FIXTURE.iterdir())
+    assert size < 200 * 1024
+    contents = bagio.read_bag(FIXTURE)
+    assert contents.complete and contents.problems == []
+    assert len(contents.transcripts) == len(FIXTURE_GOALS)
+    for record in contents.transcripts:
+        assert record.accepted and record.finish_reason in ('stop', 'length')
+        assert record.effective_temperature() == 0.0 and record.sampling.temperature < 0
+        assert record.max_tokens == MAX_TOKENS and 0 < len(record.token_ids) <= MAX_TOKENS
+        assert 'smollm2' in record.model.lower()
+
+
+def test_current_build_reproduces_the_fixture(llm_node, tmp_path, outputs_only):
+    proc, data = replay(tmp_path, outputs_only)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert data['verdict'] == 'PASS'
+    assert data['summary']['greedy_exact'] == data['summary']['greedy_compared'] == len(
+        FIXTURE_GOALS)
+
+
+def test_truncated_max_tokens_is_a_regression(llm_node, tmp_path, outputs_only):
+    proc, data = replay(tmp_path, outputs_only, '--set', 'max_tokens=4')
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    codes = {f['code'] for f in data['findings'] if f['severity'] == 'regression'}
+    assert {'token_mismatch', 'finish_reason_changed'} <= codes
+    summary = (tmp_path / 'report' / 'summary.md').read_text()
+    assert 'token_mismatch' in summary and "-> 'length'" in summary
+
+
+def test_other_default_temperature_is_a_regression(llm_node, tmp_path, outputs_only):
+    set_node_parameter('sampling.temperature', 0.8)
+    try:
+        proc, data = replay(tmp_path, outputs_only)
+    finally:
+        set_node_parameter('sampling.temperature', 0.0)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    changed = [f for f in data['findings'] if f['code'] == 'effective_sampling_changed']
+    assert len(changed) == len(FIXTURE_GOALS)
+    assert 'temperature 0 -> 0.8' in changed[0]['message']
+    assert 'effective_sampling_changed' in (tmp_path / 'report' / 'report.html').read_text()
