@@ -36,6 +36,8 @@ setup(
         'console_scripts': [
             'llm_node = edge_llm_ros.nodes.llm_node:main',
             'ask = edge_llm_ros.nodes.ask:main',
+            'frame_source = edge_llm_ros.nodes.frame_source:main',
+            'perception = edge_llm_ros.nodes.perception:main',
             'edge-llm = edge_llm_ros.cli:main',
             'edge-llm-convert = edge_llm_ros.engine.convert:main',
             'edge-llm-record = edge_llm_ros.regression.record:main',

@@ -1,0 +1,175 @@
+"""perception: map frames zero-copy, run an ONNX image model, publish embedding handles.
+
+Input: TensorHandles on ``input.topic`` (frame_source's ``~/frames``), resolved into
+read-only views of the producer's buffers; the view is bound as the model input through
+onnxruntime IOBinding (no copy) and held until the run ends. Output: the model writes
+straight into a loaned buffer of this node's own pool (IOBinding again), which is then
+published with the frame's header as a TensorHandle on ``~/embeddings`` (and as a copy
+on ``~/embeddings_copy`` for consumers that cannot map it). A Generate goal can carry
+that handle in ``prefix_embeddings``.
+
+Default model: the random patch-embedding stand-in of edge_llm_ros.vision.default_model
+(NOT a trained encoder) sized to the LLM's hidden size; ``model.path`` takes any
+single-input ONNX image model whose input accepts the frames as they are.
+Inference runs on a worker thread; the newest frame wins, older unread ones are dropped.
+"""
+import os
+import sys
+import threading
+import time
+from typing import Optional, Tuple
+
+import numpy as np
+import rclpy
+from rclpy.executors import ExternalShutdownException
+from rclpy.node import Node
+
+from edge_llm_ros.bringup.errors import BringupError
+from edge_llm_ros.engine.errors import EngineError
+from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
+from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
+from edge_llm_ros.nodes.tensor_input import Sample, TensorInput
+from edge_llm_ros.nodes.tensor_output import CopyKind, TensorOutput
+from edge_llm_ros.vision.default_model import build_model
+from edge_llm_ros.vision.errors import ModelMismatchError, VisionError
+from edge_llm_ros.vision.params import perception_config, PERCEPTION_SPECS
+from edge_llm_ros.vision.runner import VisionModel
+
+LOG_THROTTLE_S = 5.0
+TAKE_TIMEOUT_S = 0.2
+
+
+class PerceptionNode(Node):
+    """Frames in (mapped), embeddings out (written by the model into our own pool)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__('perception', **kwargs)
+        try:
+            self.config = perception_config(declare_and_read(self, PERCEPTION_SPECS))
+        except (BringupError, EngineError) as exc:
+            raise ConfigError(str(exc)) from None
+        cfg = self.config
+        if cfg.process_cpus:
+            os.sched_setaffinity(0, cfg.process_cpus)
+        source = cfg.model_path or build_model(cfg.stand_in).SerializeToString()
+        self.model = VisionModel(source, cfg.runner)
+        self.pool: Optional[TensorPool] = None
+        self._layout: Optional[Tuple[str, Tuple[int, ...]]] = None
+        self._stop = threading.Event()
+        self._last_log = {}
+        self.processed = 0
+        self.rejected = 0
+        try:
+            self.output = TensorOutput(self, '~/embeddings', CopyKind.TENSOR,
+                                       cfg.pool.copy_fallback)
+            if all(d is not None for d in self.model.output.shape):
+                self._ensure_pool(self.model.output.dtype, self.model.output.shape)
+            self.input = TensorInput(self, cfg.input_topic, CopyKind.IMAGE,
+                                     socket_dir=cfg.pool.socket_dir, transport=cfg.transport,
+                                     pool_id=cfg.input_pool_id, max_inflight=1)
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close()
+            raise
+        model = cfg.model_path or (f'built-in stand-in (random weights, seed '
+                                   f'{cfg.stand_in.seed}, NOT a trained encoder)')
+        self.get_logger().info(
+            f'{model}: input {self.model.input.describe()} -> output '
+            f'{self.model.output.describe()} on {", ".join(self.model.providers)}; frames '
+            f'from {self.input.topic} -> {self.output.topic}')
+        self._worker = threading.Thread(target=self._work, name='inference', daemon=True)
+        self._worker.start()
+
+    def _ensure_pool(self, dtype: np.dtype, shape: Tuple[int, ...]) -> None:
+        if self.pool is not None:
+            return
+        cfg = self.config.pool
+        self._layout = (np.dtype(dtype).name, tuple(int(d) for d in shape))
+        nbytes = int(np.prod(self._layout[1], dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.pool = TensorPool(PoolConfig(pool_id=cfg.pool_id, slot_nbytes=max(nbytes, 1),
+                                          slots=cfg.slots, allocator=cfg.allocator,
+                                          lease_s=cfg.lease_s, socket_dir=cfg.socket_dir))
+        self.get_logger().info(f'embeddings pool {cfg.pool_id!r}: {cfg.slots} x '
+                               f'{self._layout[0]} {list(self._layout[1])} '
+                               f'({self.pool.kind.name})')
+
+    # --- worker thread ------------------------------------------------------------------
+    def _work(self) -> None:
+        period = 1.0 / self.config.rate_hz if self.config.rate_hz else 0.0
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            wait = next_t - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return
+            sample = self.input.take(TAKE_TIMEOUT_S)
+            if sample is None:
+                continue
+            next_t = time.monotonic() + period
+            with sample:
+                try:
+                    self._infer(sample)
+                except (ModelMismatchError, DescriptorError) as exc:
+                    self.rejected += 1
+                    self._log('error', 'mismatch', f'frame rejected: {exc}')
+                except PoolExhaustedError as exc:
+                    self._log('warn', 'full', f'skipping a frame: {exc}')
+                except Exception as exc:  # noqa: B902 - keep serving; onnxruntime errors vary
+                    self._log('error', 'run', f'inference failed: {exc!r}')
+
+    def _infer(self, sample: Sample) -> None:
+        frame = sample.array   # held (mapped read-only) until the with-block in _work ends
+        self.model.input_shape(frame.dtype, frame.shape)
+        if self.pool is None:
+            self._ensure_pool(*self.model.output_layout(frame))
+        dtype, shape = self._layout
+        loan = self.pool.loan()
+        try:
+            out = loan.ndarray(dtype, shape)
+            self.model.run(frame, out)
+            desc = loan.publish()
+        except BaseException:
+            loan.discard()
+            raise
+        self.output.publish(desc, out, sample.header)
+        self.processed += 1
+
+    def _log(self, level: str, key: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(key, -LOG_THROTTLE_S) >= LOG_THROTTLE_S:
+            self._last_log[key] = now
+            getattr(self.get_logger(), level)(text)
+
+    def shutdown(self) -> None:
+        """Stop the worker, disconnect from the frames pool, free the embeddings pool."""
+        self._stop.set()
+        self._worker.join(timeout=5.0)
+        self.get_logger().info(f'{self.processed} frames processed, {self.rejected} rejected; '
+                               f'input {self.input.stats}; output {self.output.stats}')
+        self.input.close()
+        if self.pool is not None:
+            self.pool.close()
+
+
+def main(args=None) -> int:
+    """Console script entry point: 0 after Ctrl-C, 2 on a configuration or model error."""
+    rclpy.init(args=args)
+    node = None
+    try:
+        node = PerceptionNode()
+        rclpy.spin(node)
+    except (ConfigError, VisionError, IpcError) as exc:
+        print(f'perception: error: {exc}', file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        if node is not None:
+            node.shutdown()
+            node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
