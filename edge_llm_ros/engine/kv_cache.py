@@ -10,8 +10,8 @@ so that a new request only prefills what differs from the cache:
   equal K/V and can be reused: embeddings are keyed by content, never by accident.
 * ``plan(keys)`` picks the longest common prefix among the live cache and the saved session
   snapshots, restores it into the live buffers if it came from a snapshot, and returns how
-  many positions need no prefill (always at least one fewer than the request, because the
-  last prompt position must be recomputed to get its logits).
+  many positions need no prefill (at least the last prompt position is recomputed to get its
+  logits).
 * Session snapshots (LRU of ``max_sessions``) keep alternating conversations' prefixes. They
   are saved lazily, only when another request is about to overwrite the live cache.
 
@@ -77,7 +77,8 @@ class KVCache:
             raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
         for buf in buffers:
             if buf.ndim != 4 or buf.shape[2] < capacity:
-                raise ValueError(f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
+                raise ValueError(
+                    f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
         self._buffers = list(buffers)
         self._capacity = capacity
         self._snapshot_dtype = snapshot_dtype
@@ -108,7 +109,7 @@ class KVCache:
         return len(self._keys), self._capacity
 
     def sessions(self) -> List[str]:
-        """Saved session ids, least recently used first."""
+        """Return the saved session ids, least recently used first."""
         return list(self._sessions)
 
     def snapshot_bytes(self) -> int:
@@ -147,16 +148,19 @@ class KVCache:
         self._sessions.clear()
 
     # --- reuse -------------------------------------------------------------------------------
-    def plan(self, keys: Sequence[Hashable], session_id: str = '') -> int:
+    def plan(self, keys: Sequence[Hashable], session_id: str = '', recompute: int = 1) -> int:
         """Prepare the live cache for a request of these position keys.
 
-        Returns how many leading positions are already in place (0 .. len(keys) - 1); the
-        caller prefills keys[returned:]. The live cache is rewound to that length, after
-        saving it as its owner's snapshot when another session's request overwrites it.
+        Returns how many leading positions are already in place (0 .. len(keys) - recompute);
+        the caller prefills keys[returned:] (at least `recompute` >= 1 positions, since the
+        last one must be computed for its logits). The live cache is rewound to that length,
+        after saving it as its owner's snapshot when another session's request overwrites it.
         """
         if not keys:
             raise ValueError('a request needs at least one position')
-        limit = len(keys) - 1  # the last position is recomputed for its logits
+        if recompute < 1:
+            raise ValueError(f'recompute must be >= 1, got {recompute}')
+        limit = max(len(keys) - recompute, 0)
         best = min(common_prefix(self._keys, keys), limit)
         source: Optional[_Snapshot] = None
         for snap in self._sessions.values():

@@ -28,7 +28,7 @@ _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelInfo:
     """The model.yaml written by the converter (only what the runtime needs is typed)."""
 
     name: str
@@ -57,7 +57,7 @@ _REQUIRED_INT = ('num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'hidden_
                  'vocab_size', 'max_position_embeddings')
 
 
-def load_model_spec(model_dir: str) -> ModelSpec:
+def load_model_info(model_dir: str) -> ModelInfo:
     """Read and check <model_dir>/model.yaml; ModelLoadError says which file and what to do."""
     path = os.path.join(model_dir, 'model.yaml')
     if not os.path.isdir(model_dir):
@@ -81,7 +81,7 @@ def load_model_spec(model_dir: str) -> ModelSpec:
         eos = tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
         bos = raw.get('bos_token_id')
         kv_max = raw.get('kv_max_context')
-        spec = ModelSpec(
+        spec = ModelInfo(
             name=str(raw.get('name') or os.path.basename(os.path.normpath(model_dir))),
             architecture=str(raw['architecture']),
             bos_token_id=None if bos is None else int(bos),
@@ -148,7 +148,8 @@ def _session_options(config: SessionConfig) -> ort.SessionOptions:
             raise ModelLoadError(
                 f'intra_op_affinity {config.intra_op_affinity!r} has {len(entries)} entries; '
                 f'{config.intra_op_threads} threads need {config.intra_op_threads - 1} '
-                '(";"-separated, one per thread after the first, e.g. "1;2;3" or "1,2;3,4")')
+                '(";"-separated 1-based processor ids, one entry per thread after the first, '
+                'e.g. "2;3;4" or "1,2;3,4")')
         opts.add_session_config_entry('session.intra_op_thread_affinities',
                                       config.intra_op_affinity)
     return opts
@@ -161,8 +162,8 @@ class OnnxDecoder:
     it) before the next call.
     """
 
-    def __init__(self, model_dir: str, spec: ModelSpec, config: SessionConfig) -> None:
-        self.spec = spec
+    def __init__(self, model_dir: str, spec: ModelInfo, config: SessionConfig) -> None:
+        self.info = spec
         model_path = os.path.join(model_dir, 'model.onnx')
         if not os.path.isfile(model_path):
             raise ModelLoadError(f'{model_path} is missing: {REGENERATE_HINT}')
@@ -170,8 +171,8 @@ class OnnxDecoder:
             raise ModelLoadError(f'max_context must be >= 1, got {config.max_context}')
         if config.max_context > spec.max_position_embeddings:
             raise ModelLoadError(
-                f'max_context {config.max_context} exceeds the model\'s '
-                f'max_position_embeddings {spec.max_position_embeddings}: lower max_context')
+                f'max_context {config.max_context} exceeds the model max_position_embeddings '
+                f'{spec.max_position_embeddings}: lower max_context')
         if spec.kv_max_context is not None and config.max_context > spec.kv_max_context:
             raise ModelLoadError(
                 f'max_context {config.max_context} exceeds the static KV length '
@@ -211,7 +212,7 @@ class OnnxDecoder:
             'logits', ort.OrtValue.ortvalue_from_numpy(self._logits))
         # Decode inputs: bound once, rewritten in place every step.
         self._ids1 = np.zeros((1, 1), dtype=np.int64)
-        self._no_embeds = np.zeros((1, 0, spec.hidden_size), dtype=self._act_dtype)
+        self._no_embeds = np.zeros((1, 0, spec.hidden_size), dtype=self.act_dtype)
         self._seqlens = np.zeros((1,), dtype=np.int32)
         self._total = np.zeros((), dtype=np.int32)
         self._decode_inputs = {
@@ -229,7 +230,7 @@ class OnnxDecoder:
 
     # --- graph checks ------------------------------------------------------------------------
     def _check_io(self, model_path: str) -> None:
-        spec = self.spec
+        spec = self.info
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
         want_in = ['input_ids', 'seqlens_k', 'total_sequence_length']
@@ -249,7 +250,7 @@ class OnnxDecoder:
             raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
                                         'supported (float or float16)')
         self._kv_dtype = _ORT_DTYPES[kv_type]
-        self._act_dtype = _ORT_DTYPES.get(
+        self.act_dtype = _ORT_DTYPES.get(
             inputs['inputs_embeds'].type if self.accepts_embeds else kv_type, np.float32)
         logits_shape = outputs['logits'].shape
         if isinstance(logits_shape[-1], int) and logits_shape[-1] != spec.vocab_size:
@@ -287,8 +288,8 @@ class OnnxDecoder:
             if not self.accepts_embeds:
                 raise ModelLoadError('this model.onnx has no inputs_embeds input: reconvert it '
                                      'with a current edge-llm-convert to feed embeddings')
-            embeds = np.ascontiguousarray(embeds, dtype=self._act_dtype).reshape(
-                1, -1, self.spec.hidden_size)
+            embeds = np.ascontiguousarray(embeds, dtype=self.act_dtype).reshape(
+                1, -1, self.info.hidden_size)
             n_emb = embeds.shape[1]
         n = n_emb + ids.shape[0]
         if n == 0:

@@ -49,7 +49,7 @@ def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
 
 
 def conversation(request: GenerationRequest) -> List[ChatMessage]:
-    """The messages to render: system_prompt, then messages, or the prompt as one user turn."""
+    """List the messages to render: system_prompt, messages, then the prompt as a user turn."""
     messages: List[ChatMessage] = []
     if request.system_prompt:
         messages.append(ChatMessage('system', request.system_prompt))
@@ -79,7 +79,7 @@ def _check_embeddings(value, hidden_size: int, dtype) -> Optional[np.ndarray]:
     if arr.ndim != 2 or arr.shape[1] != hidden_size:
         raise InvalidEmbeddingsError(
             f'prefix_embeddings shape {value.shape} is not [n, {hidden_size}] '
-            f'(the model\'s hidden size)')
+            '(hidden_size of the model)')
     if arr.shape[0] == 0:
         return None
     if not np.isfinite(arr).all():
@@ -96,34 +96,39 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     """
     if not isinstance(request, GenerationRequest):
         raise InvalidRequestError(f'expected a GenerationRequest, got {type(request).__name__}')
-    if not isinstance(request.max_tokens, (int, np.integer)) or isinstance(request.max_tokens,
-                                                                            bool):
+    # What is asked: the conversation.
+    if not isinstance(request.prompt, str):
+        raise InvalidRequestError(f'prompt must be text, not {type(request.prompt).__name__}')
+    if not request.prompt and not request.messages:
+        raise InvalidRequestError('the request is empty: give a prompt or messages')
+    if request.use_chat_template:
+        messages = conversation(request)
+    elif request.messages or request.system_prompt:
+        raise InvalidRequestError('use_chat_template=False takes only `prompt` (raw text); '
+                                  'messages and system_prompt need the chat template')
+    if not isinstance(request.session_id, str):
+        raise InvalidRequestError('session_id must be text')
+    # How to answer: sampling, stopping, format, embeddings.
+    if isinstance(request.max_tokens, bool) or \
+            not isinstance(request.max_tokens, (int, np.integer)):
         raise InvalidRequestError(f'max_tokens must be an integer, got {request.max_tokens!r}')
     if request.max_tokens < 1:
         raise InvalidRequestError(f'max_tokens must be >= 1, got {request.max_tokens}')
-    if request.max_tokens >= capacity:
-        raise ContextOverflowError(f'max_tokens {request.max_tokens} leaves no room for the '
-                                   f'prompt in the context of {capacity} tokens: lower it')
     sampling.validate(request.sampling)
     stop = tuple(request.stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise InvalidRequestError('stop strings must be non-empty text')
-    embeds = _check_embeddings(request.prefix_embeddings, hidden_size, act_dtype)
-
     if not isinstance(request.json_schema, str):
         raise InvalidRequestError('json_schema must be the schema as JSON text')
     constraint = compile_schema(request.json_schema) if request.json_schema else None
-
-    if not request.prompt and not request.messages:
-        raise InvalidRequestError('the request is empty: give a prompt or messages')
-    if not isinstance(request.prompt, str):
-        raise InvalidRequestError(f'prompt must be text, not {type(request.prompt).__name__}')
+    embeds = _check_embeddings(request.prefix_embeddings, hidden_size, act_dtype)
+    if request.max_tokens >= capacity:
+        raise ContextOverflowError(f'max_tokens {request.max_tokens} leaves no room for the '
+                                   f'prompt in the context of {capacity} tokens: lower it')
+    # The prompt, and whether it fits.
     if request.use_chat_template:
-        ids = tokenizer.encode_chat(conversation(request), add_generation_prompt=True)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
     else:
-        if request.messages or request.system_prompt:
-            raise InvalidRequestError('use_chat_template=False takes only `prompt` (raw text); '
-                                      'messages and system_prompt need the chat template')
         ids = tokenizer.encode(request.prompt)
         bos = tokenizer.bos_token_id
         if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
@@ -141,5 +146,12 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
 
 
 def split_chunks(total: int, start: int, chunk: int) -> Sequence[Tuple[int, int]]:
-    """[start, total) cut into [a, b) pieces of at most `chunk` positions."""
-    return [(a, min(a + chunk, total)) for a in range(start, total, chunk)]
+    """Cut [start, total) into [a, b) pieces of at most `chunk` positions.
+
+    No piece has a single position unless the whole range does: a one-row forward takes the
+    decode kernel, whose numerics differ from the prefill kernel (see generator.RECOMPUTE).
+    """
+    bounds = list(range(start, total, chunk)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and chunk > 1:
+        bounds[-2] -= 1
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -1,0 +1,416 @@
+"""Engine benchmark: prefill / decode / TTFT with prefix reuse / RSS / bandwidth, and peers.
+
+    .venv/bin/python bench/bench_engine.py [--threads 2] [--repeats 3] [--with-peers]
+
+On the embedded SmolLM2-135M (or --model DIR + --gguf FILE): a ~120-token chat prompt, 128
+greedy tokens, the same thread count for every engine, all in one run so the ratios compare
+like with like (this machine's speed drifts by up to 2x over minutes). Peers run in their own
+processes, one after the other: llama-cpp-python on the same GGUF (if importable, or built once
+into .cache/bench_peers_venv with --with-peers: ~9 min of compiling on 2 cores) and
+onnxruntime-genai when a model built by its own builder is given (--ortgenai-model DIR).
+Prints one JSON object and a short table; timing targets live here, never in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEERS_VENV = ROOT / '.cache' / 'bench_peers_venv'
+NEW_TOKENS = 128
+TARGETS = {'decode_vs_llama_cpp': 1.2, 'prefill_vs_llama_cpp': 1.5, 'ttft_reuse_gain': 5.0,
+           'rss_mb': 400.0}
+
+# ~120 tokens of user prompt, and a ~200-token system prompt for the reuse measurement.
+PROMPT = (
+    'A warehouse robot with a camera, a lidar and a gripper must move ten boxes from the '
+    'loading dock to shelf B7 today, avoid the forklift that crosses aisle four every few '
+    'minutes, and report damaged boxes. Its battery is at sixty percent. Write a detailed '
+    'step-by-step plan for the shift: for each step say what the robot checks, what could go '
+    'wrong and how it recovers.')
+SYSTEM = (
+    'You are the planning assistant of an autonomous warehouse robot. Always answer in plain '
+    'English with short numbered steps. Safety comes first: never plan a path through an aisle '
+    'where people are working, keep at least one meter away from forklifts, and stop '
+    'immediately when the emergency button is pressed. The robot reports its battery level, its '
+    'position on the warehouse map, the state of its gripper and the list of boxes it carries. '
+    'Shelves are named by a letter for the row and a number for the column, from A1 near the '
+    'loading dock to H12 near the offices. The loading dock opens at six in the morning and '
+    'closes at ten in the evening. Damaged boxes go to the inspection area next to shelf A1 and '
+    'must be photographed before they are moved. When you are unsure, ask the supervisor '
+    'instead of guessing, and explain why you are asking. Keep answers under two hundred words '
+    'unless the supervisor asks for more detail, and never invent sensor readings.')
+QUESTIONS = ('Which shelf is closest to the loading dock?',
+             'Where do damaged boxes go?',
+             'What should the robot do when the emergency button is pressed?')
+
+
+# --- system measurements ---------------------------------------------------------------------
+def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
+    """Memory-copy bandwidth in bytes/s (read + write traffic), `threads` numpy copies at once."""
+    import numpy as np
+    n = mib * 2 ** 20 // 8 // threads
+    srcs = [np.random.default_rng(i).random(n) for i in range(threads)]
+    dsts = [np.empty_like(s) for s in srcs]
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.copyto, args=(d, s)) for d, s in zip(dsts, srcs)]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        dt = time.perf_counter() - t
+        best = max(best, 2 * sum(s.nbytes for s in srcs) / dt)
+    return best
+
+
+def weight_bytes_per_token(model_path: str) -> Dict[str, int]:
+    """Bytes of initializers one decode step reads: everything but gathered tables (one row)."""
+    import onnx
+    model = onnx.load(model_path, load_external_data=False)
+    sizes = {}
+    for init in model.graph.initializer:
+        ext = {e.key: e.value for e in init.external_data}
+        sizes[init.name] = int(ext['length']) if 'length' in ext else len(init.raw_data)
+    gathered, read = set(), set()
+    for node in model.graph.node:
+        if node.op_type in ('Gather', 'GatherBlockQuantized') and node.input[0] in sizes:
+            gathered.update(i for i in node.input[:1] if i in sizes)
+            if node.op_type == 'GatherBlockQuantized':
+                gathered.update(i for i in node.input[2:] if i in sizes)
+        else:
+            read.update(i for i in node.input if i in sizes)
+    # A table both gathered and used by a MatMul (tied lm_head) is read in full.
+    per_token = sum(sizes[n] for n in read)
+    return {'per_token': per_token, 'total': sum(sizes.values()),
+            'gather_only': sum(sizes[n] for n in gathered - read)}
+
+
+def peak_rss_mb() -> float:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# --- our engine --------------------------------------------------------------------------------
+def bench_engine(args, between_runs: Callable[[], None]) -> Dict:
+    """Measure our engine; between_runs() runs once after each cold run (peers, interleaved)."""
+    import psutil
+
+    from edge_llm_ros.engine.engine import Engine, EngineConfig
+    from edge_llm_ros.engine.types import GenerationRequest
+
+    proc = psutil.Process()
+    rss_start = proc.memory_info().rss
+    t = time.perf_counter()
+    engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
+                                 max_context=args.max_context))
+    load_s = time.perf_counter() - t
+    rss_loaded = proc.memory_info().rss
+
+    def run(req):
+        return engine.generate(req).run_to_end()
+
+    main = GenerationRequest(prompt=PROMPT, max_tokens=NEW_TOKENS)
+    prompt_ids = engine.tokenize(messages=main_messages(main))
+    run(GenerationRequest(prompt='Hello', max_tokens=8))  # warm-up
+    prefill, decode, completions, ttft_cold = [], [], [], []
+    for _ in range(args.repeats):
+        engine.reset_cache()
+        r = run(main)
+        prefill.append(r.timings.prefill_tokens_per_second)
+        decode.append(r.timings.decode_tokens_per_second)
+        completions.append(r.completion_tokens)
+        ttft_cold.append(r.timings.time_to_first_token_s)
+        between_runs()
+    no_reuse, reuse, cached = [], [], []
+    for i in range(args.repeats):
+        for q in QUESTIONS:
+            engine.reset_cache()
+            req = GenerationRequest(prompt=q, system_prompt=SYSTEM, max_tokens=1)
+            no_reuse.append(run(req).timings.time_to_first_token_s)
+        engine.reset_cache()
+        run(GenerationRequest(prompt='Hello', system_prompt=SYSTEM, max_tokens=1))
+        for q in QUESTIONS:
+            r = run(GenerationRequest(prompt=q, system_prompt=SYSTEM, max_tokens=1))
+            reuse.append(r.timings.time_to_first_token_s)
+            cached.append(r.timings.cached_prompt_tokens)
+    system_tokens = len(engine.tokenize(messages=[_msg('system', SYSTEM)],
+                                        add_generation_prompt=False))
+    out = {
+        'engine': 'edge_llm_ros (onnxruntime ' + _ort_version() + ')',
+        'model': engine.model_name, 'model_dir': engine.model_dir,
+        'providers': list(engine.providers), 'threads': args.threads,
+        'load_s': load_s, 'prompt_tokens': len(prompt_ids),
+        'completion_tokens': completions,
+        'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
+        'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
+        'ttft_s': statistics.median(ttft_cold),
+        'system_prompt_tokens': system_tokens,
+        'ttft_no_reuse_s': statistics.median(no_reuse),
+        'ttft_reuse_s': statistics.median(reuse),
+        'reuse_cached_tokens': statistics.median(cached),
+        'rss_before_load_mb': rss_start / 2 ** 20,
+        'rss_loaded_mb': rss_loaded / 2 ** 20,
+        'rss_mb': proc.memory_info().rss / 2 ** 20,
+        'peak_rss_mb': peak_rss_mb(),
+    }
+    out['ttft_reuse_gain'] = out['ttft_no_reuse_s'] / max(out['ttft_reuse_s'], 1e-9)
+    wb = weight_bytes_per_token(os.path.join(engine.model_dir, 'model.onnx'))
+    out['weight_bytes_per_token'] = wb['per_token']
+    out['weight_bytes_total'] = wb['total']
+    engine.close()
+    return out
+
+
+def main_messages(req):
+    from edge_llm_ros.engine.request import conversation
+    return conversation(req)
+
+
+def _msg(role, content):
+    from edge_llm_ros.engine.types import ChatMessage
+    return ChatMessage(role, content)
+
+
+def _ort_version() -> str:
+    import onnxruntime
+    return onnxruntime.__version__
+
+
+# --- peers (each in its own process) ------------------------------------------------------
+def peer_llama_cpp(args) -> Dict:
+    """Run llama-cpp-python: same prompt ids, greedy, NEW_TOKENS tokens, args.threads."""
+    import llama_cpp
+    ids = json.loads(args.prompt_ids)
+    llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=args.max_context, n_threads=args.threads,
+                          n_threads_batch=args.threads, n_batch=512, verbose=False)
+    llm.eval(ids[:8])  # warm-up
+    prefill, decode, ttft = [], [], []
+    for _ in range(args.repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        prefill.append(len(ids) / (t1 - t0))
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        ttft.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        for _ in range(NEW_TOKENS - 1):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        decode.append((NEW_TOKENS - 1) / (time.perf_counter() - t2))
+    import psutil
+    return {'engine': f'llama-cpp-python {llama_cpp.__version__}', 'gguf': args.gguf,
+            'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
+            'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
+            'ttft_s': statistics.median(ttft),
+            'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
+
+
+def peer_ortgenai(args) -> Dict:
+    """onnxruntime-genai on a model built by its own builder (INT4), same prompt ids."""
+    import numpy as np
+    import onnxruntime_genai as og
+    ids = np.array(json.loads(args.prompt_ids), dtype=np.int32)
+    config = og.Config(args.ortgenai_model)
+    model = og.Model(config)
+    prefill, decode = [], []
+    for _ in range(args.repeats + 1):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids)
+        gen.generate_next_token()
+        t1 = time.perf_counter()
+        n = 1
+        while not gen.is_done() and n < NEW_TOKENS:
+            gen.generate_next_token()
+            n += 1
+        t2 = time.perf_counter()
+        prefill.append(len(ids) / (t1 - t0))
+        decode.append((n - 1) / (t2 - t1))
+    prefill, decode = prefill[1:], decode[1:]
+    return {'engine': f'onnxruntime-genai {og.__version__}',
+            'prefill_tok_s': statistics.median(prefill), 'decode_tok_s': statistics.median(decode),
+            'decode_tok_s_all': decode}
+
+
+def ensure_llama_cpp(install: bool) -> Optional[str]:
+    """Find a python that imports llama_cpp: this one, the peers venv, or (install) a new one."""
+    for py in (sys.executable, str(PEERS_VENV / 'bin' / 'python')):
+        if os.path.exists(py) and subprocess.run([py, '-c', 'import llama_cpp'],
+                                                 capture_output=True).returncode == 0:
+            return py
+    if not install:
+        return None
+    print('bench: building llama-cpp-python into .cache/bench_peers_venv (~9 min on 2 cores)',
+          file=sys.stderr)
+    subprocess.run([sys.executable, '-m', 'venv', str(PEERS_VENV)], check=True)
+    py = str(PEERS_VENV / 'bin' / 'python')
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
+    subprocess.run([py, '-m', 'pip', 'install', '-q', 'llama-cpp-python', 'numpy', 'psutil'],
+                   check=True, env=env)
+    return py
+
+
+def run_peer(python: str, name: str, args, prompt_ids: List[int]) -> Dict:
+    cmd = [python, __file__, '--peer', name, '--threads', str(args.threads),
+           '--repeats', '1', '--max-context', str(args.max_context),
+           '--gguf', args.gguf or '', '--ortgenai-model', args.ortgenai_model or '',
+           '--prompt-ids', json.dumps(prompt_ids)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {'engine': name, 'error': proc.stderr.strip().splitlines()[-1:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- report ------------------------------------------------------------------------------------
+def report(ours: Dict, peers: Dict[str, Dict], bandwidth: float) -> Dict:
+    out = {'ours': ours, 'peers': peers, 'copy_bandwidth_gb_s': bandwidth / 1e9}
+    limit = bandwidth / ours['weight_bytes_per_token']
+    out['decode_bandwidth_limit_tok_s'] = limit
+    out['decode_fraction_of_bandwidth_limit'] = ours['decode_tok_s'] / limit
+    ratios = {'ttft_reuse_gain': ours['ttft_reuse_gain'], 'rss_mb': ours['rss_mb']}
+    llama = peers.get('llama_cpp', {})
+    if 'decode_tok_s' in llama:
+        ratios['decode_vs_llama_cpp'] = ours['decode_tok_s'] / llama['decode_tok_s']
+        ratios['prefill_vs_llama_cpp'] = ours['prefill_tok_s'] / llama['prefill_tok_s']
+    og = peers.get('ortgenai', {})
+    if 'decode_tok_s' in og:
+        ratios['decode_vs_ortgenai'] = ours['decode_tok_s'] / og['decode_tok_s']
+        ratios['prefill_vs_ortgenai'] = ours['prefill_tok_s'] / og['prefill_tok_s']
+    out['ratios'] = ratios
+    out['targets_met'] = {k: (ratios[k] <= v if k == 'rss_mb' else ratios[k] >= v)
+                          for k, v in TARGETS.items() if k in ratios}
+    return out
+
+
+def print_table(res: Dict) -> None:
+    ours = res['ours']
+    rows = [('edge_llm_ros', ours)] + [(k, v) for k, v in res['peers'].items()]
+    print(f'\n{"engine":<16}{"prefill tok/s":>15}{"decode tok/s":>14}{"TTFT ms":>10}'
+          f'{"RSS MB":>9}', file=sys.stderr)
+    for name, r in rows:
+        if 'error' in r or 'skipped' in r:
+            print(f'{name:<16}  {r.get("error") or r.get("skipped")}', file=sys.stderr)
+            continue
+        print(f'{name:<16}{r["prefill_tok_s"]:>15.0f}{r["decode_tok_s"]:>14.1f}'
+              f'{r.get("ttft_s", 0) * 1000:>10.0f}{r.get("rss_mb", 0):>9.0f}', file=sys.stderr)
+    print(f'\nTTFT with {ours["system_prompt_tokens"]}-token system prompt: '
+          f'{ours["ttft_no_reuse_s"] * 1000:.1f} ms fresh, {ours["ttft_reuse_s"] * 1000:.1f} ms '
+          f'reused ({ours["reuse_cached_tokens"]:.0f} cached) -> '
+          f'{ours["ttft_reuse_gain"]:.1f}x', file=sys.stderr)
+    print(f'weights read per token {ours["weight_bytes_per_token"] / 1e6:.1f} MB, copy '
+          f'bandwidth {res["copy_bandwidth_gb_s"]:.1f} GB/s -> limit '
+          f'{res["decode_bandwidth_limit_tok_s"]:.0f} tok/s, decode at '
+          f'{res["decode_fraction_of_bandwidth_limit"] * 100:.0f}% of it', file=sys.stderr)
+    for k, v in res['ratios'].items():
+        target = TARGETS.get(k)
+        met = res['targets_met'].get(k)
+        mark = '' if target is None else f'  (target {"<=" if k == "rss_mb" else ">="} '\
+            f'{target}: {"met" if met else "MISSED"})'
+        print(f'  {k:<24}{v:8.2f}{mark}', file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--model', default='', help='converted model folder (default: embedded)')
+    p.add_argument('--gguf', default='', help='GGUF for llama-cpp-python (default: embedded)')
+    p.add_argument('--ortgenai-model', default='', help='onnxruntime-genai model folder')
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--repeats', type=int, default=3)
+    p.add_argument('--max-context', type=int, default=2048)
+    p.add_argument('--with-peers', action='store_true',
+                   help='build llama-cpp-python into .cache/bench_peers_venv if needed')
+    p.add_argument('--peer', choices=('llama_cpp', 'ortgenai'), help=argparse.SUPPRESS)
+    p.add_argument('--prompt-ids', default='[]', help=argparse.SUPPRESS)
+    p.add_argument('--json-out', default='', help='also write the JSON here')
+    args = p.parse_args(argv)
+    if args.peer:
+        fn = peer_llama_cpp if args.peer == 'llama_cpp' else peer_ortgenai
+        print(json.dumps(fn(args)))
+        return 0
+
+    sys.path.insert(0, str(ROOT))
+    model_dir = args.model or _default_model_dir()
+    args.model = model_dir
+    prompt_ids = _prompt_ids(model_dir)
+    args.gguf = args.gguf or source_gguf(model_dir)
+    py = ensure_llama_cpp(args.with_peers)
+    runs: Dict[str, List[Dict]] = {'llama_cpp': [], 'ortgenai': []}
+
+    def peers_once() -> None:
+        """One measurement of each available peer, between two of ours (same load drift)."""
+        if args.gguf and py:
+            runs['llama_cpp'].append(run_peer(py, 'llama_cpp', args, prompt_ids))
+        if args.ortgenai_model:
+            runs['ortgenai'].append(run_peer(sys.executable, 'ortgenai', args, prompt_ids))
+
+    ours = bench_engine(args, peers_once)
+    peers: Dict[str, Dict] = {}
+    if not args.gguf:
+        peers['llama_cpp'] = {'skipped': 'no GGUF for this model (give --gguf)'}
+    elif not py:
+        peers['llama_cpp'] = {'skipped': 'llama_cpp not importable (run with --with-peers)'}
+    else:
+        peers['llama_cpp'] = merge_runs(runs['llama_cpp'])
+    peers['ortgenai'] = (merge_runs(runs['ortgenai']) if args.ortgenai_model else
+                         {'skipped': 'no --ortgenai-model (its builder needs torch)'})
+    res = report(ours, peers, copy_bandwidth(args.threads))
+    print(json.dumps(res, indent=1))
+    print_table(res)
+    if args.json_out:
+        pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def merge_runs(runs: List[Dict]) -> Dict:
+    """Median of each peer measurement over the interleaved runs."""
+    ok = [r for r in runs if 'error' not in r]
+    if not ok:
+        return runs[-1] if runs else {'error': 'no run'}
+    out = dict(ok[0])
+    for key in ('prefill_tok_s', 'decode_tok_s', 'ttft_s', 'rss_mb'):
+        values = [r[key] for r in ok if key in r]
+        if values:
+            out[key] = statistics.median(values)
+            out[key + '_all'] = values
+    return out
+
+
+def _default_model_dir() -> str:
+    from edge_llm_ros.engine.default_model import ensure_default_model
+    return str(ensure_default_model())
+
+
+def source_gguf(model_dir: str) -> str:
+    """Find the GGUF the model folder was converted from (model.yaml records it)."""
+    import yaml
+    meta = yaml.safe_load(pathlib.Path(model_dir, 'model.yaml').read_text())
+    path = pathlib.Path(meta['source']['path'])
+    for candidate in (path, ROOT / path):
+        if candidate.is_file() and candidate.suffix == '.gguf':
+            return str(candidate)
+    return ''
+
+
+def _prompt_ids(model_dir: str) -> List[int]:
+    from edge_llm_ros.engine.request import conversation
+    from edge_llm_ros.engine.tokenizer import TextTokenizer
+    from edge_llm_ros.engine.types import GenerationRequest
+    tok = TextTokenizer.from_dir(model_dir)
+    return tok.encode_chat(conversation(GenerationRequest(prompt=PROMPT)))
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""`edge-llm generate "prompt"`: stream a completion to stdout, timings to stderr."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from edge_llm_ros.engine.engine import Engine, EngineConfig
+from edge_llm_ros.engine.errors import EngineError, InvalidRequestError
+from edge_llm_ros.engine.types import GenerationRequest, SamplingConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('prompt', help='the user message')
+    parser.add_argument('--model', default='',
+                        help='converted model folder (default: the embedded SmolLM2)')
+    parser.add_argument('--system', default='', help='system prompt')
+    parser.add_argument('--max-tokens', type=int, default=256)
+    parser.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
+    parser.add_argument('--top-p', type=float, default=1.0)
+    parser.add_argument('--top-k', type=int, default=0)
+    parser.add_argument('--seed', type=int, default=None)
+    parser.add_argument('--stop', action='append', default=[], help='stop string (repeatable)')
+    parser.add_argument('--threads', type=int, default=0, help='intra-op threads (0 = default)')
+    parser.add_argument('--max-context', type=int, default=2048)
+    parser.add_argument('--json-schema', default='', metavar='FILE',
+                        help='constrain the output to JSON valid against this schema file')
+
+
+def run(args: argparse.Namespace) -> int:
+    schema = ''
+    if args.json_schema:
+        try:
+            with open(args.json_schema, encoding='utf-8') as f:
+                schema = f.read()
+        except OSError as e:
+            print(f'edge-llm generate: cannot read --json-schema {args.json_schema}: {e}',
+                  file=sys.stderr)
+            return 2
+    try:
+        engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
+                                     max_context=args.max_context))
+        request = GenerationRequest(
+            prompt=args.prompt, system_prompt=args.system, max_tokens=args.max_tokens,
+            stop=tuple(args.stop), json_schema=schema,
+            sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p,
+                                    top_k=args.top_k, seed=args.seed))
+        generation = engine.generate(request)
+    except InvalidRequestError as e:
+        print(f'edge-llm generate: invalid request: {e}', file=sys.stderr)
+        return 2
+    except EngineError as e:
+        print(f'edge-llm generate: {e}', file=sys.stderr)
+        return 1
+    try:
+        for event in generation:
+            sys.stdout.write(event.text_delta)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        generation.cancel()
+        print('\n[interrupted]', file=sys.stderr)
+        return 130
+    result = generation.result
+    sys.stdout.write('\n')
+    t = result.timings
+    print(f'[{engine.model_name}] {result.stop_reason.value}: prompt {result.prompt_tokens} '
+          f'tokens ({t.cached_prompt_tokens} cached), {result.completion_tokens} generated; '
+          f'TTFT {t.time_to_first_token_s * 1000:.0f} ms, prefill '
+          f'{t.prefill_tokens_per_second:.0f} tok/s, decode {t.decode_tokens_per_second:.1f} '
+          f'tok/s', file=sys.stderr)
+    if result.error:
+        print(f'edge-llm generate: generation failed: {result.error}', file=sys.stderr)
+        return 1
+    return 0
