@@ -1,0 +1,409 @@
+"""LLMClient: call llm_node's ~/generate action from robot code, streaming or not.
+
+    client = LLMClient(node)                       # node: any rclpy Node
+    handle = client.generate('What color is the sky?', temperature=0.0)
+    for delta in handle:                           # text as it streams
+        print(delta, end='', flush=True)
+    outcome = handle.result(timeout=30.0)          # GenerationOutcome (text, timings, ...)
+
+Spinning: if `node` is in no executor when the client is made, the client adds it to a
+private one and its blocking calls (`result`, iteration, `wait_for_server`, `complete`)
+spin it while they wait. If it is (the usual robot node spinning in a
+MultiThreadedExecutor on another thread), they only wait: never call them from a callback
+of a single-threaded executor that spins the same node (it would wait for itself); use
+`add_done_callback` there instead.
+
+A rejected goal (node not active, queue full) raises GoalRejectedError: rclpy cannot carry a
+reason with a rejection, llm_node logs it and counts it in /diagnostics. Requests the node
+finds invalid are accepted and aborted with finish_reason 'error' and an error_message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import threading
+import time
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+from action_msgs.msg import GoalStatus
+from rclpy.action import ActionClient
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings
+from edge_llm_msgs.srv import Complete, Tokenize
+
+# After the result arrives, how long to wait for feedback still in flight (topic vs service).
+FEEDBACK_GRACE_S = 1.0
+FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
+                          reliability=ReliabilityPolicy.RELIABLE)
+SAMPLING_FIELDS = ('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty',
+                   'presence_penalty', 'seed')
+STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
+                GoalStatus.STATUS_CANCELED: 'canceled', GoalStatus.STATUS_UNKNOWN: 'unknown'}
+
+
+class LLMClientError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class GoalRejectedError(LLMClientError):
+    """llm_node refused the goal: it is not active, or its queue is full."""
+
+
+class ServerUnavailableError(LLMClientError):
+    """No llm_node answered within the timeout."""
+
+
+@dataclass(frozen=True)
+class GenerationOutcome:
+    """The result of one goal, with its terminal status."""
+
+    text: str
+    token_ids: List[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    error_message: str
+    status: str                 # succeeded, aborted or canceled
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 'succeeded'
+
+
+def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
+    return GenerationOutcome(
+        text=result.text, token_ids=list(result.token_ids), finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+        timings=result.timings, error_message=result.error_message,
+        status=STATUS_NAMES.get(status, str(status)))
+
+
+class _LockedActionClient(ActionClient):
+    """rclpy's ActionClient with its request bookkeeping made thread-safe.
+
+    Jazzy's ActionClient sends a goal/result/cancel request and only then registers the
+    future awaiting its response; when another executor thread processes the response in
+    between, the response is dropped ('Ignoring unexpected goal response') and the goal hangs
+    forever. Seen here in 1 of a few hundred goals with a MultiThreadedExecutor. One lock
+    around sending+registering and around response processing closes the window. Processing
+    never suspends while holding it: the only feedback callback is GenerationHandle's, which
+    is synchronous.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._request_lock = threading.RLock()
+
+    def send_goal_async(self, *args, **kwargs):
+        with self._request_lock:
+            return super().send_goal_async(*args, **kwargs)
+
+    def _get_result_async(self, goal_handle):
+        with self._request_lock:
+            return super()._get_result_async(goal_handle)
+
+    def _cancel_goal_async(self, goal_handle):
+        with self._request_lock:
+            return super()._cancel_goal_async(goal_handle)
+
+    async def execute(self, taken_data) -> None:
+        with self._request_lock:
+            await super().execute(taken_data)
+
+
+class _Waiter:
+    """Blocking waits: spin the node here when no executor owns it, else just wait."""
+
+    def __init__(self, node: Node) -> None:
+        self._executor: Optional[SingleThreadedExecutor] = None
+        self._lock = threading.Lock()
+        if node.executor is None:
+            self._executor = SingleThreadedExecutor(context=node.context)
+            self._executor.add_node(node)
+
+    @property
+    def spins(self) -> bool:
+        return self._executor is not None
+
+    def pump(self, timeout: float) -> None:
+        """Run callbacks for up to `timeout` s (only when this waiter spins the node)."""
+        if self._executor is None:
+            time.sleep(timeout)
+            return
+        with self._lock:
+            self._executor.spin_once(timeout_sec=timeout)
+
+    def wait(self, event: threading.Event, timeout: Optional[float]) -> bool:
+        if self._executor is None:
+            return event.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not event.is_set():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.pump(0.05 if left is None else min(0.05, left))
+        return True
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(timeout_sec=0)
+            self._executor = None
+
+
+class GenerationHandle:
+    """A running goal: iterate it for text deltas, `result()` for the outcome, `cancel()`."""
+
+    def __init__(self, waiter: _Waiter, client: ActionClient, goal: Generate.Goal,
+                 on_feedback: Optional[Callable[[Generate.Feedback], None]] = None) -> None:
+        self._waiter = waiter
+        self._user_feedback = on_feedback
+        self._cond = threading.Condition()
+        self._deltas: List[str] = []
+        self._seen_tokens = 0
+        self._goal_handle: Any = None
+        self._responded = threading.Event()
+        self._finished = threading.Event()
+        self._outcome: Optional[GenerationOutcome] = None
+        self._error: Optional[BaseException] = None
+        self._result_at = 0.0
+        self._done_callbacks: List[Callable[['GenerationHandle'], None]] = []
+        self.queue_position = 0
+        self.sent_at = time.monotonic()
+        self.first_feedback_at: Optional[float] = None
+        future = client.send_goal_async(goal, feedback_callback=self._on_feedback)
+        future.add_done_callback(self._on_goal_response)
+
+    # ---- callbacks (executor threads) --------------------------------------------------------
+    def _on_feedback(self, message) -> None:
+        feedback = message.feedback
+        with self._cond:
+            self.queue_position = feedback.queue_position
+            if feedback.text_delta or feedback.completion_tokens:
+                if self.first_feedback_at is None and feedback.token_ids:
+                    self.first_feedback_at = time.monotonic()
+                self._deltas.append(feedback.text_delta)
+                self._seen_tokens = max(self._seen_tokens, feedback.completion_tokens)
+            self._cond.notify_all()
+        if self._user_feedback is not None:
+            self._user_feedback(feedback)
+
+    def _on_goal_response(self, future) -> None:
+        goal_handle = future.result()
+        with self._cond:
+            self._goal_handle = goal_handle
+            if not goal_handle.accepted:
+                self._error = GoalRejectedError(
+                    'llm_node rejected the goal: it is not active or its queue is full '
+                    '(see its log or /diagnostics)')
+        self._responded.set()
+        if goal_handle.accepted:
+            goal_handle.get_result_async().add_done_callback(self._on_result)
+        else:
+            self._finish()
+
+    def _on_result(self, future) -> None:
+        response = future.result()
+        with self._cond:
+            self._outcome = _outcome(response.result, response.status)
+            self._result_at = time.monotonic()
+            self._cond.notify_all()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._finished.set()
+        with self._cond:
+            self._cond.notify_all()
+            callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    # ---- user side ---------------------------------------------------------------------------
+    @property
+    def accepted(self) -> bool:
+        """Wait for the goal response (spinning if needed); True if accepted."""
+        self._waiter.wait(self._responded, None)
+        return self._error is None
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def add_done_callback(self, callback: Callable[['GenerationHandle'], None]) -> None:
+        """Call `callback(handle)` once the result (or the rejection) is in."""
+        with self._cond:
+            if not self._finished.is_set():
+                self._done_callbacks.append(callback)
+                return
+        callback(self)
+
+    def result(self, timeout: Optional[float] = None) -> GenerationOutcome:
+        """Block until the goal ends; raise GoalRejectedError or TimeoutError."""
+        if not self._waiter.wait(self._finished, timeout):
+            raise TimeoutError(f'no result from llm_node within {timeout} s')
+        if self._error is not None:
+            raise self._error
+        return self._outcome
+
+    def cancel(self, timeout: Optional[float] = 5.0) -> bool:
+        """Ask llm_node to stop; True if the cancel was accepted (the result follows)."""
+        if not self._waiter.wait(self._responded, timeout) or self._goal_handle is None:
+            return False
+        if not self._goal_handle.accepted or self._finished.is_set():
+            return False
+        answered = threading.Event()
+        box: list = []
+
+        def on_cancel(future) -> None:
+            box.append(future.result())
+            answered.set()
+        self._goal_handle.cancel_goal_async().add_done_callback(on_cancel)
+        if not self._waiter.wait(answered, timeout):
+            return False
+        return bool(box and box[0].goals_canceling)
+
+    def stream(self, timeout: Optional[float] = None) -> Iterator[str]:
+        """Yield text deltas in order until the goal ended and its feedback is complete.
+
+        Raises GoalRejectedError when the node refused the goal, TimeoutError after `timeout`.
+
+        The result comes over a service and the feedback over a topic, so the last chunks can
+        arrive after the result: the stream waits up to FEEDBACK_GRACE_S for them (llm_node's
+        last feedback carries completion_tokens == the result's).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        index = 0
+        spins_itself = self._waiter.spins
+        while True:
+            with self._cond:
+                if index < len(self._deltas):
+                    chunk = self._deltas[index]
+                    index += 1
+                elif self._stream_complete():
+                    if self._error is not None:
+                        raise self._error
+                    return
+                else:
+                    chunk = None
+                    if not spins_itself:
+                        self._cond.wait(0.05)
+            if chunk is not None:
+                if chunk:
+                    yield chunk
+                continue
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f'stream did not end within {timeout} s')
+            if spins_itself:
+                self._waiter.pump(0.05)
+
+    def _stream_complete(self) -> bool:
+        if not self._finished.is_set():
+            return False
+        if self._outcome is None:
+            return True
+        if self._seen_tokens >= self._outcome.completion_tokens:
+            return True
+        return time.monotonic() - self._result_at > FEEDBACK_GRACE_S
+
+    def __iter__(self) -> Iterator[str]:
+        return self.stream()
+
+    @property
+    def streamed_text(self) -> str:
+        with self._cond:
+            return ''.join(self._deltas)
+
+
+def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str = '',
+              max_tokens: int = 0, stop: Sequence[str] = (), json_schema: str = '',
+              session_id: str = '', prefix_embeddings: Sequence[Any] = (),
+              request_type=Generate.Goal, **sampling) -> Any:
+    """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
+
+    `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
+    given stay UNSET (the node's defaults apply).
+    """
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f'unknown sampling field(s) {sorted(unknown)}; known: '
+                        f'{", ".join(SAMPLING_FIELDS)}')
+    goal = request_type()
+    goal.prompt = prompt
+    goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
+                     for m in messages]
+    goal.system_prompt = system_prompt
+    params = SamplingParams()
+    for name, value in sampling.items():
+        setattr(params, name, float(value) if isinstance(getattr(params, name), float)
+                else int(value))
+    goal.sampling = params
+    goal.max_tokens = int(max_tokens)
+    goal.stop = list(stop)
+    goal.json_schema = json_schema
+    goal.session_id = session_id
+    goal.prefix_embeddings = list(prefix_embeddings)
+    return goal
+
+
+class LLMClient:
+    """Client of one llm_node (`server` is its fully qualified name)."""
+
+    def __init__(self, node: Node, server: str = '/llm_node', callback_group=None) -> None:
+        self._node = node
+        self._waiter = _Waiter(node)
+        self.server = server.rstrip('/')
+        self._action = _LockedActionClient(node, Generate, f'{self.server}/generate',
+                                           callback_group=callback_group,
+                                           feedback_sub_qos_profile=FEEDBACK_QOS)
+        self._complete = node.create_client(Complete, f'{self.server}/complete',
+                                            callback_group=callback_group)
+        self._tokenize = node.create_client(Tokenize, f'{self.server}/tokenize',
+                                            callback_group=callback_group)
+
+    def wait_for_server(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the action server is discovered (it exists in every lifecycle state)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._action.server_is_ready():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self._waiter.pump(0.05)
+        return True
+
+    def generate(self, prompt: str = '', *, messages: Sequence[Any] = (),
+                 on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,
+                 **kwargs) -> GenerationHandle:
+        """Send a goal; see make_goal for the keyword arguments."""
+        goal = make_goal(prompt, messages, **kwargs)
+        return GenerationHandle(self._waiter, self._action, goal, on_feedback)
+
+    def complete(self, prompt: str = '', *, messages: Sequence[Any] = (),
+                 timeout: Optional[float] = None, **kwargs) -> Complete.Response:
+        """One-shot ~/complete call (blocking)."""
+        request = make_goal(prompt, messages, request_type=Complete.Request, **kwargs)
+        return self._call(self._complete, request, timeout)
+
+    def tokenize(self, text: str = '', *, messages: Sequence[Any] = (),
+                 add_generation_prompt: bool = True,
+                 timeout: Optional[float] = None) -> Tokenize.Response:
+        request = Tokenize.Request(text=text, add_generation_prompt=add_generation_prompt)
+        request.messages = [m if isinstance(m, ChatMessage)
+                            else ChatMessage(role=m[0], content=m[1]) for m in messages]
+        return self._call(self._tokenize, request, timeout)
+
+    def _call(self, client, request, timeout: Optional[float]):
+        if not client.wait_for_service(timeout_sec=timeout):
+            raise ServerUnavailableError(f'{client.srv_name} not available within {timeout} s')
+        done = threading.Event()
+        future = client.call_async(request)
+        future.add_done_callback(lambda _: done.set())
+        if not self._waiter.wait(done, timeout):
+            raise TimeoutError(f'{client.srv_name} did not answer within {timeout} s')
+        return future.result()
+
+    def destroy(self) -> None:
+        self._waiter.close()
+        self._action.destroy()
+        self._node.destroy_client(self._complete)
+        self._node.destroy_client(self._tokenize)

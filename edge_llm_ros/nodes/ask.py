@@ -1,0 +1,128 @@
+"""`edge-llm ask "..."` / `ros2 run edge_llm_ros ask "..."`: one prompt to a running llm_node.
+
+Prints the answer as it streams, then one line of timings on stderr. Ctrl-C cancels the goal
+and prints the partial answer. Exit status: 0 answered, 1 refused or failed, 130 cancelled.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import List, Optional, TextIO
+
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.signals import SignalHandlerOptions
+
+from edge_llm_ros.client import GenerationOutcome, LLMClient, LLMClientError
+
+EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('prompt', help='the question or instruction')
+    parser.add_argument('--server', default='/llm_node',
+                        help='fully qualified name of the llm_node (default: /llm_node)')
+    parser.add_argument('--system', default='', help="system prompt (default: the node's)")
+    parser.add_argument('--max-tokens', type=int, default=0,
+                        help="completion tokens (default 0: the node's max_tokens)")
+    parser.add_argument('--temperature', type=float, default=None,
+                        help="sampling temperature (default: the node's; 0 = greedy)")
+    parser.add_argument('--seed', type=int, default=None, help='sampling seed')
+    parser.add_argument('--session', default='', help='session id to continue a conversation')
+    parser.add_argument('--json-schema', default='',
+                        help='constrain the answer to JSON of this schema (schema as JSON text)')
+    parser.add_argument('--wait', type=float, default=30.0,
+                        help='seconds to wait for the node to appear (default 30)')
+    parser.add_argument('--timeout', type=float, default=600.0,
+                        help='seconds to wait for the answer (default 600)')
+
+
+def format_timings(outcome: GenerationOutcome) -> str:
+    t = outcome.timings
+    cached = f' ({t.cached_prompt_tokens} cached)' if t.cached_prompt_tokens else ''
+    return (f'[{outcome.finish_reason}: {outcome.prompt_tokens} prompt tokens{cached}, '
+            f'{outcome.completion_tokens} generated; TTFT {t.time_to_first_token_s * 1e3:.0f} ms'
+            f', prefill {t.prefill_tokens_per_second:.0f} tok/s, decode '
+            f'{t.decode_tokens_per_second:.1f} tok/s, queue {t.queue_wait_s * 1e3:.0f} ms, '
+            f'total {t.total_s:.2f} s]')
+
+
+def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys.stdout,
+                  err: TextIO = sys.stderr) -> int:
+    """Send the goal, print deltas as they come; Ctrl-C cancels. Returns the exit status."""
+    sampling = {}
+    if args.temperature is not None:
+        sampling['temperature'] = args.temperature
+    if args.seed is not None:
+        sampling['seed'] = args.seed
+    handle = client.generate(args.prompt, system_prompt=args.system,
+                             max_tokens=args.max_tokens, session_id=args.session,
+                             json_schema=getattr(args, 'json_schema', ''), **sampling)
+    cancelled = False
+    try:
+        for delta in handle.stream(timeout=args.timeout):
+            out.write(delta)
+            out.flush()
+    except (LLMClientError, TimeoutError) as exc:
+        print(f'ask: {exc}', file=err)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        cancelled = True
+        print('\n[Ctrl-C: cancelling]', file=err, flush=True)
+        handle.cancel()
+    try:
+        outcome = handle.result(timeout=args.timeout)
+    except (LLMClientError, TimeoutError) as exc:
+        print(f'\nask: {exc}', file=err)
+        return EXIT_FAILED
+    if cancelled:
+        out.write('\n--- partial answer ---\n' + outcome.text)
+    out.write('\n')
+    out.flush()
+    print(format_timings(outcome), file=err)
+    if outcome.error_message:
+        print(f'ask: {outcome.status}: {outcome.error_message}', file=err)
+    if outcome.finish_reason == 'cancelled':
+        return EXIT_CANCELLED
+    return EXIT_OK if outcome.ok else EXIT_FAILED
+
+
+def run(args: argparse.Namespace) -> int:
+    # Our own Ctrl-C handling: KeyboardInterrupt reaches the main thread, the context stays
+    # up so the cancel request can still be sent.
+    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+    node = rclpy.create_node('edge_llm_ask', start_parameter_services=False)
+    executor = SingleThreadedExecutor()
+    executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
+    spinner.start()
+    try:
+        client = LLMClient(node, args.server)
+        if not client.wait_for_server(timeout=args.wait):
+            print(f'ask: no llm_node action server at {args.server}/generate after '
+                  f'{args.wait:.0f} s: start one (ros2 run edge_llm_ros llm_node --ros-args -p '
+                  'autostart:=true) or pass --server', file=sys.stderr)
+            return EXIT_FAILED
+        return stream_answer(client, args)
+    except KeyboardInterrupt:
+        return EXIT_CANCELLED
+    finally:
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+        spinner.join(timeout=2.0)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Console script `ask` (ROS arguments after --ros-args are ignored)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if '--ros-args' in argv:
+        argv = argv[:argv.index('--ros-args')]
+    parser = argparse.ArgumentParser(prog='ask', description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == '__main__':
+    sys.exit(main())

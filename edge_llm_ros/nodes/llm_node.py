@@ -1,0 +1,583 @@
+"""llm_node: a lifecycle node serving the engine as a queued, streaming action and services.
+
+Interfaces (all relative to the node's name):
+  ~/generate   edge_llm_msgs/action/Generate   streamed, cancellable, queued
+  ~/complete   edge_llm_msgs/srv/Complete      one-shot, through the same queue
+  ~/tokenize   edge_llm_msgs/srv/Tokenize      answered at once, never queued
+  ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
+  /diagnostics diagnostic_msgs/DiagnosticArray every diagnostics.period_s (1 s)
+Parameters: bringup.parameters' llm_node schema (see nodes/llm_config.py).
+
+Lifecycle: on_configure reads the parameters once and loads the model on the engine worker
+thread (a failure returns FAILURE: the node stays unconfigured, the error is logged and shown
+in /diagnostics); on_activate starts accepting goals; on_deactivate cancels the running and
+queued goals (they end ABORTED with finish_reason 'cancelled', their partial text and an
+error_message saying why) and waits for the worker to go idle; on_cleanup and on_shutdown free
+the model.
+
+How a goal is refused:
+- Not active, or the queue is full: the goal is REJECTED (rclpy cannot attach a reason to a
+  rejection), the reason is logged, counted in /diagnostics and published on ~/transcript.
+- Anything wrong with the request itself (empty prompt, unknown role, bad sampling value,
+  invalid JSON schema, too long for the context, unresolvable tensor handle): the goal is
+  ACCEPTED and ABORTED at once with finish_reason 'error' and an error_message saying what to
+  fix, so the client gets the reason. It gives its reserved queue slot back at once.
+Defaults: SamplingParams fields at UNSET take ~/sampling.*, max_tokens 0 takes ~/max_tokens,
+an empty system_prompt takes ~/system_prompt. A max_tokens that does not fit in the context
+after the prompt is an error, not clamped: the caller asked for more than can be delivered.
+
+Threading: inference runs only on the engine worker thread (nodes/worker.py). A goal is
+validated and queued in the action's accepted callback; its execute callback and ~/complete
+are coroutines that await the worker's result, so a waiting request holds no executor thread;
+feedback is published from the worker thread.
+Callback groups: lifecycle services + autostart share the default (mutually exclusive)
+group, so a slow configure blocks only other transitions; the action server and ~/complete
+are reentrant; ~/tokenize and the diagnostics timer each have their own group.
+CPU pinning (engine.cpu_affinity): every thread of the process is pinned before the model
+loads, the worker (decode) thread to the first core, ORT's intra-op threads one per core;
+the thermal governor (thermal.*) narrows the cores and paces tokens when the SoC runs hot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+import functools
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple
+import uuid
+
+from diagnostic_msgs.msg import DiagnosticArray
+import psutil
+import rclpy
+from rclpy.action import ActionServer, CancelResponse, GoalResponse
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.task import Future
+from unique_identifier_msgs.msg import UUID
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import Transcript
+from edge_llm_msgs.srv import Complete, Tokenize
+from edge_llm_ros.bringup import affinity
+from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
+from edge_llm_ros.engine.engine import Engine
+from edge_llm_ros.engine.errors import InvalidRequestError
+from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
+from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
+from edge_llm_ros.nodes.embeddings import EmbeddingResolver
+from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
+                                           declare_parameters, LLMNodeConfig, read_config,
+                                           runtime_config, RuntimeConfig)
+from edge_llm_ros.nodes.messages import build_transcript, fill_result, to_request
+from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker,
+                                       error_result, FeedbackChunk, Job, JobOutcome,
+                                       QueueFullError, WorkerStoppedError)
+
+NODE_NAME = 'llm_node'
+# How long a client-cancelled goal waits for rclpy to mark it CANCELING (it does so right
+# after our cancel callback returns; the job can finish first when it was still queued).
+CANCEL_STATE_WAIT_S = 1.0
+TRANSCRIPT_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
+                            reliability=ReliabilityPolicy.RELIABLE)
+# Feedback is best kept complete: a deeper history than the default 10.
+FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
+                          reliability=ReliabilityPolicy.RELIABLE)
+
+
+def _pin_worker(cpus) -> None:
+    """Pin the engine worker (decode) thread; runs first on that thread."""
+    if cpus:
+        affinity.pin_thread(cpus)
+
+
+@dataclass
+class _Goal:
+    """An accepted goal: when it was accepted, its job (None if invalid), its outcome."""
+
+    stamp: Any
+    job: Optional[Job] = None
+    done: Future = field(default_factory=Future)
+
+
+class LLMNode(LifecycleNode):
+    """Lifecycle node wrapping one Engine (see the module docstring)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(NODE_NAME, **kwargs)
+        declare_parameters(self)
+        self._runtime: RuntimeConfig = runtime_config(current_values(self))
+        self.add_on_set_parameters_callback(check_changes)
+        self.add_post_set_parameters_callback(self._on_parameters_set)
+        self._config: Optional[LLMNodeConfig] = None
+        self._worker: Optional[EngineWorker] = None
+        self._state = 'unconfigured'
+        self._serving = False
+        self._load_error = ''
+        self._saved_affinity: dict = {}
+        self._embeddings = EmbeddingResolver()
+        self._goals: Dict[bytes, _Goal] = {}   # accepted goals until their result is built
+        self._counts = {'succeeded': 0, 'cancelled': 0, 'aborted': 0, 'rejected_inactive': 0,
+                        'rejected_queue_full': 0, 'invalid': 0}
+        self._counts_lock = threading.Lock()
+        self._process = psutil.Process()
+        self._governor: Optional[ThermalGovernor] = None
+        self._throttle: Optional[ThrottleApplier] = None
+
+        self._action_group = ReentrantCallbackGroup()
+        self._complete_group = ReentrantCallbackGroup()
+        self._tokenize_group = MutuallyExclusiveCallbackGroup()
+        self._diagnostics_group = MutuallyExclusiveCallbackGroup()
+        self._action_server = ActionServer(
+            self, Generate, '~/generate', execute_callback=self._execute,
+            goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
+            cancel_callback=self._on_cancel,
+            callback_group=self._action_group, feedback_pub_qos_profile=FEEDBACK_QOS)
+        self._complete_srv = self.create_service(
+            Complete, '~/complete', self._on_complete, callback_group=self._complete_group)
+        self._tokenize_srv = self.create_service(
+            Tokenize, '~/tokenize', self._on_tokenize, callback_group=self._tokenize_group)
+        self._transcript_pub = self.create_publisher(Transcript, '~/transcript', TRANSCRIPT_QOS)
+        self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
+        self._diagnostics_timer = self.create_timer(
+            self.get_parameter('diagnostics.period_s').value, self._publish_diagnostics,
+            callback_group=self._diagnostics_group)
+        self._autostart_timer = None
+        if self.get_parameter('autostart').value:
+            # Default group: runs like a change_state request, once the executor spins.
+            self._autostart_timer = self.create_timer(0.0, self._autostart)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _autostart(self) -> None:
+        self._autostart_timer.cancel()
+        self.destroy_timer(self._autostart_timer)
+        if self.trigger_configure() == TransitionCallbackReturn.SUCCESS:
+            self.trigger_activate()
+
+    def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._state = 'configuring'
+        try:
+            config = read_config(self)
+        except ConfigError as exc:
+            return self._configure_failed(f'invalid parameter: {exc}')
+        for warning in config.warnings:
+            self.get_logger().warn(warning)
+        governor = ThermalGovernor(config.thermal, config.engine.intra_op_threads or 1,
+                                   config.process_cpus)
+        worker = EngineWorker(functools.partial(Engine, config.engine), config.queue_depth,
+                              config.runtime.feedback,
+                              thread_setup=functools.partial(_pin_worker, config.decode_cpus),
+                              pacer=governor)
+        t0 = time.monotonic()
+        try:
+            if config.process_cpus:
+                # Before the engine exists, so every ORT thread starts inside the mask.
+                self._saved_affinity = affinity.pin_process(config.process_cpus)
+            worker.start()
+        except Exception as exc:  # noqa: B902 - any load failure leaves us unconfigured
+            self._restore_affinity()
+            return self._configure_failed(f'{type(exc).__name__}: {exc}')
+        engine = worker.engine
+        self._config, self._worker, self._load_error = config, worker, ''
+        self._governor, self._throttle = governor, ThrottleApplier(config.process_cpus)
+        self._state = 'inactive'
+        self.get_logger().info(
+            f'loaded {engine.model_name} from {engine.model_dir} in {time.monotonic() - t0:.1f}'
+            f' s (context {engine.context_length}, providers {", ".join(engine.providers)})')
+        return TransitionCallbackReturn.SUCCESS
+
+    def _configure_failed(self, message: str) -> TransitionCallbackReturn:
+        self._load_error = message
+        self._state = 'unconfigured'
+        self.get_logger().error(f'configure failed, staying unconfigured: {message}')
+        return TransitionCallbackReturn.FAILURE
+
+    def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._worker.set_accepting(True)
+        self._serving = True
+        self._state = 'active'
+        self.get_logger().info('active: serving ~/generate, ~/complete and ~/tokenize')
+        return super().on_activate(state)
+
+    def on_deactivate(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._serving = False
+        self._state = 'inactive'
+        self._cancel_everything(CancelReason.DEACTIVATED)
+        return super().on_deactivate(state)
+
+    def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._release_engine(CancelReason.SHUTDOWN)
+        self._state = 'unconfigured'
+        return super().on_cleanup(state)
+
+    def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._serving = False
+        self._release_engine(CancelReason.SHUTDOWN)
+        self._state = 'finalized'
+        return super().on_shutdown(state)
+
+    def on_error(self, state: LifecycleState) -> TransitionCallbackReturn:
+        self._serving = False
+        self._release_engine(CancelReason.SHUTDOWN)
+        self._state = 'unconfigured'
+        return TransitionCallbackReturn.SUCCESS
+
+    def _cancel_everything(self, reason: CancelReason) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        worker.set_accepting(False)
+        worker.cancel_all(reason)
+        if not worker.wait_idle(timeout=10.0):
+            self.get_logger().error('the engine worker did not go idle within 10 s')
+
+    def _release_engine(self, reason: CancelReason) -> None:
+        """Stop the worker (which closes the engine); safe to call in any state."""
+        worker, self._worker = self._worker, None
+        self._config = None
+        if worker is not None:
+            worker.stop(reason)
+        throttle, self._throttle, self._governor = self._throttle, None, None
+        if throttle is not None and throttle.active:
+            # A disabled governor's state never throttles: applying it restores the masks.
+            throttle.apply(ThermalGovernor(ThermalSettings(enabled=False), 1, ()).state)
+        self._embeddings.close()
+        self._restore_affinity()
+
+    def _restore_affinity(self) -> None:
+        saved, self._saved_affinity = self._saved_affinity, {}
+        if saved:
+            affinity.restore(saved)
+
+    def release(self) -> None:
+        """Free the model outside a lifecycle transition (process exit after Ctrl-C)."""
+        self._serving = False
+        self._release_engine(CancelReason.SHUTDOWN)
+
+    def _on_parameters_set(self, parameters) -> None:
+        self._runtime = runtime_config(current_values(self))
+        worker = self._worker
+        if worker is not None:
+            worker.feedback = self._runtime.feedback
+
+    # ---- admission and request building ------------------------------------------------------
+    def _admit(self) -> str:
+        """Reserve a queue slot for a new request; return why not ('' when reserved)."""
+        worker = self._worker
+        if not self._serving or worker is None:
+            self._count('rejected_inactive')
+            return (f'{self.get_name()} is {self._state}, not active: activate it with '
+                    f'lifecycle change_state (or start it with autostart:=true)')
+        if not worker.reserve():
+            self._count('rejected_queue_full')
+            return (f'queue full ({worker.queue_depth} goal(s) already wait behind the '
+                    f'running one): retry later or raise ~/queue.depth')
+        return ''
+
+    def _prepare(self, msg) -> Tuple[EngineWorker, Job]:
+        """Validate an admitted request into a job; on failure give the reservation back.
+
+        Raises InvalidRequestError subclasses (bad request) or WorkerStoppedError (the node
+        was deactivated or cleaned up since admission).
+        """
+        worker = self._worker
+        if worker is None or worker.engine is None:
+            raise WorkerStoppedError(f'{self.get_name()} is {self._state}, not configured')
+        try:
+            handles = list(msg.prefix_embeddings)
+            request = to_request(msg, self._runtime.defaults,
+                                 self._embeddings.placeholder(handles))
+            worker.engine.validate(request)
+        except BaseException:
+            worker.unreserve()
+            raise
+        bind = self._embeddings.binder(request, handles) if handles else None
+        return worker, Job(request, on_done=_unset_on_done, bind=bind)
+
+    def _submit(self, worker: EngineWorker, job: Job, done: Future) -> None:
+        """Queue a prepared job on its reserved slot; its outcome will complete `done`."""
+        job.on_done = functools.partial(self._resolve, done)
+        try:
+            worker.submit(job, reserved=True)
+        except (QueueFullError, WorkerStoppedError) as exc:
+            # Deactivated or cleaned up between admission and now.
+            done.set_result(JobOutcome(error_result(str(exc))))
+
+    async def _run(self, worker: EngineWorker, job: Job) -> JobOutcome:
+        """Submit and await the outcome without holding an executor thread."""
+        done = Future()
+        self._submit(worker, job, done)
+        return await done
+
+    def _count(self, key: str) -> None:
+        with self._counts_lock:
+            self._counts[key] += 1
+
+    # ---- action ------------------------------------------------------------------------------
+    def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
+        problem = self._admit()
+        if not problem:
+            return GoalResponse.ACCEPT
+        self.get_logger().warn(f'goal rejected: {problem}')
+        self._publish_transcript(Transcript.SOURCE_ACTION, UUID(), goal, None, None,
+                                 accepted=False, error=problem)
+        return GoalResponse.REJECT
+
+    def _on_accepted(self, goal_handle) -> None:
+        """Validate and queue the goal at once, then let its execute coroutine await it.
+
+        Runs right after the goal response is sent, so the worker can start before the
+        execute coroutine is even scheduled (one executor hop less to the first token).
+        """
+        key = bytes(goal_handle.goal_id.uuid)
+        state = _Goal(stamp=self.get_clock().now().to_msg())
+        self._goals[key] = state
+        try:
+            worker, job = self._prepare(goal_handle.request)
+        except (InvalidRequestError, WorkerStoppedError) as exc:
+            self._count('invalid')
+            state.done.set_result(JobOutcome(error_result(str(exc))))
+        else:
+            job.on_feedback = functools.partial(self._send_feedback, goal_handle)
+            state.job = job
+            self._submit(worker, job, state.done)
+        goal_handle.execute()
+
+    def _on_cancel(self, goal_handle) -> CancelResponse:
+        # Always accept; a goal that already ended just keeps its terminal state.
+        state = self._goals.get(bytes(goal_handle.goal_id.uuid))
+        worker = self._worker
+        if state is not None and state.job is not None and worker is not None:
+            worker.cancel(state.job, CancelReason.CLIENT)
+        return CancelResponse.ACCEPT
+
+    async def _execute(self, goal_handle) -> Generate.Result:
+        key = bytes(goal_handle.goal_id.uuid)
+        state = self._goals[key]
+        try:
+            outcome: JobOutcome = await state.done
+        finally:
+            self._goals.pop(key, None)
+        if outcome.cancel_reason is CancelReason.CLIENT:
+            await self._until(lambda: goal_handle.is_cancel_requested, CANCEL_STATE_WAIT_S)
+        request = state.job.request if state.job is not None else None
+        return self._finish_goal(goal_handle, state.stamp, request, outcome.result,
+                                 outcome.cancel_reason)
+
+    def _finish_goal(self, goal_handle, stamp, request, result: GenerationResult,
+                     cancel_reason: CancelReason = CancelReason.NONE) -> Generate.Result:
+        """Set the goal's terminal state and build its result (and transcript)."""
+        error = result.error
+        if result.stop_reason is StopReason.CANCELLED:
+            if cancel_reason is CancelReason.CLIENT and goal_handle.is_cancel_requested:
+                goal_handle.canceled()
+                self._count('cancelled')
+            else:
+                error = error or self._stopped_message(cancel_reason)
+                goal_handle.abort()
+                self._count('aborted')
+        elif result.stop_reason is StopReason.ERROR:
+            goal_handle.abort()
+            self._count('aborted')
+        else:
+            goal_handle.succeed()
+            self._count('succeeded')
+        if error:
+            self.get_logger().warn(f'goal aborted: {error}')
+        msg = fill_result(Generate.Result(), result, error)
+        self._publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
+                                 goal_handle.request, request, msg, accepted=True,
+                                 accepted_stamp=stamp, error=error)
+        return msg
+
+    def _stopped_message(self, reason: CancelReason) -> str:
+        why = {CancelReason.DEACTIVATED: 'was deactivated',
+               CancelReason.SHUTDOWN: 'is shutting down'}.get(reason, 'stopped the goal')
+        return (f'{self.get_name()} {why} while the goal was waiting or running; partial '
+                'text kept')
+
+    def _send_feedback(self, goal_handle, chunk: FeedbackChunk) -> None:
+        """Publish one feedback message (worker thread)."""
+        msg = Generate.Feedback(text_delta=chunk.text_delta, token_ids=list(chunk.token_ids),
+                                completion_tokens=chunk.completion_tokens,
+                                queue_position=chunk.queue_position)
+        try:
+            goal_handle.publish_feedback(msg)
+        except Exception as exc:  # noqa: B902 - a lost feedback must not fail the generation
+            if self.context.ok():   # after Ctrl-C the context is gone first: nothing to say
+                self.get_logger().warn(f'feedback not published: {exc}',
+                                       throttle_duration_sec=5.0)
+
+    def _resolve(self, future: Future, outcome: JobOutcome) -> None:
+        """Hand a job outcome to the coroutine awaiting it (worker thread) and wake it."""
+        future.set_result(outcome)
+        executor = self.executor
+        if executor is not None:
+            executor.wake()
+
+    async def _until(self, condition, timeout: float) -> None:
+        """Yield to the executor until condition() holds or timeout passes."""
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            tick = Future()
+            timer = threading.Timer(0.002, self._resolve, (tick, None))
+            timer.start()
+            await tick
+
+    # ---- services ----------------------------------------------------------------------------
+    async def _on_complete(self, request: Complete.Request,
+                           response: Complete.Response) -> Complete.Response:
+        stamp = self.get_clock().now().to_msg()
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        problem = self._admit()
+        if problem:
+            self.get_logger().warn(f'complete refused: {problem}')
+            return self._finish_service(response, goal_id, request, None,
+                                        error_result(problem), stamp, accepted=False)
+        try:
+            worker, job = self._prepare(request)
+        except (InvalidRequestError, WorkerStoppedError) as exc:
+            self._count('invalid')
+            return self._finish_service(response, goal_id, request, None,
+                                        error_result(str(exc)), stamp)
+        engine_request = job.request
+        outcome = await self._run(worker, job)
+        result = outcome.result
+        if result.stop_reason is StopReason.CANCELLED and not result.error:
+            result = replace(result, error=self._stopped_message(outcome.cancel_reason))
+        return self._finish_service(response, goal_id, request, engine_request, result, stamp)
+
+    def _finish_service(self, response, goal_id, request, engine_request, result,
+                        stamp, accepted: bool = True) -> Complete.Response:
+        fill_result(response, result)
+        response.success = result.stop_reason in (StopReason.STOP, StopReason.LENGTH)
+        if accepted:
+            self._count('succeeded' if response.success else 'aborted')
+        self._publish_transcript(Transcript.SOURCE_SERVICE, goal_id, request, engine_request,
+                                 response, accepted=accepted, accepted_stamp=stamp,
+                                 error=response.error_message)
+        return response
+
+    def _on_tokenize(self, request: Tokenize.Request,
+                     response: Tokenize.Response) -> Tokenize.Response:
+        # The tokenizer is thread-safe and independent of the worker: answered at once.
+        worker = self._worker
+        engine = worker.engine if worker is not None else None
+        if engine is None:
+            response.success = False
+            response.error_message = (f'{self.get_name()} is {self._state}: configure it to '
+                                      'load the tokenizer')
+            return response
+        try:
+            messages = [ChatMessage(m.role, m.content) for m in request.messages]
+            ids = engine.tokenize(request.text, messages, request.add_generation_prompt)
+        except (InvalidRequestError, ValueError, TypeError) as exc:
+            response.success = False
+            response.error_message = str(exc)
+            return response
+        response.success = True
+        response.token_ids = [int(i) for i in ids]
+        response.tokens = list(engine.token_strings(ids))
+        response.context_length = int(engine.context_length)
+        return response
+
+    # ---- transcript and diagnostics ----------------------------------------------------------
+    def _publish_transcript(self, source: str, goal_id, request_msg, engine_request,
+                            outcome_msg, accepted: bool, accepted_stamp=None,
+                            error: str = '') -> None:
+        self._transcript_pub.publish(build_transcript(
+            source, goal_id, request_msg, engine_request, outcome_msg, accepted=accepted,
+            model=self._model_name(), accepted_stamp=accepted_stamp,
+            finished_stamp=self.get_clock().now().to_msg(), error=error))
+
+    def _model_name(self) -> str:
+        worker = self._worker
+        engine = worker.engine if worker is not None else None
+        return engine.model_name if engine is not None else ''
+
+    def _poll_thermal(self):
+        """Poll the governor (diagnostics timer), apply its core limit; return its state."""
+        governor, throttle = self._governor, self._throttle
+        if governor is None:
+            return None
+        state = governor.poll()
+        if throttle is not None:
+            throttle.apply(state)
+        return state
+
+    def health(self) -> NodeHealth:
+        worker = self._worker
+        engine = worker.engine if worker is not None else None
+        kv_used = kv_capacity = 0
+        waiting, running, depth, full, ttft, tps, last_error = 0, False, 0, False, 0.0, 0.0, ''
+        if worker is not None:
+            snap = worker.snapshot()
+            waiting, running, depth = snap.waiting, snap.running, snap.queue_depth
+            full = not worker.has_room()
+            ttft, tps = snap.stats.last_ttft_s, snap.stats.last_decode_tps
+            last_error = snap.stats.last_error
+        if engine is not None:
+            kv_used, kv_capacity = engine.kv_occupancy()
+        thermal = self._poll_thermal()
+        hottest = thermal.hottest if thermal is not None else None
+        with self._counts_lock:
+            counts = dict(self._counts)
+        return NodeHealth(
+            node_name=self.get_fully_qualified_name(), state=self._state,
+            model=engine.model_name if engine else '', model_dir=engine.model_dir if engine
+            else '', providers=','.join(engine.providers) if engine else '',
+            queue_waiting=waiting, queue_depth=depth, running=running, queue_full=full,
+            last_ttft_s=ttft, decode_tps=tps, kv_used=kv_used, kv_capacity=kv_capacity,
+            rss_bytes=self._process.memory_info().rss,
+            soc_temp_c=hottest.celsius if hottest is not None else None,
+            soc_temp_warn=thermal is not None and thermal.throttled,
+            board=self._config.board if self._config is not None else '',
+            warnings=self._config.warnings if self._config is not None else (),
+            extra=tuple(thermal.diagnostics().items()) if thermal is not None else (),
+            goals_succeeded=counts['succeeded'], goals_cancelled=counts['cancelled'],
+            goals_aborted=counts['aborted'], rejected_inactive=counts['rejected_inactive'],
+            rejected_queue_full=counts['rejected_queue_full'],
+            invalid_requests=counts['invalid'], load_error=self._load_error,
+            last_error=last_error)
+
+    def _publish_diagnostics(self) -> None:
+        msg = DiagnosticArray(status=[build_status(self.health())])
+        msg.header.stamp = self.get_clock().now().to_msg()
+        self._diagnostics_pub.publish(msg)
+
+
+def _unset_on_done(outcome: JobOutcome) -> None:
+    raise RuntimeError('job submitted before its on_done was set')
+
+
+def main(args=None) -> int:
+    """Console script `llm_node`: spin until Ctrl-C, then free the model."""
+    rclpy.init(args=args)
+    try:
+        node = LLMNode()
+    except (InvalidParameterTypeException, InvalidParameterValueException) as exc:
+        # A parameter override of the wrong type or out of range: say which, no traceback.
+        print(f'llm_node: {exc}. (A string that looks like a number needs quotes: '
+              f'-p engine.cpu_affinity:="\'2-3\'")', file=sys.stderr)
+        rclpy.try_shutdown()
+        return 2
+    executor = MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1))
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.release()
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())
