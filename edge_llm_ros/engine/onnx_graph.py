@@ -1,0 +1,308 @@
+"""Build the ONNX decoder graph (one graph for prefill and decode) from block-quantized weights.
+
+Per layer: RMSNorm (SkipSimplifiedLayerNormalization fuses the residual add) -> fused QKV
+MatMulNBits -> GroupQueryAttention (RoPE inside, KV past/present share-buffer layout) ->
+MatMulNBits -> RMSNorm -> fused gate/up MatMulNBits -> SiLU * up -> MatMulNBits. The embedding
+is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Only the
+last position's logits are computed. I/O names and shapes follow ENGINE_API.md.
+"""
+from dataclasses import dataclass
+import math
+from typing import BinaryIO, Dict, List, Optional
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, TensorProto
+
+from .checkpoint import ModelSpec
+from .quant import BlockWeights
+
+OPSET = 21
+IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
+MS_DOMAIN = 'com.microsoft'
+DATA_FILE = 'model.onnx.data'
+_INLINE_BYTES = 1024  # smaller initializers stay inside model.onnx
+_FLOAT_TYPES = {'float32': (np.float32, TensorProto.FLOAT),
+                'float16': (np.float16, TensorProto.FLOAT16)}
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How the graph is built: activation dtype, static KV length, MatMulNBits accuracy."""
+
+    activation_dtype: str = 'float32'
+    max_context: Optional[int] = None  # None = dynamic KV length ('max_ctx')
+    # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block inside the
+    # kernel (the fast CPU path); 0 computes in the activation dtype.
+    accuracy_level: int = 4
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """What the graph needs to reuse written weights (the tied lm_head): names and shape."""
+
+    names: Dict[str, str]
+    n: int
+    k: int
+    bits: int
+    block_size: int
+    nbytes: int
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, ready for the graph (norm weights as float32 vectors)."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    qkv: List[BlockWeights]      # [fused q|k|v] or [q, k, v] when their formats differ
+    qkv_bias: Optional[np.ndarray]
+    o: BlockWeights
+    gate_up: List[BlockWeights]  # [fused gate|up] or [gate, up]
+    down: BlockWeights
+
+
+def rope_cache(spec: ModelSpec, length: int) -> tuple:
+    """cos/sin tables [length, head_dim/2] for NEOX RoPE (float64 math, float32 out)."""
+    half = spec.head_dim // 2
+    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / spec.head_dim))
+    angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class DecoderGraph:
+    """Accumulates nodes and initializers; call add_embedding, add_layer..., finish.
+
+    With `data_file` every initializer above 1 KiB is appended to that open file as it is
+    added (the graph keeps only an external-data reference), so converting needs memory for
+    one layer, not the whole model. Save the result next to the file as model.onnx.
+    """
+
+    def __init__(self, spec: ModelSpec, opts: GraphOptions,
+                 data_file: Optional[BinaryIO] = None) -> None:
+        if opts.activation_dtype not in _FLOAT_TYPES:
+            raise ValueError(f'activation_dtype must be one of {sorted(_FLOAT_TYPES)}')
+        self.spec = spec
+        self.opts = opts
+        self.np_dtype, self.onnx_dtype = _FLOAT_TYPES[opts.activation_dtype]
+        self.nodes: List[onnx.NodeProto] = []
+        self.initializers: List[onnx.TensorProto] = []
+        self.weight_bytes = 0  # bytes of linear weights read per decoded token
+        self._count = 0
+        self._block_sums: Dict[str, str] = {}
+        self._consts: Dict[str, str] = {}
+        self._x = ''         # hidden state entering the next layer's norm
+        self._residual = ''  # residual stream (empty before layer 0)
+        self._data = data_file
+        self._embed: Optional[WeightRef] = None
+        kv_len = opts.max_context if opts.max_context else 'max_ctx'
+        kv_shape = [1, spec.num_kv_heads, kv_len, spec.head_dim]
+        t = self.onnx_dtype
+        self.inputs = [
+            helper.make_tensor_value_info('input_ids', TensorProto.INT64, [1, 's_ids']),
+            helper.make_tensor_value_info('inputs_embeds', t, [1, 's_emb', spec.hidden_size]),
+            helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [1]),
+            helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
+        ]
+        self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
+                                                      [1, 1, spec.vocab_size])]
+        for i in range(spec.num_layers):
+            for kind in ('key', 'value'):
+                self.inputs.append(helper.make_tensor_value_info(
+                    f'past_key_values.{i}.{kind}', t, kv_shape))
+                self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
+                                                                  kv_shape))
+        cache_len = opts.max_context or spec.max_position_embeddings
+        cos, sin = rope_cache(spec, cache_len)
+        self._init('cos_cache', cos.astype(self.np_dtype))
+        self._init('sin_cache', sin.astype(self.np_dtype))
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _name(self, base: str) -> str:
+        self._count += 1
+        return f'{base}_{self._count}'
+
+    def _init(self, name: str, array: np.ndarray) -> str:
+        array = np.ascontiguousarray(array)
+        if self._data is None or array.nbytes <= _INLINE_BYTES:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        # Page-align big tensors so onnxruntime can map them instead of copying.
+        align = 4096 if array.nbytes >= 1 << 20 else 64
+        offset = -(-self._data.tell() // align) * align
+        self._data.write(b'\0' * (offset - self._data.tell()))
+        array.tofile(self._data)
+        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                             dims=array.shape, data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (('location', DATA_FILE), ('offset', str(offset)),
+                           ('length', str(array.nbytes))):
+            t.external_data.add(key=key, value=value)
+        self.initializers.append(t)
+        return name
+
+    def _node(self, op: str, inputs: List[str], n_out: int = 1, domain: str = '',
+              name: str = '', outputs: Optional[List[str]] = None, **attrs) -> List[str]:
+        # Named nodes (weights' prefixes, unique per layer) keep their name; others get a
+        # counter.
+        node_name = name or self._name(op)
+        outs = outputs or [f'{node_name}/out{j}' for j in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=node_name,
+                                           domain=domain or None, **attrs))
+        return outs
+
+    def _const_i64(self, name: str, values) -> str:
+        if name not in self._consts:
+            self._consts[name] = self._init(name, np.array(values, dtype=np.int64))
+        return name
+
+    def _weights(self, prefix: str, w: BlockWeights) -> WeightRef:
+        names = {'B': self._init(prefix + '.qweight', w.packed),
+                 'scales': self._init(prefix + '.scales', w.scales.astype(self.np_dtype)),
+                 'zp': self._init(prefix + '.zero_points', w.packed_zero_points())}
+        if w.offsets is not None:
+            names['offsets_t'] = self._init(prefix + '.offsets_t',
+                                            w.offsets.T.astype(self.np_dtype))
+        self.weight_bytes += w.nbytes()
+        n, k = w.shape
+        return WeightRef(names, n, k, w.bits, w.block_size, w.nbytes())
+
+    def _block_sum(self, x: str, k: int, bs: int) -> str:
+        """Sum x over each K block: [1, S, K] @ P[K, K/bs] (0/1 indicator) -> [1, S, K/bs]."""
+        key = f'{x}/{bs}'
+        if key not in self._block_sums:
+            name = f'block_indicator_{k}x{bs}'
+            if name not in self._consts:
+                ind = np.repeat(np.eye(k // bs, dtype=self.np_dtype), bs, axis=0)
+                self._consts[name] = self._init(name, ind)
+            (s,) = self._node('MatMul', [x, name])
+            self._block_sums[key] = s
+        return self._block_sums[key]
+
+    def _linear(self, x: str, w: Optional[BlockWeights], prefix: str,
+                bias: Optional[np.ndarray] = None, ref: Optional[WeightRef] = None) -> str:
+        """Add x @ W.T as MatMulNBits (+ the exact-Q4_1 offset term); `ref` reuses weights."""
+        ref = ref or self._weights(prefix, w)
+        n, k, names = ref.n, ref.k, ref.names
+        inputs = [x, names['B'], names['scales'], names['zp']]
+        if bias is not None:
+            inputs += ['', self._init(prefix + '.bias', bias.astype(self.np_dtype))]
+        (y,) = self._node('MatMulNBits', inputs, domain=MS_DOMAIN, name=prefix, K=k, N=n,
+                          bits=ref.bits, block_size=ref.block_size,
+                          accuracy_level=self.opts.accuracy_level)
+        if 'offsets_t' in names:
+            sums = self._block_sum(x, k, ref.block_size)
+            (corr,) = self._node('MatMul', [sums, names['offsets_t']], name=prefix + '/offsets')
+            (y,) = self._node('Add', [y, corr])
+        return y
+
+    def _norm(self, gamma: np.ndarray, prefix: str) -> str:
+        return self._init(prefix, gamma.astype(self.np_dtype))
+
+    # --- model pieces --------------------------------------------------------------------------
+    def add_embedding(self, embed: BlockWeights) -> None:
+        """Token embeddings (GatherBlockQuantized), with inputs_embeds concatenated ahead."""
+        s = self.spec
+        self._embed = self._weights('embed', embed)
+        names = self._embed.names
+        self.weight_bytes -= embed.nbytes()  # one row per token, not the table
+        flat = self._const_i64('shape_embed_rows',
+                               [s.vocab_size, s.hidden_size * embed.bits // 8])
+        (table,) = self._node('Reshape', [names['B'], flat])
+        (rows,) = self._node('GatherBlockQuantized',
+                             [table, 'input_ids', names['scales'], names['zp']],
+                             domain=MS_DOMAIN, name='embed',
+                             bits=embed.bits, block_size=embed.block_size, gather_axis=0,
+                             quantize_axis=1)
+        if embed.offsets is not None:
+            bs = embed.block_size
+            nb = s.hidden_size // bs
+            (off,) = self._node('Transpose', [names['offsets_t']], perm=[1, 0])
+            (off_rows,) = self._node('Gather', [off, 'input_ids'], axis=0)
+            axes = self._const_i64('axes_last', [-1])
+            (off_rows,) = self._node('Unsqueeze', [off_rows, axes])
+            blocks = self._const_i64(f'shape_blocks_{nb}x{bs}', [0, 0, nb, bs])
+            (r,) = self._node('Reshape', [rows, blocks])
+            (r,) = self._node('Add', [r, off_rows])
+            back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
+            (rows,) = self._node('Reshape', [r, back])
+        (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
+
+    def add_layer(self, i: int, lw: LayerWeights) -> None:
+        """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
+        s = self.spec
+        eps = float(s.rms_norm_eps)
+        p = f'layers.{i}'
+        gamma = self._norm(lw.attn_norm, f'{p}.attn_norm')
+        if not self._residual:
+            (h,) = self._node('SimplifiedLayerNormalization', [self._x, gamma],
+                              name=f'{p}/attn_norm', axis=-1, epsilon=eps, stash_type=1)
+            residual = self._x
+        else:
+            h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
+                                           [self._x, self._residual, gamma], n_out=4,
+                                           domain=MS_DOMAIN, name=f'{p}/attn_norm', epsilon=eps)
+        q_k_v = self._qkv(h, lw, p)
+        attn, _, _ = self._node(
+            'GroupQueryAttention',
+            q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
+                     'seqlens_k', 'total_sequence_length', 'cos_cache', 'sin_cache'],
+            outputs=[self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value'],
+            domain=MS_DOMAIN, name=f'{p}/attn', num_heads=s.num_heads,
+            kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=1,
+            rotary_interleaved=0)
+        o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
+        gamma = self._norm(lw.ffn_norm, f'{p}.ffn_norm')
+        h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
+                                       [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
+                                       name=f'{p}/ffn_norm', epsilon=eps)
+        if len(lw.gate_up) == 1:
+            gu = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_up_proj')
+            gate, up = self._node('Split', [gu], n_out=2, axis=-1, num_outputs=2)
+        else:
+            gate = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_proj')
+            up = self._linear(h, lw.gate_up[1], f'{p}.mlp.up_proj')
+        (sig,) = self._node('Sigmoid', [gate])
+        (act,) = self._node('Mul', [gate, sig])
+        (act,) = self._node('Mul', [act, up])
+        self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
+        self._residual = residual
+
+    def _qkv(self, h: str, lw: LayerWeights, p: str) -> List[str]:
+        """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v."""
+        if len(lw.qkv) == 1:
+            return [self._linear(h, lw.qkv[0], f'{p}.attn.qkv_proj', bias=lw.qkv_bias), '', '']
+        outs, row = [], 0
+        for w, role in zip(lw.qkv, 'qkv'):
+            n = w.shape[0]
+            bias = None if lw.qkv_bias is None else lw.qkv_bias[row:row + n]
+            outs.append(self._linear(h, w, f'{p}.attn.{role}_proj', bias=bias))
+            row += n
+        return outs
+
+    def finish(self, final_norm: np.ndarray, lm_head: Optional[BlockWeights]) -> onnx.ModelProto:
+        """Add the final norm on the last position and lm_head (tied when None)."""
+        s = self.spec
+        starts = self._const_i64('slice_last_start', [-1])
+        ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
+        axes = self._const_i64('slice_axis_seq', [1])
+        (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
+        (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
+        gamma = self._norm(final_norm, 'final_norm')
+        h, _, _, _ = self._node('SkipSimplifiedLayerNormalization', [x_last, r_last, gamma],
+                                n_out=4, domain=MS_DOMAIN, name='final_norm',
+                                epsilon=float(s.rms_norm_eps))
+        if lm_head is None:
+            self.weight_bytes += self._embed.nbytes
+            logits = self._linear(h, None, 'lm_head', ref=self._embed)
+        else:
+            logits = self._linear(h, lm_head, 'lm_head')
+        if self.onnx_dtype != TensorProto.FLOAT:
+            (logits,) = self._node('Cast', [logits], to=TensorProto.FLOAT)
+        self.nodes.append(helper.make_node('Identity', [logits], ['logits'], name='logits'))
+        graph = helper.make_graph(self.nodes, 'edge_llm_decoder', self.inputs, self.outputs,
+                                  self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET),
+                                                        helper.make_opsetid(MS_DOMAIN, 1)],
+                                  producer_name='edge_llm_ros.convert')
+        model.ir_version = IR_VERSION
+        return model

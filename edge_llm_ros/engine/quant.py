@@ -1,0 +1,216 @@
+"""Block-quantized weights in onnxruntime's MatMulNBits layout, from GGUF blocks or floats.
+
+MatMulNBits stores an [N, K] weight as uint8 [N, K/bs, bs*bits/8]: 4-bit codes two per byte
+with element 2i in the low nibble, 8-bit codes one per byte; one scale and one unsigned zero
+point per block: w = scale * (q - zero_point).
+
+Exact repacks (no requantization):
+- GGUF Q4_0 (w = d * (q - 8)): scale d, zero point 8.
+- GGUF Q8_0 (w = d * q, q int8): 8-bit code q + 128, zero point 128.
+- GGUF Q4_1 (w = d * q + m): needs a float zero point -m/d, which onnxruntime's fast CPU
+  kernel does not take (it then dequantizes the whole matrix on every call, ~100x slower),
+  so it is kept as q, d, the nearest integer zero point z plus a per-block additive
+  `offset` m + d*z that the graph adds as block_sum(x) @ offsets.T. `exact=False`
+  re-quantizes it instead.
+Everything else is dequantized with gguf's own dequantizer and re-quantized (asymmetric).
+"""
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .checkpoint import SourceTensor
+
+# Source types with more than 4 bits per weight: kept at 8 bits under precision='source'.
+WIDE_TYPES = ('Q5_0', 'Q5_1', 'Q5_K', 'Q6_K', 'Q8_0')
+PRECISIONS = ('source', 'int4')
+_SLAB_ELEMENTS = 1 << 22
+
+
+@dataclass
+class BlockWeights:
+    """An [N, K] weight as block-quantized 4- or 8-bit codes.
+
+    packed: uint8 [N, K/bs, bs*bits/8] (MatMulNBits order); scales: float32 [N, K/bs];
+    zero_points: uint8 [N, K/bs] (unpacked); offsets: float32 [N, K/bs] or None, added to
+    every element of its block (w = scale * (q - zp) + offset).
+    """
+
+    packed: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray
+    block_size: int
+    bits: int = 4
+    offsets: Optional[np.ndarray] = None
+
+    @property
+    def shape(self) -> tuple:
+        return (self.packed.shape[0], self.packed.shape[1] * self.block_size)
+
+    def codes(self) -> np.ndarray:
+        """Unpacked codes, uint8 [N, K]."""
+        if self.bits == 8:
+            return self.packed.reshape(self.shape)
+        lo = self.packed & np.uint8(0x0F)
+        hi = self.packed >> np.uint8(4)
+        return np.stack([lo, hi], axis=-1).reshape(self.shape)
+
+    def dequantize(self) -> np.ndarray:
+        """Float32 [N, K] exactly as the graph computes the weight."""
+        n, k = self.shape
+        nb = k // self.block_size
+        q = self.codes().reshape(n, nb, self.block_size).astype(np.float32)
+        w = (q - self.zero_points[..., None].astype(np.float32)) * self.scales[..., None]
+        if self.offsets is not None:
+            w = w + self.offsets[..., None]
+        return w.reshape(n, k)
+
+    def packed_zero_points(self) -> np.ndarray:
+        """Zero points as MatMulNBits wants them (4-bit: two per byte, low nibble first)."""
+        zp = self.zero_points
+        if self.bits == 8:
+            return zp
+        if zp.shape[1] % 2:
+            zp = np.concatenate([zp, np.zeros((zp.shape[0], 1), np.uint8)], axis=1)
+        return (zp[:, 0::2] | (zp[:, 1::2] << np.uint8(4))).astype(np.uint8)
+
+    def nbytes(self) -> int:
+        """Bytes the graph stores (and reads per full matmul) for this weight (fp32 scales)."""
+        total = self.packed.nbytes + self.scales.nbytes + self.packed_zero_points().nbytes
+        return total + (0 if self.offsets is None else self.offsets.nbytes)
+
+
+def pack_codes(codes: np.ndarray, block_size: int, bits: int = 4) -> np.ndarray:
+    """Pack uint8 codes [N, K] into MatMulNBits' [N, K/bs, bs*bits/8]."""
+    n, k = codes.shape
+    if bits == 8:
+        return codes.astype(np.uint8).reshape(n, k // block_size, block_size)
+    c = codes.astype(np.uint8).reshape(n, k // 2, 2)
+    return (c[..., 0] | (c[..., 1] << np.uint8(4))).reshape(n, k // block_size, block_size // 2)
+
+
+def _ggml_q4_codes(qs: np.ndarray) -> np.ndarray:
+    """GGML 4-bit codes [rows, nb, 16 bytes] -> [rows, nb, 32]: byte j holds j and j+16."""
+    return np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """Read the little-endian fp16 at byte `start` of every block, as float32."""
+    return blocks[..., start:start + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def from_q4_0(raw: np.ndarray, cols: int) -> BlockWeights:
+    """Repack GGUF Q4_0 blocks (w = d * (q - 8)) losslessly."""
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // 32, 18)
+    d = _f16(blocks, 0)
+    codes = _ggml_q4_codes(blocks[..., 2:]).reshape(rows, cols)
+    return BlockWeights(pack_codes(codes, 32), d, np.full(d.shape, 8, np.uint8), 32)
+
+
+def from_q4_1(raw: np.ndarray, cols: int, exact: bool = True) -> BlockWeights:
+    """Repack GGUF Q4_1 blocks (w = d * q + m): exact with offsets, or re-quantized.
+
+    Exact form: w = d * (q - z) + (m + d * z) with the integer zero point z nearest -m/d, so
+    the matmul sees centred codes (as for Q4_0: int8 activation rounding is not amplified)
+    and the per-block offset left for the graph to add is at most d/2.
+    """
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // 32, 20)
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    codes = _ggml_q4_codes(blocks[..., 4:]).reshape(rows, cols)
+    if exact:
+        z = np.clip(np.rint(-m / np.where(d != 0, d, 1.0)), 0, 15)
+        z = np.where(d != 0, z, 0.0)
+        return BlockWeights(pack_codes(codes, 32), d, z.astype(np.uint8), 32,
+                            offsets=(m + d * z).astype(np.float32))
+    w = codes.reshape(rows, cols // 32, 32).astype(np.float32) * d[..., None] + m[..., None]
+    return quantize_blocks(w.reshape(rows, cols), 32, 4)
+
+
+def from_q8_0(raw: np.ndarray, cols: int) -> BlockWeights:
+    """Repack GGUF Q8_0 blocks (w = d * q, q int8) losslessly as 8-bit codes q + 128."""
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // 32, 34)
+    d = _f16(blocks, 0)
+    q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+    return BlockWeights(q.astype(np.uint8), d, np.full(d.shape, 128, np.uint8), 32, bits=8)
+
+
+def quantize_blocks(w: np.ndarray, block_size: int, bits: int = 4,
+                    shrink: Sequence[float] = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85)
+                    ) -> BlockWeights:
+    """Asymmetric round-to-nearest per block, picking the clip range of least squared error.
+
+    The range always includes 0 (zero points are unsigned codes); a few shrink factors of
+    it are tried because clipping a rare outlier often lowers the block's total error.
+    """
+    n, k = w.shape
+    if k % block_size:
+        raise ValueError(f'K={k} is not a multiple of block size {block_size}')
+    qmax = float((1 << bits) - 1)
+    x = np.asarray(w, np.float32).reshape(n, k // block_size, block_size)
+    lo = np.minimum(x.min(axis=-1), 0.0)
+    hi = np.maximum(x.max(axis=-1), 0.0)
+    best = None
+    for f in (shrink if bits == 4 else (1.0,)):
+        scale = (hi - lo) * f / qmax
+        safe = np.where(scale > 0, scale, 1.0)
+        zp = np.clip(np.rint(-lo * f / safe), 0, qmax)
+        q = np.clip(np.rint(x / safe[..., None]) + zp[..., None], 0, qmax)
+        err = (((q - zp[..., None]) * scale[..., None] - x) ** 2).sum(axis=-1)
+        if best is None:
+            best = [err, q, scale, zp]
+            continue
+        better = err < best[0]
+        best = [np.where(better, err, best[0]), np.where(better[..., None], q, best[1]),
+                np.where(better, scale, best[2]), np.where(better, zp, best[3])]
+    _, q, scale, zp = best
+    return BlockWeights(pack_codes(q.reshape(n, k).astype(np.uint8), block_size, bits),
+                        scale.astype(np.float32), zp.astype(np.uint8), block_size, bits)
+
+
+def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
+              exact: bool = True) -> BlockWeights:
+    """Convert a 2-D source tensor; exact repacks where the source blocks allow it.
+
+    precision='source' keeps types wider than 4 bits (Q5_*, Q6_K, Q8_0) at 8 bits;
+    'int4' makes every matrix 4-bit.
+    """
+    if len(t.shape) != 2:
+        raise ValueError(f'{t.name}: expected a matrix, got shape {t.shape}')
+    if precision not in PRECISIONS:
+        raise ValueError(f'precision must be one of {PRECISIONS}')
+    cols = t.shape[1]
+    bits = 8 if precision == 'source' and t.qtype in WIDE_TYPES else 4
+    if block_size == 32 and t.qtype == 'Q4_0':
+        return from_q4_0(t.data, cols)
+    if block_size == 32 and t.qtype == 'Q4_1':
+        return from_q4_1(t.data, cols, exact=exact)
+    if block_size == 32 and t.qtype == 'Q8_0' and bits == 8:
+        return from_q8_0(t.data, cols)
+    # Dequantize and requantize a slab of rows at a time: a large embedding as float32 plus
+    # the search's temporaries would otherwise need several GB.
+    step = max(1, _SLAB_ELEMENTS // cols)
+    slabs = [quantize_blocks(t.rows(i, min(i + step, t.shape[0])).dequantize(), block_size,
+                             bits) for i in range(0, t.shape[0], step)]
+    return slabs[0] if len(slabs) == 1 else concat_rows(slabs)[0]
+
+
+def concat_rows(parts: Sequence[BlockWeights]) -> Sequence[BlockWeights]:
+    """Stack weights along N (fused Q/K/V or gate/up) when their formats agree.
+
+    Returns one fused BlockWeights, or the parts unchanged when bit widths differ (the graph
+    then runs them as separate matmuls). Offsets become zero rows where a part has none.
+    """
+    if len({(p.block_size, p.bits) for p in parts}) != 1:
+        return list(parts)
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = np.concatenate([p.offsets if p.offsets is not None
+                                  else np.zeros(p.scales.shape, np.float32) for p in parts])
+    first = parts[0]
+    return [BlockWeights(np.concatenate([p.packed for p in parts]),
+                         np.concatenate([p.scales for p in parts]),
+                         np.concatenate([p.zero_points for p in parts]),
+                         first.block_size, first.bits, offsets)]

@@ -1,0 +1,374 @@
+"""The converter on tiny generated GGUF/HF checkpoints.
+
+Covers the graph vs the NumPy reference, the model folder, RoPE layouts, bad inputs and
+atomic output.
+
+Tolerances (max |logit difference| against reference.py on the GGUF's dequantized weights):
+accuracy_level 0 float32 <= 1e-4 (weights are repacked exactly, measured ~2e-5);
+float16 activations <= 1% of the largest logit; accuracy_level 4 (int8 activations inside
+MatMulNBits, the fast default) <= 10% of the largest logit (measured 4-7% on these random
+weights, which have far larger activations than a trained model).
+"""
+import errno
+import os
+import pathlib
+
+import gguf
+import numpy as np
+import onnx
+from ort_driver import OrtDriver
+import pytest
+from tiny_model import build_tiny_gguf, build_tiny_hf, CHAT_TEMPLATE, tiny_model_dir, TinyDims
+import yaml
+
+from edge_llm_ros.engine import convert as convert_mod
+from edge_llm_ros.engine.checkpoint import load_checkpoint
+from edge_llm_ros.engine.convert import convert, main
+from edge_llm_ros.engine.errors import (ConversionError, ModelLoadError,
+                                        UnsupportedModelError)
+from edge_llm_ros.engine.reference import ReferenceModel
+
+PROMPT = [5, 17, 99, 120, 3, 250, 44, 61]
+YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
+             'hidden_size', 'vocab_size', 'max_position_embeddings', 'rope_theta',
+             'rms_norm_eps', 'activation_dtype', 'bos_token_id', 'eos_token_ids',
+             'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
+             'kv_max_context'}
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp('convert')
+
+
+def source_of(model_dir) -> ReferenceModel:
+    """Load the reference on the GGUF a model folder was converted from."""
+    meta = yaml.safe_load((pathlib.Path(model_dir) / 'model.yaml').read_text())
+    return ReferenceModel.from_gguf(meta['source']['path'])
+
+
+def compare(model_dir, ref: ReferenceModel, steps: int = 8, chunk=(), embeds=None,
+            max_ctx: int = 64):
+    """Max |logit diff| over a prefill, an optional chunk, and greedy decode steps."""
+    drv = OrtDriver(model_dir, max_ctx=max_ctx)
+    cache = ref.new_cache()
+    r = ref.forward(PROMPT, cache, embeds=embeds)[-1]
+    o = drv.step(PROMPT, embeds=embeds)
+    diffs, peak = [np.abs(r - o).max()], np.abs(r).max()
+    if chunk:
+        r, o = ref.forward(list(chunk), cache)[-1], drv.step(list(chunk))
+        diffs.append(np.abs(r - o).max())
+    for _ in range(steps):
+        tok = int(np.argmax(r))
+        r, o = ref.forward([tok], cache)[-1], drv.step([tok])
+        diffs.append(np.abs(r - o).max())
+        peak = max(peak, np.abs(r).max())
+    return max(diffs), peak
+
+
+@pytest.mark.parametrize('arch', ['llama', 'qwen2'])
+def test_exact_graph_matches_reference_prefill_chunk_and_decode(root, arch):
+    model = tiny_model_dir(root, arch=arch, accuracy_level=0)
+    diff, _ = compare(model, source_of(model), steps=10, chunk=[7, 8, 9])
+    assert diff <= 1e-4
+
+
+def test_default_fast_graph_within_stated_tolerance(root):
+    model = tiny_model_dir(root, arch='llama')
+    diff, peak = compare(model, source_of(model))
+    assert diff <= 0.1 * peak
+
+
+def test_inputs_embeds_go_ahead_of_the_ids(root):
+    model = tiny_model_dir(root, arch='qwen2', accuracy_level=0)
+    ref = source_of(model)
+    embeds = np.random.default_rng(3).standard_normal((4, TinyDims().hidden)).astype(np.float32)
+    diff, _ = compare(model, ref, steps=4, embeds=embeds)
+    assert diff <= 1e-4
+    # Only embeddings, no ids at all.
+    drv = OrtDriver(model)
+    got = drv.step([], embeds=embeds)
+    want = ref.forward([], ref.new_cache(), embeds=embeds)[-1]
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def test_float16_activations(root):
+    src = build_tiny_gguf(root / 'fp16.gguf')
+    model = convert(str(src), str(root / 'fp16'), activation_dtype='float16', accuracy_level=0,
+                    progress=False)
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert meta['activation_dtype'] == 'float16'
+    diff, peak = compare(model, ReferenceModel.from_gguf(src), steps=4)
+    assert diff <= 0.01 * peak
+
+
+def test_static_kv_length_graph(root):
+    src = build_tiny_gguf(root / 'static.gguf')
+    model = convert(str(src), str(root / 'static'), max_context=48, accuracy_level=0,
+                    progress=False)
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert meta['kv_max_context'] == 48
+    graph = onnx.load(str(model / 'model.onnx'), load_external_data=False).graph
+    past = next(i for i in graph.input if i.name == 'past_key_values.0.key')
+    assert [d.dim_value for d in past.type.tensor_type.shape.dim] == [1, 2, 48, 16]
+    diff, _ = compare(model, ReferenceModel.from_gguf(src), steps=4, max_ctx=48)
+    assert diff <= 1e-4
+
+
+def test_hf_folder_and_llama_cpp_gguf_convert_to_the_same_model(root):
+    """Prove the RoPE layouts: HF (NEOX) and llama.cpp's permuted GGUF give one model."""
+    hf = build_tiny_hf(root / 'hf-llama')
+    gg = build_tiny_gguf(root / 'f32-llama.gguf', quant='f32')
+    m_hf = convert(str(hf), str(root / 'from-hf'), accuracy_level=0, progress=False)
+    m_gg = convert(str(gg), str(root / 'from-gguf'), accuracy_level=0, progress=False)
+    a, b = OrtDriver(m_hf), OrtDriver(m_gg)
+    np.testing.assert_allclose(a.step(PROMPT), b.step(PROMPT), atol=1e-5)
+    np.testing.assert_allclose(a.step([9]), b.step([9]), atol=1e-5)
+    # The two references rope differently (NEOX vs interleaved pairs) on differently
+    # ordered rows; they must agree with each other exactly.
+    r_hf, r_gg = ReferenceModel.from_hf(hf), ReferenceModel.from_gguf(gg)
+    assert not r_hf.cfg.rope_interleaved and r_gg.cfg.rope_interleaved
+    np.testing.assert_allclose(r_hf.forward(PROMPT)[-1], r_gg.forward(PROMPT)[-1], atol=1e-4)
+    # A wrong layout would be visible: rope the GGUF's permuted rows as NEOX instead.
+    wrong = ReferenceModel(r_gg.w, r_gg.cfg.__class__(**{**r_gg.cfg.__dict__,
+                                                         'rope_interleaved': False}))
+    assert np.abs(wrong.forward(PROMPT)[-1] - r_gg.forward(PROMPT)[-1]).max() > 1e-2
+    tok = (m_hf / 'tokenizer.json').read_text()
+    assert '<|im_end|>' in tok
+    assert (m_hf / 'chat_template.jinja').read_text() == CHAT_TEMPLATE
+
+
+def test_hf_float16_and_qwen2_untied(root):
+    hf = build_tiny_hf(root / 'hf-qwen2', arch='qwen2', dtype='float16')
+    ck = load_checkpoint(str(hf))
+    assert ck.spec.attention_bias and not ck.spec.tied_embeddings
+    assert ck.tensor('0.q').qtype == 'F16'
+    model = convert(str(hf), str(root / 'from-hf-qwen2'), accuracy_level=0, progress=False)
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert meta['architecture'] == 'qwen2' and meta['eos_token_ids'] == [2]
+    logits = OrtDriver(model).step(PROMPT)
+    assert np.isfinite(logits).all() and logits.shape == (meta['vocab_size'],)
+
+
+def test_bf16_safetensors_are_widened_exactly(tmp_path):
+    from safetensors import serialize_file, TensorSpec
+    hf = build_tiny_hf(tmp_path / 'hf')
+    f32 = load_checkpoint(str(hf)).tensor('0.up').dequantize()
+    bits = (f32.view(np.uint32) >> 16).astype(np.uint16)
+    # Re-save one tensor as BF16 in a second shard; the reader widens the raw bits.
+    serialize_file({'model.layers.0.mlp.up_proj.weight': TensorSpec(
+        dtype='bfloat16', shape=list(f32.shape), data_ptr=bits.ctypes.data,
+        data_len=bits.nbytes)}, str(hf / 'zz-bf16.safetensors'))
+    t = load_checkpoint(str(hf)).tensor('0.up')
+    assert t.qtype == 'BF16'
+    np.testing.assert_array_equal(t.dequantize(), (bits.astype(np.uint32) << 16)
+                                  .view(np.float32))
+
+
+def test_model_folder_contents(root):
+    model = tiny_model_dir(root, arch='llama')
+    assert sorted(p.name for p in model.iterdir()) == [
+        'chat_template.jinja', 'model.onnx', 'model.onnx.data', 'model.yaml', 'tokenizer.json']
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert set(meta) == YAML_KEYS
+    d = TinyDims()
+    assert (meta['num_layers'], meta['num_heads'], meta['num_kv_heads'], meta['head_dim'],
+            meta['hidden_size']) == (d.layers, d.heads, d.kv_heads, d.head_dim, d.hidden)
+    assert meta['architecture'] == 'llama' and meta['bos_token_id'] == 1
+    assert 2 in meta['eos_token_ids'] and meta['add_bos_token'] is False
+    q = meta['quantization']
+    assert q['bits'] == 4 and q['block_size'] == 32
+    assert q['source_types'] == ['Q4_0', 'Q4_1', 'Q8_0']
+    src = pathlib.Path(meta['source']['path'])
+    assert src.is_absolute() and len(meta['source']['sha256']) == 64
+    assert meta['opset'] == 21 and meta['kv_max_context'] is None
+    m = onnx.load(str(model / 'model.onnx'), load_external_data=False)
+    assert m.ir_version <= 10
+    ops = {n.op_type for n in m.graph.node}
+    assert {'GroupQueryAttention', 'MatMulNBits', 'GatherBlockQuantized',
+            'SkipSimplifiedLayerNormalization'} <= ops
+    assert 'lm_head' in {n.name for n in m.graph.node if n.op_type == 'MatMulNBits'}
+    names = [i.name for i in m.graph.input]
+    assert names[:4] == ['input_ids', 'inputs_embeds', 'seqlens_k', 'total_sequence_length']
+    assert [o.name for o in m.graph.output][:3] == ['logits', 'present.0.key',
+                                                    'present.0.value']
+    # Weights live in the external data file, not in model.onnx.
+    assert (model / 'model.onnx').stat().st_size < 200_000
+    assert (model / 'model.onnx.data').stat().st_size > 50_000
+
+
+# --- bad inputs: typed errors, nothing written --------------------------------------------
+
+def assert_nothing_written(out: pathlib.Path) -> None:
+    assert not out.exists()
+    assert not list(out.parent.glob(f'.{out.name}.tmp-*'))
+
+
+def test_missing_source(tmp_path):
+    with pytest.raises(ModelLoadError, match='no such file'):
+        convert(str(tmp_path / 'nope.gguf'), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+@pytest.mark.parametrize('keep', [0.9, 0.5, 0.01])
+def test_truncated_gguf(tmp_path, keep):
+    src = build_tiny_gguf(tmp_path / 'full.gguf')
+    data = src.read_bytes()
+    bad = tmp_path / 'cut.gguf'
+    bad.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ModelLoadError):
+        convert(str(bad), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / 'random.gguf'
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(ModelLoadError, match='GGUF'):
+        convert(str(bad), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / 'gpt2.gguf'
+    w = gguf.GGUFWriter(str(path), 'gpt2')
+    w.add_block_count(1)
+    w.add_tensor('token_embd.weight', np.zeros((8, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        convert(str(path), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def test_unsupported_tensor_type(tmp_path):
+    rng = np.random.default_rng(0)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
+    raw = rng.integers(0, 256, size=(128, 64 // block * size), dtype=np.uint8)
+    src = build_tiny_gguf(tmp_path / 'iq.gguf',
+                          raw_tensors={'blk.0.ffn_up.weight': (raw, 'IQ4_NL')})
+    with pytest.raises(UnsupportedModelError, match='IQ4_NL'):
+        convert(str(src), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def test_hf_folder_errors(tmp_path):
+    hf = build_tiny_hf(tmp_path / 'hf')
+    cfg = (hf / 'config.json').read_text()
+    (hf / 'config.json').write_text(cfg.replace('"llama"', '"gpt_neox"'))
+    with pytest.raises(UnsupportedModelError, match='gpt_neox'):
+        convert(str(hf), str(tmp_path / 'out'), progress=False)
+    (hf / 'config.json').unlink()
+    with pytest.raises(ModelLoadError, match='config.json'):
+        convert(str(hf), str(tmp_path / 'out'), progress=False)
+    hf2 = build_tiny_hf(tmp_path / 'hf2')
+    (hf2 / 'model.safetensors').write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"a": 1}')
+    with pytest.raises(ModelLoadError, match='safetensors'):
+        convert(str(hf2), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+@pytest.mark.parametrize('kwargs,match', [({'block_size': 24}, 'block size'),
+                                          ({'block_size': 128}, 'multiple'),
+                                          ({'activation_dtype': 'int8'}, 'dtype'),
+                                          ({'max_context': 100000}, 'max_context'),
+                                          ({'precision': 'int2'}, 'precision')])
+def test_bad_options(tmp_path, kwargs, match):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    with pytest.raises(ConversionError, match=match):
+        convert(str(src), str(tmp_path / 'out'), progress=False, **kwargs)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def test_existing_output_needs_overwrite(tmp_path):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    out = convert(str(src), str(tmp_path / 'out'), progress=False, verify=False)
+    with pytest.raises(ConversionError, match='already exists'):
+        convert(str(src), str(out), progress=False)
+    stamp = (out / 'model.onnx.data').stat().st_mtime_ns
+    convert(str(src), str(out), progress=False, overwrite=True)
+    assert (out / 'model.onnx.data').stat().st_mtime_ns != stamp
+    assert not list(tmp_path.glob('.out.tmp-*'))
+
+
+@pytest.mark.parametrize('failure', ['interrupt', 'disk_full'])
+def test_failed_write_leaves_nothing_and_keeps_the_old_model(tmp_path, monkeypatch, failure):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    old = convert(str(src), str(tmp_path / 'old'), progress=False)
+    before = sorted((p.name, p.stat().st_size) for p in old.iterdir())
+
+    def broken_save(model, path, **kwargs):
+        pathlib.Path(path).write_bytes(b'half')  # something partial is on disk already
+        if failure == 'interrupt':
+            raise KeyboardInterrupt
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(onnx, 'save_model', broken_save)
+    expected = KeyboardInterrupt if failure == 'interrupt' else ConversionError
+    with pytest.raises(expected) as info:
+        convert(str(src), str(tmp_path / 'new'), progress=False)
+    assert_nothing_written(tmp_path / 'new')
+    if failure == 'disk_full':
+        assert 'disk is full' in str(info.value)
+    with pytest.raises(expected):
+        convert(str(src), str(old), progress=False, overwrite=True)
+    assert sorted((p.name, p.stat().st_size) for p in old.iterdir()) == before
+    assert not list(tmp_path.glob('.old.tmp-*'))
+
+
+def test_stale_temp_of_a_killed_conversion_is_removed(tmp_path):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    dead_pid = 2 ** 22 + 12345  # above pid_max's default: no such process
+    stale = tmp_path / f'.out.tmp-{dead_pid}-abcd1234'
+    stale.mkdir()
+    (stale / 'model.onnx.data').write_bytes(b'partial')
+    convert(str(src), str(tmp_path / 'out'), progress=False)
+    assert not stale.exists()
+
+
+def test_model_moved_aside_by_a_killed_conversion_is_restored(tmp_path):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    model = convert(str(src), str(tmp_path / 'out'), progress=False)
+    dead_pid = 2 ** 22 + 12345
+    aside = tmp_path / f'.out.tmp-old-{dead_pid}-abcd1234'
+    os.rename(model, aside)  # as if killed between the two renames of an overwrite
+    half = tmp_path / f'.out.tmp-{dead_pid}-abcd1234'
+    half.mkdir()
+    with pytest.raises(ConversionError, match='already exists'):
+        convert(str(src), str(tmp_path / 'out'), progress=False, block_size=24)
+    assert not half.exists() and not aside.exists()
+    assert (tmp_path / 'out' / 'model.onnx.data').is_file()
+
+
+def test_verify_rejects_a_graph_onnxruntime_cannot_load(tmp_path, monkeypatch):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    real_finish = convert_mod.DecoderGraph.finish
+
+    def finish(self, *args):
+        model = real_finish(self, *args)
+        model.graph.node[-1].op_type = 'NoSuchOp'
+        return model
+
+    monkeypatch.setattr(convert_mod.DecoderGraph, 'finish', finish)
+    with pytest.raises(ConversionError, match='onnxruntime rejected'):
+        convert(str(src), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+
+def test_cli_exit_codes(tmp_path, capsys):
+    src = build_tiny_gguf(tmp_path / 'tiny.gguf')
+    assert main([str(src), str(tmp_path / 'out'), '--quiet', '--block-size', '32']) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / 'out')
+    assert main([str(tmp_path / 'missing.gguf'), str(tmp_path / 'o2'), '--quiet']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('edge-llm-convert: error:') and 'missing.gguf' in err
+    assert main([str(src), str(tmp_path / 'out'), '--quiet']) == 1  # exists, no --force
+    assert main([str(src), str(tmp_path / 'out'), '--quiet', '--force', '--dtype',
+                 'float16']) == 0
+    with pytest.raises(SystemExit) as info:
+        main([str(src), str(tmp_path / 'o3'), '--dtype', 'int3'])
+    assert info.value.code == 2

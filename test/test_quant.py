@@ -1,0 +1,192 @@
+"""Block repacking: GGUF blocks -> MatMulNBits layout, checked against gguf's own dequantizer.
+
+Q4_0, Q4_1 and Q8_0 must be bit-exact repacks (no requantization); other types are
+dequantized with gguf and requantized, with an error bound per block. The layout itself
+(nibble order, zero-point packing) is checked by running onnxruntime's MatMulNBits and
+GatherBlockQuantized on the packed arrays.
+"""
+import gguf
+import numpy as np
+from onnx import helper, numpy_helper, TensorProto
+import onnxruntime as ort
+import pytest
+
+from edge_llm_ros.engine.checkpoint import SourceTensor, unpermute_llama_rows
+from edge_llm_ros.engine.quant import (concat_rows, from_q4_0, from_q4_1, from_q8_0,
+                                       quantize_blocks, to_blocks)
+
+Q = gguf.GGMLQuantizationType
+ROWS, COLS = 48, 256
+
+
+def weights(seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((ROWS, COLS)).astype(np.float32) * 0.05
+    w[3, :32] = 0.0             # an all-zero block (scale 0)
+    w[5, 32:64] = 0.25          # a constant block
+    w[7, 64:96] += 0.3          # a block that does not straddle zero
+    return w
+
+
+def source(w: np.ndarray, qtype: str) -> SourceTensor:
+    raw = gguf.quants.quantize(w, Q[qtype]) if qtype not in ('F32', 'F16') else \
+        w.astype(np.float16 if qtype == 'F16' else np.float32)
+    return SourceTensor('t', qtype, w.shape, raw)
+
+
+def gguf_dequant(t: SourceTensor) -> np.ndarray:
+    return gguf.quants.dequantize(np.asarray(t.data), Q[t.qtype]).reshape(t.shape)
+
+
+def test_q4_0_repack_is_bit_exact():
+    t = source(weights(), 'Q4_0')
+    b = from_q4_0(t.data, COLS)
+    assert b.bits == 4 and b.offsets is None
+    assert (b.zero_points == 8).all()
+    np.testing.assert_array_equal(b.dequantize(), gguf_dequant(t))
+
+
+def test_q8_0_repack_is_bit_exact():
+    t = source(weights(1), 'Q8_0')
+    b = from_q8_0(t.data, COLS)
+    assert b.bits == 8 and (b.zero_points == 128).all()
+    np.testing.assert_array_equal(b.dequantize(), gguf_dequant(t))
+
+
+def test_q4_1_exact_repack_matches_gguf():
+    t = source(weights(2), 'Q4_1')
+    b = from_q4_1(t.data, COLS, exact=True)
+    ref = gguf_dequant(t)
+    # d*(q - z) + (m + d*z) vs d*q + m: only float32 rounding differs.
+    np.testing.assert_allclose(b.dequantize(), ref, rtol=0, atol=2e-7)
+    # The zero point is the integer nearest -m/d, so (unless -m/d falls outside 0..15, as
+    # for the constant and the all-positive block) the leftover offset is at most d/2.
+    inside = (b.zero_points > 0) & (b.zero_points < 15)
+    assert inside.mean() > 0.9
+    assert (np.abs(b.offsets)[inside] <= 0.5 * b.scales[inside] + 1e-7).all()
+
+
+def test_q4_1_requantized_is_lossy_but_bounded():
+    t = source(weights(3), 'Q4_1')
+    b = from_q4_1(t.data, COLS, exact=False)
+    assert b.offsets is None
+    ref = gguf_dequant(t).reshape(ROWS, -1, 32)
+    step = (np.maximum(ref.max(-1), 0) - np.minimum(ref.min(-1), 0)) / 15
+    err = np.abs(b.dequantize().reshape(ROWS, -1, 32) - ref).max(-1)
+    assert (err <= 3 * step + 1e-7).all()
+
+
+@pytest.mark.parametrize('qtype', ['Q5_0', 'Q5_1', 'F16', 'F32'])
+@pytest.mark.parametrize('precision', ['source', 'int4'])
+def test_requantized_types_error_bound(qtype, precision):
+    t = source(weights(4), qtype)
+    b = to_blocks(t, 32, precision)
+    wide = precision == 'source' and qtype in ('Q5_0', 'Q5_1')
+    assert b.bits == (8 if wide else 4)
+    _check_requant(b, gguf_dequant(t) if qtype.startswith('Q') else t.dequantize())
+
+
+def _random_kquant(qtype: str, rows: int, cols: int, seed: int) -> SourceTensor:
+    """Make valid K-quant blocks from random bytes with sane fp16 super-block scales.
+
+    gguf-py has no K-quant quantizer; any byte pattern is a valid block once d/dmin are finite.
+    """
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    d = (rng.random((rows, cols // block)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == 'Q4_K':     # d, dmin first
+        raw[..., 0:2] = d.reshape(rows, -1, 2)
+        raw[..., 2:4] = d.reshape(rows, -1, 2)
+    else:                   # Q6_K: d last
+        raw[..., -2:] = d.reshape(rows, -1, 2)
+    return SourceTensor('k', qtype, (rows, cols), raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize('qtype,precision,bits', [('Q4_K', 'source', 4), ('Q6_K', 'source', 8),
+                                                  ('Q6_K', 'int4', 4)])
+def test_kquants_dequantize_with_gguf_then_requantize(qtype, precision, bits):
+    t = _random_kquant(qtype, 16, 512, seed=5)
+    b = to_blocks(t, 32, precision)
+    assert b.bits == bits and b.shape == (16, 512)
+    _check_requant(b, gguf_dequant(t))
+
+
+def _check_requant(b, ref: np.ndarray) -> None:
+    """Requantized blocks: RMS error within ~a third of a step, max error within the clip."""
+    qmax = (1 << b.bits) - 1
+    blocks = ref.reshape(ref.shape[0], -1, b.block_size)
+    rng = np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)
+    err = b.dequantize().reshape(blocks.shape) - blocks
+    assert (np.abs(err).max(-1) <= 0.2 * rng + 1e-6).all()
+    rms = np.sqrt((err ** 2).mean())
+    assert rms <= 0.35 * (rng / qmax).mean() + 1e-9
+    # The clip search never does worse than plain round-to-nearest over the full range.
+    plain = quantize_blocks(ref, b.block_size, b.bits, shrink=(1.0,)).dequantize()
+    assert rms <= np.sqrt(((plain - ref) ** 2).mean()) + 1e-9
+
+
+def test_block_size_other_than_32_requantizes_q4_0():
+    t = source(weights(6), 'Q4_0')
+    b = to_blocks(t, 64)
+    assert b.block_size == 64 and b.packed.shape == (ROWS, COLS // 64, 32)
+    _check_requant(b, gguf_dequant(t))
+
+
+def test_concat_rows_fuses_same_format_and_keeps_mixed_apart():
+    a = from_q4_0(source(weights(7), 'Q4_0').data, COLS)
+    c = from_q4_1(source(weights(8), 'Q4_1').data, COLS)
+    fused = concat_rows([a, c])
+    assert len(fused) == 1
+    np.testing.assert_array_equal(fused[0].dequantize(),
+                                  np.concatenate([a.dequantize(), c.dequantize()]))
+    wide = from_q8_0(source(weights(9), 'Q8_0').data, COLS)
+    assert len(concat_rows([a, wide])) == 2
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    from tiny_model import llama_cpp_permute
+    w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
+    np.testing.assert_array_equal(unpermute_llama_rows(llama_cpp_permute(w, 8), 8), w)
+
+
+def _session(node, inputs, outputs, inits):
+    g = helper.make_graph([node], 'g', inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid('', 21),
+                                            helper.make_opsetid('com.microsoft', 1)])
+    m.ir_version = 10
+    return ort.InferenceSession(m.SerializeToString(), providers=['CPUExecutionProvider'])
+
+
+@pytest.mark.parametrize('qtype', ['Q4_0', 'Q8_0', 'Q5_0'])
+def test_matmulnbits_reads_the_packed_layout(qtype):
+    t = source(weights(10), qtype)
+    b = to_blocks(t, 32)
+    n, k = b.shape
+    node = helper.make_node('MatMulNBits', ['A', 'B', 'S', 'Z'], ['Y'], domain='com.microsoft',
+                            K=k, N=n, bits=b.bits, block_size=32, accuracy_level=0)
+    sess = _session(node, [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
+                    [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])],
+                    [numpy_helper.from_array(b.packed, 'B'),
+                     numpy_helper.from_array(b.scales, 'S'),
+                     numpy_helper.from_array(b.packed_zero_points(), 'Z')])
+    a = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {'A': a})[0], a @ b.dequantize().T,
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('qtype', ['Q4_0', 'Q4_1', 'Q8_0'])
+def test_gather_block_quantized_reads_the_packed_layout(qtype):
+    b = to_blocks(source(weights(11), qtype), 32, exact=False)
+    n, k = b.shape
+    node = helper.make_node('GatherBlockQuantized', ['D', 'I', 'S', 'Z'], ['Y'],
+                            domain='com.microsoft', bits=b.bits, block_size=32, gather_axis=0,
+                            quantize_axis=1)
+    sess = _session(node, [helper.make_tensor_value_info('I', TensorProto.INT64, ['n'])],
+                    [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['n', k])],
+                    [numpy_helper.from_array(b.packed.reshape(n, -1), 'D'),
+                     numpy_helper.from_array(b.scales, 'S'),
+                     numpy_helper.from_array(b.packed_zero_points(), 'Z')])
+    ids = np.array([0, 5, 3, n - 1], np.int64)
+    np.testing.assert_allclose(sess.run(None, {'I': ids})[0], b.dequantize()[ids],
+                               rtol=0, atol=1e-7)
