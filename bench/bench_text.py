@@ -30,7 +30,7 @@ from edge_llm_ros.engine.sampling import build_sampler  # noqa: E402
 from edge_llm_ros.engine.stop import StopMatcher  # noqa: E402
 from edge_llm_ros.engine.tokenizer import TextTokenizer  # noqa: E402
 from edge_llm_ros.engine.types import SamplingConfig  # noqa: E402
-from smollm2_files import write_text_model_dir  # noqa: E402, I100
+from smollm2_files import write_text_model_dir  # noqa: E402, I100, I201
 
 SAMPLING = {
     'greedy': SamplingConfig(),

@@ -7,13 +7,14 @@ The server reverses the prompt word by word and streams one word per feedback.
 import signal
 import sys
 
-from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import TensorHandle
-from edge_llm_msgs.srv import Tokenize
 import rclpy
 from rclpy.action import ActionServer
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.node import Node
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import TensorHandle
+from edge_llm_msgs.srv import Tokenize
 
 
 class InterfacePeer(Node):

@@ -6,12 +6,13 @@ import subprocess
 import sys
 import threading
 
-from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
-from edge_llm_msgs.srv import Tokenize
 import pytest
 import rclpy
 from rclpy.action import ActionClient
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
+from edge_llm_msgs.srv import Tokenize
 
 PEER = pathlib.Path(__file__).with_name('interface_peer.py')
 
