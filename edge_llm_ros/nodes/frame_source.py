@@ -18,8 +18,6 @@ import time
 from typing import Optional
 
 import numpy as np
-import rclpy
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 from sensor_msgs.msg import Image
 
@@ -28,6 +26,7 @@ from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes import copy_codec
 from edge_llm_ros.nodes.handles import make_header
 from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
+from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.tensor_output import CopyKind, SENSOR_QOS, TensorOutput
 from edge_llm_ros.vision.errors import FrameDecodeError, SourceError, VisionError
 from edge_llm_ros.vision.params import frame_source_config, FRAME_SOURCE_SPECS
@@ -145,22 +144,8 @@ class FrameSourceNode(Node):
 
 def main(args=None) -> int:
     """Console script entry point: 0 after Ctrl-C, 2 on a configuration error."""
-    rclpy.init(args=args)
-    node = None
-    try:
-        node = FrameSourceNode()
-        rclpy.spin(node)
-    except (ConfigError, VisionError, IpcError, ValueError) as exc:
-        print(f'frame_source: error: {exc}', file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        if node is not None:
-            node.shutdown()
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return run_node('frame_source', FrameSourceNode,
+                    (ConfigError, VisionError, IpcError, ValueError), args)
 
 
 if __name__ == '__main__':

@@ -20,8 +20,6 @@ import time
 from typing import Optional, Tuple
 
 import numpy as np
-import rclpy
-from rclpy.executors import ExternalShutdownException
 from rclpy.node import Node
 
 from edge_llm_ros.bringup.errors import BringupError
@@ -29,6 +27,7 @@ from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
+from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.tensor_input import Sample, TensorInput
 from edge_llm_ros.nodes.tensor_output import CopyKind, TensorOutput
 from edge_llm_ros.vision.default_model import build_model
@@ -153,22 +152,7 @@ class PerceptionNode(Node):
 
 def main(args=None) -> int:
     """Console script entry point: 0 after Ctrl-C, 2 on a configuration or model error."""
-    rclpy.init(args=args)
-    node = None
-    try:
-        node = PerceptionNode()
-        rclpy.spin(node)
-    except (ConfigError, VisionError, IpcError) as exc:
-        print(f'perception: error: {exc}', file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        if node is not None:
-            node.shutdown()
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    return run_node('perception', PerceptionNode, (ConfigError, VisionError, IpcError), args)
 
 
 if __name__ == '__main__':

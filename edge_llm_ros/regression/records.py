@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 import uuid
 
+from edge_llm_ros.engine.types import ChatMessage, Timings
+
 # SamplingParams sentinels (edge_llm_msgs/msg/SamplingParams.msg).
 UNSET_FLOAT = -1.0
 UNSET_INT = -1
@@ -30,21 +32,9 @@ class SamplingRecord:
         return self == SamplingRecord()
 
 
-@dataclass(frozen=True)
-class TimingsRecord:
-    queue_wait_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    prefill_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    prefill_tokens_per_second: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    total_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class ChatRecord:
-    role: str
-    content: str
+# The engine's own plain types have exactly the message's fields: reuse them.
+TimingsRecord = Timings
+ChatRecord = ChatMessage
 
 
 @dataclass(frozen=True)
