@@ -17,7 +17,9 @@ from typing import Dict, FrozenSet, Iterable, Optional, Sequence, Tuple
 
 from edge_llm_ros.bringup.errors import AffinityError
 
-_ITEM = re.compile(r'(\d+)(?:-(\d+))?')
+_ITEM = re.compile(r'(\d{1,5})(?:-(\d{1,5}))?')
+# Linux supports at most 8192 CPUs (NR_CPUS): bounds the set a CPU list can expand into.
+MAX_CPUS = 8192
 
 
 def parse_cpu_list(text: str) -> Tuple[int, ...]:
@@ -34,6 +36,9 @@ def parse_cpu_list(text: str) -> Tuple[int, ...]:
         last = int(match.group(2)) if match.group(2) is not None else first
         if last < first:
             raise AffinityError('bad CPU list %r: range %s runs backwards' % (text, item))
+        if last >= MAX_CPUS:
+            raise AffinityError('bad CPU list %r: CPU %d is beyond the %d CPUs Linux supports'
+                                % (text, last, MAX_CPUS))
         cpus.update(range(first, last + 1))
     return tuple(sorted(cpus))
 

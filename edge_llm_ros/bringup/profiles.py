@@ -27,6 +27,9 @@ from edge_llm_ros.bringup.errors import (
     ParameterTypeError, ProfileFormatError, UnknownBoardError)
 
 PROFILE_SECTIONS = {'/**/llm_node': 'llm_node', '/**/perception': 'perception'}
+# YAML aliases share nodes: a few lines can expand into billions (an "alias bomb"). A real
+# params file has tens of values; refuse documents that expand past this many nodes.
+MAX_YAML_NODES = 100_000
 LAYERS = ('default', 'profile', 'machine', 'params_file', 'override')
 
 
@@ -69,6 +72,23 @@ def _flatten(prefix: str, value: Any, out: Dict[str, Any], source: str) -> None:
 
 def parse_param_text(text: str, source: str) -> Dict[str, Dict[str, Any]]:
     """ROS params YAML text -> {node key: {flat name: value}}, in file order."""
+    doc = safe_load_bounded(text, source)
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ProfileFormatError('%s: top level must be a mapping of node names to '
+                                 '{ros__parameters: ...}, got %s' % (source, type(doc).__name__))
+    sections: Dict[str, Dict[str, Any]] = {}
+    try:
+        _collect_sections('', doc, sections, source)
+    except RecursionError:
+        raise ProfileFormatError('%s: namespaces or parameters nested too deeply' % source) \
+            from None
+    return sections
+
+
+def safe_load_bounded(text: str, source: str) -> Any:
+    """yaml.safe_load, refusing deep nesting and alias bombs with ProfileFormatError."""
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -77,14 +97,23 @@ def parse_param_text(text: str, source: str) -> Dict[str, Dict[str, Any]]:
         problem = getattr(exc, 'problem', None) or str(exc)
         raise ProfileFormatError('%s:%s is not valid YAML: %s' % (source, where, problem)) \
             from None
-    if doc is None:
-        return {}
-    if not isinstance(doc, dict):
-        raise ProfileFormatError('%s: top level must be a mapping of node names to '
-                                 '{ros__parameters: ...}, got %s' % (source, type(doc).__name__))
-    sections: Dict[str, Dict[str, Any]] = {}
-    _collect_sections('', doc, sections, source)
-    return sections
+    except RecursionError:
+        raise ProfileFormatError('%s: YAML nested too deeply' % source) from None
+    # Count nodes as later code will walk them (an alias counts every time it is used).
+    stack, seen = [doc], 0
+    while stack:
+        node = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_NODES:
+            raise ProfileFormatError('%s: the YAML expands to more than %d values (aliases '
+                                     'referring to aliases?); write the values out' % (
+                                         source, MAX_YAML_NODES))
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return doc
 
 
 def _collect_sections(path: str, node: Dict[Any, Any], out: Dict[str, Dict[str, Any]],
@@ -314,8 +343,5 @@ def flatten_overrides(pairs: Iterable[str], node: str = 'llm_node') -> Dict[str,
         if key in strings:
             out[key] = text
             continue
-        try:
-            out[key] = yaml.safe_load(text) if text.strip() else ''
-        except yaml.YAMLError:
-            raise ProfileFormatError('override %r: value is not valid YAML' % pair) from None
+        out[key] = safe_load_bounded(text, 'override %r' % pair) if text.strip() else ''
     return out

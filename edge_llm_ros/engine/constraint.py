@@ -25,6 +25,9 @@ _JSON_OPTIONS: Dict[str, Any] = {
     'key_separator': ': ',
 }
 
+_TOO_DEEP = ('the JSON schema is nested too deeply to check (hundreds of levels): flatten it, '
+             'e.g. with $defs and $ref')
+
 # Building an LLTokenizer walks the whole vocabulary (~0.25 s): once per TextTokenizer.
 _LL_TOKENIZERS: 'weakref.WeakKeyDictionary[TextTokenizer, llguidance.LLTokenizer]' = \
     weakref.WeakKeyDictionary()
@@ -59,6 +62,8 @@ class JsonSchemaConstraint:
             schema = json.loads(schema_text)
         except (TypeError, ValueError) as exc:
             raise InvalidSchemaError(f'the JSON schema is not valid JSON: {exc}') from exc
+        except RecursionError:
+            raise InvalidSchemaError(_TOO_DEEP) from None
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
@@ -70,6 +75,9 @@ class JsonSchemaConstraint:
             where = '/'.join(str(p) for p in exc.absolute_path) or '(root)'
             raise InvalidSchemaError(f'the JSON schema is invalid at {where}: '
                                      f'{exc.message}') from exc
+        except RecursionError:
+            # jsonschema checks recursively: a few hundred levels exhaust Python's stack.
+            raise InvalidSchemaError(_TOO_DEEP) from None
         ll_tok = ll_tokenizer(tokenizer)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema,

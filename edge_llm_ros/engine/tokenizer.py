@@ -140,6 +140,10 @@ class TextTokenizer:
             # raise_exception() in templates reports conversations they cannot express.
             raise InvalidRequestError(f'the chat template rejected the conversation: {exc}') \
                 from exc
+        except Exception as exc:  # noqa: B902 - the template's own bug (1/0, range(1e9), ...)
+            raise InvalidRequestError(f'the chat template failed on this conversation '
+                                      f'({type(exc).__name__}: {exc}); fix chat_template.jinja'
+                                      ) from exc
 
     def encode_chat(self, messages: Sequence[MessageLike],
                     add_generation_prompt: bool = True) -> List[int]:
