@@ -69,7 +69,8 @@ def _producer(tell, sock_dir, allocator, frames, period_s, consumers, lease_s=2.
         seen = False
         while not seen or pool.stats().consumers:
             seen = seen or bool(pool.stats().consumers)
-            assert time.monotonic() < deadline + 60, 'reader never finished'
+            # Generous: on a loaded 2-core CI machine each resolve can wait seconds.
+            assert time.monotonic() < deadline + 240, 'reader never finished'
             time.sleep(0.01)
     stats = pool.stats()
     pool.close()
@@ -168,7 +169,7 @@ def test_handles_from_another_channel_resolve_or_are_stale(sock_dir, allocator_n
     producer = Child(_producer, sock_dir, allocator_name, 40, 0.005, 0, 2.0, 3, w)
     os.close(w)
     try:
-        stats = producer.join(120)
+        stats = producer.join(300)
         res = reader.join(60)
     finally:
         reader.close()
