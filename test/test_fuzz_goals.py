@@ -25,8 +25,8 @@ from tiny_model import tiny_model_dir
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
-from edge_llm_msgs.srv import Tokenize
-from edge_llm_ros.engine.errors import InvalidRequestError
+from edge_llm_msgs.srv import Complete, Tokenize
+from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.engine.types import StopReason
 from edge_llm_ros.ipc.channel import ENV_DIR
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
@@ -231,6 +231,27 @@ def test_tokenize_answers_every_request(node, text, turns, generation_prompt):
     assert response.success or response.error_message.strip()
     if response.success:
         assert len(response.token_ids) == len(response.tokens)
+
+
+@pytest.mark.parametrize('error', [
+    ModelLoadError('the chat template cannot be rendered: sandbox refused it'),
+    RuntimeError('an unexpected bug')])
+def test_services_answer_any_error_from_validation_or_the_tokenizer(node, monkeypatch, error):
+    # Not only InvalidRequestError: e.g. a template the sandbox refuses raises ModelLoadError
+    # from _prepare, and an exception escaping a service callback ends the node's process.
+    def fail(*args, **kwargs):
+        raise error
+    engine = node._worker.engine
+    monkeypatch.setattr(engine, 'validate', fail)
+    monkeypatch.setattr(engine, 'tokenize', fail)
+    answer = node._on_complete(Complete.Request(prompt='x'), Complete.Response())
+    with pytest.raises(StopIteration) as finished:
+        answer.send(None)  # a refused request is answered before the coroutine awaits
+    reply = finished.value.value
+    assert not reply.success and str(error) in reply.error_message, reply
+    reply = node._on_tokenize(Tokenize.Request(text='x'), Tokenize.Response())
+    assert not reply.success and str(error) in reply.error_message, reply
+    _reservations_all_free(node)
 
 
 # --- over ROS, against a real node process -------------------------------------------------

@@ -26,6 +26,9 @@ from .quant import BlockWeights, concat_rows, PRECISIONS, to_blocks
 
 CONVERTER_VERSION = '2'
 _TMP_MARK = '.tmp-'
+# A write that failed while less than this was free is taken for a full disk: numpy's short
+# writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.
+_FULL_BELOW = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -100,15 +103,30 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
             _verify(tmp)
         _replace(tmp, out)
     except BaseException as exc:
+        # Measured before the cleanup, which gives the space back.
+        free = _free_bytes(out.parent) if isinstance(exc, OSError) else None
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
-            hint = ('the disk is full; free space and convert again'
-                    if exc.errno == errno.ENOSPC else 'check the path and permissions')
+            if exc.errno == errno.ENOSPC or (exc.errno is None and free is not None and
+                                             free < _FULL_BELOW):
+                shown = 'unknown' if free is None else f'{free / (1 << 20):.1f} MiB'
+                hint = (f'the disk is full ({shown} free on {out.parent}); free space and '
+                        'convert again')
+            else:
+                hint = 'check the path and permissions'
             raise ConversionError(f'writing {out} failed ({exc}); {hint}') from exc
         if isinstance(exc, (EngineError, KeyboardInterrupt, SystemExit, MemoryError)):
             raise
         raise ConversionError(f'converting {source} failed: {exc!r}') from exc
     return out
+
+
+def _free_bytes(folder: pathlib.Path) -> Optional[int]:
+    """Bytes an unprivileged writer can still use in `folder`'s file system (None: unknown)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,

@@ -66,7 +66,8 @@ def conversation(request: GenerationRequest) -> List[ChatMessage]:
     return messages
 
 
-def _check_embeddings(value, hidden_size: int, dtype) -> Optional[np.ndarray]:
+def _check_embeddings(value, hidden_size: int, dtype, max_tokens: int,
+                      capacity: int) -> Optional[np.ndarray]:
     if value is None:
         return None
     if not isinstance(value, np.ndarray):
@@ -82,6 +83,11 @@ def _check_embeddings(value, hidden_size: int, dtype) -> Optional[np.ndarray]:
             '(hidden_size of the model)')
     if arr.shape[0] == 0:
         return None
+    # Before scanning, copying and hashing the rows: their number is the sender's word.
+    if arr.shape[0] + max_tokens > capacity:
+        raise ContextOverflowError(
+            f'prefix_embeddings have {arr.shape[0]} rows; with max_tokens {max_tokens} that '
+            f'exceeds the context of {capacity} positions: send fewer rows or lower max_tokens')
     if not np.isfinite(arr).all():
         raise InvalidEmbeddingsError('prefix_embeddings contain NaN or infinite values')
     return np.ascontiguousarray(arr, dtype=dtype)
@@ -121,10 +127,11 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     if not isinstance(request.json_schema, str):
         raise InvalidRequestError('json_schema must be the schema as JSON text')
     constraint = compile_schema(request.json_schema) if request.json_schema else None
-    embeds = _check_embeddings(request.prefix_embeddings, hidden_size, act_dtype)
     if request.max_tokens >= capacity:
         raise ContextOverflowError(f'max_tokens {request.max_tokens} leaves no room for the '
                                    f'prompt in the context of {capacity} tokens: lower it')
+    embeds = _check_embeddings(request.prefix_embeddings, hidden_size, act_dtype,
+                               int(request.max_tokens), capacity)
     # The prompt, and whether it fits.
     if request.use_chat_template:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=True)

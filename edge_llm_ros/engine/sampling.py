@@ -3,7 +3,8 @@
 The shape follows llama.cpp's sampler chain (each stage has apply / accept / reset) in the order
 penalties -> temperature -> top-k -> top-p -> min-p.  The chain is built once per request from a
 validated `SamplingConfig`; disabled stages are left out, and at temperature 0 only the
-penalties remain (the filters cannot change the argmax).
+penalties remain (the filters cannot change the argmax).  Temperatures below
+`GREEDY_TEMPERATURE` are greedy too: that is their limit, and 1/T would overflow float32.
 
 Runs every token over the whole vocabulary, so it avoids full sorts: top-k and top-p first
 narrow the vocabulary with a threshold taken from a strided sample (see `_top_indices`).
@@ -21,6 +22,9 @@ from .types import SamplingConfig
 
 # Tokens of history the penalties look at (llama.cpp's penalty_last_n default); 0 = all.
 DEFAULT_PENALTY_WINDOW = 64
+# Temperatures below this are decoded greedily (the T -> 0 limit of sampling).
+GREEDY_TEMPERATURE = 1e-6
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def validate(config: SamplingConfig) -> None:
@@ -125,8 +129,13 @@ class RepetitionPenalty(Stage):
     def apply(self, cand: Candidates) -> None:
         ids = self._history.ids()
         if ids.size:
-            seen = cand.logits[ids]
-            cand.logits[ids] = np.where(seen > 0, seen / self.penalty, seen * self.penalty)
+            # In float64 and capped: a penalty < 1 (down to 5e-324) raises seen logits past
+            # float32's range, and an inf here would turn later max-shifts into NaN.
+            # Overflow towards -inf is intended (the token gets probability 0).
+            seen = cand.logits[ids].astype(np.float64)
+            with np.errstate(over='ignore'):
+                scaled = np.where(seen > 0, seen / self.penalty, seen * self.penalty)
+                cand.logits[ids] = np.minimum(scaled, _FLOAT32_MAX)
 
     def accept(self, token_id: int) -> None:
         self._history.add(token_id)
@@ -160,13 +169,22 @@ class PresencePenalty(Stage):
 
 
 class Temperature(Stage):
+    """Divide logits by the temperature, relative to the best one."""
+
     name = 'temperature'
 
     def __init__(self, temperature: float) -> None:
         self.inv = 1.0 / float(temperature)
 
     def apply(self, cand: Candidates) -> None:
-        cand.logits *= self.inv
+        # Shifting by the max first (softmax is shift-invariant) leaves every logit <= 0, so a
+        # large 1/T can only push tokens towards -inf (probability 0), never overflow to +inf.
+        logits = cand.logits
+        top = float(logits.max())
+        with np.errstate(over='ignore'):  # overflow here only ever gives -inf: intended
+            if math.isfinite(top):  # all -inf is reported by the picker; leave it as it is
+                logits -= top
+            logits *= self.inv
 
 
 class TopK(Stage):
@@ -303,7 +321,7 @@ class Sampler:
 
 def build_sampler(config: SamplingConfig, vocab_size: int,
                   penalty_window: int = DEFAULT_PENALTY_WINDOW) -> Sampler:
-    """Validate `config` and build its chain once."""
+    """Validate `config` and build its chain once (greedy below GREEDY_TEMPERATURE)."""
     validate(config)
     stages: List[Stage] = []
     history = _History(penalty_window)
@@ -312,7 +330,7 @@ def build_sampler(config: SamplingConfig, vocab_size: int,
     if config.presence_penalty != 0.0:
         stages.append(PresencePenalty(config.presence_penalty, history,
                                       owns_history=not stages))
-    greedy = config.temperature == 0.0
+    greedy = config.temperature < GREEDY_TEMPERATURE
     if not greedy:
         if config.temperature != 1.0:
             stages.append(Temperature(config.temperature))

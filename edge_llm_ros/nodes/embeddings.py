@@ -1,10 +1,13 @@
 """A goal's prefix_embeddings: TensorHandles checked at admission, mapped while generating.
 
-At admission the handles are only described (TensorDescriptor validation, producer pool
-reachable) and a zero placeholder of the same shape lets the engine validate the request
-(hidden size, context room). The frames are held (mapped read-only, no copy for a single
-handle) only while the job runs on the engine worker, then released: a queued goal holds no
-slot of the producer's ring, so a deep queue never starves a camera pipeline.
+At admission the handles are only described (TensorDescriptor validation, hidden size and
+rows within the model's, producer pool reachable) and a zero placeholder of the same shape
+lets the engine validate the request (context room).  The shape is checked against the model
+before the placeholder is allocated: a handle's shape is the sender's word, and a zero array
+of it is allocated, hashed and copied while validating.  The frames are held (mapped
+read-only, no copy for a single handle) only while the job runs on the engine worker, then
+released: a queued goal holds no slot of the producer's ring, so a deep queue never starves
+a camera pipeline.
 """
 from __future__ import annotations
 
@@ -50,8 +53,13 @@ class EmbeddingResolver:
             self._resolver = TensorResolver(name='llm_node')
         return self._resolver
 
-    def placeholder(self, handles: Sequence[Any]) -> Optional[np.ndarray]:
-        """Check the handles without holding frames; return zeros of the joined shape."""
+    def placeholder(self, handles: Sequence[Any], hidden_size: int,
+                    context_length: int) -> Optional[np.ndarray]:
+        """Check the handles without holding frames; return zeros of the joined shape.
+
+        The rows must be `hidden_size` wide and leave at least one of the model's
+        `context_length` positions for the answer; the engine checks the exact room later.
+        """
         if not handles:
             return None
         resolver = self._ipc()
@@ -68,6 +76,15 @@ class EmbeddingResolver:
                 raise EmbeddingResolveError(
                     f'prefix_embeddings[{index}] is {desc.dtype} [{n}, {width}] but the first '
                     f'handle is {dtype} [.., {hidden}]: all must share dtype and hidden size')
+            if width != hidden_size:
+                raise EmbeddingResolveError(
+                    f"prefix_embeddings[{index}] rows are {width} wide but the model's hidden "
+                    f'size is {hidden_size}: send [n, {hidden_size}] embeddings')
+            if rows + n >= context_length:
+                raise EmbeddingResolveError(
+                    f'prefix_embeddings[{index}] brings the embeddings to {rows + n} rows, '
+                    f'which leave no room in the model context of {context_length} '
+                    'positions: send fewer rows')
             if not resolver.reachable(desc.pool_id):
                 raise EmbeddingResolveError(
                     f'prefix_embeddings[{index}]: no producer serves pool {desc.pool_id!r} on '

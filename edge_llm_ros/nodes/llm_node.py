@@ -45,6 +45,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Dict, Optional, Tuple
 import uuid
 
@@ -66,7 +67,7 @@ from edge_llm_msgs.srv import Complete, Tokenize
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
 from edge_llm_ros.engine.engine import Engine
-from edge_llm_ros.engine.errors import InvalidRequestError
+from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
 from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
@@ -289,14 +290,30 @@ class LLMNode(LifecycleNode):
             raise WorkerStoppedError(f'{self.get_name()} is {self._state}, not configured')
         try:
             handles = list(msg.prefix_embeddings)
-            request = to_request(msg, self._runtime.defaults,
-                                 self._embeddings.placeholder(handles))
-            worker.engine.validate(request)
+            engine = worker.engine
+            request = to_request(msg, self._runtime.defaults, self._embeddings.placeholder(
+                handles, engine.info.hidden_size, engine.context_length))
+            engine.validate(request)
         except BaseException:
             worker.unreserve()
             raise
         bind = self._embeddings.binder(request, handles) if handles else None
         return worker, Job(request, on_done=_unset_on_done, bind=bind)
+
+    def _refusal(self, exc: Exception, what: str) -> str:
+        """Say why `what` could not take a request; log the failures that are not the request's.
+
+        EngineError (a bad request, or e.g. a chat template the sandbox refused) and
+        WorkerStoppedError are answers; anything else is a bug, logged with its traceback and
+        answered too, so that one request never takes the node down.
+        """
+        if isinstance(exc, (EngineError, WorkerStoppedError)):
+            self._count('invalid')
+            return str(exc)
+        self.get_logger().error(f'{what} failed unexpectedly: '
+                                f'{"".join(traceback.format_exception(exc)).rstrip()}')
+        return (f'{self.get_name()} {what} failed unexpectedly ({type(exc).__name__}: {exc}); '
+                'see the node log')
 
     def _submit(self, worker: EngineWorker, job: Job, done: Future) -> None:
         """Queue a prepared job on its reserved slot; its outcome will complete `done`."""
@@ -338,9 +355,8 @@ class LLMNode(LifecycleNode):
         self._goals[key] = state
         try:
             worker, job = self._prepare(goal_handle.request)
-        except (InvalidRequestError, WorkerStoppedError) as exc:
-            self._count('invalid')
-            state.done.set_result(JobOutcome(error_result(str(exc))))
+        except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
+            state.done.set_result(JobOutcome(error_result(self._refusal(exc, '~/generate'))))
         else:
             job.on_feedback = functools.partial(self._send_feedback, goal_handle)
             state.job = job
@@ -431,6 +447,15 @@ class LLMNode(LifecycleNode):
     # ---- services ----------------------------------------------------------------------------
     async def _on_complete(self, request: Complete.Request,
                            response: Complete.Response) -> Complete.Response:
+        try:
+            return await self._complete(request, response)
+        except Exception as exc:  # noqa: B902 - a service must answer, never end the process
+            response.success = False
+            response.error_message = self._refusal(exc, '~/complete')
+            return response
+
+    async def _complete(self, request: Complete.Request,
+                        response: Complete.Response) -> Complete.Response:
         stamp = self.get_clock().now().to_msg()
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
         problem = self._admit()
@@ -440,10 +465,9 @@ class LLMNode(LifecycleNode):
                                         error_result(problem), stamp, accepted=False)
         try:
             worker, job = self._prepare(request)
-        except (InvalidRequestError, WorkerStoppedError) as exc:
-            self._count('invalid')
+        except Exception as exc:  # noqa: B902 - answered with the message (see _refusal)
             return self._finish_service(response, goal_id, request, None,
-                                        error_result(str(exc)), stamp)
+                                        error_result(self._refusal(exc, '~/complete')), stamp)
         engine_request = job.request
         outcome = await self._run(worker, job)
         result = outcome.result
@@ -475,13 +499,18 @@ class LLMNode(LifecycleNode):
         try:
             messages = [ChatMessage(m.role, m.content) for m in request.messages]
             ids = engine.tokenize(request.text, messages, request.add_generation_prompt)
-        except (InvalidRequestError, ValueError, TypeError) as exc:
+            tokens = list(engine.token_strings(ids))
+        except (EngineError, ValueError, TypeError) as exc:  # e.g. a template the sandbox refused
             response.success = False
             response.error_message = str(exc)
             return response
+        except Exception as exc:  # noqa: B902 - answer, never crash (see _refusal)
+            response.success = False
+            response.error_message = self._refusal(exc, '~/tokenize')
+            return response
         response.success = True
         response.token_ids = [int(i) for i in ids]
-        response.tokens = list(engine.token_strings(ids))
+        response.tokens = tokens
         response.context_length = int(engine.context_length)
         return response
 
