@@ -1,6 +1,7 @@
 #!/bin/busybox sh
 # PID 1 of the DMA-BUF test VM: mount the host root read-only over virtio-9p, the
-# run folder (guest.sh in, results out) read-write, chroot into the host root and
+# run folder (guest.sh in, results out) read-write, the extra shares listed in its
+# "shares" file read-only at their host paths, chroot into the host root and
 # run guest.sh there, then power off. Any failure powers off with a message.
 /bin/busybox mkdir -p /sbin /usr/bin /usr/sbin
 /bin/busybox --install -s
@@ -27,6 +28,11 @@ mount -t tmpfs -o mode=1777 shm /host/dev/shm
 mount -t tmpfs -o mode=1777 tmp /host/tmp || fail 'tmpfs /tmp'
 mkdir -p /host/tmp/out
 mount -t 9p -o "$OPTS" out /host/tmp/out || fail 'mount run folder over 9p'
+# Host folders the tmpfs above (or /dev) hides, e.g. a checkout in /tmp: "tag path" lines.
+while read -r tag path; do
+  mkdir -p "/host$path" || fail "mkdir $path"
+  mount -t 9p -o "$OPTS,ro,cache=loose" "$tag" "/host$path" || fail "mount $path over 9p"
+done < /host/tmp/out/shares
 echo "EDGE_VM_BOOTED $(cut -d' ' -f1 /proc/uptime)s kernel $(uname -r)"
 chroot /host /bin/sh /tmp/out/guest.sh
 echo "EDGE_VM_STATUS=$?"

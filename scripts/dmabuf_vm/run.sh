@@ -6,7 +6,8 @@
 #     apt configuration (nothing is installed on the host from it);
 #   - initramfs: busybox-static + the virtio-9p modules, built by build_initramfs.py;
 #   - qemu-system-x86_64 -accel tcg (works where KVM is absent or cannot boot a stock
-#     kernel), host / mounted read-only over 9p, chroot into it, the venv's python runs
+#     kernel), host / mounted read-only over 9p (plus any needed folder under the guest's
+#     own /tmp or /dev, see guest_shares.py), chroot into it, the venv's python runs
 #     pytest, results come back as JUnit XML through a second, writable 9p share.
 # Everything is cached in $CACHE (.cache/dmabuf_vm, git-ignored); a warm run boots and
 # tests in well under a minute.
@@ -135,6 +136,21 @@ LDPATH="$("$PY" -c 'import os; print(os.environ.get("LD_LIBRARY_PATH", ""))')"
 (cd "$ROOT" && "$PY" -m compileall -q edge_llm_ros test >/dev/null \
   && "$PY" -m pytest -q -p no:cacheprovider --collect-only "$@" >/dev/null) \
   || log 'warning: host-side collection failed; the guest will report why'
+# Host folders the guest's own /tmp, /dev mounts would hide (a CI clone in /tmp, its venv):
+# each becomes a read-only 9p share that init.sh mounts at the same path ($RUN/shares).
+SHARES_TXT="$("$PY" "$HERE/guest_shares.py" "$ROOT" "$PY")" \
+  || die 'guest_shares.py failed (see above)'
+SHARES=()
+[ -z "$SHARES_TXT" ] || mapfile -t SHARES <<< "$SHARES_TXT"
+: > "$RUN/shares"
+qpath() { printf '%s' "${1//,/,,}"; }   # qemu option values escape ',' as ',,'
+SHARE_ARGS=()
+for i in "${!SHARES[@]}"; do
+  fsdev="local,id=x$i,path=$(qpath "${SHARES[$i]}"),security_model=none,readonly=on"
+  SHARE_ARGS+=(-fsdev "$fsdev,multidevs=remap" -device "virtio-9p-pci,fsdev=x$i,mount_tag=x$i")
+  printf 'x%s %s\n' "$i" "${SHARES[$i]}" >> "$RUN/shares"
+  log "sharing ${SHARES[$i]} (under a folder the guest mounts itself)"
+done
 {
   echo '#!/bin/sh'
   echo "cd '$ROOT' || exit 3"
@@ -161,8 +177,9 @@ boot() {
     -append 'console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init mitigations=off' \
     -fsdev local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap \
     -device virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot \
-    -fsdev "local,id=out,path=$RUN,security_model=none" \
-    -device virtio-9p-pci,fsdev=out,mount_tag=out </dev/null | tee "$RUN/console.log"
+    -fsdev "local,id=out,path=$(qpath "$RUN"),security_model=none" \
+    -device virtio-9p-pci,fsdev=out,mount_tag=out "${SHARE_ARGS[@]}" \
+    </dev/null | tee "$RUN/console.log"
   return "${PIPESTATUS[0]}"
 }
 
