@@ -89,6 +89,8 @@ class SoakReport:
     outcomes: Dict[str, int] = field(default_factory=dict)
     lost: int = 0
     lost_where: List[str] = field(default_factory=list)
+    # Goals whose result LLMClient had to request again (a response lost on the way).
+    recovered: int = 0
     unexpected: List[str] = field(default_factory=list)
     node_alive: bool = True
     node_exit_code: Optional[int] = None
@@ -176,9 +178,11 @@ class Transcripts:
 
     def explain(self, record: dict) -> str:
         """Say where a lost goal was lost."""
-        if not record['goal_id']:
-            return 'no goal response reached the client (request or response lost)'
         reason = self.finished.get(record['goal_id'])
+        if not record['responded']:
+            where = 'the node never finished it' if reason is None \
+                else f'the node finished it ({reason})'
+            return f'no goal response reached the client; {where}'
         if reason is None:
             return 'accepted, but the node never finished it'
         return f'the node finished it ({reason}) but the result never reached the client'
@@ -289,13 +293,13 @@ class ClientThread(threading.Thread):
         self.rng = random.Random(seed)
 
     def run(self) -> None:
-        from edge_llm_ros.client import GoalRejectedError
+        from edge_llm_ros.client import GoalRejectedError, LLMClientError
         while next(self.budget, None) is not None:
             invalid = self.rng.choice(INVALID_KINDS) \
                 if self.rng.random() < self.config.invalid_rate else None
             cancel = invalid is None and self.rng.random() < self.config.cancel_rate
             record = {'invalid': invalid, 'cancel': cancel, 'status': 'lost', 'error': '',
-                      'goal_id': ''}
+                      'goal_id': '', 'responded': False, 'result_requests': 0}
             handle = None
             try:
                 handle = self.llm.generate(**_goal_kwargs(self.rng, self.config, invalid,
@@ -308,11 +312,11 @@ class ClientThread(threading.Thread):
                               finish=outcome.finish_reason, tokens=outcome.completion_tokens)
             except GoalRejectedError as exc:
                 record.update(status='rejected', error=str(exc))
-            except TimeoutError as exc:
-                record.update(status='lost', error=str(exc))
-            if handle is not None and handle.done() is False:
-                goal = getattr(handle, '_goal_handle', None)   # for the loss diagnosis only
-                record['goal_id'] = bytes(goal.goal_id.uuid).hex() if goal is not None else ''
+            except (TimeoutError, LLMClientError) as exc:
+                record.update(status='lost', error=f'{type(exc).__name__}: {exc}')
+            if handle is not None:   # for the loss diagnosis
+                record.update(goal_id=handle.goal_id, responded=handle.responded,
+                              result_requests=handle.result_requests)
             with self.lock:
                 self.results.append(record)
 
@@ -423,6 +427,7 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         report.lost = config.goals - sum(v for k, v in report.outcomes.items() if k != 'lost')
         report.unexpected = [u for u in map(_unexpected, results) if u][:20]
         report.lost_where = [transcripts.explain(r) for r in results if r['status'] == 'lost']
+        report.recovered = sum(r['result_requests'] > 1 for r in results)
 
         if report.node_alive:
             diag.idle()
@@ -522,7 +527,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     mib = 2**20
     base, final = report.baseline or {}, report.final or {}
     print(f'\n{report.config["goals"]} goals, {report.config["clients"]} clients, '
-          f'{report.wall_s} s ({report.goals_per_s} goals/s): {report.outcomes}')
+          f'{report.wall_s} s ({report.goals_per_s} goals/s): {report.outcomes}, '
+          f'{report.recovered} results requested again')
     print(f'rss {base.get("rss_bytes", 0) / mib:.1f} -> {final.get("rss_bytes", 0) / mib:.1f}'
           f' MiB ({report.rss_growth:+.2%}, peak {report.peak_rss_bytes / mib:.1f}); fds '
           f'{base.get("fds")} -> {final.get("fds")}; threads {base.get("threads")} -> '

@@ -22,13 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+import uuid
 
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
-from rclpy.executors import SingleThreadedExecutor
+from rclpy.action.client import ClientGoalHandle
+from rclpy.executors import await_or_execute, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings
@@ -40,6 +43,8 @@ FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
                           reliability=ReliabilityPolicy.RELIABLE)
 SAMPLING_FIELDS = ('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty',
                    'presence_penalty', 'seed')
+TERMINAL_STATUSES = (GoalStatus.STATUS_SUCCEEDED, GoalStatus.STATUS_ABORTED,
+                     GoalStatus.STATUS_CANCELED)
 STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
                 GoalStatus.STATUS_CANCELED: 'canceled', GoalStatus.STATUS_UNKNOWN: 'unknown'}
 
@@ -53,7 +58,21 @@ class GoalRejectedError(LLMClientError):
 
 
 class ServerUnavailableError(LLMClientError):
-    """No llm_node answered within the timeout."""
+    """No llm_node answered within the timeout, or it disappeared while a goal ran."""
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """How LLMClient's watchdog treats goals whose responses do not come."""
+
+    period_s: float = 0.5            # how often the live goals are checked
+    # The action server not discovered for this long ends the goals with
+    # ServerUnavailableError (a crashed node is only undiscovered after its DDS lease, ~20 s).
+    server_gone_s: float = 5.0
+    # The status topic lists the goal but no goal response came: use the status as one.
+    response_grace_s: float = 2.0
+    # The status topic says the goal ended but no result came: ask for the result again.
+    result_grace_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -83,21 +102,26 @@ def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
 
 
 class _LockedActionClient(ActionClient):
-    """rclpy's ActionClient with its request bookkeeping made thread-safe.
+    """rclpy's ActionClient with its request bookkeeping made thread-safe (ros2/rclpy#1123).
 
     Jazzy's ActionClient sends a goal/result/cancel request and only then registers the
-    future awaiting its response; when another executor thread processes the response in
-    between, the response is dropped ('Ignoring unexpected goal response') and the goal hangs
-    forever. Seen here in 1 of a few hundred goals with a MultiThreadedExecutor. One lock
-    around sending+registering and around response processing closes the window. Processing
-    never suspends while holding it: the only feedback callback is GenerationHandle's, which
-    is synchronous.
+    future awaiting its response; when an executor thread processes the response in between,
+    the response is dropped ('Ignoring unexpected goal response') and the goal hangs forever.
+    As upstream's fix does, one lock covers sending+registering (all three request kinds),
+    taking the responses and status out of the bookkeeping in `execute`, and the removal of
+    finished requests (done callbacks that run concurrently on other executor threads).
+    Nothing that can suspend runs under the lock: feedback callbacks are called after it.
+
+    It also reports every status update of a watched goal (`watch`), which GenerationHandle
+    uses to notice a result or goal response that never arrived.
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
         self._request_lock = threading.RLock()
+        self._status_listeners: Dict[bytes, Callable[[int], None]] = {}
+        super().__init__(*args, **kwargs)
 
+    # ---- requests (user and executor threads) ------------------------------------------------
     def send_goal_async(self, *args, **kwargs):
         with self._request_lock:
             return super().send_goal_async(*args, **kwargs)
@@ -110,9 +134,53 @@ class _LockedActionClient(ActionClient):
         with self._request_lock:
             return super()._cancel_goal_async(goal_handle)
 
-    async def execute(self, taken_data) -> None:
+    def _remove_pending_goal_request(self, future) -> None:
         with self._request_lock:
-            await super().execute(taken_data)
+            super()._remove_pending_goal_request(future)
+
+    def _remove_pending_cancel_request(self, future) -> None:
+        with self._request_lock:
+            super()._remove_pending_cancel_request(future)
+
+    def _remove_pending_result_request(self, future) -> None:
+        with self._request_lock:
+            super()._remove_pending_result_request(future)
+
+    # The executor walks `_futures` (to hand them its reference) outside any lock while done
+    # callbacks remove from it: copy on write, so that walk never skips an entry.
+    def add_future(self, future) -> None:
+        with self._request_lock:
+            self._futures = self._futures + [future]
+
+    def remove_future(self, future) -> None:
+        with self._request_lock:
+            self._futures = [f for f in self._futures if f is not future]
+
+    # ---- responses (executor threads) --------------------------------------------------------
+    async def execute(self, taken_data) -> None:
+        feedback = taken_data.get('feedback')
+        bookkeeping = {k: v for k, v in taken_data.items() if k != 'feedback'}
+        if bookkeeping:
+            with self._request_lock:
+                # Without feedback, the base execute never awaits: it completes right here.
+                await super().execute(bookkeeping)
+        if feedback is not None:
+            with self._request_lock:
+                callback = self._feedback_callbacks.get(bytes(feedback.goal_id.uuid))
+            if callback is not None:
+                await await_or_execute(callback, feedback)
+        if 'status' in taken_data:
+            for status in taken_data['status'].status_list:
+                listener = self._status_listeners.get(bytes(status.goal_info.goal_id.uuid))
+                if listener is not None:
+                    listener(status.status)
+
+    def watch(self, goal_id: bytes, listener: Callable[[int], None]) -> None:
+        """Call `listener(status)` for each status the server publishes for `goal_id`."""
+        self._status_listeners[goal_id] = listener
+
+    def unwatch(self, goal_id: bytes) -> None:
+        self._status_listeners.pop(goal_id, None)
 
 
 class _Waiter:
@@ -155,11 +223,20 @@ class _Waiter:
 
 
 class GenerationHandle:
-    """A running goal: iterate it for text deltas, `result()` for the outcome, `cancel()`."""
+    """A running goal: iterate it for text deltas, `result()` for the outcome, `cancel()`.
 
-    def __init__(self, waiter: _Waiter, client: ActionClient, goal: Generate.Goal,
-                 on_feedback: Optional[Callable[[Generate.Feedback], None]] = None) -> None:
+    Besides the action's own responses, LLMClient's watchdog calls `_check` periodically:
+    a goal whose response or result never arrived (a response lost under load) is recovered
+    from the status topic, and a goal whose server disappeared ends with
+    ServerUnavailableError instead of waiting forever.
+    """
+
+    def __init__(self, waiter: _Waiter, client: _LockedActionClient, goal: Generate.Goal,
+                 on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,
+                 watchdog: Optional[WatchdogConfig] = None) -> None:
         self._waiter = waiter
+        self._client = client
+        self._watchdog = watchdog or WatchdogConfig()
         self._user_feedback = on_feedback
         self._cond = threading.Condition()
         self._deltas: List[str] = []
@@ -171,11 +248,30 @@ class GenerationHandle:
         self._error: Optional[BaseException] = None
         self._result_at = 0.0
         self._done_callbacks: List[Callable[['GenerationHandle'], None]] = []
+        self._uuid = UUID(uuid=list(uuid.uuid4().bytes))
+        self._key = bytes(self._uuid.uuid)
+        self._status_seen_at: Optional[float] = None
+        self._terminal_at: Optional[float] = None
+        self._result_requested_at = 0.0
+        self._server_gone_since: Optional[float] = None
+        self.result_requests = 0       # get_result requests sent (more than 1 = recovered)
         self.queue_position = 0
         self.sent_at = time.monotonic()
         self.first_feedback_at: Optional[float] = None
-        future = client.send_goal_async(goal, feedback_callback=self._on_feedback)
-        future.add_done_callback(self._on_goal_response)
+        client.watch(self._key, self._on_status)
+        self._goal_future = client.send_goal_async(goal, feedback_callback=self._on_feedback,
+                                                   goal_uuid=self._uuid)
+        self._goal_future.add_done_callback(self._on_goal_response)
+
+    @property
+    def goal_id(self) -> str:
+        """Return the goal's UUID in hex (llm_node's transcripts and logs name goals by it)."""
+        return self._key.hex()
+
+    @property
+    def responded(self) -> bool:
+        """Tell whether the goal response (accepted or rejected) is in; does not wait."""
+        return self._responded.is_set()
 
     # ---- callbacks (executor threads) --------------------------------------------------------
     def _on_feedback(self, message) -> None:
@@ -191,9 +287,26 @@ class GenerationHandle:
         if self._user_feedback is not None:
             self._user_feedback(feedback)
 
-    def _on_goal_response(self, future) -> None:
-        goal_handle = future.result()
+    def _on_status(self, status: int) -> None:
+        now = time.monotonic()
         with self._cond:
+            if self._status_seen_at is None:
+                self._status_seen_at = now
+            if status in TERMINAL_STATUSES and self._terminal_at is None:
+                self._terminal_at = now
+
+    def _on_goal_response(self, future) -> None:
+        try:
+            goal_handle = future.result()
+        except Exception as exc:   # the request failed in rclpy: end the goal with it
+            self._fail(LLMClientError(f'sending the goal failed: {type(exc).__name__}: {exc}'))
+            return
+        self._accept(goal_handle)
+
+    def _accept(self, goal_handle) -> None:
+        with self._cond:
+            if self._goal_handle is not None or self._finished.is_set():
+                return   # the recovered handle and the late real response: first one wins
             self._goal_handle = goal_handle
             if not goal_handle.accepted:
                 self._error = GoalRejectedError(
@@ -201,25 +314,82 @@ class GenerationHandle:
                     '(see its log or /diagnostics)')
         self._responded.set()
         if goal_handle.accepted:
-            goal_handle.get_result_async().add_done_callback(self._on_result)
+            self._request_result()
         else:
             self._finish()
 
-    def _on_result(self, future) -> None:
-        response = future.result()
+    def _request_result(self) -> None:
         with self._cond:
+            self._result_requested_at = time.monotonic()
+            self.result_requests += 1
+        self._goal_handle.get_result_async().add_done_callback(self._on_result)
+
+    def _on_result(self, future) -> None:
+        try:
+            response = future.result()
+        except Exception as exc:
+            self._fail(LLMClientError(f'getting the result failed: {type(exc).__name__}: '
+                                      f'{exc}'))
+            return
+        with self._cond:
+            if self._finished.is_set() or self._outcome is not None:
+                return   # a second (re-requested) result
             self._outcome = _outcome(response.result, response.status)
             self._result_at = time.monotonic()
             self._cond.notify_all()
         self._finish()
 
-    def _finish(self) -> None:
-        self._finished.set()
+    def _fail(self, error: BaseException) -> None:
         with self._cond:
+            if self._finished.is_set() or self._outcome is not None:
+                return
+            self._error = error
+        self._responded.set()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._client.unwatch(self._key)
+        with self._cond:
+            if self._finished.is_set():
+                return
+            self._finished.set()
             self._cond.notify_all()
             callbacks, self._done_callbacks = self._done_callbacks, []
         for callback in callbacks:
             callback(self)
+
+    def _check(self, now: float, server_ready: bool) -> None:
+        """Watchdog step (LLMClient's timer): recover lost responses, notice a gone server."""
+        if self._finished.is_set():
+            return
+        config = self._watchdog
+        if server_ready:
+            self._server_gone_since = None
+        elif self._server_gone_since is None:
+            self._server_gone_since = now
+        elif now - self._server_gone_since >= config.server_gone_s:
+            self._fail(ServerUnavailableError(
+                f'the llm_node action server disappeared (not discovered for '
+                f'{config.server_gone_s:g} s) before goal {self.goal_id} ended: check that '
+                'llm_node is running (its log says why it stopped)'))
+            return
+        with self._cond:
+            responded = self._goal_handle is not None
+            status_seen = self._status_seen_at
+            terminal = self._terminal_at
+            asked = self._result_requested_at
+        if not responded and status_seen is not None and \
+                now - status_seen >= config.response_grace_s:
+            # The server lists the goal, so it accepted it, but its response never came.
+            self._client._remove_pending_goal_request(self._goal_future)
+            response = Generate.Impl.SendGoalService.Response(accepted=True)
+            self._accept(ClientGoalHandle(self._client, self._uuid, response))
+        elif responded and terminal is not None and \
+                now - max(terminal, asked) >= config.result_grace_s and \
+                self._goal_handle.accepted:
+            # The goal ended on the server, its result did not come: ask again (the server
+            # keeps results for its result_timeout, 15 min by default).
+            self._request_result()
 
     # ---- user side ---------------------------------------------------------------------------
     @property
@@ -240,7 +410,12 @@ class GenerationHandle:
         callback(self)
 
     def result(self, timeout: Optional[float] = None) -> GenerationOutcome:
-        """Block until the goal ends; raise GoalRejectedError or TimeoutError."""
+        """Block until the goal ends and return its outcome.
+
+        Raises GoalRejectedError, TimeoutError after `timeout`, or ServerUnavailableError
+        when the action server disappeared (see WatchdogConfig.server_gone_s), also with
+        no timeout.
+        """
         if not self._waiter.wait(self._finished, timeout):
             raise TimeoutError(f'no result from llm_node within {timeout} s')
         if self._error is not None:
@@ -350,10 +525,12 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
 class LLMClient:
     """Client of one llm_node (`server` is its fully qualified name)."""
 
-    def __init__(self, node: Node, server: str = '/llm_node', callback_group=None) -> None:
+    def __init__(self, node: Node, server: str = '/llm_node', callback_group=None,
+                 watchdog: WatchdogConfig = WatchdogConfig()) -> None:
         self._node = node
         self._waiter = _Waiter(node)
         self.server = server.rstrip('/')
+        self.watchdog = watchdog
         self._action = _LockedActionClient(node, Generate, f'{self.server}/generate',
                                            callback_group=callback_group,
                                            feedback_sub_qos_profile=FEEDBACK_QOS)
@@ -361,6 +538,21 @@ class LLMClient:
                                             callback_group=callback_group)
         self._tokenize = node.create_client(Tokenize, f'{self.server}/tokenize',
                                             callback_group=callback_group)
+        self._live: List[GenerationHandle] = []
+        self._live_lock = threading.Lock()
+        self._timer = node.create_timer(watchdog.period_s, self._check_live,
+                                        callback_group=callback_group)
+
+    def _check_live(self) -> None:
+        with self._live_lock:
+            self._live = [h for h in self._live if not h.done()]
+            live = list(self._live)
+        if not live:
+            return
+        ready = self._action.server_is_ready()
+        now = time.monotonic()
+        for handle in live:
+            handle._check(now, ready)
 
     def wait_for_server(self, timeout: Optional[float] = None) -> bool:
         """Wait until the action server is discovered (it exists in every lifecycle state)."""
@@ -376,7 +568,10 @@ class LLMClient:
                  **kwargs) -> GenerationHandle:
         """Send a goal; see make_goal for the keyword arguments."""
         goal = make_goal(prompt, messages, **kwargs)
-        return GenerationHandle(self._waiter, self._action, goal, on_feedback)
+        handle = GenerationHandle(self._waiter, self._action, goal, on_feedback, self.watchdog)
+        with self._live_lock:
+            self._live.append(handle)
+        return handle
 
     def complete(self, prompt: str = '', *, messages: Sequence[Any] = (),
                  timeout: Optional[float] = None, **kwargs) -> Complete.Response:
@@ -403,6 +598,7 @@ class LLMClient:
         return future.result()
 
     def destroy(self) -> None:
+        self._node.destroy_timer(self._timer)
         self._waiter.close()
         self._action.destroy()
         self._node.destroy_client(self._complete)

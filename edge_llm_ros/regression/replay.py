@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 import datetime
 import json
 from pathlib import Path
+import signal
 import sys
 import threading
 import time
@@ -347,6 +348,43 @@ class ReplayRunner:
             rclpy.try_shutdown()
 
 
+class CtrlC:
+    """Ctrl-C as a sticky flag as well as a KeyboardInterrupt of the main thread.
+
+    A KeyboardInterrupt that lands where Python swallows exceptions (a __del__ or weakref
+    callback run by the garbage collector, 'Exception ignored in ...') would otherwise let
+    the replay run to the end and exit 1; the flag still says the user interrupted. After
+    the replay phase (`quiet()`), Ctrl-C only sets the flag, so the report is still written.
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._raise = True
+        self._previous: Any = None
+
+    def __enter__(self) -> 'CtrlC':
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.event.set()
+        if self._raise:
+            raise KeyboardInterrupt
+
+    def quiet(self) -> None:
+        self._raise = False
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed (even if its exception was lost)."""
+        if self.event.is_set():
+            raise KeyboardInterrupt
+
+
 def _send_times(olds: Sequence[TranscriptRecord], timing: str) -> list:
     """Seconds after the start at which each goal is sent (None = after the previous)."""
     if timing == 'fast':
@@ -357,8 +395,9 @@ def _send_times(olds: Sequence[TranscriptRecord], timing: str) -> list:
 
 
 def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
-                 options: ReplayOptions) -> tuple:
+                 options: ReplayOptions, ctrl_c: Optional[CtrlC] = None) -> tuple:
     """Send every goal; returns (outcomes, goal map old id -> new id, fatal error or '')."""
+    ctrl_c = ctrl_c or CtrlC()
     outcomes: list = [None] * len(olds)
     goal_map = {}
     runs = []
@@ -367,6 +406,7 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
     start = time.monotonic()
     try:
         for index, old in enumerate(olds):
+            ctrl_c.check()
             if options.skip_tensor_goals and old.prefix_embeddings:
                 outcomes[index] = ReplayOutcome(
                     'skipped', None, '--skip-tensor-goals: the goal carries tensor handles')
@@ -386,10 +426,14 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
                 outcomes[index] = run.finish(options)
                 _progress(index, len(olds), outcomes[index])
         for run in runs:
+            ctrl_c.check()
             if outcomes[run.index] is None:
                 outcomes[run.index] = run.finish(options)
                 _progress(run.index, len(olds), outcomes[run.index])
+        ctrl_c.check()
+        ctrl_c.quiet()   # closing the bag and writing the report must not be interrupted
     except KeyboardInterrupt:
+        ctrl_c.quiet()
         error = INTERRUPTED
         for run in runs:
             if outcomes[run.index] is None:
@@ -422,7 +466,12 @@ def run_replay(options: ReplayOptions) -> int:
                   started=now_iso())
     result = ComparisonResult()
     thresholds = Thresholds()
-    contents: Optional[BagContents] = None
+    with CtrlC() as ctrl_c:
+        return _run_replay(options, report_dir, out_bag, run, result, thresholds, ctrl_c)
+
+
+def _run_replay(options: ReplayOptions, report_dir: str, out_bag: str, run: RunInfo,
+                result: ComparisonResult, thresholds: Thresholds, ctrl_c: CtrlC) -> int:
     try:
         thresholds = load_thresholds(options.thresholds_file)
         run.thresholds = thresholds.to_dict()
@@ -430,7 +479,10 @@ def run_replay(options: ReplayOptions) -> int:
         run.notes.extend(contents.warnings)
         for problem in contents.problems + contents.warnings:
             print(f'edge-llm-replay: warning: {problem}', file=sys.stderr)
-        outcomes, error = _replay_into_bag(contents, options, out_bag)
+        outcomes, error = _replay_into_bag(contents, options, out_bag, ctrl_c)
+        ctrl_c.quiet()
+        if ctrl_c.event.is_set():
+            error = INTERRUPTED
         result = compare_run(contents.transcripts, outcomes, thresholds, contents.problems)
         if error:
             run.error = error
@@ -441,6 +493,8 @@ def run_replay(options: ReplayOptions) -> int:
         run.exit_code = exc.exit_code
         run.thresholds = run.thresholds or thresholds.to_dict()
     run.finished = now_iso()
+    if ctrl_c.event.is_set() and run.exit_code is None:
+        run.error, run.exit_code = run.error or INTERRUPTED, EXIT_INTERRUPTED
     if run.exit_code is None:
         run.exit_code = result.exit_code()
     try:
@@ -453,7 +507,8 @@ def run_replay(options: ReplayOptions) -> int:
     return run.exit_code
 
 
-def _replay_into_bag(contents: BagContents, options: ReplayOptions, out_bag: str) -> tuple:
+def _replay_into_bag(contents: BagContents, options: ReplayOptions, out_bag: str,
+                     ctrl_c: Optional[CtrlC] = None) -> tuple:
     writer = BagWriter(out_bag, storage=options.storage)
     runner = None
     outcomes: list = [ReplayOutcome('not_sent', None, 'the node was not reached')
@@ -463,7 +518,7 @@ def _replay_into_bag(contents: BagContents, options: ReplayOptions, out_bag: str
     try:
         runner = ReplayRunner(options, writer)
         runner.wait_for_node()
-        outcomes, goal_map, error = replay_goals(runner, contents.transcripts, options)
+        outcomes, goal_map, error = replay_goals(runner, contents.transcripts, options, ctrl_c)
     except NodeUnavailableError as exc:
         error = str(exc)
     finally:

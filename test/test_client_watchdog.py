@@ -1,0 +1,114 @@
+"""LLMClient's watchdog: lost result responses are recovered, a vanished server is an error.
+
+A real rclpy action server (in this process, its own node) stands in for llm_node so the
+faults can be made exact: one that ignores the first result request of each goal (a result
+response lost on the way), and one whose node is destroyed while a goal runs.
+"""
+import threading
+import time
+
+from edge_llm_msgs.action import Generate
+import pytest
+import rclpy
+from rclpy.action import ActionServer
+from rclpy.callback_groups import ReentrantCallbackGroup
+from rclpy.executors import MultiThreadedExecutor
+
+from edge_llm_ros.client import LLMClient, ServerUnavailableError, WatchdogConfig
+
+FAST = WatchdogConfig(period_s=0.2, server_gone_s=1.0, response_grace_s=1.0, result_grace_s=1.0)
+
+
+class DroppingServer(ActionServer):
+    """Ignore the first get_result request of every goal (its response is 'lost')."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dropped = 0
+        self._seen = set()
+
+    async def _execute_get_result_request(self, request_header_and_message):
+        goal = bytes(request_header_and_message[1].goal_id.uuid)
+        if goal not in self._seen:
+            self._seen.add(goal)
+            self.dropped += 1
+            return
+        await super()._execute_get_result_request(request_header_and_message)
+
+
+@pytest.fixture
+def ros():
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    spin = threading.Thread(target=executor.spin, daemon=True)
+    nodes = []
+
+    def node(name):
+        made = rclpy.create_node(f'{name}_{id(context)}', context=context)
+        executor.add_node(made)
+        nodes.append(made)
+        return made
+    node.executor = executor
+    spin.start()
+    yield node
+    executor.shutdown(timeout_sec=2)
+    for made in nodes:
+        made.destroy_node()
+    rclpy.try_shutdown(context=context)
+
+
+def _serve(node, server_class, release: threading.Event):
+    def execute(goal_handle):
+        release.wait(30)
+        goal_handle.succeed()
+        return Generate.Result(text=f'echo {goal_handle.request.prompt}', finish_reason='stop')
+    return server_class(node, Generate, '~/generate', execute_callback=execute,
+                        callback_group=ReentrantCallbackGroup())
+
+
+def test_a_lost_result_response_is_requested_again(ros):
+    release = threading.Event()
+    release.set()
+    server_node = ros('wd_drop_server')
+    server = _serve(server_node, DroppingServer, release)
+    client = LLMClient(ros('wd_drop_client'), f'/{server_node.get_name()}', watchdog=FAST)
+    assert client.wait_for_server(timeout=20)
+    handles = [client.generate(f'q{i}') for i in range(3)]
+    outcomes = [h.result(timeout=30) for h in handles]
+    assert [o.text for o in outcomes] == ['echo q0', 'echo q1', 'echo q2']
+    assert {o.status for o in outcomes} == {'succeeded'}
+    assert server.dropped == 3
+    assert [h.result_requests for h in handles] == [2, 2, 2]
+    client.destroy()
+
+
+def test_result_without_timeout_raises_when_the_server_disappears(ros):
+    release = threading.Event()
+    server_node = ros('wd_gone_server')
+    server = _serve(server_node, ActionServer, release)
+    client = LLMClient(ros('wd_gone_client'), f'/{server_node.get_name()}', watchdog=FAST)
+    assert client.wait_for_server(timeout=20)
+    handle = client.generate('never answered')
+    assert handle.accepted
+    box = []
+
+    def wait_forever():
+        try:
+            box.append(handle.result())   # no timeout
+        except Exception as exc:   # the assertion below names what came instead
+            box.append(exc)
+    waiter = threading.Thread(target=wait_forever, daemon=True)
+    waiter.start()
+    time.sleep(0.5)
+    assert not box   # still running: the server is there
+    ros.executor.remove_node(server_node)
+    server.destroy()   # its endpoints go away, as when llm_node exits mid-goal
+    started = time.monotonic()
+    waiter.join(timeout=30)
+    gone_after = time.monotonic() - started
+    release.set()
+    assert box and isinstance(box[0], ServerUnavailableError), box
+    assert 'disappeared' in str(box[0]) and handle.goal_id in str(box[0])
+    assert handle.done() and gone_after < 30
+    client.destroy()
