@@ -7,13 +7,13 @@ response lost on the way), and one whose node is destroyed while a goal runs.
 import threading
 import time
 
-from edge_llm_msgs.action import Generate
 import pytest
 import rclpy
 from rclpy.action import ActionServer
 from rclpy.callback_groups import ReentrantCallbackGroup
 from rclpy.executors import MultiThreadedExecutor
 
+from edge_llm_msgs.action import Generate
 from edge_llm_ros.client import LLMClient, ServerUnavailableError, WatchdogConfig
 
 FAST = WatchdogConfig(period_s=0.2, server_gone_s=1.0, response_grace_s=1.0, result_grace_s=1.0)
