@@ -1,5 +1,6 @@
 """Producer and consumers in separate processes: checksums, skipping, kills, leases."""
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -49,7 +50,7 @@ def _publish(pool):
 
 # --- children ----------------------------------------------------------------------------
 def _producer(tell, sock_dir, allocator, frames, period_s, consumers, lease_s=2.0, slots=5,
-              handle_fd=None):
+              handle_fd=None, done_fd=None):
     pool = TensorPool(PoolConfig('cam', int(np.prod(SHAPE)), slots=slots, allocator=allocator,
                                  socket_dir=sock_dir, lease_s=lease_s))
     deadline = time.monotonic() + 30
@@ -64,14 +65,13 @@ def _producer(tell, sock_dir, allocator, frames, period_s, consumers, lease_s=2.
             os.write(handle_fd, desc.pack().hex().encode() + b'\n')
         time.sleep(max(0.0, start + (i + 1) * period_s - time.monotonic()))
     time.sleep(0.2)
-    if handle_fd is not None:   # end of the topic; serve the reader until it hangs up
+    if handle_fd is not None:   # end of the topic; serve the reader until it says it is done
         os.close(handle_fd)
-        seen = False
-        while not seen or pool.stats().consumers:
-            seen = seen or bool(pool.stats().consumers)
-            # Generous: on a loaded 2-core CI machine each resolve can wait seconds.
-            assert time.monotonic() < deadline + 240, 'reader never finished'
-            time.sleep(0.01)
+        # The parent writes to done_fd once the reader returned: polling the consumer list
+        # instead could miss a reader that connects and leaves between two polls.
+        ready, _, _ = select.select([done_fd], [], [], 240)
+        assert ready, 'reader never finished'
+        os.close(done_fd)
     stats = pool.stats()
     pool.close()
     return {'published': stats.published, 'revocations': stats.revocations,
@@ -164,14 +164,18 @@ def test_two_consumers_checksums_and_a_slow_one_skips(sock_dir, allocator_name):
 
 def test_handles_from_another_channel_resolve_or_are_stale(sock_dir, allocator_name):
     r, w = os.pipe()
+    done_r, done_w = os.pipe()
     reader = Child(_handle_reader, sock_dir, r, w, 0.03)
     os.close(r)
-    producer = Child(_producer, sock_dir, allocator_name, 40, 0.005, 0, 2.0, 3, w)
+    producer = Child(_producer, sock_dir, allocator_name, 40, 0.005, 0, 2.0, 3, w, done_r)
     os.close(w)
+    os.close(done_r)
     try:
-        stats = producer.join(300)
-        res = reader.join(60)
+        res = reader.join(240)
+        os.write(done_w, b'done')
+        stats = producer.join(60)
     finally:
+        os.close(done_w)
         reader.close()
         producer.close()
     assert stats['published'] == 40
