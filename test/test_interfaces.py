@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import rclpy
@@ -67,7 +68,11 @@ def test_generate_action_round_trip(peer, node):
     assert list(result.token_ids) == [0, 1, 2, 3]
     assert result.finish_reason == 'stop'
     assert result.error_message == 'user|0.25|7|a,b|[4, 576]'
-    # Feedback is best effort in time but must arrive in order and be complete here.
+    # Feedback travels on a topic and the result over a service, so the last feedback may
+    # still be in flight when the result arrives; it must still come, complete and in order.
+    deadline = time.monotonic() + 10
+    while ''.join(deltas) != result.text and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
     assert ''.join(deltas) == result.text
 
 
