@@ -5,9 +5,13 @@
 On the embedded SmolLM2-135M (or --model DIR + --gguf FILE): a ~120-token chat prompt, 128
 greedy tokens, the same thread count for every engine, all in one run so the ratios compare
 like with like (this machine's speed drifts by up to 2x over minutes). Peers run in their own
-processes, one after the other: llama-cpp-python on the same GGUF (if importable, or built once
-into .cache/bench_peers_venv with --with-peers: ~9 min of compiling on 2 cores) and
-onnxruntime-genai when a model built by its own builder is given (--ortgenai-model DIR).
+processes, interleaved with our cold runs, fed the same prompt token ids, 128 greedy tokens:
+- llama-cpp-python on the same GGUF (if importable, or built once into .cache/bench_peers_venv
+  with --with-peers: ~9 min of compiling on 2 cores);
+- onnxruntime-genai on its own INT4 build of the same GGUF (built once by bench/ortgenai_build.py
+  into .cache/bench_genai_venv + .cache/bench_models with --with-peers: ~3 min), or on the
+  folder given by --ortgenai-model.
+A peer that cannot be run is listed with the reason, in the JSON and the table.
 Prints one JSON object and a short table; timing targets live here, never in tests.
 """
 from __future__ import annotations
@@ -21,13 +25,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PEERS_VENV = ROOT / '.cache' / 'bench_peers_venv'
 NEW_TOKENS = 128
-TARGETS = {'decode_vs_llama_cpp': 1.2, 'prefill_vs_llama_cpp': 1.5, 'ttft_reuse_gain': 5.0,
-           'rss_mb': 400.0}
+TARGETS = {'decode_vs_llama_cpp': 1.2, 'prefill_vs_llama_cpp': 1.5, 'decode_vs_ortgenai': 1.0,
+           'ttft_reuse_gain': 5.0, 'rss_mb': 400.0}
+FIRST_IDS = 16  # greedy ids each engine reports, to show they decode the same prompt alike
 
 # ~120 tokens of user prompt, and a ~200-token system prompt for the reuse measurement.
 PROMPT = (
@@ -126,6 +131,7 @@ def bench_engine(args, between_runs: Callable[[], None]) -> Dict:
     for _ in range(args.repeats):
         engine.reset_cache()
         r = run(main)
+        first_ids = r.token_ids[:FIRST_IDS]
         prefill.append(r.timings.prefill_tokens_per_second)
         decode.append(r.timings.decode_tokens_per_second)
         completions.append(r.completion_tokens)
@@ -150,7 +156,7 @@ def bench_engine(args, between_runs: Callable[[], None]) -> Dict:
         'model': engine.model_name, 'model_dir': engine.model_dir,
         'providers': list(engine.providers), 'threads': args.threads,
         'load_s': load_s, 'prompt_tokens': len(prompt_ids),
-        'completion_tokens': completions,
+        'completion_tokens': completions, 'first_ids': first_ids,
         'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
         'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
         'ttft_s': statistics.median(ttft_cold),
@@ -190,10 +196,18 @@ def _ort_version() -> str:
 def peer_llama_cpp(args) -> Dict:
     """Run llama-cpp-python: same prompt ids, greedy, NEW_TOKENS tokens, args.threads."""
     import llama_cpp
+    import numpy as np
     ids = json.loads(args.prompt_ids)
     llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=args.max_context, n_threads=args.threads,
                           n_threads_batch=args.threads, n_batch=512, verbose=False)
     llm.eval(ids[:8])  # warm-up
+    n_vocab = llm.n_vocab()
+
+    def next_token() -> int:
+        # eval() keeps no scores unless logits_all (0.3.x): read the last row from the context.
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.ctypeslib.as_array(row, shape=(n_vocab,)).argmax())
+
     prefill, decode, ttft = [], [], []
     for _ in range(args.repeats):
         llm.reset()
@@ -201,15 +215,21 @@ def peer_llama_cpp(args) -> Dict:
         llm.eval(ids)
         t1 = time.perf_counter()
         prefill.append(len(ids) / (t1 - t0))
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        tok = next_token()
         ttft.append(time.perf_counter() - t0)
+        out = [tok]
         t2 = time.perf_counter()
         for _ in range(NEW_TOKENS - 1):
             llm.eval([tok])
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            tok = next_token()
+            out.append(tok)
         decode.append((NEW_TOKENS - 1) / (time.perf_counter() - t2))
     import psutil
+    own_ids = llm.tokenize(args.prompt_text.encode(), add_bos=False, special=True)
     return {'engine': f'llama-cpp-python {llama_cpp.__version__}', 'gguf': args.gguf,
+            'prompt_tokens': len(ids), 'own_tokenizer_same_ids': own_ids == ids,
+            'completion_tokens': len(out),
+            'first_ids': out[:FIRST_IDS],
             'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
             'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
             'ttft_s': statistics.median(ttft),
@@ -217,16 +237,26 @@ def peer_llama_cpp(args) -> Dict:
 
 
 def peer_ortgenai(args) -> Dict:
-    """onnxruntime-genai on a model built by its own builder (INT4), same prompt ids."""
+    """Run onnxruntime-genai on its own INT4 build: same prompt ids, NEW_TOKENS greedy tokens.
+
+    The ids go in as ids (append_tokens), never through genai's tokenizer. append_tokens runs
+    the prefill; the first generate_next_token only picks from those logits, each later one
+    runs one decode step, like our engine and the llama peer (NEW_TOKENS - 1 decode steps).
+    min_length = max_length keeps EOS from ending the run early, so every run decodes as many
+    tokens as the others; the ids before any EOS are plain greedy.
+    """
     import numpy as np
     import onnxruntime_genai as og
+    import psutil
     ids = np.array(json.loads(args.prompt_ids), dtype=np.int32)
-    config = og.Config(args.ortgenai_model)
-    model = og.Model(config)
-    prefill, decode = [], []
-    for _ in range(args.repeats + 1):
+    config_path = pathlib.Path(args.ortgenai_model, 'genai_config.json')
+    options = json.loads(config_path.read_text())['model']['decoder'].get('session_options', {})
+    model = og.Model(og.Config(args.ortgenai_model))
+    prefill, decode, ttft = [], [], []
+    for _ in range(args.repeats + 1):  # the first run warms up
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)
+        length = len(ids) + NEW_TOKENS
+        params.set_search_options(max_length=length, min_length=length, do_sample=False)
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(ids)
@@ -238,11 +268,20 @@ def peer_ortgenai(args) -> Dict:
             n += 1
         t2 = time.perf_counter()
         prefill.append(len(ids) / (t1 - t0))
+        ttft.append(t1 - t0)
         decode.append((n - 1) / (t2 - t1))
-    prefill, decode = prefill[1:], decode[1:]
-    return {'engine': f'onnxruntime-genai {og.__version__}',
-            'prefill_tok_s': statistics.median(prefill), 'decode_tok_s': statistics.median(decode),
-            'decode_tok_s_all': decode}
+        out = [int(t) for t in gen.get_sequence(0)[len(ids):]]
+    prefill, decode, ttft = prefill[1:], decode[1:], ttft[1:]
+    own_ids = [int(t) for t in og.Tokenizer(model).encode(args.prompt_text)]
+    return {'engine': f'onnxruntime-genai {og.__version__}', 'model': args.ortgenai_model,
+            'intra_op_num_threads': options.get('intra_op_num_threads'),
+            'prompt_tokens': len(ids), 'own_tokenizer_same_ids': own_ids == ids.tolist(),
+            'completion_tokens': len(out),
+            'first_ids': out[:FIRST_IDS],
+            'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
+            'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
+            'ttft_s': statistics.median(ttft),
+            'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
 
 
 def ensure_llama_cpp(install: bool) -> Optional[str]:
@@ -263,14 +302,41 @@ def ensure_llama_cpp(install: bool) -> Optional[str]:
     return py
 
 
-def run_peer(python: str, name: str, args, prompt_ids: List[int]) -> Dict:
+def ensure_ortgenai(args) -> Dict[str, str]:
+    """Python + model folder for the onnxruntime-genai peer (built once with --with-peers).
+
+    Returns {'python', 'model'}, or {'error'} saying why the peer cannot run.
+    """
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import ortgenai_build
+    if args.ortgenai_model:  # a folder built elsewhere: run it with whichever python has genai
+        for python in (ortgenai_build.venv_python(), sys.executable):
+            if _imports(python, 'onnxruntime_genai'):
+                return {'python': python, 'model': args.ortgenai_model}
+        return {'error': 'onnxruntime_genai not importable (run with --with-peers once)'}
+    if not args.gguf:
+        return {'error': 'no GGUF to build its model from (give --gguf or --ortgenai-model)'}
+    try:
+        return ortgenai_build.ensure_peer(args.with_peers, pathlib.Path(args.gguf), args.threads)
+    except ortgenai_build.PeerBuildError as exc:
+        return {'error': f'onnxruntime-genai peer unavailable: {exc}'}
+
+
+def _imports(python: str, module: str) -> bool:
+    return os.path.exists(python) and subprocess.run(
+        [python, '-c', f'import {module}'], capture_output=True).returncode == 0
+
+
+def run_peer(python: str, name: str, args, prompt_ids: List[int],
+             ortgenai_model: str = '') -> Dict:
     cmd = [python, __file__, '--peer', name, '--threads', str(args.threads),
            '--repeats', '1', '--max-context', str(args.max_context),
-           '--gguf', args.gguf or '', '--ortgenai-model', args.ortgenai_model or '',
-           '--prompt-ids', json.dumps(prompt_ids)]
+           '--gguf', args.gguf or '', '--ortgenai-model', ortgenai_model,
+           '--prompt-ids', json.dumps(prompt_ids), '--prompt-text', args.prompt_text]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return {'engine': name, 'error': proc.stderr.strip().splitlines()[-1:]}
+        last = (proc.stderr.strip().splitlines() or ['no output'])[-1]  # the exception line
+        return {'engine': name, 'error': f'{name} peer failed (exit {proc.returncode}): {last}'}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -290,6 +356,14 @@ def report(ours: Dict, peers: Dict[str, Dict], bandwidth: float) -> Dict:
         ratios['decode_vs_ortgenai'] = ours['decode_tok_s'] / og['decode_tok_s']
         ratios['prefill_vs_ortgenai'] = ours['prefill_tok_s'] / og['prefill_tok_s']
     out['ratios'] = ratios
+    out['ratios_paired'] = paired_ratios(ours, peers)
+    # A ratio that could not be measured says why, instead of just being absent.
+    out['ratios_missing'] = {
+        f'{kind}_vs_{name}': peer.get('error') or peer.get('skipped')
+        for name, peer in peers.items() if 'decode_tok_s' not in peer
+        for kind in ('decode', 'prefill')}
+    out['greedy_ids_agree'] = {name: _common_prefix(ours['first_ids'], peer['first_ids'])
+                               for name, peer in peers.items() if 'first_ids' in peer}
     out['targets_met'] = {k: (ratios[k] <= v if k == 'rss_mb' else ratios[k] >= v)
                           for k, v in TARGETS.items() if k in ratios}
     return out
@@ -310,6 +384,9 @@ def print_table(res: Dict) -> None:
           f'{ours["ttft_no_reuse_s"] * 1000:.1f} ms fresh, {ours["ttft_reuse_s"] * 1000:.1f} ms '
           f'reused ({ours["reuse_cached_tokens"]:.0f} cached) -> '
           f'{ours["ttft_reuse_gain"]:.1f}x', file=sys.stderr)
+    print(f'load average {res["loadavg"]["start"][0]:.1f} at start, '
+          f'{res["loadavg"]["end"][0]:.1f} at end ({res["loadavg"]["cores"]} cores)',
+          file=sys.stderr)
     print(f'weights read per token {ours["weight_bytes_per_token"] / 1e6:.1f} MB, copy '
           f'bandwidth {res["copy_bandwidth_gb_s"]:.1f} GB/s -> limit '
           f'{res["decode_bandwidth_limit_tok_s"]:.0f} tok/s, decode at '
@@ -319,21 +396,56 @@ def print_table(res: Dict) -> None:
         met = res['targets_met'].get(k)
         mark = '' if target is None else f'  (target {"<=" if k == "rss_mb" else ">="} '\
             f'{target}: {"met" if met else "MISSED"})'
-        print(f'  {k:<24}{v:8.2f}{mark}', file=sys.stderr)
+        paired = res['ratios_paired'].get(k)
+        pair = '' if paired is None else f'  [paired runs: {paired:.2f}]'
+        print(f'  {k:<24}{v:8.2f}{mark}{pair}', file=sys.stderr)
+    for k, why in res['ratios_missing'].items():
+        print(f'  {k:<24}{"n/a":>8}  (NOT compared: {why})', file=sys.stderr)
+    for name, n in res['greedy_ids_agree'].items():
+        peer = res['peers'][name]
+        same = peer.get('own_tokenizer_same_ids')
+        print(f'  {name}: fed our {peer["prompt_tokens"]} prompt ids (its own tokenizer gives '
+              f'{"the same" if same else "DIFFERENT"} ids), {peer["completion_tokens"]} greedy '
+              f'tokens; first {n}/{FIRST_IDS} equal to ours', file=sys.stderr)
+
+
+def paired_ratios(ours: Dict, peers: Dict[str, Dict]) -> Dict[str, float]:
+    """Median over the interleaved pairs of ours / peer: less hit by drift than medians alone.
+
+    Peer run i follows our cold run i within seconds, so each pair saw about the same load.
+    """
+    out = {}
+    for name, peer in peers.items():
+        for kind in ('decode', 'prefill'):
+            a, b = ours.get(f'{kind}_tok_s_all', []), peer.get(f'{kind}_tok_s_all', [])
+            if a and len(a) == len(b):
+                out[f'{kind}_vs_{name}'] = statistics.median(x / y for x, y in zip(a, b))
+    return out
+
+
+def _common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--model', default='', help='converted model folder (default: embedded)')
     p.add_argument('--gguf', default='', help='GGUF for llama-cpp-python (default: embedded)')
-    p.add_argument('--ortgenai-model', default='', help='onnxruntime-genai model folder')
+    p.add_argument('--ortgenai-model', default='',
+                   help='onnxruntime-genai model folder (default: its own INT4 build of --gguf, '
+                        'made once with --with-peers)')
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--repeats', type=int, default=3)
     p.add_argument('--max-context', type=int, default=2048)
     p.add_argument('--with-peers', action='store_true',
-                   help='build llama-cpp-python into .cache/bench_peers_venv if needed')
+                   help='build the peers into .cache/ if needed (llama-cpp-python, '
+                        'onnxruntime-genai + its INT4 model)')
     p.add_argument('--peer', choices=('llama_cpp', 'ortgenai'), help=argparse.SUPPRESS)
     p.add_argument('--prompt-ids', default='[]', help=argparse.SUPPRESS)
+    p.add_argument('--prompt-text', default='', help=argparse.SUPPRESS)
     p.add_argument('--json-out', default='', help='also write the JSON here')
     args = p.parse_args(argv)
     if args.peer:
@@ -342,31 +454,41 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
+    load_start = os.getloadavg()
     model_dir = args.model or _default_model_dir()
     args.model = model_dir
-    prompt_ids = _prompt_ids(model_dir)
+    prompt_ids, args.prompt_text = _prompt(model_dir)
     args.gguf = args.gguf or source_gguf(model_dir)
-    py = ensure_llama_cpp(args.with_peers)
+    py, llama_why = None, 'no GGUF for this model (give --gguf)'
+    if args.gguf:
+        try:
+            py = ensure_llama_cpp(args.with_peers)
+            llama_why = '' if py else 'llama_cpp not importable (run with --with-peers)'
+        except subprocess.CalledProcessError as exc:
+            llama_why = f'building llama-cpp-python failed: {exc}'
+    genai = ensure_ortgenai(args)
+    for name, why in (('llama_cpp', llama_why), ('ortgenai', genai.get('error'))):
+        if why:
+            print(f'bench: peer {name} NOT compared: {why}', file=sys.stderr)
     runs: Dict[str, List[Dict]] = {'llama_cpp': [], 'ortgenai': []}
 
     def peers_once() -> None:
         """One measurement of each available peer, between two of ours (same load drift)."""
-        if args.gguf and py:
+        if py:
             runs['llama_cpp'].append(run_peer(py, 'llama_cpp', args, prompt_ids))
-        if args.ortgenai_model:
-            runs['ortgenai'].append(run_peer(sys.executable, 'ortgenai', args, prompt_ids))
+        if 'model' in genai:
+            runs['ortgenai'].append(run_peer(genai['python'], 'ortgenai', args, prompt_ids,
+                                             genai['model']))
 
     ours = bench_engine(args, peers_once)
-    peers: Dict[str, Dict] = {}
-    if not args.gguf:
-        peers['llama_cpp'] = {'skipped': 'no GGUF for this model (give --gguf)'}
-    elif not py:
-        peers['llama_cpp'] = {'skipped': 'llama_cpp not importable (run with --with-peers)'}
-    else:
-        peers['llama_cpp'] = merge_runs(runs['llama_cpp'])
-    peers['ortgenai'] = (merge_runs(runs['ortgenai']) if args.ortgenai_model else
-                         {'skipped': 'no --ortgenai-model (its builder needs torch)'})
+    peers: Dict[str, Dict] = {
+        'llama_cpp': {'error': llama_why} if llama_why else merge_runs(runs['llama_cpp']),
+        'ortgenai': ({'error': genai['error']} if 'error' in genai
+                     else merge_runs(runs['ortgenai'])),
+    }
     res = report(ours, peers, copy_bandwidth(args.threads))
+    # Other processes share the cores: the 1/5/15-min load averages say how noisy the run was.
+    res['loadavg'] = {'start': load_start, 'end': os.getloadavg(), 'cores': os.cpu_count()}
     print(json.dumps(res, indent=1))
     print_table(res)
     if args.json_out:
@@ -404,12 +526,14 @@ def source_gguf(model_dir: str) -> str:
     return ''
 
 
-def _prompt_ids(model_dir: str) -> List[int]:
+def _prompt(model_dir: str) -> Tuple[List[int], str]:
+    """Return the chat prompt's ids and their text (special tokens kept) for the peers' check."""
     from edge_llm_ros.engine.request import conversation
     from edge_llm_ros.engine.tokenizer import TextTokenizer
     from edge_llm_ros.engine.types import GenerationRequest
     tok = TextTokenizer.from_dir(model_dir)
-    return tok.encode_chat(conversation(GenerationRequest(prompt=PROMPT)))
+    ids = tok.encode_chat(conversation(GenerationRequest(prompt=PROMPT)))
+    return ids, tok.decode(ids)
 
 
 if __name__ == '__main__':
