@@ -113,12 +113,16 @@ class _LockedActionClient(ActionClient):
     Nothing that can suspend runs under the lock: feedback callbacks are called after it.
 
     It also reports every status update of a watched goal (`watch`), which GenerationHandle
-    uses to notice a result or goal response that never arrived.
+    uses to notice a result or goal response that never arrived, and delivers feedback to
+    listeners it keeps until told otherwise (`listen`): rclpy drops a goal's feedback
+    callback as soon as its result arrives, but feedback (a topic) may come after the result
+    (a service), and those last chunks belong to the stream.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         self._request_lock = threading.RLock()
         self._status_listeners: Dict[bytes, Callable[[int], None]] = {}
+        self._feedback_listeners: Dict[bytes, Callable[[Any], None]] = {}
         super().__init__(*args, **kwargs)
 
     # ---- requests (user and executor threads) ------------------------------------------------
@@ -165,8 +169,10 @@ class _LockedActionClient(ActionClient):
                 # Without feedback, the base execute never awaits: it completes right here.
                 await super().execute(bookkeeping)
         if feedback is not None:
+            key = bytes(feedback.goal_id.uuid)
             with self._request_lock:
-                callback = self._feedback_callbacks.get(bytes(feedback.goal_id.uuid))
+                callback = self._feedback_listeners.get(key) or \
+                    self._feedback_callbacks.get(key)
             if callback is not None:
                 await await_or_execute(callback, feedback)
         if 'status' in taken_data:
@@ -181,6 +187,15 @@ class _LockedActionClient(ActionClient):
 
     def unwatch(self, goal_id: bytes) -> None:
         self._status_listeners.pop(goal_id, None)
+
+    def listen(self, goal_id: bytes, listener: Callable[[Any], None]) -> None:
+        """Call `listener(feedback_message)` for `goal_id`'s feedback until `unlisten`."""
+        with self._request_lock:
+            self._feedback_listeners[goal_id] = listener
+
+    def unlisten(self, goal_id: bytes) -> None:
+        with self._request_lock:
+            self._feedback_listeners.pop(goal_id, None)
 
 
 class _Waiter:
@@ -241,6 +256,9 @@ class GenerationHandle:
         self._cond = threading.Condition()
         self._deltas: List[str] = []
         self._seen_tokens = 0
+        # Set when a token-carrying chunk shows that earlier chunks never came (a feedback
+        # subscription matched late): the stream then ends with the rest of the result text.
+        self._gap = False
         self._goal_handle: Any = None
         self._responded = threading.Event()
         self._finished = threading.Event()
@@ -259,8 +277,8 @@ class GenerationHandle:
         self.sent_at = time.monotonic()
         self.first_feedback_at: Optional[float] = None
         client.watch(self._key, self._on_status)
-        self._goal_future = client.send_goal_async(goal, feedback_callback=self._on_feedback,
-                                                   goal_uuid=self._uuid)
+        client.listen(self._key, self._on_feedback)
+        self._goal_future = client.send_goal_async(goal, goal_uuid=self._uuid)
         self._goal_future.add_done_callback(self._on_goal_response)
 
     @property
@@ -281,7 +299,11 @@ class GenerationHandle:
             if feedback.text_delta or feedback.completion_tokens:
                 if self.first_feedback_at is None and feedback.token_ids:
                     self.first_feedback_at = time.monotonic()
-                self._deltas.append(feedback.text_delta)
+                first_token = feedback.completion_tokens - len(feedback.token_ids)
+                if feedback.token_ids and first_token != self._seen_tokens:
+                    self._gap = True
+                if not self._gap:
+                    self._deltas.append(feedback.text_delta)
                 self._seen_tokens = max(self._seen_tokens, feedback.completion_tokens)
             self._cond.notify_all()
         if self._user_feedback is not None:
@@ -446,10 +468,13 @@ class GenerationHandle:
 
         The result comes over a service and the feedback over a topic, so the last chunks can
         arrive after the result: the stream waits up to FEEDBACK_GRACE_S for them (llm_node's
-        last feedback carries completion_tokens == the result's).
+        last feedback carries completion_tokens == the result's). Chunks that never come (a
+        gap in the token counts, or the grace ran out) are not lost: the stream ends with the
+        rest of the result's text, so the deltas always add up to it.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         index = 0
+        yielded: List[str] = []
         spins_itself = self._waiter.spins
         while True:
             with self._cond:
@@ -459,6 +484,9 @@ class GenerationHandle:
                 elif self._stream_complete():
                     if self._error is not None:
                         raise self._error
+                    rest = self._missing_tail(''.join(yielded))
+                    if rest:
+                        yield rest
                     return
                 else:
                     chunk = None
@@ -466,6 +494,7 @@ class GenerationHandle:
                         self._cond.wait(0.05)
             if chunk is not None:
                 if chunk:
+                    yielded.append(chunk)
                     yield chunk
                 continue
             if deadline is not None and time.monotonic() > deadline:
@@ -476,11 +505,31 @@ class GenerationHandle:
     def _stream_complete(self) -> bool:
         if not self._finished.is_set():
             return False
-        if self._outcome is None:
+        if self._outcome is None or self._gap:
             return True
         if self._seen_tokens >= self._outcome.completion_tokens:
             return True
         return time.monotonic() - self._result_at > FEEDBACK_GRACE_S
+
+    def _release_feedback(self, now: float) -> bool:
+        """Stop listening for feedback once none can still be due; True when released."""
+        with self._cond:
+            if not self._finished.is_set():
+                return False
+            due = (self._outcome is not None and not self._gap
+                   and self._seen_tokens < self._outcome.completion_tokens
+                   and now - self._result_at <= FEEDBACK_GRACE_S)
+        if due:
+            return False
+        self._client.unlisten(self._key)
+        return True
+
+    def _missing_tail(self, streamed: str) -> str:
+        """Return the part of the result text the feedback did not deliver (often '')."""
+        text = self._outcome.text if self._outcome is not None else ''
+        if text.startswith(streamed):
+            return text[len(streamed):]
+        return ''   # not a prefix: a server whose feedback is not the result's text
 
     def __iter__(self) -> Iterator[str]:
         return self.stream()
@@ -544,20 +593,26 @@ class LLMClient:
                                         callback_group=callback_group)
 
     def _check_live(self) -> None:
+        now = time.monotonic()
         with self._live_lock:
-            self._live = [h for h in self._live if not h.done()]
+            self._live = [h for h in self._live if not h._release_feedback(now)]
             live = list(self._live)
         if not live:
             return
         ready = self._action.server_is_ready()
-        now = time.monotonic()
         for handle in live:
             handle._check(now, ready)
 
     def wait_for_server(self, timeout: Optional[float] = None) -> bool:
-        """Wait until the action server is discovered (it exists in every lifecycle state)."""
+        """Wait until the action server is discovered (it exists in every lifecycle state).
+
+        Also waits for its feedback publisher to be known here, so that the first goal's
+        first chunks are not sent before this client's feedback subscription can match.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._action.server_is_ready():
+        feedback_topic = f'{self.server}/generate/_action/feedback'
+        while not (self._action.server_is_ready()
+                   and self._node.count_publishers(feedback_topic) > 0):
             if deadline is not None and time.monotonic() > deadline:
                 return False
             self._waiter.pump(0.05)
