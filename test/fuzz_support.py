@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Any, Callable, Tuple, Type
 
+from forking import fork_clean
 from hypothesis import HealthCheck, settings, strategies as st
 
 # Values that break code assuming well-typed input (no unhashable containers: some fields
@@ -94,7 +95,7 @@ def isolated(fn: Callable[[], Any], errors: Tuple[Type[BaseException], ...],
     """
     r, w = os.pipe()
     limit = _vm_bytes() + memory_mb * 2**20
-    pid = os.fork()
+    pid = fork_clean()
     if pid == 0:  # child: report one pickled verdict, never return into pytest
         os.close(r)
         try:

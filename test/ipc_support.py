@@ -9,6 +9,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+from forking import fork_clean
 import numpy as np
 import pytest
 
@@ -63,7 +64,7 @@ class Baseline:
         self.fds = len(open_fds())
         self.mapped = shared_mapped_bytes()
 
-    def check(self, timeout_s: float = 2.0) -> None:
+    def check(self, timeout_s: float = 10.0) -> None:
         """Assert both returned to baseline (allowing async cleanup to finish)."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -87,7 +88,7 @@ class Child:
 
     def __init__(self, target: Callable[..., Any], *args: Any) -> None:
         r, w = os.pipe()
-        pid = os.fork()
+        pid = fork_clean()
         if pid == 0:  # child
             os.close(r)
             code = 0

@@ -80,7 +80,7 @@ class NodeProcess:
     def log(self) -> str:
         return '\n'.join(self.lines)
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -138,24 +138,40 @@ class RosClient:
         finally:
             self.node.destroy_client(client)
 
-    def state(self, server: str) -> str:
-        return self.call(GetState, f'{server}/get_state', GetState.Request()).current_state.label
+    def state(self, server: str, timeout: float = 30.0) -> str:
+        return self.call(GetState, f'{server}/get_state', GetState.Request(),
+                         timeout).current_state.label
 
     def transition(self, server: str, transition_id: int, timeout: float = 60.0) -> bool:
         request = ChangeState.Request(transition=Transition(id=transition_id))
         return self.call(ChangeState, f'{server}/change_state', request, timeout).success
 
     def wait_state(self, server: str, label: str, timeout: float = 60.0) -> None:
+        """Poll get_state until it reports `label`, for `timeout` s in all.
+
+        A node process that is still starting is not discovered yet, and a request sent
+        while discovery is half done (or to the endpoints of a killed predecessor of the
+        same name, still listed until their lease ends) is lost: such attempts are retried
+        until the deadline instead of failing the wait.
+        """
         deadline = time.monotonic() + timeout
-        state = ''
-        while time.monotonic() < deadline:
-            state = self.state(server)
+        state, error = '', ''
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                state = self.state(server, timeout=min(10.0, max(left, 1.0)))
+                error = ''
+            except AssertionError as exc:
+                error = f' (last attempt: {exc})'
+                continue
             if state == label:
                 return
             time.sleep(0.1)
-        raise AssertionError(f'{server} is {state!r}, not {label!r} after {timeout} s')
+        raise AssertionError(f'{server} is {state!r}, not {label!r} after {timeout} s{error}')
 
-    def next_status(self, server: str, timeout: float = 10.0) -> Dict[str, object]:
+    def next_status(self, server: str, timeout: float = 30.0) -> Dict[str, object]:
         """Return the first /diagnostics status of `server` published after this call.
 
         The result maps its keys to values, plus 'level' and 'message'.
@@ -181,6 +197,37 @@ class RosClient:
         self.executor.shutdown(timeout_sec=2)
         self.node.destroy_node()
         self._thread.join(timeout=5)
+
+
+def wait_feedback_delivered(llm: LLMClient, timeout: float = 60.0) -> None:
+    """Send short goals until one streams every one of its tokens to this client.
+
+    DDS discovery is done by each side on its own: a client that just discovered the action
+    server is not yet known to the server's feedback publisher, and feedback published
+    before that match is lost (volatile QoS). Tests that check a stream is complete use a
+    client only once its feedback provably arrives; a node that never delivers feedback
+    fails here.
+    """
+    deadline = time.monotonic() + timeout
+    attempts = []
+    while time.monotonic() < deadline:
+        chunks: list = []
+        outcome = llm.generate('Hello', max_tokens=3, json_schema=LONG_SCHEMA,
+                               on_feedback=chunks.append).result(timeout=max(
+                                   1.0, deadline - time.monotonic()))
+        assert outcome.status == 'succeeded', outcome
+
+        def streamed() -> int:
+            return sum(len(c.token_ids) for c in list(chunks) if c.queue_position == 0)
+        # The last feedback may still be in flight after the result (topic vs service).
+        end = min(deadline, time.monotonic() + 10.0)
+        while streamed() < outcome.completion_tokens and time.monotonic() < end:
+            time.sleep(0.01)
+        if streamed() == outcome.completion_tokens:
+            return
+        attempts.append(f'{streamed()}/{outcome.completion_tokens}')
+    raise AssertionError(f'no goal streamed all its feedback to {llm.server} within '
+                         f'{timeout} s (tokens streamed per attempt: {attempts})')
 
 
 def wait_for(predicate, timeout: float, what) -> None:

@@ -146,7 +146,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def fake_server(namespace: str, *args, startup_s: float = 30.0):
+def fake_server(namespace: str, *args, startup_s: float = 60.0):
     """Run test/fake_llm_server.py serving <namespace>/llm_node; yield the node's name."""
     with tempfile.TemporaryFile('w+') as log:
         proc = subprocess.Popen(

@@ -26,7 +26,7 @@ import pytest
 import rclpy
 from tiny_model import build_tiny_gguf, TinyDims
 
-from edge_llm_ros.client import LLMClientError
+from edge_llm_ros.client import LLMClientError, ServerUnavailableError
 from edge_llm_ros.engine.engine import Engine, EngineConfig
 from edge_llm_ros.engine.errors import ModelLoadError
 from edge_llm_ros.ipc.errors import PoolClosedError, UnknownPoolError
@@ -124,7 +124,7 @@ def test_kill_9_of_a_consumer_then_the_producer_mid_stream():
         producer.wait(lambda e: e.get('ready'), 30, 'the producer')
         observer = Observer(sock_dir)
         observer.start()
-        alone = producer.wait(lambda e: e.get('consumers') == 1, 10, 'the observer admitted')
+        alone = producer.wait(lambda e: e.get('consumers') == 1, 30, 'the observer admitted')
         doomed = Script('consumer', sock_dir)
         doomed.wait(lambda e: e.get('received', 0) >= 40, 30, 'the doomed consumer streaming')
         doomed.kill9()
@@ -132,13 +132,16 @@ def test_kill_9_of_a_consumer_then_the_producer_mid_stream():
         assert last['torn'] == 0, last
         # The producer drops the dead consumer (EOF): its holds and its socket's fd go.
         producer.wait(lambda e: e['published'] > alone['published'] and
-                      e.get('consumers') == 1 and e['fds'] == alone['fds'], 10,
+                      e.get('consumers') == 1 and e['fds'] == alone['fds'], 30,
                       'the producer back to one consumer and its fds')
         seen = observer.received
-        wait_for(lambda: observer.received > seen + 20, 10, 'frames after the consumer died')
+        # Over 60 frames in all (checked below): a starved observer skips frames, so its
+        # count is waited for, not assumed from the doomed consumer's.
+        wait_for(lambda: observer.received > max(seen + 20, 60), 60,
+                 'frames after the consumer died')
 
         producer.kill9()
-        observer.join(15)
+        observer.join(30)
         assert not observer.is_alive() and observer.ended_with is PoolClosedError
         held = observer.held
         # The frame held when its producer died stays mapped and intact.
@@ -154,7 +157,11 @@ def test_kill_9_of_a_consumer_then_the_producer_mid_stream():
             if script is not None and script.proc.poll() is None:
                 script.kill9()
         shutil.rmtree(sock_dir, ignore_errors=True)
-    gc.collect()
+    # Closing is synchronous, but give a late collection of the resolver's objects time.
+    deadline = time.monotonic() + 10
+    while ipc_resources() != base and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
     assert ipc_resources() == base, (open_fds(), shared_mapped_bytes(), base)
 
 
@@ -174,7 +181,10 @@ def ros():
 
 
 RESULT_TIMEOUT_S = 10.0
+# How late the client may fail after its timeout on a loaded machine (not a latency target).
+RESULT_SLACK_S = 10.0
 RETRY_S = 5.0
+RESTART_S = 180.0
 
 
 def _first_answer(attempt, timeout: float, what: str):
@@ -183,9 +193,18 @@ def _first_answer(attempt, timeout: float, what: str):
     while True:
         try:
             return attempt()
-        except (TimeoutError, AssertionError):
+        except (TimeoutError, AssertionError, ServerUnavailableError) as exc:
             if time.monotonic() > deadline:
-                raise AssertionError(f'no {what} within {timeout} s') from None
+                raise AssertionError(f'no {what} within {timeout} s (last attempt: '
+                                     f'{type(exc).__name__}: {exc})') from None
+
+
+def _answered_goal(llm):
+    """Send a short goal; a goal lost to half-done discovery is retried by _first_answer."""
+    handle = llm.generate('Hello sky', max_tokens=3)
+    wait_for(lambda: handle.responded, RETRY_S, 'a goal response')
+    # Accepted: the node has it. A first inference is slow on a loaded machine; no resend.
+    return handle.result(timeout=60)
 
 
 def test_kill_9_mid_goal_fails_the_client_and_a_restarted_node_serves(model_dir, ros):
@@ -205,19 +224,21 @@ def test_kill_9_mid_goal_fails_the_client_and_a_restarted_node_serves(model_dir,
         with pytest.raises((TimeoutError, LLMClientError)) as err:
             running.result(timeout=RESULT_TIMEOUT_S)
         waited = time.monotonic() - killed_at
-        assert waited < RESULT_TIMEOUT_S + 2, f'the client failed only after {waited:.1f} s'
+        assert waited < RESULT_TIMEOUT_S + RESULT_SLACK_S, \
+            f'the client failed only after {waited:.1f} s'
         assert 'llm_node' in str(err.value)
         assert running.streamed_text   # what streamed before the kill stays readable
 
         restarted = NodeProcess(name, params)
-        restarted_at = time.monotonic()
+        # The restarted node serves goals once active (before, it rejects them: its action
+        # server exists in every lifecycle state); wait_state retries lost requests.
+        ros.wait_state(server, 'active', timeout=RESTART_S)
         # Discovery still lists the dead node's endpoints for a while, so wait_for_server is
         # no proof: requests sent before the new node is matched are lost. Retry, as a
         # robot's client must after a restart.
-        outcome = _first_answer(lambda: llm.generate('Hello sky', max_tokens=3).result(
-            timeout=RETRY_S), 90, 'a goal answered by the restarted node')
+        outcome = _first_answer(lambda: _answered_goal(llm), RESTART_S,
+                                'a goal answered by the restarted node')
         assert outcome.status == 'succeeded', outcome
-        assert time.monotonic() - restarted_at < 90
     finally:
         if proc.proc.poll() is None:
             proc.proc.kill()
@@ -327,6 +348,8 @@ def test_disk_full_while_converting_leaves_no_half_written_model(tmp_path, small
 
 # --- SIGINT in every lifecycle state ------------------------------------------------------
 STATES = ('unconfigured', 'inactive', 'active idle', 'active mid-goal')
+# A hang fails the test; a slow but clean exit on a loaded machine does not.
+STOP_TIMEOUT_S = 60.0
 
 
 @pytest.mark.parametrize('state', STATES)
@@ -348,8 +371,6 @@ def test_sigint_exits_cleanly_in_every_lifecycle_state(model_dir, ros, state):
                                                json_schema=LONG_SCHEMA)
             wait_for(lambda: running.first_feedback_at is not None, 60, 'the goal to stream')
     finally:
-        started = time.monotonic()
-        code = proc.stop(timeout=20.0)
+        code = proc.stop(timeout=STOP_TIMEOUT_S)
     assert code == 0, f'exit code {code} after SIGINT in {state}:\n{proc.log()}'
     assert 'Traceback' not in proc.log(), proc.log()
-    assert time.monotonic() - started < 20.0

@@ -162,6 +162,8 @@ def test_from_msg_of_objects_that_are_not_handles(present, value):
 
 # --- at a live pool ------------------------------------------------------------------------
 SLOT_BYTES = 4096 * 3
+# A call still running after this long hangs (its own timeouts are 2 s): generous for CI load.
+HANG_S = 30.0
 
 
 @pytest.fixture(scope='module')
@@ -196,7 +198,7 @@ def _good_still_resolves(live) -> None:
 def test_hostile_handles_at_a_live_pool_end_in_typed_errors(live, field, value):
     msg = live.good.to_msg(types.SimpleNamespace())
     setattr(msg, field, value)
-    ok, view = accepted_or_typed(lambda: live.resolver.resolve(msg), (IpcError,), 5.0,
+    ok, view = accepted_or_typed(lambda: live.resolver.resolve(msg), (IpcError,), HANG_S,
                                  'resolve')
     if ok:
         # Only an in-bounds view of the real frame can come back, and read-only.
@@ -244,7 +246,7 @@ def test_producer_survives_random_datagrams(live, hello, burst):
         sock.close()
     _good_still_resolves(live)
     # The producer sees our EOF on its own thread: whatever the garbage acquired is dropped.
-    wait_for(lambda: all(c.held == 0 for c in live.pool.stats().consumers), 5.0,
+    wait_for(lambda: all(c.held == 0 for c in live.pool.stats().consumers), 30.0,
              "the producer to drop the raw consumer's holds")
 
 
@@ -295,8 +297,8 @@ def _pushed(liar, payload: bytes, with_fd: bool):
     resolver = TensorResolver(socket_dir=liar.sock_dir, name='victim')
     try:
         sub = resolver.subscribe('liar')
-        server.join(5)
-        ok, frame = accepted_or_typed(lambda: sub.receive(2.0), (IpcError,), 5.0, 'receive')
+        server.join(HANG_S)
+        ok, frame = accepted_or_typed(lambda: sub.receive(2.0), (IpcError,), HANG_S, 'receive')
         if ok and frame is not None:
             desc = frame.descriptor
             # Whatever is delivered lies inside the pool's buffers and ring.
@@ -307,7 +309,7 @@ def _pushed(liar, payload: bytes, with_fd: bool):
         sub.close()
     finally:
         resolver.close()
-        server.join(5)
+        server.join(HANG_S)
         box['conn'].close()
     base.check()
     return ok

@@ -50,7 +50,7 @@ def test_running_node_is_pinned_to_the_configured_core_and_restored(tmp_path, ro
         # Cleanup frees the engine and gives the process its original cores back.
         assert ros.transition(node.fqn, TRANSITIONS['deactivate'])
         assert ros.transition(node.fqn, TRANSITIONS['cleanup'])
-        wait_for(lambda: allowed_cpu_list(pid) == everything, 10,
+        wait_for(lambda: allowed_cpu_list(pid) == everything, 30,
                  f'the process mask to return to {everything}')
     finally:
         assert node.stop() == 0, node.log()

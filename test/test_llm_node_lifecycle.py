@@ -43,14 +43,14 @@ def test_transitions_gate_serving_and_deactivate_cancels_running_goals(model_dir
         ros.wait_state(server, 'unconfigured', timeout=60)
         llm = ros.llm(server)
         _assert_rejected(llm)   # goals before configuration
-        tokens = llm.tokenize('Hello', timeout=10)
+        tokens = llm.tokenize('Hello', timeout=30)
         assert not tokens.success and 'unconfigured' in tokens.error_message
         status = ros.next_status(server)
         assert status['level'] == 1 and status['state'] == 'unconfigured'   # WARN
 
         assert ros.transition(server, TRANSITIONS['configure'])
         assert ros.state(server) == 'inactive'
-        assert llm.tokenize('Hello', timeout=10).success   # the tokenizer is loaded
+        assert llm.tokenize('Hello', timeout=30).success   # the tokenizer is loaded
         _assert_rejected(llm)   # configured but not active
         refused = llm.complete('Hello', max_tokens=2, timeout=30)
         assert not refused.success and 'not active' in refused.error_message
@@ -72,7 +72,7 @@ def test_transitions_gate_serving_and_deactivate_cancels_running_goals(model_dir
         assert ros.transition(server, TRANSITIONS['deactivate'])
         assert ros.transition(server, TRANSITIONS['cleanup'])
         assert ros.state(server) == 'unconfigured'
-        assert not llm.tokenize('Hello', timeout=10).success   # the model is freed
+        assert not llm.tokenize('Hello', timeout=30).success   # the model is freed
 
         assert ros.transition(server, TRANSITIONS['configure'])
         assert ros.transition(server, TRANSITIONS['activate'])

@@ -5,6 +5,7 @@ interleaving below is deterministic.
 """
 import contextlib
 import threading
+import time
 
 import pytest
 
@@ -90,7 +91,7 @@ class Recorder:
                    self.feedback, **kwargs)
 
     def outcome(self):
-        assert self.done.wait(10), 'job did not finish'
+        assert self.done.wait(30), 'job did not finish'
         assert len(self.outcomes) == 1
         return self.outcomes[0]
 
@@ -111,13 +112,14 @@ def make_worker():
         worker.stop()
 
 
-def _wait(predicate, what: str) -> None:
+def _wait(predicate, what: str, timeout: float = 30.0) -> None:
     pause = threading.Event()
-    for _ in range(1000):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if predicate():
             return
         pause.wait(0.01)
-    raise AssertionError(f'timed out waiting for {what}')
+    raise AssertionError(f'timed out after {timeout} s waiting for {what}')
 
 
 def test_feedback_batches_and_adds_up_to_the_result(make_worker):

@@ -56,12 +56,14 @@ def send_goals(action_name: str, goals: list) -> list:
     client = ActionClient(node, Generate, action_name)
     results = []
     try:
-        assert client.wait_for_server(timeout_sec=20.0)
+        assert client.wait_for_server(timeout_sec=60.0)
         for goal in goals:
             future = client.send_goal_async(goal)
-            executor.spin_until_future_complete(future, timeout_sec=20.0)
+            executor.spin_until_future_complete(future, timeout_sec=60.0)
+            assert future.done(), 'no goal response within 60 s'
             result = future.result().get_result_async()
-            executor.spin_until_future_complete(result, timeout_sec=20.0)
+            executor.spin_until_future_complete(result, timeout_sec=60.0)
+            assert result.done(), 'no result within 60 s'
             results.append(result.result().result)
     finally:
         client.destroy()
@@ -103,9 +105,12 @@ def recording(workdir, reference_server):
              reference_server, '--max-goals', str(len(goals)), '--diagnostics'],
             stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         try:
-            wait_for_line(proc, log, f'on {reference_server}/transcript', 30.0)
+            # Every recorded topic matched (messages published before are lost), including
+            # the feedback the first test counts.
+            for topic in ('transcript', 'generate/_action/feedback', 'generate/_action/status'):
+                wait_for_line(proc, log, f'on {reference_server}/{topic}', 60.0)
             results = send_goals(f'{reference_server}/generate', goals)
-            proc.wait(timeout=20.0)
+            proc.wait(timeout=60.0)
         finally:
             stop_process(proc)
         log.seek(0)
@@ -262,9 +267,9 @@ def test_recorder_stops_cleanly_on_ctrl_c(reference_server, workdir):
              reference_server, '--storage', 'sqlite3'],
             stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         try:
-            wait_for_line(proc, log, f'on {reference_server}/generate/_action/status', 30.0)
+            wait_for_line(proc, log, f'on {reference_server}/generate/_action/status', 60.0)
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=20.0) == 0
+            assert proc.wait(timeout=60.0) == 0
         finally:
             stop_process(proc)
     with Reader(bag) as reader:

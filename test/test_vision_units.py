@@ -79,11 +79,12 @@ def test_stand_in_on_a_mapped_frame_matches_numpy(stand_in, frames_pool, height,
     assert np.unique(out[:, 0]).size > 100 and 0.02 < float(out.std()) < 0.2
 
 
-def test_output_is_written_into_the_loaned_slot(stand_in):
+def test_output_is_written_into_the_loaned_slot(stand_in, tmp_path):
     spec, model = stand_in
     frame = synthetic.synthetic_frame(3, 48, 64)
+    # A socket folder of this test: the default one is shared by every run of this user.
     config = PoolConfig(pool_id='unit_emb', slot_nbytes=spec.n_patches * spec.hidden_size * 4,
-                        slots=2, socket_dir=None)
+                        slots=2, socket_dir=str(tmp_path / 'sockets'))
     with TensorPool(config) as pool:
         loan = pool.loan()
         out = loan.ndarray('float32', (spec.n_patches, spec.hidden_size))
