@@ -50,6 +50,7 @@ INVALID_KINDS = ('empty', 'role', 'sampling', 'schema', 'handle', 'overflow')
 LONG_SCHEMA = '{"type": "string", "minLength": 5000}'
 CANCEL_TOKENS = 64
 SESSIONS = 20   # session ids in use: more than kv.max_sessions (8), so the LRU evicts
+SETTLE_S = 30.0   # how long fds and threads may take to return to the baseline after the soak
 
 
 @dataclass
@@ -433,10 +434,16 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
             diag.idle()
             clients[0].generate(**probe).result(timeout=120)
             idle = diag.idle()
-            time.sleep(1.0)   # let executor threads finish their last callbacks
             report.kv_after_soak = int(diag.fresh()['kv_used_tokens'])
             report.kv_capacity = int(idle['kv_capacity_tokens'])
+            # Executor threads finish their last callbacks in their own time (slower under
+            # load): wait up to SETTLE_S for fds and threads to return, then take the sample.
+            settle_until = time.monotonic() + SETTLE_S
             final = sample(node.pid)
+            while (final.fds, final.threads) != (base.fds, base.threads) and \
+                    time.monotonic() < settle_until:
+                time.sleep(0.25)
+                final = sample(node.pid)
             report.final = asdict(final)
             report.peak_rss_bytes = max(peak, final.rss_bytes)
             report.rss_growth = round((final.rss_bytes - base.rss_bytes) / base.rss_bytes, 4)
