@@ -55,7 +55,8 @@ class ReplayOptions:
     skip_tensor_goals: bool = False
     server_timeout_s: float = 30.0
     goal_timeout_s: float = 300.0
-    transcript_wait_s: float = 3.0
+    # The node publishes its transcript right after the result; a loaded machine may delay it.
+    transcript_wait_s: float = 10.0
 
 
 def parse_override(text: str) -> tuple:
