@@ -7,7 +7,9 @@ Tolerances (max |logit difference| against reference.py on the GGUF's dequantize
 accuracy_level 0 float32 <= 1e-4 (weights are repacked exactly, measured ~2e-5);
 float16 activations <= 1% of the largest logit; accuracy_level 4 (int8 activations inside
 MatMulNBits, the fast default) <= 10% of the largest logit (measured 4-7% on these random
-weights, which have far larger activations than a trained model).
+weights, which have far larger activations than a trained model). The default folds Q4_1
+offsets into the matmuls (offset_levels 2); at float32 compute that alone stays <= 5e-4 of
+the largest logit (measured 1.2e-4), and <= 3e-5 with 3 levels (measured 4.7e-6).
 """
 import errno
 import os
@@ -77,6 +79,29 @@ def test_default_fast_graph_within_stated_tolerance(root):
     model = tiny_model_dir(root, arch='llama')
     diff, peak = compare(model, source_of(model))
     assert diff <= 0.1 * peak
+
+
+@pytest.mark.parametrize('levels,tolerance', [(2, 5e-4), (3, 3e-5)])
+def test_folded_offsets_graph_matches_reference(root, levels, tolerance):
+    model = tiny_model_dir(root, arch='llama', accuracy_level=0, offset_levels=levels)
+    diff, peak = compare(model, source_of(model), steps=10, chunk=[7, 8, 9])
+    assert diff <= tolerance * peak
+    graph = onnx.load(str(model / 'model.onnx'), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert 'MatMul' not in ops and 'Add' not in ops  # no separate offset term left
+
+
+@pytest.mark.parametrize('accuracy_level,tolerance', [(0, 1e-4), (4, 0.1)])
+def test_tied_q4_1_embedding_keeps_its_offsets(tmp_path, accuracy_level, tolerance):
+    # The tied lm_head reads the embedding's blocks, so its offsets stay a separate term even
+    # where the layers' offsets are folded (accuracy level 4).
+    src = build_tiny_gguf(tmp_path / 'q41.gguf', tied=True, overrides={'embed': 'Q4_1'})
+    model = convert(str(src), str(tmp_path / 'q41'), accuracy_level=accuracy_level,
+                    progress=False)
+    diff, peak = compare(model, source_of(model), steps=6)
+    assert diff <= tolerance * (peak if accuracy_level else 1.0)
+    graph = onnx.load(str(model / 'model.onnx'), load_external_data=False).graph
+    assert 'lm_head/offsets' in {n.name for n in graph.node}
 
 
 def test_inputs_embeds_go_ahead_of_the_ids(root):
@@ -179,6 +204,10 @@ def test_model_folder_contents(root):
     q = meta['quantization']
     assert q['bits'] == 4 and q['block_size'] == 32
     assert q['source_types'] == ['Q4_0', 'Q4_1', 'Q8_0']
+    assert q['accuracy_level'] == 4 and q['offset_levels'] == 2
+    exact = yaml.safe_load((tiny_model_dir(root, arch='llama', accuracy_level=0) /
+                            'model.yaml').read_text())
+    assert exact['quantization']['offset_levels'] == 0
     src = pathlib.Path(meta['source']['path'])
     assert src.is_absolute() and len(meta['source']['sha256']) == 64
     assert meta['opset'] == 21 and meta['kv_max_context'] is None
@@ -187,7 +216,10 @@ def test_model_folder_contents(root):
     ops = {n.op_type for n in m.graph.node}
     assert {'GroupQueryAttention', 'MatMulNBits', 'GatherBlockQuantized',
             'SkipSimplifiedLayerNormalization'} <= ops
-    assert 'lm_head' in {n.name for n in m.graph.node if n.op_type == 'MatMulNBits'}
+    matmuls = {n.name: n for n in m.graph.node if n.op_type == 'MatMulNBits'}
+    # lm_head is Q8_0: its zero points are all the default 128, so the input is left out.
+    assert list(matmuls['lm_head'].input)[3:] == []
+    assert matmuls['layers.0.attn.o_proj'].input[3]  # Q4_1: zero points per block
     names = [i.name for i in m.graph.input]
     assert names[:4] == ['input_ids', 'inputs_embeds', 'seqlens_k', 'total_sequence_length']
     assert [o.name for o in m.graph.output][:3] == ['logits', 'present.0.key',
@@ -274,7 +306,8 @@ def test_hf_folder_errors(tmp_path):
                                           ({'block_size': 128}, 'multiple'),
                                           ({'activation_dtype': 'int8'}, 'dtype'),
                                           ({'max_context': 100000}, 'max_context'),
-                                          ({'precision': 'int2'}, 'precision')])
+                                          ({'precision': 'int2'}, 'precision'),
+                                          ({'offset_levels': 4}, 'offset levels')])
 def test_bad_options(tmp_path, kwargs, match):
     src = build_tiny_gguf(tmp_path / 'tiny.gguf')
     with pytest.raises(ConversionError, match=match):

@@ -3,7 +3,8 @@
 Q4_0, Q4_1 and Q8_0 must be bit-exact repacks (no requantization); other types are
 dequantized with gguf and requantized, with an error bound per block. The layout itself
 (nibble order, zero-point packing) is checked by running onnxruntime's MatMulNBits and
-GatherBlockQuantized on the packed arrays.
+GatherBlockQuantized on the packed arrays. Folded Q4_1 offsets (extra 4-bit blocks fed the
+block means) must reproduce each offset within the stated bound, also through MatMulNBits.
 """
 import gguf
 import numpy as np
@@ -12,8 +13,8 @@ import onnxruntime as ort
 import pytest
 
 from edge_llm_ros.engine.checkpoint import SourceTensor, unpermute_llama_rows
-from edge_llm_ros.engine.quant import (concat_rows, from_q4_0, from_q4_1, from_q8_0,
-                                       quantize_blocks, to_blocks)
+from edge_llm_ros.engine.quant import (concat_rows, fold_offsets, from_q4_0, from_q4_1,
+                                       from_q8_0, quantize_blocks, to_blocks)
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 48, 256
@@ -64,6 +65,61 @@ def test_q4_1_exact_repack_matches_gguf():
     inside = (b.zero_points > 0) & (b.zero_points < 15)
     assert inside.mean() > 0.9
     assert (np.abs(b.offsets)[inside] <= 0.5 * b.scales[inside] + 1e-7).all()
+
+
+def with_means(x: np.ndarray, copies: int, width: int) -> np.ndarray:
+    """Build the folded weight's input: [x, block means * copies], zero-padded to `width`."""
+    means = x.reshape(x.shape[0], -1, 32).mean(-1)
+    xp = np.concatenate([x] + [means] * copies, axis=1)
+    return np.concatenate([xp, np.zeros((x.shape[0], width - xp.shape[1]))], axis=1)
+
+
+@pytest.mark.parametrize('cols', [32, 96, COLS, 576, 1536])
+@pytest.mark.parametrize('levels', [1, 2, 3])
+def test_folded_offsets_reproduce_each_offset_within_bound(cols, levels):
+    w = np.random.default_rng(cols).standard_normal((ROWS, cols)).astype(np.float32) * 0.05
+    b = from_q4_1(source(w, 'Q4_1').data, cols, exact=True)
+    f, copies = fold_offsets(b, levels)
+    nb = cols // 32
+    assert f.offsets is None and f.shape[1] >= cols + copies * nb
+    # The main blocks are untouched.
+    np.testing.assert_array_equal(f.dequantize()[:, :cols], b.dequantize() - np.repeat(
+        b.offsets, 32, axis=1))
+    # Offset of block j as the folded weight sees it: feed x = ones over block j only.
+    eye = np.repeat(np.eye(nb), 32, axis=1)
+    seen = with_means(eye, copies, f.shape[1])[:, cols:] @ f.dequantize()[:, cols:].T.astype(
+        np.float64) / 32
+    rng = b.offsets.max(1, initial=0) - b.offsets.min(1, initial=0)  # range including 0
+    bound = rng / (2 * 15 ** levels) * 1.01 + 1e-8
+    assert (np.abs(seen.T - b.offsets) <= bound[:, None]).all()
+
+
+def test_matmulnbits_runs_folded_offsets_with_a_partial_last_block():
+    cols = 576  # 18 block means: K' = 576 + 3 * 18 is not a multiple of 32
+    w = np.random.default_rng(5).standard_normal((ROWS, cols)).astype(np.float32) * 0.05
+    b = from_q4_1(source(w, 'Q4_1').data, cols, exact=True)
+    f, copies = fold_offsets(b, 2)
+    k = cols + copies * cols // 32
+    assert k % 32
+    node = helper.make_node('MatMulNBits', ['A', 'B', 'S', 'Z'], ['Y'], domain='com.microsoft',
+                            K=k, N=ROWS, bits=4, block_size=32, accuracy_level=0)
+    sess = _session(node, [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
+                    [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', ROWS])],
+                    [numpy_helper.from_array(f.packed, 'B'),
+                     numpy_helper.from_array(f.scales, 'S'),
+                     numpy_helper.from_array(f.packed_zero_points(), 'Z')])
+    x = np.random.default_rng(6).standard_normal((3, cols))
+    xp = with_means(x, copies, f.shape[1])
+    got = sess.run(None, {'A': xp[:, :k].astype(np.float32)})[0]
+    np.testing.assert_allclose(got, xp @ f.dequantize().T, rtol=1e-4, atol=1e-5)
+    # ... which is x @ W.T of the exact weight, up to the folded offsets' rounding.
+    exact = x @ b.dequantize().T
+    assert np.abs(got - exact).max() <= 1e-3 * np.abs(exact).max()
+
+
+def test_fold_offsets_needs_4_bit_offsets():
+    with pytest.raises(ValueError, match='offsets'):
+        fold_offsets(from_q4_0(source(weights(4), 'Q4_0').data, COLS))
 
 
 def test_q4_1_requantized_is_lossy_but_bounded():
@@ -173,6 +229,31 @@ def test_matmulnbits_reads_the_packed_layout(qtype):
     a = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
     np.testing.assert_allclose(sess.run(None, {'A': a})[0], a @ b.dequantize().T,
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('qtype', ['Q4_0', 'Q8_0'])
+@pytest.mark.parametrize('accuracy_level', [0, 4])
+def test_default_zero_points_can_be_left_out(qtype, accuracy_level):
+    # Q4_0/Q8_0 repacks have MatMulNBits' default zero point 2**(bits-1) everywhere; the graph
+    # then leaves the input out, which must give the same results.
+    b = to_blocks(source(weights(12), qtype), 32)
+    assert b.default_zero_points()
+    assert not from_q4_1(source(weights(12), 'Q4_1').data, COLS).default_zero_points()
+    n, k = b.shape
+    a = np.random.default_rng(1).standard_normal((3, k)).astype(np.float32)
+    outs = []
+    for inputs in (['A', 'B', 'S', 'Z'], ['A', 'B', 'S']):
+        node = helper.make_node('MatMulNBits', inputs, ['Y'], domain='com.microsoft', K=k, N=n,
+                                bits=b.bits, block_size=32, accuracy_level=accuracy_level)
+        inits = [numpy_helper.from_array(b.packed, 'B'), numpy_helper.from_array(b.scales, 'S')]
+        if 'Z' in inputs:
+            inits.append(numpy_helper.from_array(b.packed_zero_points(), 'Z'))
+        sess = _session(node, [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
+                        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])], inits)
+        outs.append(sess.run(None, {'A': a})[0])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    tol = 0.05 if accuracy_level else 1e-4  # level 4 rounds activations to int8
+    np.testing.assert_allclose(outs[1], a @ b.dequantize().T, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize('qtype', ['Q4_0', 'Q4_1', 'Q8_0'])

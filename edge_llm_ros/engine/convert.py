@@ -24,7 +24,7 @@ from .errors import ConversionError, EngineError
 from .onnx_graph import DATA_FILE, DecoderGraph, GraphOptions, LayerWeights, OPSET
 from .quant import BlockWeights, concat_rows, PRECISIONS, to_blocks
 
-CONVERTER_VERSION = '2'
+CONVERTER_VERSION = '3'
 _TMP_MARK = '.tmp-'
 # A write that failed while less than this was free is taken for a full disk: numpy's short
 # writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.
@@ -41,6 +41,16 @@ class ConvertOptions:
     accuracy_level: int = 4
     exact_q4_1: bool = True
     precision: str = 'source'
+    # Q4_1 offsets (see GraphOptions.offset_levels); None: folded into 2 extra 4-bit levels
+    # when activations are rounded to int8 anyway (accuracy_level 4), exact otherwise.
+    offset_levels: Optional[int] = None
+
+    @property
+    def graph_offset_levels(self) -> int:
+        """Return the offset_levels the graph is built with."""
+        if self.offset_levels is not None:
+            return self.offset_levels
+        return 2 if self.accuracy_level == 4 else 0
 
     def check(self, ckpt: Checkpoint) -> None:
         """Raise ConversionError for options the checkpoint cannot take."""
@@ -65,13 +75,15 @@ class ConvertOptions:
             raise ConversionError(f'accuracy level {self.accuracy_level} is not 0..4')
         if self.precision not in PRECISIONS:
             raise ConversionError(f'precision {self.precision!r} is not one of {PRECISIONS}')
+        if self.offset_levels is not None and self.offset_levels not in range(4):
+            raise ConversionError(f'offset levels {self.offset_levels} is not 0..3 (0 = exact)')
 
 
 def convert(source: str, out_dir: str, *, block_size: int = 32,
             activation_dtype: str = 'float32', max_context: Optional[int] = None,
             progress: bool = True, accuracy_level: int = 4, exact_q4_1: bool = True,
             precision: str = 'source', overwrite: bool = False,
-            verify: bool = True) -> pathlib.Path:
+            verify: bool = True, offset_levels: Optional[int] = None) -> pathlib.Path:
     """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
 
     Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
@@ -79,10 +91,12 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     wider than 4 bits (Q8_0, Q6_K, Q5_*) at 8 bits (Q8_0 exactly); 'int4' makes every matrix
     4-bit. Q4_0, Q4_1 (exact_q4_1) and Q8_0 blocks are repacked without requantization at
     block size 32. An existing `out_dir` is replaced only with overwrite=True. verify=True
-    opens the result with onnxruntime before it is moved into place.
+    opens the result with onnxruntime before it is moved into place. offset_levels: how Q4_1
+    offsets are computed (None: folded into the matmul at accuracy_level 4, exact otherwise;
+    see GraphOptions).
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
-                          precision)
+                          precision, offset_levels)
     out = pathlib.Path(out_dir).expanduser().resolve()
     if out.parent.is_dir():
         _remove_stale_temps(out)
@@ -141,7 +155,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     # Weights stream into model.onnx.data as each layer is converted.
     with open(tmp / DATA_FILE, 'wb') as data:
         graph = DecoderGraph(s, GraphOptions(opts.activation_dtype, opts.max_context,
-                                             opts.accuracy_level), data)
+                                             opts.accuracy_level, opts.graph_offset_levels),
+                             data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
         bar.update()
         for i in range(s.num_layers):
@@ -167,6 +182,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'source_types': ckpt.source_types(),
                          'accuracy_level': opts.accuracy_level,
                          'exact_q4_1': opts.exact_q4_1, 'precision': opts.precision,
+                         'offset_levels': opts.graph_offset_levels,
                          'weight_bytes_per_token': int(graph.weight_bytes)},
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
@@ -283,11 +299,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         '0 = compute in the activation dtype')
     p.add_argument('--requantize-q4-1', action='store_true',
                    help='re-quantize Q4_1 blocks to integer zero points instead of keeping '
-                        'them exact with a per-block offset term (12%% smaller, ~25%% faster '
-                        'decode, but lossy: on SmolLM2 logits move by up to ~12)')
+                        'them exact with per-block offsets (~6%% smaller, ~10%% faster decode, '
+                        'but lossy: on SmolLM2 logits move by up to ~12)')
     p.add_argument('--precision', default='source', choices=PRECISIONS,
                    help='source (default): keep Q8_0/Q6_K/Q5_* tensors at 8 bits (Q8_0 '
                         'exactly); int4: every matrix 4-bit (smaller, faster, lossy)')
+    p.add_argument('--offset-levels', type=int, default=None, choices=(0, 1, 2, 3),
+                   help='exact Q4_1 offsets: 0 = a separate exact float term; 1-3 = folded '
+                        'into the matmul as that many 4-bit levels (default: 2 at accuracy '
+                        'level 4, where activations are rounded to int8 anyway; else 0)')
     p.add_argument('--force', action='store_true', help='replace an existing out_dir')
     p.add_argument('--no-verify', action='store_true',
                    help='skip opening the result with onnxruntime')
@@ -304,7 +324,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       progress=not args.quiet, accuracy_level=args.accuracy_level,
                       exact_q4_1=not args.requantize_q4_1, precision=args.precision,
                       overwrite=args.force,
-                      verify=not args.no_verify)
+                      verify=not args.no_verify, offset_levels=args.offset_levels)
     except EngineError as exc:
         print(f'edge-llm-convert: error: {exc}', file=sys.stderr)
         return 1
