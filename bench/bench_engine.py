@@ -224,12 +224,17 @@ def peer_llama_cpp(args) -> Dict:
             tok = next_token()
             out.append(tok)
         decode.append((NEW_TOKENS - 1) / (time.perf_counter() - t2))
-    import psutil
     own_ids = llm.tokenize(args.prompt_text.encode(), add_bos=False, special=True)
-    return {'engine': f'llama-cpp-python {llama_cpp.__version__}', 'gguf': args.gguf,
-            'prompt_tokens': len(ids), 'own_tokenizer_same_ids': own_ids == ids,
-            'completion_tokens': len(out),
-            'first_ids': out[:FIRST_IDS],
+    return _peer_result({'engine': f'llama-cpp-python {llama_cpp.__version__}',
+                         'gguf': args.gguf}, own_ids == ids, ids, out, prefill, decode, ttft)
+
+
+def _peer_result(head: Dict, same_ids: bool, ids, out: List[int], prefill: List[float],
+                 decode: List[float], ttft: List[float]) -> Dict:
+    """Return the fields every peer reports (medians plus the raw runs)."""
+    import psutil
+    return {**head, 'prompt_tokens': len(ids), 'own_tokenizer_same_ids': same_ids,
+            'completion_tokens': len(out), 'first_ids': out[:FIRST_IDS],
             'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
             'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
             'ttft_s': statistics.median(ttft),
@@ -247,7 +252,6 @@ def peer_ortgenai(args) -> Dict:
     """
     import numpy as np
     import onnxruntime_genai as og
-    import psutil
     ids = np.array(json.loads(args.prompt_ids), dtype=np.int32)
     config_path = pathlib.Path(args.ortgenai_model, 'genai_config.json')
     options = json.loads(config_path.read_text())['model']['decoder'].get('session_options', {})
@@ -273,15 +277,10 @@ def peer_ortgenai(args) -> Dict:
         out = [int(t) for t in gen.get_sequence(0)[len(ids):]]
     prefill, decode, ttft = prefill[1:], decode[1:], ttft[1:]
     own_ids = [int(t) for t in og.Tokenizer(model).encode(args.prompt_text)]
-    return {'engine': f'onnxruntime-genai {og.__version__}', 'model': args.ortgenai_model,
-            'intra_op_num_threads': options.get('intra_op_num_threads'),
-            'prompt_tokens': len(ids), 'own_tokenizer_same_ids': own_ids == ids.tolist(),
-            'completion_tokens': len(out),
-            'first_ids': out[:FIRST_IDS],
-            'prefill_tok_s': statistics.median(prefill), 'prefill_tok_s_all': prefill,
-            'decode_tok_s': statistics.median(decode), 'decode_tok_s_all': decode,
-            'ttft_s': statistics.median(ttft),
-            'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
+    return _peer_result({'engine': f'onnxruntime-genai {og.__version__}',
+                         'model': args.ortgenai_model,
+                         'intra_op_num_threads': options.get('intra_op_num_threads')},
+                        own_ids == ids.tolist(), ids, out, prefill, decode, ttft)
 
 
 def ensure_llama_cpp(install: bool) -> Optional[str]:

@@ -2,6 +2,9 @@
 import os
 import pathlib
 import random
+import threading
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -13,3 +16,28 @@ _ros_home = ROOT / '.cache' / 'ros_home'
 _ros_home.mkdir(parents=True, exist_ok=True)
 os.environ.setdefault('ROS_HOME', str(_ros_home))
 os.environ.setdefault('ROS_LOG_DIR', str(_ros_home / 'log'))
+
+
+@pytest.fixture
+def ros():
+    """Give a node factory over a private rclpy context spun by a 4-thread executor."""
+    import rclpy   # here, not at import: most tests never need rclpy in the pytest process
+    from rclpy.executors import MultiThreadedExecutor
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    executor = MultiThreadedExecutor(num_threads=4, context=context)
+    spin = threading.Thread(target=executor.spin, daemon=True)
+    nodes = []
+
+    def node(name):
+        made = rclpy.create_node(f'{name}_{id(context)}', context=context)
+        executor.add_node(made)
+        nodes.append(made)
+        return made
+    node.executor = executor
+    spin.start()
+    yield node
+    executor.shutdown(timeout_sec=2)
+    for made in nodes:
+        made.destroy_node()
+    rclpy.try_shutdown(context=context)

@@ -5,13 +5,9 @@ way llm_node does (a text delta, the token ids since the last chunk, the running
 can leave chunks out: one in the middle (what a late-matched feedback subscription sees at
 the start of a stream), or the last one (still in flight when the result came).
 """
-import threading
 
-import pytest
-import rclpy
 from rclpy.action import ActionServer
 from rclpy.callback_groups import ReentrantCallbackGroup
-from rclpy.executors import MultiThreadedExecutor
 
 from edge_llm_msgs.action import Generate
 from edge_llm_ros import client as client_module
@@ -20,27 +16,6 @@ from edge_llm_ros.client import LLMClient
 WORDS = ['Robots', ' plan', ' paths', ' around', ' boxes', ' and', ' people', '.']
 TEXT = ''.join(WORDS)
 TIMEOUT_S = 60.0
-
-
-@pytest.fixture
-def ros():
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
-    spin = threading.Thread(target=executor.spin, daemon=True)
-    nodes = []
-
-    def node(name):
-        made = rclpy.create_node(f'{name}_{id(context)}', context=context)
-        executor.add_node(made)
-        nodes.append(made)
-        return made
-    spin.start()
-    yield node
-    executor.shutdown(timeout_sec=2)
-    for made in nodes:
-        made.destroy_node()
-    rclpy.try_shutdown(context=context)
 
 
 def _serve(node, skip: set):

@@ -7,11 +7,8 @@ response lost on the way), and one whose node is destroyed while a goal runs.
 import threading
 import time
 
-import pytest
-import rclpy
 from rclpy.action import ActionServer
 from rclpy.callback_groups import ReentrantCallbackGroup
-from rclpy.executors import MultiThreadedExecutor
 
 from edge_llm_msgs.action import Generate
 from edge_llm_ros.client import LLMClient, ServerUnavailableError, WatchdogConfig
@@ -39,28 +36,6 @@ class DroppingServer(ActionServer):
             self.dropped += 1
             return
         await super()._execute_get_result_request(request_header_and_message)
-
-
-@pytest.fixture
-def ros():
-    context = rclpy.Context()
-    rclpy.init(context=context)
-    executor = MultiThreadedExecutor(num_threads=4, context=context)
-    spin = threading.Thread(target=executor.spin, daemon=True)
-    nodes = []
-
-    def node(name):
-        made = rclpy.create_node(f'{name}_{id(context)}', context=context)
-        executor.add_node(made)
-        nodes.append(made)
-        return made
-    node.executor = executor
-    spin.start()
-    yield node
-    executor.shutdown(timeout_sec=2)
-    for made in nodes:
-        made.destroy_node()
-    rclpy.try_shutdown(context=context)
 
 
 def _serve(node, server_class, release: threading.Event):
