@@ -7,20 +7,34 @@ from edge_llm_ros.bringup import parameters
 from edge_llm_ros.bringup.errors import ParameterRangeError, UnknownParameterError
 
 LLM = parameters.schema('llm_node')
+ALL_SPECS = [(node, spec) for node, schema in sorted(parameters.SCHEMAS.items())
+             for spec in schema.specs]
 
 
-def test_names_unique_and_dotted_lowercase():
-    names = LLM.names()
+@pytest.mark.parametrize('node', sorted(parameters.SCHEMAS))
+def test_names_unique_and_dotted_lowercase(node):
+    names = parameters.schema(node).names()
     assert len(names) == len(set(names))
     for name in names:
         assert name == name.lower() and ' ' not in name
 
 
-@pytest.mark.parametrize('spec', LLM.specs + parameters.schema('perception').specs,
-                         ids=lambda s: s.name)
-def test_default_satisfies_its_own_spec(spec):
+@pytest.mark.parametrize('node, spec', ALL_SPECS, ids=[f'{n}:{s.name}' for n, s in ALL_SPECS])
+def test_default_satisfies_its_own_spec(node, spec):
     assert spec.validate(spec.default) == spec.default
     assert spec.description
+
+
+def test_vision_nodes_have_their_full_schema():
+    # One schema per node: the vision nodes declare exactly these (nodes/node_params.py).
+    assert {'frame_source', 'perception'} <= set(parameters.SCHEMAS)
+    perception = parameters.schema('perception')
+    assert {'input.topic', 'model.path', 'pool.id', 'engine.providers'} <= set(
+        perception.names())
+    assert perception.get('model.hidden_size').default == parameters.SMOLLM2_HIDDEN
+    width = parameters.schema('frame_source').get('width')
+    assert (width.range.low, width.range.high) == (parameters.MIN_FRAME_SIDE,
+                                                   parameters.MAX_FRAME_SIDE)
 
 
 def test_defaults_are_consistent():

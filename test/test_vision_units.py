@@ -15,8 +15,8 @@ from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver
 from edge_llm_ros.vision import default_model, sources, synthetic
 from edge_llm_ros.vision.errors import (
-    FrameDecodeError, FrameSizeError, ModelLoadError, ModelMismatchError, SourceError,
-    SourceUnavailableError, TornFrameError)
+    FrameDecodeError, FrameSizeError, ModelMismatchError, SourceError, SourceUnavailableError,
+    TornFrameError, VisionModelLoadError)
 from edge_llm_ros.vision.runner import VisionModel
 
 
@@ -148,10 +148,10 @@ def test_batch_of_one_input_takes_the_frame_without_copy(tmp_path):
 
 
 def test_models_perception_cannot_feed_are_refused(tmp_path):
-    with pytest.raises(ModelLoadError, match='is not a file'):
+    with pytest.raises(VisionModelLoadError, match='is not a file'):
         VisionModel(str(tmp_path / 'missing.onnx'))
     (tmp_path / 'junk.onnx').write_bytes(b'not a model')
-    with pytest.raises(ModelLoadError, match='cannot load'):
+    with pytest.raises(VisionModelLoadError, match='cannot load'):
         VisionModel(str(tmp_path / 'junk.onnx'))
     info = helper.make_tensor_value_info
     pair = [info('a', TensorProto.FLOAT, [2]), info('b', TensorProto.FLOAT, [2])]

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup.errors import (
     ParameterRangeError, ParameterTypeError, UnknownParameterError)
+from edge_llm_ros.ipc.allocators import allocator_names
 
 
 class ParamType(enum.Enum):
@@ -255,12 +256,96 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               pattern=r'(sm_\d{2,3})?'),
 )
 
-PERCEPTION_SPECS: Tuple[ParamSpec, ...] = engine_specs('perception model')
+# Frame sides the vision nodes accept (frame_source width/height, vision.synthetic checks).
+MIN_FRAME_SIDE = 16
+MAX_FRAME_SIDE = 8192
+# Default width of the perception stand-in's embeddings: SmolLM2-135M, the embedded LLM.
+SMOLLM2_HIDDEN = 576
+POOL_ID_PATTERN = r'[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}'
+COPY_MODES = ('auto', 'always', 'never')
+TRANSPORTS = ('auto', 'zero_copy', 'copy')
+_FRAME_SIDE = Range(MIN_FRAME_SIDE, MAX_FRAME_SIDE)
+
+
+def pool_specs(pool_id: str, slots: int, lease_s: float, what: str) -> Tuple[ParamSpec, ...]:
+    """Specs of a vision node's output pool and its copying fallback."""
+    return (
+        ParamSpec('pool.id', ParamType.STRING, pool_id,
+                  'Pool id of the %s (names the socket consumers connect to)' % what,
+                  pattern=POOL_ID_PATTERN),
+        ParamSpec('pool.slots', ParamType.INTEGER, slots,
+                  'Buffers in the %s ring; the producer keeps one, consumers share the '
+                  'rest (sum of their max_inflight)' % what, range=Range(2, 256)),
+        ParamSpec('pool.allocator', ParamType.STRING, 'auto',
+                  "Buffer allocator; 'auto' = best available (dma_heap, udmabuf, memfd)",
+                  choices=('auto',) + tuple(allocator_names())),
+        ParamSpec('pool.lease_s', ParamType.DOUBLE, lease_s,
+                  'A consumer holding a buffer longer than this loses it (fresh buffer, new '
+                  'generation; its view stays intact)', range=Range(0.0, 3600.0, low_open=True)),
+        ParamSpec('socket_dir', ParamType.STRING, '',
+                  "Private folder of the pool sockets; '' = $EDGE_LLM_IPC_DIR, "
+                  '$XDG_RUNTIME_DIR/edge_llm_ros or /tmp/edge_llm_ros-<uid>'),
+        ParamSpec('copy_fallback', ParamType.STRING, 'auto',
+                  'Also publish copies on <topic>_copy for consumers that cannot map the pool '
+                  "(another host): 'auto' = while someone subscribes, 'always', 'never'",
+                  choices=COPY_MODES),
+    )
+
+
+FRAME_SOURCE_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('source', ParamType.STRING, 'synthetic',
+              "'synthetic', 'topic:<sensor_msgs/Image topic>', a V4L2 device (/dev/videoN), "
+              'a folder of PNG/JPEG images, an image file or a video file'),
+    ParamSpec('width', ParamType.INTEGER, 640, 'Frame width in pixels', range=_FRAME_SIDE),
+    ParamSpec('height', ParamType.INTEGER, 480, 'Frame height in pixels', range=_FRAME_SIDE),
+    ParamSpec('rate_hz', ParamType.DOUBLE, 30.0,
+              'Frames per second (a topic source publishes as its images arrive)',
+              range=Range(0.0, 1000.0, low_open=True)),
+    ParamSpec('loop', ParamType.BOOL, True,
+              'Start a video or image folder again at its end (else stop publishing)'),
+    ParamSpec('frame_id', ParamType.STRING, 'camera',
+              'header.frame_id of the frames (a topic source keeps the camera header)'),
+) + pool_specs('frames', 6, 2.0, 'frames')
+
+PERCEPTION_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('input.topic', ParamType.STRING, 'frame_source/frames',
+              'TensorHandle topic of the frames (its copies are on <topic>_copy)'),
+    ParamSpec('input.pool_id', ParamType.STRING, '',
+              "Accept frames of this pool only; '' = any", pattern='|' + POOL_ID_PATTERN),
+    ParamSpec('input.transport', ParamType.STRING, 'auto',
+              "'auto' = map frames, or receive copies when their pool is unreachable; "
+              "'zero_copy' = map only; 'copy' = copies only", choices=TRANSPORTS),
+    ParamSpec('rate_hz', ParamType.DOUBLE, 0.0,
+              'At most this many inferences per second (the latest frame wins); 0 = as fast '
+              'as frames arrive', range=Range(0.0, 1000.0)),
+    ParamSpec('model.path', ParamType.STRING, '',
+              "ONNX image model (one input taking the frame); '' = the built-in random "
+              'patch-embedding stand-in (not a trained encoder)'),
+    ParamSpec('model.input', ParamType.STRING, '', "Input name; '' = the model's only input"),
+    ParamSpec('model.output', ParamType.STRING, '', "Output name; '' = the first output"),
+    ParamSpec('model.hidden_size', ParamType.INTEGER, SMOLLM2_HIDDEN,
+              "Stand-in: embedding width (the LLM's hidden size)", range=Range(1, 65536)),
+    ParamSpec('model.llm_path', ParamType.STRING, '',
+              "Stand-in: take hidden_size from this converted LLM folder's model.yaml "
+              "instead; '' = use model.hidden_size"),
+    ParamSpec('model.image_size', ParamType.INTEGER, 224,
+              'Stand-in: side of the resized image', range=Range(1, 4096)),
+    ParamSpec('model.patch_size', ParamType.INTEGER, 16,
+              'Stand-in: patch side (divides model.image_size)', range=Range(1, 1024)),
+    ParamSpec('model.seed', ParamType.INTEGER, 0, 'Stand-in: seed of its random weights',
+              range=Range(0, 2 ** 63 - 1)),
+    *engine_specs('perception model'),
+) + pool_specs('embeddings', 8, 30.0, 'embeddings')
 
 
 @dataclass(frozen=True)
 class NodeSchema:
-    """The parameters of one node; `complete` = bringup knows all of them."""
+    """The parameters of one node.
+
+    `complete`: resolution passes every default explicitly and refuses unknown keys even in
+    params files. Otherwise only the values set reach the node (which declares the same
+    defaults from these specs) and unknown keys of params files pass through.
+    """
 
     node: str
     specs: Tuple[ParamSpec, ...]
@@ -310,13 +395,14 @@ def _unknown_message(name: str, node: str, names: Iterable[str]) -> str:
 
 SCHEMAS: Dict[str, NodeSchema] = {
     'llm_node': NodeSchema('llm_node', LLM_NODE_SPECS, complete=True),
-    # frame_source/perception belong to the ipc work; bringup validates what profiles set.
+    # The pipeline launch passes the vision nodes only what profiles and users set.
+    'frame_source': NodeSchema('frame_source', FRAME_SOURCE_SPECS, complete=False),
     'perception': NodeSchema('perception', PERCEPTION_SPECS, complete=False),
 }
 
 
 def schema(node: str) -> NodeSchema:
-    """Return the schema of `node` ('llm_node', 'perception')."""
+    """Return the schema of `node` ('llm_node', 'frame_source', 'perception')."""
     try:
         return SCHEMAS[node]
     except KeyError:

@@ -21,6 +21,7 @@ import numpy as np
 from rclpy.node import Node
 from sensor_msgs.msg import Image
 
+from edge_llm_ros.bringup.parameters import schema
 from edge_llm_ros.ipc.errors import IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes import copy_codec
@@ -29,7 +30,7 @@ from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
 from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.tensor_output import CopyKind, SENSOR_QOS, TensorOutput
 from edge_llm_ros.vision.errors import FrameDecodeError, SourceError, VisionError
-from edge_llm_ros.vision.params import frame_source_config, FRAME_SOURCE_SPECS
+from edge_llm_ros.vision.params import frame_source_config
 from edge_llm_ros.vision.sources import FrameReader, open_source, parse_source, SourceKind
 from edge_llm_ros.vision.synthetic import CHANNELS
 
@@ -41,7 +42,7 @@ class FrameSourceNode(Node):
 
     def __init__(self, **kwargs) -> None:
         super().__init__('frame_source', **kwargs)
-        self.config = frame_source_config(declare_and_read(self, FRAME_SOURCE_SPECS))
+        self.config = frame_source_config(declare_and_read(self, schema('frame_source')))
         cfg = self.config
         self.shape = (cfg.height, cfg.width, CHANNELS)
         spec = parse_source(cfg.source)

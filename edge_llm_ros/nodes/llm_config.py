@@ -1,23 +1,19 @@
 """llm_node's parameters: declared from bringup's schema, read once into a typed config.
 
-bringup.parameters is the single source of names, types, defaults, ranges and read_only
-flags; this module turns each spec into a ParameterDescriptor and reads the values into
-frozen dataclasses. Load-time parameters are read_only and read in on_configure (a change
-needs cleanup + configure). Request defaults (sampling, max_tokens, system_prompt) and the
-feedback cadence may change at run time: values are checked against the schema (including
-its open interval ends, which ROS ranges cannot express) and a post-set callback rebuilds
-the frozen RuntimeConfig the hot path reads, so no code re-queries parameters per goal.
+Declaring, reading and checking go through nodes/node_params.py, the one parameter path of
+every node; this module turns llm_node's values into frozen dataclasses. Load-time
+parameters are read_only and read in on_configure (a change needs cleanup + configure).
+Request defaults (sampling, max_tokens, system_prompt) and the feedback cadence may change
+at run time: check_changes refuses values outside the schema and a post-set callback
+rebuilds the frozen RuntimeConfig the hot path reads, so no code re-queries parameters per
+goal.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
-from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
-                                SetParametersResult)
-from rclpy.exceptions import ParameterUninitializedException
 from rclpy.node import Node
-from rclpy.parameter import Parameter
 
 from edge_llm_ros.bringup import parameters as schema_mod
 from edge_llm_ros.bringup.affinity import parse_cpu_list, plan_affinity
@@ -26,60 +22,25 @@ from edge_llm_ros.bringup.preflight import preflight
 from edge_llm_ros.bringup.thermal import ThermalSettings
 from edge_llm_ros.engine.engine import EngineConfig
 from edge_llm_ros.engine.types import SamplingConfig
+from edge_llm_ros.nodes import node_params
 from edge_llm_ros.nodes.messages import RequestDefaults
+from edge_llm_ros.nodes.node_params import ConfigError
 from edge_llm_ros.nodes.worker import FeedbackPolicy
 
 SCHEMA = schema_mod.schema('llm_node')
 
-
-class ConfigError(ValueError):
-    """A parameter value is wrong or inconsistent; the message names the one to fix."""
-
-
-def descriptor(spec: schema_mod.ParamSpec) -> ParameterDescriptor:
-    """ROS descriptor of one schema entry (ranges closed; the schema checks openness)."""
-    desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only,
-                               additional_constraints=spec.constraints,
-                               type=Parameter.Type[spec.type.name].value)
-    if spec.range is not None:
-        if spec.type is schema_mod.ParamType.INTEGER:
-            desc.integer_range = [IntegerRange(from_value=int(spec.range.low),
-                                               to_value=int(spec.range.high), step=0)]
-        else:
-            desc.floating_point_range = [FloatingPointRange(
-                from_value=float(spec.range.low), to_value=float(spec.range.high), step=0.0)]
-    return desc
+# on_set_parameters callback: refuses values outside the schema, with its message.
+check_changes = node_params.change_checker(SCHEMA)
 
 
 def declare_parameters(node: Node) -> None:
-    for spec in SCHEMA.specs:
-        # An empty list default is declared by type (rclpy would infer a byte array).
-        default = spec.default if spec.default != [] else Parameter.Type[spec.type.name]
-        node.declare_parameter(spec.name, default, descriptor(spec))
+    """Declare llm_node's parameters (rclpy's exceptions for an override that does not fit)."""
+    node_params.declare(node, SCHEMA)
 
 
 def current_values(node: Node) -> Dict[str, Any]:
-    values = {}
-    for spec in SCHEMA.specs:
-        try:
-            values[spec.name] = node.get_parameter(spec.name).value
-        except ParameterUninitializedException:
-            values[spec.name] = []   # declared by type with an empty default, never set
-    return values
-
-
-def check_changes(parameters: List[Parameter]) -> SetParametersResult:
-    """on_set_parameters callback: refuse values outside the schema, with its message."""
-    for param in parameters:
-        try:
-            spec = SCHEMA.get(param.name)
-            value = param.value
-            if spec.type is schema_mod.ParamType.STRING_ARRAY and value is not None:
-                value = list(value)
-            spec.validate(value)
-        except BringupError as exc:
-            return SetParametersResult(successful=False, reason=str(exc))
-    return SetParametersResult(successful=True)
+    """llm_node's parameter values by name, not validated (see read_config)."""
+    return node_params.current_values(node, SCHEMA)
 
 
 @dataclass(frozen=True)
@@ -106,6 +67,7 @@ class LLMNodeConfig:
 
 
 def runtime_config(values: Dict[str, Any]) -> RuntimeConfig:
+    """Build the run-time part from parameter values (current_values or read_config's)."""
     period_ms = int(values['feedback.period_ms'])
     return RuntimeConfig(
         defaults=RequestDefaults(sampling=SamplingConfig(**schema_mod.sampling_kwargs(values)),
@@ -121,8 +83,8 @@ def read_config(node: Node) -> LLMNodeConfig:
     bringup's preflight checks providers, pinned cores and the CUDA kernel set here, so a
     wrong setting fails on_configure with ConfigError (naming what to fix), never later.
     """
+    values = node_params.read(node, SCHEMA)
     try:
-        values = SCHEMA.validate(current_values(node), source=node.get_name())
         report = preflight(values)
         engine = EngineConfig(**schema_mod.engine_kwargs(values))
         plan = plan_affinity(parse_cpu_list(values['engine.cpu_affinity']),

@@ -1,25 +1,33 @@
-"""Declare a node's parameters from bringup ParamSpecs and read them once, validated.
+"""The one parameter path of every node: declare from a bringup schema, read back validated.
 
-The spec gives each parameter's type, default, description, range and read_only flag (the
-ParameterDescriptor), so a name is spelled and checked in exactly one place.
+bringup.parameters is the single source of names, types, defaults, ranges and read_only
+flags (one NodeSchema per node). Here each spec becomes a ParameterDescriptor, the values
+are read back and checked against the schema (including open interval ends, which ROS
+ranges cannot express), and run-time changes are checked the same way. llm_node
+(nodes/llm_config.py), frame_source and perception all go through these functions.
 """
-from typing import Any, Dict, Sequence
+from typing import Any, Callable, Dict, List
 
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
-from rclpy.exceptions import ParameterUninitializedException
+from rcl_interfaces.msg import (FloatingPointRange, IntegerRange, ParameterDescriptor,
+                                SetParametersResult)
+from rclpy.exceptions import (InvalidParameterTypeException, InvalidParameterValueException,
+                              ParameterUninitializedException)
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from edge_llm_ros.bringup.errors import BringupError
-from edge_llm_ros.bringup.parameters import ParamSpec, ParamType
+from edge_llm_ros.bringup.parameters import NodeSchema, ParamSpec, ParamType
+
+# What declare_parameter raises for an override that does not fit its descriptor.
+DECLARE_ERRORS = (InvalidParameterTypeException, InvalidParameterValueException)
 
 
 class ConfigError(ValueError):
-    """A parameter value is wrong; the message names the parameter and what it accepts."""
+    """A parameter value is wrong or inconsistent; the message names the one to fix."""
 
 
 def descriptor(spec: ParamSpec) -> ParameterDescriptor:
-    """ROS descriptor of one spec (ranges closed: the spec itself checks open ends)."""
+    """ROS descriptor of one spec (ranges closed: the schema itself checks open ends)."""
     desc = ParameterDescriptor(description=spec.description, read_only=spec.read_only,
                                additional_constraints=spec.constraints,
                                type=Parameter.Type[spec.type.name].value)
@@ -33,27 +41,60 @@ def descriptor(spec: ParamSpec) -> ParameterDescriptor:
     return desc
 
 
-def declare_and_read(node: Node, specs: Sequence[ParamSpec]) -> Dict[str, Any]:
-    """Declare every spec on node and return the validated values by name.
+def declare(node: Node, schema: NodeSchema) -> None:
+    """Declare every parameter of schema on node, with its spec's descriptor.
 
-    ConfigError (not a ROS exception) for a value outside its spec, so the caller can
-    report it and exit cleanly.
+    An override that does not fit a descriptor raises one of DECLARE_ERRORS (rclpy's
+    messages name the parameter).
     """
-    values: Dict[str, Any] = {}
-    for spec in specs:
+    for spec in schema.specs:
         # An empty list default is declared by type (rclpy would infer a byte array).
         default = spec.default if spec.default != [] else Parameter.Type[spec.type.name]
+        node.declare_parameter(spec.name, default, descriptor(spec))
+
+
+def current_values(node: Node, schema: NodeSchema) -> Dict[str, Any]:
+    """Return the declared values by name, as they are (not validated)."""
+    values = {}
+    for spec in schema.specs:
         try:
-            node.declare_parameter(spec.name, default, descriptor(spec))
-            value = node.get_parameter(spec.name).value
+            values[spec.name] = node.get_parameter(spec.name).value
         except ParameterUninitializedException:
-            value = []
-        except Exception as exc:  # noqa: B902 - rclpy's type/range exceptions share no base
-            raise ConfigError(f'{node.get_name()}: parameter {spec.name}: {exc}') from None
-        if spec.type is ParamType.STRING_ARRAY and value is not None:
-            value = list(value)
-        try:
-            values[spec.name] = spec.validate(value, source=node.get_name())
-        except BringupError as exc:
-            raise ConfigError(str(exc)) from None
+            values[spec.name] = []   # declared by type with an empty default, never set
     return values
+
+
+def read(node: Node, schema: NodeSchema) -> Dict[str, Any]:
+    """Return the declared values validated against schema; ConfigError names a bad one."""
+    try:
+        return schema.validate(current_values(node, schema), source=node.get_name())
+    except BringupError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def declare_and_read(node: Node, schema: NodeSchema) -> Dict[str, Any]:
+    """declare() then read(), every failure as ConfigError (the caller exits cleanly)."""
+    try:
+        declare(node, schema)
+    except DECLARE_ERRORS as exc:
+        raise ConfigError(f'{node.get_name()}: {exc}') from None
+    return read(node, schema)
+
+
+def change_checker(schema: NodeSchema) -> Callable[[List[Parameter]], SetParametersResult]:
+    """Build an on-set-parameters callback that refuses values outside schema.
+
+    Parameters rclpy declares itself (use_sim_time) are not in the schema and pass.
+    """
+    known = frozenset(schema.names())
+
+    def check(parameters: List[Parameter]) -> SetParametersResult:
+        for param in parameters:
+            if param.name not in known:
+                continue
+            try:
+                schema.get(param.name).validate(param.value)
+            except BringupError as exc:
+                return SetParametersResult(successful=False, reason=str(exc))
+        return SetParametersResult(successful=True)
+    return check

@@ -23,6 +23,7 @@ import numpy as np
 from rclpy.node import Node
 
 from edge_llm_ros.bringup.errors import BringupError
+from edge_llm_ros.bringup.parameters import schema
 from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
@@ -32,7 +33,7 @@ from edge_llm_ros.nodes.tensor_input import Sample, TensorInput
 from edge_llm_ros.nodes.tensor_output import CopyKind, TensorOutput
 from edge_llm_ros.vision.default_model import build_model
 from edge_llm_ros.vision.errors import ModelMismatchError, VisionError
-from edge_llm_ros.vision.params import perception_config, PERCEPTION_SPECS
+from edge_llm_ros.vision.params import perception_config
 from edge_llm_ros.vision.runner import VisionModel
 
 LOG_THROTTLE_S = 5.0
@@ -45,7 +46,7 @@ class PerceptionNode(Node):
     def __init__(self, **kwargs) -> None:
         super().__init__('perception', **kwargs)
         try:
-            self.config = perception_config(declare_and_read(self, PERCEPTION_SPECS))
+            self.config = perception_config(declare_and_read(self, schema('perception')))
         except (BringupError, EngineError) as exc:
             raise ConfigError(str(exc)) from None
         cfg = self.config

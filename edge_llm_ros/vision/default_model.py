@@ -25,14 +25,13 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, TensorProto
 
+from edge_llm_ros.bringup.parameters import SMOLLM2_HIDDEN
 from edge_llm_ros.vision.errors import ModelMismatchError
 
 OPSET = 18
 IR_VERSION = 9          # onnxruntime >= 1.16 loads it (onnx 1.23 would write 14 by default)
 INPUT_NAME = 'frame'
 OUTPUT_NAME = 'embeddings'
-# Default hidden size: SmolLM2-135M, the embedded LLM.
-SMOLLM2_HIDDEN = 576
 
 
 @dataclasses.dataclass(frozen=True)

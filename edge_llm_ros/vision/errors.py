@@ -21,8 +21,8 @@ class FrameSizeError(VisionError, ValueError):
     """A frame width/height is out of range, or an input image does not have the set size."""
 
 
-class ModelLoadError(VisionError):
-    """An ONNX model file is missing or cannot be loaded by onnxruntime."""
+class VisionModelLoadError(VisionError):
+    """The perception ONNX model file is missing or onnxruntime cannot load it."""
 
 
 class ModelMismatchError(VisionError, ValueError):

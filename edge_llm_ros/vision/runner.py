@@ -8,11 +8,11 @@ frame held) until run() returns.
 """
 import dataclasses
 import os
-from typing import Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from edge_llm_ros.vision.errors import ModelLoadError, ModelMismatchError
+from edge_llm_ros.vision.errors import ModelMismatchError, VisionModelLoadError
 
 _ORT_DTYPES = {
     'tensor(bool)': np.bool_, 'tensor(uint8)': np.uint8, 'tensor(int8)': np.int8,
@@ -74,8 +74,8 @@ class VisionModel:
         import onnxruntime as ort
         self.config = config or RunnerConfig()
         if isinstance(model, str) and not os.path.isfile(model):
-            raise ModelLoadError(f'model.path {model!r} is not a file: give an ONNX image '
-                                 "model, or '' for the built-in stand-in")
+            raise VisionModelLoadError(f'model.path {model!r} is not a file: give an ONNX '
+                                       "image model, or '' for the built-in stand-in")
         options = ort.SessionOptions()
         if self.config.intra_op_threads:
             options.intra_op_num_threads = self.config.intra_op_threads
@@ -88,7 +88,7 @@ class VisionModel:
             self._session = ort.InferenceSession(model, options, providers=providers)
         except Exception as exc:  # noqa: B902 - onnxruntime raises many unrelated types
             where = model if isinstance(model, str) else 'the model'
-            raise ModelLoadError(f'onnxruntime cannot load {where}: {exc}') from exc
+            raise VisionModelLoadError(f'onnxruntime cannot load {where}: {exc}') from exc
         inputs = [_spec(a) for a in self._session.get_inputs()]
         if len(inputs) != 1:
             raise ModelMismatchError(
@@ -151,9 +151,3 @@ class VisionModel:
             return self.output.dtype, tuple(int(d) for d in self.output.shape)
         result = self.run(frame)
         return result.dtype, tuple(result.shape)
-
-
-def provider_options(items: Sequence[str]) -> Dict[str, Dict[str, str]]:
-    """Parse 'Provider:key=value' items into {provider: {key: value}} (bringup's parser)."""
-    from edge_llm_ros.bringup.parameters import parse_provider_options
-    return parse_provider_options(items)

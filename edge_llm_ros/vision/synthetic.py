@@ -11,21 +11,20 @@ from typing import Optional
 
 import numpy as np
 
+from edge_llm_ros.bringup.parameters import MAX_FRAME_SIDE, MIN_FRAME_SIDE
 from edge_llm_ros.vision.errors import FrameSizeError, TornFrameError
 
 CHANNELS = 3
 COUNTER_BYTES = 8
-MIN_SIDE = 16
-MAX_SIDE = 8192
 
 
 def check_size(width: int, height: int) -> None:
     """Raise FrameSizeError unless width and height are usable frame sides."""
     for name, value in (('width', width), ('height', height)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or \
-                not MIN_SIDE <= value <= MAX_SIDE:
+                not MIN_FRAME_SIDE <= value <= MAX_FRAME_SIDE:
             raise FrameSizeError(f'{name}={value!r} is out of range: frames need '
-                                 f'{MIN_SIDE} <= width, height <= {MAX_SIDE} pixels')
+                                 f'{MIN_FRAME_SIDE} <= width, height <= {MAX_FRAME_SIDE} pixels')
 
 
 @functools.lru_cache(maxsize=4)
