@@ -6,12 +6,16 @@ On the embedded SmolLM2-135M (or --model DIR + --gguf FILE): a ~120-token chat p
 greedy tokens, the same thread count for every engine, all in one run so the ratios compare
 like with like (this machine's speed drifts by up to 2x over minutes). Peers run in their own
 processes, interleaved with our cold runs, fed the same prompt token ids, 128 greedy tokens:
-- llama-cpp-python on the same GGUF (if importable, or built once into .cache/bench_peers_venv
-  with --with-peers: ~9 min of compiling on 2 cores);
+- llama-cpp-python on the same GGUF, built portably once by bench/llama_peer.py into
+  .cache/llama_cpp_peer with --with-peers (~6 min of compiling on 2 cores): GGML_NATIVE off,
+  SIMD flags from /proc/cpuinfo, AMX off (the default build segfaults on AMX CPUs). Its build
+  flags, version and system_info go into the JSON;
 - onnxruntime-genai on its own INT4 build of the same GGUF (built once by bench/ortgenai_build.py
   into .cache/bench_genai_venv + .cache/bench_models with --with-peers: ~3 min), or on the
   folder given by --ortgenai-model.
-A peer that cannot be run is listed with the reason, in the JSON and the table.
+A peer that is not built is listed with the reason, in the JSON and the table. A peer that
+crashes (non-zero exit, killed by a signal, no result) fails the whole run: exit 3 with the
+peer's stderr tail, never a silently dropped row.
 Prints one JSON object and a short table; timing targets live here, never in tests.
 """
 from __future__ import annotations
@@ -20,19 +24,30 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PEERS_VENV = ROOT / '.cache' / 'bench_peers_venv'
+sys.path.insert(0, str(ROOT / 'bench'))
+import llama_peer  # noqa: E402  (bench/ helper modules sit next to this script)
+import ortgenai_build  # noqa: E402
+
 NEW_TOKENS = 128
 TARGETS = {'decode_vs_llama_cpp': 1.2, 'prefill_vs_llama_cpp': 1.5, 'decode_vs_ortgenai': 1.0,
            'ttft_reuse_gain': 5.0, 'rss_mb': 400.0}
 FIRST_IDS = 16  # greedy ids each engine reports, to show they decode the same prompt alike
+STDERR_TAIL = 25  # lines of a crashed peer's stderr to show
+PEER_CRASHED = 3  # exit status of a run whose peer crashed
+
+
+class PeerCrashed(RuntimeError):
+    """A peer process died or returned no result: the run must fail, not lose a row."""
+
 
 # ~120 tokens of user prompt, and a ~200-token system prompt for the reuse measurement.
 PROMPT = (
@@ -225,8 +240,10 @@ def peer_llama_cpp(args) -> Dict:
             out.append(tok)
         decode.append((NEW_TOKENS - 1) / (time.perf_counter() - t2))
     own_ids = llm.tokenize(args.prompt_text.encode(), add_bos=False, special=True)
+    info = llama_cpp.llama_print_system_info().decode(errors='replace').strip()
     return _peer_result({'engine': f'llama-cpp-python {llama_cpp.__version__}',
-                         'gguf': args.gguf}, own_ids == ids, ids, out, prefill, decode, ttft)
+                         'gguf': args.gguf, 'system_info': info},
+                        own_ids == ids, ids, out, prefill, decode, ttft)
 
 
 def _peer_result(head: Dict, same_ids: bool, ids, out: List[int], prefill: List[float],
@@ -283,22 +300,27 @@ def peer_ortgenai(args) -> Dict:
                         own_ids == ids.tolist(), ids, out, prefill, decode, ttft)
 
 
-def ensure_llama_cpp(install: bool) -> Optional[str]:
-    """Find a python that imports llama_cpp: this one, the peers venv, or (install) a new one."""
-    for py in (sys.executable, str(PEERS_VENV / 'bin' / 'python')):
-        if os.path.exists(py) and subprocess.run([py, '-c', 'import llama_cpp'],
-                                                 capture_output=True).returncode == 0:
-            return py
-    if not install:
-        return None
-    print('bench: building llama-cpp-python into .cache/bench_peers_venv (~9 min on 2 cores)',
-          file=sys.stderr)
-    subprocess.run([sys.executable, '-m', 'venv', str(PEERS_VENV)], check=True)
-    py = str(PEERS_VENV / 'bin' / 'python')
-    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
-    subprocess.run([py, '-m', 'pip', 'install', '-q', 'llama-cpp-python', 'numpy', 'psutil'],
-                   check=True, env=env)
-    return py
+def ensure_llama_cpp(args) -> Dict:
+    """Python + build record of the llama.cpp peer: {'python', 'build'} or {'error'}.
+
+    --llama-cpp-python runs a given interpreter's llama_cpp as is; otherwise the portable build
+    of bench/llama_peer.py (compiled with --with-peers). Raises llama_peer.PeerBuildError when
+    that compile was asked for and failed: a peer asked for must run.
+    """
+    if args.llama_cpp_python:
+        return {'python': args.llama_cpp_python,
+                'build': {'python': args.llama_cpp_python,
+                          'cmake_args': 'unknown (given with --llama-cpp-python)'}}
+    if not args.gguf:
+        return {'error': 'no GGUF for this model (give --gguf)'}
+    try:
+        stamp = llama_peer.ensure_peer(args.with_peers)
+    except llama_peer.PeerBuildError as exc:
+        if args.with_peers:
+            raise
+        return {'error': str(exc)}
+    build = {k: stamp[k] for k in ('version', 'cmake_args', 'cpu_has_amx', 'key', 'python')}
+    return {'python': stamp['python'], 'build': build}
 
 
 def ensure_ortgenai(args) -> Dict[str, str]:
@@ -306,8 +328,6 @@ def ensure_ortgenai(args) -> Dict[str, str]:
 
     Returns {'python', 'model'}, or {'error'} saying why the peer cannot run.
     """
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import ortgenai_build
     if args.ortgenai_model:  # a folder built elsewhere: run it with whichever python has genai
         for python in (ortgenai_build.venv_python(), sys.executable):
             if _imports(python, 'onnxruntime_genai'):
@@ -328,15 +348,39 @@ def _imports(python: str, module: str) -> bool:
 
 def run_peer(python: str, name: str, args, prompt_ids: List[int],
              ortgenai_model: str = '') -> Dict:
+    """Run one peer measurement in its own process; raise PeerCrashed when it gives none."""
     cmd = [python, __file__, '--peer', name, '--threads', str(args.threads),
            '--repeats', '1', '--max-context', str(args.max_context),
            '--gguf', args.gguf or '', '--ortgenai-model', ortgenai_model,
            '--prompt-ids', json.dumps(prompt_ids), '--prompt-text', args.prompt_text]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ['no output'])[-1]  # the exception line
-        return {'engine': name, 'error': f'{name} peer failed (exit {proc.returncode}): {last}'}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as exc:
+        raise PeerCrashed(f'{name} peer could not start ({python}): {exc}') from exc
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except ValueError:
+            pass
+    raise PeerCrashed(f'{name} peer ({python}) {_how_it_ended(proc.returncode)}; '
+                      f'last lines of its stderr:\n' + _tail(proc.stderr or proc.stdout))
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f'was killed by {signal.Signals(-returncode).name}'
+        except ValueError:
+            return f'was killed by signal {-returncode}'
+    if returncode:
+        return f'exited with status {returncode}'
+    return 'exited 0 without a JSON result'
+
+
+def _tail(text: str) -> str:
+    lines = text.strip().splitlines()[-STDERR_TAIL:] or ['(no output)']
+    return '\n'.join('  | ' + line for line in lines)
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -442,6 +486,9 @@ def main(argv=None) -> int:
     p.add_argument('--with-peers', action='store_true',
                    help='build the peers into .cache/ if needed (llama-cpp-python, '
                         'onnxruntime-genai + its INT4 model)')
+    p.add_argument('--llama-cpp-python', default='',
+                   help='run the llama.cpp peer with this python (its own llama_cpp build) '
+                        'instead of the portable build in .cache/llama_cpp_peer')
     p.add_argument('--peer', choices=('llama_cpp', 'ortgenai'), help=argparse.SUPPRESS)
     p.add_argument('--prompt-ids', default='[]', help=argparse.SUPPRESS)
     p.add_argument('--prompt-text', default='', help=argparse.SUPPRESS)
@@ -453,35 +500,39 @@ def main(argv=None) -> int:
         return 0
 
     sys.path.insert(0, str(ROOT))
+    try:
+        return _compare(args)
+    except (PeerCrashed, llama_peer.PeerBuildError) as exc:
+        print(f'bench: FAILED, no results: {exc}', file=sys.stderr)
+        return PEER_CRASHED
+
+
+def _compare(args) -> int:
+    """Measure our engine and the peers, interleaved; print the JSON and the table."""
     load_start = os.getloadavg()
     model_dir = args.model or _default_model_dir()
     args.model = model_dir
     prompt_ids, args.prompt_text = _prompt(model_dir)
     args.gguf = args.gguf or source_gguf(model_dir)
-    py, llama_why = None, 'no GGUF for this model (give --gguf)'
-    if args.gguf:
-        try:
-            py = ensure_llama_cpp(args.with_peers)
-            llama_why = '' if py else 'llama_cpp not importable (run with --with-peers)'
-        except subprocess.CalledProcessError as exc:
-            llama_why = f'building llama-cpp-python failed: {exc}'
+    llama = ensure_llama_cpp(args)
     genai = ensure_ortgenai(args)
-    for name, why in (('llama_cpp', llama_why), ('ortgenai', genai.get('error'))):
+    for name, why in (('llama_cpp', llama.get('error')), ('ortgenai', genai.get('error'))):
         if why:
             print(f'bench: peer {name} NOT compared: {why}', file=sys.stderr)
     runs: Dict[str, List[Dict]] = {'llama_cpp': [], 'ortgenai': []}
 
     def peers_once() -> None:
         """One measurement of each available peer, between two of ours (same load drift)."""
-        if py:
-            runs['llama_cpp'].append(run_peer(py, 'llama_cpp', args, prompt_ids))
+        if 'python' in llama:
+            runs['llama_cpp'].append(run_peer(llama['python'], 'llama_cpp', args, prompt_ids))
         if 'model' in genai:
             runs['ortgenai'].append(run_peer(genai['python'], 'ortgenai', args, prompt_ids,
                                              genai['model']))
 
     ours = bench_engine(args, peers_once)
     peers: Dict[str, Dict] = {
-        'llama_cpp': {'error': llama_why} if llama_why else merge_runs(runs['llama_cpp']),
+        'llama_cpp': ({'error': llama['error']} if 'error' in llama
+                      else {**merge_runs(runs['llama_cpp']), 'build': llama['build']}),
         'ortgenai': ({'error': genai['error']} if 'error' in genai
                      else merge_runs(runs['ortgenai'])),
     }
@@ -496,13 +547,12 @@ def main(argv=None) -> int:
 
 
 def merge_runs(runs: List[Dict]) -> Dict:
-    """Median of each peer measurement over the interleaved runs."""
-    ok = [r for r in runs if 'error' not in r]
-    if not ok:
-        return runs[-1] if runs else {'error': 'no run'}
-    out = dict(ok[0])
+    """Median of each peer measurement over the interleaved runs (a failed one raised)."""
+    if not runs:
+        return {'error': 'no run (--repeats 0)'}
+    out = dict(runs[0])
     for key in ('prefill_tok_s', 'decode_tok_s', 'ttft_s', 'rss_mb'):
-        values = [r[key] for r in ok if key in r]
+        values = [r[key] for r in runs if key in r]
         if values:
             out[key] = statistics.median(values)
             out[key + '_all'] = values

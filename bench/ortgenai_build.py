@@ -22,7 +22,9 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
+
+from peer_build import PeerBuildError, run_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GENAI_VENV = ROOT / '.cache' / 'bench_genai_venv'
@@ -32,10 +34,6 @@ MODULES = ('onnxruntime_genai', 'torch', 'transformers', 'accelerate', 'gguf', '
 PACKAGES = ('onnxruntime-genai', 'transformers', 'accelerate', 'gguf', 'onnx_ir', 'onnx',
             'numpy', 'psutil')
 BUILDER_ARGS = ('-p', 'int4', '-e', 'cpu')
-
-
-class PeerBuildError(RuntimeError):
-    """The onnxruntime-genai peer cannot be built; the message says which step failed and why."""
 
 
 @dataclass(frozen=True)
@@ -83,19 +81,12 @@ def ensure_venv(install: bool, venv: pathlib.Path = GENAI_VENV) -> str:
     print(f'bench: installing onnxruntime-genai + torch (CPU) into {venv} (~2 min)',
           file=sys.stderr)
     if not os.path.exists(python):
-        _run([sys.executable, '-m', 'venv', str(venv)], 'create the venv')
-    _run([python, '-m', 'pip', 'install', '-q', torch_requirement(python), *PACKAGES],
-         'pip install onnxruntime-genai and its builder dependencies')
+        run_step([sys.executable, '-m', 'venv', str(venv)], 'create the venv')
+    run_step([python, '-m', 'pip', 'install', '-q', torch_requirement(python), *PACKAGES],
+             'pip install onnxruntime-genai and its builder dependencies')
     if not _imports_ok(python):
         raise PeerBuildError(f'{venv} still cannot import {", ".join(MODULES)} after install')
     return python
-
-
-def _run(cmd: List[str], what: str, env: Optional[Dict[str, str]] = None) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = ' | '.join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise PeerBuildError(f'could not {what} (exit {proc.returncode}): {tail}')
 
 
 def model_dir_for(gguf: pathlib.Path) -> pathlib.Path:
@@ -134,10 +125,11 @@ def _build(python: str, gguf: pathlib.Path, out: pathlib.Path) -> None:
     hf, tmp_out = work / 'hf', work / 'out'
     # The hub must never be asked: everything comes from the local GGUF.
     env = dict(os.environ, HF_HUB_OFFLINE='1', TRANSFORMERS_OFFLINE='1')
-    _run([python, __file__, '--export-hf', str(gguf), str(hf)], 'export the GGUF to an HF folder',
-         env)
-    _run([python, '-m', 'onnxruntime_genai.models.builder', '-i', str(hf), '-o', str(tmp_out),
-          *BUILDER_ARGS, '-c', str(work / 'cache')], 'run onnxruntime_genai.models.builder', env)
+    run_step([python, __file__, '--export-hf', str(gguf), str(hf)],
+             'export the GGUF to an HF folder', env)
+    run_step([python, '-m', 'onnxruntime_genai.models.builder', '-i', str(hf), '-o',
+              str(tmp_out), *BUILDER_ARGS, '-c', str(work / 'cache')],
+             'run onnxruntime_genai.models.builder', env)
     tmp_out.rename(out)
     shutil.rmtree(work)  # the fp32 HF copy is ~540 MB
 

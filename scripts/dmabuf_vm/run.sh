@@ -3,7 +3,8 @@
 # /dev/udmabuf) inside a throw-away VM:
 #   - kernel: Debian bookworm-backports linux-image-6.12*-amd64 (CONFIG_UDMABUF=y,
 #     CONFIG_DMABUF_HEAPS_SYSTEM=y), fetched with `apt-get download` through a private
-#     apt configuration (nothing is installed on the host from it);
+#     apt configuration (nothing is installed on the host from it) pointing at the mirror
+#     this machine's apt is configured with (apt_sources.py);
 #   - initramfs: busybox-static + the virtio-9p modules, built by build_initramfs.py;
 #   - qemu-system-x86_64 -accel tcg (works where KVM is absent or cannot boot a stock
 #     kernel), host / mounted read-only over 9p (plus any needed folder under the guest's
@@ -55,11 +56,18 @@ flock 9
 APT="$CACHE/apt"
 mkdir -p "$APT/etc/sources.list.d" "$APT/etc/preferences.d" "$APT/state/lists/partial" \
   "$APT/cache/archives/partial" "$CACHE/debs"
-KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
-cat > "$APT/etc/sources.list" <<EOF
-deb [signed-by=$KEYRING] http://deb.debian.org/debian bookworm main
-deb [signed-by=$KEYRING] http://deb.debian.org/debian $SUITE main
-EOF
+# The archive: the machine's own configured Debian mirror (apt_sources.py reads apt's sources;
+# EDGE_LLM_DMABUF_VM_MIRROR overrides it), never a host name written here.
+if ! "$PY" "$HERE/apt_sources.py" --suites "${SUITE%%-*}" "$SUITE" \
+    > "$APT/etc/sources.list.new"; then
+  [ -s "$APT/etc/sources.list" ] \
+    || cannot 'no configured apt source for Debian (see above; or set EDGE_LLM_DMABUF_VM_MIRROR)'
+  log "keeping the previous run's sources: $(head -1 "$APT/etc/sources.list")"
+elif ! cmp -s "$APT/etc/sources.list.new" "$APT/etc/sources.list"; then
+  rm -f "$APT/state/lists/"*_Packages*   # another mirror: its index must be fetched anew
+  mv "$APT/etc/sources.list.new" "$APT/etc/sources.list"
+fi
+rm -f "$APT/etc/sources.list.new"
 APT_OPTS=(-q -o "Dir::Etc::SourceList=$APT/etc/sources.list"
   -o "Dir::Etc::SourceParts=$APT/etc/sources.list.d" -o "Dir::Etc::Preferences=$APT/etc/preferences"
   -o "Dir::Etc::PreferencesParts=$APT/etc/preferences.d" -o "Dir::State=$APT/state"
@@ -76,7 +84,7 @@ KPKG="$(apt-cache "${APT_OPTS[@]}" show "linux-image-amd64/$SUITE" 2>/dev/null \
   | sed -n 's/^Depends: \(linux-image-6\.[0-9.]*+[a-z0-9]*-amd64\).*/\1/p' | head -1 || true)"
 if [ -z "$KPKG" ]; then
   KPKG="$(cat "$CACHE/kernel.pkg" 2>/dev/null || true)"
-  [ -n "$KPKG" ] || cannot "no linux-image-amd64 in $SUITE and none cached (no route to deb.debian.org?)"
+  [ -n "$KPKG" ] || cannot "no linux-image-amd64 in $SUITE and none cached (no route to the archive?)"
 fi
 echo "$KPKG" > "$CACHE/kernel.pkg"
 
