@@ -16,7 +16,6 @@ from edge_llm_msgs.action import Generate
 from edge_llm_ros.regression import bagio
 from edge_llm_ros.regression.errors import (
     BagContentError, BagCorruptError, BagNotFoundError, BagTypeMismatchError)
-from edge_llm_ros.regression.record import TranscriptBagWriter
 
 
 def test_type_hashes_match_rosidl():
@@ -69,19 +68,6 @@ def test_goal_id_is_read_from_raw_bytes():
     feedback = Generate.Impl.FeedbackMessage()
     feedback.goal_id = msg.goal_id
     assert bagio.goal_id_of_raw(serialize_message(feedback)) == bytes(msg.goal_id.uuid).hex()
-
-
-def test_transcript_bag_writer_for_the_node(tmp_path):
-    with TranscriptBagWriter(tmp_path / 'log', storage='sqlite3') as log:
-        log.write(transcript('one'), stamp_ns=41)
-        log.write(serialize_message(transcript('two')), stamp_ns=42)
-        log.write(transcript('three'))  # stamped with the wall clock
-        assert log.count == 3
-    records = bagio.transcripts_of(tmp_path / 'log')
-    assert [r.prompt for r in records] == ['one', 'two', 'three']
-    assert records[1].bag_stamp_ns == 42 and records[2].bag_stamp_ns > 1.7e18
-    with pytest.raises(Exception, match='already exists'):
-        TranscriptBagWriter(tmp_path / 'log')
 
 
 @pytest.mark.parametrize('storage', [StoragePlugin.MCAP, StoragePlugin.SQLITE3])

@@ -5,10 +5,12 @@ import pathlib
 from hypothesis import given, settings, strategies as st
 import pytest
 
+from edge_llm_ros.client import STATUS_NAMES
+from edge_llm_ros.engine.types import StopReason
 from edge_llm_ros.regression import compare
 from edge_llm_ros.regression.compare import (
-    compare_goal, compare_run, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, pair_recordings,
-    ReplayOutcome)
+    ABORTED, CANCELED, compare_goal, compare_run, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION,
+    NOT_SENT, outcome_of, pair_recordings, REJECTED, ReplayOutcome, SUCCEEDED)
 from edge_llm_ros.regression.errors import ThresholdsError
 from edge_llm_ros.regression.records import (
     SamplingRecord, TensorHandleRecord, TimingsRecord, TranscriptRecord)
@@ -32,7 +34,7 @@ def record(goal_id='a', text='the sky is blue', tokens=(5, 6, 7, 8), finish='sto
 
 
 def ok(new: TranscriptRecord) -> ReplayOutcome:
-    return ReplayOutcome('ok', new)
+    return ReplayOutcome(SUCCEEDED, new)
 
 
 def codes(goal) -> dict:
@@ -135,8 +137,8 @@ def test_json_schema_goal_must_stay_valid():
 
 
 def test_failed_goal_and_stale_tensor_handle():
-    failed = ReplayOutcome('aborted', record(goal_id='b', finish='error', tokens=(),
-                                             text='', error_message='engine crashed'))
+    failed = ReplayOutcome(ABORTED, record(goal_id='b', finish='error', tokens=(),
+                                           text='', error_message='engine crashed'))
     goal = compare_goal(0, record(), failed, DEFAULTS)
     assert codes(goal) == {'goal_failed': 'regression'}
     assert 'engine crashed' in goal.findings[0].message
@@ -149,7 +151,7 @@ def test_failed_goal_and_stale_tensor_handle():
 
 def test_recorded_failures_are_not_compared():
     old = record(finish='error', tokens=(), text='', error_message='bad schema')
-    again = ReplayOutcome('aborted', record(goal_id='b', finish='error', tokens=()))
+    again = ReplayOutcome(ABORTED, record(goal_id='b', finish='error', tokens=()))
     assert codes(compare_goal(0, old, again, DEFAULTS)) == {'recorded_failure': 'info'}
     fixed = compare_goal(0, old, ok(record(goal_id='b')), DEFAULTS)
     assert codes(fixed) == {'recorded_failure_now_ok': 'warning'} and not fixed.compared
@@ -178,9 +180,9 @@ def test_latency_gate_uses_medians_and_min_goals():
 def test_exit_code_prefers_regression_over_input_problems():
     olds = [record(goal_id='a'), record(goal_id='b', tokens=(1,))]
     outcomes = [ok(record(goal_id='x', tokens=(9,))),
-                ReplayOutcome('not_sent', None, 'node went away')]
+                ReplayOutcome(NOT_SENT, None, 'node went away')]
     assert compare_run(olds, outcomes, DEFAULTS).exit_code() == EXIT_REGRESSION
-    only_input = compare_run(olds[:1], [ReplayOutcome('not_sent', None, 'x')], DEFAULTS)
+    only_input = compare_run(olds[:1], [ReplayOutcome(NOT_SENT, None, 'x')], DEFAULTS)
     assert only_input.exit_code() == EXIT_INPUT and only_input.verdict() == 'INCOMPLETE'
     problems = compare_run([], [], DEFAULTS, problems=['truncated bag'])
     assert problems.exit_code() == EXIT_INPUT
@@ -196,7 +198,18 @@ def test_pair_recordings_by_goal_map_and_by_request():
     foreign_map = pair_recordings(olds, news, {'other': 'x'})  # a map about another bag
     assert [o.new.goal_id for o in foreign_map] == ['x', 'y']
     missing = pair_recordings(olds, news[:1])
-    assert missing[0].status == 'not_sent' and missing[1].new.goal_id == 'y'
+    assert missing[0].status == NOT_SENT and missing[1].new.goal_id == 'y'
+
+
+def test_outcome_vocabulary_has_one_spelling():
+    """Recorded finish reasons (the engine's 'cancelled') map onto ROS's spelling."""
+    assert set(compare.STATUS_OF_FINISH_REASON) == {reason.value for reason in StopReason}
+    assert [outcome_of(record(finish=reason)).status
+            for reason in ('stop', 'length', 'cancelled', 'error', 'something new')] == [
+        SUCCEEDED, SUCCEEDED, CANCELED, ABORTED, ABORTED]
+    assert outcome_of(replace(record(), accepted=False)).status == REJECTED
+    # The action's terminal states are spelled as LLMClient spells them.
+    assert set(compare.ACTION_STATUSES) == set(STATUS_NAMES.values()) - {'unknown'}
 
 
 def test_shipped_yaml_equals_builtin_defaults():

@@ -8,6 +8,7 @@ import pathlib
 import signal
 import subprocess
 import tempfile
+import time
 
 import pytest
 import rclpy
@@ -23,6 +24,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, Transcript
 from edge_llm_ros.regression import bagio
+from edge_llm_ros.regression.live import RawRecorder
 
 pytestmark = pytest.mark.timeout(300)
 SCHEMA = '{"type": "object", "required": ["answer"]}'
@@ -255,7 +257,7 @@ def test_ctrl_c_during_replay_keeps_a_partial_report(recording, slow_server, wor
     data = read_report(report)
     assert 'interrupted (Ctrl-C)' in data['run']['error']
     statuses = [g['status'] for g in data['goals']]
-    assert statuses[0] == 'ok' and statuses[-1] == 'not_sent'
+    assert statuses[0] == 'succeeded' and statuses[-1] == 'not_sent'
     assert bagio.read_bag(report / 'replay_bag').transcripts  # the new bag was closed
 
 
@@ -307,3 +309,38 @@ def test_stock_layout_bag_replays_with_original_timing(recording, reference_serv
     data = read_report(report)
     assert data['verdict'] == 'PASS' and data['run']['timing'] == 'original'
     assert data['summary']['compared'] == 6
+
+
+def test_rejected_and_timed_out_goals_are_reported_as_such(recording, slow_server, workdir,
+                                                           outputs_only):
+    """Goals the node refuses, and goals without a result in time, fail the replay."""
+    with fake_server('/rg_refusing', '--reject-all', '--no-transcript') as name:
+        refused = run_tool('replay', recording, '--node', name, '--report',
+                           workdir / 'refused', '--thresholds', outputs_only)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    data = read_report(workdir / 'refused')
+    assert {g['status'] for g in data['goals']} == {'rejected'}
+    assert 'the node rejected the goal' in data['goals'][0]['findings'][0]['message']
+    late = run_tool('replay', recording, '--node', slow_server, '--report', workdir / 'late',
+                    '--thresholds', outputs_only, '--goal-timeout', '0.05')
+    assert late.returncode == 1, late.stdout + late.stderr
+    data = read_report(workdir / 'late')
+    assert {g['status'] for g in data['goals']} == {'timeout'}
+    assert 'no result within 0.05 s' in data['goals'][0]['findings'][0]['message']
+
+
+def test_recorder_counts_publishers_without_matched_counts(reference_server, workdir, ros):
+    """Humble's rclpy cannot count a subscription's matched publishers: the graph count."""
+    topics = bagio.LlmTopics(reference_server)
+    with bagio.BagWriter(workdir / 'counted') as writer:
+        recorder = RawRecorder(ros('publisher_counter'), writer, topics.core())
+        try:
+            deadline = time.monotonic() + 30.0
+            while recorder.publisher_count(topics.transcript) == 0 and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert recorder.publisher_count(topics.transcript) == 1
+            assert recorder.publisher_count(topics.transcript, matched=False) == 1
+            assert recorder.publisher_count('/not/subscribed', matched=False) == 0
+        finally:
+            recorder.close()

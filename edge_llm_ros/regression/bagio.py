@@ -16,7 +16,8 @@ from typing import Optional, Sequence
 
 from rosbags.interfaces import Nodetype, Qos
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
-from rosbags.typesys import get_types_from_msg, get_typestore, Stores
+from rosbags.serde import SerdeError
+from rosbags.typesys import get_types_from_msg, get_typestore, Stores, TypesysError
 from rosbags.typesys.store import Typestore
 import yaml
 
@@ -192,9 +193,7 @@ def load_interfaces(folder: str = '') -> Interfaces:
         store.register(types)
     except (OSError, UnicodeDecodeError) as exc:
         raise InterfaceDefinitionError(f'cannot read the interface files in {root}: {exc}')
-    except Exception as exc:  # rosbags raises plain TypesysError/parse errors
-        if isinstance(exc, RegressionToolError):
-            raise
+    except TypesysError as exc:
         raise InterfaceDefinitionError(
             f'cannot parse the interface files in {root}: {exc}') from exc
     return Interfaces(typestore=store, folder=root, texts=texts)
@@ -234,9 +233,6 @@ class BagWriter:
                 topic, msgtype, msgdef=self.interfaces.msgdef(msgtype),
                 rihs01=self.interfaces.rihs01(msgtype), offered_qos_profiles=list(qos))
             self.counts[topic] = 0
-
-    def has_topic(self, topic: str) -> bool:
-        return topic in self._connections
 
     def write(self, topic: str, stamp_ns: int, data: bytes) -> None:
         """Append one serialized (CDR) message; `add_topic` must have been called."""
@@ -300,9 +296,6 @@ class BagContents:
         self.problems.append(text)
         self.complete = False
 
-    def transcript_by_goal(self) -> dict:
-        return {t.goal_id: t for t in self.transcripts}
-
 
 def _bag_metadata(path: Path) -> tuple:
     """(storage id, custom_data) of a bag folder or single storage file."""
@@ -329,7 +322,7 @@ def _check_topic(conn, interfaces: Interfaces) -> TopicCheck:
             scratch = get_typestore(Stores.EMPTY)
             scratch.register(get_types_from_msg(conn.msgdef.data, conn.msgtype))
             check.digest = scratch.hash_rihs01(conn.msgtype)
-        except Exception:  # any parse failure means "cannot verify"
+        except (TypesysError, KeyError):  # unparsable, or a dependency's text is missing
             check.status = 'unverified'
             return check
         check.status = 'ok' if check.digest == check.expected else 'mismatch'
@@ -360,18 +353,21 @@ def read_bag(path: str | os.PathLike, interfaces: Optional[Interfaces] = None,
             'folder itself (or its .mcap file directly if the recorder was killed before '
             'writing metadata.yaml)')
     contents = BagContents(path=str(bag))
+    # The excepts around rosbags stay broad on purpose: a damaged file makes rosbags and its
+    # storage libraries raise ReaderError, UnicodeDecodeError, OverflowError, MemoryError,
+    # apsw.CorruptError, yaml errors... (found by truncating and corrupting bags).
     try:
         contents.storage, contents.custom = _bag_metadata(bag)
         reader = Reader(bag)
         reader.open()
-    except Exception as exc:  # rosbags raises many kinds for broken files
+    except Exception as exc:  # see above
         raise BagCorruptError(f'cannot open bag {bag}: {type(exc).__name__}: {exc}') from exc
     try:
         _read_messages(reader, contents, interfaces, set(tensor_topics))
     finally:
         try:
             reader.close()
-        except Exception:  # closing a damaged file may fail again
+        except Exception:  # closing a damaged file may fail again, in any of those ways
             pass
     if not contents.transcripts and contents.complete:
         raise BagContentError(
@@ -410,7 +406,7 @@ def _read_messages(reader: Reader, contents: BagContents, interfaces: Interfaces
         for conn, stamp, data in reader.messages(connections=wanted):
             try:
                 msg = interfaces.typestore.deserialize_cdr(data, conn.msgtype)
-            except Exception as exc:  # a damaged message: keep going
+            except SerdeError as exc:  # a damaged message: keep going
                 decode_errors += 1
                 if decode_errors <= 3:
                     contents.problem(
@@ -418,7 +414,7 @@ def _read_messages(reader: Reader, contents: BagContents, interfaces: Interfaces
                         f'{type(exc).__name__}: {exc}')
                 continue
             _store(contents, conn, stamp, msg)
-    except Exception as exc:  # a truncated/corrupt storage file
+    except Exception as exc:  # damaged storage: any of the kinds listed in read_bag
         contents.problem(
             f'bag storage is damaged after {len(contents.transcripts)} transcripts: '
             f'{type(exc).__name__}: {exc}; the messages before the damage are used')
@@ -448,13 +444,7 @@ def goal_id_of_raw(data: bytes) -> str:
     return bytes(data[4:20]).hex()
 
 
-def transcripts_of(path: str | os.PathLike) -> list:
-    """Return the TranscriptRecords of a bag (for tests and scripts)."""
-    return list(read_bag(path).transcripts)
-
-
 __all__ = [
     'BagContents', 'BagWriter', 'DIAGNOSTICS_TOPIC', 'DIAGNOSTICS_TYPE', 'FEEDBACK_TYPE',
     'Interfaces', 'LlmTopics', 'STATUS_TYPE', 'TENSOR_HANDLE_TYPE', 'TRANSCRIPT_TYPE',
-    'TopicCheck', 'TranscriptRecord', 'goal_id_of_raw', 'load_interfaces', 'read_bag',
-    'transcripts_of']
+    'TopicCheck', 'TranscriptRecord', 'goal_id_of_raw', 'load_interfaces', 'read_bag']

@@ -9,6 +9,7 @@ import json
 import statistics
 from typing import Optional, Sequence
 
+from edge_llm_ros.engine.types import StopReason
 from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
 from edge_llm_ros.regression.thresholds import Thresholds
 
@@ -19,7 +20,30 @@ INPUT = 'input'
 WARNING = 'warning'
 INFO = 'info'
 
-FINISH_OK = ('stop', 'length')
+# ---- Outcome vocabulary (ReplayOutcome.status, report.json goals[].status) ----------------
+# One spelling, ROS's. The action's terminal states, as LLMClient names them
+# (GenerationOutcome.status):
+SUCCEEDED = 'succeeded'
+ABORTED = 'aborted'
+CANCELED = 'canceled'
+ACTION_STATUSES = (SUCCEEDED, ABORTED, CANCELED)
+# States only a replay has: the node refused the goal, no result within --goal-timeout,
+# left out by --skip-tensor-goals, never sent (node gone, Ctrl-C, not in the new bag).
+REJECTED = 'rejected'
+TIMEOUT = 'timeout'
+SKIPPED = 'skipped'
+NOT_SENT = 'not_sent'
+# A transcript carries the engine's finish_reason (StopReason values, kept in bags as
+# recorded: the engine spells 'cancelled'), not the action status. The one mapping from a
+# finish reason to the outcome it stands for; any other finish reason counts as ABORTED.
+STATUS_OF_FINISH_REASON = {
+    StopReason.STOP.value: SUCCEEDED,
+    StopReason.LENGTH.value: SUCCEEDED,
+    StopReason.CANCELLED.value: CANCELED,
+    StopReason.ERROR.value: ABORTED,
+}
+FINISH_OK = tuple(reason for reason, status in STATUS_OF_FINISH_REASON.items()
+                  if status == SUCCEEDED)
 
 EXIT_OK = 0
 EXIT_REGRESSION = 1
@@ -38,8 +62,7 @@ class Finding:
 class ReplayOutcome:
     """What happened when one recorded goal was sent again."""
 
-    # ok | rejected | aborted | canceled | timeout | skipped | not_sent
-    status: str
+    status: str                         # SUCCEEDED, ABORTED, ... (vocabulary above)
     new: Optional[TranscriptRecord] = None
     detail: str = ''
     # The node published no transcript: `new` was built from the action result alone.
@@ -215,15 +238,15 @@ def compare_goal(index: int, old: TranscriptRecord, outcome: ReplayOutcome,
     def add(code: str, severity: str, message: str) -> None:
         result.findings.append(Finding(code, severity, message, index))
 
-    if outcome.status == 'skipped':
+    if outcome.status == SKIPPED:
         add('skipped', INFO, f'not replayed: {outcome.detail}')
         return result
-    if outcome.status == 'not_sent':
+    if outcome.status == NOT_SENT:
         add('not_replayed', INPUT, f'not replayed: {outcome.detail}')
         return result
 
     new = outcome.new
-    new_ok = outcome.status == 'ok' and new is not None and new.finish_reason in FINISH_OK
+    new_ok = outcome.status == SUCCEEDED and new is not None and new.finish_reason in FINISH_OK
     old_ok = old.accepted and old.finish_reason in FINISH_OK
     if not old_ok:
         state = 'rejected' if not old.accepted else f'ended with {old.finish_reason!r}'
@@ -336,10 +359,8 @@ def _same_request(a: TranscriptRecord, b: TranscriptRecord) -> bool:
 def outcome_of(new: TranscriptRecord) -> ReplayOutcome:
     """Return the outcome a recorded transcript stands for."""
     if not new.accepted:
-        return ReplayOutcome('rejected', new, new.error_message or 'rejected')
-    status = 'ok' if new.finish_reason in FINISH_OK else (
-        'canceled' if new.finish_reason == 'cancelled' else 'aborted')
-    return ReplayOutcome(status, new)
+        return ReplayOutcome(REJECTED, new, new.error_message or 'rejected')
+    return ReplayOutcome(STATUS_OF_FINISH_REASON.get(new.finish_reason, ABORTED), new)
 
 
 def pair_recordings(olds: Sequence[TranscriptRecord], news: Sequence[TranscriptRecord],
@@ -357,14 +378,14 @@ def pair_recordings(olds: Sequence[TranscriptRecord], news: Sequence[TranscriptR
         for old in olds:
             new = by_id.get(goal_map.get(old.goal_id, ''))
             outcomes.append(outcome_of(new) if new is not None else ReplayOutcome(
-                'not_sent', None, 'no transcript for this goal in the new bag'))
+                NOT_SENT, None, 'no transcript for this goal in the new bag'))
         return outcomes
     used = set()
     for old in olds:
         match = next((i for i, n in enumerate(news)
                       if i not in used and _same_request(old, n)), None)
         if match is None:
-            outcomes.append(ReplayOutcome('not_sent', None,
+            outcomes.append(ReplayOutcome(NOT_SENT, None,
                                           'no goal with the same request in the new bag'))
         else:
             used.add(match)

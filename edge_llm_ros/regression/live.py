@@ -3,17 +3,20 @@ from __future__ import annotations
 
 import importlib
 import threading
-import time
 from typing import Callable, Optional
 
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.subscription import Subscription
 from rosbags.interfaces import (
     Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime)
 
 from edge_llm_ros.regression.bagio import (
     BagWriter, FEEDBACK_TYPE, goal_id_of_raw, TRANSCRIPT_TYPE)
 
+# Iron and later: how many publishers a subscription is matched with. Humble's rclpy only
+# tells how many publishers the graph lists for the topic.
+HAS_MATCHED_COUNT = hasattr(Subscription, 'get_publisher_count')
 _ACTION_PARTS = {'Goal': 'Goal', 'Result': 'Result', 'Feedback': 'Feedback',
                  'FeedbackMessage': 'Impl.FeedbackMessage'}
 
@@ -71,44 +74,6 @@ def matching_qos(node: Node, topic: str, depth: int = 100) -> tuple:
         reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
         durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
     return qos, [_to_bag_qos(p) for p in offered]
-
-
-def wait_until_active(node: Node, target: str, timeout_s: float,
-                      spin_once: Callable[[float], None]) -> None:
-    """Wait until the lifecycle node `target` (full name) is active.
-
-    An llm_node serves its action server before it has loaded its model; goals sent
-    then are rejected. A node without lifecycle services (a plain node) counts as active.
-    `spin_once(seconds)` must let the node's executor run (or just sleep when another
-    thread spins it). Raises NodeUnavailableError naming the state it stayed in.
-    """
-    from lifecycle_msgs.msg import State
-    from lifecycle_msgs.srv import GetState
-
-    from edge_llm_ros.regression.errors import NodeUnavailableError
-
-    client = node.create_client(GetState, f'{target}/get_state')
-    try:
-        if not client.wait_for_service(timeout_sec=min(2.0, timeout_s)):
-            return  # not a lifecycle node
-        deadline = time.monotonic() + timeout_s
-        label = 'unknown'
-        while time.monotonic() < deadline:
-            future = client.call_async(GetState.Request())
-            while not future.done() and time.monotonic() < deadline:
-                spin_once(0.05)
-            if future.done() and future.result() is not None:
-                state = future.result().current_state
-                if state.id == State.PRIMARY_STATE_ACTIVE:
-                    return
-                label = state.label
-            spin_once(0.2)
-        raise NodeUnavailableError(
-            f"{target} stayed '{label}' for {timeout_s:g} s instead of becoming active: check "
-            'its log and /diagnostics (model load error?), or activate it with lifecycle '
-            'change_state / autostart:=true')
-    finally:
-        node.destroy_client(client)
 
 
 class RawRecorder:
@@ -171,10 +136,18 @@ class RawRecorder:
         if self.on_message is not None:
             self.on_message(topic, msgtype, stamp, data)
 
-    def publisher_count(self, topic: str) -> int:
-        """Count publishers matched by the subscription of `topic` (0 if none yet)."""
-        sub = self.subscriptions.get(topic)
-        return sub.get_publisher_count() if sub is not None else 0
+    def publisher_count(self, topic: str, matched: bool = HAS_MATCHED_COUNT) -> int:
+        """Count publishers matched by the subscription of `topic` (0 if none yet).
+
+        Without `matched` (Humble), the graph's publishers of the topic: the subscription
+        was made with a QoS that matches every one of them.
+        """
+        sub: Optional[Subscription] = self.subscriptions.get(topic)
+        if sub is None:
+            return 0
+        if matched:
+            return sub.get_publisher_count()
+        return self.node.count_publishers(topic)
 
     def close(self) -> None:
         self.node.destroy_timer(self._timer)

@@ -1,67 +1,20 @@
-"""Record llm_node sessions into rosbag2 folders.
+"""edge-llm-record: record an llm_node session into a rosbag2 folder.
 
-- `TranscriptBagWriter`: what llm_node itself uses to log every served goal (one
-  Transcript per goal) when its bag parameter is set.
-- `edge-llm-record`: a recorder process for the transcript, the action's feedback and
-  status topics, and optionally TensorHandle topics and /diagnostics.
+The transcript, the action's feedback and status topics, and optionally TensorHandle
+topics and /diagnostics (docs/regression.md).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from edge_llm_ros.regression.bagio import (
-    BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, Interfaces, LlmTopics, STORAGES,
-    TENSOR_HANDLE_TYPE, TRANSCRIPT_TYPE)
+    BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, LlmTopics, STORAGES, TENSOR_HANDLE_TYPE)
 from edge_llm_ros.regression.errors import RegressionToolError
-
-
-class TranscriptBagWriter:
-    """Append Transcript messages to a new bag; thread-safe; close() writes metadata.yaml.
-
-    `write` takes an rclpy edge_llm_msgs/msg/Transcript or its CDR bytes. The bag time of
-    each message is `stamp_ns` or, by default, the wall clock at the call.
-    """
-
-    def __init__(self, path: str | os.PathLike, storage: str = 'mcap',
-                 topic: str = '/llm_node/transcript',
-                 interfaces: Optional[Interfaces] = None) -> None:
-        self.topic = topic
-        self._bag = BagWriter(path, interfaces, storage)
-        self._bag.add_topic(topic, TRANSCRIPT_TYPE)
-        self._serialize = None
-
-    @property
-    def path(self) -> str:
-        return str(self._bag.path)
-
-    @property
-    def count(self) -> int:
-        return self._bag.counts[self.topic]
-
-    def write(self, transcript: Any, stamp_ns: Optional[int] = None) -> None:
-        if isinstance(transcript, (bytes, bytearray, memoryview)):
-            data = bytes(transcript)
-        else:
-            if self._serialize is None:
-                from rclpy.serialization import serialize_message
-                self._serialize = serialize_message
-            data = self._serialize(transcript)
-        self._bag.write(self.topic, time.time_ns() if stamp_ns is None else stamp_ns, data)
-
-    def close(self) -> None:
-        self._bag.close()
-
-    def __enter__(self) -> 'TranscriptBagWriter':
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def recording_topics(node: str, tensor_topics: Sequence[str] = (),

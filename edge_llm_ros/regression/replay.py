@@ -3,8 +3,8 @@
     edge-llm-replay BAG [--node /llm_node] [--timing fast|original] [--thresholds FILE]
                         [--out NEWBAG] [--report DIR] [--set max_tokens=8 ...]
 
-Every recorded goal is sent again through the real Generate action; the node's new
-transcripts (and feedback/status) go into a new bag, the two runs are compared
+Every recorded goal is sent again through the real Generate action with LLMClient; the
+node's new transcripts (and feedback/status) go into a new bag, the two runs are compared
 (compare.py) and a report is written (report.py), also when the run fails early.
 Exit status: 0 pass, 1 regression, 2 bad input (bag, thresholds), 3 node unavailable,
 130 interrupted (Ctrl-C; the report covers what was answered).
@@ -12,7 +12,7 @@ Exit status: 0 pass, 1 regression, 2 bad input (bag, thresholds), 3 node unavail
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 import datetime
 import json
 from pathlib import Path
@@ -21,15 +21,29 @@ import sys
 import threading
 import time
 from typing import Any, Optional, Sequence
-import uuid
 
+from lifecycle_msgs.srv import GetState
+import rclpy
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.serialization import deserialize_message, serialize_message
+from rclpy.signals import SignalHandlerOptions
+from rclpy.time import Time as RosTime
+from unique_identifier_msgs.msg import UUID
+
+from edge_llm_msgs.msg import TensorHandle, Transcript
+from edge_llm_ros.client import (
+    GenerationHandle, GenerationOutcome, GoalRejectedError, LLMClient, LLMClientError,
+    make_goal, NodeNotActiveError)
+from edge_llm_ros.nodes.messages import build_transcript
 from edge_llm_ros.regression.bagio import (
     BagContents, BagWriter, LlmTopics, read_bag, STORAGES, TRANSCRIPT_TYPE)
 from edge_llm_ros.regression.compare import (
-    compare_run, ComparisonResult, EXIT_INPUT, ReplayOutcome)
+    ABORTED, ACTION_STATUSES, compare_run, ComparisonResult, EXIT_INPUT, NOT_SENT, REJECTED,
+    ReplayOutcome, SKIPPED, TIMEOUT)
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
+from edge_llm_ros.regression.live import RawRecorder
 from edge_llm_ros.regression.records import (
-    SamplingRecord, transcript_from_msg, TranscriptRecord, uuid_bytes)
+    SamplingRecord, TensorHandleRecord, transcript_from_msg, TranscriptRecord, uuid_bytes)
 from edge_llm_ros.regression.report import now_iso, RunInfo, write_report
 from edge_llm_ros.regression.thresholds import load_thresholds, Thresholds
 
@@ -40,6 +54,11 @@ EXIT_INTERRUPTED = 130
 _GOAL_OVERRIDES = {'max_tokens': int, 'system_prompt': str, 'json_schema': str,
                    'session_id': str}
 _SAMPLING_OVERRIDES = {f.name: f.type for f in fields(SamplingRecord)}
+# TensorHandle fields a TensorHandleRecord holds under the same name (the header apart).
+_HANDLE_FIELDS = tuple(f.name for f in fields(TensorHandleRecord)
+                       if f.name not in ('frame_id', 'stamp_ns'))
+# How long a cancel (goal timeout, Ctrl-C) waits for the node's answer.
+CANCEL_WAIT_S = 2.0
 
 
 @dataclass
@@ -95,160 +114,49 @@ def apply_overrides(record: TranscriptRecord, overrides: dict) -> TranscriptReco
 
 # ---------------------------------------------------------------- rclpy part
 
-def _goal_msg(record: TranscriptRecord) -> Any:
-    from edge_llm_msgs.action import Generate
-    from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
+def goal_fields(record: TranscriptRecord) -> dict:
+    """Keyword arguments of `make_goal` (and LLMClient.generate) that resend `record`.
 
-    goal = Generate.Goal()
-    goal.prompt = record.prompt
-    goal.messages = [ChatMessage(role=m.role, content=m.content) for m in record.messages]
-    goal.system_prompt = record.system_prompt
-    s = record.sampling
-    goal.sampling = SamplingParams(
-        temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
-        min_p=float(s.min_p), repetition_penalty=float(s.repetition_penalty),
-        presence_penalty=float(s.presence_penalty), seed=int(s.seed))
-    goal.max_tokens = int(record.max_tokens)
-    goal.stop = list(record.stop)
-    goal.json_schema = record.json_schema
+    Every sampling field goes as recorded, UNSET ones included, so the node applies its
+    current defaults exactly where the recorded goal left them to it.
+    """
     handles = []
     for h in record.prefix_embeddings:
-        msg = TensorHandle(pool_id=h.pool_id, slot=h.slot, generation=h.generation,
-                           sequence=h.sequence, buffer_kind=h.buffer_kind, dtype=h.dtype,
-                           shape=list(h.shape), strides=list(h.strides),
-                           byte_offset=h.byte_offset, nbytes=h.nbytes)
+        msg = TensorHandle(**{name: getattr(h, name) for name in _HANDLE_FIELDS})
         msg.header.frame_id = h.frame_id
-        msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(h.stamp_ns, 1_000_000_000)
+        msg.header.stamp = RosTime(nanoseconds=h.stamp_ns).to_msg()
         handles.append(msg)
-    goal.prefix_embeddings = handles
-    goal.session_id = record.session_id
-    return goal
+    return dict(prompt=record.prompt, messages=[(m.role, m.content) for m in record.messages],
+                system_prompt=record.system_prompt, max_tokens=record.max_tokens,
+                stop=list(record.stop), json_schema=record.json_schema,
+                session_id=record.session_id, prefix_embeddings=handles,
+                **asdict(record.sampling))
 
 
-def _synthesize(request: TranscriptRecord, goal_id: str, result: Any,
-                sent_ns: int) -> Any:
-    """Build a Transcript from the action result, for a node that published none."""
-    from edge_llm_msgs.msg import Transcript
+@dataclass
+class SentGoal:
+    """One replayed goal in flight: its LLMClient handle and what it was sent from."""
 
-    msg = Transcript()
-    msg.goal_id.uuid = list(uuid_bytes(goal_id))
-    msg.source = Transcript.SOURCE_ACTION
-    msg.accepted_stamp.sec, msg.accepted_stamp.nanosec = divmod(sent_ns, 1_000_000_000)
-    msg.finished_stamp.sec, msg.finished_stamp.nanosec = divmod(time.time_ns(), 1_000_000_000)
-    goal = _goal_msg(request)
-    for name in ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens', 'stop',
-                 'json_schema', 'prefix_embeddings', 'session_id'):
-        setattr(msg, name, getattr(goal, name))
-    msg.accepted = result is not None
-    if result is not None:
-        for name in ('text', 'token_ids', 'finish_reason', 'prompt_tokens',
-                     'completion_tokens', 'timings', 'error_message'):
-            setattr(msg, name, getattr(result, name))
-    return msg
+    index: int
+    fields: dict                       # goal_fields() of the request
+    handle: Optional[GenerationHandle] = None   # None when the goal could not be built
+    error: str = ''
+    sent_ns: int = field(default_factory=time.time_ns)
+    started: float = field(default_factory=time.monotonic)
 
-
-class _GoalRun:
-    """One goal in flight: send, then collect result and transcript."""
-
-    def __init__(self, runner: 'ReplayRunner', index: int, request: TranscriptRecord) -> None:
-        self.runner = runner
-        self.index = index
-        self.request = request
-        self.goal_id = uuid.uuid4().hex
-        self.sent_ns = 0
-        self.started = 0.0
-        self.accepted = threading.Event()
-        self.done = threading.Event()
-        self.goal_handle = None
-        self.result = None
-        self.status_code = None
-        self.send_error = ''
-
-    def start(self) -> None:
-        self.runner.expect(self.goal_id)
-        self.sent_ns = time.time_ns()
-        self.started = time.monotonic()
-        # rclpy's ActionClient is not thread-safe (a response handled before
-        # send_goal_async stored its future is dropped): send from the executor thread.
-        self.runner.executor.create_task(self._send)
-
-    def _send(self) -> None:
-        from unique_identifier_msgs.msg import UUID
-        try:
-            future = self.runner.client.send_goal_async(
-                _goal_msg(self.request), goal_uuid=UUID(uuid=list(uuid_bytes(self.goal_id))))
-        except Exception as exc:  # reported as this goal's failure
-            self.send_error = f'sending the goal failed: {type(exc).__name__}: {exc}'
-            self.accepted.set()
-            self.done.set()
-            return
-        future.add_done_callback(self._on_goal_response)
-
-    def cancel(self) -> None:
-        if self.goal_handle is not None:
-            self.runner.executor.create_task(self.goal_handle.cancel_goal_async)
-
-    def _on_goal_response(self, future) -> None:
-        try:
-            self.goal_handle = future.result()
-        except Exception as exc:  # reported as this goal's failure
-            self.send_error = f'sending the goal failed: {exc}'
-            self.accepted.set()
-            self.done.set()
-            return
-        self.accepted.set()
-        if not self.goal_handle.accepted:
-            self.done.set()
-            return
-        self.goal_handle.get_result_async().add_done_callback(self._on_result)
-
-    def _on_result(self, future) -> None:
-        try:
-            response = future.result()
-            self.result, self.status_code = response.result, response.status
-        except Exception as exc:  # reported as this goal's failure
-            self.send_error = f'getting the result failed: {exc}'
-        self.done.set()
-
-    def finish(self, options: ReplayOptions) -> ReplayOutcome:
-        from action_msgs.msg import GoalStatus
-        if not self.accepted.wait(options.server_timeout_s):
-            return ReplayOutcome('timeout', None, f'no goal response within '
-                                 f'{options.server_timeout_s:g} s')
-        if self.send_error:
-            return ReplayOutcome('aborted', None, self.send_error)
-        if not self.goal_handle.accepted:
-            new = self.runner.wait_transcript(self.goal_id, options.transcript_wait_s)
-            return ReplayOutcome('rejected', new, 'the node rejected the goal')
-        remaining = options.goal_timeout_s - (time.monotonic() - self.started)
-        if not self.done.wait(max(remaining, 0.0)):
-            self.cancel()
-            return ReplayOutcome('timeout', None,
-                                 f'no result within {options.goal_timeout_s:g} s (canceled)')
-        if self.send_error:
-            return ReplayOutcome('aborted', None, self.send_error)
-        status = {GoalStatus.STATUS_SUCCEEDED: 'ok', GoalStatus.STATUS_ABORTED: 'aborted',
-                  GoalStatus.STATUS_CANCELED: 'canceled'}.get(self.status_code, 'aborted')
-        new = self.runner.wait_transcript(self.goal_id, options.transcript_wait_s)
-        if new is not None:
-            return ReplayOutcome(status, new)
-        msg = _synthesize(self.request, self.goal_id, self.result, self.sent_ns)
-        self.runner.write_synthesized(msg)
-        record = transcript_from_msg(msg, time.time_ns(), self.runner.topics.transcript)
-        return ReplayOutcome(status, record, synthesized=True)
+    @property
+    def goal_id(self) -> str:
+        return self.handle.goal_id if self.handle is not None else ''
 
 
 class ReplayRunner:
-    """rclpy side of a replay: the action client, the new bag and the transcripts."""
+    """rclpy side of a replay: an LLMClient, the new bag and the node's transcripts.
+
+    One executor thread spins the node for the client, the recorder and the transcript
+    subscription; the main thread sends goals and waits for their outcomes.
+    """
 
     def __init__(self, options: ReplayOptions, writer: BagWriter) -> None:
-        import rclpy
-        from rclpy.action import ActionClient
-        from rclpy.executors import SingleThreadedExecutor
-
-        from edge_llm_msgs.action import Generate
-        from edge_llm_ros.regression.live import RawRecorder
-
         self.options = options
         self.topics = LlmTopics(options.node)
         self.writer = writer
@@ -259,22 +167,20 @@ class ReplayRunner:
         if self._own_context:
             # Ctrl-C stays a KeyboardInterrupt of the main thread: the replay then stops
             # sending, keeps what it has and still writes its report.
-            from rclpy.signals import SignalHandlerOptions
             rclpy.init(args=None, signal_handler_options=SignalHandlerOptions.NO)
         self.node = rclpy.create_node('edge_llm_replay')
-        self.client = ActionClient(self.node, Generate, self.topics.action)
+        self.executor = SingleThreadedExecutor()
+        # Added before the client is made: LLMClient then only waits, never spins itself.
+        self.executor.add_node(self.node)
+        self.client = LLMClient(self.node, options.node)
         self.recorder = RawRecorder(self.node, writer, self.topics.core(),
                                     goal_filter=self._is_ours, on_message=self._on_message)
-        self.executor = SingleThreadedExecutor()
-        self.executor.add_node(self.node)
-        self._spinner = threading.Thread(target=self._spin, daemon=True)
         self._stop = threading.Event()
+        self._spinner = threading.Thread(target=self._spin, daemon=True)
         self._spinner.start()
-        self.synthesized = []
         self.node_publishes_transcripts = True
 
     def _spin(self) -> None:
-        from rclpy.executors import ExternalShutdownException
         try:
             while not self._stop.is_set():
                 self.executor.spin_once(timeout_sec=0.05)
@@ -285,46 +191,88 @@ class ReplayRunner:
         with self._cond:
             return goal_id in self._expected
 
-    def expect(self, goal_id: str) -> None:
-        with self._cond:
-            self._expected.add(goal_id)
-
     def _on_message(self, topic: str, msgtype: str, stamp: int, data: bytes) -> None:
         if msgtype != TRANSCRIPT_TYPE:
             return
-        from rclpy.serialization import deserialize_message
-
-        from edge_llm_msgs.msg import Transcript
         record = transcript_from_msg(deserialize_message(data, Transcript), stamp, topic)
         with self._cond:
             self._transcripts[record.goal_id] = record
             self._cond.notify_all()
 
-    def wait_transcript(self, goal_id: str, timeout_s: float) -> Optional[TranscriptRecord]:
-        if not self.node_publishes_transcripts:
-            timeout_s = 0.0
+    def send(self, index: int, request: TranscriptRecord) -> SentGoal:
+        """Send one goal through the client; a goal that cannot be built fails alone."""
+        sent = SentGoal(index, goal_fields(request))
+        # The recorder's goal filter (executor thread) waits for this lock, so the goal's
+        # first feedback cannot be judged before its id is known.
+        with self._cond:
+            try:
+                sent.handle = self.client.generate(**sent.fields)
+            except (AssertionError, TypeError, ValueError) as exc:  # rosidl's field checks
+                sent.error = f'the goal cannot be built: {type(exc).__name__}: {exc}'
+                return sent
+            self._expected.add(sent.goal_id)
+        return sent
+
+    def finish(self, sent: SentGoal) -> ReplayOutcome:
+        """Wait for `sent`'s result and transcript (or build one) within the goal timeout."""
+        options = self.options
+        if sent.handle is None:
+            return ReplayOutcome(ABORTED, None, sent.error)
+        left = options.goal_timeout_s - (time.monotonic() - sent.started)
+        try:
+            outcome = sent.handle.result(timeout=max(left, 0.0))
+        except GoalRejectedError:
+            new = self.wait_transcript(sent.goal_id)
+            return ReplayOutcome(REJECTED, new, 'the node rejected the goal')
+        except TimeoutError:
+            sent.handle.cancel(timeout=CANCEL_WAIT_S)
+            return ReplayOutcome(TIMEOUT, None, f'no result within {options.goal_timeout_s:g} '
+                                 's (cancel requested)')
+        except LLMClientError as exc:   # the server went away, or rclpy failed the request
+            return ReplayOutcome(ABORTED, None, str(exc))
+        status = outcome.status if outcome.status in ACTION_STATUSES else ABORTED
+        new = self.wait_transcript(sent.goal_id)
+        if new is not None:
+            return ReplayOutcome(status, new)
+        return ReplayOutcome(status, self._synthesize(sent, outcome), synthesized=True)
+
+    def cancel(self, sent: SentGoal) -> None:
+        if sent.handle is not None:
+            sent.handle.cancel(timeout=CANCEL_WAIT_S)
+
+    def wait_transcript(self, goal_id: str) -> Optional[TranscriptRecord]:
+        timeout_s = self.options.transcript_wait_s if self.node_publishes_transcripts else 0.0
         with self._cond:
             self._cond.wait_for(lambda: goal_id in self._transcripts, timeout_s)
             return self._transcripts.get(goal_id)
 
-    def write_synthesized(self, msg: Any) -> None:
-        from rclpy.serialization import serialize_message
+    def _synthesize(self, sent: SentGoal, outcome: GenerationOutcome) -> TranscriptRecord:
+        """Record the transcript the node did not publish, built as llm_node builds it."""
+        now = time.time_ns()
+        msg = build_transcript(
+            Transcript.SOURCE_ACTION, UUID(uuid=list(uuid_bytes(sent.goal_id))),
+            make_goal(**sent.fields), None, outcome, True, '',
+            RosTime(nanoseconds=sent.sent_ns).to_msg(), RosTime(nanoseconds=now).to_msg(),
+            outcome.error_message)
         self.writer.add_topic(self.topics.transcript, TRANSCRIPT_TYPE)
-        self.writer.write(self.topics.transcript, time.time_ns(), serialize_message(msg))
-        self.synthesized.append(msg)
+        self.writer.write(self.topics.transcript, now, serialize_message(msg))
+        return transcript_from_msg(msg, now, self.topics.transcript)
 
     def wait_for_node(self) -> None:
-        """Block until the action server answers; also let the transcript topic match."""
-        if not self.client.wait_for_server(timeout_sec=self.options.server_timeout_s):
+        """Block until the node is active and serves goals; also let the transcripts match."""
+        timeout = self.options.server_timeout_s
+        if not self.client.wait_for_server(timeout):
             raise NodeUnavailableError(
-                f'no Generate action server at {self.topics.action} after '
-                f'{self.options.server_timeout_s:g} s: start llm_node (or pass --node with its '
-                'full name, e.g. /robot/llm_node) and check ROS_DOMAIN_ID')
-        from edge_llm_ros.regression.live import wait_until_active
-        wait_until_active(self.node, self.options.node, self.options.server_timeout_s,
-                          time.sleep)
+                f'no Generate action server at {self.topics.action} after {timeout:g} s: '
+                'start llm_node (or pass --node with its full name, e.g. /robot/llm_node) '
+                'and check ROS_DOMAIN_ID')
+        if self._is_lifecycle_node():
+            try:
+                self.client.wait_until_active(timeout)
+            except NodeNotActiveError as exc:
+                raise NodeUnavailableError(str(exc)) from None
         # Transcripts published before the subscription matched would be lost.
-        deadline = time.monotonic() + min(self.options.server_timeout_s, 5.0)
+        deadline = time.monotonic() + min(timeout, 5.0)
         while self.recorder.publisher_count(self.topics.transcript) == 0 and \
                 time.monotonic() < deadline:
             time.sleep(0.05)
@@ -334,11 +282,15 @@ class ReplayRunner:
             print(f'edge-llm-replay: warning: nothing publishes {self.topics.transcript}: '
                   'new transcripts are built from the action results', file=sys.stderr)
 
-    def server_ready(self) -> bool:
-        return self.client.server_is_ready()
+    def _is_lifecycle_node(self) -> bool:
+        """Tell whether the node serves ~/get_state (llm_node does; a plain node is active)."""
+        client = self.node.create_client(GetState, f'{self.options.node}/get_state')
+        try:
+            return client.wait_for_service(timeout_sec=min(2.0, self.options.server_timeout_s))
+        finally:
+            self.node.destroy_client(client)
 
     def close(self) -> None:
-        import rclpy
         self._stop.set()
         self._spinner.join(timeout=2.0)
         self.recorder.close()
@@ -401,7 +353,7 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
     ctrl_c = ctrl_c or CtrlC()
     outcomes: list = [None] * len(olds)
     goal_map = {}
-    runs = []
+    in_flight = []
     error = ''
     times = _send_times(olds, options.timing)
     start = time.monotonic()
@@ -410,38 +362,37 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
             ctrl_c.check()
             if options.skip_tensor_goals and old.prefix_embeddings:
                 outcomes[index] = ReplayOutcome(
-                    'skipped', None, '--skip-tensor-goals: the goal carries tensor handles')
+                    SKIPPED, None, '--skip-tensor-goals: the goal carries tensor handles')
                 continue
-            if not runner.server_ready() and not runner.client.wait_for_server(
-                    timeout_sec=options.server_timeout_s):
+            if not runner.client.wait_for_server(options.server_timeout_s):
                 error = (f'the action server {runner.topics.action} went away before goal '
                          f'{index}: the remaining goals were not replayed')
                 break
             if times[index] is not None:
                 time.sleep(max(0.0, start + times[index] - time.monotonic()))
-            run = _GoalRun(runner, index, apply_overrides(old, options.overrides))
-            run.start()
-            goal_map[old.goal_id] = run.goal_id
-            runs.append(run)
+            sent = runner.send(index, apply_overrides(old, options.overrides))
+            if sent.goal_id:
+                goal_map[old.goal_id] = sent.goal_id
+            in_flight.append(sent)
             if times[index] is None:
-                outcomes[index] = run.finish(options)
+                outcomes[index] = runner.finish(sent)
                 _progress(index, len(olds), outcomes[index])
-        for run in runs:
+        for sent in in_flight:
             ctrl_c.check()
-            if outcomes[run.index] is None:
-                outcomes[run.index] = run.finish(options)
-                _progress(run.index, len(olds), outcomes[run.index])
+            if outcomes[sent.index] is None:
+                outcomes[sent.index] = runner.finish(sent)
+                _progress(sent.index, len(olds), outcomes[sent.index])
         ctrl_c.check()
         ctrl_c.quiet()   # closing the bag and writing the report must not be interrupted
     except KeyboardInterrupt:
         ctrl_c.quiet()
         error = INTERRUPTED
-        for run in runs:
-            if outcomes[run.index] is None:
-                run.cancel()
+        for sent in in_flight:
+            if outcomes[sent.index] is None:
+                runner.cancel(sent)
     for index, outcome in enumerate(outcomes):
         if outcome is None:
-            outcomes[index] = ReplayOutcome('not_sent', None, error or 'not sent')
+            outcomes[index] = ReplayOutcome(NOT_SENT, None, error or 'not sent')
     return outcomes, goal_map, error
 
 
@@ -512,7 +463,7 @@ def _replay_into_bag(contents: BagContents, options: ReplayOptions, out_bag: str
                      ctrl_c: Optional[CtrlC] = None) -> tuple:
     writer = BagWriter(out_bag, storage=options.storage)
     runner = None
-    outcomes: list = [ReplayOutcome('not_sent', None, 'the node was not reached')
+    outcomes: list = [ReplayOutcome(NOT_SENT, None, 'the node was not reached')
                       for _ in contents.transcripts]
     goal_map: dict = {}
     error = ''
