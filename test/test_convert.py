@@ -16,6 +16,7 @@ import os
 import pathlib
 
 import gguf
+from gguf_fixtures import ParityCase, write_gguf, write_hf
 import numpy as np
 import onnx
 from ort_driver import OrtDriver
@@ -35,7 +36,7 @@ YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 
              'hidden_size', 'vocab_size', 'max_position_embeddings', 'rope_theta',
              'rms_norm_eps', 'activation_dtype', 'bos_token_id', 'eos_token_ids',
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
-             'kv_max_context'}
+             'kv_max_context', 'rope_scaling', 'qk_norm'}
 
 
 @pytest.fixture(scope='module')
@@ -163,6 +164,35 @@ def test_hf_folder_and_llama_cpp_gguf_convert_to_the_same_model(root):
     assert (m_hf / 'chat_template.jinja').read_text() == CHAT_TEMPLATE
 
 
+@pytest.mark.parametrize('case', [ParityCase('qwen3', 'F32'),
+                                  ParityCase('llama', 'F32', llama3_rope=True),
+                                  ParityCase('llama', 'F32', linear_rope=2.0)],
+                         ids=lambda c: c.tag)
+def test_hf_folder_and_gguf_of_a_family_convert_alike(tmp_path, case):
+    """qwen3 q/k norms and Llama 3 / linear RoPE scaling read the same from both sources."""
+    m_hf = convert(str(write_hf(tmp_path / 'hf', case)), str(tmp_path / 'from-hf'),
+                   accuracy_level=0, progress=False)
+    m_gg = convert(str(write_gguf(tmp_path / 'm.gguf', case)), str(tmp_path / 'from-gguf'),
+                   accuracy_level=0, progress=False)
+    a, b = OrtDriver(m_hf), OrtDriver(m_gg)
+    np.testing.assert_allclose(a.step(PROMPT), b.step(PROMPT), atol=1e-4)
+    np.testing.assert_allclose(a.step([9]), b.step([9]), atol=1e-4)
+    meta = yaml.safe_load((m_hf / 'model.yaml').read_text())
+    assert meta['qk_norm'] == (case.arch == 'qwen3')
+    assert meta['rope_scaling'] == {'scale': 0.5 if case.linear_rope else 1.0,
+                                    'freq_factors': case.llama3_rope}
+
+
+def test_hf_unknown_rope_scaling_is_refused(tmp_path):
+    import json
+    hf = write_hf(tmp_path / 'hf', ParityCase('llama', 'F32'))
+    cfg = json.loads((hf / 'config.json').read_text())
+    cfg['rope_scaling'] = {'rope_type': 'yarn', 'factor': 4.0}
+    (hf / 'config.json').write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="'yarn' is not supported"):
+        convert(str(hf), str(tmp_path / 'out'), progress=False)
+
+
 def test_hf_float16_and_qwen2_untied(root):
     hf = build_tiny_hf(root / 'hf-qwen2', arch='qwen2', dtype='float16')
     ck = load_checkpoint(str(hf))
@@ -261,29 +291,84 @@ def test_not_a_gguf(tmp_path):
     assert_nothing_written(tmp_path / 'out')
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / 'gpt2.gguf'
-    w = gguf.GGUFWriter(str(path), 'gpt2')
+@pytest.mark.parametrize('arch', ['gpt2', 'gemma3'])
+def test_unsupported_architecture(tmp_path, arch):
+    path = tmp_path / f'{arch}.gguf'
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor('token_embd.weight', np.zeros((8, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+    with pytest.raises(UnsupportedModelError, match=f"'{arch}'.*supported: llama .*qwen2 .*qwen3"):
         convert(str(path), str(tmp_path / 'out'), progress=False)
     assert_nothing_written(tmp_path / 'out')
 
 
 def test_unsupported_tensor_type(tmp_path):
+    # IQ2_XXS: a lattice codebook with no exact or near-exact MatMulNBits form.
     rng = np.random.default_rng(0)
-    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL]
-    raw = rng.integers(0, 256, size=(128, 64 // block * size), dtype=np.uint8)
-    src = build_tiny_gguf(tmp_path / 'iq.gguf',
-                          raw_tensors={'blk.0.ffn_up.weight': (raw, 'IQ4_NL')})
-    with pytest.raises(UnsupportedModelError, match='IQ4_NL'):
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
+    raw = rng.integers(0, 256, size=(512, 256 // block * size), dtype=np.uint8)
+    src = write_gguf(tmp_path / 'iq.gguf', ParityCase('llama', 'Q8_0'))
+    path = tmp_path / 'iq2.gguf'
+    _copy_with_tensor(src, path, 'blk.1.ffn_up.weight', raw, 'IQ2_XXS')
+    with pytest.raises(UnsupportedModelError, match='blk.1.ffn_up.weight has type IQ2_XXS'):
+        convert(str(path), str(tmp_path / 'out'), progress=False)
+    assert_nothing_written(tmp_path / 'out')
+
+
+def _copy_with_tensor(src: pathlib.Path, dst: pathlib.Path, name: str, raw: np.ndarray,
+                      qtype: str) -> None:
+    """Rewrite a GGUF with one tensor replaced by raw blocks of another type."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields['general.architecture'].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith('GGUF.') or key == 'general.architecture':
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name == name:
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize('header,error,match', [
+    ({'head_count': 8}, ModelLoadError, r'blk\.0\.attn_q\.weight has shape .*contradicts'),
+    ({'feed_forward_length': 384}, ModelLoadError, 'ffn_gate.weight has shape'),
+    ({'rope_scaling_type': 'yarn'}, UnsupportedModelError,
+     "RoPE scaling type 'yarn' is not supported.*linear"),
+    ({'rope_scaling_type': 'longrope'}, UnsupportedModelError, "'longrope'"),
+])
+def test_header_contradicting_tensors_or_unknown_rope(tmp_path, header, error, match):
+    src = write_gguf(tmp_path / 'bad.gguf', ParityCase('llama', 'Q8_0'), header=header)
+    with pytest.raises(error, match=match):
         convert(str(src), str(tmp_path / 'out'), progress=False)
     assert_nothing_written(tmp_path / 'out')
+
+
+def test_rope_freqs_of_the_wrong_length(tmp_path):
+    src = write_gguf(tmp_path / 'l3.gguf', ParityCase('llama', 'Q8_0', llama3_rope=True),
+                     header={'rope_dimension_count': 64, 'key_length': 64})
+    path = tmp_path / 'short.gguf'
+    _copy_with_tensor(src, path, 'rope_freqs.weight', np.ones(16, np.float32), 'F32')
+    with pytest.raises(ModelLoadError, match='rope_freqs.weight has 16 values, expected 32'):
+        convert(str(path), str(tmp_path / 'out'), progress=False)
+
+
+def test_qwen3_without_its_qk_norms(tmp_path):
+    src = write_gguf(tmp_path / 'q3.gguf', ParityCase('qwen3', 'Q8_0'), skip=('attn_k_norm',))
+    with pytest.raises(ModelLoadError, match="'0.k_norm' is missing"):
+        convert(str(src), str(tmp_path / 'out'), progress=False)
 
 
 def test_hf_folder_errors(tmp_path):

@@ -1,20 +1,24 @@
 """Block repacking: GGUF blocks -> MatMulNBits layout, checked against gguf's own dequantizer.
 
-Q4_0, Q4_1 and Q8_0 must be bit-exact repacks (no requantization); other types are
-dequantized with gguf and requantized, with an error bound per block. The layout itself
-(nibble order, zero-point packing) is checked by running onnxruntime's MatMulNBits and
-GatherBlockQuantized on the packed arrays. Folded Q4_1 offsets (extra 4-bit blocks fed the
-block means) must reproduce each offset within the stated bound, also through MatMulNBits.
+Q4_0, Q4_1, Q8_0 and every other uniform-grid type (Q5_0, Q5_1, Q2_K..Q6_K) and IQ4_NL/XS
+must be exact repacks (no requantization) under precision 'source'; float sources and wide
+types under 'int4' are dequantized with gguf and requantized, with an error bound per block.
+The layout itself (nibble order, zero-point packing) is checked by running onnxruntime's
+MatMulNBits and GatherBlockQuantized on the packed arrays. Folded Q4_1 offsets (extra 4-bit
+blocks fed the block means) must reproduce each offset within the stated bound, also
+through MatMulNBits.
 """
 import gguf
+from gguf_fixtures import random_blocks
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
 import pytest
 
 from edge_llm_ros.engine.checkpoint import SourceTensor, unpermute_llama_rows
-from edge_llm_ros.engine.quant import (concat_rows, fold_offsets, from_q4_0, from_q4_1,
-                                       from_q8_0, quantize_blocks, to_blocks)
+from edge_llm_ros.engine.errors import ModelLoadError
+from edge_llm_ros.engine.quant import (concat_rows, EXACT_LAYOUTS, fold_offsets, from_q4_0,
+                                       from_q4_1, from_q8_0, quantize_blocks, to_blocks)
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 48, 256
@@ -132,40 +136,55 @@ def test_q4_1_requantized_is_lossy_but_bounded():
     assert (err <= 3 * step + 1e-7).all()
 
 
-@pytest.mark.parametrize('qtype', ['Q5_0', 'Q5_1', 'F16', 'F32'])
-@pytest.mark.parametrize('precision', ['source', 'int4'])
+@pytest.mark.parametrize('qtype,precision', [('F16', 'source'), ('F32', 'source'),
+                                             ('F16', 'int4'), ('F32', 'int4'),
+                                             ('Q5_0', 'int4'), ('Q5_1', 'int4')])
 def test_requantized_types_error_bound(qtype, precision):
     t = source(weights(4), qtype)
     b = to_blocks(t, 32, precision)
-    wide = precision == 'source' and qtype in ('Q5_0', 'Q5_1')
-    assert b.bits == (8 if wide else 4)
+    assert b.bits == (8 if precision == 'source' else 4)
     _check_requant(b, gguf_dequant(t) if qtype.startswith('Q') else t.dequantize())
 
 
-def _random_kquant(qtype: str, rows: int, cols: int, seed: int) -> SourceTensor:
-    """Make valid K-quant blocks from random bytes with sane fp16 super-block scales.
-
-    gguf-py has no K-quant quantizer; any byte pattern is a valid block once d/dmin are finite.
-    """
-    rng = np.random.default_rng(seed)
-    block, size = gguf.GGML_QUANT_SIZES[Q[qtype]]
-    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    d = (rng.random((rows, cols // block)) * 1e-3 + 1e-4).astype(np.float16).view(np.uint8)
-    if qtype == 'Q4_K':     # d, dmin first
-        raw[..., 0:2] = d.reshape(rows, -1, 2)
-        raw[..., 2:4] = d.reshape(rows, -1, 2)
-    else:                   # Q6_K: d last
-        raw[..., -2:] = d.reshape(rows, -1, 2)
-    return SourceTensor('k', qtype, (rows, cols), raw.reshape(rows, -1))
+def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> SourceTensor:
+    """Return valid blocks of a type gguf-py cannot encode (K-quants, IQ4), random."""
+    if qtype in ('Q5_0', 'Q5_1'):
+        return source(weights(seed), qtype)
+    raw = random_blocks(rows, cols, qtype, 0.05, np.random.default_rng(seed))
+    return SourceTensor('k', qtype, (rows, cols), raw)
 
 
-@pytest.mark.parametrize('qtype,precision,bits', [('Q4_K', 'source', 4), ('Q6_K', 'source', 8),
-                                                  ('Q6_K', 'int4', 4)])
-def test_kquants_dequantize_with_gguf_then_requantize(qtype, precision, bits):
-    t = _random_kquant(qtype, 16, 512, seed=5)
-    b = to_blocks(t, 32, precision)
-    assert b.bits == bits and b.shape == (16, 512)
+# (bits, block size, per-block offsets) of each exact form under precision 'source'.
+EXACT_FORMS = {'Q5_0': (8, 32, False), 'Q5_1': (8, 32, True), 'Q2_K': (4, 16, True),
+               'Q3_K': (4, 16, False), 'Q4_K': (4, 32, True), 'Q5_K': (8, 32, True),
+               'Q6_K': (8, 16, False), 'IQ4_NL': (8, 32, False), 'IQ4_XS': (8, 32, False)}
+
+
+@pytest.mark.parametrize('qtype', sorted(EXACT_LAYOUTS))
+def test_uniform_grid_and_iq4_types_repack_exactly(qtype):
+    t = _random_blocks(qtype, ROWS, COLS, seed=5)
+    b = to_blocks(t, 32, 'source')
+    bits, block, has_offsets = EXACT_FORMS[qtype]
+    assert (b.bits, b.block_size, b.offsets is not None) == (bits, block, has_offsets)
+    ref = gguf_dequant(t)
+    np.testing.assert_allclose(b.dequantize(), ref, rtol=0, atol=2e-7 * np.abs(ref).max())
+    if not has_offsets:  # symmetric about the kernels' default zero point
+        assert b.default_zero_points()
+
+
+@pytest.mark.parametrize('qtype', ['Q6_K', 'Q5_K', 'IQ4_XS'])
+def test_wide_types_under_int4_are_requantized(qtype):
+    t = _random_blocks(qtype, 16, 512, seed=5)
+    b = to_blocks(t, 32, 'int4')
+    assert b.bits == 4 and b.shape == (16, 512)
     _check_requant(b, gguf_dequant(t))
+
+
+def test_corrupt_block_scales_name_the_tensor():
+    t = _random_blocks('Q6_K', 4, 256, seed=1)
+    t.data[0, 208:210] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    with pytest.raises(ModelLoadError, match=r"tensor 'k' \(Q6_K\).*not finite"):
+        to_blocks(t, 32, 'source')
 
 
 def _check_requant(b, ref: np.ndarray) -> None:
@@ -214,13 +233,14 @@ def _session(node, inputs, outputs, inits):
     return ort.InferenceSession(m.SerializeToString(), providers=['CPUExecutionProvider'])
 
 
-@pytest.mark.parametrize('qtype', ['Q4_0', 'Q8_0', 'Q5_0'])
+@pytest.mark.parametrize('qtype', ['Q4_0', 'Q8_0', 'Q5_0', 'Q3_K', 'Q6_K', 'IQ4_XS'])
 def test_matmulnbits_reads_the_packed_layout(qtype):
-    t = source(weights(10), qtype)
+    t = _random_blocks(qtype, ROWS, COLS, 10) if qtype in EXACT_LAYOUTS else \
+        source(weights(10), qtype)
     b = to_blocks(t, 32)
     n, k = b.shape
     node = helper.make_node('MatMulNBits', ['A', 'B', 'S', 'Z'], ['Y'], domain='com.microsoft',
-                            K=k, N=n, bits=b.bits, block_size=32, accuracy_level=0)
+                            K=k, N=n, bits=b.bits, block_size=b.block_size, accuracy_level=0)
     sess = _session(node, [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
                     [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])],
                     [numpy_helper.from_array(b.packed, 'B'),
@@ -256,13 +276,15 @@ def test_default_zero_points_can_be_left_out(qtype, accuracy_level):
     np.testing.assert_allclose(outs[1], a @ b.dequantize().T, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize('qtype', ['Q4_0', 'Q4_1', 'Q8_0'])
+@pytest.mark.parametrize('qtype', ['Q4_0', 'Q4_1', 'Q8_0', 'Q3_K', 'Q6_K'])
 def test_gather_block_quantized_reads_the_packed_layout(qtype):
-    b = to_blocks(source(weights(11), qtype), 32, exact=False)
+    t = _random_blocks(qtype, ROWS, COLS, 11) if qtype in EXACT_LAYOUTS else \
+        source(weights(11), qtype)
+    b = to_blocks(t, 32, exact=False)
     n, k = b.shape
     node = helper.make_node('GatherBlockQuantized', ['D', 'I', 'S', 'Z'], ['Y'],
-                            domain='com.microsoft', bits=b.bits, block_size=32, gather_axis=0,
-                            quantize_axis=1)
+                            domain='com.microsoft', bits=b.bits, block_size=b.block_size,
+                            gather_axis=0, quantize_axis=1)
     sess = _session(node, [helper.make_tensor_value_info('I', TensorProto.INT64, ['n'])],
                     [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['n', k])],
                     [numpy_helper.from_array(b.packed.reshape(n, -1), 'D'),

@@ -58,10 +58,11 @@ class TinyDims:
     context: int = 256
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
+    key_length: Optional[int] = None  # head_dim when it is not hidden / heads (qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
 
 def byte_level_alphabet() -> List[str]:
@@ -166,7 +167,7 @@ def build_tiny_gguf(path, arch: str = 'llama', seed: int = 0, *, dims: TinyDims 
     writer.add_rope_dimension_count(dims.head_dim)
     writer.add_vocab_size(len(vocab))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    _add_tokenizer(writer, vocab, arch)
+    add_tokenizer(writer, vocab, arch)
 
     def put(name: str, w: np.ndarray, role: str) -> None:
         if raw_tensors and name in raw_tensors:
@@ -199,9 +200,10 @@ def build_tiny_gguf(path, arch: str = 'llama', seed: int = 0, *, dims: TinyDims 
     return path
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str) -> None:
+def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str) -> None:
+    """Write the byte-level BPE vocabulary, special ids and ChatML template."""
     writer.add_tokenizer_model('gpt2')
-    writer.add_tokenizer_pre('qwen2' if arch == 'qwen2' else 'smollm')
+    writer.add_tokenizer_pre('qwen2' if arch in ('qwen2', 'qwen3') else 'smollm')
     writer.add_token_list(list(vocab))
     types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
              for t in vocab]
@@ -217,17 +219,33 @@ def _add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str) -> 
 def build_tiny_hf(folder, arch: str = 'llama', seed: int = 0, *, dims: TinyDims = TinyDims(),
                   tied: Optional[bool] = None, dtype: str = 'float32') -> pathlib.Path:
     """Write the same weights as an HF checkpoint folder (NEOX layout, safetensors)."""
+    weights = tiny_weights(arch, seed, dims, tied)
+    config = {
+        'architectures': ['Qwen2ForCausalLM' if arch == 'qwen2' else 'LlamaForCausalLM'],
+        'model_type': arch, 'hidden_size': dims.hidden, 'intermediate_size': dims.intermediate,
+        'num_hidden_layers': dims.layers, 'num_attention_heads': dims.heads,
+        'num_key_value_heads': dims.kv_heads, 'max_position_embeddings': dims.context,
+        'rms_norm_eps': dims.rms_eps, 'rope_theta': dims.rope_theta, 'rope_scaling': None,
+        'vocab_size': len(tiny_vocab()), 'tie_word_embeddings': 'lm_head' not in weights,
+        'bos_token_id': BOS_ID, 'eos_token_id': EOS_ID, 'torch_dtype': dtype,
+        'hidden_act': 'silu',
+    }
+    return write_hf_folder(folder, weights, config, dtype)
+
+
+def write_hf_folder(folder, weights: Dict[str, np.ndarray], config: dict,
+                    dtype: str = 'float32') -> pathlib.Path:
+    """Write role-keyed weights (NEOX layout) as an HF folder with config and tokenizer files."""
     from safetensors.numpy import save_file
     from tokenizers import decoders, models, pre_tokenizers, Tokenizer
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = tiny_weights(arch, seed, dims, tied)
     np_dtype = {'float32': np.float32, 'float16': np.float16}[dtype]
     tensors = {'model.embed_tokens.weight': weights['embed'],
                'model.norm.weight': weights['final_norm']}
     if 'lm_head' in weights:
         tensors['lm_head.weight'] = weights['lm_head']
-    for i in range(dims.layers):
+    for i in range(config['num_hidden_layers']):
         p, hp = f'{i}.', f'model.layers.{i}.'
         for role, hname in _LAYER_HF.items():
             tensors[f'{hp}{hname}.weight'] = weights[p + role]
@@ -236,20 +254,13 @@ def build_tiny_hf(folder, arch: str = 'llama', seed: int = 0, *, dims: TinyDims 
         for role in ('q', 'k', 'v'):
             if p + role + '_bias' in weights:
                 tensors[f'{hp}self_attn.{role}_proj.bias'] = weights[p + role + '_bias']
+        for role in ('q', 'k'):
+            if p + role + '_norm' in weights:
+                tensors[f'{hp}self_attn.{role}_norm.weight'] = weights[p + role + '_norm']
     save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()},
               str(folder / 'model.safetensors'), metadata={'format': 'pt'})
-    vocab = tiny_vocab()
-    config = {
-        'architectures': ['Qwen2ForCausalLM' if arch == 'qwen2' else 'LlamaForCausalLM'],
-        'model_type': arch, 'hidden_size': dims.hidden, 'intermediate_size': dims.intermediate,
-        'num_hidden_layers': dims.layers, 'num_attention_heads': dims.heads,
-        'num_key_value_heads': dims.kv_heads, 'max_position_embeddings': dims.context,
-        'rms_norm_eps': dims.rms_eps, 'rope_theta': dims.rope_theta, 'rope_scaling': None,
-        'vocab_size': len(vocab), 'tie_word_embeddings': 'lm_head' not in weights,
-        'bos_token_id': BOS_ID, 'eos_token_id': EOS_ID, 'torch_dtype': dtype,
-        'hidden_act': 'silu',
-    }
     (folder / 'config.json').write_text(json.dumps(config, indent=2))
+    vocab = tiny_vocab()
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)},
                                [tuple(m.split(' ')) for m in MERGES]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,29 +9,32 @@ that permutation (a row permutation, exact on quantized rows too).
 from dataclasses import dataclass, field
 import json
 import pathlib
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from .architectures import (architecture, llama3_rope_factors, ROPE_SCALING_TYPES,
+                            SUPPORTED_ARCHITECTURES)
 from .errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ('llama', 'qwen2')
-# GGML tensor types the converter accepts; anything gguf.quants can dequantize would work,
-# but these are the ones tested.
+# GGML tensor types the converter accepts (each checked against llama.cpp in
+# test_llama_cpp_parity); others are refused by name.
 SUPPORTED_GGML_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0',
-                        'Q4_K', 'Q5_K', 'Q6_K')
+                        'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K', 'IQ4_NL', 'IQ4_XS')
 LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
                'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
                'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
-               'v_bias': 'attn_v.bias'}
+               'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
+               'k_norm': 'attn_k_norm.weight'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
              'gate': 'mlp.gate_proj.weight', 'up': 'mlp.up_proj.weight',
              'down': 'mlp.down_proj.weight', 'q_bias': 'self_attn.q_proj.bias',
-             'k_bias': 'self_attn.k_proj.bias', 'v_bias': 'self_attn.v_proj.bias'}
+             'k_bias': 'self_attn.k_proj.bias', 'v_bias': 'self_attn.v_proj.bias',
+             'q_norm': 'self_attn.q_norm.weight', 'k_norm': 'self_attn.k_norm.weight'}
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ class ModelSpec:
     rms_norm_eps: float
     tied_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
+    # RoPE angle of frequency i at position p: p * rope_scale * theta**(-2i/d) / factors[i]
+    # (llama.cpp's freq_scale and rope_freqs; Llama 3.1 scaling is the factors).
+    rope_scale: float = 1.0
+    rope_freq_factors: Optional[Tuple[float, ...]] = None
 
 
 @dataclass
@@ -124,7 +132,8 @@ def load_checkpoint(source: str) -> Checkpoint:
     except (TypeError, ValueError, KeyError) as exc:
         # Metadata of an unexpected form (e.g. per-layer head counts) or a malformed header.
         raise UnsupportedModelError(f'{path}: cannot read the model description ({exc!r}); '
-                                    'it is not a plain llama/qwen2 checkpoint') from exc
+                                    'it is not a plain '
+                                    f'{"/".join(SUPPORTED_ARCHITECTURES)} checkpoint') from exc
 
 
 def unpermute_llama_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -160,17 +169,19 @@ def _field(reader, key: str, default=None, required: bool = False):
 def _load_gguf(path: pathlib.Path) -> Checkpoint:
     reader = _open_gguf(path)
     arch = _field(reader, 'general.architecture', required=True)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f'{path}: architecture {arch!r} is not supported; supported: '
-            f'{", ".join(SUPPORTED_ARCHITECTURES)} (Llama, SmolLM, Mistral-style, Qwen2)')
+    family = architecture(arch, str(path))
 
     def key(k: str, default=None, required: bool = False):
         return _field(reader, f'{arch}.{k}', default, required)
 
-    scaling = key('rope.scaling.type', 'none')
-    if scaling not in (None, 'none', ''):
-        raise UnsupportedModelError(f'{path}: RoPE scaling {scaling!r} is not supported')
+    scaling = key('rope.scaling.type', 'none') or 'none'
+    if scaling not in ROPE_SCALING_TYPES:
+        raise UnsupportedModelError(
+            f'{path}: RoPE scaling type {scaling!r} is not supported (supported: '
+            f'{", ".join(ROPE_SCALING_TYPES)}, and Llama 3 rope_freqs); use a GGUF of the '
+            'model without long-context scaling or one converted for its base context')
+    # As llama.cpp: the factor applies whatever the type says (0 or absent: none).
+    factor = float(key('rope.scaling.factor', 0.0) or key('rope.scale_linear', 0.0) or 0.0)
     hidden = int(key('embedding_length', required=True))
     heads = int(key('attention.head_count', required=True))
     kv_heads = int(key('attention.head_count_kv', heads))
@@ -183,9 +194,6 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     names = {}
     for t in reader.tensors:
         names[t.name] = t
-    if 'rope_freqs.weight' in names:
-        raise UnsupportedModelError(f'{path}: per-frequency RoPE factors (rope_freqs, Llama 3.1 '
-                                    'long-context scaling) are not supported')
     layers = int(key('block_count', required=True))
     wanted = {'embed': 'token_embd.weight', 'final_norm': 'output_norm.weight',
               'lm_head': 'output.weight'}
@@ -197,7 +205,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         if t is None:
             continue
         tensors[ckey] = _gguf_tensor(path, t)
-    if arch == 'llama':
+    if family.gguf_permuted_qk:
         # llama.cpp stored Q/K with interleaved RoPE pairs; bring them back to NEOX halves.
         for i in range(layers):
             for role, n in (('q', heads), ('k', kv_heads)):
@@ -218,7 +226,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         rope_theta=_f32(key('rope.freq_base', 10000.0)),
         rms_norm_eps=_f32(key('attention.layer_norm_rms_epsilon', 1e-5)),
         tied_embeddings='lm_head' not in tensors,
-        attention_bias='0.q_bias' in tensors)
+        attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
+        rope_scale=1.0 / factor if factor else 1.0,
+        rope_freq_factors=_rope_freqs(path, names.get('rope_freqs.weight'), head_dim))
 
     def write_tokenizer(out_dir: pathlib.Path) -> dict:
         return _write_gguf_tokenizer(reader, out_dir)
@@ -226,6 +236,19 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, path, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _rope_freqs(path: pathlib.Path, t, head_dim: int) -> Optional[Tuple[float, ...]]:
+    """Read a GGUF's rope_freqs tensor (per-frequency RoPE divisors), if it has one."""
+    if t is None:
+        return None
+    factors = _gguf_tensor(path, t).dequantize().reshape(-1)
+    if factors.shape[0] != head_dim // 2 or not (np.isfinite(factors).all() and
+                                                 (factors > 0).all()):
+        raise ModelLoadError(f'{path}: tensor rope_freqs.weight has {factors.shape[0]} '
+                             f'values, expected {head_dim // 2} positive ones (head_dim / 2); '
+                             'the GGUF contradicts its own header: convert the model again')
+    return tuple(float(f) for f in factors)
 
 
 def _f32(value) -> float:
@@ -278,13 +301,7 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
     arch = cfg.get('model_type')
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f'{folder}: model_type {arch!r} is not supported; supported: '
-            f'{", ".join(SUPPORTED_ARCHITECTURES)}')
-    scaling = cfg.get('rope_scaling')
-    if scaling and scaling.get('rope_type', scaling.get('type')) not in (None, 'default'):
-        raise UnsupportedModelError(f'{folder}: rope_scaling {scaling!r} is not supported')
+    family = architecture(arch, f'{folder} (model_type)')
     if cfg.get('hidden_act', 'silu') != 'silu':
         raise UnsupportedModelError(f'{folder}: activation {cfg["hidden_act"]!r} is not '
                                     'supported (only SiLU/SwiGLU)')
@@ -295,6 +312,9 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     raw = _read_safetensors(files)
     heads = int(cfg['num_attention_heads'])
     hidden = int(cfg['hidden_size'])
+    head_dim = int(cfg.get('head_dim') or hidden // heads)
+    theta = float(cfg.get('rope_theta', 10000.0))
+    rope_scale, factors = _hf_rope_scaling(folder, cfg.get('rope_scaling'), head_dim, theta)
     wanted = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight',
               'lm_head': 'lm_head.weight'}
     layers = int(cfg['num_hidden_layers'])
@@ -310,13 +330,12 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
         intermediate_size=int(cfg['intermediate_size']), num_heads=heads,
-        num_kv_heads=int(cfg.get('num_key_value_heads', heads)),
-        head_dim=int(cfg.get('head_dim') or hidden // heads),
+        num_kv_heads=int(cfg.get('num_key_value_heads', heads)), head_dim=head_dim,
         vocab_size=tensors['embed'].shape[0],
         max_position_embeddings=int(cfg.get('max_position_embeddings', 2048)),
-        rope_theta=float(cfg.get('rope_theta', 10000.0)),
-        rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
-        tied_embeddings=tied, attention_bias='0.q_bias' in tensors)
+        rope_theta=theta, rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
+        tied_embeddings=tied, attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
+        rope_scale=rope_scale, rope_freq_factors=factors)
 
     def write_tokenizer(out_dir: pathlib.Path) -> dict:
         return _write_hf_tokenizer(folder, cfg, out_dir)
@@ -324,6 +343,28 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], head_dim: int,
+                     theta: float) -> Tuple[float, Optional[Tuple[float, ...]]]:
+    """Return (rope_scale, freq factors) for an HF config's rope_scaling.
+
+    As llama.cpp's converter turns it into GGUF metadata (linear: freq_scale; llama3:
+    rope_freqs).
+    """
+    kind = (scaling or {}).get('rope_type', (scaling or {}).get('type')) or 'default'
+    if kind == 'default':
+        return 1.0, None
+    if kind == 'linear':
+        return 1.0 / float(scaling['factor']), None
+    if kind == 'llama3':
+        return 1.0, llama3_rope_factors(
+            head_dim, theta, float(scaling['factor']), float(scaling['low_freq_factor']),
+            float(scaling['high_freq_factor']),
+            int(scaling['original_max_position_embeddings']))
+    raise UnsupportedModelError(f'{folder}: rope_scaling type {kind!r} is not supported '
+                                '(supported: default, linear, llama3); use a checkpoint '
+                                'without it')
 
 
 def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
@@ -428,11 +469,14 @@ def _check_shapes(ckpt: Checkpoint) -> None:
         if s.attention_bias:
             expect.update({f'{i}.q_bias': (q_out,), f'{i}.k_bias': (kv_out,),
                            f'{i}.v_bias': (kv_out,)})
+        if s.qk_norm:
+            expect.update({f'{i}.q_norm': (s.head_dim,), f'{i}.k_norm': (s.head_dim,)})
     for k, shape in expect.items():
         t = ckpt.tensor(k)
         if tuple(t.shape) != shape:
             raise ModelLoadError(f'{ckpt.source_path}: tensor {t.name} has shape {t.shape}, '
-                                 f'expected {shape} from the hyper-parameters in the header')
+                                 f"but the header's hyper-parameters need {shape}: the file "
+                                 'contradicts itself; convert the model again')
         if len(shape) == 1 and t.qtype not in ('F32', 'F16', 'BF16'):
             raise UnsupportedModelError(f'{ckpt.source_path}: vector {t.name} is stored as '
                                         f'{t.qtype}; only float vectors are supported')

@@ -87,13 +87,13 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
 
     Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
-    ConversionError when the output cannot be written. precision='source' keeps GGUF blocks
-    wider than 4 bits (Q8_0, Q6_K, Q5_*) at 8 bits (Q8_0 exactly); 'int4' makes every matrix
-    4-bit. Q4_0, Q4_1 (exact_q4_1) and Q8_0 blocks are repacked without requantization at
-    block size 32. An existing `out_dir` is replaced only with overwrite=True. verify=True
-    opens the result with onnxruntime before it is moved into place. offset_levels: how Q4_1
-    offsets are computed (None: folded into the matmul at accuracy_level 4, exact otherwise;
-    see GraphOptions).
+    ConversionError when the output cannot be written. precision='source' repacks every
+    supported GGUF block type without requantization (4-bit codes for Q4_0/Q4_1/Q2_K/Q3_K/
+    Q4_K, 8-bit for Q5_*/Q6_K/Q8_0/IQ4_*; Q4_1 needs exact_q4_1) and float weights at 8 bits;
+    'int4' makes every matrix 4-bit (docs/quantization.md). An existing `out_dir` is replaced
+    only with overwrite=True. verify=True opens the result with onnxruntime before it is moved
+    into place. offset_levels: how Q4_1 / Q4_K / Q2_K offsets are computed (None: folded into
+    the matmul at accuracy_level 4, exact otherwise; see GraphOptions).
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
                           precision, offset_levels)
@@ -174,6 +174,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'hidden_size': s.hidden_size, 'vocab_size': s.vocab_size,
         'max_position_embeddings': s.max_position_embeddings,
         'rope_theta': float(s.rope_theta), 'rms_norm_eps': float(s.rms_norm_eps),
+        'rope_scaling': {'scale': float(s.rope_scale),
+                         'freq_factors': s.rope_freq_factors is not None},
+        'qk_norm': bool(s.qk_norm),
         'activation_dtype': opts.activation_dtype,
         'bos_token_id': specials.get('bos_token_id'),
         'eos_token_ids': list(specials.get('eos_token_ids', [])),
@@ -212,7 +215,9 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         qkv_bias=bias,
         o=_blocks(ckpt, p + 'o', opts),
         gate_up=concat_rows([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
-        down=_blocks(ckpt, p + 'down', opts))
+        down=_blocks(ckpt, p + 'down', opts),
+        q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
+        k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None)
 
 
 def _verify(folder: pathlib.Path) -> None:
@@ -285,8 +290,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     """CLI of edge-llm-convert."""
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
-        description='Convert a GGUF file or an HF safetensors folder (llama, qwen2) into an '
-                    'ONNX Runtime INT4 model folder for edge_llm_ros.')
+        description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3) '
+                    'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', help='model folder to create')
     p.add_argument('--block-size', type=int, default=32, help='INT4 block size (default 32)')
@@ -302,8 +307,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         'them exact with per-block offsets (~6%% smaller, ~10%% faster decode, '
                         'but lossy: on SmolLM2 logits move by up to ~12)')
     p.add_argument('--precision', default='source', choices=PRECISIONS,
-                   help='source (default): keep Q8_0/Q6_K/Q5_* tensors at 8 bits (Q8_0 '
-                        'exactly); int4: every matrix 4-bit (smaller, faster, lossy)')
+                   help='source (default): GGUF blocks repacked exactly (4 or 8 bits, see '
+                        'docs/quantization.md), float weights at 8 bits; int4: every matrix '
+                        '4-bit (smaller, faster, lossy)')
     p.add_argument('--offset-levels', type=int, default=None, choices=(0, 1, 2, 3),
                    help='exact Q4_1 offsets: 0 = a separate exact float term; 1-3 = folded '
                         'into the matmul as that many 4-bit levels (default: 2 at accuracy '

@@ -71,12 +71,21 @@ class LayerWeights:
     o: BlockWeights
     gate_up: List[BlockWeights]  # [fused gate|up] or [gate, up]
     down: BlockWeights
+    q_norm: Optional[np.ndarray] = None  # per-head RMSNorm weights [head_dim] (qwen3)
+    k_norm: Optional[np.ndarray] = None
 
 
 def rope_cache(spec: ModelSpec, length: int) -> tuple:
-    """cos/sin tables [length, head_dim/2] for NEOX RoPE (float64 math, float32 out)."""
+    """cos/sin tables [length, head_dim/2] for NEOX RoPE (float64 math, float32 out).
+
+    Scaled as llama.cpp does: every angle times rope_scale (its freq_scale), frequency i
+    divided by rope_freq_factors[i] (its rope_freqs tensor: Llama 3.1 scaling).
+    """
     half = spec.head_dim // 2
     inv_freq = 1.0 / (spec.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / spec.head_dim))
+    inv_freq = inv_freq * spec.rope_scale
+    if spec.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(spec.rope_freq_factors, dtype=np.float64)
     angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
@@ -212,7 +221,9 @@ class DecoderGraph:
         (the tied lm_head reads the embedding table, which cannot carry extra blocks).
         """
         k_in = None
-        if ref is None and w.offsets is not None and self.opts.offset_levels:
+        # Folding needs 4-bit blocks; 8-bit weights with offsets (Q5_1, Q5_K) keep the exact
+        # float term.
+        if ref is None and w.offsets is not None and self.opts.offset_levels and w.bits == 4:
             k_in = w.shape[1]
             w, copies = fold_offsets(w, self.opts.offset_levels)
             k_in += copies * k_in // w.block_size
@@ -309,16 +320,42 @@ class DecoderGraph:
         self._residual = residual
 
     def _qkv(self, h: str, lw: LayerWeights, p: str) -> List[str]:
-        """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v."""
+        """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v.
+
+        With per-head q/k norms the packed output is split and q, k normalized (GQA ropes
+        them afterwards, as llama.cpp does).
+        """
+        s = self.spec
         if len(lw.qkv) == 1:
-            return [self._linear(h, lw.qkv[0], f'{p}.attn.qkv_proj', bias=lw.qkv_bias), '', '']
-        outs, row = [], 0
-        for w, role in zip(lw.qkv, 'qkv'):
-            n = w.shape[0]
-            bias = None if lw.qkv_bias is None else lw.qkv_bias[row:row + n]
-            outs.append(self._linear(h, w, f'{p}.attn.{role}_proj', bias=bias))
-            row += n
+            qkv = self._linear(h, lw.qkv[0], f'{p}.attn.qkv_proj', bias=lw.qkv_bias)
+            if lw.q_norm is None:
+                return [qkv, '', '']
+            q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            sizes = self._const_i64(f'split_qkv_{q_out}_{kv_out}', [q_out, kv_out, kv_out])
+            outs = self._node('Split', [qkv, sizes], n_out=3, axis=-1)
+        else:
+            outs, row = [], 0
+            for w, role in zip(lw.qkv, 'qkv'):
+                n = w.shape[0]
+                bias = None if lw.qkv_bias is None else lw.qkv_bias[row:row + n]
+                outs.append(self._linear(h, w, f'{p}.attn.{role}_proj', bias=bias))
+                row += n
+        if lw.q_norm is not None:
+            outs[0] = self._head_norm(outs[0], lw.q_norm, f'{p}.attn.q_norm')
+            outs[1] = self._head_norm(outs[1], lw.k_norm, f'{p}.attn.k_norm')
         return outs
+
+    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
+        """Apply RMSNorm to every head of x [1, S, heads*head_dim] over head_dim."""
+        d = self.spec.head_dim
+        heads = self._const_i64(f'shape_heads_of_{d}', [0, 0, -1, d])
+        (r,) = self._node('Reshape', [x, heads])
+        (n,) = self._node('SimplifiedLayerNormalization', [r, self._norm(gamma, prefix)],
+                          name=f'{prefix}/norm', axis=-1, epsilon=float(self.spec.rms_norm_eps),
+                          stash_type=1)
+        flat = self._const_i64('shape_flat_heads', [0, 0, -1])
+        (y,) = self._node('Reshape', [n, flat])
+        return y
 
     def finish(self, final_norm: np.ndarray, lm_head: Optional[BlockWeights]) -> onnx.ModelProto:
         """Add the final norm on the last position and lm_head (tied when None)."""

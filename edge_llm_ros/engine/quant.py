@@ -13,17 +13,28 @@ Exact repacks (no requantization):
   `offset` m + d*z. The graph either adds block_sum(x) @ offsets.T exactly or, with
   fold_offsets, folds the offsets into extra 4-bit blocks of the same MatMulNBits. `exact=False`
   re-quantizes it instead.
-Everything else is dequantized with gguf's own dequantizer and re-quantized (asymmetric).
+- Every other GGUF block type with a uniform grid (Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) is
+  affine per sub-block, w = s * code + o, and is repacked the same way at its own sub-block
+  size (16 or 32): codes kept, 4-bit storage for codes of <= 4 bits, 8-bit above; an integer
+  zero point where -o/s is one (Q3_K, Q5_0, Q6_K), else the Q4_1 form with offsets (Q2_K,
+  Q4_K, Q5_1, Q5_K). IQ4_NL / IQ4_XS (a non-uniform 16-value int8 grid times a scale) are
+  exact as 8-bit codes grid + 128. The scales and offsets are read back through gguf's own
+  dequantizer (probe blocks with every code set to 0 and to 1), so no bit layout is decoded
+  twice; they are exact up to float32 rounding of s = w(1) - w(0).
+Everything else (and wide types under precision='int4') is dequantized with gguf's own
+dequantizer and re-quantized (asymmetric).
 """
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .checkpoint import SourceTensor
+from .errors import ModelLoadError
 
-# Source types with more than 4 bits per weight: kept at 8 bits under precision='source'.
-WIDE_TYPES = ('Q5_0', 'Q5_1', 'Q5_K', 'Q6_K', 'Q8_0')
+# Source types with more than 4 bits per weight: kept at 8 bits under precision='source'
+# (float sources too: 4-bit would not be the near-exact default the converter promises).
+WIDE_TYPES = ('Q5_0', 'Q5_1', 'Q5_K', 'Q6_K', 'Q8_0', 'IQ4_NL', 'IQ4_XS', 'F32', 'F16', 'BF16')
 PRECISIONS = ('source', 'int4')
 _SLAB_ELEMENTS = 1 << 22
 
@@ -147,6 +158,93 @@ def from_q8_0(raw: np.ndarray, cols: int) -> BlockWeights:
     return BlockWeights(q.astype(np.uint8), d, np.full(d.shape, 128, np.uint8), 32, bits=8)
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a GGML block type keeps its codes, for the probes of from_affine_blocks.
+
+    code_bytes: (start, stop, byte value) ranges of each block that hold the codes: all-zero
+    bytes give every element raw code 0; the given values give raw code 1 (0x11: two nibbles,
+    0x55: four 2-bit fields, 0 for high-bit planes). grid: codes index IQ4's int8 value grid.
+    """
+
+    sub: int
+    code_bits: int
+    code_bytes: Tuple[Tuple[int, int, int], ...]
+    grid: bool = False
+
+    @property
+    def storage_bits(self) -> int:
+        return 8 if self.grid or self.code_bits > 4 else 4
+
+
+# ggml-common.h block structs (byte offsets inside one block).
+EXACT_LAYOUTS: Dict[str, BlockLayout] = {
+    'Q5_0': BlockLayout(32, 5, ((2, 6, 0), (6, 22, 0x11))),
+    'Q5_1': BlockLayout(32, 5, ((4, 8, 0), (8, 24, 0x11))),
+    'Q2_K': BlockLayout(16, 2, ((16, 80, 0x55),)),
+    'Q3_K': BlockLayout(16, 3, ((0, 32, 0), (32, 96, 0x55))),
+    'Q4_K': BlockLayout(32, 4, ((16, 144, 0x11),)),
+    'Q5_K': BlockLayout(32, 5, ((16, 48, 0), (48, 176, 0x11))),
+    'Q6_K': BlockLayout(16, 6, ((0, 128, 0x11), (128, 192, 0))),
+    'IQ4_NL': BlockLayout(32, 4, ((2, 18, 0),), grid=True),
+    'IQ4_XS': BlockLayout(32, 4, ((8, 136, 0),), grid=True),
+}
+_IQ4_GRID_FIRST = -127  # kvalues_iq4nl[0]: the value raw code 0 selects
+
+
+def from_affine_blocks(raw: np.ndarray, cols: int, qtype: str) -> BlockWeights:
+    """Repack GGML blocks of a type in EXACT_LAYOUTS without requantizing (see the module)."""
+    import gguf
+    layout = EXACT_LAYOUTS[qtype]
+    gtype = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[gtype]
+    rows = raw.shape[0]
+    blocks = np.asarray(raw).reshape(rows, cols // block, size)
+    sub, nsub = layout.sub, cols // layout.sub
+
+    def dequant(b: np.ndarray) -> np.ndarray:
+        w = gguf.quants.dequantize(b.reshape(rows, -1), gtype)
+        return np.asarray(w, np.float32).reshape(rows, nsub, sub)
+
+    def probe(code: int) -> np.ndarray:
+        b = blocks.copy()
+        for start, stop, value in layout.code_bytes:
+            b[..., start:stop] = value if code else 0
+        return dequant(b)[..., 0]  # one value per sub-block: every code is the same
+
+    w = dequant(blocks)
+    w0 = probe(0)
+    if layout.grid:
+        scale = w0 / np.float32(_IQ4_GRID_FIRST)
+        safe = np.where(scale != 0, scale, 1)[..., None]
+        codes = np.rint(w / safe) + 128
+        codes = np.where(scale[..., None] != 0, codes, 128)
+        return BlockWeights(pack_codes(codes.reshape(rows, cols).astype(np.uint8), sub, 8),
+                            scale.astype(np.float32), np.full(scale.shape, 128, np.uint8),
+                            sub, 8)
+    scale = probe(1) - w0
+    safe = np.where(scale != 0, scale, 1)
+    codes = np.where(scale[..., None] != 0, np.rint((w - w0[..., None]) / safe[..., None]), 0)
+    bits = layout.storage_bits
+    top = (1 << bits) - 1
+    zf = -w0 / safe
+    z = np.where(scale != 0, np.rint(zf), 0)
+    if np.all((np.abs(zf - z) <= 1e-3) | (scale == 0)) and np.all(w0[scale == 0] == 0):
+        # Symmetric about an integer code: a plain zero point, no offsets. Codes are shifted
+        # so the zero point is 2**(bits-1), MatMulNBits' default (symmetric kernels), when
+        # they fit.
+        mid = 1 << (bits - 1)
+        shifted = codes + (mid - z[..., None])
+        if shifted.min() >= 0 and shifted.max() <= top:
+            codes, z = shifted, np.full(z.shape, float(mid))
+        return BlockWeights(pack_codes(codes.reshape(rows, cols).astype(np.uint8), sub, bits),
+                            scale.astype(np.float32), z.astype(np.uint8), sub, bits)
+    z = np.clip(z, 0, top)
+    return BlockWeights(pack_codes(codes.reshape(rows, cols).astype(np.uint8), sub, bits),
+                        scale.astype(np.float32), z.astype(np.uint8), sub, bits,
+                        offsets=(w0 + scale * z).astype(np.float32))
+
+
 def quantize_blocks(w: np.ndarray, block_size: int, bits: int = 4,
                     shrink: Sequence[float] = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85)
                     ) -> BlockWeights:
@@ -199,9 +297,20 @@ def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
         return from_q4_1(t.data, cols, exact=exact)
     if block_size == 32 and t.qtype == 'Q8_0' and bits == 8:
         return from_q8_0(t.data, cols)
-    # Dequantize and requantize a slab of rows at a time: a large embedding as float32 plus
-    # the search's temporaries would otherwise need several GB.
+    # Dequantize (and requantize or probe) a slab of rows at a time: a large embedding as
+    # float32 plus the temporaries would otherwise need several GB.
     step = max(1, _SLAB_ELEMENTS // cols)
+    layout = EXACT_LAYOUTS.get(t.qtype)
+    if block_size == 32 and layout is not None and layout.storage_bits <= bits:
+        with np.errstate(invalid='ignore', divide='ignore'):  # NaN scales: reported below
+            slabs = [from_affine_blocks(t.data[i:i + step], cols, t.qtype)
+                     for i in range(0, t.shape[0], step)]
+        out = slabs[0] if len(slabs) == 1 else concat_rows(slabs)[0]
+        if not (np.isfinite(out.scales).all() and
+                (out.offsets is None or np.isfinite(out.offsets).all())):
+            raise ModelLoadError(f'tensor {t.name!r} ({t.qtype}) has block scales that are not '
+                                 'finite: the file is corrupt; download or convert it again')
+        return out
     slabs = [quantize_blocks(t.rows(i, min(i + step, t.shape[0])).dequantize(), block_size,
                              bits) for i in range(0, t.shape[0], step)]
     return slabs[0] if len(slabs) == 1 else concat_rows(slabs)[0]

@@ -1,0 +1,235 @@
+"""Tiny random GGUFs per architecture and tensor type, written the way llama.cpp expects them.
+
+Real metadata keys and tensor names/layouts (gguf's constants), a 289-token byte-level BPE
+vocabulary llama.cpp loads (tiny_model's), and shapes that are multiples of 256 so every
+K-quant and IQ type has whole super-blocks. Matrices are stored in `ParityCase.wtype`; norm
+vectors and rope_freqs stay F32 as llama.cpp's converter writes them.
+
+Types gguf.quants can encode (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) are quantized from
+random float weights. For the others (K-quants, IQ4_NL, IQ4_XS), which gguf-py cannot
+encode, blocks are random bytes with their fp16 super-scales set so the dequantized rows have
+the wanted spread: a valid block of that type, just not one llama-quantize would pick.
+"""
+from dataclasses import dataclass
+import pathlib
+from typing import Dict, Optional, Tuple
+
+import gguf
+import numpy as np
+from tiny_model import (add_tokenizer, BOS_ID, EOS_ID, llama_cpp_permute, tiny_vocab,
+                        TinyDims, write_hf_folder)
+
+from edge_llm_ros.engine.architectures import llama3_rope_factors
+
+# Byte offsets of the fp16 scale fields inside one block, per type gguf-py cannot encode
+# (ggml-common.h block layouts): (d offset, dmin offset or None, dmin / d). dmin / d is the
+# mean code, so that with random scales and mins (same mean) the weights are centred, as
+# blocks quantized from real weights are.
+RAW_SCALE_FIELDS: Dict[str, Tuple[int, Optional[int], float]] = {
+    'Q2_K': (80, 82, 1.5), 'Q3_K': (108, None, 0.0), 'Q4_K': (0, 2, 7.5),
+    'Q5_K': (0, 2, 15.5), 'Q6_K': (208, None, 0.0), 'IQ4_NL': (0, None, 0.0),
+    'IQ4_XS': (0, None, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One tiny model: family, tensor type of the matrices, and the family's options."""
+
+    arch: str = 'llama'
+    wtype: str = 'Q8_0'
+    seed: int = 0
+    # Multiples of 256 (K-quant super-blocks); qwen3 uses head_dim 64 too (of hidden / heads).
+    dims: TinyDims = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64)
+    tied: bool = False
+    llama3_rope: bool = False  # write a rope_freqs tensor (Llama 3.1 scaling, original ctx 64)
+    linear_rope: float = 0.0   # rope.scaling.type linear with this factor
+    chain: float = 0.25        # weight of the head's next-token term (see random_weights)
+
+    @property
+    def tag(self) -> str:
+        d = self.dims
+        extra = ('' if d == ParityCase.dims else f'-h{d.heads}x{d.head_dim}')
+        extra += ('-l3rope' if self.llama3_rope else '') + (
+            f'-lin{self.linear_rope:g}' if self.linear_rope else '') + (
+            '-tied' if self.tied else '')
+        return f'{self.arch}-{self.wtype.lower()}-s{self.seed}{extra}'
+
+
+def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
+    """Float32 weights in HF layout (NEOX Q/K rows), scaled 1/sqrt(fan_in)."""
+    rng = np.random.default_rng(case.seed)
+    vocab = len(tiny_vocab())
+    c, d = case, case.dims
+    hd = d.head_dim
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    # A tied head reads the embedding: smaller rows keep its logits in a trained model's range.
+    w = {'embed': (rng.standard_normal((vocab, d.hidden)) * (0.3 if c.tied else 1.0)
+                   ).astype(np.float32),
+         'final_norm': norm(d.hidden)}
+    if not c.tied:
+        w['lm_head'] = mat(vocab, d.hidden, 4.0)  # write_gguf adds the next-token term
+    for i in range(d.layers):
+        p = f'{i}.'
+        w[p + 'attn_norm'], w[p + 'ffn_norm'] = norm(d.hidden), norm(d.hidden)
+        w[p + 'q'] = mat(d.heads * hd, d.hidden)
+        w[p + 'k'] = mat(d.kv_heads * hd, d.hidden)
+        w[p + 'v'] = mat(d.kv_heads * hd, d.hidden)
+        w[p + 'o'] = mat(d.hidden, d.heads * hd)
+        w[p + 'gate'] = mat(d.intermediate, d.hidden)
+        w[p + 'up'] = mat(d.intermediate, d.hidden)
+        w[p + 'down'] = mat(d.hidden, d.intermediate)
+        if c.arch == 'qwen2':
+            for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
+                w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
+        if c.arch == 'qwen3':
+            w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
+    return w
+
+
+def random_blocks(rows: int, cols: int, wtype: str, std: float,
+                  rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a type gguf-py cannot encode, rows dequantizing to ~std spread."""
+    qtype = gguf.GGMLQuantizationType[wtype]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    d_at, dmin_at, dmin_ratio = RAW_SCALE_FIELDS[wtype]
+
+    def set_scales(d: np.ndarray) -> None:
+        for at, f in ((d_at, 1.0), (dmin_at, dmin_ratio)):
+            if at is not None:
+                f16 = (d * f).astype(np.float16)[..., None]
+                raw[..., at:at + 2] = np.ascontiguousarray(f16).view(np.uint8)
+
+    set_scales(np.ones(raw.shape[:2]))
+    spread = float(gguf.quants.dequantize(raw.reshape(rows, -1), qtype).std())
+    # Random signs per block: IQ4's grid is not centred, and one sign everywhere would give
+    # every matrix a common bias that swamps the rest.
+    set_scales(std / spread * rng.choice([-1.0, 1.0], size=raw.shape[:2]))
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = None,
+               skip: Tuple[str, ...] = ()) -> pathlib.Path:
+    """Write the case's GGUF (all matrices in case.wtype) and return its path.
+
+    header overrides what the header says (keys: head_count, rope_scaling_type, ...; the
+    tensors keep the case's shapes) to make contradicting files; skip leaves out tensors
+    whose name contains one of its strings.
+    """
+    path = pathlib.Path(path)
+    c, d = case, case.dims
+    w = random_weights(c)
+    rng = np.random.default_rng(c.seed + 1000)
+    vocab = tiny_vocab()
+    writer = gguf.GGUFWriter(str(path), c.arch)
+    meta = {'block_count': d.layers, 'context_length': d.context,
+            'embedding_length': d.hidden, 'feed_forward_length': d.intermediate,
+            'head_count': d.heads, 'head_count_kv': d.kv_heads, 'key_length': d.head_dim,
+            'value_length': d.head_dim, 'rope_freq_base': d.rope_theta,
+            'layer_norm_rms_eps': d.rms_eps, 'rope_dimension_count': d.head_dim,
+            'vocab_size': len(vocab)}
+    if c.linear_rope:
+        meta.update(rope_scaling_type=gguf.RopeScalingType.LINEAR,
+                    rope_scaling_factor=c.linear_rope)
+    meta.update(header or {})
+    writer.add_name(f'tiny-{c.tag}')
+    for key, value in meta.items():
+        if key == 'rope_scaling_type' and isinstance(value, str):
+            writer.add_string(f'{c.arch}.rope.scaling.type', value)  # any name, even unknown
+        else:
+            getattr(writer, f'add_{key}')(value)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_tokenizer(writer, vocab, c.arch)
+
+    def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
+        """Store x (as wtype when a matrix); return the values llama.cpp will read."""
+        if any(part in name for part in skip):
+            return x
+        if not matrix or wtype == 'F32':
+            data, qtype = x.astype(np.float32), None
+        elif wtype == 'F16':
+            data, qtype = x.astype(np.float16), None
+        elif wtype in RAW_SCALE_FIELDS:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), rng)
+        else:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if qtype is None:
+            return data.astype(np.float32)
+        return gguf.quants.dequantize(data, qtype).reshape(x.shape)
+
+    # Types made of random blocks keep the embedding and head in Q8_0 (as Q4_K_M files keep
+    # the head in Q6_K): random 6-bit mins give every row a large common offset, which
+    # would drown the next-token term below.
+    edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
+    embed = put('token_embd.weight', w['embed'], wtype=edge_type)
+    put('output_norm.weight', w['final_norm'], matrix=False)
+    if 'lm_head' in w:
+        # A random head plus a strong 'next token' term (row j reads the embedding of token
+        # j - 1): like a trained head, the top logit stands clear of the next one, so
+        # llama.cpp's own activation rounding (~1% of a logit) makes no near-tie.
+        head = w['lm_head'] + c.chain * np.roll(embed, 1, axis=0)
+        put('output.weight', head, wtype=edge_type)
+    if c.llama3_rope:
+        s = LLAMA3_SCALING
+        factors = llama3_rope_factors(d.head_dim, d.rope_theta, s['factor'],
+                                      s['low_freq_factor'], s['high_freq_factor'],
+                                      s['original_max_position_embeddings'])
+        put('rope_freqs.weight', np.array(factors, np.float32), matrix=False)
+    names = {'q': 'attn_q', 'k': 'attn_k', 'v': 'attn_v', 'o': 'attn_output',
+             'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down'}
+    for i in range(d.layers):
+        p = f'{i}.'
+        for role, gname in names.items():
+            x = w[p + role]
+            if c.arch == 'llama' and role in ('q', 'k'):
+                x = llama_cpp_permute(x, d.heads if role == 'q' else d.kv_heads)
+            put(f'blk.{i}.{gname}.weight', x)
+        put(f'blk.{i}.attn_norm.weight', w[p + 'attn_norm'], matrix=False)
+        put(f'blk.{i}.ffn_norm.weight', w[p + 'ffn_norm'], matrix=False)
+        for role in ('q', 'k', 'v'):
+            if p + role + '_bias' in w:
+                put(f'blk.{i}.attn_{role}.bias', w[p + role + '_bias'], matrix=False)
+        for role in ('q', 'k'):
+            if p + role + '_norm' in w:
+                put(f'blk.{i}.attn_{role}_norm.weight', w[p + role + '_norm'], matrix=False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LLAMA3_SCALING = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                  'high_freq_factor': 4.0, 'original_max_position_embeddings': 64}
+
+
+def write_hf(folder, case: ParityCase) -> pathlib.Path:
+    """Write the case's float weights (before any GGUF encoding) as an HF folder (F32)."""
+    c, d = case, case.dims
+    w = random_weights(c)
+    if 'lm_head' in w:
+        w['lm_head'] = w['lm_head'] + c.chain * np.roll(w['embed'], 1, axis=0)
+    scaling = None
+    if c.llama3_rope:
+        scaling = dict(LLAMA3_SCALING)
+    elif c.linear_rope:
+        scaling = {'rope_type': 'linear', 'factor': c.linear_rope}
+    config = {
+        'model_type': c.arch, 'hidden_size': d.hidden, 'intermediate_size': d.intermediate,
+        'num_hidden_layers': d.layers, 'num_attention_heads': d.heads,
+        'num_key_value_heads': d.kv_heads, 'head_dim': d.head_dim,
+        'max_position_embeddings': d.context, 'rms_norm_eps': d.rms_eps,
+        'rope_theta': d.rope_theta, 'rope_scaling': scaling, 'vocab_size': len(tiny_vocab()),
+        'tie_word_embeddings': c.tied, 'bos_token_id': BOS_ID, 'eos_token_id': EOS_ID,
+        'hidden_act': 'silu'}
+    return write_hf_folder(folder, w, config)
