@@ -21,9 +21,7 @@ import argparse
 import json
 import os
 import pathlib
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +34,7 @@ from rclpy.executors import MultiThreadedExecutor
 from edge_llm_ros.client import LLMClient
 from edge_llm_ros.engine.engine import Engine, EngineConfig
 from edge_llm_ros.engine.types import GenerationRequest
+from edge_llm_ros.node_process import NodeProcess
 
 TARGETS = {'client_vs_engine_tokps': 0.95, 'added_first_feedback_ms': 5.0, 'rss_mb': 450.0,
            'soak_rss_growth': 0.05}
@@ -45,13 +44,10 @@ PROMPT = ('A mobile robot in a warehouse must move ten boxes to shelf B7 and avo
 NODE_NAME = f'llm_node_bench_{os.getpid()}'
 
 
-def start_node(model_path: str, threads: int) -> subprocess.Popen:
-    cmd = [sys.executable, '-m', 'edge_llm_ros.nodes.llm_node', '--ros-args',
-           '-r', f'__node:={NODE_NAME}', '-p', 'autostart:=true',
-           '-p', 'kv.prefix_reuse:=false', '-p', f'engine.intra_op_threads:={threads}']
-    if model_path:
-        cmd += ['-p', f'model.path:={model_path}']
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+def start_node(model_path: str, threads: int) -> NodeProcess:
+    return NodeProcess('llm_node', name=NODE_NAME, params={
+        'autostart': True, 'kv.prefix_reuse': False, 'engine.intra_op_threads': threads,
+        'model.path': model_path})
 
 
 def engine_run(engine: Engine, max_tokens: int) -> Dict[str, float]:
@@ -129,21 +125,12 @@ def main() -> int:
     executor.add_node(client_node)
     spinner = threading.Thread(target=executor.spin, daemon=True)
     spinner.start()
+    client = LLMClient(client_node, node.fqn)
     try:
-        client = LLMClient(client_node, '/' + NODE_NAME)
+        node.wait_until_active(client, timeout=600)
         if not client.wait_for_server(timeout=120):
-            raise SystemExit('llm_node did not come up')
-        deadline = time.monotonic() + 600
-        while not client.tokenize('x', timeout=30).success:   # configured yet?
-            if time.monotonic() > deadline:
-                raise SystemExit('llm_node did not load the model')
-            time.sleep(0.5)
-        while True:   # active yet? (goals before activation are rejected)
-            try:
-                node_run(client, 4)
-                break
-            except Exception:  # noqa: B902 - GoalRejectedError until active
-                time.sleep(0.5)
+            raise SystemExit(f'{node.fqn}/generate did not appear')
+        node_run(client, 4)
         engine_run(engine, 4)
         alone, served = [], []
         for _ in range(args.runs):   # alternate: drift of this shared machine hits both
@@ -153,11 +140,17 @@ def main() -> int:
         soaked = soak(client, node.pid, args.soak) if args.soak else {}
     finally:
         engine.close()
-        node.send_signal(signal.SIGINT)
-        node.wait(30)
-        executor.shutdown(timeout_sec=1)
+        # rclpy down in order (client, executor and its thread, node, context) before the
+        # process exits: a context shut down under a spinning executor aborts the process.
+        client.destroy()
+        executor.shutdown(timeout_sec=5)
+        spinner.join(timeout=10)
         client_node.destroy_node()
         rclpy.try_shutdown()
+        node_exit_code = node.stop()
+        if node_exit_code != 0:
+            print(f'bench_node: {node.fqn} exited with code {node_exit_code} on SIGINT; its '
+                  f'last output:\n{node.tail()}', file=sys.stderr)
 
     engine_tokps = median([r['tokps'] for r in alone])
     client_tokps = median([r['tokps'] for r in served])
@@ -177,7 +170,7 @@ def main() -> int:
         'added_first_feedback_ms': (first_fb - engine_ttft) * 1e3,
         'ros_overhead_first_feedback_ms': overhead * 1e3,
         'node_rss_mb': rss / 2**20, 'soak': soaked, 'alone': alone, 'served': served,
-        'node_exit_code': node.returncode,
+        'node_exit_code': node_exit_code,
     }
     checks = {
         'client_vs_engine_tokps': report['client_vs_engine_tokps'] >= TARGETS[

@@ -24,8 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,30 +44,8 @@ from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from edge_llm_msgs.msg import TensorHandle  # noqa: E402
 from edge_llm_ros.client import LLMClient  # noqa: E402
 from edge_llm_ros.ipc.resolver import TensorResolver  # noqa: E402
+from edge_llm_ros.node_process import NodeProcess, NodeStopError  # noqa: E402
 from edge_llm_ros.nodes.tensor_output import SENSOR_QOS  # noqa: E402
-
-
-def spawn(module: str, name: str, params: Dict[str, object],
-          env: Dict[str, str]) -> subprocess.Popen:
-    """Start a node module with ROS parameters; output goes to a log file."""
-    cmd = [sys.executable, '-m', f'edge_llm_ros.nodes.{module}', '--ros-args',
-           '-r', f'__node:={name}']
-    for key, value in params.items():
-        cmd += ['-p', f'{key}:={str(value).lower() if isinstance(value, bool) else value}']
-    log = open(pathlib.Path(env['EDGE_LLM_IPC_DIR']).parent / f'{name}.log', 'w')
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, **env))
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT, then SIGKILL after 15 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def stats_ms(values: List[float]) -> Dict[str, float]:
@@ -111,7 +87,7 @@ class Recorder:
             return self.latest
 
 
-def cpu_seconds(proc: subprocess.Popen) -> float:
+def cpu_seconds(proc: NodeProcess) -> float:
     times = psutil.Process(proc.pid).cpu_times()
     return times.user + times.system
 
@@ -125,19 +101,20 @@ def run_config(node, width: int, height: int, rate: float, seconds: float, warmu
     if llm_dir:
         perception_params['model.llm_path'] = llm_dir
     procs = {
-        'frame_source': spawn('frame_source', f'{tag}_frames', {
-            'width': width, 'height': height, 'rate_hz': rate, 'pool.id': f'{tag}_frames'},
-            env),
-        'perception': spawn('perception', f'{tag}_perception', perception_params, env),
+        'frame_source': NodeProcess('frame_source', name=f'{tag}_frames', env=env, params={
+            'width': width, 'height': height, 'rate_hz': rate, 'pool.id': f'{tag}_frames'}),
+        'perception': NodeProcess('perception', name=f'{tag}_perception', env=env,
+                                  params=perception_params),
     }
     if llm_dir:
-        procs['llm_node'] = spawn('llm_node', f'{tag}_llm', {
-            'autostart': True, 'model.path': llm_dir}, env)
+        procs['llm_node'] = NodeProcess('llm_node', name=f'{tag}_llm', env=env, params={
+            'autostart': True, 'model.path': llm_dir})
     frames = Recorder(node, f'/{tag}_frames/frames')
     embeddings = Recorder(node, f'/{tag}_perception/embeddings')
     try:
         if embeddings.wait_next(120) is None:
-            raise RuntimeError(f'no embeddings within 120 s; see the logs in {tmp}')
+            tails = '\n'.join(f'{k}:\n{p.tail()}' for k, p in procs.items())
+            raise RuntimeError(f'no embeddings within 120 s; last output:\n{tails}')
         time.sleep(warmup)
         cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
         frames.recording = embeddings.recording = True
@@ -156,39 +133,54 @@ def run_config(node, width: int, height: int, rate: float, seconds: float, warmu
             'cpu_percent': cpu,
         }
         if llm_dir:
-            result['llm'] = measure_goals(node, embeddings, f'/{tag}_llm', env, goals)
+            result['llm'] = measure_goals(node, embeddings, procs['llm_node'], env, goals)
         return result
     finally:
-        for proc in procs.values():
-            stop(proc)
+        _stop_all(procs.values())
 
 
-def measure_goals(node, embeddings: Recorder, server: str, env: Dict[str, str],
+def _stop_all(procs) -> None:
+    """Stop every node (SIGINT); raise afterwards if one had to be killed."""
+    errors = []
+    for proc in procs:
+        try:
+            proc.stop(timeout=15)
+        except NodeStopError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise RuntimeError('\n'.join(errors))
+
+
+def measure_goals(node, embeddings: Recorder, llm: NodeProcess, env: Dict[str, str],
                   goals: int) -> dict:
     """Measure capture -> first token for goals carrying a fresh embeddings handle."""
-    client = LLMClient(node, server)
-    if not client.wait_for_server(timeout=120):
-        raise RuntimeError(f'{server} not discovered')
+    client = LLMClient(node, llm.fqn)
     first_token, goal_ms = [], []
-    with TensorResolver(socket_dir=env['EDGE_LLM_IPC_DIR'], name='bench') as resolver:
-        for _ in range(goals + 1):        # the first goal warms the engine up
-            handle = embeddings.wait_next(30)
-            stamp = handle.header.stamp.sec * 10**9 + handle.header.stamp.nanosec
-            with resolver.borrow(handle):      # held: perception cannot rewrite it meanwhile
-                first: List[int] = []
+    try:
+        llm.wait_until_active(client, timeout=600)
+        if not client.wait_for_server(timeout=120):
+            raise RuntimeError(f'{llm.fqn}/generate not discovered')
+        with TensorResolver(socket_dir=env['EDGE_LLM_IPC_DIR'], name='bench') as resolver:
+            for _ in range(goals + 1):        # the first goal warms the engine up
+                handle = embeddings.wait_next(30)
+                stamp = handle.header.stamp.sec * 10**9 + handle.header.stamp.nanosec
+                with resolver.borrow(handle):      # held: perception cannot rewrite it meanwhile
+                    first: List[int] = []
 
-                def on_feedback(_, first=first) -> None:
-                    if not first:       # the first feedback carries the first token
-                        first.append(node.get_clock().now().nanoseconds)
-                sent = node.get_clock().now().nanoseconds
-                outcome = client.generate('What do you see?', prefix_embeddings=[handle],
-                                          max_tokens=1, temperature=0.0,
-                                          on_feedback=on_feedback).result(timeout=120)
-            if not outcome.ok:
-                raise RuntimeError(f'goal failed: {outcome.error_message}')
-            done = first[0] if first else node.get_clock().now().nanoseconds
-            first_token.append(done - stamp)
-            goal_ms.append(done - sent)
+                    def on_feedback(_, first=first) -> None:
+                        if not first:       # the first feedback carries the first token
+                            first.append(node.get_clock().now().nanoseconds)
+                    sent = node.get_clock().now().nanoseconds
+                    outcome = client.generate('What do you see?', prefix_embeddings=[handle],
+                                              max_tokens=1, temperature=0.0,
+                                              on_feedback=on_feedback).result(timeout=120)
+                if not outcome.ok:
+                    raise RuntimeError(f'goal failed: {outcome.error_message}')
+                done = first[0] if first else node.get_clock().now().nanoseconds
+                first_token.append(done - stamp)
+                goal_ms.append(done - sent)
+    finally:
+        client.destroy()
     return {'capture_to_first_token_ms': stats_ms(first_token[1:]),
             'goal_to_first_token_ms': stats_ms(goal_ms[1:]),
             'prompt_tokens': outcome.prompt_tokens}
@@ -221,6 +213,7 @@ def main() -> int:
                                           args.goals))
     finally:
         executor.shutdown(timeout_sec=2)
+        spinner.join(timeout=5)
         node.destroy_node()
         rclpy.try_shutdown()
     print(json.dumps({'bench': 'vision', 'cpus': os.cpu_count(), 'results': results},

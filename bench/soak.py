@@ -30,12 +30,13 @@ import json
 import os
 import pathlib
 import random
-import signal
-import subprocess
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge_llm_ros.node_process import NodeProcess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ('robot', 'arm', 'gripper', 'shelf', 'box', 'battery', 'path', 'map', 'dock', 'aisle',
@@ -117,50 +118,6 @@ def sample(pid: int) -> Sample:
         rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmRSS:'))
     return Sample(rss_bytes=rss, fds=len(os.listdir(f'/proc/{pid}/fd')),
                   threads=len(os.listdir(f'/proc/{pid}/task')))
-
-
-class NodeProcess:
-    """llm_node as a child process (autostart), stopped with SIGINT."""
-
-    def __init__(self, name: str, params: Dict[str, object]) -> None:
-        cmd = [sys.executable, '-m', 'edge_llm_ros.nodes.llm_node', '--ros-args',
-               '-r', f'__node:={name}']
-        for key, value in params.items():
-            if isinstance(value, bool):
-                value = str(value).lower()
-            elif value == '':
-                value = "''"   # overrides are read as YAML: a bare `key:=` does not parse
-            cmd += ['-p', f'{key}:={value}']
-        self.lines: Deque[str] = collections.deque(maxlen=300)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=str(ROOT), env=dict(os.environ))
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.alive():
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._reader.join(timeout=5)
-        return self.proc.returncode
-
-    def log(self) -> str:
-        return '\n'.join(self.lines)
 
 
 class Transcripts:
@@ -369,6 +326,7 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
     from rclpy.executors import MultiThreadedExecutor
 
     from edge_llm_ros.client import LLMClient
+    from edge_llm_ros.node_process import NodeProcess, NodeStopError
     name = config.node_name or f'llm_soak_{os.getpid()}'
     server = '/' + name
     params: Dict[str, object] = {'autostart': True, 'model.path': config.model_path,
@@ -377,7 +335,7 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
     if config.max_context:
         params['kv.max_context'] = config.max_context
     report = SoakReport(config=asdict(config))
-    node = NodeProcess(name, params)
+    node = NodeProcess('llm_node', name=name, params=params, keep_lines=300)
     rclpy.init()
     executor = MultiThreadedExecutor(num_threads=4 + config.clients)
     ros_nodes, clients = [], []
@@ -391,10 +349,10 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         transcripts = Transcripts(ros_nodes[0], server)
         spin.start()
         clients = [LLMClient(n, server) for n in ros_nodes]
+        node.wait_until_active(clients[0], timeout=180)
         for client in clients:
             if not client.wait_for_server(timeout=120):
-                raise RuntimeError(f'{server}/generate never appeared:\n{node.log()}')
-        _wait_active(diag, node)
+                raise RuntimeError(f'{server}/generate never appeared:\n{node.tail()}')
         log(f'soak: {name} (pid {node.pid}) active; warm-up {config.warmup} goals')
 
         probe = {'prompt': 'What color is the sky?', 'max_tokens': 4}
@@ -455,10 +413,16 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         for client in clients:
             client.destroy()
         executor.shutdown(timeout_sec=2)
+        if spin.is_alive():
+            spin.join(timeout=5)
         for ros_node in ros_nodes:
             ros_node.destroy_node()
         rclpy.try_shutdown()
-        report.node_exit_code = node.stop()
+        try:
+            report.node_exit_code = node.stop()
+        except NodeStopError as exc:
+            log(f'soak: {exc}')
+            report.node_exit_code = exc.returncode
         report.node_traceback = 'Traceback' in node.log()
     final = report.final or {}
     report.checks = {
@@ -476,21 +440,8 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
             report.kv_after_soak == report.kv_after_warmup,
     }
     if not report.ok:
-        log('soak: node log tail:\n' + '\n'.join(node.log().splitlines()[-40:]))
+        log('soak: node log tail:\n' + node.tail())
     return report
-
-
-def _wait_active(diag: Diagnostics, node: NodeProcess, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not node.alive():
-            raise RuntimeError(f'llm_node exited during start-up:\n{node.log()}')
-        try:
-            if diag.fresh(5.0).get('state') == 'active':
-                return
-        except TimeoutError:
-            pass
-    raise RuntimeError(f'llm_node not active after {timeout} s:\n{node.log()}')
 
 
 def tiny_model(cache: pathlib.Path) -> str:

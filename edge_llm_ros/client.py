@@ -1,17 +1,18 @@
 """LLMClient: call llm_node's ~/generate action from robot code, streaming or not.
 
     client = LLMClient(node)                       # node: any rclpy Node
+    client.wait_until_active(timeout=60.0)         # the model is loaded (NodeNotActiveError)
     handle = client.generate('What color is the sky?', temperature=0.0)
     for delta in handle:                           # text as it streams
         print(delta, end='', flush=True)
     outcome = handle.result(timeout=30.0)          # GenerationOutcome (text, timings, ...)
 
 Spinning: if `node` is in no executor when the client is made, the client adds it to a
-private one and its blocking calls (`result`, iteration, `wait_for_server`, `complete`)
-spin it while they wait. If it is (the usual robot node spinning in a
-MultiThreadedExecutor on another thread), they only wait: never call them from a callback
-of a single-threaded executor that spins the same node (it would wait for itself); use
-`add_done_callback` there instead.
+private one and its blocking calls (`result`, iteration, `wait_for_server`,
+`wait_until_active`, `complete`) spin it while they wait. If it is (the usual robot node
+spinning in a MultiThreadedExecutor on another thread), they only wait: never call them from
+a callback of a single-threaded executor that spins the same node (it would wait for
+itself); use `add_done_callback` there instead.
 
 A rejected goal (node not active, queue full) raises GoalRejectedError: rclpy cannot carry a
 reason with a rejection, llm_node logs it and counts it in /diagnostics. Requests the node
@@ -28,19 +29,19 @@ import uuid
 from action_msgs.msg import GoalStatus
 from rclpy.action import ActionClient
 from rclpy.action.client import ClientGoalHandle
-from rclpy.executors import await_or_execute, SingleThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
-from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
 from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings
 from edge_llm_msgs.srv import Complete, Tokenize
+from edge_llm_ros.feedback_listener import FeedbackListenersMixin
+from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
+from edge_llm_ros.qos import FEEDBACK_QOS
 
 # After the result arrives, how long to wait for feedback still in flight (topic vs service).
 FEEDBACK_GRACE_S = 1.0
-FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
-                          reliability=ReliabilityPolicy.RELIABLE)
 SAMPLING_FIELDS = ('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty',
                    'presence_penalty', 'seed')
 TERMINAL_STATUSES = (GoalStatus.STATUS_SUCCEEDED, GoalStatus.STATUS_ABORTED,
@@ -59,6 +60,10 @@ class GoalRejectedError(LLMClientError):
 
 class ServerUnavailableError(LLMClientError):
     """No llm_node answered within the timeout, or it disappeared while a goal ran."""
+
+
+class NodeNotActiveError(LLMClientError):
+    """llm_node did not become active in time (or the caller's give_up said why not)."""
 
 
 @dataclass(frozen=True)
@@ -110,19 +115,16 @@ class _LockedActionClient(ActionClient):
     As upstream's fix does, one lock covers sending+registering (all three request kinds),
     taking the responses and status out of the bookkeeping in `execute`, and the removal of
     finished requests (done callbacks that run concurrently on other executor threads).
-    Nothing that can suspend runs under the lock: feedback callbacks are called after it.
+    Nothing that can suspend runs under the lock: feedback never reaches this `execute`
+    (_GoalClient's FeedbackListenersMixin takes it first and calls its callbacks unlocked).
 
     It also reports every status update of a watched goal (`watch`), which GenerationHandle
-    uses to notice a result or goal response that never arrived, and delivers feedback to
-    listeners it keeps until told otherwise (`listen`): rclpy drops a goal's feedback
-    callback as soon as its result arrives, but feedback (a topic) may come after the result
-    (a service), and those last chunks belong to the stream.
+    uses to notice a result or goal response that never arrived.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         self._request_lock = threading.RLock()
         self._status_listeners: Dict[bytes, Callable[[int], None]] = {}
-        self._feedback_listeners: Dict[bytes, Callable[[Any], None]] = {}
         super().__init__(*args, **kwargs)
 
     # ---- requests (user and executor threads) ------------------------------------------------
@@ -162,19 +164,9 @@ class _LockedActionClient(ActionClient):
 
     # ---- responses (executor threads) --------------------------------------------------------
     async def execute(self, taken_data) -> None:
-        feedback = taken_data.get('feedback')
-        bookkeeping = {k: v for k, v in taken_data.items() if k != 'feedback'}
-        if bookkeeping:
-            with self._request_lock:
-                # Without feedback, the base execute never awaits: it completes right here.
-                await super().execute(bookkeeping)
-        if feedback is not None:
-            key = bytes(feedback.goal_id.uuid)
-            with self._request_lock:
-                callback = self._feedback_listeners.get(key) or \
-                    self._feedback_callbacks.get(key)
-            if callback is not None:
-                await await_or_execute(callback, feedback)
+        with self._request_lock:
+            # Without feedback, the base execute never awaits: it completes right here.
+            await super().execute(taken_data)
         if 'status' in taken_data:
             for status in taken_data['status'].status_list:
                 listener = self._status_listeners.get(bytes(status.goal_info.goal_id.uuid))
@@ -188,14 +180,9 @@ class _LockedActionClient(ActionClient):
     def unwatch(self, goal_id: bytes) -> None:
         self._status_listeners.pop(goal_id, None)
 
-    def listen(self, goal_id: bytes, listener: Callable[[Any], None]) -> None:
-        """Call `listener(feedback_message)` for `goal_id`'s feedback until `unlisten`."""
-        with self._request_lock:
-            self._feedback_listeners[goal_id] = listener
 
-    def unlisten(self, goal_id: bytes) -> None:
-        with self._request_lock:
-            self._feedback_listeners.pop(goal_id, None)
+class _GoalClient(FeedbackListenersMixin, _LockedActionClient):
+    """LLMClient's action client: thread-safe, with feedback listeners that outlive results."""
 
 
 class _Waiter:
@@ -246,7 +233,7 @@ class GenerationHandle:
     ServerUnavailableError instead of waiting forever.
     """
 
-    def __init__(self, waiter: _Waiter, client: _LockedActionClient, goal: Generate.Goal,
+    def __init__(self, waiter: _Waiter, client: _GoalClient, goal: Generate.Goal,
                  on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,
                  watchdog: Optional[WatchdogConfig] = None) -> None:
         self._waiter = waiter
@@ -580,9 +567,9 @@ class LLMClient:
         self._waiter = _Waiter(node)
         self.server = server.rstrip('/')
         self.watchdog = watchdog
-        self._action = _LockedActionClient(node, Generate, f'{self.server}/generate',
-                                           callback_group=callback_group,
-                                           feedback_sub_qos_profile=FEEDBACK_QOS)
+        self._action = _GoalClient(node, Generate, f'{self.server}/generate',
+                                   callback_group=callback_group,
+                                   feedback_sub_qos_profile=FEEDBACK_QOS)
         self._complete = node.create_client(Complete, f'{self.server}/complete',
                                             callback_group=callback_group)
         self._tokenize = node.create_client(Tokenize, f'{self.server}/tokenize',
@@ -617,6 +604,30 @@ class LLMClient:
                 return False
             self._waiter.pump(0.05)
         return True
+
+    def wait_until_active(self, timeout: float,
+                          give_up: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """Wait until llm_node is active (goals sent before are rejected), via ~/get_state.
+
+        An llm_node serves its action server in every lifecycle state, but accepts goals
+        only once it is active, i.e. has loaded its model. `give_up()`, checked between
+        polls, may return a reason to stop waiting (NodeProcess: the node exited).
+        Raises NodeNotActiveError saying what to check.
+        """
+        try:
+            wait_for_state(self._node, self.server, 'active', timeout, self._waiter.pump,
+                           give_up)
+        except LifecycleStateError as exc:
+            if exc.gave_up:
+                raise NodeNotActiveError(str(exc)) from None
+            if not exc.seen:
+                hint = ('is llm_node running under that name, with the same ROS_DOMAIN_ID '
+                        '(source scripts/ros_env.sh in every terminal)?')
+            else:
+                hint = ('check its log and /diagnostics (a model that failed to load leaves it '
+                        'unconfigured), or activate it: autostart:=true, or `ros2 lifecycle '
+                        f'set {self.server} configure` then `activate`')
+            raise NodeNotActiveError(f'{exc}: {hint}') from None
 
     def generate(self, prompt: str = '', *, messages: Sequence[Any] = (),
                  on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,

@@ -5,6 +5,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
+# A random domain for this run, not the one ros_env.sh gives this checkout's terminals.
+EDGE_LLM_DOMAIN=run
 # shellcheck source=scripts/ros_env.sh
 source scripts/ros_env.sh
 echo "test: ROS_DOMAIN_ID=$ROS_DOMAIN_ID (discovery: $ROS_AUTOMATIC_DISCOVERY_RANGE)"

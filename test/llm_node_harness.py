@@ -8,15 +8,10 @@ tokens/s here: slow enough to cancel mid-stream and to overlap requests, fast en
 Random weights end with EOS at unpredictable points, so long generations use a JSON-schema
 constraint ({"type": "string", "minLength": 5000}) that forbids EOS until max_tokens.
 """
-import collections
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional
+from typing import Dict, List, Optional
 
 from diagnostic_msgs.msg import DiagnosticArray
 from lifecycle_msgs.msg import Transition
@@ -26,7 +21,9 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from tiny_model import build_tiny_gguf, TinyDims
 
+from edge_llm_ros import node_process
 from edge_llm_ros.client import LLMClient
+from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 
 
 MEDIUM_DIMS = TinyDims(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1024,
@@ -51,47 +48,12 @@ def medium_model_dir(root: pathlib.Path) -> pathlib.Path:
         return _MODELS[key]
 
 
-class NodeProcess:
-    """One llm_node process (the console script's module), stopped with SIGINT."""
+class NodeProcess(node_process.NodeProcess):
+    """One llm_node process under `name`, its output kept for assertions; stopped by SIGINT."""
 
     def __init__(self, name: str, params: Dict[str, object],
                  env: Optional[Dict[str, str]] = None) -> None:
-        cmd = [sys.executable, '-m', 'edge_llm_ros.nodes.llm_node', '--ros-args',
-               '-r', f'__node:={name}']
-        for key, value in params.items():
-            if isinstance(value, bool):
-                value = str(value).lower()
-            elif isinstance(value, (list, tuple)):
-                value = '[' + ','.join(repr(v) if isinstance(v, str) else str(v)
-                                       for v in value) + ']'
-            cmd += ['-p', f'{key}:={value}']
-        self.name = name
-        self.fqn = '/' + name
-        self.lines: Deque[str] = collections.deque(maxlen=400)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, **(env or {})})
-        self._reader = threading.Thread(target=self._drain, daemon=True)
-        self._reader.start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-
-    def log(self) -> str:
-        return '\n'.join(self.lines)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f'{self.name} did not stop on SIGINT within {timeout} s:'
-                                     f'\n{self.log()}')
-        self._reader.join(timeout=5)
-        return self.proc.returncode
+        super().__init__('llm_node', name=name, params=params, env=env, stop_timeout=60.0)
 
 
 class RosClient:
@@ -147,29 +109,15 @@ class RosClient:
         return self.call(ChangeState, f'{server}/change_state', request, timeout).success
 
     def wait_state(self, server: str, label: str, timeout: float = 60.0) -> None:
-        """Poll get_state until it reports `label`, for `timeout` s in all.
+        """Poll get_state until it reports `label`, for `timeout` s in all (AssertionError).
 
-        A node process that is still starting is not discovered yet, and a request sent
-        while discovery is half done (or to the endpoints of a killed predecessor of the
-        same name, still listed until their lease ends) is lost: such attempts are retried
-        until the deadline instead of failing the wait.
+        Requests lost while the node is still being discovered, or sent to the endpoints of
+        a killed predecessor of the same name, are sent again until the deadline.
         """
-        deadline = time.monotonic() + timeout
-        state, error = '', ''
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                state = self.state(server, timeout=min(10.0, max(left, 1.0)))
-                error = ''
-            except AssertionError as exc:
-                error = f' (last attempt: {exc})'
-                continue
-            if state == label:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f'{server} is {state!r}, not {label!r} after {timeout} s{error}')
+        try:
+            wait_for_state(self.node, server, label, timeout)
+        except LifecycleStateError as exc:
+            raise AssertionError(str(exc)) from None
 
     def next_status(self, server: str, timeout: float = 30.0) -> Dict[str, object]:
         """Return the first /diagnostics status of `server` published after this call.

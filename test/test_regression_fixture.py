@@ -16,7 +16,7 @@ from regression_helpers import read_report, run_tool
 
 from edge_llm_ros.regression import bagio
 from edge_llm_ros.regression.make_fixture import (
-    DEFAULT_OUT, FIXTURE_GOALS, MAX_TOKENS, NODE_PARAMETERS, start_node, stop_node)
+    DEFAULT_OUT, FIXTURE_GOALS, MAX_TOKENS, NODE_PARAMETERS, start_node)
 
 pytestmark = pytest.mark.timeout(600)
 FIXTURE = DEFAULT_OUT
@@ -33,15 +33,15 @@ def outputs_only(tmp_path_factory) -> pathlib.Path:
 
 
 @pytest.fixture(scope='module')
-def llm_node(tmp_path_factory):
+def llm_node():
     """Run the current build's llm_node with the parameters the fixture was recorded with."""
-    log = tmp_path_factory.mktemp('llm_node') / 'llm_node.log'
-    proc = start_node(NAMESPACE, NODE_PARAMETERS, log_path=str(log))
+    proc = start_node(NAMESPACE, NODE_PARAMETERS)
+    assert proc.fqn == NODE
     try:
         yield NODE
     finally:
-        stop_node(proc)
-        print(log.read_text()[-3000:])
+        proc.stop()
+        print(proc.tail(60))
 
 
 def replay(tmp_path, outputs_only, *args):
@@ -52,7 +52,7 @@ def replay(tmp_path, outputs_only, *args):
     data = read_report(report)
     # Every goal must have been answered: a lost or timed-out goal would hide behind
     # the regressions the tests expect.
-    assert [g['status'] for g in data['goals']] == ['ok'] * len(FIXTURE_GOALS), proc.stdout
+    assert [g['status'] for g in data['goals']] == ['succeeded'] * len(FIXTURE_GOALS), proc.stdout
     return proc, data
 
 
@@ -115,3 +115,14 @@ def test_other_default_temperature_is_a_regression(llm_node, tmp_path, outputs_o
     assert len(changed) == len(FIXTURE_GOALS)
     assert 'temperature 0 -> 0.8' in changed[0]['message']
     assert 'effective_sampling_changed' in (tmp_path / 'report' / 'report.html').read_text()
+
+
+def test_a_late_recorder_still_gets_the_last_transcripts(llm_node, tmp_path, outputs_only):
+    """~/transcript is transient-local: edge-llm-record started after goals records them."""
+    replay(tmp_path, outputs_only)
+    bag = tmp_path / 'late'
+    proc = run_tool('record', '-o', bag, '--node', llm_node, '--duration', '60',
+                    '--max-goals', len(FIXTURE_GOALS))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prompts = {t.prompt or t.messages[-1].content for t in bagio.read_bag(bag).transcripts}
+    assert prompts == {prompt for prompt, _, _ in FIXTURE_GOALS}

@@ -11,16 +11,15 @@ Run it with your own ROS_DOMAIN_ID; the bag is replaced only with --force.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
+from edge_llm_ros.node_process import NodeProcess
 from edge_llm_ros.regression.bagio import BagWriter, LlmTopics, read_bag
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 
@@ -35,64 +34,40 @@ FIXTURE_GOALS = (
     ('What is the capital of France? Answer in one word.', '', ()),
 )
 # The node parameters the fixture is recorded with; replays must use the same.
-NODE_PARAMETERS = ('autostart:=true', 'sampling.temperature:=0.0', f'max_tokens:={MAX_TOKENS}')
+NODE_PARAMETERS = {'autostart': True, 'sampling.temperature': 0.0, 'max_tokens': MAX_TOKENS}
 
 
-def node_command(namespace: str, parameters: Sequence[str] = NODE_PARAMETERS) -> list:
-    """Command line of an llm_node under `namespace` with `parameters` (NAME:=VALUE)."""
-    command = [sys.executable, '-m', 'edge_llm_ros.nodes.llm_node', '--ros-args']
-    if namespace:
-        command += ['-r', f'__ns:={namespace}']
-    for parameter in parameters:
-        command += ['-p', parameter]
-    return command
+def start_node(namespace: str, parameters: Mapping[str, object] = NODE_PARAMETERS
+               ) -> NodeProcess:
+    """Start llm_node (node name llm_node) under `namespace` as a child process."""
+    return NodeProcess('llm_node', namespace=namespace, params=parameters)
 
 
-def start_node(namespace: str, parameters: Sequence[str] = NODE_PARAMETERS,
-               log_path: Optional[str] = None) -> subprocess.Popen:
-    """Start llm_node as a child process (its output goes to `log_path` or is dropped)."""
-    log = open(log_path, 'w') if log_path else subprocess.DEVNULL
-    return subprocess.Popen(node_command(namespace, parameters), stdout=log,
-                            stderr=subprocess.STDOUT, env=dict(os.environ))
-
-
-def stop_node(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """SIGINT (the node frees its model), then SIGKILL if it does not exit."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def fixture_goals() -> list:
-    """Generate.Goal messages of the fixture (temperature left to the node's default)."""
-    from edge_llm_msgs.action import Generate
-    from edge_llm_msgs.msg import ChatMessage
-
+def fixture_goals() -> List[dict]:
+    """LLMClient.generate arguments of the fixture goals (temperature left to the node)."""
     goals = []
     for prompt, system_prompt, stop in FIXTURE_GOALS:
-        goal = Generate.Goal(max_tokens=MAX_TOKENS, stop=list(stop))
+        goal = {'max_tokens': MAX_TOKENS, 'stop': list(stop), 'system_prompt': system_prompt}
         if system_prompt:
-            goal.system_prompt = system_prompt
-            goal.messages = [ChatMessage(role=ChatMessage.ROLE_USER, content=prompt)]
+            goal['messages'] = [('user', prompt)]
         else:
-            goal.prompt = prompt
+            goal['prompt'] = prompt
         goals.append(goal)
     return goals
 
 
-def record_session(node_name: str, out: Path, goals: list, server_timeout_s: float,
-                   goal_timeout_s: float = 120.0) -> None:
-    """Send `goals` to `node_name` one by one and record them into the new bag `out`."""
+def record_session(node_name: str, out: Path, goals: List[dict], server_timeout_s: float,
+                   goal_timeout_s: float = 120.0,
+                   give_up: Optional[Callable[[], Optional[str]]] = None) -> None:
+    """Send `goals` to `node_name` one by one and record them into the new bag `out`.
+
+    `give_up()` may say why the node will never become active (its process exited).
+    """
     import rclpy
-    from rclpy.action import ActionClient
     from rclpy.executors import SingleThreadedExecutor
 
-    from edge_llm_msgs.action import Generate
-    from edge_llm_ros.regression.live import RawRecorder, wait_until_active
+    from edge_llm_ros.client import LLMClient, LLMClientError, NodeNotActiveError
+    from edge_llm_ros.regression.live import RawRecorder
 
     topics = LlmTopics(node_name)
     writer = BagWriter(out)
@@ -100,52 +75,53 @@ def record_session(node_name: str, out: Path, goals: list, server_timeout_s: flo
     node = rclpy.create_node('edge_llm_make_fixture')
     executor = SingleThreadedExecutor()
     executor.add_node(node)
+    spinner = threading.Thread(target=executor.spin, daemon=True)
     recorder = RawRecorder(node, writer, topics.core())
-    client = ActionClient(node, Generate, topics.action)
+    client = LLMClient(node, node_name)
+    spinner.start()
     try:
-        if not client.wait_for_server(timeout_sec=server_timeout_s):
-            raise NodeUnavailableError(
-                f'no action server at {topics.action} after {server_timeout_s:g} s: did '
-                'llm_node load its model? (see the node log)')
-        wait_until_active(node, node_name, server_timeout_s,
-                          lambda seconds: executor.spin_once(timeout_sec=seconds))
-        deadline = time.monotonic() + 10.0
-        while recorder.publisher_count(topics.transcript) == 0:
-            executor.spin_once(timeout_sec=0.05)
-            if time.monotonic() > deadline:
-                raise NodeUnavailableError(f'{topics.transcript} has no publisher')
+        try:
+            client.wait_until_active(server_timeout_s, give_up)
+        except NodeNotActiveError as exc:
+            raise NodeUnavailableError(str(exc)) from None
+        if not client.wait_for_server(timeout=server_timeout_s):
+            raise NodeUnavailableError(f'no action server at {topics.action}')
+        _wait(lambda: recorder.publisher_count(topics.transcript) > 0, 10.0,
+              f'{topics.transcript} has no publisher')
         for index, goal in enumerate(goals):
-            future = client.send_goal_async(goal)
-            executor.spin_until_future_complete(future, timeout_sec=server_timeout_s)
-            handle = future.result()
-            if handle is None or not handle.accepted:
-                raise RegressionToolError(f'goal {index} was not accepted by {node_name}')
-            result = handle.get_result_async()
-            executor.spin_until_future_complete(result, timeout_sec=goal_timeout_s)
-            if not result.done():
-                raise RegressionToolError(f'goal {index} did not finish in {goal_timeout_s} s')
-            answer = result.result().result
-            if answer.finish_reason not in ('stop', 'length'):
+            outcome = client.generate(**goal).result(timeout=goal_timeout_s)
+            if outcome.finish_reason not in ('stop', 'length'):
                 raise RegressionToolError(
-                    f'goal {index} ended with {answer.finish_reason!r}: '
-                    f'{answer.error_message}')
-            print(f'make_fixture: goal {index}: {answer.finish_reason}, '
-                  f'{answer.completion_tokens} tokens: {answer.text!r}', flush=True)
+                    f'goal {index} ended {outcome.status} with {outcome.finish_reason!r}: '
+                    f'{outcome.error_message}')
+            print(f'make_fixture: goal {index}: {outcome.finish_reason}, '
+                  f'{outcome.completion_tokens} tokens: {outcome.text!r}', flush=True)
         # The last transcript follows its result: wait for all of them.
-        deadline = time.monotonic() + 10.0
-        while writer.counts.get(topics.transcript, 0) < len(goals) and \
-                time.monotonic() < deadline:
-            executor.spin_once(timeout_sec=0.05)
+        _wait(lambda: writer.counts.get(topics.transcript, 0) >= len(goals), 10.0, '')
+    except (LLMClientError, TimeoutError) as exc:
+        raise RegressionToolError(f'a fixture goal failed: {exc}') from None
     finally:
-        recorder.close()
         client.destroy()
+        recorder.close()
+        executor.shutdown(timeout_sec=1.0)
+        spinner.join(timeout=5.0)
         writer.close()
-        executor.shutdown()
         node.destroy_node()
         rclpy.try_shutdown()
     got = writer.counts.get(topics.transcript, 0)
     if got != len(goals):
         raise RegressionToolError(f'recorded {got} transcripts for {len(goals)} goals')
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, failure: str) -> None:
+    """Poll predicate (an executor thread spins meanwhile); raise `failure` unless ''."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            if failure:
+                raise NodeUnavailableError(failure)
+            return
+        time.sleep(0.05)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -169,12 +145,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         node_name = args.node
         if not node_name:
-            node_name = f'{args.namespace.rstrip("/")}/llm_node' if args.namespace else \
-                '/llm_node'
-            proc = start_node(args.namespace, log_path=str(tmp / 'llm_node.log'))
+            proc = start_node(args.namespace)
+            node_name = proc.fqn
         # rosbags names the storage file after the folder: record under the final name.
         staged = tmp / out.name
-        record_session(node_name, staged, fixture_goals(), args.server_timeout)
+        record_session(node_name, staged, fixture_goals(), args.server_timeout,
+                       give_up=proc.exit_reason if proc is not None else None)
         read_bag(staged)  # what we check in must read back
         if out.exists():
             shutil.rmtree(out)
@@ -183,13 +159,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         read_bag(out)
     except RegressionToolError as exc:
         print(f'make_fixture: {exc}', file=sys.stderr)
-        log = tmp / 'llm_node.log'
-        if log.exists():
-            print(log.read_text()[-4000:], file=sys.stderr)
+        if proc is not None:
+            print(f'last output of {proc.fqn}:\n{proc.tail()}', file=sys.stderr)
         return exc.exit_code
     finally:
         if proc is not None:
-            stop_node(proc)
+            proc.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f'make_fixture: wrote {out} '
           f'({sum(f.stat().st_size for f in out.iterdir()) // 1024} KiB)')
