@@ -20,10 +20,10 @@ from edge_llm_msgs.srv import Tokenize
 # Feedback kept for late-matching readers: a client that just discovered this server may
 # not be matched by the feedback publisher yet (each side discovers the other on its own),
 # and volatile feedback published before the match would be lost. The test client uses the
-# same profile.
-FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
-                          reliability=ReliabilityPolicy.RELIABLE,
-                          durability=DurabilityPolicy.TRANSIENT_LOCAL)
+# same profile. (llm_node's own, volatile, profile is edge_llm_ros.qos.FEEDBACK_QOS.)
+LATCHED_FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
+                                  reliability=ReliabilityPolicy.RELIABLE,
+                                  durability=DurabilityPolicy.TRANSIENT_LOCAL)
 
 
 class InterfacePeer(Node):
@@ -31,7 +31,7 @@ class InterfacePeer(Node):
     def __init__(self) -> None:
         super().__init__('interface_peer')
         self._server = ActionServer(self, Generate, '~/generate', self._execute,
-                                    feedback_pub_qos_profile=FEEDBACK_QOS)
+                                    feedback_pub_qos_profile=LATCHED_FEEDBACK_QOS)
         self._tokenize = self.create_service(Tokenize, '~/tokenize', self._on_tokenize)
         self._handles = self.create_publisher(TensorHandle, '~/handles', 10)
         self._timer = self.create_timer(0.05, self._publish_handle)

@@ -22,8 +22,8 @@ from edge_llm_ros.engine.kv_cache import KVCache
 from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
 from edge_llm_ros.engine.reference import ReferenceModel
 from edge_llm_ros.engine.request import conversation, InvalidEmbeddingsError, split_chunks
-from edge_llm_ros.engine.types import (ChatMessage, GenerationRequest, SamplingConfig,
-                                       StopReason)
+from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
+                                       SamplingConfig, StopReason)
 
 N = 24
 PROMPTS = [('once upon a time there was', False), ('robot arm', False),
@@ -242,6 +242,44 @@ def test_prefix_embeddings_match_reference_and_reuse_by_content(fresh, ref):
     r2 = run(fresh, prefix_embeddings=e2, **kw)
     assert r2.timings.cached_prompt_tokens == 0  # other content: nothing reused
     assert r2.token_ids == ref_greedy(ref, ids, 12, eos, embeds=e2)
+
+
+def test_declared_embeddings_are_checked_at_prepare_and_bound_later(fresh, ref):
+    hidden = fresh.info.hidden_size
+    e1 = np.random.default_rng(4).standard_normal((3, hidden)).astype(np.float32)
+    kw = {'prompt': 'robot arm', 'use_chat_template': False, 'max_tokens': 8}
+    ids = prompt_ids(fresh, GenerationRequest(**kw))
+    prepared = fresh.prepare(GenerationRequest(
+        prefix_embeddings=DeclaredEmbeddings(rows=3, hidden=hidden, dtype='float32'), **kw))
+    assert prepared.prompt_ids == tuple(ids) and prepared.prompt_tokens == 3 + len(ids)
+    assert not prepared.bound
+    with pytest.raises(EngineError, match='never bound'):
+        fresh.generate(prepared)
+    for wrong in (e1[:2], e1.astype(np.float16), e1.tolist()):
+        with pytest.raises(InvalidEmbeddingsError, match='not the declared float32'):
+            prepared.bind(wrong)
+    with pytest.raises(InvalidEmbeddingsError, match='NaN'):
+        prepared.bind(np.full_like(e1, np.inf))
+    result = fresh.generate(prepared.bind(e1)).run_to_end()
+    assert result.prompt_tokens == 3 + len(ids)
+    assert result.token_ids == ref_greedy(ref, ids, 8, fresh.tokenizer.eos_token_ids, embeds=e1)
+    # The same array given directly is prepared and bound in one call: same run.
+    assert run(fresh, prefix_embeddings=e1, **kw).token_ids == result.token_ids
+
+
+@pytest.mark.parametrize('declared,error,match', [
+    (DeclaredEmbeddings(rows=2, hidden=64, dtype='uint8'), InvalidEmbeddingsError, 'dtype'),
+    (DeclaredEmbeddings(rows=2, hidden=65, dtype='float32'), InvalidEmbeddingsError, 'shape'),
+    # Rows checked from the declared shape alone: nothing of that size is allocated.
+    (DeclaredEmbeddings(rows=1 << 40, hidden=64, dtype='float32'), ContextOverflowError,
+     '1099511627776 rows'),
+    (DeclaredEmbeddings(rows=100, hidden=64, dtype='float32'), ContextOverflowError,
+     'shorten the prompt'),
+])
+def test_declared_embeddings_are_refused_by_shape(engine, declared, error, match):
+    with pytest.raises(error, match=match):
+        engine.prepare(GenerationRequest(prompt='robot arm', max_tokens=20,
+                                         prefix_embeddings=declared))
 
 
 # --- stopping -------------------------------------------------------------------------------
@@ -487,7 +525,7 @@ BAD_REQUESTS = [
 def test_bad_requests_raise_typed_errors(engine, kw, error, match):
     req = GenerationRequest(**{'max_tokens': 8, **kw})
     with pytest.raises(error, match=match):
-        engine.validate(req)
+        engine.prepare(req)
     with pytest.raises(error, match=match):
         engine.generate(req)
 
@@ -496,7 +534,7 @@ def test_context_overflow_message_names_the_numbers(engine):
     req = GenerationRequest(prompt='robot arm', max_tokens=120)
     n = len(prompt_ids(engine, GenerationRequest(prompt='robot arm')))
     with pytest.raises(ContextOverflowError) as info:
-        engine.validate(req)
+        engine.prepare(req)
     assert f'prompt {n} tokens + max_tokens 120 > context 128' in str(info.value)
 
 

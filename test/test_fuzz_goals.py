@@ -198,8 +198,8 @@ def test_random_goals_are_refused_with_a_message_or_run(node, goal):
 
 def test_a_handle_larger_than_its_pool_is_refused_before_allocating(node, ipc_dir):
     # 256 MiB of float32 [n, hidden=64] rows, named in a pool whose slots hold 4 KiB: the
-    # size must be checked against the pool (or the context) before a placeholder of that
-    # size is allocated, hashed and copied while validating.
+    # size must be checked against the pool (or the context) from the declared shape, never
+    # by allocating, hashing or copying an array of that size while validating.
     rows = (256 << 20) // (64 * 4)
     goal = Generate.Goal(prompt='x', prefix_embeddings=[TensorHandle(
         pool_id=POOL, slot=0, generation=0, sequence=1, dtype='float32', shape=[rows, 64],
@@ -242,7 +242,7 @@ def test_services_answer_any_error_from_validation_or_the_tokenizer(node, monkey
     def fail(*args, **kwargs):
         raise error
     engine = node._worker.engine
-    monkeypatch.setattr(engine, 'validate', fail)
+    monkeypatch.setattr(engine, 'prepare', fail)
     monkeypatch.setattr(engine, 'tokenize', fail)
     answer = node._on_complete(Complete.Request(prompt='x'), Complete.Response())
     with pytest.raises(StopIteration) as finished:

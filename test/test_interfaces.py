@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from interface_peer import FEEDBACK_QOS
+from interface_peer import LATCHED_FEEDBACK_QOS
 import pytest
 import rclpy
 from rclpy.action import ActionClient
@@ -51,7 +51,7 @@ def _spin_until(node, future, timeout: float) -> None:
 
 def test_generate_action_round_trip(peer, node):
     client = ActionClient(node, Generate, '/interface_peer/generate',
-                          feedback_sub_qos_profile=FEEDBACK_QOS)
+                          feedback_sub_qos_profile=LATCHED_FEEDBACK_QOS)
     assert client.wait_for_server(timeout_sec=TIMEOUT_S), \
         'action server of the peer not discovered'
     goal = Generate.Goal()

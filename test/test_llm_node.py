@@ -23,6 +23,7 @@ from edge_llm_msgs.msg import TensorHandle, Transcript
 from edge_llm_ros import client as client_module
 from edge_llm_ros.client import GoalRejectedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.qos import TRANSCRIPT_DEPTH, TRANSCRIPT_QOS
 
 NODE = f'llm_node_test_{os.getpid()}'
 SERVER = '/' + NODE
@@ -361,6 +362,25 @@ def test_runtime_parameters_change_defaults_and_transcript_shows_them(
     finally:
         _set_parameter(ros, 'sampling.top_k', ParameterValue(
             type=ParameterType.PARAMETER_INTEGER, integer_value=0))
+
+
+def test_a_transcript_subscriber_that_starts_late_gets_the_last_records(llm, ros):
+    # ~/transcript is transient-local: a recorder started after the goals ended still gets
+    # the last TRANSCRIPT_DEPTH records, in order.
+    prompts = [f'late subscriber {os.getpid()} {i}' for i in range(3)]
+    for prompt in prompts:
+        assert llm.generate(prompt, max_tokens=2).result(timeout=60).status == 'succeeded'
+    received: list = []
+    subscription = ros.node.create_subscription(
+        Transcript, SERVER + '/transcript', received.append, TRANSCRIPT_QOS)
+    try:
+        wait_for(lambda: sum(t.prompt in prompts for t in list(received)) == len(prompts), 30,
+                 lambda: f'the late subscriber received {[t.prompt for t in received]}')
+    finally:
+        ros.node.destroy_subscription(subscription)
+    assert [t.prompt for t in received][-len(prompts):] == prompts
+    assert all(t.accepted and t.finish_reason == 'length' for t in received[-len(prompts):])
+    assert len(received) <= TRANSCRIPT_DEPTH
 
 
 def _ask(*args: str) -> subprocess.Popen:

@@ -4,22 +4,35 @@ No ROS and no model: the fake engine yields one token per `step()` of the test, 
 interleaving below is deterministic.
 """
 import contextlib
+from dataclasses import dataclass, replace
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.engine.types import (GenerationRequest, GenerationResult, StopReason, Timings,
-                                       TokenEvent)
+from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings, TokenEvent
 from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker, FeedbackPolicy, Job,
                                        QueueFullError, WorkerStoppedError)
+
+
+@dataclass(frozen=True)
+class FakeRequest:
+    """Stands for the engine's PreparedRequest: what the fake engine reads, and bind()."""
+
+    prompt: str
+    max_tokens: int
+    embeds: object = None
+
+    def bind(self, array) -> 'FakeRequest':
+        return replace(self, embeds=array)
 
 
 class FakeGeneration:
     """Yields token i as text 't{i} ' each time the engine's gate lets one step through."""
 
-    def __init__(self, engine, request: GenerationRequest) -> None:
+    def __init__(self, engine, request: FakeRequest) -> None:
         self._engine = engine
         self._request = request
         self._cancel = threading.Event()
@@ -59,8 +72,10 @@ class FakeEngine:
         self.gate = threading.Semaphore(0)
         self.steps = 0
         self.closed = False
+        self.requests = []
 
-    def generate(self, request: GenerationRequest) -> FakeGeneration:
+    def generate(self, request: FakeRequest) -> FakeGeneration:
+        self.requests.append(request)
         if not request.prompt:
             raise InvalidRequestError('the request is empty: give a prompt or messages')
         return FakeGeneration(self, request)
@@ -87,7 +102,7 @@ class Recorder:
         self.done.set()
 
     def job(self, prompt: str = 'hi', max_tokens: int = 5, **kwargs) -> Job:
-        return Job(GenerationRequest(prompt=prompt, max_tokens=max_tokens), self.finish,
+        return Job(FakeRequest(prompt=prompt, max_tokens=max_tokens), self.finish,
                    self.feedback, **kwargs)
 
     def outcome(self):
@@ -194,7 +209,7 @@ def test_invalid_request_and_bind_errors_end_the_job_not_the_worker(make_worker)
         yield  # pragma: no cover
 
     mapped = Recorder()
-    worker.submit(mapped.job(bind=failing_bind))
+    worker.submit(mapped.job(embeddings=failing_bind))
     result = mapped.outcome().result
     assert entered == ['in'] and 'stale' in result.error
     good = Recorder()
@@ -203,20 +218,22 @@ def test_invalid_request_and_bind_errors_end_the_job_not_the_worker(make_worker)
     assert worker.stats.finished['error'] == 2 and worker.stats.last_error.startswith('prefix')
 
 
-def test_bind_wraps_the_generation(make_worker):
-    worker, _ = make_worker()
+def test_embeddings_are_bound_around_the_generation(make_worker):
+    worker, engine = make_worker()
     events = []
+    array = np.ones((3, 4), np.float32)
 
     @contextlib.contextmanager
-    def bind():
+    def embeddings():
         events.append('enter')
-        yield GenerationRequest(prompt='swapped', max_tokens=3)
-        events.append('exit')
+        yield array
+        events.append(f'exit after {engine.steps} steps')
 
     rec = Recorder()
-    worker.submit(rec.job(max_tokens=50, bind=bind))
-    assert rec.outcome().result.completion_tokens == 3   # the bound request ran
-    assert events == ['enter', 'exit']
+    worker.submit(rec.job(max_tokens=5, embeddings=embeddings))
+    assert rec.outcome().result.completion_tokens == 5
+    assert engine.requests[-1].embeds is array   # the request ran with the bound array
+    assert events == ['enter', 'exit after 5 steps']   # held for the whole generation
 
 
 def test_pacer_pauses_every_token(make_worker):

@@ -231,7 +231,10 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'Also send feedback when this long passed since the last one (and a token '
               'is pending); 0 = token count only', read_only=False, range=Range(0, 60000)),
     ParamSpec('autostart', ParamType.BOOL, False,
-              'Configure and activate on start-up (no lifecycle manager needed)'),
+              'Configure and activate on start-up (no lifecycle manager needed). False for '
+              '`ros2 run`, so a lifecycle manager (or `ros2 lifecycle set`) decides when the '
+              'model loads, as for any lifecycle node; the edge_llm launch files default it '
+              'to true because they start llm_node alone, with no manager to drive it'),
     ParamSpec('diagnostics.period_s', ParamType.DOUBLE, 1.0,
               'Period of /diagnostics and thermal polling', range=Range(0.1, 60.0)),
     ParamSpec('thermal.enabled', ParamType.BOOL, True,

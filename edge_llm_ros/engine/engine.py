@@ -1,7 +1,8 @@
 """The engine facade: load a converted model once, then validate and run requests.
 
     engine = Engine(EngineConfig(model_dir=''))        # '' = the embedded SmolLM2
-    for event in engine.generate(GenerationRequest(prompt='What color is the sky?')):
+    prepared = engine.prepare(GenerationRequest(prompt='What color is the sky?'))
+    for event in engine.generate(prepared):            # or generate(request): prepares too
         print(event.text_delta, end='')
 
 One generation runs at a time (the KV cache is shared); a new ``generate`` call ends a previous
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import functools
 import threading
 import time
-from typing import Hashable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 from edge_llm_ros.engine import constraint as constraint_mod
 from edge_llm_ros.engine.errors import EngineError, ModelLoadError
@@ -83,26 +84,40 @@ class Engine:
     def _compile(self, schema_text: str) -> object:
         return constraint_mod.JsonSchemaConstraint.compile(schema_text, self.tokenizer)
 
-    def _prepare(self, request: GenerationRequest) -> PreparedRequest:
+    def _open_decoder(self) -> OnnxDecoder:
         if self._decoder is None:
             raise EngineError('this engine was closed: create a new Engine')
+        return self._decoder
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate a request once (no model call) into what generate() runs.
+
+        Raises an InvalidRequestError subclass saying what to change. The prompt is tokenized
+        and a JSON schema compiled here; DeclaredEmbeddings are checked by shape and must be
+        bound (PreparedRequest.bind) before generate().
+        """
+        decoder = self._open_decoder()
         return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
-                       self._compile_schema, self._decoder.act_dtype)
+                       self._compile_schema, decoder.act_dtype)
 
-    def validate(self, request: GenerationRequest) -> None:
-        """Raise an InvalidRequestError subclass if the request cannot run (no model call)."""
-        self._prepare(request)
+    def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> Generation:
+        """Return the Generation of a prepared request, to iterate.
 
-    def generate(self, request: GenerationRequest) -> Generation:
-        """Validate (raising before any token) and return the Generation to iterate."""
+        A GenerationRequest is prepared first (a convenience for scripts and tests; a server
+        prepares at admission and passes the PreparedRequest).
+        """
         t0 = time.perf_counter()
-        prepared = self._prepare(request)
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        if not prepared.bound:
+            raise EngineError('the request declares prefix_embeddings that were never bound: '
+                              'call prepared.bind(array) before generate()')
         with self._lock:
+            decoder = self._open_decoder()
             if self._active is not None:
                 self._active.abandon()
             if not self.config.prefix_reuse:
                 self._cache.reset()
-            generation = Generation(self._decoder, self._cache, self.tokenizer, prepared,
+            generation = Generation(decoder, self._cache, self.tokenizer, prepared,
                                     self.config.prefill_chunk, self._lock, t0,
                                     on_end=self._ended)
             self._active = generation
@@ -127,9 +142,6 @@ class Engine:
     def kv_occupancy(self) -> Tuple[int, int]:
         """(positions used, capacity) of the live KV cache."""
         return self._cache.occupancy()
-
-    def cached_keys(self) -> Tuple[Hashable, ...]:
-        return self._cache.keys
 
     def saved_sessions(self) -> List[str]:
         """Return the session ids whose KV prefixes are saved, least recently used first."""

@@ -31,7 +31,3 @@ class InvalidSchemaError(InvalidRequestError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt (plus requested tokens) does not fit in the model's context."""
-
-
-class CancelledError(EngineError):
-    """Generation was cancelled from another thread."""

@@ -70,10 +70,6 @@ class Generation:
         """Stop at the next step boundary (thread-safe)."""
         self._cancel.set()
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
     def __iter__(self) -> Iterator[TokenEvent]:
         return self
 
@@ -229,7 +225,7 @@ class Generation:
         reason = StopReason.ERROR if error else self._reason
         self.result = GenerationResult(text=''.join(self._deltas), token_ids=list(self._ids),
                                        stop_reason=reason,
-                                       prompt_tokens=len(self._req.keys),
+                                       prompt_tokens=self._req.prompt_tokens,
                                        completion_tokens=len(self._ids), timings=timings,
                                        error=error)
         if self._on_end is not None:

@@ -199,10 +199,6 @@ class KVCache:
         if session_id == self._owner:
             self._owner_saved = True
 
-    def save_session(self, session_id: str) -> None:
-        """Save the live cache as this session's snapshot now (normally done lazily)."""
-        self._save(session_id)
-
     def _restore(self, snap: _Snapshot, n: int) -> None:
         # The live cache was rewound to what it shares with the snapshot: copy only the rest.
         start = len(self._keys)

@@ -19,9 +19,10 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
+from edge_llm_ros.engine.architectures import SUPPORTED_ARCHITECTURES
 from edge_llm_ros.engine.errors import ModelLoadError, UnsupportedModelError
 
-ARCHITECTURES = ('llama', 'qwen2')
+ARCHITECTURES = SUPPORTED_ARCHITECTURES   # what the converter writes (architectures.py)
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
@@ -46,11 +47,6 @@ class ModelInfo:
     activation_dtype: str = 'float32'
     kv_max_context: Optional[int] = None
     extra: Dict = field(default_factory=dict)  # every other key, kept for reports
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        itemsize = 2 if self.activation_dtype == 'float16' else 4
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 _REQUIRED_INT = ('num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'hidden_size',

@@ -1,13 +1,15 @@
-"""Request validation and preparation: GenerationRequest -> the positions and pieces to run.
+"""Request validation: GenerationRequest -> PreparedRequest, checked once before any token.
 
-Everything a request can get wrong is found here, before the first token, and raised as an
-InvalidRequestError subclass whose message says what to change. The result carries the
-rendered prompt ids, the cache keys of every position (see kv_cache) and the per-request
-pieces the decode loop needs.
+Everything a request can get wrong is found by prepare(), before the first token, and raised
+as an InvalidRequestError subclass whose message says what to change. The PreparedRequest
+holds the prompt's token ids, the resolved sampling, the compiled constraint and the checked
+lengths. Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor
+handles that are mapped later): their count, width and dtype are checked here, and the array
+is bound with PreparedRequest.bind() just before generating, which checks only its values.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import hashlib
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
@@ -17,29 +19,64 @@ from edge_llm_ros.engine import sampling
 from edge_llm_ros.engine.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.engine.kv_cache import check_fits
 from edge_llm_ros.engine.tokenizer import TextTokenizer
-from edge_llm_ros.engine.types import ChatMessage, GenerationRequest, ROLES, SamplingConfig
+from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
+                                       ROLES, SamplingConfig)
+
+EMBEDDING_DTYPES = ('float32', 'float16')
 
 
 class InvalidEmbeddingsError(InvalidRequestError):
     """prefix_embeddings have the wrong type, shape or values."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PreparedRequest:
-    """A validated request, ready for the generator."""
+    """A validated request, ready for Engine.generate (see the module docstring)."""
 
-    prompt_ids: List[int]
-    embeds: Optional[np.ndarray]    # [e, hidden] in the model's activation dtype, or None
-    keys: List[Hashable]            # cache key of every prompt position (embeds first)
+    prompt_ids: Tuple[int, ...]
     max_tokens: int
     sampling: SamplingConfig
     stop: Tuple[str, ...]
     constraint: Optional[object]    # compiled JSON-schema constraint (has .start())
     session_id: str
+    act_dtype: np.dtype             # the model's activation dtype (embeddings are cast to it)
+    embeddings: Optional[DeclaredEmbeddings] = None   # checked shape of the prefix embeddings
+    embeds: Optional[np.ndarray] = None   # the bound [rows, hidden] array, act_dtype
+    # Cache key of every prompt position, embeddings first (see kv_cache); complete once bound.
+    keys: Tuple[Hashable, ...] = ()
 
     @property
-    def prompt_positions(self) -> int:
-        return len(self.keys)
+    def prompt_tokens(self) -> int:
+        """Prompt positions: prefix-embedding rows plus prompt token ids."""
+        rows = self.embeddings.rows if self.embeddings is not None else 0
+        return rows + len(self.prompt_ids)
+
+    @property
+    def bound(self) -> bool:
+        """Whether generate() can run it: no declared embeddings wait for their array."""
+        return self.embeddings is None or self.embeds is not None
+
+    def bind(self, array: np.ndarray) -> 'PreparedRequest':
+        """Return this request with the values of its declared prefix embeddings.
+
+        Count, width and dtype were checked by prepare(): the array must be exactly what was
+        declared ([rows, hidden] of that dtype); only its values are checked here.
+        """
+        declared = self.embeddings
+        if declared is None:
+            raise InvalidEmbeddingsError('this request declared no prefix_embeddings to bind')
+        shape = (declared.rows, declared.hidden)
+        if not isinstance(array, np.ndarray) or array.shape != shape or \
+                array.dtype != np.dtype(declared.dtype):
+            got = (f'{array.dtype} {list(array.shape)}' if isinstance(array, np.ndarray)
+                   else type(array).__name__)
+            raise InvalidEmbeddingsError(f'prefix_embeddings bound as {got}, not the declared '
+                                         f'{declared.dtype} {list(shape)}')
+        if not np.isfinite(array).all():
+            raise InvalidEmbeddingsError('prefix_embeddings contain NaN or infinite values')
+        embeds = np.ascontiguousarray(array, dtype=self.act_dtype)
+        return replace(self, embeds=embeds,
+                       keys=tuple(embedding_keys(embeds)) + self.prompt_ids)
 
 
 def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
@@ -66,31 +103,30 @@ def conversation(request: GenerationRequest) -> List[ChatMessage]:
     return messages
 
 
-def _check_embeddings(value, hidden_size: int, dtype, max_tokens: int,
-                      capacity: int) -> Optional[np.ndarray]:
+def _embeddings(value, hidden_size: int
+                ) -> Tuple[Optional[DeclaredEmbeddings], Optional[np.ndarray]]:
+    """Check prefix_embeddings' declared shape; return it and the array when one was given."""
     if value is None:
-        return None
-    if not isinstance(value, np.ndarray):
+        return None, None
+    array = None
+    if isinstance(value, DeclaredEmbeddings):
+        dtype, shape = value.dtype, (value.rows, value.hidden)
+    elif isinstance(value, np.ndarray):
+        array = value[0] if value.ndim == 3 and value.shape[0] == 1 else value
+        dtype, shape = str(value.dtype), array.shape
+    else:
         raise InvalidEmbeddingsError(f'prefix_embeddings must be a numpy array, not '
                                      f'{type(value).__name__}')
-    if value.dtype not in (np.float32, np.float16):
-        raise InvalidEmbeddingsError(f'prefix_embeddings dtype {value.dtype} is not float32 '
-                                     'or float16')
-    arr = value[0] if value.ndim == 3 and value.shape[0] == 1 else value
-    if arr.ndim != 2 or arr.shape[1] != hidden_size:
+    if dtype not in EMBEDDING_DTYPES:
+        raise InvalidEmbeddingsError(f'prefix_embeddings dtype {dtype} is not float32 or '
+                                     'float16')
+    if len(shape) != 2 or shape[1] != hidden_size or shape[0] < 0:
         raise InvalidEmbeddingsError(
-            f'prefix_embeddings shape {value.shape} is not [n, {hidden_size}] '
-            '(hidden_size of the model)')
-    if arr.shape[0] == 0:
-        return None
-    # Before scanning, copying and hashing the rows: their number is the sender's word.
-    if arr.shape[0] + max_tokens > capacity:
-        raise ContextOverflowError(
-            f'prefix_embeddings have {arr.shape[0]} rows; with max_tokens {max_tokens} that '
-            f'exceeds the context of {capacity} positions: send fewer rows or lower max_tokens')
-    if not np.isfinite(arr).all():
-        raise InvalidEmbeddingsError('prefix_embeddings contain NaN or infinite values')
-    return np.ascontiguousarray(arr, dtype=dtype)
+            f'prefix_embeddings shape {tuple(shape)} is not [n, {hidden_size}] (hidden_size '
+            'of the model)')
+    if shape[0] == 0:
+        return None, None
+    return DeclaredEmbeddings(rows=int(shape[0]), hidden=hidden_size, dtype=dtype), array
 
 
 def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: int,
@@ -99,6 +135,7 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     """Validate the request and build the prompt; raises InvalidRequestError subclasses.
 
     compile_schema(text) returns a compiled JSON-schema constraint (InvalidSchemaError if bad).
+    An array in prefix_embeddings is bound at once; DeclaredEmbeddings wait for bind().
     """
     if not isinstance(request, GenerationRequest):
         raise InvalidRequestError(f'expected a GenerationRequest, got {type(request).__name__}')
@@ -118,8 +155,9 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     if isinstance(request.max_tokens, bool) or \
             not isinstance(request.max_tokens, (int, np.integer)):
         raise InvalidRequestError(f'max_tokens must be an integer, got {request.max_tokens!r}')
-    if request.max_tokens < 1:
-        raise InvalidRequestError(f'max_tokens must be >= 1, got {request.max_tokens}')
+    max_tokens = int(request.max_tokens)
+    if max_tokens < 1:
+        raise InvalidRequestError(f'max_tokens must be >= 1, got {max_tokens}')
     sampling.validate(request.sampling)
     stop = tuple(request.stop)
     if any(not isinstance(s, str) or not s for s in stop):
@@ -127,11 +165,16 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     if not isinstance(request.json_schema, str):
         raise InvalidRequestError('json_schema must be the schema as JSON text')
     constraint = compile_schema(request.json_schema) if request.json_schema else None
-    if request.max_tokens >= capacity:
-        raise ContextOverflowError(f'max_tokens {request.max_tokens} leaves no room for the '
+    if max_tokens >= capacity:
+        raise ContextOverflowError(f'max_tokens {max_tokens} leaves no room for the '
                                    f'prompt in the context of {capacity} tokens: lower it')
-    embeds = _check_embeddings(request.prefix_embeddings, hidden_size, act_dtype,
-                               int(request.max_tokens), capacity)
+    declared, array = _embeddings(request.prefix_embeddings, hidden_size)
+    rows = declared.rows if declared is not None else 0
+    # Before tokenizing (or scanning and hashing an array): the row count is the sender's word.
+    if rows + max_tokens > capacity:
+        raise ContextOverflowError(
+            f'prefix_embeddings have {rows} rows; with max_tokens {max_tokens} that '
+            f'exceeds the context of {capacity} positions: send fewer rows or lower max_tokens')
     # The prompt, and whether it fits.
     if request.use_chat_template:
         ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
@@ -140,16 +183,16 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         bos = tokenizer.bos_token_id
         if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
-    keys: List[Hashable] = (embedding_keys(embeds) if embeds is not None else []) + list(ids)
-    if not keys:
+    if not rows + len(ids):
         raise InvalidRequestError('the prompt encodes to no tokens: give some text')
-    problem = check_fits(len(keys), int(request.max_tokens), capacity)
+    problem = check_fits(rows + len(ids), max_tokens, capacity)
     if problem:
         raise ContextOverflowError(problem)
-    return PreparedRequest(prompt_ids=ids, embeds=embeds, keys=keys,
-                           max_tokens=int(request.max_tokens), sampling=request.sampling,
-                           stop=stop, constraint=constraint,
-                           session_id=request.session_id)
+    prepared = PreparedRequest(prompt_ids=tuple(ids), max_tokens=max_tokens,
+                               sampling=request.sampling, stop=stop, constraint=constraint,
+                               session_id=request.session_id, act_dtype=np.dtype(act_dtype),
+                               embeddings=declared, keys=() if declared else tuple(ids))
+    return prepared.bind(array) if array is not None else prepared
 
 
 def split_chunks(total: int, start: int, chunk: int) -> Sequence[Tuple[int, int]]:

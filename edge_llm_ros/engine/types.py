@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import enum
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -46,6 +46,20 @@ class SamplingConfig:
     seed: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class DeclaredEmbeddings:
+    """Prefix embeddings known by their shape only, until the request runs.
+
+    A node that receives tensor handles maps their frames only while the job runs: prepare()
+    checks this declared shape (dtype, hidden width, room in the context) at admission, and
+    the array is bound to the prepared request just before generating.
+    """
+
+    rows: int
+    hidden: int
+    dtype: str    # 'float32' or 'float16'
+
+
 @dataclass
 class GenerationRequest:
     """One generation: either `prompt` (a single user turn) or `messages`."""
@@ -57,8 +71,9 @@ class GenerationRequest:
     max_tokens: int = 256
     stop: Sequence[str] = ()
     json_schema: str = ''
-    # float32 [n, hidden] embeddings fed through inputs_embeds ahead of the prompt.
-    prefix_embeddings: Optional[np.ndarray] = None
+    # float32/float16 [n, hidden] embeddings fed through inputs_embeds ahead of the prompt,
+    # or only their declared shape (bound later, see PreparedRequest.bind).
+    prefix_embeddings: Optional[Union[np.ndarray, DeclaredEmbeddings]] = None
     # Keep this conversation's KV prefix so the next turn only prefills new tokens.
     session_id: str = ''
     # Apply the chat template (False: `prompt` is raw text fed as is).

@@ -27,18 +27,23 @@ an empty system_prompt takes ~/system_prompt. A max_tokens that does not fit in 
 after the prompt is an error, not clamped: the caller asked for more than can be delivered.
 
 Threading: inference runs only on the engine worker thread (nodes/worker.py). A goal is
-validated and queued in the action's accepted callback; its execute callback and ~/complete
-are coroutines that await the worker's result, so a waiting request holds no executor thread;
-feedback is published from the worker thread.
+validated once (Engine.prepare) and queued in the action's accepted callback; its execute
+callback and ~/complete are coroutines that await the worker's result, so a waiting request
+holds no executor thread; feedback is published from the worker thread.
 Callback groups: lifecycle services + autostart share the default (mutually exclusive)
-group, so a slow configure blocks only other transitions; the action server and ~/complete
-are reentrant; ~/tokenize and the diagnostics timer each have their own group.
+group, so a slow configure blocks only other transitions; the action server has its own
+mutually exclusive group (goals are admitted in arrival order, and a cancel is fully
+recorded by rclpy before the goal's end is decided, see _on_cancel); ~/complete is
+reentrant; ~/tokenize and the diagnostics timer each have their own group.
+Shutdown (Ctrl-C, SIGTERM): see nodes/spin.py; the goals still running or queued end
+ABORTED, the model is freed, the process exits 0.
 CPU pinning (engine.cpu_affinity): every thread of the process is pinned before the model
 loads, the worker (decode) thread to the first core, ORT's intra-op threads one per core;
 the thermal governor (thermal.*) narrows the cores and paces tokens when the SoC runs hot.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 import functools
 import os
@@ -46,7 +51,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 import uuid
 
 from diagnostic_msgs.msg import DiagnosticArray
@@ -55,9 +60,9 @@ import rclpy
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackReturn
-from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy
+from rclpy.parameter import Parameter
 from rclpy.task import Future
 from unique_identifier_msgs.msg import UUID
 
@@ -69,6 +74,7 @@ from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, Throt
 from edge_llm_ros.engine.engine import Engine
 from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
+from edge_llm_ros.nodes import spin
 from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
@@ -78,16 +84,13 @@ from edge_llm_ros.nodes.messages import build_transcript, fill_result, to_reques
 from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker,
                                        error_result, FeedbackChunk, Job, JobOutcome,
                                        QueueFullError, WorkerStoppedError)
+from edge_llm_ros.qos import FEEDBACK_QOS, TRANSCRIPT_QOS
+from edge_llm_ros.rclpy_compat import add_set_parameters_callbacks
 
 NODE_NAME = 'llm_node'
-# How long a client-cancelled goal waits for rclpy to mark it CANCELING (it does so right
-# after our cancel callback returns; the job can finish first when it was still queued).
-CANCEL_STATE_WAIT_S = 1.0
-TRANSCRIPT_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
-                            reliability=ReliabilityPolicy.RELIABLE)
-# Feedback is best kept complete: a deeper history than the default 10.
-FEEDBACK_QOS = QoSProfile(depth=100, history=HistoryPolicy.KEEP_LAST,
-                          reliability=ReliabilityPolicy.RELIABLE)
+# On Ctrl-C, how long the goals and ~/complete calls that release() ended may take to send
+# their answers before the executor stops.
+ANSWER_GRACE_S = 2.0
 
 
 def _pin_worker(cpus) -> None:
@@ -103,6 +106,20 @@ class _Goal:
     stamp: Any
     job: Optional[Job] = None
     done: Future = field(default_factory=Future)
+    # Done once rclpy has recorded an accepted client cancel (the goal is CANCELING).
+    cancel_applied: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Configured:
+    """What on_configure builds and cleanup drops, as one: a node is configured or not."""
+
+    config: LLMNodeConfig
+    worker: EngineWorker            # owns the engine (created on the worker thread)
+    governor: ThermalGovernor
+    throttle: ThrottleApplier
+    embeddings: EmbeddingResolver   # maps the goals' prefix_embeddings handles
+    saved_affinity: dict            # CPU masks before engine.cpu_affinity pinned the process
 
 
 class LLMNode(LifecycleNode):
@@ -112,24 +129,22 @@ class LLMNode(LifecycleNode):
         super().__init__(NODE_NAME, **kwargs)
         declare_parameters(self)
         self._runtime: RuntimeConfig = runtime_config(current_values(self))
-        self.add_on_set_parameters_callback(check_changes)
-        self.add_post_set_parameters_callback(self._on_parameters_set)
-        self._config: Optional[LLMNodeConfig] = None
-        self._worker: Optional[EngineWorker] = None
+        add_set_parameters_callbacks(self, check_changes, self._on_parameters_set)
+        self._configured: Optional[_Configured] = None
         self._state = 'unconfigured'
         self._serving = False
         self._load_error = ''
-        self._saved_affinity: dict = {}
-        self._embeddings = EmbeddingResolver()
         self._goals: Dict[bytes, _Goal] = {}   # accepted goals until their result is built
+        self._cancels_recorded: List[Future] = []   # see _on_cancel
+        self._cancels_lock = threading.Lock()
+        self._answering = threading.Condition()   # see wait_requests_answered
+        self._answering_count = 0
         self._counts = {'succeeded': 0, 'cancelled': 0, 'aborted': 0, 'rejected_inactive': 0,
                         'rejected_queue_full': 0, 'invalid': 0}
         self._counts_lock = threading.Lock()
         self._process = psutil.Process()
-        self._governor: Optional[ThermalGovernor] = None
-        self._throttle: Optional[ThrottleApplier] = None
 
-        self._action_group = ReentrantCallbackGroup()
+        self._action_group = MutuallyExclusiveCallbackGroup()
         self._complete_group = ReentrantCallbackGroup()
         self._tokenize_group = MutuallyExclusiveCallbackGroup()
         self._diagnostics_group = MutuallyExclusiveCallbackGroup()
@@ -138,6 +153,9 @@ class LLMNode(LifecycleNode):
             goal_callback=self._on_goal, handle_accepted_callback=self._on_accepted,
             cancel_callback=self._on_cancel,
             callback_group=self._action_group, feedback_pub_qos_profile=FEEDBACK_QOS)
+        # In the action server's group: runs only after the cancel request that triggered it.
+        self._cancels_recorded_gc = self.create_guard_condition(
+            self._on_cancels_recorded, callback_group=self._action_group)
         self._complete_srv = self.create_service(
             Complete, '~/complete', self._on_complete, callback_group=self._complete_group)
         self._tokenize_srv = self.create_service(
@@ -174,17 +192,22 @@ class LLMNode(LifecycleNode):
                               thread_setup=functools.partial(_pin_worker, config.decode_cpus),
                               pacer=governor)
         t0 = time.monotonic()
+        saved_affinity: dict = {}
         try:
             if config.process_cpus:
                 # Before the engine exists, so every ORT thread starts inside the mask.
-                self._saved_affinity = affinity.pin_process(config.process_cpus)
+                saved_affinity = affinity.pin_process(config.process_cpus)
             worker.start()
         except Exception as exc:  # noqa: B902 - any load failure leaves us unconfigured
-            self._restore_affinity()
+            if saved_affinity:
+                affinity.restore(saved_affinity)
             return self._configure_failed(f'{type(exc).__name__}: {exc}')
         engine = worker.engine
-        self._config, self._worker, self._load_error = config, worker, ''
-        self._governor, self._throttle = governor, ThrottleApplier(config.process_cpus)
+        self._configured = _Configured(
+            config=config, worker=worker, governor=governor,
+            throttle=ThrottleApplier(config.process_cpus), embeddings=EmbeddingResolver(),
+            saved_affinity=saved_affinity)
+        self._load_error = ''
         self._state = 'inactive'
         self.get_logger().info(
             f'loaded {engine.model_name} from {engine.model_dir} in {time.monotonic() - t0:.1f}'
@@ -198,7 +221,7 @@ class LLMNode(LifecycleNode):
         return TransitionCallbackReturn.FAILURE
 
     def on_activate(self, state: LifecycleState) -> TransitionCallbackReturn:
-        self._worker.set_accepting(True)
+        self._configured.worker.set_accepting(True)
         self._serving = True
         self._state = 'active'
         self.get_logger().info('active: serving ~/generate, ~/complete and ~/tokenize')
@@ -238,29 +261,49 @@ class LLMNode(LifecycleNode):
 
     def _release_engine(self, reason: CancelReason) -> None:
         """Stop the worker (which closes the engine); safe to call in any state."""
-        worker, self._worker = self._worker, None
-        self._config = None
-        if worker is not None:
-            worker.stop(reason)
-        throttle, self._throttle, self._governor = self._throttle, None, None
-        if throttle is not None and throttle.active:
+        configured, self._configured = self._configured, None
+        if configured is None:
+            return
+        configured.worker.stop(reason)
+        if configured.throttle.active:
             # A disabled governor's state never throttles: applying it restores the masks.
-            throttle.apply(ThermalGovernor(ThermalSettings(enabled=False), 1, ()).state)
-        self._embeddings.close()
-        self._restore_affinity()
+            configured.throttle.apply(
+                ThermalGovernor(ThermalSettings(enabled=False), 1, ()).state)
+        configured.embeddings.close()
+        if configured.saved_affinity:
+            affinity.restore(configured.saved_affinity)
 
-    def _restore_affinity(self) -> None:
-        saved, self._saved_affinity = self._saved_affinity, {}
-        if saved:
-            affinity.restore(saved)
+    @property
+    def _worker(self) -> Optional[EngineWorker]:
+        configured = self._configured
+        return configured.worker if configured is not None else None
 
     def release(self) -> None:
         """Free the model outside a lifecycle transition (process exit after Ctrl-C)."""
         self._serving = False
         self._release_engine(CancelReason.SHUTDOWN)
 
-    def _on_parameters_set(self, parameters) -> None:
-        self._runtime = runtime_config(current_values(self))
+    def wait_requests_answered(self, timeout: float) -> bool:
+        """Wait until no goal or ~/complete call is being answered (the executor spins)."""
+        with self._answering:
+            return self._answering.wait_for(lambda: self._answering_count == 0, timeout)
+
+    @contextlib.contextmanager
+    def _answering_request(self) -> Iterator[None]:
+        with self._answering:
+            self._answering_count += 1
+        try:
+            yield
+        finally:
+            with self._answering:
+                self._answering_count -= 1
+                self._answering.notify_all()
+
+    def _on_parameters_set(self, parameters: List[Parameter]) -> None:
+        """Rebuild the runtime config with the accepted values (on Humble not yet stored)."""
+        values = current_values(self)
+        values.update((param.name, param.value) for param in parameters)
+        self._runtime = runtime_config(values)
         worker = self._worker
         if worker is not None:
             worker.feedback = self._runtime.feedback
@@ -280,25 +323,27 @@ class LLMNode(LifecycleNode):
         return ''
 
     def _prepare(self, msg) -> Tuple[EngineWorker, Job]:
-        """Validate an admitted request into a job; on failure give the reservation back.
+        """Validate an admitted request once into a job; on failure give the reservation back.
 
         Raises InvalidRequestError subclasses (bad request) or WorkerStoppedError (the node
         was deactivated or cleaned up since admission).
         """
-        worker = self._worker
-        if worker is None or worker.engine is None:
+        configured = self._configured
+        engine = configured.worker.engine if configured is not None else None
+        if engine is None:
             raise WorkerStoppedError(f'{self.get_name()} is {self._state}, not configured')
+        worker, resolver = configured.worker, configured.embeddings
         try:
             handles = list(msg.prefix_embeddings)
-            engine = worker.engine
-            request = to_request(msg, self._runtime.defaults, self._embeddings.placeholder(
-                handles, engine.info.hidden_size, engine.context_length))
-            engine.validate(request)
+            prepared = engine.prepare(to_request(msg, self._runtime.defaults,
+                                                 resolver.describe(handles)))
         except BaseException:
             worker.unreserve()
             raise
-        bind = self._embeddings.binder(request, handles) if handles else None
-        return worker, Job(request, on_done=_unset_on_done, bind=bind)
+        # The frames are mapped on the worker, only while the job runs (see embeddings.py).
+        embeddings = (functools.partial(resolver.hold, handles)
+                      if prepared.embeddings is not None else None)
+        return worker, Job(prepared, on_done=_unset_on_done, embeddings=embeddings)
 
     def _refusal(self, exc: Exception, what: str) -> str:
         """Say why `what` could not take a request; log the failures that are not the request's.
@@ -364,25 +409,46 @@ class LLMNode(LifecycleNode):
         goal_handle.execute()
 
     def _on_cancel(self, goal_handle) -> CancelResponse:
-        # Always accept; a goal that already ended just keeps its terminal state.
+        """Accept every cancel request and stop the goal's job.
+
+        rclpy marks the goal CANCELING only after this returns, and the job can end before
+        that (at once when it was still queued): _execute then awaits cancel_applied, which
+        _on_cancels_recorded resolves. That callback shares the action server's mutually
+        exclusive group, so it runs only once this cancel request has been handled in full.
+        A goal that already ended just keeps its terminal state.
+        """
         state = self._goals.get(bytes(goal_handle.goal_id.uuid))
+        if state is None:
+            return CancelResponse.ACCEPT
+        with self._cancels_lock:
+            self._cancels_recorded.append(state.cancel_applied)
+        self._cancels_recorded_gc.trigger()
         worker = self._worker
-        if state is not None and state.job is not None and worker is not None:
+        if state.job is not None and worker is not None:
             worker.cancel(state.job, CancelReason.CLIENT)
         return CancelResponse.ACCEPT
+
+    def _on_cancels_recorded(self) -> None:
+        """Tell the goals whose cancel request rclpy has now recorded (see _on_cancel)."""
+        with self._cancels_lock:
+            recorded, self._cancels_recorded = self._cancels_recorded, []
+        for future in recorded:
+            if not future.done():
+                self._resolve(future, None)
 
     async def _execute(self, goal_handle) -> Generate.Result:
         key = bytes(goal_handle.goal_id.uuid)
         state = self._goals[key]
-        try:
-            outcome: JobOutcome = await state.done
-        finally:
-            self._goals.pop(key, None)
-        if outcome.cancel_reason is CancelReason.CLIENT:
-            await self._until(lambda: goal_handle.is_cancel_requested, CANCEL_STATE_WAIT_S)
-        request = state.job.request if state.job is not None else None
-        return self._finish_goal(goal_handle, state.stamp, request, outcome.result,
-                                 outcome.cancel_reason)
+        with self._answering_request():
+            try:
+                outcome: JobOutcome = await state.done
+                if outcome.cancel_reason is CancelReason.CLIENT:
+                    await state.cancel_applied   # the goal is CANCELING from here on
+            finally:
+                self._goals.pop(key, None)
+            request = state.job.request if state.job is not None else None
+            return self._finish_goal(goal_handle, state.stamp, request, outcome.result,
+                                     outcome.cancel_reason)
 
     def _finish_goal(self, goal_handle, stamp, request, result: GenerationResult,
                      cancel_reason: CancelReason = CancelReason.NONE) -> Generate.Result:
@@ -435,24 +501,16 @@ class LLMNode(LifecycleNode):
         if executor is not None:
             executor.wake()
 
-    async def _until(self, condition, timeout: float) -> None:
-        """Yield to the executor until condition() holds or timeout passes."""
-        deadline = time.monotonic() + timeout
-        while not condition() and time.monotonic() < deadline:
-            tick = Future()
-            timer = threading.Timer(0.002, self._resolve, (tick, None))
-            timer.start()
-            await tick
-
     # ---- services ----------------------------------------------------------------------------
     async def _on_complete(self, request: Complete.Request,
                            response: Complete.Response) -> Complete.Response:
-        try:
-            return await self._complete(request, response)
-        except Exception as exc:  # noqa: B902 - a service must answer, never end the process
-            response.success = False
-            response.error_message = self._refusal(exc, '~/complete')
-            return response
+        with self._answering_request():
+            try:
+                return await self._complete(request, response)
+            except Exception as exc:  # noqa: B902 - a service must answer, never end the process
+                response.success = False
+                response.error_message = self._refusal(exc, '~/complete')
+                return response
 
     async def _complete(self, request: Complete.Request,
                         response: Complete.Response) -> Complete.Response:
@@ -528,18 +586,18 @@ class LLMNode(LifecycleNode):
         engine = worker.engine if worker is not None else None
         return engine.model_name if engine is not None else ''
 
-    def _poll_thermal(self):
+    def _poll_thermal(self, configured: Optional[_Configured]):
         """Poll the governor (diagnostics timer), apply its core limit; return its state."""
-        governor, throttle = self._governor, self._throttle
-        if governor is None:
+        if configured is None:
             return None
-        state = governor.poll()
-        if throttle is not None:
-            throttle.apply(state)
+        state = configured.governor.poll()
+        configured.throttle.apply(state)
         return state
 
     def health(self) -> NodeHealth:
-        worker = self._worker
+        configured = self._configured
+        worker = configured.worker if configured is not None else None
+        config = configured.config if configured is not None else None
         engine = worker.engine if worker is not None else None
         kv_used = kv_capacity = 0
         waiting, running, depth, full, ttft, tps, last_error = 0, False, 0, False, 0.0, 0.0, ''
@@ -551,7 +609,7 @@ class LLMNode(LifecycleNode):
             last_error = snap.stats.last_error
         if engine is not None:
             kv_used, kv_capacity = engine.kv_occupancy()
-        thermal = self._poll_thermal()
+        thermal = self._poll_thermal(configured)
         hottest = thermal.hottest if thermal is not None else None
         with self._counts_lock:
             counts = dict(self._counts)
@@ -564,8 +622,8 @@ class LLMNode(LifecycleNode):
             rss_bytes=self._process.memory_info().rss,
             soc_temp_c=hottest.celsius if hottest is not None else None,
             soc_temp_warn=thermal is not None and thermal.throttled,
-            board=self._config.board if self._config is not None else '',
-            warnings=self._config.warnings if self._config is not None else (),
+            board=config.board if config is not None else '',
+            warnings=config.warnings if config is not None else (),
             extra=tuple(thermal.diagnostics().items()) if thermal is not None else (),
             goals_succeeded=counts['succeeded'], goals_cancelled=counts['cancelled'],
             goals_aborted=counts['aborted'], rejected_inactive=counts['rejected_inactive'],
@@ -584,26 +642,35 @@ def _unset_on_done(outcome: JobOutcome) -> None:
 
 
 def main(args=None) -> int:
-    """Console script `llm_node`: spin until Ctrl-C, then free the model."""
-    rclpy.init(args=args)
+    """Console script `llm_node`: spin until Ctrl-C or SIGTERM, then free the model; exit 0."""
+    spin.init(args)
+    node: Optional[LLMNode] = None
+    executor: Optional[MultiThreadedExecutor] = None
+    spinning: Optional[spin.BackgroundSpin] = None
     try:
         node = LLMNode()
+        executor = MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1))
+        executor.add_node(node)
+        spinning = spin.BackgroundSpin(executor)
+        spinning.wait()
     except (InvalidParameterTypeException, InvalidParameterValueException) as exc:
         # A parameter override of the wrong type or out of range: say which, no traceback.
         print(f'llm_node: {exc}. (A string that looks like a number needs quotes: '
               f'-p engine.cpu_affinity:="\'2-3\'")', file=sys.stderr)
-        rclpy.try_shutdown()
         return 2
-    executor = MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1))
-    executor.add_node(node)
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
+    except KeyboardInterrupt:   # before the spin started: nothing served yet
         pass
     finally:
-        node.release()
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
+        spin.ignore_signals()
+        if node is not None:
+            node.release()   # ends the goals still running or queued
+        if spinning is not None:
+            node.wait_requests_answered(ANSWER_GRACE_S)   # still spinning: answers go out
+            spinning.stop()
+        if executor is not None:
+            spin.shutdown_executor(executor)
+        if node is not None:
+            node.destroy_node()
         rclpy.try_shutdown()
     return 0
 

@@ -3,22 +3,20 @@
 The request side applies the node's defaults: a SamplingParams field left at its UNSET
 value (and presence_penalty at 0.0, the message default) takes the node's
 ~/sampling.* parameter, max_tokens 0 takes ~/max_tokens and an empty system_prompt takes
-~/system_prompt. Everything else is passed through unchanged so the engine's
-validation reports bad values with their own message.
+~/system_prompt. Everything else is passed through unchanged: this module only translates,
+and Engine.prepare is the one place that checks values (NaN, negative seeds, ranges).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-import math
 from typing import Optional, Sequence
 
 from edge_llm_msgs.msg import ChatMessage as ChatMessageMsg
 from edge_llm_msgs.msg import SamplingParams
 from edge_llm_msgs.msg import Timings as TimingsMsg
 from edge_llm_msgs.msg import Transcript
-from edge_llm_ros.engine.errors import InvalidRequestError, InvalidSamplingError
-from edge_llm_ros.engine.types import (ChatMessage, GenerationRequest, GenerationResult,
-                                       SamplingConfig, StopReason, Timings)
+from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
+                                       GenerationResult, SamplingConfig, StopReason, Timings)
 
 
 @dataclass(frozen=True)
@@ -35,13 +33,6 @@ def effective_sampling(msg: SamplingParams, defaults: SamplingConfig) -> Samplin
     def pick(value, unset, default):
         return default if value == unset else value
 
-    for name in ('temperature', 'top_p', 'min_p', 'repetition_penalty', 'presence_penalty'):
-        if not math.isfinite(getattr(msg, name)):
-            raise InvalidSamplingError(f'sampling.{name} is {getattr(msg, name)}: give a finite '
-                                       f'number or leave it unset')
-    if msg.seed < SamplingParams.UNSET_SEED:
-        raise InvalidSamplingError(f'sampling.seed {msg.seed} is negative: give a seed >= 0 or '
-                                   f'{SamplingParams.UNSET_SEED} for the node default')
     seed = defaults.seed if msg.seed == SamplingParams.UNSET_SEED else int(msg.seed)
     return SamplingConfig(
         temperature=float(pick(msg.temperature, SamplingParams.UNSET, defaults.temperature)),
@@ -69,21 +60,14 @@ def chat_messages(msgs: Sequence[ChatMessageMsg]) -> tuple:
 
 
 def to_request(goal, defaults: RequestDefaults,
-               prefix_embeddings=None) -> GenerationRequest:
-    """Build the engine request of a Generate goal or a Complete request.
-
-    Raises InvalidRequestError for values the engine cannot see wrong after the mapping
-    (max_tokens is unsigned in the message, so only 0 has a special meaning).
-    """
-    max_tokens = int(goal.max_tokens) or defaults.max_tokens
-    if max_tokens < 1:
-        raise InvalidRequestError('max_tokens is 0 and the node default ~/max_tokens is 0 too')
+               prefix_embeddings: Optional[DeclaredEmbeddings] = None) -> GenerationRequest:
+    """Build the engine request of a Generate goal or a Complete request (no checks)."""
     return GenerationRequest(
         prompt=goal.prompt,
         messages=chat_messages(goal.messages),
         system_prompt=goal.system_prompt or defaults.system_prompt,
         sampling=effective_sampling(goal.sampling, defaults.sampling),
-        max_tokens=max_tokens,
+        max_tokens=int(goal.max_tokens) or defaults.max_tokens,
         stop=tuple(goal.stop),
         json_schema=goal.json_schema,
         prefix_embeddings=prefix_embeddings,
@@ -119,14 +103,15 @@ OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'comple
                   'timings')
 
 
-def build_transcript(source: str, goal_id, request_msg, engine_request: Optional[
-        GenerationRequest], outcome_msg, accepted: bool, model: str, accepted_stamp,
-        finished_stamp, error: str = '') -> Transcript:
+def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_msg,
+                     accepted: bool, model: str, accepted_stamp, finished_stamp,
+                     error: str = '') -> Transcript:
     """One ~/transcript record: the request as received, effective sampling, outcome.
 
-    `engine_request` is None when the request never became one (refused or invalid): the
-    effective sampling is then left at its defaults. `outcome_msg` (a Generate.Result or
-    Complete.Response) is None for a refusal.
+    `engine_request` is what the engine ran (a PreparedRequest or GenerationRequest: its
+    `sampling` is the effective one), or None when the request never became one (refused or
+    invalid): the effective sampling is then left at its defaults. `outcome_msg` (a
+    Generate.Result or Complete.Response) is None for a refusal.
     """
     msg = Transcript(goal_id=goal_id, source=source, accepted=accepted, model=model,
                      finished_stamp=finished_stamp, error_message=error)

@@ -20,8 +20,11 @@ import threading
 import time
 from typing import Any, Callable, ContextManager, Deque, Optional
 
+import numpy as np
+
 from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.types import GenerationRequest, GenerationResult, StopReason, Timings
+from edge_llm_ros.engine.request import PreparedRequest
+from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings
 
 
 class CancelReason(str, enum.Enum):
@@ -59,14 +62,14 @@ class JobOutcome:
 
 @dataclass(eq=False)
 class Job:
-    """A request waiting for, or running on, the worker."""
+    """A prepared request waiting for, or running on, the worker."""
 
-    request: GenerationRequest
+    request: PreparedRequest          # validated once, by Engine.prepare at admission
     on_done: Callable[[JobOutcome], None]
     on_feedback: Optional[Callable[[FeedbackChunk], None]] = None
-    # Entered on the worker thread around the generation; yields the request to run
-    # (llm_node maps prefix_embeddings only while the job runs).
-    bind: Optional[Callable[[], ContextManager[GenerationRequest]]] = None
+    # Entered on the worker thread around the generation; yields the prefix-embedding array
+    # bound into the request (llm_node maps tensor handles only while the job runs).
+    embeddings: Optional[Callable[[], ContextManager[np.ndarray]]] = None
     # Set by the worker/canceller under the worker's lock.
     enqueued_at: float = field(default=0.0, init=False)
     cancel_reason: CancelReason = field(default=CancelReason.NONE, init=False)
@@ -322,7 +325,8 @@ class EngineWorker:
         try:
             result = self._generate(job)
         except InvalidRequestError as exc:
-            # The node validated already; state may have changed since (a session evicted).
+            # Validated at admission; what only running can find: the embeddings' frames
+            # could not be mapped (stale handle) or hold NaN.
             result = error_result(str(exc))
         except Exception as exc:  # noqa: B902 - one bad job must not kill the worker
             result = error_result('%s: %s' % (type(exc).__name__, exc))
@@ -336,12 +340,12 @@ class EngineWorker:
         job.on_done(JobOutcome(result, job.cancel_reason))
 
     def _generate(self, job: Job) -> GenerationResult:
-        if job.bind is None:
+        if job.embeddings is None:
             return self._stream(job, job.request)
-        with job.bind() as request:
-            return self._stream(job, request)
+        with job.embeddings() as array:
+            return self._stream(job, job.request.bind(array))
 
-    def _stream(self, job: Job, request: GenerationRequest) -> GenerationResult:
+    def _stream(self, job: Job, request: PreparedRequest) -> GenerationResult:
         generation = self.engine.generate(request)
         with self._lock:
             job._generation = generation

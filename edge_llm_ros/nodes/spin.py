@@ -1,0 +1,109 @@
+"""Spin an executor until Ctrl-C (SIGINT) or SIGTERM, and stop it before rclpy shuts down.
+
+rclpy's own signal handler shuts the context down inside the signal, while an executor
+thread may be between its ``context.ok()`` check and building the next wait set: that spin
+then dies with "RCLError: failed to initialize wait set: the given context is not valid".
+Here rclpy installs no handler (SignalHandlerOptions.NO, Humble and later): a signal only
+raises KeyboardInterrupt in the main thread, which waits for it while a background thread
+spins. The caller then releases what it holds (the executor still runs, so the answers to
+cancelled requests go out), stops the spin loop with stop(), waits for the callbacks still
+running (shutdown_executor), and only then destroys the node and shuts the context down:
+nothing ever runs on a node or context that is being destroyed.
+
+    init(args)
+    spinning = BackgroundSpin(executor)
+    try:
+        spinning.wait()     # returns on SIGINT/SIGTERM; raises what the spin thread raised
+    finally:
+        ...release...; spinning.stop(); shutdown_executor(executor)
+        node.destroy_node(); rclpy.try_shutdown()
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+import signal
+import threading
+import time
+from typing import List, Optional
+
+import rclpy
+from rclpy.executors import Executor
+from rclpy.signals import SignalHandlerOptions
+
+# How long one spin_once may wait for work: the latency of stop() (a wake without work does
+# not end spin_once); also how often wait() wakes up.
+SPIN_TIMEOUT_S = 0.1
+
+
+def init(args: Optional[List[str]] = None) -> None:
+    """rclpy.init without rclpy's signal handlers; SIGINT and SIGTERM raise KeyboardInterrupt.
+
+    Installed even where SIGINT was inherited as ignored (a background job of a script).
+    """
+    rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+def ignore_signals() -> None:
+    """Let a cleanup that has started finish: further SIGINT/SIGTERM are ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class BackgroundSpin:
+    """Spins an executor on its own thread, from construction until stop()."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._stop = threading.Event()
+        self._ended = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name='executor_spin', daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._executor.spin_once(timeout_sec=SPIN_TIMEOUT_S)
+        except BaseException as exc:  # noqa: B902 - re-raised in the main thread by wait()
+            self._error = exc
+        finally:
+            self._ended.set()
+
+    def wait(self) -> None:
+        """Block until SIGINT/SIGTERM, then ignore further ones; re-raise a spin failure.
+
+        Sleeps rather than joining the thread: a join interrupted by KeyboardInterrupt can
+        mark a running thread as stopped (CPython 3.11), and stop() must really wait for it.
+        The sleep also lets a signal that another thread received be handled in time.
+        """
+        try:
+            while not self._ended.is_set():
+                time.sleep(SPIN_TIMEOUT_S)
+        except KeyboardInterrupt:
+            ignore_signals()
+            return
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the spin loop and wait for its thread (callbacks in flight may go on)."""
+        self._stop.set()
+        self._executor.wake()
+        self._thread.join(timeout)
+
+
+def shutdown_executor(executor: Executor, timeout: float = 5.0) -> None:
+    """Shut a stopped executor down once the callbacks it started have finished.
+
+    rclpy's MultiThreadedExecutor joins its thread pool in shutdown() only since
+    ros2/rclpy#1309 (Jazzy backport #1670, rclpy 7.1.8); Humble and older Jazzy return while
+    callbacks still run there, and destroying the node under them raises InvalidHandle. So
+    the pool is joined here too (a no-op where shutdown() did it, or for another executor).
+    Call only after the spin loop has ended: nothing may submit to the pool any more.
+    """
+    executor.shutdown(timeout_sec=timeout)
+    pool = getattr(executor, '_executor', None)
+    if isinstance(pool, ThreadPoolExecutor):
+        pool.shutdown(wait=True)
