@@ -5,6 +5,7 @@ sampler + constraint loop must produce text that parses and validates.
 """
 from dataclasses import replace
 import json
+import re
 
 from hypothesis import given, HealthCheck, settings, strategies as st
 import jsonschema
@@ -12,10 +13,13 @@ import numpy as np
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.constraint import JsonSchemaConstraint
+from edge_llm_ros.engine.constraint import (
+    compile_choices, compile_lark, compile_regex, compile_request_constraint, InvalidGrammarError,
+    JsonSchemaConstraint)
 from edge_llm_ros.engine.errors import EngineError, InvalidSchemaError
 from edge_llm_ros.engine.sampling import build_sampler
 from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.engine.tools.spec import ConstraintConflictError
 from edge_llm_ros.engine.types import SamplingConfig
 
 SCHEMAS = {
@@ -155,3 +159,85 @@ def test_mask_must_be_bool_of_vocab_size(tok, compiled):
 def test_invalid_schemas(tok, schema_text, words):
     with pytest.raises(InvalidSchemaError, match=words):
         JsonSchemaConstraint.compile(schema_text, tok)
+
+
+# --- Lark grammar, regular expression, choices ----------------------------------------------
+
+LARK = r"""
+start: "MOVE " DIR " " NUM "m" | "STOP"
+DIR: "left" | "right" | "forward"
+NUM: /[1-9][0-9]?/
+"""
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_lark_grammar_output_matches(tok, seed):
+    text, _ = generate(tok, compile_lark(LARK, tok), SamplingConfig(temperature=1.0, seed=seed),
+                       seed)
+    assert re.fullmatch(r'MOVE (left|right|forward) [1-9][0-9]?m|STOP', text), text
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_regex_output_matches(tok, seed):
+    pattern = r'(yes|no|maybe)( \(confidence 0\.[0-9]\))?'
+    text, _ = generate(tok, compile_regex(pattern, tok),
+                       SamplingConfig(temperature=1.0, seed=seed), seed)
+    assert re.fullmatch(pattern, text), text
+
+
+@pytest.mark.parametrize('seed', range(8))
+def test_choices_output_is_one_of_them(tok, seed):
+    choices = ['go to the kitchen', 'go to the dock', 'stay', 'say "hi"\n']
+    text, _ = generate(tok, compile_choices(choices, tok),
+                       SamplingConfig(temperature=1.0, seed=seed), seed)
+    assert text in choices
+
+
+def test_kinds_are_named(tok):
+    assert compile_regex('a', tok).kind == 'regex'
+    assert compile_lark('start: "a"', tok).kind == 'grammar'
+    assert compile_choices(['a'], tok).kind == 'choices'
+    state = compile_choices(['ab'], tok).start()
+    with pytest.raises(EngineError, match='violates the choice list'):
+        state.accept(tok.encode('zz')[0])
+
+
+@pytest.mark.parametrize('compile_it, words', [
+    (lambda t: compile_lark('start: foo(', t), 'Lark grammar does not compile: .*'),
+    (lambda t: compile_lark('start: undefined_rule', t), 'does not compile: .*undefined_rule'),
+    (lambda t: compile_lark('', t), 'Lark grammar must be non-empty text'),
+    (lambda t: compile_lark(3, t), 'must be non-empty text'),
+    (lambda t: compile_lark('start: "a"' + ' ' * (1 << 20), t), 'at most'),
+    (lambda t: compile_regex('[a-', t), 'regular expression does not compile'),
+    (lambda t: compile_regex('(?<=a)b', t), 'regular expression does not compile'),
+    (lambda t: compile_choices([], t), 'non-empty list'),
+    (lambda t: compile_choices('abc', t), 'non-empty list'),
+    (lambda t: compile_choices(['a', ''], t), r'choices\[1\] must be non-empty'),
+    (lambda t: compile_choices(['a', 3], t), r'choices\[1\]'),
+    (lambda t: compile_choices(['a', 'a'], t), 'distinct'),
+    (lambda t: compile_choices(['x'] * 2000, t), 'at most 1024'),
+])
+def test_bad_grammars(tok, compile_it, words):
+    with pytest.raises(InvalidGrammarError, match=words):
+        compile_it(tok)
+
+
+def test_request_constraint_picks_one_kind(tok):
+    assert compile_request_constraint(tok) is None
+    assert compile_request_constraint(tok, regex='a+').kind == 'regex'
+    assert compile_request_constraint(tok, choices=['a']).kind == 'choices'
+    assert compile_request_constraint(tok, grammar='start: "a"').kind == 'grammar'
+    c = compile_request_constraint(tok, json_schema='{"type": "integer"}')
+    assert isinstance(c, JsonSchemaConstraint) and c.kind == 'json_schema'
+    # Tools build their own constraint (tools.grammar): here they only take part in the check.
+    assert compile_request_constraint(tok, tools_constrained=True) is None
+
+
+@pytest.mark.parametrize('kwargs, words', [
+    ({'json_schema': '{}', 'regex': 'a'}, 'json_schema and regex cannot be combined'),
+    ({'grammar': 'start: "a"', 'choices': ['a']}, 'grammar and choices'),
+    ({'json_schema': '{}', 'tools_constrained': True}, 'tools and json_schema'),
+])
+def test_more_than_one_constraint_is_refused(tok, kwargs, words):
+    with pytest.raises(ConstraintConflictError, match=words):
+        compile_request_constraint(tok, **kwargs)

@@ -1,5 +1,7 @@
 """Sampler chain: validation, each stage against a plain (full-sort) reference, seeding."""
+from dataclasses import dataclass
 import math
+from typing import Any
 
 from hypothesis import given, settings, strategies as st
 import numpy as np
@@ -238,3 +240,118 @@ def test_draw_never_picks_impossible_tokens():
     logits[[17, 4321]] = [0.0, 0.0]
     rng = np.random.default_rng(5)
     assert {_draw(logits, rng) for _ in range(500)} == {17, 4321}
+
+
+# --- logit_bias, frequency_penalty, logprobs ------------------------------------------------
+
+@dataclass(frozen=True)
+class Extended(SamplingConfig):
+    """SamplingConfig with the OpenAI fields (the engine reads them where present)."""
+
+    logit_bias: Any = None
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@pytest.mark.parametrize('kwargs, words', [
+    ({'frequency_penalty': 2.5}, r'frequency_penalty=2.5 .* \[-2, 2\]'),
+    ({'frequency_penalty': math.nan}, 'frequency_penalty=nan'),
+    ({'top_logprobs': 21}, r'top_logprobs=21 .* \[0, 20\]'),
+    ({'top_logprobs': -1}, 'top_logprobs=-1'),
+    ({'top_logprobs': 1.0}, 'top_logprobs must be an integer'),
+    ({'logprobs': 1}, 'logprobs must be true or false'),
+    ({'logit_bias': {5: 101.0}}, r'logit_bias\[5\]=101.0 .* \[-100, 100\]'),
+    ({'logit_bias': {-1: 1.0}}, 'logit_bias token id=-1'),
+    ({'logit_bias': {'x': 1.0}}, 'logit_bias token id must be an integer'),
+    ({'logit_bias': {5: 'hi'}}, r'logit_bias\[5\] must be a number'),
+    ({'logit_bias': [1, 2]}, 'must map token ids to biases'),
+    ({'logit_bias': dict.fromkeys(range(1025), 1.0)}, 'at most 1024'),
+])
+def test_invalid_extra_values(kwargs, words):
+    with pytest.raises(InvalidSamplingError, match=words):
+        validate(Extended(**kwargs))
+
+
+def test_logit_bias_ids_must_be_in_the_vocabulary():
+    validate(Extended(logit_bias={VOCAB: 1.0}))  # the vocabulary is known only at build
+    with pytest.raises(InvalidSamplingError, match=f'token id {VOCAB} is outside'):
+        build_sampler(Extended(logit_bias={VOCAB: 1.0}), VOCAB)
+
+
+def test_logit_bias_moves_the_choice():
+    logits = logits_for(3)
+    best = int(np.argmax(logits))
+    low = int(np.argmin(logits))
+    boost = build_sampler(Extended(logit_bias={str(low): 100.0}), VOCAB)  # JSON-style key
+    assert boost.stage_names == ['logit_bias']
+    assert boost.sample(logits) == low
+    ban = build_sampler(Extended(logit_bias={best: -100.0}), VOCAB)
+    assert ban.sample(logits) == int(np.argsort(-logits)[1])
+    assert np.array_equal(logits, logits_for(3))  # the input is left alone
+
+
+def test_frequency_penalty_counts_occurrences():
+    logits = np.zeros(VOCAB, dtype=np.float32)
+    logits[[10, 12]] = [2.0, 1.5]
+    freq = build_sampler(Extended(frequency_penalty=0.2), VOCAB)
+    freq.reset([10, 10])
+    assert freq.sample(logits) == 10  # 2.0 - 2 * 0.2 = 1.6 > 1.5
+    freq.accept(10)
+    assert freq.sample(logits) == 12  # 2.0 - 3 * 0.2 = 1.4 < 1.5
+    both = build_sampler(Extended(frequency_penalty=0.2, presence_penalty=0.5,
+                                  repetition_penalty=1.1), VOCAB)
+    assert both.stage_names == ['repetition_penalty', 'presence_penalty', 'frequency_penalty']
+    both.reset([10])
+    both.accept(10)
+    # 2.0 / 1.1 - 0.5 - 2 * 0.2 = 0.918: the shared history counted each token once.
+    assert both.sample(logits) == 12
+
+
+def reference_logprobs(processed):
+    values = processed.astype(np.float64)
+    return values - (values.max() + np.log(np.exp(values - values.max()).sum()))
+
+
+@pytest.mark.parametrize('config', [
+    Extended(logprobs=True), Extended(top_logprobs=5),
+    Extended(temperature=0.7, top_logprobs=20, seed=1),
+    Extended(temperature=1.0, top_k=3, top_logprobs=5, seed=2),
+])
+def test_logprobs_of_the_final_distribution(config):
+    sampler = build_sampler(config, VOCAB)
+    sampler.reset([])
+    logits = logits_for(4)
+    mask = np.ones(VOCAB, dtype=bool)
+    mask[int(np.argmax(logits))] = False  # the mask is part of the final distribution
+    token = sampler.sample(logits, mask)
+    lp = sampler.last_logprobs
+    masked = np.where(mask, logits, -np.inf)
+    temp = config.temperature if config.temperature else 1.0
+    ref = reference_logprobs(masked / temp)
+    if config.top_k:
+        keep = np.argsort(-masked)[:config.top_k]
+        ref = np.full(VOCAB, -np.inf)
+        ref[keep] = reference_logprobs((masked / temp)[keep])
+    assert lp.token_id == token
+    assert lp.logprob == pytest.approx(ref[token], abs=1e-4)
+    n = min(config.top_logprobs, config.top_k or VOCAB)
+    order = np.argsort(-ref, kind='stable')[:n]
+    assert [t for t, _ in lp.top] == order.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(ref[order].tolist(), abs=1e-4)
+    assert all(a >= b for (_, a), (_, b) in zip(lp.top, lp.top[1:]))
+
+
+def test_no_logprobs_means_the_plain_sampler():
+    sampler = build_sampler(Extended(), VOCAB)
+    assert type(sampler).__name__ == 'Sampler' and not hasattr(sampler, 'last_logprobs')
+
+
+def test_logprob_sampler_draws_like_the_plain_one():
+    config = {'temperature': 0.9, 'top_p': 0.9, 'seed': 7}
+    plain = build_sampler(Extended(**config), VOCAB)
+    withlp = build_sampler(Extended(top_logprobs=3, **config), VOCAB)
+    for s in (plain, withlp):
+        s.reset([])
+    picks = [(plain.sample(logits_for(i)), withlp.sample(logits_for(i))) for i in range(20)]
+    assert all(a == b for a, b in picks)

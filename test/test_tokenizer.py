@@ -151,6 +151,110 @@ def test_template_helpers(model_dir, tmp_path):
         t.apply_chat_template([ChatMessage('tool', 'x')])
 
 
+# --- tools through the template (the Hugging Face convention) -------------------------------
+
+# Written for these tests in the shape of tool-aware HF templates (Qwen2.5 / Hermes): tools as
+# {"type": "function", "function": {...}}, calls with function.name and dict arguments.
+TOOLS_TEMPLATE = (
+    # (trim_blocks drops a newline right after a block tag, as in HF: hence {{ '\\n' }}.)
+    '{% if tools %}<|im_start|>system\nTools:{% for t in tools %}{{ "\\n" }}{{ t | tojson }}'
+    '{% endfor %}<|im_end|>\n{% endif %}'
+    '{% for m in messages %}<|im_start|>{{ m.role }}'
+    '{% if m.name is defined %}({{ m.name }}){% endif %}'
+    '{% if m.tool_call_id is defined %}[{{ m.tool_call_id }}]{% endif %}{{ "\\n" }}'
+    '{{ m.content }}'
+    '{% if m.tool_calls %}{% for c in m.tool_calls %}{% set f = c.function %}'
+    '<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}</tool_call>'
+    '{% endfor %}{% endif %}<|im_end|>{{ "\\n" }}{% endfor %}'
+    '{% if add_generation_prompt %}<|im_start|>assistant\n'
+    '{% if enable_thinking is defined and enable_thinking is false %}'
+    '<think>\n\n</think>\n\n'
+    '{% endif %}{% endif %}')
+MOVE = {'type': 'function', 'function': {'name': 'move', 'description': 'Drive',
+                                         'parameters': {'type': 'object', 'properties': {
+                                             'x': {'type': 'number'}}}}}
+
+
+@pytest.fixture(scope='module')
+def tools_tok(model_dir, tmp_path_factory):
+    return _with_template(model_dir, tmp_path_factory.mktemp('tools_tok'), TOOLS_TEMPLATE)
+
+
+def test_tools_reach_the_template_as_hf_passes_them(tools_tok):
+    from edge_llm_ros.engine.tools.spec import check_tool, ToolCall
+    assert tools_tok.template_uses_tools and tools_tok.template_uses_tool_calls
+    messages = [
+        {'role': 'user', 'content': 'go'},
+        {'role': 'assistant', 'content': None, 'tool_calls': [
+            ToolCall('call_1', 'move', '{"x": 1.5}'),
+            {'id': 'call_2', 'type': 'function',
+             'function': {'name': 'move', 'arguments': '{"x": -2}'}}]},
+        {'role': 'tool', 'content': 'arrived', 'tool_call_id': 'call_1', 'name': 'move'},
+    ]
+    for tools in ([MOVE], [check_tool(MOVE)]):
+        text = tools_tok.apply_chat_template(messages, tools=tools)
+        assert text.startswith('<|im_start|>system\nTools:\n{"type": "function", '
+                               '"function": {"name": "move", "description": "Drive"')
+        assert ('<tool_call>{"name": "move", "arguments": {"x": 1.5}}</tool_call>'
+                '<tool_call>{"name": "move", "arguments": {"x": -2}}</tool_call>') in text
+        assert '<|im_start|>tool(move)[call_1]\narrived<|im_end|>' in text
+    ids = tools_tok.encode_chat(messages, tools=[MOVE])
+    assert tools_tok.decode(ids) == tools_tok.apply_chat_template(messages, tools=[MOVE])
+
+
+def test_messages_from_a_richer_chat_message_type(tools_tok):
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Message(ChatMessage):
+        tool_calls: tuple = ()
+        tool_call_id: str = ''
+        name: str = ''
+
+    text = tools_tok.apply_chat_template([Message('tool', 'ok', tool_call_id='c9', name='f')])
+    assert '<|im_start|>tool(f)[c9]\nok' in text
+    plain = tools_tok.apply_chat_template([ChatMessage('user', 'hi')])
+    assert '(' not in plain.split('\n')[0]  # fields that are absent stay undefined
+
+
+def test_template_kwargs(tools_tok):
+    off = tools_tok.apply_chat_template([ChatMessage('user', 'hi')],
+                                        template_kwargs={'enable_thinking': False})
+    assert off.endswith('<|im_start|>assistant\n<think>\n\n</think>\n\n')
+    on = tools_tok.apply_chat_template([ChatMessage('user', 'hi')])
+    assert on.endswith('<|im_start|>assistant\n')
+    for key in ('messages', 'tools', 'bos_token', 'not a name', 3):
+        with pytest.raises(InvalidRequestError, match='cannot be set'):
+            tools_tok.apply_chat_template([ChatMessage('user', 'hi')],
+                                          template_kwargs={key: 1})
+
+
+@pytest.mark.parametrize('message, words', [
+    ({'role': 'user', 'content': 'x', 'tool_calls': [{'function': {'name': 'f'}}]},
+     'only assistant messages carry tool_calls'),
+    ({'role': 'assistant', 'content': '',
+      'tool_calls': [{'function': {'name': 'f', 'arguments': '{x'}}]},
+     r'tool_calls\[0\] arguments are not JSON'),
+    ({'role': 'assistant', 'content': '',
+      'tool_calls': [{'function': {'name': 'f', 'arguments': '[1]'}}]},
+     'arguments must be a JSON object'),
+    ({'role': 'assistant', 'content': '', 'tool_calls': [{'name': 'f'}]},
+     r'tool_calls\[0\] must be a ToolCall'),
+    ({'role': 'tool', 'content': 'x', 'tool_call_id': 7}, 'tool_call_id must be text'),
+    ({'role': 'assistant', 'content': None}, 'content must be text'),
+])
+def test_bad_tool_messages(tools_tok, message, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        tools_tok.apply_chat_template([message])
+
+
+def test_bad_tools_are_refused_before_rendering(tools_tok):
+    from edge_llm_ros.engine.tools.spec import InvalidToolsError
+    with pytest.raises(InvalidToolsError, match='parameters schema is invalid'):
+        tools_tok.apply_chat_template([ChatMessage('user', 'x')],
+                                      tools=[{'name': 'f', 'parameters': {'type': 'bogus'}}])
+
+
 # --- streaming -----------------------------------------------------------------------------
 
 def _stream_all(tok, ids, skip):

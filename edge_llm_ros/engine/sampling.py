@@ -1,19 +1,26 @@
 """Token selection: a chain of small stages ended by greedy or a seeded draw.
 
 The shape follows llama.cpp's sampler chain (each stage has apply / accept / reset) in the order
-penalties -> temperature -> top-k -> top-p -> min-p.  The chain is built once per request from a
-validated `SamplingConfig`; disabled stages are left out, and at temperature 0 only the
-penalties remain (the filters cannot change the argmax).  Temperatures below
+logit bias -> penalties -> temperature -> top-k -> top-p -> min-p.  The chain is built once per
+request from a validated `SamplingConfig`; disabled stages are left out, and at temperature 0
+only the penalties remain (the filters cannot change the argmax).  Temperatures below
 `GREEDY_TEMPERATURE` are greedy too: that is their limit, and 1/T would overflow float32.
 
 Runs every token over the whole vocabulary, so it avoids full sorts: top-k and top-p first
 narrow the vocabulary with a threshold taken from a strided sample (see `_top_indices`).
+
+Fields beyond the original SamplingConfig (logit_bias, frequency_penalty, logprobs,
+top_logprobs) are read with getattr and their OpenAI defaults, so a config type without them
+still works. With logprobs on, the sampler is a LogprobSampler: the chosen token's log
+probability and the top-n of the final distribution (after every stage, at temperature 1 when
+greedy) are left in `last_logprobs` after each pick; without, the loop does no extra work.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 import math
-from typing import Deque, Dict, List, Optional, Sequence
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -25,6 +32,18 @@ DEFAULT_PENALTY_WINDOW = 64
 # Temperatures below this are decoded greedily (the T -> 0 limit of sampling).
 GREEDY_TEMPERATURE = 1e-6
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_TOP_LOGPROBS = 20          # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0         # OpenAI's range is [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def extra(config: Any, name: str) -> Any:
+    """Read a field that older SamplingConfig types lack (else its disabled default)."""
+    return getattr(config, name, _EXTRA_DEFAULTS[name])
+
+
+_EXTRA_DEFAULTS: Dict[str, Any] = {'logit_bias': None, 'frequency_penalty': 0.0,
+                                   'logprobs': False, 'top_logprobs': 0}
 
 
 def validate(config: SamplingConfig) -> None:
@@ -46,6 +65,42 @@ def validate(config: SamplingConfig) -> None:
                 'in [-2, 2] (0 = disabled)')
     if config.seed is not None:
         _check_int(config.seed, 'seed', '>= 0, or unset for a random seed')
+    _check_real(extra(config, 'frequency_penalty'), 'frequency_penalty', -2.0, 2.0,
+                'in [-2, 2] (0 = disabled)')
+    top = extra(config, 'top_logprobs')
+    _check_int(top, 'top_logprobs', f'in [0, {MAX_TOP_LOGPROBS}]')
+    if top > MAX_TOP_LOGPROBS:
+        raise InvalidSamplingError(f'top_logprobs={top} is out of range: it must be in '
+                                   f'[0, {MAX_TOP_LOGPROBS}]')
+    if not isinstance(extra(config, 'logprobs'), bool):
+        raise InvalidSamplingError('logprobs must be true or false')
+    logit_bias_items(extra(config, 'logit_bias'))
+
+
+def logit_bias_items(bias: Any, vocab_size: Optional[int] = None) -> Tuple[Tuple[int, float], ...]:
+    """Check logit_bias ({token id: bias} or (id, bias) pairs); ids within the vocabulary."""
+    if not bias:
+        return ()
+    items = list(bias.items()) if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InvalidSamplingError('logit_bias must map token ids to biases') from None
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidSamplingError(f'logit_bias has {len(pairs)} entries; at most '
+                                   f'{MAX_LOGIT_BIAS_ENTRIES}')
+    out: Dict[int, float] = {}
+    for key, value in pairs:
+        if isinstance(key, str) and key.strip().lstrip('-').isdigit():
+            key = int(key)  # JSON object keys (OpenAI sends token ids as strings)
+        _check_int(key, 'logit_bias token id', '>= 0')
+        if vocab_size is not None and key >= vocab_size:
+            raise InvalidSamplingError(f'logit_bias token id {key} is outside the vocabulary '
+                                       f'(0..{vocab_size - 1})')
+        _check_real(value, f'logit_bias[{key}]', -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
+                    f'in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]')
+        out[int(key)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 class Candidates:
@@ -116,6 +171,23 @@ class _History:
             self._ids_cache = np.fromiter(self._counts, dtype=np.int64, count=len(self._counts))
         return self._ids_cache
 
+    def counts(self) -> np.ndarray:
+        """How often each of ids() occurs in the window (same order)."""
+        return np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+
+
+class LogitBias(Stage):
+    """Add a fixed bias to chosen tokens (OpenAI's logit_bias); -100 all but bans a token."""
+
+    name = 'logit_bias'
+
+    def __init__(self, pairs: Sequence[Tuple[int, float]]) -> None:
+        self.ids = np.array([p[0] for p in pairs], dtype=np.int64)
+        self.bias = np.array([p[1] for p in pairs], dtype=np.float32)
+
+    def apply(self, cand: Candidates) -> None:
+        cand.logits[self.ids] += self.bias  # first stage: the whole vocabulary, in id order
+
 
 class RepetitionPenalty(Stage):
     """CTRL-style: divide positive logits of seen tokens by the penalty, multiply negative."""
@@ -166,6 +238,17 @@ class PresencePenalty(Stage):
     def reset(self, prompt_ids: Sequence[int]) -> None:
         if self._owns:
             self._history.reset(prompt_ids)
+
+
+class FrequencyPenalty(PresencePenalty):
+    """OpenAI-style: subtract the penalty times how often each token occurs in the window."""
+
+    name = 'frequency_penalty'
+
+    def apply(self, cand: Candidates) -> None:
+        ids = self._history.ids()
+        if ids.size:
+            cand.logits[ids] -= self.penalty * self._history.counts()
 
 
 class Temperature(Stage):
@@ -283,23 +366,32 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, allowed_mask: Optional[np.ndarray] = None) -> int:
         """Pick the next token; `allowed_mask` (bool, vocab) removes the False tokens first."""
-        flat = logits.reshape(-1)
-        if flat.size != self.vocab_size:
-            raise EngineError(f'logits have {flat.size} entries but the sampler was built for a '
-                              f'vocabulary of {self.vocab_size}')
+        flat = self._flat(logits)
         if self.greedy and not self.stages and allowed_mask is None:
             return self._checked(flat, int(np.argmax(flat)))  # nothing to modify: no copy
-        np.copyto(self._buf, flat)  # never modify the caller's (runtime-owned) buffer
+        cand = self._candidates(flat, allowed_mask)
+        best = self._checked(cand.logits, int(np.argmax(cand.logits)))
+        if self.greedy:
+            return cand.token_id(best)
+        return cand.token_id(_draw(cand.logits, self._rng))
+
+    def _candidates(self, logits: np.ndarray, allowed_mask: Optional[np.ndarray]) -> Candidates:
+        """Return the logits after the mask and every stage (a copy: the input is left alone)."""
+        np.copyto(self._buf, self._flat(logits))  # never modify the runtime-owned input
         if allowed_mask is not None:
             np.logical_not(allowed_mask, out=self._blocked)
             np.copyto(self._buf, -np.inf, where=self._blocked)
         cand = Candidates(self._buf)
         for stage in self.stages:
             stage.apply(cand)
-        best = self._checked(cand.logits, int(np.argmax(cand.logits)))
-        if self.greedy:
-            return cand.token_id(best)
-        return cand.token_id(_draw(cand.logits, self._rng))
+        return cand
+
+    def _flat(self, logits: np.ndarray) -> np.ndarray:
+        flat = logits.reshape(-1)
+        if flat.size != self.vocab_size:
+            raise EngineError(f'logits have {flat.size} entries but the sampler was built for a '
+                              f'vocabulary of {self.vocab_size}')
+        return flat
 
     @staticmethod
     def _checked(logits: np.ndarray, best: int) -> int:
@@ -320,16 +412,24 @@ class Sampler:
 
 
 def build_sampler(config: SamplingConfig, vocab_size: int,
-                  penalty_window: int = DEFAULT_PENALTY_WINDOW) -> Sampler:
+                  penalty_window: int = DEFAULT_PENALTY_WINDOW) -> 'Sampler':
     """Validate `config` and build its chain once (greedy below GREEDY_TEMPERATURE)."""
     validate(config)
     stages: List[Stage] = []
+    bias = logit_bias_items(extra(config, 'logit_bias'), vocab_size)
+    if bias:
+        stages.append(LogitBias(bias))
     history = _History(penalty_window)
+    owner = True  # the first penalty stage keeps the shared history up to date
     if config.repetition_penalty != 1.0:
         stages.append(RepetitionPenalty(config.repetition_penalty, history))
+        owner = False
     if config.presence_penalty != 0.0:
-        stages.append(PresencePenalty(config.presence_penalty, history,
-                                      owns_history=not stages))
+        stages.append(PresencePenalty(config.presence_penalty, history, owns_history=owner))
+        owner = False
+    if extra(config, 'frequency_penalty') != 0.0:
+        stages.append(FrequencyPenalty(extra(config, 'frequency_penalty'), history,
+                                       owns_history=owner))
     greedy = config.temperature < GREEDY_TEMPERATURE
     if not greedy:
         if config.temperature != 1.0:
@@ -345,7 +445,46 @@ def build_sampler(config: SamplingConfig, vocab_size: int,
         # An unset seed gets a fresh one, kept on the sampler so the run can be repeated.
         seed = config.seed if config.seed is not None else int(
             np.random.SeedSequence().generate_state(1, dtype=np.uint64)[0] >> 1)
+    if extra(config, 'logprobs') or extra(config, 'top_logprobs'):
+        return LogprobSampler(stages, vocab_size, seed, extra(config, 'top_logprobs'))
     return Sampler(stages, vocab_size, seed)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log probability of the chosen token and the top-n (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
+
+
+class LogprobSampler(Sampler):
+    """A Sampler that also reports log probabilities of the final distribution."""
+
+    def __init__(self, stages: List[Stage], vocab_size: int, seed: Optional[int],
+                 top_n: int) -> None:
+        super().__init__(stages, vocab_size, seed)
+        self.top_n = int(top_n)
+        self.last_logprobs: Optional[TokenLogprobs] = None
+
+    def sample(self, logits: np.ndarray, allowed_mask: Optional[np.ndarray] = None) -> int:
+        cand = self._candidates(logits, allowed_mask)
+        best = self._checked(cand.logits, int(np.argmax(cand.logits)))
+        pos = best if self.greedy else _draw(cand.logits, self._rng)
+        values = cand.logits.astype(np.float64)
+        top = float(values[best])
+        log_total = top + math.log(float(np.exp(values - top).sum()))
+        pairs: Tuple[Tuple[int, float], ...] = ()
+        if self.top_n:
+            n = min(self.top_n, values.size)
+            idx = _top_indices(cand.logits, n)
+            idx = idx[np.argsort(-cand.logits[idx], kind='stable')]
+            pairs = tuple((cand.token_id(int(i)), float(values[i] - log_total)) for i in idx
+                          if values[i] > -math.inf)
+        token = cand.token_id(pos)
+        self.last_logprobs = TokenLogprobs(token, float(values[pos] - log_total), pairs)
+        return token
 
 
 # --- helpers -----------------------------------------------------------------------------

@@ -14,17 +14,22 @@ import pathlib
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 import yaml
 
 from .errors import InvalidRequestError, ModelLoadError
 from .gguf_tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+from .tools.spec import check_tools, ToolCall
 from .types import ChatMessage, ROLES
 
 MODEL_YAML = 'model.yaml'
 
 MessageLike = Union[ChatMessage, Mapping[str, Any]]
+# Variables the engine sets itself; template_kwargs cannot replace them.
+_RESERVED_VARS = frozenset({'messages', 'add_generation_prompt', 'tools', 'bos_token',
+                            'eos_token'})
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class TextTokenizer:
                 raise ModelLoadError(f'special token id {tid} is outside the vocabulary '
                                      f'(size {self.vocab_size}); fix model.yaml')
         self._template = _compile_template(chat_template)
+        self._uses_tools = 'tools' in _template_variables(chat_template)
+        self._uses_tool_calls = 'tool_calls' in chat_template
         self._template_vars = {
             'bos_token': self._token_text(special.bos_token_id),
             'eos_token': self._token_text(special.eos_token_ids[0] if special.eos_token_ids
@@ -124,15 +131,31 @@ class TextTokenizer:
     # --- chat --------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[MessageLike],
-                            add_generation_prompt: bool = True) -> str:
-        """Render the conversation with the model's own template."""
-        dicts = [_message_dict(m, i) for i, m in enumerate(messages)]
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Any] = (),
+                            template_kwargs: Optional[Mapping[str, Any]] = None) -> str:
+        """Render the conversation with the model's own template.
+
+        As Hugging Face does: `tools` (ToolSpecs or OpenAI tool dicts) go to the template as
+        `tools=[{"type": "function", "function": {...}}]`, messages may carry `tool_calls`
+        (arguments as dicts), `tool_call_id` and `name`, and `template_kwargs` are extra
+        template variables (e.g. enable_thinking=False).
+        """
+        dicts = [message_dict(m, i) for i, m in enumerate(messages)]
         if not dicts:
             raise InvalidRequestError('the conversation is empty: give at least one message')
+        variables = dict(self._template_vars)
+        if tools:
+            variables['tools'] = [t.to_hf() for t in check_tools(tools)]
+        for key, value in (template_kwargs or {}).items():
+            if key in _RESERVED_VARS or not isinstance(key, str) or not key.isidentifier():
+                raise InvalidRequestError(f'template variable {key!r} cannot be set; it is '
+                                          'reserved or not a name')
+            variables[key] = value
         try:
             return self._template.render(messages=dicts,
                                          add_generation_prompt=add_generation_prompt,
-                                         **self._template_vars)
+                                         **variables)
         except jinja2.exceptions.SecurityError as exc:
             raise ModelLoadError(f'the chat template tried an unsafe operation ({exc}); '
                                  'replace chat_template.jinja') from exc
@@ -145,12 +168,28 @@ class TextTokenizer:
                                       f'({type(exc).__name__}: {exc}); fix chat_template.jinja'
                                       ) from exc
 
+    @property
+    def template_uses_tools(self) -> bool:
+        """Whether the chat template reads `tools` (else tools must be described in text)."""
+        return self._uses_tools
+
+    @property
+    def template_uses_tool_calls(self) -> bool:
+        """Whether the chat template writes assistant `tool_calls` itself."""
+        return self._uses_tool_calls
+
     def encode_chat(self, messages: Sequence[MessageLike],
-                    add_generation_prompt: bool = True) -> List[int]:
+                    add_generation_prompt: bool = True, tools: Sequence[Any] = (),
+                    template_kwargs: Optional[Mapping[str, Any]] = None) -> List[int]:
         """Render and tokenize a conversation, adding BOS once if the model wants it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode_prompt(self.apply_chat_template(messages, add_generation_prompt,
+                                                           tools, template_kwargs))
+
+    def encode_prompt(self, prompt: str) -> List[int]:
+        """Tokenize a rendered prompt, adding BOS once if the model wants it."""
+        ids = self.encode(prompt)
         bos = self._special.bos_token_id
-        if self._special.add_bos_token and (not ids or ids[0] != bos):
+        if self._special.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids.insert(0, bos)
         return ids
 
@@ -255,20 +294,69 @@ def _compile_template(source: str) -> jinja2.Template:
                              'fix chat_template.jinja') from exc
 
 
-def _message_dict(message: MessageLike, index: int) -> Dict[str, str]:
-    if isinstance(message, ChatMessage):
-        role, content = message.role, message.content
-    elif isinstance(message, Mapping):
-        role, content = message.get('role'), message.get('content')
+def message_dict(message: MessageLike, index: int) -> Dict[str, Any]:
+    """One message as HF templates take it; the tool fields only when set."""
+    if isinstance(message, Mapping):
+        get = message.get
+    elif isinstance(message, ChatMessage):
+        def get(key: str, default: Any = None) -> Any:
+            return getattr(message, key, default)
     else:
         raise InvalidRequestError(f'message {index} must be a ChatMessage or a dict with role '
                                   f'and content, not {type(message).__name__}')
+    role, content = get('role'), get('content')
     if role not in ROLES:
         raise InvalidRequestError(f'message {index} has unknown role {role!r}; '
                                   f'use one of {", ".join(ROLES)}')
+    if content is None and get('tool_calls'):
+        content = ''
     if not isinstance(content, str):
         raise InvalidRequestError(f'message {index} content must be text')
-    return {'role': role, 'content': content}
+    out: Dict[str, Any] = {'role': role, 'content': content}
+    calls = get('tool_calls') or ()
+    if calls:
+        if role != 'assistant':
+            raise InvalidRequestError(f'message {index}: only assistant messages carry '
+                                      'tool_calls')
+        out['tool_calls'] = [_call_dict(c, index, j) for j, c in enumerate(calls)]
+    for key in ('tool_call_id', 'name'):
+        value = get(key) or ''
+        if not isinstance(value, str):
+            raise InvalidRequestError(f'message {index}: {key} must be text')
+        if value:
+            out[key] = value
+    return out
+
+
+def _call_dict(call: Any, index: int, j: int) -> Dict[str, Any]:
+    """Return a tool call as HF templates take it: arguments as a dict, not JSON text."""
+    if isinstance(call, ToolCall):
+        return call.to_hf()
+    fn = call.get('function') if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get('name'), str):
+        raise InvalidRequestError(f'message {index} tool_calls[{j}] must be a ToolCall or '
+                                  '{"id", "type": "function", "function": {"name", "arguments"}}')
+    args = fn.get('arguments', {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError as exc:
+            raise InvalidRequestError(f'message {index} tool_calls[{j}] arguments are not '
+                                      f'JSON: {exc}') from None
+    if not isinstance(args, dict):
+        raise InvalidRequestError(f'message {index} tool_calls[{j}] arguments must be a JSON '
+                                  'object')
+    return {'id': str(call.get('id', '')), 'type': 'function',
+            'function': {'name': fn['name'], 'arguments': args}}
+
+
+def _template_variables(source: str) -> frozenset:
+    """Names a template reads from its context (jinja2's static analysis)."""
+    env = ImmutableSandboxedEnvironment(extensions=['jinja2.ext.loopcontrols'])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:
+        return frozenset()  # _compile_template reports it
 
 
 def _special_from_yaml(meta: Mapping[str, Any], path: pathlib.Path) -> SpecialTokens:
