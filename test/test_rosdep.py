@@ -32,10 +32,15 @@ ROSDEP_KEYS = {
     'jsonschema': 'python3-jsonschema', 'psutil': 'python3-psutil', 'tqdm': 'python3-tqdm',
     'PIL': 'python3-pil', 'matplotlib': 'python3-matplotlib',
     'onnxruntime': 'python3-onnxruntime-pip', 'rosbags': 'python3-rosbags-pip',
+    'fastapi': 'python3-fastapi', 'uvicorn': 'python3-uvicorn',
+    # FastAPI's own dependencies, installed with it.
+    'starlette': 'python3-fastapi', 'anyio': 'python3-fastapi',
 }
 # No rosdep key exists for these: requirements.txt installs them (README).
 PIP_ONLY = {'onnx': 'onnx', 'tokenizers': 'tokenizers', 'gguf': 'gguf',
-            'safetensors': 'safetensors', 'llguidance': 'llguidance', 'av': 'av'}
+            'safetensors': 'safetensors', 'llguidance': 'llguidance', 'av': 'av',
+            # The bridge needs pydantic 2; jammy's python3-pydantic is 1.x.
+            'pydantic': 'pydantic'}
 # Import-guarded extras that only exist on a CUDA board (JetPack ships them).
 BOARD_ONLY = {'cuda', 'pycuda'}
 
