@@ -45,6 +45,16 @@ class ParityCase:
     llama3_rope: bool = False  # write a rope_freqs tensor (Llama 3.1 scaling, original ctx 64)
     linear_rope: float = 0.0   # rope.scaling.type linear with this factor
     chain: float = 0.25        # weight of the head's next-token term (see random_weights)
+    # gemma3: sliding_window (0: none) and the sliding_window_pattern key (0: not written,
+    # llama.cpp's period 6 applies); rope_freq_base_swa key (0: not written).
+    window: int = 0
+    swa_pattern: int = 0
+    swa_base: float = 0.0
+    # phi3: LongRoPE factors (short/long tensors, original context 256 = the runner's
+    # context, so llama.cpp picks the short ones) and the rotated share of each head.
+    longrope: bool = False
+    rotary: float = 1.0
+    softcap: float = 0.0  # gemma3 final_logit_softcapping key (llama.cpp uses it without SWA)
 
     @property
     def tag(self) -> str:
@@ -53,7 +63,16 @@ class ParityCase:
         extra += ('-l3rope' if self.llama3_rope else '') + (
             f'-lin{self.linear_rope:g}' if self.linear_rope else '') + (
             '-tied' if self.tied else '')
+        extra += (f'-w{self.window}p{self.swa_pattern}' if self.window else '') + (
+            f'-swab{self.swa_base:g}' if self.swa_base else '') + (
+            '-longrope' if self.longrope else '') + (
+            f'-rot{self.rotary:g}' if self.rotary != 1.0 else '') + (
+            f'-cap{self.softcap:g}' if self.softcap else '')
         return f'{self.arch}-{self.wtype.lower()}-s{self.seed}{extra}'
+
+    @property
+    def rope_dims(self) -> int:
+        return int(self.rotary * self.dims.head_dim)
 
 
 def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
@@ -88,9 +107,23 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         if c.arch == 'qwen2':
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
-        if c.arch == 'qwen3':
+        if c.arch in ('qwen3', 'gemma3'):
             w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
+        if c.arch == 'gemma3':  # GGUF values: llama.cpp's converter has added HF's +1
+            # Large post-norms, as trained Gemmas have: the blocks' outputs then weigh
+            # against the embedding (scaled by sqrt(hidden) = 16) in the residual stream, so
+            # attention features (window, RoPE bases) show in the logits.
+            w[p + 'post_attn_norm'] = 8 * norm(d.hidden)
+            w[p + 'post_ffn_norm'] = 8 * norm(d.hidden)
     return w
+
+
+def longrope_factors(n: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Short and long LongRoPE factors (short near 1, long up to ~16: clearly different)."""
+    rng = np.random.default_rng(seed + 7)
+    short = 1.0 + 0.5 * rng.random(n)
+    long = np.geomspace(1.0, 16.0, n) * (1.0 + 0.1 * rng.random(n))
+    return short.astype(np.float32), long.astype(np.float32)
 
 
 def random_blocks(rows: int, cols: int, wtype: str, std: float,
@@ -116,12 +149,13 @@ def random_blocks(rows: int, cols: int, wtype: str, std: float,
 
 
 def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = None,
-               skip: Tuple[str, ...] = ()) -> pathlib.Path:
+               skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, str]] = None
+               ) -> pathlib.Path:
     """Write the case's GGUF (all matrices in case.wtype) and return its path.
 
     header overrides what the header says (keys: head_count, rope_scaling_type, ...; the
     tensors keep the case's shapes) to make contradicting files; skip leaves out tensors
-    whose name contains one of its strings.
+    whose name contains one of its strings; tokenizer: add_tokenizer's pre / template.
     """
     path = pathlib.Path(path)
     c, d = case, case.dims
@@ -133,20 +167,36 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
             'embedding_length': d.hidden, 'feed_forward_length': d.intermediate,
             'head_count': d.heads, 'head_count_kv': d.kv_heads, 'key_length': d.head_dim,
             'value_length': d.head_dim, 'rope_freq_base': d.rope_theta,
-            'layer_norm_rms_eps': d.rms_eps, 'rope_dimension_count': d.head_dim,
+            'layer_norm_rms_eps': d.rms_eps, 'rope_dimension_count': c.rope_dims,
             'vocab_size': len(vocab)}
     if c.linear_rope:
         meta.update(rope_scaling_type=gguf.RopeScalingType.LINEAR,
                     rope_scaling_factor=c.linear_rope)
+    if c.window:
+        meta['sliding_window'] = c.window
+    if c.swa_pattern:
+        meta['sliding_window_pattern'] = c.swa_pattern
+    if c.swa_base:
+        meta['rope_freq_base_swa'] = c.swa_base
+    if c.softcap:
+        meta['final_logit_softcapping'] = c.softcap
+    if c.arch == 'phi3':
+        meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
+    if c.longrope:
+        # As convert_hf_to_gguf for a 4096-context model trained at 256.
+        meta.update(rope_scaling_orig_ctx_len=256,
+                    rope_scaling_attn_factors=float(np.sqrt(1 + np.log(16) / np.log(256))),
+                    context_length=4096)
     meta.update(header or {})
-    writer.add_name(f'tiny-{c.tag}')
+    # llama.cpp looks up Phi-3's SPM specials (<s>, </s>, <unk>) when the name says phi3.
+    writer.add_name(f'tiny-{c.tag}'.replace('phi3', 'p-iii'))
     for key, value in meta.items():
         if key == 'rope_scaling_type' and isinstance(value, str):
             writer.add_string(f'{c.arch}.rope.scaling.type', value)  # any name, even unknown
         else:
             getattr(writer, f'add_{key}')(value)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer, vocab, c.arch)
+    add_tokenizer(writer, vocab, c.arch, **(tokenizer or {}))
 
     def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
         """Store x (as wtype when a matrix); return the values llama.cpp will read."""
@@ -185,17 +235,30 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
                                       s['low_freq_factor'], s['high_freq_factor'],
                                       s['original_max_position_embeddings'])
         put('rope_freqs.weight', np.array(factors, np.float32), matrix=False)
+    if c.longrope:
+        short, long = longrope_factors(c.rope_dims // 2, c.seed)
+        put('rope_factors_long.weight', long, matrix=False)
+        put('rope_factors_short.weight', short, matrix=False)
     names = {'q': 'attn_q', 'k': 'attn_k', 'v': 'attn_v', 'o': 'attn_output',
              'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down'}
     for i in range(d.layers):
         p = f'{i}.'
-        for role, gname in names.items():
+        if c.arch == 'phi3':  # fused q|k|v and gate|up rows, as Phi-3 stores them
+            put(f'blk.{i}.attn_qkv.weight', np.concatenate([w[p + r] for r in 'qkv']))
+            put(f'blk.{i}.attn_output.weight', w[p + 'o'])
+            put(f'blk.{i}.ffn_up.weight', np.concatenate([w[p + 'gate'], w[p + 'up']]))
+            put(f'blk.{i}.ffn_down.weight', w[p + 'down'])
+        for role, gname in (names.items() if c.arch != 'phi3' else ()):
             x = w[p + role]
             if c.arch == 'llama' and role in ('q', 'k'):
                 x = llama_cpp_permute(x, d.heads if role == 'q' else d.kv_heads)
             put(f'blk.{i}.{gname}.weight', x)
         put(f'blk.{i}.attn_norm.weight', w[p + 'attn_norm'], matrix=False)
         put(f'blk.{i}.ffn_norm.weight', w[p + 'ffn_norm'], matrix=False)
+        for role, gname in (('post_attn_norm', 'post_attention_norm'),
+                            ('post_ffn_norm', 'post_ffw_norm')):
+            if p + role in w:
+                put(f'blk.{i}.{gname}.weight', w[p + role], matrix=False)
         for role in ('q', 'k', 'v'):
             if p + role + '_bias' in w:
                 put(f'blk.{i}.attn_{role}.bias', w[p + role + '_bias'], matrix=False)
@@ -224,6 +287,10 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         scaling = dict(LLAMA3_SCALING)
     elif c.linear_rope:
         scaling = {'rope_type': 'linear', 'factor': c.linear_rope}
+    if c.longrope:
+        short, long = longrope_factors(c.rope_dims // 2, c.seed)
+        scaling = {'rope_type': 'longrope', 'short_factor': short.tolist(),
+                   'long_factor': long.tolist()}
     config = {
         'model_type': c.arch, 'hidden_size': d.hidden, 'intermediate_size': d.intermediate,
         'num_hidden_layers': d.layers, 'num_attention_heads': d.heads,
@@ -232,4 +299,19 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         'rope_theta': d.rope_theta, 'rope_scaling': scaling, 'vocab_size': len(tiny_vocab()),
         'tie_word_embeddings': c.tied, 'bos_token_id': BOS_ID, 'eos_token_id': EOS_ID,
         'hidden_act': 'silu'}
+    if c.arch == 'phi3':
+        config.update(partial_rotary_factor=c.rotary)
+        if c.longrope:  # as the GGUF: trained at 256, extended to 4096
+            config.update(original_max_position_embeddings=256, max_position_embeddings=4096)
+    if c.arch == 'gemma3':
+        # HF stores Gemma norms minus 1 (Gemma3RMSNorm computes x * (1 + w)).
+        w = {k: v - 1 if k.endswith('norm') else v for k, v in w.items()}
+        config.update(model_type='gemma3_text', hidden_activation='gelu_pytorch_tanh',
+                      query_pre_attn_scalar=d.head_dim, rope_local_base_freq=c.swa_base or 1e4,
+                      sliding_window=c.window or None, final_logit_softcapping=None)
+        del config['hidden_act']
+        if c.window:
+            period = c.swa_pattern or 6
+            config['layer_types'] = ['sliding_attention' if i % period < period - 1 else
+                                     'full_attention' for i in range(d.layers)]
     return write_hf_folder(folder, w, config)

@@ -195,8 +195,28 @@ def measure_table(work_dir) -> List[dict]:
     return rows
 
 
+def measure_gguf(gguf_path, work_dir, tokens: int = 8) -> dict:
+    """KL and max |dlogit| vs llama.cpp of one (real-shape random) GGUF at the default settings.
+
+    Random weights give flat distributions where argmax ties are common, so only the
+    teacher-forced logits on llama.cpp's path are compared.
+    """
+    path = pathlib.Path(gguf_path)
+    ref, ref_tokens = llama_cpp_greedy(path, pathlib.Path(work_dir) / f'{path.stem}.npz',
+                                       tokens=tokens)
+    ours = engine_logits(converted(path, work_dir), PROMPT, ref_tokens)
+    kl = kl_divergence(ref, ours)
+    return {'gguf': path.name, 'max_kl': float(kl.max()), 'mean_kl': float(kl.mean()),
+            'max_abs_diff': float(np.abs(ours - ref).max()),
+            'peak_logit': float(np.abs(ref).max())}
+
+
 if __name__ == '__main__':
     import tempfile
+    if len(sys.argv) > 2 and sys.argv[1] == '--gguf':  # --gguf WORK_DIR a.gguf b.gguf ...
+        for g in sys.argv[3:]:
+            print(json.dumps(measure_gguf(g, sys.argv[2])))
+        sys.exit(0)
     with tempfile.TemporaryDirectory() as tmp:
         for r in measure_table(sys.argv[1] if len(sys.argv) > 1 else tmp):
             print(json.dumps(r))

@@ -286,6 +286,8 @@ def test_bytes_outside_the_vocabulary_are_dropped_like_llama_cpp(smollm2):
     assert smollm2['missing_bytes']
     text = 'a\U00040000b\x04c'
     assert smollm2['tok'].encode(text).ids == smollm2['ref'].encode(text)
+    # A dropped byte still keeps its neighbours apart: '//' is a token, '/\x16/' is two '/'.
+    assert smollm2['tok'].encode('/\x16/').ids == smollm2['ref'].encode('/\x16/') == [31, 31]
 
 
 # --- other vocabularies and bad input (small synthetic GGUFs) -------------------------------
@@ -337,8 +339,14 @@ def test_sentencepiece_defaults(spm):
 def pre_tokenizers(tmp_path_factory):
     base = tmp_path_factory.mktemp('pre')
     out = {}
+    # Every byte symbol in the vocabulary, as in real byte-level BPE vocabularies: a missing
+    # byte would be split off on its own (what llama.cpp's BPE does with it), not a regex split.
+    symbols = sorted(set(_byte_to_unicode().values()) - {'a', 'b'})
     for pre in PRE_REGEXES:
-        reader = write_gguf(base / f'{pre}.gguf', _bpe_kv(**{'tokenizer.ggml.pre': pre}))
+        kv = _bpe_kv(**{'tokenizer.ggml.pre': pre})
+        kv.update({'tokenizer.ggml.tokens': kv['tokenizer.ggml.tokens'] + symbols,
+                   'tokenizer.ggml.token_type': [1] * (3 + len(symbols))})
+        reader = write_gguf(base / f'{pre}.gguf', kv)
         write_tokenizer_files(reader, base / pre)
         out[pre] = Tokenizer.from_file(str(base / pre / TOKENIZER_FILE))
     return out

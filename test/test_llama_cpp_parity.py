@@ -13,8 +13,15 @@ for such weights, while the converted model at accuracy level 0 matches the exac
 reference to ~1e-4; measured 0.23-0.52 over peak logits of 24-68 (level 0 and level 4). The
 fixtures' heads keep llama.cpp's top-2 margin above 2 * MAX_ABS_DIFF at every step
 (asserted: then no argmax can flip within the bound), so equal greedy ids are a fair demand.
-Control: Llama 3 or linear RoPE scaling alone moves llama.cpp's logits by > 5 * MAX_ABS_DIFF.
+Control: Llama 3 or linear RoPE scaling alone moves llama.cpp's logits by > 5 * MAX_ABS_DIFF;
+so does each family feature the cases exercise (gemma3's sliding window, its local RoPE base
+and global-only linear scaling; phi3's LongRoPE factors and partial rotary).
+
+gemma3 cases: head_dim 64, global RoPE base 1e6, sliding window 6 over the 40 positions, with
+the sliding_window_pattern key 2 (layer 0 local, layer 1 global) or without it (llama.cpp's
+period 6: both local); phi3 cases store fused attn_qkv and gate|up ffn_up as Phi-3 GGUFs do.
 """
+import dataclasses
 import pathlib
 
 from gguf_fixtures import ParityCase, write_gguf
@@ -30,6 +37,8 @@ MAX_ABS_DIFF = 0.75
 # while every logit stays within the bound.
 MIN_MARGIN = 2 * MAX_ABS_DIFF
 
+GEMMA_DIMS = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64,
+                      rope_theta=1e6)
 QWEN3_WIDE_HEADS = TinyDims(hidden=256, heads=8, kv_heads=2, intermediate=512, rms_eps=1e-6,
                             key_length=64)
 LLAMA_TYPES = ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q2_K', 'Q3_K',
@@ -43,10 +52,26 @@ CASES = ([ParityCase('llama', t) for t in LLAMA_TYPES]
             ParityCase('llama', 'Q4_0', linear_rope=2.0),
             # A tied head cannot carry the next-token term; this seed was picked, on
             # llama.cpp's margins alone, for a path without near-ties.
-            ParityCase('qwen2', 'Q8_0', tied=True, seed=4)])
+            ParityCase('qwen2', 'Q8_0', tied=True, seed=4)]
+         + [ParityCase('gemma3', t, dims=GEMMA_DIMS, window=6, swa_pattern=2)
+            for t in ('F16', 'Q8_0', 'Q4_0', 'Q4_K', 'Q6_K')]
+         + [ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6),
+            ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS),
+            # no window: llama.cpp's other gemma3 graph, which caps the logits (peak < 20)
+            ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, softcap=20.0),
+            ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2,
+                       linear_rope=4.0),
+            ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2,
+                       swa_base=100.0),
+            ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2, tied=True,
+                       seed=4)]
+         + [ParityCase('phi3', t) for t in ('F16', 'Q8_0', 'Q4_K')]
+         + [ParityCase('phi3', t, longrope=True, rotary=0.75) for t in ('Q8_0', 'Q4_0')])
 # The fast default (int8 activations, folded Q4_1/Q4_K offsets) on the common file types.
 FAST_CASES = [ParityCase('llama', t) for t in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K')] + [
-    ParityCase('qwen3', 'Q4_K')]
+    ParityCase('qwen3', 'Q4_K'),
+    ParityCase('gemma3', 'Q4_K', dims=GEMMA_DIMS, window=6, swa_pattern=2),
+    ParityCase('phi3', 'Q4_0', longrope=True, rotary=0.75)]
 
 
 @pytest.fixture(scope='session')
@@ -92,6 +117,29 @@ def test_rope_scaling_is_visible_to_the_harness(work, variant):
     a, _ = llama_cpp_greedy(gguf_of(work, plain), work / f'{plain.tag}.llama_cpp.npz')
     b, _ = llama_cpp_greedy(gguf_of(work, scaled), work / f'{scaled.tag}.llama_cpp.npz')
     assert np.abs(a - b).max() > 5 * MAX_ABS_DIFF
+
+
+@pytest.mark.parametrize('base, variant', [
+    (ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS), {'window': 6, 'swa_pattern': 2}),
+    (ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2),
+     {'swa_base': 100.0}),
+    (ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2),
+     {'linear_rope': 4.0}),
+    (ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS), {'softcap': 20.0}),
+    (ParityCase('phi3', 'Q8_0', rotary=0.75), {'longrope': True}),
+    (ParityCase('phi3', 'Q8_0'), {'rotary': 0.75})], ids=lambda v: str(v))
+def test_family_features_are_visible_to_the_harness(work, base, variant):
+    """Control: each family feature alone moves llama.cpp's logits beyond twice the bound.
+
+    Twice is enough: both files pass within the bound, so a converter that ignored the
+    feature would be off by more than the bound on one of them.
+    """
+    other = dataclasses.replace(base, **variant)
+    a, _ = llama_cpp_greedy(gguf_of(work, base), work / f'{base.tag}.llama_cpp.npz')
+    b, _ = llama_cpp_greedy(gguf_of(work, other), work / f'{other.tag}.llama_cpp.npz')
+    moved = float(np.abs(a - b).max())
+    print(f'{base.tag} -> {other.tag}: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
 
 
 def test_engine_decoder_gives_the_drivers_logits(work):

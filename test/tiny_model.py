@@ -200,10 +200,11 @@ def build_tiny_gguf(path, arch: str = 'llama', seed: int = 0, *, dims: TinyDims 
     return path
 
 
-def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str) -> None:
-    """Write the byte-level BPE vocabulary, special ids and ChatML template."""
+def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str,
+                  pre: Optional[str] = None, template: str = CHAT_TEMPLATE) -> None:
+    """Write the byte-level BPE vocabulary, special ids and chat template (ChatML)."""
     writer.add_tokenizer_model('gpt2')
-    writer.add_tokenizer_pre('qwen2' if arch in ('qwen2', 'qwen3') else 'smollm')
+    writer.add_tokenizer_pre(pre or ('qwen2' if arch in ('qwen2', 'qwen3') else 'smollm'))
     writer.add_token_list(list(vocab))
     types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
              for t in vocab]
@@ -213,7 +214,7 @@ def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str) -> N
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(EOS_ID)
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(template)
 
 
 def build_tiny_hf(folder, arch: str = 'llama', seed: int = 0, *, dims: TinyDims = TinyDims(),
@@ -245,12 +246,23 @@ def write_hf_folder(folder, weights: Dict[str, np.ndarray], config: dict,
                'model.norm.weight': weights['final_norm']}
     if 'lm_head' in weights:
         tensors['lm_head.weight'] = weights['lm_head']
+    kind = config.get('model_type')
     for i in range(config['num_hidden_layers']):
         p, hp = f'{i}.', f'model.layers.{i}.'
         for role, hname in _LAYER_HF.items():
             tensors[f'{hp}{hname}.weight'] = weights[p + role]
+        if kind == 'phi3':  # Phi-3 fuses q|k|v and gate|up
+            tensors[hp + 'self_attn.qkv_proj.weight'] = np.concatenate(
+                [tensors.pop(f'{hp}self_attn.{r}_proj.weight') for r in 'qkv'])
+            tensors[hp + 'mlp.gate_up_proj.weight'] = np.concatenate(
+                [tensors.pop(f'{hp}mlp.{r}_proj.weight') for r in ('gate', 'up')])
         tensors[hp + 'input_layernorm.weight'] = weights[p + 'attn_norm']
-        tensors[hp + 'post_attention_layernorm.weight'] = weights[p + 'ffn_norm']
+        if kind == 'gemma3_text':  # four norms; the MLP's input norm is pre_feedforward
+            tensors[hp + 'pre_feedforward_layernorm.weight'] = weights[p + 'ffn_norm']
+            tensors[hp + 'post_attention_layernorm.weight'] = weights[p + 'post_attn_norm']
+            tensors[hp + 'post_feedforward_layernorm.weight'] = weights[p + 'post_ffn_norm']
+        else:
+            tensors[hp + 'post_attention_layernorm.weight'] = weights[p + 'ffn_norm']
         for role in ('q', 'k', 'v'):
             if p + role + '_bias' in weights:
                 tensors[f'{hp}self_attn.{role}_proj.bias'] = weights[p + role + '_bias']

@@ -22,6 +22,20 @@ class Architecture:
     # Per-head RMSNorm of q and k (weights [head_dim]) after the projection, before RoPE.
     qk_norm: bool
     covers: str  # the checkpoints users know it by, for error messages and docs
+    # RMSNorm of the attention output and of the MLP output before each residual add (gemma3).
+    post_norms: bool = False
+    # Gated MLP activation: 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU, ggml_gelu's tanh form).
+    activation: str = 'silu'
+    # Token embeddings are multiplied by sqrt(hidden) (gemma; not inputs_embeds).
+    embed_scale: bool = False
+    # HF RMSNorm weights are stored minus 1 (Gemma3RMSNorm computes x * (1 + w)); llama.cpp's
+    # converter adds it to every *norm.weight, so GGUF norms are used as they are.
+    hf_norm_shift: float = 0.0
+    # Sliding-window layers: every `swa_period`-th layer (1-based) is global, the others local
+    # (llama.cpp's set_swa_pattern), when the file has a sliding window; 0 = no local layers.
+    swa_period: int = 0
+    # RoPE base of local layers when the GGUF has no rope.freq_base_swa (llama.cpp's default).
+    swa_rope_base: float = 0.0
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -29,11 +43,26 @@ ARCHITECTURES: Dict[str, Architecture] = {
                           'Llama 1/2/3.x, SmolLM, Mistral, DeepSeek-R1-Distill-Llama'),
     'qwen2': Architecture('qwen2', False, False, 'Qwen2/2.5, DeepSeek-R1-Distill-Qwen'),
     'qwen3': Architecture('qwen3', False, True, 'Qwen3 dense'),
+    'gemma3': Architecture('gemma3', False, True, 'Gemma 3 270M/1B/4B text',
+                           post_norms=True, activation='gelu_tanh', embed_scale=True,
+                           hf_norm_shift=1.0, swa_period=6, swa_rope_base=10000.0),
+    'phi3': Architecture('phi3', False, False, 'Phi-3/3.5 mini, Phi-4-mini'),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
+# HF config model_type -> family (same tensors and graph).
+HF_MODEL_TYPES: Dict[str, str] = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2',
+                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3'}
 # rope.scaling.type values the converter computes (llama.cpp's names); llama3 scaling has no
-# type key in a GGUF: it is the rope_freqs tensor.
+# type key in a GGUF: it is the rope_freqs tensor, and Phi-3 LongRoPE is its
+# rope_factors_short/long tensors.
 ROPE_SCALING_TYPES = ('none', 'linear')
+
+
+def swa_layers(period: int, num_layers: int) -> Tuple[bool, ...]:
+    """Which layers use the sliding window: all but every period-th (llama.cpp's pattern)."""
+    if period <= 0:
+        return (False,) * num_layers
+    return tuple(i % period < period - 1 for i in range(num_layers))
 
 
 def architecture(name: str, source: str) -> Architecture:

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .architectures import (architecture, llama3_rope_factors, ROPE_SCALING_TYPES,
-                            SUPPORTED_ARCHITECTURES)
+from .architectures import (Architecture, architecture, HF_MODEL_TYPES, llama3_rope_factors,
+                            ROPE_SCALING_TYPES, SUPPORTED_ARCHITECTURES, swa_layers)
 from .errors import ModelLoadError, UnsupportedModelError
 
 # GGML tensor types the converter accepts (each checked against llama.cpp in
@@ -27,14 +27,21 @@ _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
                'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
                'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
-               'k_norm': 'attn_k_norm.weight'}
+               'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
+               'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
              'gate': 'mlp.gate_proj.weight', 'up': 'mlp.up_proj.weight',
              'down': 'mlp.down_proj.weight', 'q_bias': 'self_attn.q_proj.bias',
              'k_bias': 'self_attn.k_proj.bias', 'v_bias': 'self_attn.v_proj.bias',
-             'q_norm': 'self_attn.q_norm.weight', 'k_norm': 'self_attn.k_norm.weight'}
+             'q_norm': 'self_attn.q_norm.weight', 'k_norm': 'self_attn.k_norm.weight',
+             'qkv': 'self_attn.qkv_proj.weight', 'gate_up': 'mlp.gate_up_proj.weight'}
+# Gemma 3 has four norms per layer: its post_attention_layernorm is applied to the attention
+# output (GGUF post_attention_norm), pre_feedforward_layernorm is the MLP's input norm.
+_HF_GEMMA3_LAYER = dict(_HF_LAYER, ffn_norm='pre_feedforward_layernorm.weight',
+                        post_attn_norm='post_attention_layernorm.weight',
+                        post_ffn_norm='post_feedforward_layernorm.weight')
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,33 @@ class ModelSpec:
     # (llama.cpp's freq_scale and rope_freqs; Llama 3.1 scaling is the factors).
     rope_scale: float = 1.0
     rope_freq_factors: Optional[Tuple[float, ...]] = None
+    # Leading dims of each head that are rotated (0: all; Phi-4-mini rotates 3/4).
+    rope_dims: int = 0
+    # cos/sin multiplier (llama.cpp's rope.scaling.attn_factor: Phi-3 LongRoPE's mscale).
+    rope_attn_factor: float = 1.0
+    # The context the rope factors were chosen for (LongRoPE short factors: the original
+    # context); 0 = any. llama.cpp picks the long factors beyond it.
+    rope_factors_max_context: int = 0
+    post_norms: bool = False        # gemma3: norms of attention and MLP outputs
+    activation: str = 'silu'        # 'silu' or 'gelu_tanh'
+    embed_scale: float = 1.0        # token embeddings times this (gemma: sqrt(hidden))
+    attention_scale: float = 0.0    # q.k multiplier; 0: 1/sqrt(head_dim)
+    # Sliding-window attention: a local layer's query sees the last `sliding_window` keys
+    # (itself included; llama.cpp's n_swa), with its own RoPE base and scale.
+    sliding_window: int = 0
+    local_layers: Tuple[bool, ...] = ()
+    local_rope_theta: float = 0.0
+    local_rope_scale: float = 1.0
+    final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+
+    @property
+    def rotary_dims(self) -> int:
+        """Rotated dims per head."""
+        return self.rope_dims or self.head_dim
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer."""
+        return bool(self.sliding_window and self.local_layers and self.local_layers[layer])
 
 
 @dataclass
@@ -74,23 +108,36 @@ class SourceTensor:
     qtype: str
     shape: Tuple[int, ...]
     data: np.ndarray
+    # llama.cpp's Q/K row permutation to undo over this many heads when the rows are read
+    # (0: none). Kept lazy so that loading maps the file without copying any tensor.
+    permute_heads: int = 0
+    shift: float = 0.0  # added to every value by dequantize (Gemma's HF norm weights)
+
+    def values(self) -> np.ndarray:
+        """Return the stored rows (raw blocks or floats), Q/K permutation undone."""
+        if self.permute_heads:
+            return unpermute_llama_rows(np.asarray(self.data), self.permute_heads)
+        return self.data
 
     def rows(self, start: int, stop: int) -> 'SourceTensor':
         """Rows [start, stop) of a matrix (blocks run along rows, so this is exact)."""
         return SourceTensor(self.name, self.qtype, (stop - start,) + tuple(self.shape[1:]),
-                            self.data[start:stop])
+                            self.values()[start:stop], shift=self.shift)
 
     def dequantize(self) -> np.ndarray:
         """Return the tensor as float32 in its logical shape."""
+        data = self.values()
         if self.qtype == 'F32':
-            return np.asarray(self.data, dtype=np.float32).reshape(self.shape)
-        if self.qtype == 'F16':
-            return np.asarray(self.data).astype(np.float32).reshape(self.shape)
-        if self.qtype == 'BF16' and self.data.dtype == np.uint16:
-            return (self.data.astype(np.uint32) << 16).view(np.float32).reshape(self.shape)
-        import gguf
-        qtype = gguf.GGMLQuantizationType[self.qtype]
-        return gguf.quants.dequantize(np.asarray(self.data), qtype).reshape(self.shape)
+            out = np.asarray(data, dtype=np.float32).reshape(self.shape)
+        elif self.qtype == 'F16':
+            out = np.asarray(data).astype(np.float32).reshape(self.shape)
+        elif self.qtype == 'BF16' and data.dtype == np.uint16:
+            out = (data.astype(np.uint32) << 16).view(np.float32).reshape(self.shape)
+        else:
+            import gguf
+            qtype = gguf.GGMLQuantizationType[self.qtype]
+            out = gguf.quants.dequantize(np.asarray(data), qtype).reshape(self.shape)
+        return out + np.float32(self.shift) if self.shift else out
 
 
 @dataclass
@@ -102,6 +149,8 @@ class Checkpoint:
     tensors: Dict[str, SourceTensor]
     # write_tokenizer(out_dir) -> {'bos_token_id', 'eos_token_ids', 'add_bos_token'}
     write_tokenizer: Callable[[pathlib.Path], dict] = field(repr=False, default=None)
+    # Gives the pages of a memory-mapped source back to the OS (their contents stay readable).
+    release: Callable[[], None] = field(repr=False, default=lambda: None)
 
     def tensor(self, key: str) -> SourceTensor:
         """Return a tensor by canonical key; a missing one is a corrupt checkpoint."""
@@ -145,14 +194,41 @@ def unpermute_llama_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 
 # --- GGUF -----------------------------------------------------------------------------------
 
+class _ShortRead(ValueError):
+    """The file ends before a header field or tensor it declares."""
+
+
 def _open_gguf(path: pathlib.Path):
+    """Open a GGUF with gguf's reader; errors name the byte where the file stops making sense."""
     import gguf
+    size = path.stat().st_size
+    where = [0]
+
+    class _Reader(gguf.GGUFReader):
+        # Every read goes through _get: remember where it starts, and refuse short reads
+        # (gguf slices its memory map, which silently stops at the end of the file).
+        def _get(self, offset, dtype, count=1, override_order=None):
+            where[0] = int(offset)
+            need = int(count) * np.dtype(dtype).itemsize
+            if int(offset) + need > size:
+                raise _ShortRead(f'{need} bytes needed at byte {offset}, but the file ends at '
+                                 f'byte {size}')
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            # Type fields are checked here, where the byte holding each one is known.
+            for f in fields:
+                where[0] = int(f.offset) + sum(int(p.nbytes) for p in f.parts[:4])
+                gguf.GGMLQuantizationType(int(f.parts[4][0]))
+            super()._build_tensors(start_offs, fields)
+
     try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, IndexError, KeyError, OSError, TypeError) as exc:
+        return _Reader(str(path))
+    except (ValueError, IndexError, KeyError, OSError, TypeError, OverflowError,
+            UnicodeDecodeError) as exc:
         raise ModelLoadError(
-            f'{path}: not a readable GGUF file ({exc}); the file is truncated or corrupt, '
-            'download it again') from exc
+            f'{path}: not a readable GGUF file: {exc} (reading at byte {where[0]} of {size}); '
+            'the file is truncated or corrupt, download it again') from exc
 
 
 def _field(reader, key: str, default=None, required: bool = False):
@@ -178,8 +254,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     if scaling not in ROPE_SCALING_TYPES:
         raise UnsupportedModelError(
             f'{path}: RoPE scaling type {scaling!r} is not supported (supported: '
-            f'{", ".join(ROPE_SCALING_TYPES)}, and Llama 3 rope_freqs); use a GGUF of the '
-            'model without long-context scaling or one converted for its base context')
+            f'{", ".join(ROPE_SCALING_TYPES)}, Llama 3 rope_freqs and Phi-3 LongRoPE factors); '
+            'use a GGUF of the model without long-context scaling or one converted for its '
+            'base context')
     # As llama.cpp: the factor applies whatever the type says (0 or absent: none).
     factor = float(key('rope.scaling.factor', 0.0) or key('rope.scale_linear', 0.0) or 0.0)
     hidden = int(key('embedding_length', required=True))
@@ -187,67 +264,137 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     kv_heads = int(key('attention.head_count_kv', heads))
     head_dim = int(key('attention.key_length', hidden // heads))
     rope_dims = int(key('rope.dimension_count', head_dim))
-    if rope_dims != head_dim:
-        raise UnsupportedModelError(f'{path}: partial rotary ({rope_dims} of {head_dim} dims) '
-                                    'is not supported')
-    tensors: Dict[str, SourceTensor] = {}
-    names = {}
-    for t in reader.tensors:
-        names[t.name] = t
+    if not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
+        raise UnsupportedModelError(f'{path}: rope.dimension_count {rope_dims} does not fit '
+                                    f'head size {head_dim}; the header is corrupt')
     layers = int(key('block_count', required=True))
+    n_ff = int(key('feed_forward_length', required=True))
+    names = {t.name: t for t in reader.tensors}
     wanted = {'embed': 'token_embd.weight', 'final_norm': 'output_norm.weight',
               'lm_head': 'output.weight'}
     for i in range(layers):
         for role, suffix in _GGUF_LAYER.items():
             wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
-    for ckey, gname in wanted.items():
-        t = names.get(gname)
-        if t is None:
-            continue
-        tensors[ckey] = _gguf_tensor(path, t)
+    tensors = {ckey: _gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
+               if gname in names}
     if family.gguf_permuted_qk:
-        # llama.cpp stored Q/K with interleaved RoPE pairs; bring them back to NEOX halves.
+        # llama.cpp stored Q/K with interleaved RoPE pairs; read them back as NEOX halves.
         for i in range(layers):
             for role, n in (('q', heads), ('k', kv_heads)):
                 for k in (f'{i}.{role}', f'{i}.{role}_bias'):
                     if k in tensors:
-                        st = tensors[k]
-                        st.data = unpermute_llama_rows(np.asarray(st.data), n)
+                        tensors[k].permute_heads = n
+    _split_fused(path, tensors, layers, heads * head_dim, kv_heads * head_dim, n_ff)
     if 'embed' not in tensors:
         raise ModelLoadError(f'{path}: token_embd.weight is missing; the GGUF is incomplete')
-    vocab = tensors['embed'].shape[0]
+    ctx = int(key('context_length', 2048))
+    factors, factors_ctx = _rope_factors(path, key, names, rope_dims, ctx)
+    window, local = 0, ()
+    local_theta = 0.0
+    if family.swa_period and int(key('attention.sliding_window', 0) or 0) > 0:
+        window = int(key('attention.sliding_window'))
+        period = key('attention.sliding_window_pattern', family.swa_period)
+        if not isinstance(period, int):
+            raise UnsupportedModelError(f'{path}: a per-layer sliding_window_pattern array is '
+                                        'not supported; use a GGUF with the period form')
+        local = swa_layers(period, layers)
+        local_theta = _f32(key('rope.freq_base_swa', family.swa_rope_base))
     spec = ModelSpec(
         architecture=arch,
         name=str(_field(reader, 'general.name', path.stem)),
-        num_layers=layers, hidden_size=hidden,
-        intermediate_size=int(key('feed_forward_length', required=True)),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
-        max_position_embeddings=int(key('context_length', 2048)),
+        num_layers=layers, hidden_size=hidden, intermediate_size=n_ff,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=tensors['embed'].shape[0], max_position_embeddings=ctx,
         rope_theta=_f32(key('rope.freq_base', 10000.0)),
         rms_norm_eps=_f32(key('attention.layer_norm_rms_epsilon', 1e-5)),
         tied_embeddings='lm_head' not in tensors,
         attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
-        rope_scale=1.0 / factor if factor else 1.0,
-        rope_freq_factors=_rope_freqs(path, names.get('rope_freqs.weight'), head_dim))
+        rope_scale=1.0 / factor if factor else 1.0, rope_freq_factors=factors,
+        rope_dims=0 if rope_dims == head_dim else rope_dims,
+        rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
+        rope_factors_max_context=factors_ctx,
+        **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
+                         float(key('final_logit_softcapping', 0.0) or 0.0)))
 
     def write_tokenizer(out_dir: pathlib.Path) -> dict:
         return _write_gguf_tokenizer(reader, out_dir)
 
-    ckpt = Checkpoint(spec, path, tensors, write_tokenizer)
+    def release() -> None:
+        import mmap
+        mm = getattr(reader.data, '_mmap', None)
+        if mm is not None and hasattr(mmap, 'MADV_DONTNEED'):
+            mm.madvise(mmap.MADV_DONTNEED)
+
+    ckpt = Checkpoint(spec, path, tensors, write_tokenizer, release)
     _check_shapes(ckpt)
     return ckpt
 
 
-def _rope_freqs(path: pathlib.Path, t, head_dim: int) -> Optional[Tuple[float, ...]]:
-    """Read a GGUF's rope_freqs tensor (per-frequency RoPE divisors), if it has one."""
-    if t is None:
-        return None
+def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int, layers: int,
+                   window: int, local: Tuple[bool, ...], local_theta: float,
+                   softcap: float) -> dict:
+    """Return the ModelSpec fields a family adds to the llama skeleton (as llama.cpp)."""
+    out = {'post_norms': family.post_norms, 'activation': family.activation}
+    if family.embed_scale:
+        out['embed_scale'] = float(np.sqrt(np.float32(hidden)))  # sqrtf(n_embd)
+    if family.name == 'gemma3':
+        # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(n_embd/n_head).
+        out['attention_scale'] = float(1.0 / np.sqrt(np.float32(
+            hidden // heads if layers == 62 else head_dim)))
+        if window:
+            out.update(sliding_window=window, local_layers=local, local_rope_theta=local_theta)
+        else:
+            out['final_logit_softcap'] = softcap  # only the non-SWA graph caps its logits
+    return out
+
+
+def _split_fused(path: pathlib.Path, tensors: Dict[str, SourceTensor], layers: int,
+                 q_out: int, kv_out: int, n_ff: int) -> None:
+    """Split Phi-3's fused attn_qkv (q|k|v rows) and ffn_up (gate|up rows) into the roles."""
+    for i in range(layers):
+        p = f'{i}.'
+        qkv = tensors.pop(p + 'qkv', None)
+        if qkv is not None:
+            if qkv.shape[0] != q_out + 2 * kv_out:
+                raise ModelLoadError(f'{path}: tensor {qkv.name} has {qkv.shape[0]} rows, but '
+                                     f"the header's heads need {q_out + 2 * kv_out}: the file "
+                                     'contradicts itself; convert the model again')
+            tensors[p + 'q'] = qkv.rows(0, q_out)
+            tensors[p + 'k'] = qkv.rows(q_out, q_out + kv_out)
+            tensors[p + 'v'] = qkv.rows(q_out + kv_out, q_out + 2 * kv_out)
+        up = tensors.get(p + 'up')
+        if up is not None and p + 'gate' not in tensors and up.shape[0] == 2 * n_ff:
+            # llama.cpp's SWIGLU on the fused rows: silu(first half) * second half.
+            tensors[p + 'gate'], tensors[p + 'up'] = up.rows(0, n_ff), up.rows(n_ff, 2 * n_ff)
+
+
+def _rope_factors(path: pathlib.Path, key, names: dict, rope_dims: int,
+                  ctx: int) -> Tuple[Optional[Tuple[float, ...]], int]:
+    """Per-frequency RoPE divisors: Llama 3's rope_freqs, or Phi-3 LongRoPE's short factors.
+
+    llama.cpp uses rope_factors_long only when the context it runs with exceeds
+    rope.scaling.original_context_length; the converted graph takes the short ones and
+    records that context (longer contexts are refused at conversion).
+    """
+    if 'rope_freqs.weight' in names:
+        return _rope_freqs(path, names['rope_freqs.weight'], rope_dims), 0
+    if 'rope_factors_short.weight' in names:
+        orig = int(key('rope.scaling.original_context_length', ctx) or ctx)
+        return _rope_freqs(path, names['rope_factors_short.weight'], rope_dims), orig
+    if 'rope_factors_long.weight' in names:
+        raise UnsupportedModelError(f'{path}: rope_factors_long without rope_factors_short; '
+                                    'convert the model again with llama.cpp')
+    return None, 0
+
+
+def _rope_freqs(path: pathlib.Path, t, rope_dims: int) -> Tuple[float, ...]:
+    """Read a per-frequency RoPE divisor tensor (rope_freqs / rope_factors_*)."""
     factors = _gguf_tensor(path, t).dequantize().reshape(-1)
-    if factors.shape[0] != head_dim // 2 or not (np.isfinite(factors).all() and
-                                                 (factors > 0).all()):
-        raise ModelLoadError(f'{path}: tensor rope_freqs.weight has {factors.shape[0]} '
-                             f'values, expected {head_dim // 2} positive ones (head_dim / 2); '
-                             'the GGUF contradicts its own header: convert the model again')
+    if factors.shape[0] != rope_dims // 2 or not (np.isfinite(factors).all() and
+                                                  (factors > 0).all()):
+        raise ModelLoadError(f'{path}: tensor {t.name} has {factors.shape[0]} '
+                             f'values, expected {rope_dims // 2} positive ones (rotary dims '
+                             '/ 2); the GGUF contradicts its own header: convert the model again')
     return tuple(float(f) for f in factors)
 
 
@@ -268,7 +415,8 @@ def _gguf_tensor(path: pathlib.Path, t) -> SourceTensor:
     expected = t.n_bytes
     if data.nbytes != expected:
         raise ModelLoadError(f'{path}: tensor {t.name} is truncated ({data.nbytes} of '
-                             f'{expected} bytes); download the file again')
+                             f'{expected} bytes from byte {t.data_offset}); download the file '
+                             'again')
     if qname == 'BF16':
         data = data.view(np.uint16)
     return SourceTensor(t.name, qname, shape, data)
@@ -300,11 +448,18 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
         cfg = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
-    arch = cfg.get('model_type')
-    family = architecture(arch, f'{folder} (model_type)')
-    if cfg.get('hidden_act', 'silu') != 'silu':
-        raise UnsupportedModelError(f'{folder}: activation {cfg["hidden_act"]!r} is not '
-                                    'supported (only SiLU/SwiGLU)')
+    model_type = cfg.get('model_type')
+    if 'text_config' in cfg:
+        raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
+                                    'convert the text model (e.g. its GGUF, or the '
+                                    'Gemma3ForCausalLM / *-text checkpoint)')
+    family = architecture(HF_MODEL_TYPES.get(model_type, model_type), f'{folder} (model_type)')
+    arch = family.name
+    act = cfg.get('hidden_activation') or cfg.get('hidden_act') or 'silu'
+    if _HF_ACTIVATIONS.get(act) != family.activation:
+        raise UnsupportedModelError(f'{folder}: activation {act!r} is not what {arch} uses '
+                                    f'({family.activation}); the checkpoint is not a plain '
+                                    f'{arch} model')
     files = sorted(folder.glob('*.safetensors'))
     if not files:
         raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
@@ -313,29 +468,51 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     heads = int(cfg['num_attention_heads'])
     hidden = int(cfg['hidden_size'])
     head_dim = int(cfg.get('head_dim') or hidden // heads)
+    rope_dims = int(float(cfg.get('partial_rotary_factor', 1.0)) * hidden) // heads
     theta = float(cfg.get('rope_theta', 10000.0))
-    rope_scale, factors = _hf_rope_scaling(folder, cfg.get('rope_scaling'), head_dim, theta)
+    ctx = int(cfg.get('max_position_embeddings', 2048))
+    scaling = cfg.get('rope_scaling')
+    if scaling and cfg.get('original_max_position_embeddings'):  # Phi-3 keeps it at the top
+        scaling = dict(scaling, original_max_position_embeddings=scaling.get(
+            'original_max_position_embeddings', cfg['original_max_position_embeddings']))
+    rope = _hf_rope_scaling(folder, scaling, rope_dims, theta, ctx)
     wanted = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight',
               'lm_head': 'lm_head.weight'}
     layers = int(cfg['num_hidden_layers'])
+    layer_names = _HF_GEMMA3_LAYER if arch == 'gemma3' else _HF_LAYER
     for i in range(layers):
-        for role, suffix in _HF_LAYER.items():
+        for role, suffix in layer_names.items():
             wanted[f'{i}.{role}'] = f'model.layers.{i}.{suffix}'
     tensors = {k: raw[n] for k, n in wanted.items() if n in raw}
-    tied = bool(cfg.get('tie_word_embeddings', False)) or 'lm_head' not in tensors
+    tied = bool(cfg.get('tie_word_embeddings', family.embed_scale)) or 'lm_head' not in tensors
     if tied:
         tensors.pop('lm_head', None)
     if 'embed' not in tensors:
         raise ModelLoadError(f'{folder}: model.embed_tokens.weight is missing')
+    if family.hf_norm_shift:
+        for k, t in tensors.items():
+            if k.endswith('norm'):
+                t.shift = family.hf_norm_shift
+    n_ff = int(cfg['intermediate_size'])
+    for i in range(layers):
+        if f'{i}.gate_up' in tensors:
+            tensors[f'{i}.up'] = tensors.pop(f'{i}.gate_up')
+    kv_heads = int(cfg.get('num_key_value_heads', heads))
+    _split_fused(folder, tensors, layers, heads * head_dim, kv_heads * head_dim, n_ff)
+    extras = _family_extras(family, hidden, heads, head_dim, layers, 0, (), 0.0,
+                            float(cfg.get('final_logit_softcapping') or 0.0))
+    if arch == 'gemma3':
+        extras.update(_hf_gemma3(cfg, layers, rope))
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
-        intermediate_size=int(cfg['intermediate_size']), num_heads=heads,
-        num_kv_heads=int(cfg.get('num_key_value_heads', heads)), head_dim=head_dim,
-        vocab_size=tensors['embed'].shape[0],
-        max_position_embeddings=int(cfg.get('max_position_embeddings', 2048)),
+        intermediate_size=n_ff, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=tensors['embed'].shape[0], max_position_embeddings=ctx,
         rope_theta=theta, rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
         tied_embeddings=tied, attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
-        rope_scale=rope_scale, rope_freq_factors=factors)
+        rope_scale=rope['scale'], rope_freq_factors=rope['factors'],
+        rope_dims=0 if rope_dims == head_dim else rope_dims,
+        rope_attn_factor=rope['attn_factor'], rope_factors_max_context=rope['factors_ctx'],
+        **extras)
 
     def write_tokenizer(out_dir: pathlib.Path) -> dict:
         return _write_hf_tokenizer(folder, cfg, out_dir)
@@ -345,26 +522,59 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     return ckpt
 
 
-def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], head_dim: int,
-                     theta: float) -> Tuple[float, Optional[Tuple[float, ...]]]:
-    """Return (rope_scale, freq factors) for an HF config's rope_scaling.
+# HF hidden_act / hidden_activation -> the family's activation name.
+_HF_ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh'}
+
+
+def _hf_gemma3(cfg: dict, layers: int, rope: dict) -> dict:
+    """Gemma 3's attention extras from an HF config (as its modeling code reads them)."""
+    out = {'attention_scale': float(cfg.get('query_pre_attn_scalar', 256)) ** -0.5}
+    window = int(cfg.get('sliding_window') or 0)
+    if window:
+        types = cfg.get('layer_types')
+        if types:
+            local = tuple(t == 'sliding_attention' for t in types)
+        else:
+            local = swa_layers(int(cfg.get('sliding_window_pattern', 6)), layers)
+        out.update(sliding_window=window, local_layers=local,
+                   local_rope_theta=float(cfg.get('rope_local_base_freq', 10000.0)),
+                   final_logit_softcap=0.0)
+    return out
+
+
+def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], rope_dims: int,
+                     theta: float, ctx: int) -> dict:
+    """Return the RoPE scaling of an HF config's rope_scaling, as ModelSpec fields.
 
     As llama.cpp's converter turns it into GGUF metadata (linear: freq_scale; llama3:
-    rope_freqs).
+    rope_freqs; longrope: short factors and attn_factor; see _rope_factors).
     """
+    out = {'scale': 1.0, 'factors': None, 'attn_factor': 1.0, 'factors_ctx': 0}
     kind = (scaling or {}).get('rope_type', (scaling or {}).get('type')) or 'default'
     if kind == 'default':
-        return 1.0, None
+        return out
     if kind == 'linear':
-        return 1.0 / float(scaling['factor']), None
-    if kind == 'llama3':
-        return 1.0, llama3_rope_factors(
-            head_dim, theta, float(scaling['factor']), float(scaling['low_freq_factor']),
+        out['scale'] = 1.0 / float(scaling['factor'])
+    elif kind == 'llama3':
+        out['factors'] = llama3_rope_factors(
+            rope_dims, theta, float(scaling['factor']), float(scaling['low_freq_factor']),
             float(scaling['high_freq_factor']),
             int(scaling['original_max_position_embeddings']))
-    raise UnsupportedModelError(f'{folder}: rope_scaling type {kind!r} is not supported '
-                                '(supported: default, linear, llama3); use a checkpoint '
-                                'without it')
+    elif kind in ('longrope', 'su'):
+        orig = int(scaling.get('original_max_position_embeddings') or ctx)
+        ratio = ctx / orig
+        if ratio > 1.0:
+            out['attn_factor'] = _f32(np.sqrt(1 + np.log(ratio) / np.log(orig)))
+        out['factors'] = tuple(float(f) for f in scaling['short_factor'])
+        out['factors_ctx'] = orig
+        if len(out['factors']) != rope_dims // 2:
+            raise ModelLoadError(f'{folder}: rope_scaling.short_factor has '
+                                 f'{len(out["factors"])} values, expected {rope_dims // 2}')
+    else:
+        raise UnsupportedModelError(f'{folder}: rope_scaling type {kind!r} is not supported '
+                                    '(supported: default, linear, llama3, longrope); use a '
+                                    'checkpoint without it')
+    return out
 
 
 def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
@@ -471,6 +681,9 @@ def _check_shapes(ckpt: Checkpoint) -> None:
                            f'{i}.v_bias': (kv_out,)})
         if s.qk_norm:
             expect.update({f'{i}.q_norm': (s.head_dim,), f'{i}.k_norm': (s.head_dim,)})
+        if s.post_norms:
+            expect.update({f'{i}.post_attn_norm': (s.hidden_size,),
+                           f'{i}.post_ffn_norm': (s.hidden_size,)})
     for k, shape in expect.items():
         t = ckpt.tensor(k)
         if tuple(t.shape) != shape:

@@ -71,6 +71,13 @@ class ConvertOptions:
                 s.max_position_embeddings:
             raise ConversionError(f'max_context {self.max_context} must be in 1..'
                                   f'{s.max_position_embeddings} (the context of the model)')
+        if self.max_context is not None and s.rope_factors_max_context and \
+                self.max_context > s.rope_factors_max_context:
+            raise ConversionError(
+                f'max_context {self.max_context} exceeds {s.rope_factors_max_context}, the '
+                'original context of its LongRoPE short factors; beyond it llama.cpp switches '
+                'to the long factors, which the converter does not build: use --max-context '
+                f'{s.rope_factors_max_context} or less')
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ConversionError(f'accuracy level {self.accuracy_level} is not 0..4')
         if self.precision not in PRECISIONS:
@@ -159,11 +166,17 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                              data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
         bar.update()
+        ckpt.release()
         for i in range(s.num_layers):
             graph.add_layer(i, _layer(ckpt, i, opts))
+            # The layer's source pages are read: give them back, so that converting holds
+            # one layer at a time, not the whole mapped file.
+            ckpt.release()
             bar.update()
         lm_head = None if s.tied_embeddings else _blocks(ckpt, 'lm_head', opts)
         model = graph.finish(ckpt.tensor('final_norm').dequantize(), lm_head)
+        del lm_head
+        ckpt.release()
     bar.set_description('writing model.onnx')
     onnx.save_model(model, str(tmp / 'model.onnx'))
     bar.update()
@@ -175,8 +188,19 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'max_position_embeddings': s.max_position_embeddings,
         'rope_theta': float(s.rope_theta), 'rms_norm_eps': float(s.rms_norm_eps),
         'rope_scaling': {'scale': float(s.rope_scale),
-                         'freq_factors': s.rope_freq_factors is not None},
+                         'freq_factors': s.rope_freq_factors is not None,
+                         'rotary_dims': s.rotary_dims,
+                         'attn_factor': float(s.rope_attn_factor),
+                         # LongRoPE short factors: valid up to this KV length (0: any)
+                         'max_context': int(s.rope_factors_max_context)},
         'qk_norm': bool(s.qk_norm),
+        'post_norms': bool(s.post_norms), 'activation': s.activation,
+        'embed_scale': float(s.embed_scale),
+        'attention_scale': float(s.attention_scale or 1.0 / np.sqrt(s.head_dim)),
+        'sliding_window': {'window': int(s.sliding_window),
+                           'local_layers': [i for i in range(s.num_layers) if s.is_local(i)],
+                           'local_rope_theta': float(s.local_rope_theta)},
+        'final_logit_softcap': float(s.final_logit_softcap),
         'activation_dtype': opts.activation_dtype,
         'bos_token_id': specials.get('bos_token_id'),
         'eos_token_ids': list(specials.get('eos_token_ids', [])),
@@ -217,13 +241,27 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         gate_up=concat_rows([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
         down=_blocks(ckpt, p + 'down', opts),
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
-        k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None)
+        k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
+        post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+
+
+def _vector(ckpt: Checkpoint, key: str, wanted: bool) -> Optional[np.ndarray]:
+    return ckpt.tensor(key).dequantize() if wanted else None
 
 
 def _verify(folder: pathlib.Path) -> None:
+    """Open the graph with onnxruntime: every node must have a kernel that takes its inputs.
+
+    Without graph optimizations and weight pre-packing, onnxruntime maps model.onnx.data and
+    never touches it: opening a 7B model then costs ~60 MB, where the default session would
+    copy every weight into its own packed buffers (~2x the model in RSS).
+    """
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry('session.disable_prepacking', '1')
     try:
         ort.InferenceSession(str(folder / 'model.onnx'), so,
                              providers=['CPUExecutionProvider'])
@@ -290,7 +328,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     """CLI of edge-llm-convert."""
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
-        description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3) '
+        description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
+                    'gemma3, phi3) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', help='model folder to create')

@@ -204,8 +204,15 @@ def _byte_level_bpe(tokens: Sequence[str], meta: _Metadata, pre: str) -> Tuple[T
     tokenizer = Tokenizer(model)
     # llama.cpp splits with each regex in turn and keeps the gaps: 'isolated' does the same.
     splits = [pre_tokenizers.Split(Regex(r), behavior='isolated') for r in regexes]
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    steps = splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    vocab = set(tokens)
+    missing = sorted(c for c in pre_tokenizers.ByteLevel.alphabet() if c not in vocab)
+    if missing:
+        # A byte the vocabulary lacks stays a symbol of its own in llama.cpp (then dropped),
+        # so its neighbours never merge across it; isolating it keeps them apart here too.
+        chars = ''.join(f'\\x{{{ord(c):X}}}' for c in missing)
+        steps.append(pre_tokenizers.Split(Regex(f'[{chars}]'), behavior='isolated'))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer, add_bos_default
 

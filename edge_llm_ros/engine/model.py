@@ -169,6 +169,13 @@ class OnnxDecoder:
             raise ModelLoadError(
                 f'max_context {config.max_context} exceeds the model max_position_embeddings '
                 f'{spec.max_position_embeddings}: lower max_context')
+        # LongRoPE models (phi3) were converted with their short-context factors: past the
+        # original context llama.cpp switches to the long ones, so outputs would diverge.
+        rope_max = int((spec.extra.get('rope_scaling') or {}).get('max_context') or 0)
+        if rope_max and config.max_context > rope_max:
+            raise ModelLoadError(
+                f'max_context {config.max_context} exceeds {rope_max}, the context this '
+                'model\'s rope scaling was converted for: lower max_context')
         if spec.kv_max_context is not None and config.max_context > spec.kv_max_context:
             raise ModelLoadError(
                 f'max_context {config.max_context} exceeds the static KV length '

@@ -73,21 +73,28 @@ class LayerWeights:
     down: BlockWeights
     q_norm: Optional[np.ndarray] = None  # per-head RMSNorm weights [head_dim] (qwen3)
     k_norm: Optional[np.ndarray] = None
+    post_attn_norm: Optional[np.ndarray] = None  # gemma3: norms of the attention / MLP output
+    post_ffn_norm: Optional[np.ndarray] = None
 
 
-def rope_cache(spec: ModelSpec, length: int) -> tuple:
-    """cos/sin tables [length, head_dim/2] for NEOX RoPE (float64 math, float32 out).
+def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
+    """cos/sin tables [length, rotary_dims/2] for NEOX RoPE (float64 math, float32 out).
 
     Scaled as llama.cpp does: every angle times rope_scale (its freq_scale), frequency i
-    divided by rope_freq_factors[i] (its rope_freqs tensor: Llama 3.1 scaling).
+    divided by rope_freq_factors[i] (rope_freqs: Llama 3.1; rope_factors_short: Phi-3), cos
+    and sin times rope_attn_factor. Sliding-window layers (local) use their own base and
+    scale and no factors (gemma3 passes none).
     """
-    half = spec.head_dim // 2
-    inv_freq = 1.0 / (spec.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / spec.head_dim))
-    inv_freq = inv_freq * spec.rope_scale
-    if spec.rope_freq_factors is not None:
+    dims = spec.rotary_dims
+    half = dims // 2
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / dims))
+    inv_freq = inv_freq * (spec.local_rope_scale if local else spec.rope_scale)
+    if spec.rope_freq_factors is not None and not local:
         inv_freq = inv_freq / np.asarray(spec.rope_freq_factors, dtype=np.float64)
     angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    m = spec.rope_attn_factor
+    return (m * np.cos(angles)).astype(np.float32), (m * np.sin(angles)).astype(np.float32)
 
 
 class DecoderGraph:
@@ -134,9 +141,15 @@ class DecoderGraph:
                 self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
                                                                   kv_shape))
         cache_len = opts.max_context or spec.max_position_embeddings
-        cos, sin = rope_cache(spec, cache_len)
-        self._init('cos_cache', cos.astype(self.np_dtype))
-        self._init('sin_cache', sin.astype(self.np_dtype))
+        local = [spec.is_local(i) for i in range(spec.num_layers)]
+        if not all(local):
+            cos, sin = rope_cache(spec, cache_len)
+            self._init('cos_cache', cos.astype(self.np_dtype))
+            self._init('sin_cache', sin.astype(self.np_dtype))
+        if any(local):
+            cos, sin = rope_cache(spec, cache_len, local=True)
+            self._init('cos_cache_local', cos.astype(self.np_dtype))
+            self._init('sin_cache_local', sin.astype(self.np_dtype))
 
     # --- helpers -------------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -277,6 +290,10 @@ class DecoderGraph:
             (r,) = self._node('Add', [r, off_rows])
             back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
             (rows,) = self._node('Reshape', [r, back])
+        if s.embed_scale != 1.0:
+            # Token rows only: llama.cpp leaves raw embeddings (inputs_embeds) unscaled.
+            scale = self._init('embed_scale', np.array(s.embed_scale, self.np_dtype))
+            (rows,) = self._node('Mul', [rows, scale])
         (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
 
     def add_layer(self, i: int, lw: LayerWeights) -> None:
@@ -294,15 +311,24 @@ class DecoderGraph:
                                            [self._x, self._residual, gamma], n_out=4,
                                            domain=MS_DOMAIN, name=f'{p}/attn_norm', epsilon=eps)
         q_k_v = self._qkv(h, lw, p)
+        local = s.is_local(i)
+        rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        # A local layer's query sees the last sliding_window keys, itself included, as in
+        # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
+        # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
+        window = {'local_window_size': s.sliding_window} if local else {}
         attn, _, _ = self._node(
             'GroupQueryAttention',
             q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
-                     'seqlens_k', 'total_sequence_length', 'cos_cache', 'sin_cache'],
+                     'seqlens_k', 'total_sequence_length', *rope],
             outputs=[self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value'],
             domain=MS_DOMAIN, name=f'{p}/attn', num_heads=s.num_heads,
-            kv_num_heads=s.num_kv_heads, scale=1.0 / math.sqrt(s.head_dim), do_rotary=1,
-            rotary_interleaved=0)
+            kv_num_heads=s.num_kv_heads,
+            scale=s.attention_scale or 1.0 / math.sqrt(s.head_dim), do_rotary=1,
+            rotary_interleaved=0, **window)
         o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
+        if lw.post_attn_norm is not None:
+            o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
         gamma = self._norm(lw.ffn_norm, f'{p}.ffn_norm')
         h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
                                        [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
@@ -313,11 +339,23 @@ class DecoderGraph:
         else:
             gate = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_proj')
             up = self._linear(h, lw.gate_up[1], f'{p}.mlp.up_proj')
-        (sig,) = self._node('Sigmoid', [gate])
-        (act,) = self._node('Mul', [gate, sig])
+        if s.activation == 'gelu_tanh':
+            (act,) = self._node('Gelu', [gate], approximate='tanh')
+        else:
+            (sig,) = self._node('Sigmoid', [gate])
+            (act,) = self._node('Mul', [gate, sig])
         (act,) = self._node('Mul', [act, up])
         self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
+        if lw.post_ffn_norm is not None:
+            self._x = self._plain_norm(self._x, lw.post_ffn_norm, f'{p}.post_ffn_norm')
         self._residual = residual
+
+    def _plain_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
+        """Normalize x alone (gemma3's post-norms, applied before the residual add)."""
+        (y,) = self._node('SimplifiedLayerNormalization', [x, self._norm(gamma, prefix)],
+                          name=f'{prefix}/norm', axis=-1, epsilon=float(self.spec.rms_norm_eps),
+                          stash_type=1)
+        return y
 
     def _qkv(self, h: str, lw: LayerWeights, p: str) -> List[str]:
         """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v.
@@ -376,6 +414,13 @@ class DecoderGraph:
             logits = self._linear(h, lm_head, 'lm_head')
         if self.onnx_dtype != TensorProto.FLOAT:
             (logits,) = self._node('Cast', [logits], to=TensorProto.FLOAT)
+        if s.final_logit_softcap > 0:
+            cap = self._init('logit_softcap', np.array(s.final_logit_softcap, np.float32))
+            inv = np.array(1 / s.final_logit_softcap, np.float32)
+            inv = self._init('logit_softcap_inv', inv)
+            (logits,) = self._node('Mul', [logits, inv])
+            (logits,) = self._node('Tanh', [logits])
+            (logits,) = self._node('Mul', [logits, cap])
         self.nodes.append(helper.make_node('Identity', [logits], ['logits'], name='logits'))
         graph = helper.make_graph(self.nodes, 'edge_llm_decoder', self.inputs, self.outputs,
                                   self.initializers)

@@ -291,6 +291,8 @@ def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
         raise ValueError(f'precision must be one of {PRECISIONS}')
     cols = t.shape[1]
     bits = 8 if precision == 'source' and t.qtype in WIDE_TYPES else 4
+    if t.permute_heads:  # llama Q/K rows: undo llama.cpp's permutation once, here
+        t = SourceTensor(t.name, t.qtype, t.shape, t.values(), shift=t.shift)
     if block_size == 32 and t.qtype == 'Q4_0':
         return from_q4_0(t.data, cols)
     if block_size == 32 and t.qtype == 'Q4_1':

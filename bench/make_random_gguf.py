@@ -1,0 +1,338 @@
+"""Write random-weight GGUFs at the real shapes of the families the converter supports.
+
+    .venv/bin/python bench/make_random_gguf.py qwen2-7b .cache/random_gguf/qwen2-7b.gguf
+    .venv/bin/python bench/make_random_gguf.py --list
+    .venv/bin/python bench/make_random_gguf.py qwen2-7b out.gguf --convert out_dir
+
+The speed of a matmul does not depend on the values, so these files benchmark the engine and
+llama.cpp on models nobody can download here (no complete DeepSeek-R1-Distill weights are in
+the registries). Shapes, metadata keys and tensor names are the real ones; the type mix is
+llama.cpp's Q4_K_M recipe (Q6_K for the head and for attn_v / ffn_down of the layers
+llama-quantize gives more bits; Q4_K elsewhere; F32 vectors); the vocabulary is a byte-level
+BPE one of the real size whose first ids are the 256 byte symbols.
+
+Blocks are random bytes with their fp16 scales set so that each matrix's rows dequantize to
+about 1/sqrt(fan_in) spread (gguf-py cannot encode K-quants): valid blocks, written tensor by
+tensor (the writer holds one tensor at a time; the 7B file is ~4.7 GB).
+
+--convert runs edge-llm-convert on the result in a child process and prints its peak RSS next
+to the file size (the converter must stay within 1.3x).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+import json
+import math
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# fp16 scale fields of one block per type: (d offset, dmin offset or None, dmin / d).
+_SCALE_FIELDS: Dict[str, Tuple[int, Optional[int], float]] = {
+    'Q4_K': (0, 2, 7.5), 'Q5_K': (0, 2, 15.5), 'Q6_K': (208, None, 0.0),
+    'Q4_0': (0, None, 0.0), 'Q8_0': (0, None, 0.0), 'Q5_0': (0, None, 0.0),
+    'Q5_1': (0, 2, -15.5),
+}
+# llama-quantize's fallback when a row is not a whole number of 256-wide K-quant super-blocks
+# (Qwen2.5-0.5B's 896, Gemma 3 1B's 1152).
+_NOT_256 = {'Q4_K': 'Q5_0', 'Q5_K': 'Q5_1', 'Q6_K': 'Q8_0'}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One member of a family at its real size (the HF config's numbers)."""
+
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ff: int
+    vocab: int
+    context: int
+    rope_theta: float
+    eps: float
+    tied: bool
+    pre: str                      # tokenizer.ggml.pre
+    covers: str
+    extra: Dict[str, object] = field(default_factory=dict)
+
+
+SHAPES: Dict[str, Shape] = {
+    # DeepSeek-R1-Distill-Qwen-7B (Qwen2.5-Math-7B): the seeds' model family at its size.
+    'qwen2-7b': Shape('qwen2', 3584, 28, 28, 4, 128, 18944, 152064, 131072, 10000.0, 1e-6,
+                      False, 'deepseek-r1-qwen', 'DeepSeek-R1-Distill-Qwen-7B',
+                      {'r1_specials': True}),
+    'qwen2-0.5b': Shape('qwen2', 896, 24, 14, 2, 64, 4864, 151936, 32768, 1e6, 1e-6, True,
+                        'qwen2', 'Qwen2.5-0.5B-Instruct'),
+    'llama3-1b': Shape('llama', 2048, 16, 32, 8, 64, 8192, 128256, 131072, 500000.0, 1e-5,
+                       True, 'llama-bpe', 'Llama-3.2-1B-Instruct',
+                       {'llama3_rope': (32.0, 1.0, 4.0, 8192)}),
+    'qwen3-0.6b': Shape('qwen3', 1024, 28, 16, 8, 128, 3072, 151936, 40960, 1e6, 1e-6, True,
+                        'qwen2', 'Qwen3-0.6B'),
+    'gemma3-1b': Shape('gemma3', 1152, 26, 4, 1, 256, 6912, 262144, 32768, 1e6, 1e-6, True,
+                       'default', 'gemma-3-1b-it', {'sliding_window': 512}),
+    # Phi-4-mini (3.8B; no Phi-3 family member is smaller): fused qkv / gate|up, LongRoPE
+    # factors, 3/4 of each head rotated.
+    'phi4-mini': Shape('phi3', 3072, 32, 24, 8, 128, 8192, 200064, 131072, 10000.0, 1e-5,
+                       True, 'gpt-4o', 'Phi-4-mini-instruct',
+                       {'rope_dims': 96, 'longrope_orig': 4096}),
+}
+R1_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}"
+    '<｜end▁of▁sentence｜>{% endif %}{% endfor %}'
+    '{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}')
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+          "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def quant_type(role: str, layer: int, layers: int) -> str:
+    """llama.cpp's Q4_K_M choice for one tensor (llama-quant.cpp's use_more_bits rule)."""
+    more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or \
+        (layer - layers // 8) % 3 == 2
+    if role == 'output':
+        return 'Q6_K'
+    if role in ('attn_v', 'ffn_down') and more_bits:
+        return 'Q6_K'
+    return 'Q4_K'
+
+
+def vocabulary(shape: Shape) -> Tuple[List[str], List[int], Dict[str, int]]:
+    """Tokens, token types and special ids: bytes first, filler words, specials last."""
+    if shape.extra.get('r1_specials'):
+        specials = ['<｜end▁of▁sentence｜>', '<｜User｜>', '<｜Assistant｜>',
+                    '<｜begin▁of▁sentence｜>', '<|EOT|>', '<think>', '</think>']
+        ids = {'eos': 0, 'bos': 3}
+    else:
+        specials = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+        ids = {'eos': 2, 'bos': 0}
+    n_words = shape.vocab - 257 - len(specials)
+    # 'Ġw' and 'Ġw1' are what the two merges below produce.
+    from tokenizers import pre_tokenizers
+    # The 256 byte-level symbols (any order: llama.cpp and the converter look them up).
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = symbols + ['Ġw'] + [f'Ġw{i}' for i in range(n_words)] + specials
+    types = [1] * (shape.vocab - len(specials)) + [3] * len(specials)
+    base = shape.vocab - len(specials)
+    return tokens, types, {k: base + v for k, v in ids.items()}
+
+
+def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
+    """(GGUF name, numpy shape [rows, cols] or [n], type) in llama.cpp's order."""
+    s, x = shape, shape.extra
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    # llama-quantize gives a tied embedding (it is also the head) the head's type.
+    yield 'token_embd.weight', (s.vocab, s.hidden), 'Q6_K' if s.tied else 'Q4_K'
+    if not s.tied:
+        yield 'output.weight', (s.vocab, s.hidden), 'Q6_K'
+    yield 'output_norm.weight', (s.hidden,), 'F32'
+    if 'llama3_rope' in x:
+        yield 'rope_freqs.weight', (s.head_dim // 2,), 'F32'
+    if 'longrope_orig' in x:
+        yield 'rope_factors_long.weight', (int(x['rope_dims']) // 2,), 'F32'
+        yield 'rope_factors_short.weight', (int(x['rope_dims']) // 2,), 'F32'
+    for i in range(s.layers):
+        p = f'blk.{i}.'
+        yield p + 'attn_norm.weight', (s.hidden,), 'F32'
+        if s.arch == 'phi3':
+            qkv_type = quant_type('attn_v', i, s.layers)
+            yield p + 'attn_qkv.weight', (q + 2 * kv, s.hidden), qkv_type
+        else:
+            yield p + 'attn_q.weight', (q, s.hidden), 'Q4_K'
+            yield p + 'attn_k.weight', (kv, s.hidden), 'Q4_K'
+            yield p + 'attn_v.weight', (kv, s.hidden), quant_type('attn_v', i, s.layers)
+        if s.arch == 'qwen2':
+            for r, n in (('q', q), ('k', kv), ('v', kv)):
+                yield f'{p}attn_{r}.bias', (n,), 'F32'
+        if s.arch in ('qwen3', 'gemma3'):
+            yield p + 'attn_q_norm.weight', (s.head_dim,), 'F32'
+            yield p + 'attn_k_norm.weight', (s.head_dim,), 'F32'
+        yield p + 'attn_output.weight', (s.hidden, q), 'Q4_K'
+        if s.arch == 'gemma3':
+            yield p + 'post_attention_norm.weight', (s.hidden,), 'F32'
+        yield p + 'ffn_norm.weight', (s.hidden,), 'F32'
+        if s.arch == 'phi3':
+            yield p + 'ffn_up.weight', (2 * s.ff, s.hidden), 'Q4_K'
+        else:
+            yield p + 'ffn_gate.weight', (s.ff, s.hidden), 'Q4_K'
+            yield p + 'ffn_up.weight', (s.ff, s.hidden), 'Q4_K'
+        yield p + 'ffn_down.weight', (s.hidden, s.ff), quant_type('ffn_down', i, s.layers)
+        if s.arch == 'gemma3':
+            yield p + 'post_ffw_norm.weight', (s.hidden,), 'F32'
+
+
+class BlockMaker:
+    """Random valid blocks of a GGML type whose rows dequantize to a chosen spread."""
+
+    def __init__(self, seed: int) -> None:
+        """Draw every block from one seeded generator."""
+        self.rng = np.random.default_rng(seed)
+        self._unit: Dict[str, float] = {}
+
+    def _spread(self, qtype: str) -> float:
+        """Std of a block of random codes with d = 1 (measured once per type)."""
+        if qtype not in self._unit:
+            import gguf
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+            raw = self._raw(64, 8 * block, qtype, np.ones((64, 8)))
+            w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+            self._unit[qtype] = float(np.std(w))
+        return self._unit[qtype]
+
+    def _raw(self, rows: int, cols: int, qtype: str, d: np.ndarray) -> np.ndarray:
+        import gguf
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+        nb = cols // block
+        raw = np.frombuffer(self.rng.bytes(rows * nb * size), np.uint8).reshape(rows, nb, size)
+        raw = raw.copy()
+        d_at, dmin_at, ratio = _SCALE_FIELDS[qtype]
+        for at, f in ((d_at, 1.0), (dmin_at, ratio)):
+            if at is not None:
+                raw[..., at:at + 2] = (d * f).astype(np.float16)[..., None].view(np.uint8)
+        return raw.reshape(rows, nb * size)
+
+    def matrix(self, rows: int, cols: int, qtype: str) -> np.ndarray:
+        """uint8 [rows, row_bytes] of `qtype` blocks, rows dequantizing to ~1/sqrt(cols)."""
+        import gguf
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+        d = (1 / math.sqrt(cols)) / self._spread(qtype)
+        signs = self.rng.choice(np.array([-d, d], np.float32), size=(rows, cols // block))
+        return self._raw(rows, cols, qtype, signs)
+
+
+def _vector(name: str, n: int, shape: Shape, rng: np.random.Generator) -> np.ndarray:
+    if name == 'rope_freqs.weight':
+        from edge_llm_ros.engine.architectures import llama3_rope_factors
+        f, lo, hi, orig = shape.extra['llama3_rope']
+        return np.array(llama3_rope_factors(shape.head_dim, shape.rope_theta, f, lo, hi, orig),
+                        np.float32)
+    if name.startswith('rope_factors_'):
+        grow = 1.0 if 'short' in name else 40.0
+        return np.geomspace(1.0, grow, n).astype(np.float32)
+    if name.endswith('.bias'):
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
+    return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
+                      layers: Optional[int] = None) -> pathlib.Path:
+    """Write SHAPES[name] (optionally with fewer layers) to `path`, tensor by tensor."""
+    import gguf
+    shape = SHAPES[name]
+    if layers:
+        shape = Shape(**{**shape.__dict__, 'layers': layers})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    s, x = shape, shape.extra
+    part = path.with_name(path.name + '.partial')  # renamed into place only when complete
+    w = gguf.GGUFWriter(str(part), s.arch)
+    header = {'name': f'random-{name}', 'block_count': s.layers, 'context_length': s.context,
+              'embedding_length': s.hidden, 'feed_forward_length': s.ff,
+              'head_count': s.heads, 'head_count_kv': s.kv_heads, 'key_length': s.head_dim,
+              'value_length': s.head_dim, 'rope_freq_base': s.rope_theta,
+              'layer_norm_rms_eps': s.eps, 'vocab_size': s.vocab,
+              'rope_dimension_count': int(x.get('rope_dims', s.head_dim)),
+              'file_type': gguf.LlamaFileType.MOSTLY_Q4_K_M}
+    for key, value in header.items():
+        getattr(w, f'add_{key}')(value)
+    if 'sliding_window' in x:
+        w.add_sliding_window(int(x['sliding_window']))
+    if 'longrope_orig' in x:
+        orig = int(x['longrope_orig'])
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(s.context / orig) /
+                                                  math.log(orig)))
+        w.add_sliding_window(0)
+    tokens, types, ids = vocabulary(s)
+    w.add_tokenizer_model('gpt2')
+    w.add_tokenizer_pre(s.pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(['Ġ w', 'Ġw 1'])
+    w.add_bos_token_id(ids['bos'])
+    w.add_eos_token_id(ids['eos'])
+    w.add_add_bos_token(bool(x.get('r1_specials')))
+    w.add_chat_template(R1_TEMPLATE if x.get('r1_specials') else CHATML)
+    plan = [(n, sh, _NOT_256.get(t, t) if len(sh) == 2 and sh[1] % 256 else t)
+            for n, sh, t in tensor_plan(s)]
+    for tname, tshape, qtype in plan:
+        if qtype == 'F32':
+            w.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * tshape[0])
+        else:
+            qt = gguf.GGMLQuantizationType[qtype]
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            nbytes = tshape[0] * tshape[1] // block * size
+            w.add_tensor_info(tname, (tshape[0], tshape[1] // block * size),
+                              np.dtype(np.uint8), nbytes, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    maker = BlockMaker(seed)
+    rng = np.random.default_rng(seed + 1)
+    for tname, tshape, qtype in plan:
+        if qtype == 'F32':
+            w.write_tensor_data(_vector(tname, tshape[0], s, rng))
+        else:
+            w.write_tensor_data(maker.matrix(tshape[0], tshape[1], qtype))
+    w.close()
+    os.replace(part, path)
+    return path
+
+
+def convert_peak_rss(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> dict:
+    """Convert in a child process; return its peak RSS, wall time and the sizes."""
+    cmd = [sys.executable, '-m', 'edge_llm_ros.engine.convert', str(gguf_path), str(out_dir),
+           '--force', '--quiet']
+    t0 = time.monotonic()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    if proc.returncode != 0:
+        raise RuntimeError(f'conversion failed: {proc.stderr[-2000:]}')
+    size = gguf_path.stat().st_size
+    out_size = sum(f.stat().st_size for f in out_dir.iterdir())
+    return {'gguf': str(gguf_path), 'gguf_bytes': size, 'onnx_folder_bytes': out_size,
+            'peak_rss_bytes': peak_kib * 1024, 'rss_over_gguf': peak_kib * 1024 / size,
+            'seconds': round(time.monotonic() - t0, 1),
+            'note': None if peak_kib > before else 'an earlier child had a larger peak'}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: write (and optionally convert) one shape; 0 on success."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('shape', nargs='?', choices=sorted(SHAPES))
+    p.add_argument('out', nargs='?', help='the .gguf to write')
+    p.add_argument('--list', action='store_true', help='print the shapes and exit')
+    p.add_argument('--layers', type=int, default=None, help='fewer layers (same layer shape)')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--convert', metavar='OUT_DIR', default=None,
+                   help='convert the file and print peak RSS vs file size (JSON)')
+    args = p.parse_args(argv)
+    if args.list or not args.shape:
+        for k, v in SHAPES.items():
+            print(f'{k:12s} {v.arch:7s} {v.covers}')
+        return 0
+    if not args.out:
+        p.error('give the output .gguf path')
+    out = pathlib.Path(args.out)
+    if not out.is_file():
+        write_random_gguf(out, args.shape, args.seed, args.layers)
+    print(json.dumps({'gguf': str(out), 'bytes': out.stat().st_size}))
+    if args.convert:
+        print(json.dumps(convert_peak_rss(out, pathlib.Path(args.convert))))
+    return 0
+
+
+if __name__ == '__main__':
+    os.environ.setdefault('OMP_NUM_THREADS', '1')
+    sys.exit(main())
