@@ -35,6 +35,7 @@ setup(
     entry_points={
         'console_scripts': [
             'llm_node = edge_llm_ros.nodes.llm_node:main',
+            'openai_bridge = edge_llm_ros.nodes.openai_bridge:main',
             'ask = edge_llm_ros.nodes.ask:main',
             'frame_source = edge_llm_ros.nodes.frame_source:main',
             'perception = edge_llm_ros.nodes.perception:main',

@@ -1,6 +1,7 @@
 """Engine benchmark: prefill / decode / TTFT with prefix reuse / RSS / bandwidth, and peers.
 
     .venv/bin/python bench/bench_engine.py [--threads 2] [--repeats 3] [--with-peers]
+    .venv/bin/python bench/bench_engine.py --rows --model DIR [--gguf FILE] [--model DIR2 ...]
 
 On the embedded SmolLM2-135M (or --model DIR + --gguf FILE): a ~120-token chat prompt, 128
 greedy tokens, the same thread count for every engine, all in one run so the ratios compare
@@ -17,6 +18,10 @@ A peer that is not built is listed with the reason, in the JSON and the table. A
 crashes (non-zero exit, killed by a signal, no result) fails the whole run: exit 3 with the
 peer's stderr tail, never a silently dropped row.
 Prints one JSON object and a short table; timing targets live here, never in tests.
+
+With --rows, or more than one --model: one row per model (prefill, decode, bytes read per
+token, KL vs llama.cpp on the same GGUF, met / missed against issue 12's targets), measured by
+bench/bench_models.py with --prompt-tokens / --new-tokens ('default' names SmolLM2).
 """
 from __future__ import annotations
 
@@ -34,11 +39,13 @@ from typing import Callable, Dict, List, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'bench'))
-import llama_peer  # noqa: E402  (bench/ helper modules sit next to this script)
+import bench_models  # noqa: E402  (bench/ helper modules sit next to this script)
+import llama_peer  # noqa: E402
 import ortgenai_build  # noqa: E402
 
 NEW_TOKENS = 128
-TARGETS = {'decode_vs_llama_cpp': 1.2, 'prefill_vs_llama_cpp': 1.5, 'decode_vs_ortgenai': 1.0,
+# decode / prefill vs llama.cpp: issue 12's targets (bench_models.TARGETS has the same).
+TARGETS = {'decode_vs_llama_cpp': 1.3, 'prefill_vs_llama_cpp': 1.5, 'decode_vs_ortgenai': 1.0,
            'ttft_reuse_gain': 5.0, 'rss_mb': 400.0}
 FIRST_IDS = 16  # greedy ids each engine reports, to show they decode the same prompt alike
 STDERR_TAIL = 25  # lines of a crashed peer's stderr to show
@@ -101,14 +108,20 @@ def weight_bytes_per_token(model_path: str) -> Dict[str, int]:
     for init in model.graph.initializer:
         ext = {e.key: e.value for e in init.external_data}
         sizes[init.name] = int(ext['length']) if 'length' in ext else len(init.raw_data)
+    # A Reshape of an initializer is a view: what consumes its output reads the initializer.
+    source = {node.output[0]: node.input[0] for node in model.graph.node
+              if node.op_type == 'Reshape' and node.input[0] in sizes}
     gathered, read = set(), set()
     for node in model.graph.node:
-        if node.op_type in ('Gather', 'GatherBlockQuantized') and node.input[0] in sizes:
-            gathered.update(i for i in node.input[:1] if i in sizes)
+        if node.op_type == 'Reshape' and node.input[0] in sizes:
+            continue
+        inputs = [source.get(i, i) for i in node.input]
+        if node.op_type in ('Gather', 'GatherBlockQuantized') and inputs[0] in sizes:
+            gathered.update(i for i in inputs[:1] if i in sizes)
             if node.op_type == 'GatherBlockQuantized':
-                gathered.update(i for i in node.input[2:] if i in sizes)
+                gathered.update(i for i in inputs[2:] if i in sizes)
         else:
-            read.update(i for i in node.input if i in sizes)
+            read.update(i for i in inputs if i in sizes)
     # A table both gathered and used by a MatMul (tied lm_head) is read in full.
     per_token = sum(sizes[n] for n in read)
     return {'per_token': per_token, 'total': sum(sizes.values()),
@@ -475,8 +488,15 @@ def _common_prefix(a: List[int], b: List[int]) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--model', default='', help='converted model folder (default: embedded)')
-    p.add_argument('--gguf', default='', help='GGUF for llama-cpp-python (default: embedded)')
+    p.add_argument('--model', action='append', default=[],
+                   help='converted model folder (default: embedded); repeatable with --rows')
+    p.add_argument('--gguf', action='append', default=[],
+                   help='GGUF for llama-cpp-python, one per --model in order (default: the '
+                        'one model.yaml records)')
+    p.add_argument('--rows', action='store_true',
+                   help='one row per --model (bench/bench_models.py) instead of the full '
+                        'single-model report')
+    bench_models.add_row_arguments(p)
     p.add_argument('--ortgenai-model', default='',
                    help='onnxruntime-genai model folder (default: its own INT4 build of --gguf, '
                         'made once with --with-peers)')
@@ -495,11 +515,22 @@ def main(argv=None) -> int:
     p.add_argument('--json-out', default='', help='also write the JSON here')
     args = p.parse_args(argv)
     if args.peer:
+        args.gguf = args.gguf[0] if args.gguf else ''
         fn = peer_llama_cpp if args.peer == 'llama_cpp' else peer_ortgenai
         print(json.dumps(fn(args)))
         return 0
 
     sys.path.insert(0, str(ROOT))
+    if args.rows or len(args.model) > 1:
+        config = bench_models.RowConfig(
+            threads=args.threads, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+            repeats=args.repeats, kl_steps=args.kl_steps, max_context=args.max_context)
+        return bench_models.run_rows(args.model or ['default'], args.gguf, config,
+                                     args.json_out)
+    if len(args.gguf) > 1:
+        p.error('several --gguf need --rows (one per --model)')
+    args.model = args.model[0] if args.model else ''
+    args.gguf = args.gguf[0] if args.gguf else ''
     try:
         return _compare(args)
     except (PeerCrashed, llama_peer.PeerBuildError) as exc:

@@ -14,19 +14,25 @@ spinning in a MultiThreadedExecutor on another thread), they only wait: never ca
 a callback of a single-threaded executor that spins the same node (it would wait for
 itself); use `add_done_callback` there instead.
 
-A rejected goal (node not active, queue full) raises GoalRejectedError: rclpy cannot carry a
-reason with a rejection, llm_node logs it and counts it in /diagnostics. Requests the node
-finds invalid are accepted and aborted with finish_reason 'error' and an error_message.
+Telling refusals apart (docs/interfaces.md): rclpy cannot carry a reason with a rejection,
+so on a rejected goal the client asks the node's lifecycle state (~/get_state) and raises
+QueueFullError (it is active: its queue is full) or NodeInactiveError (it is not active),
+both GoalRejectedError. A request the node finds invalid is accepted and aborted with
+finish_reason 'error', error_kind 'invalid_request' and an error_message saying what to fix:
+`outcome.raise_for_error()` turns that into InvalidGoalError.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+import json
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import uuid
 
 from action_msgs.msg import GoalStatus
+from lifecycle_msgs.msg import State
+from lifecycle_msgs.srv import GetState
 from rclpy.action import ActionClient
 from rclpy.action.client import ClientGoalHandle
 from rclpy.executors import SingleThreadedExecutor
@@ -34,8 +40,8 @@ from rclpy.node import Node
 from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings
-from edge_llm_msgs.srv import Complete, Tokenize
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings, ToolSpec
+from edge_llm_msgs.srv import Complete, Detokenize, GetModelInfo, ResetSession, Tokenize
 from edge_llm_ros.feedback_listener import FeedbackListenersMixin
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
@@ -43,7 +49,10 @@ from edge_llm_ros.qos import FEEDBACK_QOS
 # After the result arrives, how long to wait for feedback still in flight (topic vs service).
 FEEDBACK_GRACE_S = 1.0
 SAMPLING_FIELDS = ('temperature', 'top_k', 'top_p', 'min_p', 'repetition_penalty',
-                   'presence_penalty', 'seed')
+                   'presence_penalty', 'frequency_penalty', 'seed', 'top_logprobs',
+                   'logit_bias_token_ids', 'logit_bias_values', 'logit_bias')
+# A rejected goal whose ~/get_state query got no answer in this long stays a GoalRejectedError.
+STATE_QUERY_TIMEOUT_S = 2.0
 TERMINAL_STATUSES = (GoalStatus.STATUS_SUCCEEDED, GoalStatus.STATUS_ABORTED,
                      GoalStatus.STATUS_CANCELED)
 STATUS_NAMES = {GoalStatus.STATUS_SUCCEEDED: 'succeeded', GoalStatus.STATUS_ABORTED: 'aborted',
@@ -55,7 +64,14 @@ class LLMClientError(RuntimeError):
 
 
 class GoalRejectedError(LLMClientError):
-    """llm_node refused the goal: it is not active, or its queue is full."""
+    """llm_node refused the goal: it is not active, or its queue is full.
+
+    Raised as one of the two subclasses when the node's state could be asked.
+    """
+
+
+class QueueFullError(GoalRejectedError):
+    """llm_node is active but its queue is full: retry later (or raise its queue.depth)."""
 
 
 class ServerUnavailableError(LLMClientError):
@@ -64,6 +80,35 @@ class ServerUnavailableError(LLMClientError):
 
 class NodeNotActiveError(LLMClientError):
     """llm_node did not become active in time (or the caller's give_up said why not)."""
+
+
+class NodeInactiveError(GoalRejectedError, NodeNotActiveError):
+    """llm_node rejected the goal because it is not active (unconfigured or inactive)."""
+
+
+class GoalAbortedError(LLMClientError):
+    """Base of what GenerationOutcome.raise_for_error raises; `outcome` is the outcome."""
+
+    def __init__(self, message: str, outcome: 'GenerationOutcome') -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+class InvalidGoalError(GoalAbortedError, ValueError):
+    """The node found the goal invalid (error_kind invalid_request): fix what it says."""
+
+
+class NodeUnavailableError(GoalAbortedError):
+    """The node stopped serving (deactivated, shutting down) while the goal waited or ran."""
+
+
+class GenerationFailedError(GoalAbortedError):
+    """The goal failed while running (error_kind failed); see the message."""
+
+
+_ABORT_ERRORS = {Generate.Result.ERROR_INVALID_REQUEST: InvalidGoalError,
+                 Generate.Result.ERROR_UNAVAILABLE: NodeUnavailableError,
+                 Generate.Result.ERROR_FAILED: GenerationFailedError}
 
 
 @dataclass(frozen=True)
@@ -92,10 +137,25 @@ class GenerationOutcome:
     timings: Timings
     error_message: str
     status: str                 # succeeded, aborted or canceled
+    error_kind: str = ''        # Generate.Result.ERROR_* when aborted
+    tool_calls: tuple = ()      # edge_llm_msgs ToolCall messages
+    reasoning: str = ''
+    logprobs: tuple = ()        # edge_llm_msgs TokenLogprob messages
 
     @property
     def ok(self) -> bool:
         return self.status == 'succeeded'
+
+    def raise_for_error(self) -> 'GenerationOutcome':
+        """Raise the error of an aborted goal by its error_kind; else return the outcome.
+
+        InvalidGoalError (invalid_request), NodeUnavailableError (unavailable) or
+        GenerationFailedError (failed, or an older node that sends no error_kind).
+        """
+        if self.status != 'aborted':
+            return self
+        error = _ABORT_ERRORS.get(self.error_kind, GenerationFailedError)
+        raise error(self.error_message or f'goal aborted ({self.finish_reason})', self)
 
 
 def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
@@ -103,7 +163,9 @@ def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
         text=result.text, token_ids=list(result.token_ids), finish_reason=result.finish_reason,
         prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         timings=result.timings, error_message=result.error_message,
-        status=STATUS_NAMES.get(status, str(status)))
+        status=STATUS_NAMES.get(status, str(status)), error_kind=result.error_kind,
+        tool_calls=tuple(result.tool_calls), reasoning=result.reasoning,
+        logprobs=tuple(result.logprobs))
 
 
 class _LockedActionClient(ActionClient):
@@ -235,8 +297,13 @@ class GenerationHandle:
 
     def __init__(self, waiter: _Waiter, client: _GoalClient, goal: Generate.Goal,
                  on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,
-                 watchdog: Optional[WatchdogConfig] = None) -> None:
+                 watchdog: Optional[WatchdogConfig] = None,
+                 state_query: Optional[Callable[[Callable[[Any], None]], bool]] = None
+                 ) -> None:
+        """`state_query(callback)` asks the node's lifecycle state (False: cannot ask)."""
         self._waiter = waiter
+        self._state_query = state_query
+        self._rejected_at: Optional[float] = None
         self._client = client
         self._watchdog = watchdog or WatchdogConfig()
         self._user_feedback = on_feedback
@@ -325,7 +392,33 @@ class GenerationHandle:
         if goal_handle.accepted:
             self._request_result()
         else:
+            self._classify_rejection()
+
+    def _classify_rejection(self) -> None:
+        """Ask the node's state, to raise QueueFullError or NodeInactiveError (docs/interfaces.md).
+
+        The goal ends when the answer is in (or after STATE_QUERY_TIMEOUT_S, see _check).
+        """
+        with self._cond:
+            self._rejected_at = time.monotonic()
+        if self._state_query is None or not self._state_query(self._on_state):
             self._finish()
+
+    def _on_state(self, state: Any) -> None:
+        """Classify a rejection by the node's lifecycle State (None: the query failed)."""
+        with self._cond:
+            if self._finished.is_set():
+                return
+            if state is not None and state.id == State.PRIMARY_STATE_ACTIVE:
+                self._error = QueueFullError(
+                    'llm_node rejected the goal: its queue is full (it is active); retry '
+                    'later or raise its queue.depth parameter')
+            elif state is not None:
+                self._error = NodeInactiveError(
+                    f'llm_node rejected the goal: it is {state.label or "not active"}, not '
+                    'active; activate it (autostart:=true, or lifecycle configure then '
+                    'activate) and wait with LLMClient.wait_until_active')
+        self._finish()
 
     def _request_result(self) -> None:
         with self._cond:
@@ -370,6 +463,12 @@ class GenerationHandle:
     def _check(self, now: float, server_ready: bool) -> None:
         """Watchdog step (LLMClient's timer): recover lost responses, notice a gone server."""
         if self._finished.is_set():
+            return
+        with self._cond:
+            rejected_at = self._rejected_at
+        if rejected_at is not None:
+            if now - rejected_at >= STATE_QUERY_TIMEOUT_S:
+                self._finish()   # no state answer: stays a plain GoalRejectedError
             return
         config = self._watchdog
         if server_ready:
@@ -530,11 +629,17 @@ class GenerationHandle:
 def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str = '',
               max_tokens: int = 0, stop: Sequence[str] = (), json_schema: str = '',
               session_id: str = '', prefix_embeddings: Sequence[Any] = (),
-              request_type=Generate.Goal, **sampling) -> Any:
+              request_type=Generate.Goal, *, tools: Sequence[Any] = (), tool_choice: str = '',
+              parallel_tool_calls: bool = True, grammar: str = '', regex: str = '',
+              choices: Sequence[str] = (), reasoning: Optional[bool] = None,
+              reasoning_budget: Optional[int] = None, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
-    given stay UNSET (the node's defaults apply).
+    given stay UNSET (the node's defaults apply); `logit_bias` may be given as
+    {token id: bias}. `tools` holds ToolSpec messages or dicts (name, description,
+    parameters as a dict or JSON text, or OpenAI's {"type": "function", "function": {...}}).
+    `reasoning` None keeps the model's default; `reasoning_budget` None = no limit.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -545,17 +650,56 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
                      for m in messages]
     goal.system_prompt = system_prompt
-    params = SamplingParams()
-    for name, value in sampling.items():
-        setattr(params, name, float(value) if isinstance(getattr(params, name), float)
-                else int(value))
-    goal.sampling = params
+    goal.sampling = _sampling(sampling)
     goal.max_tokens = int(max_tokens)
     goal.stop = list(stop)
     goal.json_schema = json_schema
     goal.session_id = session_id
     goal.prefix_embeddings = list(prefix_embeddings)
+    goal.tools = [tool_spec(t) for t in tools]
+    goal.tool_choice = tool_choice
+    goal.no_parallel_tool_calls = not parallel_tool_calls
+    goal.grammar = grammar
+    goal.regex = regex
+    goal.choices = list(choices)
+    goal.reasoning_mode = (Generate.Goal.REASONING_DEFAULT if reasoning is None else
+                           Generate.Goal.REASONING_ON if reasoning else
+                           Generate.Goal.REASONING_OFF)
+    goal.reasoning_budget = (Generate.Goal.REASONING_BUDGET_NONE if reasoning_budget is None
+                             else int(reasoning_budget))
     return goal
+
+
+def _sampling(values: Dict[str, Any]) -> SamplingParams:
+    params = SamplingParams()
+    bias = values.pop('logit_bias', None)
+    if bias:
+        params.logit_bias_token_ids = [int(t) for t in bias]
+        params.logit_bias_values = [float(v) for v in bias.values()]
+    for name, value in values.items():
+        current = getattr(params, name)
+        if isinstance(current, float):
+            setattr(params, name, float(value))
+        elif isinstance(current, int):
+            setattr(params, name, int(value))
+        else:   # an array field
+            setattr(params, name, list(value))
+    return params
+
+
+def tool_spec(tool: Any) -> ToolSpec:
+    """Return the ToolSpec message of a ToolSpec, an OpenAI tool dict or a plain dict."""
+    if isinstance(tool, ToolSpec):
+        return tool
+    fn = tool.get('function', tool) if isinstance(tool, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get('name'), str):
+        raise TypeError(f'a tool must be a ToolSpec message or a dict with a name, not '
+                        f'{tool!r}')
+    parameters = fn.get('parameters', '')
+    if not isinstance(parameters, str):
+        parameters = json.dumps(parameters)
+    return ToolSpec(name=fn['name'], description=str(fn.get('description', '')),
+                    parameters=parameters)
 
 
 class LLMClient:
@@ -570,10 +714,16 @@ class LLMClient:
         self._action = _GoalClient(node, Generate, f'{self.server}/generate',
                                    callback_group=callback_group,
                                    feedback_sub_qos_profile=FEEDBACK_QOS)
-        self._complete = node.create_client(Complete, f'{self.server}/complete',
-                                            callback_group=callback_group)
-        self._tokenize = node.create_client(Tokenize, f'{self.server}/tokenize',
-                                            callback_group=callback_group)
+
+        def service(kind, name: str):
+            return node.create_client(kind, f'{self.server}/{name}',
+                                      callback_group=callback_group)
+        self._complete = service(Complete, 'complete')
+        self._tokenize = service(Tokenize, 'tokenize')
+        self._detokenize = service(Detokenize, 'detokenize')
+        self._reset_session = service(ResetSession, 'reset_session')
+        self._model_info = service(GetModelInfo, 'get_model_info')
+        self._get_state = service(GetState, 'get_state')
         self._live: List[GenerationHandle] = []
         self._live_lock = threading.Lock()
         self._timer = node.create_timer(watchdog.period_s, self._check_live,
@@ -633,11 +783,30 @@ class LLMClient:
                  on_feedback: Optional[Callable[[Generate.Feedback], None]] = None,
                  **kwargs) -> GenerationHandle:
         """Send a goal; see make_goal for the keyword arguments."""
-        goal = make_goal(prompt, messages, **kwargs)
-        handle = GenerationHandle(self._waiter, self._action, goal, on_feedback, self.watchdog)
+        return self.generate_goal(make_goal(prompt, messages, **kwargs), on_feedback)
+
+    def generate_goal(self, goal: Generate.Goal,
+                      on_feedback: Optional[Callable[[Generate.Feedback], None]] = None
+                      ) -> GenerationHandle:
+        """Send a Generate goal built by the caller (e.g. with make_goal)."""
+        handle = GenerationHandle(self._waiter, self._action, goal, on_feedback, self.watchdog,
+                                  state_query=self._query_state)
         with self._live_lock:
             self._live.append(handle)
         return handle
+
+    def _query_state(self, callback: Callable[[Any], None]) -> bool:
+        """Ask ~/get_state without waiting; `callback(State or None)` runs on the answer."""
+        if not self._get_state.service_is_ready():
+            return False
+
+        def done(future) -> None:
+            try:
+                callback(future.result().current_state)
+            except Exception:  # noqa: B902 - no answer: the rejection stays unclassified
+                callback(None)
+        self._get_state.call_async(GetState.Request()).add_done_callback(done)
+        return True
 
     def complete(self, prompt: str = '', *, messages: Sequence[Any] = (),
                  timeout: Optional[float] = None, **kwargs) -> Complete.Response:
@@ -653,6 +822,22 @@ class LLMClient:
                             else ChatMessage(role=m[0], content=m[1]) for m in messages]
         return self._call(self._tokenize, request, timeout)
 
+    def detokenize(self, token_ids: Sequence[int],
+                   timeout: Optional[float] = None) -> Detokenize.Response:
+        """Text of token ids (~/detokenize, blocking)."""
+        request = Detokenize.Request(token_ids=[int(t) for t in token_ids])
+        return self._call(self._detokenize, request, timeout)
+
+    def reset_session(self, session_id: str = '',
+                      timeout: Optional[float] = None) -> ResetSession.Response:
+        """Drop one session's KV prefix, '' = every session (~/reset_session, blocking)."""
+        return self._call(self._reset_session, ResetSession.Request(session_id=session_id),
+                          timeout)
+
+    def model_info(self, timeout: Optional[float] = None) -> GetModelInfo.Response:
+        """Return the served model and its capabilities (~/get_model_info, blocking)."""
+        return self._call(self._model_info, GetModelInfo.Request(), timeout)
+
     def _call(self, client, request, timeout: Optional[float]):
         if not client.wait_for_service(timeout_sec=timeout):
             raise ServerUnavailableError(f'{client.srv_name} not available within {timeout} s')
@@ -667,5 +852,6 @@ class LLMClient:
         self._node.destroy_timer(self._timer)
         self._waiter.close()
         self._action.destroy()
-        self._node.destroy_client(self._complete)
-        self._node.destroy_client(self._tokenize)
+        for client in (self._complete, self._tokenize, self._detokenize, self._reset_session,
+                       self._model_info, self._get_state):
+            self._node.destroy_client(client)

@@ -14,7 +14,7 @@ from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import TensorHandle
+from edge_llm_msgs.msg import TensorHandle, ToolCall, ToolCallDelta
 from edge_llm_msgs.srv import Tokenize
 
 # Feedback kept for late-matching readers: a client that just discovered this server may
@@ -39,6 +39,8 @@ class InterfacePeer(Node):
 
     def _execute(self, goal_handle):
         goal = goal_handle.request
+        if goal.tools:
+            return self._call_tool(goal_handle)
         words = list(reversed(goal.prompt.split()))
         for index, word in enumerate(words):
             feedback = Generate.Feedback()
@@ -59,6 +61,26 @@ class InterfacePeer(Node):
             f'{goal.sampling.temperature:.2f}', str(goal.sampling.seed),
             ','.join(goal.stop), str(list(goal.prefix_embeddings[0].shape))
             if goal.prefix_embeddings else ''])
+        return result
+
+    def _call_tool(self, goal_handle):
+        """Call the first tool with its schema as arguments, streamed in two deltas."""
+        goal = goal_handle.request
+        tool = goal.tools[0]
+        half = len(tool.parameters) // 2
+        for index, part in enumerate((tool.parameters[:half], tool.parameters[half:])):
+            feedback = Generate.Feedback(reasoning_delta='think' if index == 0 else '',
+                                         completion_tokens=index + 1, token_ids=[index])
+            feedback.tool_call_deltas = [ToolCallDelta(
+                index=0, id='call_0' if index == 0 else '',
+                name=tool.name if index == 0 else '', arguments_delta=part)]
+            goal_handle.publish_feedback(feedback)
+        goal_handle.succeed()
+        result = Generate.Result(finish_reason=Generate.Result.FINISH_TOOL_CALLS,
+                                 reasoning='think', completion_tokens=2, token_ids=[0, 1])
+        result.tool_calls = [ToolCall(id='call_0', name=tool.name, arguments=tool.parameters)]
+        result.error_message = f'{goal.tool_choice}|{goal.no_parallel_tool_calls}|' \
+            f'{goal.reasoning_mode}|{goal.reasoning_budget}|{goal.sampling.top_logprobs}'
         return result
 
     def _on_tokenize(self, request, response):

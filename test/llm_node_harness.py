@@ -8,10 +8,11 @@ tokens/s here: slow enough to cancel mid-stream and to overlap requests, fast en
 Random weights end with EOS at unpredictable points, so long generations use a JSON-schema
 constraint ({"type": "string", "minLength": 5000}) that forbids EOS until max_tokens.
 """
+import contextlib
 import pathlib
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from diagnostic_msgs.msg import DiagnosticArray
 from lifecycle_msgs.msg import Transition
@@ -145,6 +146,26 @@ class RosClient:
         self.executor.shutdown(timeout_sec=2)
         self.node.destroy_node()
         self._thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def served(name: str, params: Dict[str, object], client_name: str,
+           timeout: float = 120.0) -> Iterator[RosClient]:
+    """Run llm_node `name` with `params` and yield a RosClient once it is active.
+
+    rclpy is initialized for the block; at the end the client closes, rclpy shuts down and
+    the node must stop cleanly (exit 0).
+    """
+    proc = NodeProcess(name, params)
+    rclpy.init()
+    client = RosClient(client_name)
+    try:
+        client.wait_state('/' + name, 'active', timeout=timeout)
+        yield client
+    finally:
+        client.close()
+        rclpy.shutdown()
+        assert proc.stop() == 0, proc.log()
 
 
 def wait_feedback_delivered(llm: LLMClient, timeout: float = 60.0) -> None:

@@ -94,7 +94,8 @@ def stock_record_layout(path, messages, storage: StoragePlugin, with_hash: bool 
     writer = Writer(path, version=9 if with_hash else 8, storage_plugin=storage)
     writer.open()
     transcript_def = (SHARE / 'msg' / 'Transcript.msg').read_text()
-    for dep in ('ChatMessage', 'SamplingParams', 'TensorHandle', 'Timings'):
+    for dep in ('ChatMessage', 'SamplingParams', 'TensorHandle', 'Timings', 'TokenLogprob',
+                'ToolCall', 'ToolSpec'):
         transcript_def += f"{'=' * 80}\nMSG: edge_llm_msgs/{dep}\n"
         transcript_def += (SHARE / 'msg' / f'{dep}.msg').read_text()
     for dep in ('unique_identifier_msgs/msg/UUID', 'builtin_interfaces/msg/Time',

@@ -60,21 +60,75 @@ def test_empty_lists_are_left_to_node_defaults():
     assert cuda['engine.provider_options'][0] == 'CUDAExecutionProvider:device_id=0'
 
 
+def _model_folder(path: pathlib.Path, name: str = 'SmolLM2-135M-Instruct',
+                  architecture: str = 'llama') -> str:
+    """Make a folder shaped like a converted model as far as launch looks (model.yaml)."""
+    path.mkdir(parents=True)
+    (path / 'model.yaml').write_text(f'name: {name}\narchitecture: {architecture}\n')
+    return str(path)
+
+
 def test_launch_arguments_override_params_file(tmp_path):
     params = tmp_path / 'robot.yaml'
     params.write_text('/**/llm_node:\n  ros__parameters:\n    model.path: /from/file\n'
                       '    autostart: false\n    max_tokens: 99\n')
-    plan = launch_logic.edge_llm_launch('rpi5', model='/from/launch', params_file=str(params),
+    launched = _model_folder(tmp_path / 'from_launch')
+    plan = launch_logic.edge_llm_launch('rpi5', model=launched, params_file=str(params),
                                         namespace='robot', log_level='debug', autostart='true',
                                         root=str(BOARDS / 'rpi5'))
     kwargs = plan.nodes[0].node_kwargs()
     assert kwargs['namespace'] == 'robot'
     assert kwargs['ros_arguments'] == ['--log-level', 'debug']
     p = kwargs['parameters'][0]
-    assert (p['model.path'], p['autostart'], p['max_tokens']) == ('/from/launch', True, 99)
+    assert (p['model.path'], p['autostart'], p['max_tokens']) == (launched, True, 99)
     keep = launch_logic.edge_llm_launch('rpi5', params_file=str(params),
                                         root=str(BOARDS / 'rpi5'))
     assert keep.nodes[0].parameters['model.path'] == '/from/file'
+
+
+def test_model_argument_takes_a_folder_and_matches_its_family(tmp_path):
+    folder = _model_folder(tmp_path / 'qwen3-0.6b', name='Qwen3-0.6B', architecture='qwen3')
+    plan = launch_logic.edge_llm_launch('x86_64', model=folder, root=str(BOARDS / 'x86_64'))
+    params = plan.nodes[0].parameters
+    assert params['model.path'] == folder and params.get('model.family', '') == ''
+    assert any(f'model {folder}: family qwen3' in m for m in plan.messages)
+    parameters.schema('llm_node').validate(params)
+
+
+def test_model_argument_takes_a_family_name_or_file(tmp_path):
+    plan = launch_logic.edge_llm_launch('x86_64', model='qwen3', root=str(BOARDS / 'x86_64'))
+    params = plan.nodes[0].parameters
+    assert params['model.family'] == 'qwen3' and params.get('model.path', '') == ''
+    assert any('model family qwen3' in m for m in plan.messages)
+    parameters.schema('llm_node').validate(params)
+    family_file = ROOT / 'config' / 'models' / 'smollm2.yaml'
+    plan = launch_logic.pipeline_launch('x86_64', model=str(family_file),
+                                        root=str(BOARDS / 'x86_64'))
+    assert plan.nodes[-1].parameters['model.family'] == str(family_file)
+    # The engine reads the same value: model.family goes to EngineConfig.model_family.
+    assert parameters.engine_kwargs(dict(parameters.schema('llm_node').defaults(),
+                                         **{'model.family': 'qwen3'}))['model_family'] == 'qwen3'
+
+
+def test_model_argument_folder_without_family_runs_generic(tmp_path):
+    folder = _model_folder(tmp_path / 'odd', name='OddModel', architecture='gemma9')
+    plan = launch_logic.edge_llm_launch('x86_64', model=folder, root=str(BOARDS / 'x86_64'))
+    assert plan.nodes[0].parameters['model.path'] == folder
+    assert any('generic defaults' in m for m in plan.messages)
+
+
+@pytest.mark.parametrize('make, words', [
+    (lambda tmp: 'qwen9', ('model:=qwen9', 'unknown model family', 'smollm2')),
+    (lambda tmp: str(tmp / 'missing'), ('no such folder',)),
+    (lambda tmp: str(tmp), ('without model.yaml', 'edge-llm-convert')),
+])
+def test_bad_model_argument_fails_at_launch(tmp_path, make, words):
+    with pytest.raises(launch_logic.ModelArgumentError) as err:
+        launch_logic.edge_llm_launch('x86_64', model=make(tmp_path),
+                                     root=str(BOARDS / 'x86_64'))
+    assert isinstance(err.value, BringupError)
+    for word in words:
+        assert word in str(err.value)
 
 
 @pytest.mark.parametrize('kwargs, words', [
@@ -196,17 +250,18 @@ def _run_launch_file(monkeypatch, path, **arguments):
     return declared, opaque.kwargs['function'](context)
 
 
-def test_edge_llm_launch_file_builds_lifecycle_node(monkeypatch):
+def test_edge_llm_launch_file_builds_lifecycle_node(monkeypatch, tmp_path):
+    folder = _model_folder(tmp_path / 'm')
     declared, actions = _run_launch_file(monkeypatch, ROOT / 'launch' / 'edge_llm.launch.py',
-                                         board='x86_64', namespace='lt', model='/m')
+                                         board='x86_64', namespace='lt', model=folder)
     assert list(declared) == [a.name for a in launch_logic.llm_arguments()]
     assert declared['log_level']['choices'] == list(launch_logic.LOG_LEVELS)
     assert declared['model']['choices'] is None
     kinds = [type(a).__name__ for a in actions]
-    assert kinds == ['LogInfo', 'LifecycleNode']
-    node = actions[1].kwargs
+    assert kinds == ['LogInfo', 'LogInfo', 'LifecycleNode']   # board, model family
+    node = actions[2].kwargs
     assert (node['name'], node['namespace'], node['executable']) == ('llm_node', 'lt', 'llm_node')
-    assert node['parameters'][0]['model.path'] == '/m'
+    assert node['parameters'][0]['model.path'] == folder
     assert node['parameters'][0]['board.name'] == 'x86_64'
 
 

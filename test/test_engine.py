@@ -14,6 +14,7 @@ import pytest
 from tiny_model import tiny_model_dir
 import yaml
 
+from edge_llm_ros.engine.constraint import InvalidGrammarError
 from edge_llm_ros.engine.engine import Engine, EngineConfig
 from edge_llm_ros.engine.errors import (ContextOverflowError, EngineError, InvalidRequestError,
                                         InvalidSamplingError, InvalidSchemaError, ModelLoadError)
@@ -22,6 +23,8 @@ from edge_llm_ros.engine.kv_cache import KVCache
 from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
 from edge_llm_ros.engine.reference import ReferenceModel
 from edge_llm_ros.engine.request import conversation, InvalidEmbeddingsError, split_chunks
+from edge_llm_ros.engine.structured import OutputPlan
+from edge_llm_ros.engine.tools.spec import ConstraintConflictError, InvalidToolsError
 from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                        SamplingConfig, StopReason)
 
@@ -73,6 +76,22 @@ def ref_greedy(ref, ids, n, eos, embeds=None):
             break
         logits = ref.forward([tok], cache)[-1]
     return out
+
+
+def ref_steps(ref, ids, n, bias=None):
+    """Greedy tokens of the reference with a logit bias, and each step's log-softmax."""
+    cache = ref.new_cache()
+    logits = ref.forward(ids, cache)[-1]
+    out, logsm = [], []
+    for _ in range(n):
+        biased = logits.astype(np.float64)
+        for token, value in (bias or {}).items():
+            biased[token] += value
+        tok = int(np.argmax(biased))
+        out.append(tok)
+        logsm.append(biased - biased.max() - np.log(np.exp(biased - biased.max()).sum()))
+        logits = ref.forward([tok], cache)[-1]
+    return out, logsm
 
 
 def run(engine, **kw):
@@ -488,9 +507,132 @@ def test_timings_and_occupancy(fresh):
     assert fresh.kv_occupancy() == (result.prompt_tokens + 5, 128)
 
 
+# --- new request fields --------------------------------------------------------------------
+def test_new_fields_at_their_defaults_change_nothing(fresh, ref):
+    """A request spelling out every new field's default runs the plain path, same tokens."""
+    req = GenerationRequest(prompt='the blue sky', max_tokens=N)
+    explicit = GenerationRequest(
+        prompt='the blue sky', max_tokens=N, tools=(), tool_choice='none',
+        parallel_tool_calls=True, grammar='', regex='', choices=(), reasoning=True,
+        reasoning_budget=None, sampling=SamplingConfig(logit_bias={}, frequency_penalty=0.0,
+                                                       logprobs=False, top_logprobs=0))
+    expected = ref_greedy(ref, prompt_ids(fresh, req), N, fresh.tokenizer.eos_token_ids)
+    for request in (req, explicit):
+        prepared = fresh.prepare(request)
+        assert prepared.output == OutputPlan() and prepared.constraint is None
+        assert list(prepared.prompt_ids) == prompt_ids(fresh, req)  # the template as before
+        events = list(fresh.generate(prepared))
+        assert [e.token_id for e in events] == expected
+        assert all(e.reasoning_delta == '' and e.tool_call_deltas == () and e.logprobs is None
+                   for e in events)
+
+
+def test_logit_bias_and_logprobs_match_reference(fresh, ref):
+    req = GenerationRequest(prompt='robot arm', use_chat_template=False, max_tokens=10)
+    ids = prompt_ids(fresh, req)
+    plain, _ = ref_steps(ref, ids, 10)
+    # Ban the greedy first token and push another one up: the reference, biased, agrees.
+    bias = {plain[0]: -100.0, plain[3]: 4.0}
+    expected, logsm = ref_steps(ref, ids, 10, bias)
+    req.sampling = SamplingConfig(logit_bias=bias, logprobs=True, top_logprobs=3)
+    result = fresh.generate(req).run_to_end()
+    assert result.token_ids == expected and plain[0] not in expected
+    for token, lp, ls in zip(expected, result.logprobs, logsm):
+        assert lp.token_id == token
+        assert lp.logprob == pytest.approx(ls[token], abs=1e-3)
+        best = np.argsort(-ls)[:3]
+        assert [t for t, _ in lp.top] == [int(t) for t in best]
+        assert [v for _, v in lp.top] == pytest.approx([ls[t] for t in best], abs=1e-3)
+
+
+def test_choices_constrain_the_random_model(fresh):
+    result = run(fresh, prompt='robot arm', choices=['left', 'right', 'stop'], max_tokens=10)
+    assert result.text in ('left', 'right', 'stop') and result.stop_reason == StopReason.STOP
+
+
+# --- engine services -------------------------------------------------------------------------
+def test_detokenize(fresh):
+    ids = fresh.tokenize('the blue sky')
+    assert fresh.detokenize(ids) == 'the blue sky'
+    assert fresh.detokenize(np.array(ids)) == 'the blue sky'
+    eos = fresh.tokenizer.eos_token_ids[0]
+    assert fresh.detokenize([eos]) and fresh.detokenize([eos], skip_special_tokens=True) == ''
+    with pytest.raises(InvalidRequestError, match='outside the vocabulary'):
+        fresh.detokenize([fresh.tokenizer.vocab_size])
+    with pytest.raises(InvalidRequestError, match='integers'):
+        fresh.detokenize([1.5])
+
+
+def test_reset_sessions(fresh):
+    def turn(session, prompt):
+        return run(fresh, prompt=prompt, use_chat_template=False, max_tokens=2,
+                   session_id=session).timings.cached_prompt_tokens
+
+    turn('A', 'once upon a time there was')
+    turn('B', 'robot arm')  # A's prefix is saved as B overwrites the live cache
+    assert fresh.saved_sessions() == ['A']
+    assert turn('A', 'once upon a time there was a') > 4  # from A's snapshot
+    turn('B', 'robot arm')  # and B's as A came back
+    assert fresh.saved_sessions() == ['A', 'B']
+    assert fresh.reset_sessions('A') == 1 and fresh.saved_sessions() == ['B']
+    assert turn('A', 'once upon a time there was a') <= 1  # gone (at most a shared BOS)
+    assert fresh.reset_sessions('nobody') == 0  # unknown: a documented no-op
+    assert fresh.reset_sessions('A') == 1  # the live cache was A's
+    assert fresh.kv_occupancy()[0] == 0
+    turn('A', 'robot arm')
+    turn('B', 'the blue sky')
+    assert fresh.reset_sessions() == 2
+    assert fresh.saved_sessions() == [] and fresh.kv_occupancy()[0] == 0
+    with pytest.raises(InvalidRequestError, match='session_id'):
+        fresh.reset_sessions(None)
+
+
+def test_model_info(engine):
+    info = engine.model_info()
+    assert info['architecture'] == 'llama' and info['vocab_size'] == engine.vocab_size
+    assert info['context_length'] == 128 and info['chat_template'].startswith('{%')
+    assert info['family'] == 'llama3' and info['family_error'] == ''  # llama's fallback
+    assert info['capabilities'] == {'tools': True, 'reasoning': False,
+                                    'reasoning_can_disable': False, 'embeddings_input': True}
+    assert set(info) >= {'quantization', 'model_name', 'tool_call_format'}
+
+
+def test_model_family_override_and_unknown_family(tiny_dir, tmp_path):
+    eng = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64, model_family='qwen3'))
+    assert eng.family.family == 'qwen3' and eng.model_info()['capabilities']['reasoning']
+    # A family's stop tokens end a turn too (a family file given by path).
+    (tmp_path / 'stopper.yaml').write_text(
+        "family: stopper\narchitectures: [llama]\nstop_tokens: ['<|im_start|>']\n")
+    eng = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64,
+                              model_family=str(tmp_path / 'stopper.yaml')))
+    start = eng.tokenize('<|im_start|>')
+    assert len(start) == 1 and start[0] not in eng.tokenizer.eos_token_ids
+    req = GenerationRequest(prompt='robot arm', max_tokens=3, sampling=SamplingConfig(
+        logit_bias={start[0]: 100.0}))
+    result = eng.generate(req).run_to_end()
+    assert (result.token_ids, result.stop_reason) == (start, StopReason.STOP)
+    plain = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64))  # llama3: not listed
+    assert plain.generate(req).run_to_end().stop_reason == StopReason.LENGTH
+    with pytest.raises(ModelLoadError, match="unknown model family 'nosuch'"):
+        Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64, model_family='nosuch'))
+    model = tmp_path / 'model'
+    shutil.copytree(tiny_dir, model)
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    meta['family'] = 'nosuch'
+    (model / 'model.yaml').write_text(yaml.safe_dump(meta))
+    eng = Engine(EngineConfig(model_dir=str(model), max_context=64))
+    assert eng.family is None and 'nosuch' in eng.model_info()['family_error']
+    result = eng.generate(GenerationRequest(prompt='robot arm', max_tokens=3)).run_to_end()
+    assert result.completion_tokens == 3  # no family: still serves, generic JSON tool calls
+
+
 # --- bad input ------------------------------------------------------------------------------
 def options(**kwargs):
     return kwargs
+
+
+TOOL = {'type': 'function', 'function': {'name': 'dock', 'parameters': {
+    'type': 'object', 'properties': {'station': {'enum': ['a', 'b']}}}}}
 
 
 BAD_REQUESTS = [
@@ -518,6 +660,36 @@ BAD_REQUESTS = [
      InvalidRequestError, 'chat template'),
     (options(prompt='hi', session_id=3), InvalidRequestError, 'session_id'),
     (options(prompt='word ' * 200), ContextOverflowError, 'shorten the prompt'),
+    (options(prompt='hi', tools=[TOOL], json_schema='{}'), ConstraintConflictError,
+     'tools and json_schema'),
+    (options(prompt='hi', regex='a', choices=['a']), ConstraintConflictError, 'regex and choices'),
+    (options(prompt='hi', use_chat_template=False, regex='a', json_schema='{}'),
+     ConstraintConflictError, 'json_schema and regex'),
+    (options(prompt='hi', tools=[TOOL], tool_choice='fly'), InvalidToolsError,
+     "unknown tool 'fly'"),
+    (options(prompt='hi', tool_choice='required'), InvalidToolsError, 'needs tools'),
+    (options(prompt='hi', tools=[{'name': 'f', 'parameters': {'type': 'x'}}]), InvalidToolsError,
+     'invalid'),
+    (options(prompt='hi', tools='dock'), InvalidRequestError, 'tools must be a list'),
+    (options(prompt='hi', grammar='start: ('), InvalidGrammarError, 'does not compile'),
+    (options(prompt='hi', regex='(unclosed'), InvalidGrammarError, 'does not compile'),
+    (options(prompt='hi', choices='yes'), InvalidRequestError, 'choices must be a list'),
+    (options(prompt='hi', choices=['a', 'a']), InvalidGrammarError, 'distinct'),
+    (options(prompt='hi', sampling=SamplingConfig(logit_bias={10 ** 6: 1.0})),
+     InvalidSamplingError, 'outside the vocabulary'),
+    (options(prompt='hi', sampling=SamplingConfig(logit_bias={5: 101.0})), InvalidSamplingError,
+     'logit_bias'),
+    (options(prompt='hi', sampling=SamplingConfig(top_logprobs=21)), InvalidSamplingError,
+     'top_logprobs'),
+    (options(prompt='hi', sampling=SamplingConfig(frequency_penalty=3.0)), InvalidSamplingError,
+     'frequency_penalty'),
+    (options(prompt='hi', reasoning_budget=5), InvalidRequestError, 'no reasoning tags'),
+    (options(prompt='hi', reasoning='no'), InvalidRequestError, 'reasoning must be true'),
+    (options(prompt='hi', parallel_tool_calls=1), InvalidRequestError, 'parallel_tool_calls'),
+    (options(prompt='hi', use_chat_template=False, tools=[TOOL]), InvalidRequestError,
+     'tools need the chat template'),
+    (options(prompt='hi', use_chat_template=False, reasoning_budget=3), InvalidRequestError,
+     'need the chat template'),
 ]
 
 

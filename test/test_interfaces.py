@@ -13,7 +13,7 @@ import rclpy
 from rclpy.action import ActionClient
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle, ToolSpec
 from edge_llm_msgs.srv import Tokenize
 
 PEER = pathlib.Path(__file__).with_name('interface_peer.py')
@@ -81,6 +81,34 @@ def test_generate_action_round_trip(peer, node):
     assert list(result.token_ids) == [0, 1, 2, 3]
     assert result.finish_reason == 'stop'
     assert result.error_message == 'user|0.25|7|a,b|[4, 576]'
+
+
+def test_version_2_tool_call_round_trip(peer, node):
+    """Interface version 2 fields cross processes: tools in, call deltas and calls out."""
+    client = ActionClient(node, Generate, '/interface_peer/generate',
+                          feedback_sub_qos_profile=LATCHED_FEEDBACK_QOS)
+    assert client.wait_for_server(timeout_sec=TIMEOUT_S)
+    goal = Generate.Goal(prompt='drive', tool_choice='required', no_parallel_tool_calls=True,
+                         reasoning_mode=Generate.Goal.REASONING_OFF, reasoning_budget=8)
+    goal.tools = [ToolSpec(name='move', description='Drive',
+                           parameters='{"type": "object", "properties": {}}')]
+    goal.sampling.top_logprobs = 3
+    chunks = []
+    send = client.send_goal_async(goal, feedback_callback=lambda m: chunks.append(m.feedback))
+    _spin_until(node, send, TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(chunks) < 2 and time.monotonic() < deadline:
+        rclpy.spin_once(node, timeout_sec=0.05)
+    result_future = send.result().get_result_async()
+    _spin_until(node, result_future, TIMEOUT_S)
+    result = result_future.result().result
+    call, = result.tool_calls
+    assert (call.id, call.name) == ('call_0', 'move')
+    assert result.finish_reason == Generate.Result.FINISH_TOOL_CALLS == 'tool_calls'
+    assert result.error_message == 'required|True|2|8|3'
+    deltas = [d for c in chunks for d in c.tool_call_deltas]
+    assert ''.join(d.arguments_delta for d in deltas) == call.arguments
+    assert deltas[0].name == 'move' and ''.join(c.reasoning_delta for c in chunks) == 'think'
 
 
 def test_tokenize_service_round_trip(peer, node):

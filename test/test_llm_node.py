@@ -397,6 +397,15 @@ def test_ask_streams_the_answer_with_timings(llm):
     assert '[length: ' in err and '6 generated' in err and 'TTFT' in err
 
 
+def test_ask_without_a_node_says_what_to_check():
+    proc = subprocess.run([sys.executable, '-m', 'edge_llm_ros.cli', 'ask', 'Hi', '--server',
+                           f'/no_llm_node_{os.getpid()}', '--wait', '1'], capture_output=True,
+                          text=True, env=dict(os.environ), timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert 'never answered on get_state' in proc.stderr and 'ROS_DOMAIN_ID' in proc.stderr
+    assert 'Traceback' not in proc.stderr and 'terminate called' not in proc.stderr
+
+
 def test_ask_ctrl_c_cancels_the_goal_and_prints_the_partial_answer(llm):
     proc = _ask('Count', '--max-tokens', str(LONG_TOKENS), '--json-schema', LONG_SCHEMA)
     first = proc.stdout.read(1)           # the answer is streaming

@@ -12,6 +12,8 @@ import pathlib
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -55,6 +57,13 @@ def _assert_serves(llm) -> None:
     assert outcome.status == 'succeeded', outcome
 
 
+def _ask(server: str) -> tuple:
+    """Run `edge-llm ask` against `server` with a short --wait; (exit code, stderr)."""
+    proc = subprocess.run([sys.executable, '-m', 'edge_llm_ros.cli', 'ask', 'Hello', '--server',
+                           server, '--wait', '2'], capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stderr
+
+
 def test_transitions_gate_serving_and_deactivate_cancels_running_goals(model_dir, ros):
     name = f'llm_lifecycle_{os.getpid()}'
     server = '/' + name
@@ -63,6 +72,9 @@ def test_transitions_gate_serving_and_deactivate_cancels_running_goals(model_dir
         ros.wait_state(server, 'unconfigured', timeout=60)
         llm = ros.llm(server)
         _assert_rejected(llm)   # goals before configuration
+        code, err = _ask(server)
+        assert code == 1 and "is 'unconfigured', not 'active'" in err, err
+        assert 'autostart:=true' in err and 'Traceback' not in err, err
         tokens = llm.tokenize('Hello', timeout=30)
         assert not tokens.success and 'unconfigured' in tokens.error_message
         status = ros.next_status(server)

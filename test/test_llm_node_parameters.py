@@ -6,6 +6,8 @@ not from get_parameter().
 """
 import functools
 import os
+import subprocess
+import sys
 
 import pytest
 import rclpy
@@ -48,3 +50,14 @@ def test_runtime_parameters_rebuild_the_runtime_config(node):
     assert not refused[0].successful and 'top_p' in refused[0].reason
     assert node._runtime.defaults.sampling.top_p == 1.0
     assert node.get_parameter('sampling.top_p').value == 1.0
+
+
+def test_a_parameter_of_the_wrong_type_exits_2_with_one_line_saying_so():
+    """nodes/runner.py's fatal-error path for llm_node: no traceback, the quoting hint."""
+    proc = subprocess.run([sys.executable, '-m', 'edge_llm_ros.nodes.llm_node', '--ros-args',
+                           '-r', f'__node:=llm_bad_param_{os.getpid()}',
+                           '-p', 'engine.cpu_affinity:=2'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith('llm_node: error: ') and 'engine.cpu_affinity' in proc.stderr
+    assert 'needs quotes' in proc.stderr and 'Traceback' not in proc.stderr

@@ -3,6 +3,9 @@
 No ROS graph: bags are written with rosbags and rclpy's serializer; the command-line tools
 are run on inputs that fail before they would contact a node.
 """
+from dataclasses import replace
+import pathlib
+
 import numpy as np
 import pytest
 from rclpy.serialization import serialize_message
@@ -13,9 +16,13 @@ from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import get_types_from_msg, get_typestore, Stores
 
 from edge_llm_msgs.action import Generate
-from edge_llm_ros.regression import bagio
+from edge_llm_msgs.msg import ChatMessage, SamplingParams, TokenLogprob, ToolCall, ToolSpec
+from edge_llm_ros.client import make_goal
+from edge_llm_ros.regression import bagio, legacy
 from edge_llm_ros.regression.errors import (
     BagContentError, BagCorruptError, BagNotFoundError, BagTypeMismatchError)
+from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
+from edge_llm_ros.regression.replay import goal_fields
 
 
 def test_type_hashes_match_rosidl():
@@ -232,3 +239,98 @@ def test_offline_report_between_two_recordings(tmp_path):
     html = (tmp_path / 'r2' / 'report.html').read_text()
     assert 'data:image/png;base64,' in html and 'token_mismatch' in html
     assert (tmp_path / 'r2' / 'per_goal.png').read_bytes()[:4] == b'\x89PNG'
+
+
+# ---------------------------------------------------------------- interface versions
+
+FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm2_greedy'
+
+
+def test_a_version_1_bag_is_decoded_with_its_own_definitions_and_upgraded():
+    """test/data/bags/smollm2_greedy predates interface version 2 (issue 13)."""
+    contents = bagio.read_bag(FIXTURE)
+    assert contents.complete and contents.problems == []
+    checks = {t.topic: t.status for t in contents.topics}
+    assert checks['/llm_node/transcript'] == 'older'
+    assert checks['/llm_node/generate/_action/feedback'] == 'older'
+    assert any('decoded with the definition stored in the bag' in w for w in contents.warnings)
+    assert len(contents.transcripts) == 5 and len(contents.feedback) == 5
+    for record in contents.transcripts:
+        assert record.interface_version == 1
+        # Version 1's presence_penalty 0.0 meant "node default": now UNSET_PENALTY.
+        assert record.sampling.presence_penalty == SamplingParams.UNSET_PENALTY
+        assert record.sampling.frequency_penalty == SamplingParams.UNSET_PENALTY
+        assert record.sampling.top_logprobs == SamplingParams.UNSET_INT
+        # What the node applied stays what it applied (no frequency penalty then).
+        assert record.effective_sampling.presence_penalty == 0.0
+        assert record.effective_sampling.frequency_penalty == 0.0
+        assert record.tools == [] and record.tool_calls == [] and record.reasoning == ''
+        assert record.text and record.token_ids
+    # Resent, the upgraded request again leaves the penalties to the node.
+    goal = make_goal(**goal_fields(contents.transcripts[0]))
+    assert goal.sampling.presence_penalty == SamplingParams.UNSET_PENALTY
+    assert goal.sampling.frequency_penalty == SamplingParams.UNSET_PENALTY
+    assert goal.prompt == contents.transcripts[0].prompt or goal.messages
+
+
+def _v1(asked: float, effective: SamplingRecord, version: int = 1) -> TranscriptRecord:
+    """Build a record as read from a version-1 bag (missing fields at their defaults)."""
+    return TranscriptRecord(goal_id='00' * 16, interface_version=version,
+                            sampling=SamplingRecord(presence_penalty=asked),
+                            effective_sampling=effective)
+
+
+APPLIED = SamplingRecord(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                         presence_penalty=0.0)
+
+
+def test_legacy_upgrade_translates_version_1_sampling_in_one_place():
+    default = legacy.upgrade(_v1(0.0, APPLIED))
+    assert default.sampling.presence_penalty == SamplingParams.UNSET_PENALTY
+    assert default.effective_sampling.presence_penalty == 0.0
+    assert default.effective_sampling.frequency_penalty == 0.0     # none existed then
+    assert legacy.upgrade(default) == default                      # idempotent
+    explicit = legacy.upgrade(_v1(0.5, replace(APPLIED, presence_penalty=0.5)))
+    assert explicit.sampling.presence_penalty == 0.5
+    assert explicit.effective_sampling.presence_penalty == 0.5
+    # A refused request: its effective sampling was never filled and stays unset.
+    refused = legacy.upgrade(_v1(0.0, SamplingRecord(presence_penalty=0.0)))
+    assert refused.effective_sampling.is_unset()
+    # Version 2 records are already current: 0.0 there means "disabled".
+    current = _v1(0.0, APPLIED, version=2)
+    assert legacy.upgrade(current) is current
+
+
+def test_version_2_fields_round_trip_through_a_bag(tmp_path):
+    msg = transcript('drive')
+    msg.tools = [ToolSpec(name='move', description='Drive', parameters='{"type": "object"}')]
+    msg.tool_choice = 'required'
+    msg.no_parallel_tool_calls = True
+    msg.reasoning_mode = Generate.Goal.REASONING_OFF
+    msg.reasoning_budget = 64
+    msg.messages = [ChatMessage(role='assistant', content='',
+                                tool_calls=[ToolCall(id='c1', name='move', arguments='{}')]),
+                    ChatMessage(role='tool', content='done', tool_call_id='c1', name='move')]
+    msg.sampling.logit_bias_token_ids = [5, 7]
+    msg.sampling.logit_bias_values = [-100.0, 2.5]
+    msg.sampling.top_logprobs = 3
+    msg.tool_calls = [ToolCall(id='c2', name='move', arguments='{"meters": 2}')]
+    msg.reasoning = 'thinking'
+    msg.logprobs = [TokenLogprob(token_id=1, token='a', logprob=-0.5, top_token_ids=[1, 2],
+                                 top_tokens=['a', 'b'], top_logprobs=[-0.5, -1.0])]
+    bag = write_transcript_bag(tmp_path / 'v2', [msg])
+    record, = bagio.read_bag(bag).transcripts
+    assert record.interface_version == 2
+    assert record.tools[0].name == 'move' and record.tool_choice == 'required'
+    assert record.no_parallel_tool_calls and record.reasoning_budget == 64
+    assert record.reasoning_mode == Generate.Goal.REASONING_OFF
+    assert record.messages[0].tool_calls[0].id == 'c1' and record.messages[1].name == 'move'
+    assert record.sampling.logit_bias_token_ids == (5, 7) and record.sampling.top_logprobs == 3
+    assert record.tool_calls[0].arguments == '{"meters": 2}' and record.reasoning == 'thinking'
+    assert record.logprobs[0].top_tokens == ('a', 'b')
+    # Replay resends every version-2 request field.
+    goal = make_goal(**goal_fields(record))
+    assert goal.tools[0].parameters == '{"type": "object"}' and goal.no_parallel_tool_calls
+    assert goal.reasoning_mode == Generate.Goal.REASONING_OFF and goal.reasoning_budget == 64
+    assert goal.messages[0].tool_calls[0].name == 'move'
+    assert list(goal.sampling.logit_bias_values) == [-100.0, 2.5]

@@ -32,7 +32,8 @@ ROSDEP_KEYS = {
     'jsonschema': 'python3-jsonschema', 'psutil': 'python3-psutil', 'tqdm': 'python3-tqdm',
     'PIL': 'python3-pil', 'matplotlib': 'python3-matplotlib',
     'onnxruntime': 'python3-onnxruntime-pip', 'rosbags': 'python3-rosbags-pip',
-    'fastapi': 'python3-fastapi', 'uvicorn': 'python3-uvicorn',
+    'fastapi': 'python3-fastapi', 'uvicorn': 'python3-uvicorn', 'httpx': 'python3-httpx',
+    'py_trees': 'py_trees',
     # FastAPI's own dependencies, installed with it.
     'starlette': 'python3-fastapi', 'anyio': 'python3-fastapi',
 }

@@ -220,3 +220,41 @@ def test_constraint_on_optional_reasoning_allows_a_block(model_dir, tmp_path):
     for token in tok.encode('left'):
         plain.accept(token)
     assert plain.is_finished()
+
+
+def accepts(state, tok, text):
+    """Whether the constraint takes `text` (token by token) from where it is."""
+    try:
+        for token in tok.encode(text):
+            state.accept(token)
+    except Exception:  # noqa: B902 - EngineError: the token violates the constraint
+        return False
+    return True
+
+
+def test_forced_calls_are_bounded_where_the_schema_is_not(model_dir, tmp_path):
+    """A looping model still closes its call: free strings, arrays and runs of calls end."""
+    from edge_llm_ros.engine.tools.grammar import (MAX_FREE_ITEMS, MAX_FREE_STRING,
+                                                   MAX_PARALLEL_CALLS)
+    tok = tokenizer_with(model_dir, tmp_path)
+    say = [{'type': 'function', 'function': {'name': 'say', 'parameters': {
+        'type': 'object', 'properties': {'text': {'type': 'string'},
+                                         'ids': {'type': 'array', 'items': {'type': 'integer'}},
+                                         'code': {'type': 'string', 'maxLength': 2}},
+        'required': ['text']}}}]
+    plan = plan_request(tok, load_family('smollm2'), USER, tools=say, tool_choice='required')
+    head = '<tool_call>\n{"name": "say", "arguments": {"text": "'
+    assert accepts(plan.constraint.start(), tok, head + 'a' * MAX_FREE_STRING + '"')
+    assert not accepts(plan.constraint.start(), tok, head + 'a' * (MAX_FREE_STRING + 1))
+    items = '", "ids": [' + ', '.join(['1'] * MAX_FREE_ITEMS)
+    assert accepts(plan.constraint.start(), tok, head + items + ']')
+    assert not accepts(plan.constraint.start(), tok, head + items + ', 1')
+    assert not accepts(plan.constraint.start(), tok, head + '", "code": "abc')  # its own bound
+    call = '<tool_call>\n{"name": "say", "arguments": {"text": "hi"}}\n</tool_call>'
+    assert accepts(plan.constraint.start(), tok, '\n'.join([call] * MAX_PARALLEL_CALLS))
+    assert not accepts(plan.constraint.start(), tok, '\n'.join([call] * MAX_PARALLEL_CALLS)
+                       + '\n<tool_call>')
+    # What is written still validates against the tool's own (unbounded) schema.
+    pipeline = plan.output.start()
+    feed_all(pipeline, head + 'a' * MAX_FREE_STRING + '"}}\n</tool_call>')
+    assert json.loads(pipeline.tool_calls[0].arguments) == {'text': 'a' * MAX_FREE_STRING}

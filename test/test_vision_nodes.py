@@ -7,6 +7,7 @@ is a consumer too (TensorInput), zero-copy where it can reach the pools.
 import json
 import os
 import pwd
+import signal
 import subprocess
 import sys
 import time
@@ -362,3 +363,32 @@ def test_image_topic_adapter_copies_once_into_the_pool(ros, probe, socket_dir):
         source.wait_log('dropping an image of 64x40', 30)
     finally:
         assert source.stop() == 0, source.log()
+
+
+def test_repeated_sigint_stops_running_vision_nodes_cleanly(socket_dir):
+    """SIGINT bursts at varied moments of streaming: exit 0, no traceback, no abort (runner)."""
+    for round_ in range(3):
+        tag = f'{TAG}_sig{round_}'
+        frames = NodeProc('frame_source', f'{tag}_frames', {
+            'socket_dir': socket_dir, 'width': 64, 'height': 48, 'rate_hz': 100.0,
+            'pool.id': f'{tag}_frames'})
+        perception = NodeProc('perception', f'{tag}_perception', {
+            'socket_dir': socket_dir, 'input.topic': f'/{tag}_frames/frames',
+            'pool.id': f'{tag}_emb', 'engine.intra_op_threads': 1})
+        procs = (perception, frames)
+        try:
+            frames.wait_log('synthetic pattern', 30)
+            perception.wait_log('embeddings pool', 60)
+            time.sleep(0.2 * round_)   # frames flowing, callbacks running
+            for _ in range(3):         # a second and third Ctrl-C while cleaning up
+                for proc in procs:
+                    proc.proc.send_signal(signal.SIGINT)
+                time.sleep(0.02 * round_)
+            codes = [proc.wait_exit(30) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.stop()
+        for proc, code in zip(procs, codes):
+            log = proc.log()
+            assert code == 0, f'{proc.name} exited {code} after SIGINT:\n{log}'
+            assert 'Traceback' not in log and 'terminate called' not in log, log

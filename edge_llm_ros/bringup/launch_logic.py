@@ -8,10 +8,13 @@ tested without ROS installed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import pathlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup import profiles
-from edge_llm_ros.bringup.errors import ParameterRangeError
+from edge_llm_ros.bringup.errors import BringupError, ParameterRangeError
+from edge_llm_ros.engine.model_config import (available_families, ModelConfigError,
+                                              resolve_model)
 
 PACKAGE = 'edge_llm_ros'
 LOG_LEVELS = ('debug', 'info', 'warn', 'error', 'fatal')
@@ -48,8 +51,11 @@ def llm_arguments() -> Tuple[LaunchArgument, ...]:
     return (
         LaunchArgument('board', 'auto', 'Board profile (config/boards): auto detects this '
                        'machine', ('auto',) + boards),
-        LaunchArgument('model', '', "Converted model folder for llm_node; '' keeps the "
-                       'profile/params-file value (the embedded SmolLM2 by default)'),
+        LaunchArgument('model', '', 'A converted model folder (sets model.path; its family '
+                       'config is matched from model.yaml), or a model family config name '
+                       '(config/models: ' + ', '.join(_families()) + ') or .yaml file (sets '
+                       "model.family for the configured model.path); '' keeps the "
+                       'profile/params-file values (the embedded SmolLM2 by default)'),
         LaunchArgument('params_file', '', 'ROS parameters YAML merged over the board profile'),
         LaunchArgument('namespace', '', 'Namespace of the launched nodes'),
         LaunchArgument('log_level', 'info', 'Log level of the launched nodes', LOG_LEVELS),
@@ -64,6 +70,58 @@ def pipeline_arguments() -> Tuple[LaunchArgument, ...]:
         LaunchArgument('frame_source', '', "frame_source's input ('synthetic', a video file, "
                        "an image folder or a V4L2 device); '' keeps the params-file value"),
     )
+
+
+class ModelArgumentError(BringupError, ValueError):
+    """`model:=` names neither a converted model folder nor a model family config."""
+
+
+def _families() -> Tuple[str, ...]:
+    try:
+        return available_families()
+    except ModelConfigError:   # no config/models installed: the description just says less
+        return ()
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What `model:=` resolved to: llm_node parameters to set and a line for the log."""
+
+    parameters: Dict[str, Any]
+    message: str
+
+
+def resolve_model_argument(spec: str) -> ModelChoice:
+    """Resolve `model:=` with engine.model_config.resolve_model (at launch, not at configure).
+
+    A folder becomes model.path; the engine matches its family from model.yaml (a model no
+    family matches runs with generic defaults: said in the message, not an error). A family
+    name or a family .yaml file becomes model.family for the model.path the profile or
+    params file gives. Anything else raises ModelArgumentError listing the families.
+    """
+    if not spec:
+        return ModelChoice({}, '')
+    folder = pathlib.Path(spec)
+    if folder.is_dir():
+        if not (folder / 'model.yaml').is_file():
+            raise ModelArgumentError(
+                f'launch argument model:={spec} is a folder without model.yaml, so not a '
+                'converted model: convert the model first (edge-llm-convert) or give its '
+                'output folder')
+        try:
+            family = resolve_model(spec)
+        except ModelConfigError as exc:
+            return ModelChoice({'model.path': spec},
+                               f'model {spec}: {exc}; served with generic defaults')
+        return ModelChoice({'model.path': spec}, f'model {spec}: family {family.family}')
+    try:
+        family = resolve_model(spec)
+    except ModelConfigError as exc:
+        raise ModelArgumentError(
+            f'launch argument model:={spec} is neither a converted model folder (no such '
+            f'folder) nor a model family config: {exc}') from None
+    return ModelChoice({'model.family': spec}, f'model family {family.family} '
+                       f'({family.description}) for the configured model.path')
 
 
 @dataclass(frozen=True)
@@ -124,38 +182,40 @@ def node_parameters(values: Mapping[str, Any]) -> Dict[str, Any]:
 def llm_plan(board: str = 'auto', model: str = '', params_file: str = '', namespace: str = '',
              log_level: str = 'info', autostart: str = 'true', *, root: str = '/',
              extra: Optional[Mapping[str, Mapping[str, Any]]] = None
-             ) -> Tuple[profiles.Resolved, NodeLaunch]:
-    """Resolve the board and build llm_node's launch description (plus the resolution).
+             ) -> Tuple[profiles.Resolved, NodeLaunch, Tuple[str, ...]]:
+    """Resolve the board and build llm_node's launch description.
 
-    `extra` maps further launched nodes to their launch overrides (the top layer).
+    Returns the resolution, the node and the log lines. `extra` maps further launched nodes
+    to their launch overrides (the top layer).
     """
     level = _check_choice('log_level', log_level, LOG_LEVELS)
     overrides: Dict[str, Any] = {'autostart': _parse_bool('autostart', autostart)}
-    if model:
-        overrides['model.path'] = model
+    choice = resolve_model_argument(model)
+    overrides.update(choice.parameters)
     layers = {'llm_node': overrides, **{k: dict(v) for k, v in (extra or {}).items()}}
     resolved = profiles.resolve(board, params_file, layers, nodes=tuple(layers),
                                 namespace=namespace, root=root)
     node = NodeLaunch(executable='llm_node', name='llm_node', namespace=namespace,
                       parameters=node_parameters(resolved.nodes['llm_node']), log_level=level,
                       lifecycle=True, env=dict(NODE_ENV))
-    return resolved, node
+    return resolved, node, _messages(resolved, choice.message)
 
 
-def _messages(resolved: profiles.Resolved) -> Tuple[str, ...]:
+def _messages(resolved: profiles.Resolved, model_note: str) -> Tuple[str, ...]:
     detected = resolved.detected
     head = 'edge_llm_ros: board %s (detected %s: %s)' % (
         resolved.board, detected.board or 'none', detected.reason)
-    return (head,) + tuple('edge_llm_ros: %s' % note for note in resolved.notes)
+    notes = resolved.notes + ((model_note,) if model_note else ())
+    return (head,) + tuple('edge_llm_ros: %s' % note for note in notes)
 
 
 def edge_llm_launch(board: str = 'auto', model: str = '', params_file: str = '',
                     namespace: str = '', log_level: str = 'info', autostart: str = 'true',
                     *, root: str = '/') -> LaunchPlan:
     """Plan edge_llm.launch.py: llm_node with the resolved profile."""
-    resolved, node = llm_plan(board, model, params_file, namespace, log_level, autostart,
-                              root=root)
-    return LaunchPlan(resolved.board, (node,), _messages(resolved))
+    resolved, node, messages = llm_plan(board, model, params_file, namespace, log_level,
+                                        autostart, root=root)
+    return LaunchPlan(resolved.board, (node,), messages)
 
 
 def pipeline_launch(board: str = 'auto', model: str = '', params_file: str = '',
@@ -169,10 +229,10 @@ def pipeline_launch(board: str = 'auto', model: str = '', params_file: str = '',
     extra.setdefault('frame_source', {})
     if frame_source:
         extra['frame_source']['source'] = frame_source
-    resolved, llm = llm_plan(board, model, params_file, namespace, log_level, autostart,
-                             root=root, extra=extra)
+    resolved, llm, messages = llm_plan(board, model, params_file, namespace, log_level,
+                                       autostart, root=root, extra=extra)
     nodes: List[NodeLaunch] = [
         NodeLaunch(name, name, namespace, node_parameters(resolved.nodes[name]),
                    llm.log_level, env=dict(NODE_ENV))
         for name in ('frame_source', 'perception')] + [llm]
-    return LaunchPlan(resolved.board, tuple(nodes), _messages(resolved))
+    return LaunchPlan(resolved.board, tuple(nodes), messages)

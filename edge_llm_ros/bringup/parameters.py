@@ -173,6 +173,54 @@ def engine_specs(role: str) -> Tuple[ParamSpec, ...]:
     )
 
 
+ENGINE_BACKENDS = ('local', 'remote')
+_URL_PATTERN = r'(https?://\S+)?'
+_ENV_NAME_PATTERN = r'([A-Za-z_][A-Za-z0-9_]*)?'
+
+# engine.backend: remote forwards llm_node's goals to an OpenAI-compatible server.
+REMOTE_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('engine.backend', ParamType.STRING, 'local',
+              "'local' = run model.path here; 'remote' = forward every goal to the "
+              'OpenAI-compatible server at remote.url (vLLM, llama-server, another '
+              "robot's openai_bridge)", choices=ENGINE_BACKENDS),
+    ParamSpec('remote.url', ParamType.STRING, '',
+              "Base URL of the remote server's OpenAI API, e.g. http://10.0.0.2:8000/v1 "
+              '(engine.backend remote)', pattern=_URL_PATTERN),
+    ParamSpec('remote.model', ParamType.STRING, '',
+              "Model id sent to the remote server; '' = the first one its /v1/models lists"),
+    ParamSpec('remote.api_key_env', ParamType.STRING, '',
+              "Environment variable holding the remote server's API key (never the key "
+              "itself in a parameter); '' = no key", pattern=_ENV_NAME_PATTERN),
+    ParamSpec('remote.timeout_s', ParamType.DOUBLE, 30.0,
+              'Connect and between-chunks read timeout of the remote server',
+              range=Range(0.0, 3600.0, low_open=True)),
+    ParamSpec('remote.context_length', ParamType.INTEGER, 4096,
+              'Context length reported for the remote model (checks max_tokens; the '
+              'server checks the prompt)', range=Range(64, 1048576)),
+)
+
+OPENAI_BRIDGE_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('host', ParamType.STRING, '127.0.0.1',
+              'Address the HTTP server listens on; 127.0.0.1 = this machine only (another '
+              'address exposes the model to the network: set an API key)'),
+    ParamSpec('port', ParamType.INTEGER, 8000, 'TCP port; 0 = any free port (logged)',
+              range=Range(0, 65535)),
+    ParamSpec('api_key', ParamType.STRING, '',
+              "Bearer token clients must send; '' = none (see api_key_env)"),
+    ParamSpec('api_key_env', ParamType.STRING, '',
+              'Environment variable holding the bearer token (kept out of parameter dumps); '
+              "used when api_key is ''", pattern=_ENV_NAME_PATTERN),
+    ParamSpec('max_body_bytes', ParamType.INTEGER, 1 << 20,
+              'Largest request body accepted; larger ones get 413', range=Range(1, 1 << 30)),
+    ParamSpec('llm_node', ParamType.STRING, '/llm_node',
+              'Fully qualified name of the llm_node whose ~/generate action serves requests',
+              pattern=r'(/[A-Za-z_][A-Za-z0-9_]*)+'),
+    ParamSpec('model_id', ParamType.STRING, 'edge-llm',
+              'Model id the bridge serves (/v1/models; requests must name it)',
+              pattern=r'[^\s]{1,256}'),
+)
+
+
 LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('board.name', ParamType.STRING, '',
               'Board profile these settings came from (reported in diagnostics)'),
@@ -184,6 +232,10 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('model.quantization', ParamType.STRING, 'int4',
               'Weight format the board profile expects (MatMulNBits 4-bit blocks)',
               choices=('int4',)),
+    ParamSpec('model.family', ParamType.STRING, '',
+              'Model family config: a config/models/<family>.yaml name or a .yaml path '
+              "(template quirks, stop tokens, reasoning tags, tool-call format); '' = matched "
+              "from the model's model.yaml"),
     *engine_specs('language model'),
     ParamSpec('engine.prefill_chunk', ParamType.INTEGER, 256,
               'Prompt tokens per forward pass during prefill (bounds memory and how long a '
@@ -213,6 +265,9 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               range=Range(0.0, 10.0, low_open=True)),
     ParamSpec('sampling.presence_penalty', ParamType.DOUBLE, 0.0,
               'Default presence penalty; 0 = disabled', read_only=False,
+              range=Range(-2.0, 2.0)),
+    ParamSpec('sampling.frequency_penalty', ParamType.DOUBLE, 0.0,
+              'Default frequency penalty; 0 = disabled', read_only=False,
               range=Range(-2.0, 2.0)),
     ParamSpec('sampling.seed', ParamType.INTEGER, -1,
               'Default seed; -1 = a random seed per request', read_only=False,
@@ -257,6 +312,7 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('cuda.sm_arch', ParamType.STRING, '',
               "GPU architecture the kernels are built for, e.g. sm_87 (Orin); '' = no GPU",
               pattern=r'(sm_\d{2,3})?'),
+    *REMOTE_SPECS,
 )
 
 # Frame sides the vision nodes accept (frame_source width/height, vision.synthetic checks).
@@ -401,11 +457,12 @@ SCHEMAS: Dict[str, NodeSchema] = {
     # The pipeline launch passes the vision nodes only what profiles and users set.
     'frame_source': NodeSchema('frame_source', FRAME_SOURCE_SPECS, complete=False),
     'perception': NodeSchema('perception', PERCEPTION_SPECS, complete=False),
+    'openai_bridge': NodeSchema('openai_bridge', OPENAI_BRIDGE_SPECS, complete=False),
 }
 
 
 def schema(node: str) -> NodeSchema:
-    """Return the schema of `node` ('llm_node', 'frame_source', 'perception')."""
+    """Return the schema of `node` ('llm_node', 'frame_source', 'perception', ...)."""
     try:
         return SCHEMAS[node]
     except KeyError:
@@ -450,6 +507,9 @@ def check_consistency(values: Mapping[str, Any], source: str = '') -> None:
         raise ParameterRangeError('%sengine.provider_options name %s, which is not in '
                                   'engine.providers %r' % (where, ', '.join(unused),
                                                            values['engine.providers']))
+    if values.get('engine.backend') == 'remote' and not values.get('remote.url'):
+        raise ParameterRangeError('%sengine.backend remote needs remote.url (the OpenAI base '
+                                  'URL of the server, e.g. http://host:8000/v1)' % where)
     if values['cuda.kernel_set'] != 'none' and not values['cuda.sm_arch']:
         raise ParameterRangeError('%scuda.kernel_set %r needs cuda.sm_arch (e.g. sm_87)' % (
             where, values['cuda.kernel_set']))
@@ -471,6 +531,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
     threads = resolved_threads(values)
     return {
         'model_dir': values['model.path'],
+        'model_family': values['model.family'],
         'providers': providers,
         'provider_options': tuple(options.get(p, {}) for p in providers),
         'intra_op_threads': threads,
@@ -494,5 +555,21 @@ def sampling_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'min_p': values['sampling.min_p'],
         'repetition_penalty': values['sampling.repetition_penalty'],
         'presence_penalty': values['sampling.presence_penalty'],
+        'frequency_penalty': values['sampling.frequency_penalty'],
         'seed': None if seed < 0 else seed,
+        # Per request only (SamplingParams): no node-wide default but "off".
+        'logit_bias': None,
+        'logprobs': False,
+        'top_logprobs': 0,
+    }
+
+
+def remote_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments of engine.remote.RemoteConfig (engine.backend remote)."""
+    return {
+        'url': values['remote.url'],
+        'model': values['remote.model'],
+        'api_key_env': values['remote.api_key_env'],
+        'timeout_s': values['remote.timeout_s'],
+        'context_length': values['remote.context_length'],
     }

@@ -7,20 +7,29 @@
 
 One generation runs at a time (the KV cache is shared); a new ``generate`` call ends a previous
 generation that was not iterated to the end (it finishes as CANCELLED).
+
+The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
+or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
+tool calls and no reasoning tags (model_info() says why no family was found).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 import functools
+import operator
+import os
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from edge_llm_ros.engine import constraint as constraint_mod
-from edge_llm_ros.engine.errors import EngineError, ModelLoadError
+from edge_llm_ros.engine.errors import EngineError, InvalidRequestError, ModelLoadError
 from edge_llm_ros.engine.generator import Generation
+from edge_llm_ros.engine.gguf_tokenizer import CHAT_TEMPLATE_FILE
 from edge_llm_ros.engine.kv_cache import KVCache, SNAPSHOT_DTYPES
 from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
+from edge_llm_ros.engine.model_config import (family_for_model_dir, load_family,
+                                              ModelConfigError, ModelFamilyConfig)
 from edge_llm_ros.engine.request import prepare, PreparedRequest
 from edge_llm_ros.engine.tokenizer import TextTokenizer
 from edge_llm_ros.engine.types import ChatMessage, GenerationRequest
@@ -42,6 +51,8 @@ class EngineConfig:
     prefix_reuse: bool = True
     max_sessions: int = 8          # LRU of saved per-session KV prefixes
     prefill_chunk: int = 256       # prompt positions per forward (bounds memory, cancel latency)
+    # config/models family name (or a family .yaml path) instead of the one model.yaml matches.
+    model_family: str = ''
 
 
 class Engine:
@@ -63,6 +74,8 @@ class Engine:
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
+        self.family, self.family_error = _family(model_dir, config.model_family)
+        self._eos = _end_ids(self.tokenizer, self.family)
         self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info, SessionConfig(
             providers=tuple(config.providers),
             provider_options=tuple(config.provider_options),
@@ -98,7 +111,8 @@ class Engine:
         """
         decoder = self._open_decoder()
         return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
-                       self._compile_schema, decoder.act_dtype)
+                       self._compile_schema, decoder.act_dtype, family=self.family,
+                       vocab_size=self.vocab_size)
 
     def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> Generation:
         """Return the Generation of a prepared request, to iterate.
@@ -119,7 +133,7 @@ class Engine:
                 self._cache.reset()
             generation = Generation(decoder, self._cache, self.tokenizer, prepared,
                                     self.config.prefill_chunk, self._lock, t0,
-                                    on_end=self._ended)
+                                    on_end=self._ended, eos=self._eos)
             self._active = generation
         return generation
 
@@ -138,6 +152,52 @@ class Engine:
     def token_strings(self, ids) -> List[str]:
         return self.tokenizer.token_strings(ids)
 
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids (InvalidRequestError for an id outside the vocabulary)."""
+        checked = []
+        for i in ids:
+            try:
+                value = operator.index(i)  # ints and numpy integers, not floats
+            except TypeError:
+                value = None
+            if value is None or isinstance(i, bool):
+                raise InvalidRequestError(f'token ids must be integers, not {type(i).__name__}')
+            if not 0 <= value < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f'token id {value} is outside the vocabulary '
+                                          f'(0..{self.tokenizer.vocab_size - 1})')
+            checked.append(value)
+        return self.tokenizer.decode(checked, skip_special_tokens=skip_special_tokens)
+
+    # --- model -------------------------------------------------------------------------------
+    def model_info(self) -> Dict[str, Any]:
+        """Describe the model for ~/get_model_info: what it is, its template, what it can do."""
+        family = self.family
+        reasoning = family.reasoning if family is not None else None
+        fmt = family.tool_call_format if family is not None else 'generic_json'
+        path = os.path.join(self.model_dir, CHAT_TEMPLATE_FILE)
+        with open(path, encoding='utf-8') as f:
+            template = f.read()
+        return {
+            'model_name': self.model_name,
+            'model_dir': self.model_dir,
+            'architecture': self.info.architecture,
+            'quantization': quantization_text(self.info.extra.get('quantization')),
+            'context_length': int(self.context_length),
+            'max_position_embeddings': int(self.info.max_position_embeddings),
+            'vocab_size': int(self.vocab_size),
+            'providers': list(self.providers),
+            'chat_template': template,
+            'family': family.family if family is not None else '',
+            'family_error': self.family_error,
+            'tool_call_format': fmt,
+            'capabilities': {
+                'tools': fmt != 'none',
+                'reasoning': reasoning is not None,
+                'reasoning_can_disable': family is not None and family.can_disable_reasoning,
+                'embeddings_input': True,
+            },
+        }
+
     # --- state -------------------------------------------------------------------------------
     def kv_occupancy(self) -> Tuple[int, int]:
         """(positions used, capacity) of the live KV cache."""
@@ -146,6 +206,26 @@ class Engine:
     def saved_sessions(self) -> List[str]:
         """Return the session ids whose KV prefixes are saved, least recently used first."""
         return self._cache.sessions()
+
+    def reset_sessions(self, session_id: str = '') -> int:
+        """Drop one session's KV prefix ('' = every session and the live cache).
+
+        Returns how many sessions had a kept prefix (saved, or in the live cache). An unknown
+        session id is a no-op that returns 0, not an error: saved prefixes are an LRU and may
+        already have been evicted, so "forget this conversation" must not depend on that
+        race. A generation running on the dropped prefix is ended first (CANCELLED), since
+        its cache is going away.
+        """
+        if not isinstance(session_id, str):
+            raise InvalidRequestError('session_id must be text')
+        with self._lock:
+            if not session_id:
+                count = len(self._cache.known_sessions())
+                self.reset_cache()
+                return count
+            if self._active is not None and self._cache.owner == session_id:
+                self._active.abandon()
+            return int(self._cache.drop_session(session_id))
 
     def reset_cache(self, sessions: bool = True) -> None:
         """Forget the live KV cache (and the saved session prefixes unless sessions=False)."""
@@ -164,3 +244,43 @@ class Engine:
             self._cache.reset()
             self._cache.clear_sessions()
             self._decoder = None
+
+
+def _family(model_dir: str, name: str) -> Tuple[Optional[ModelFamilyConfig], str]:
+    """Find the model's family, or (None, why none matched); a named family must load."""
+    if name:
+        return load_family(name), ''
+    try:
+        return family_for_model_dir(model_dir), ''
+    except ModelConfigError as exc:
+        return None, str(exc)
+
+
+def _end_ids(tokenizer: TextTokenizer, family: Optional[ModelFamilyConfig]) -> frozenset:
+    """EOS ids of model.yaml plus the family's stop tokens that are tokens of this vocabulary.
+
+    A GGUF names one EOS, but e.g. Llama 3.1 also ends turns with <|eom_id|> after a tool
+    call; the family config lists them (config/models `stop_tokens`).
+    """
+    ids = set(tokenizer.eos_token_ids)
+    for text in family.stop_tokens if family is not None else ():
+        token = tokenizer.hf_tokenizer.token_to_id(text)
+        if token is not None:
+            ids.add(int(token))
+    return frozenset(ids)
+
+
+def quantization_text(quant: Any) -> str:
+    """One line for model.yaml's quantization section (e.g. 'int4, block 32, from Q4_1+Q8_0')."""
+    if not isinstance(quant, dict):
+        return str(quant or '')
+    parts = []
+    if quant.get('bits'):
+        parts.append(f'int{quant["bits"]}')
+    if quant.get('block_size'):
+        parts.append(f'block {quant["block_size"]}')
+    if quant.get('source_types'):
+        parts.append('from ' + '+'.join(map(str, quant['source_types'])))
+    if quant.get('precision') and not parts:
+        parts.append(str(quant['precision']))
+    return ', '.join(parts)

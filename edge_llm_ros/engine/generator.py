@@ -9,6 +9,18 @@ Event/result conventions:
   whatever the detokenizer still held back) and counts as a completion token.
 * ``result.text`` is always the concatenation of the events' ``text_delta``; a stop string and
   what follows it are not part of it.
+* Output with structure (a request with tools, or a model with reasoning tags; see
+  structured.OutputPlan) goes through an OutputPipeline per generation: ``text_delta`` is only
+  the user-visible answer, reasoning comes as ``reasoning_delta`` and tool calls as
+  ``tool_call_deltas`` (``result.reasoning`` joins the former, ``result.tool_calls`` holds
+  the parsed calls). Stop strings apply to the user-visible text only. A generation that
+  made tool calls and stopped (EOS, end of the constraint or a stop string) ends with
+  StopReason.TOOL_CALLS. A spent reasoning budget forces the close tag: those tokens are
+  fed instead of sampled, yet still go through the sampler's history and the constraint.
+* Logprobs (SamplingConfig.logprobs / top_logprobs): each event carries the sampler's
+  TokenLogprobs; a forced token has log probability 0 (it was certain).
+* Every choice (logprobs or not, constraint or not, pipeline or not) is made once when the
+  generation starts: the per-token path of a plain request is what it always was.
 * Timings: TTFT counts from the call to ``Engine.generate``; prefill tok/s counts only the
   positions actually computed (``cached_prompt_tokens`` were reused); decode tok/s is decode
   steps per second of the engine's own time (what the consumer does between events is not
@@ -16,19 +28,23 @@ Event/result conventions:
 """
 from __future__ import annotations
 
+from collections import deque
 import threading
 import time
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from edge_llm_ros.engine.kv_cache import KVCache
 from edge_llm_ros.engine.model import OnnxDecoder
 from edge_llm_ros.engine.request import PreparedRequest, split_chunks
-from edge_llm_ros.engine.sampling import build_sampler
+from edge_llm_ros.engine.sampling import build_sampler, LogprobSampler, Sampler, TokenLogprobs
 from edge_llm_ros.engine.stop import StopMatcher
+from edge_llm_ros.engine.structured import OutputPipeline
 from edge_llm_ros.engine.tokenizer import TextTokenizer
 from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings, TokenEvent
+
+Picker = Callable[[np.ndarray], int]
 
 
 # Prompt positions always recomputed on prefix reuse. onnxruntime's MatMulNBits runs one row
@@ -43,7 +59,8 @@ class Generation:
 
     def __init__(self, decoder: OnnxDecoder, cache: KVCache, tokenizer: TextTokenizer,
                  prepared: PreparedRequest, prefill_chunk: int, lock: threading.RLock,
-                 t0: float, on_end: Optional[Callable[['Generation'], None]] = None) -> None:
+                 t0: float, on_end: Optional[Callable[['Generation'], None]] = None,
+                 eos: Iterable[int] = ()) -> None:
         self._decoder = decoder
         self._cache = cache
         self._tokenizer = tokenizer
@@ -59,10 +76,15 @@ class Generation:
         self._reason = StopReason.LENGTH
         self._timing = {'prefill_tokens': 0, 'cached': 0, 'ttft': 0.0, 'prefill_s': 0.0,
                         'decode_steps': 0, 'decode_s': 0.0}
-        self._eos = frozenset(tokenizer.eos_token_ids)
+        # The model's EOS ids and the family's other end-of-turn tokens (see Engine).
+        self._eos = frozenset(eos or tokenizer.eos_token_ids)
         self._stream = None
         self._matcher = None
         self._constraint_state = None
+        self._pipeline: Optional[OutputPipeline] = None
+        self._reasoning: List[str] = []
+        self._logprobs: List[TokenLogprobs] = []
+        self._last_logprobs: Optional[TokenLogprobs] = None
         self.result: Optional[GenerationResult] = None
 
     # --- public ------------------------------------------------------------------------------
@@ -138,9 +160,15 @@ class Generation:
         if logits is None:
             self._reason = StopReason.CANCELLED
             return
+        plan = req.output
+        if plan.tool_format is not None or plan.reasoning is not None:
+            self._pipeline = plan.start()
         pick = self._picker(logits.shape[0])
-        self._stream = self._tokenizer.new_stream()
+        # Tool-call markers may be special tokens (Mistral's [TOOL_CALLS]): keep them as text
+        # for the parser, which takes them out of the answer.
+        self._stream = self._tokenizer.new_stream(skip_special_tokens=plan.tool_format is None)
         self._matcher = StopMatcher(req.stop)
+        emit = self._emit_split if self._pipeline is not None else self._emit_plain
         cancel, perf = self._cancel, time.perf_counter
         # prepare() checked prompt + max_tokens <= capacity; the min() only guards it.
         budget = min(req.max_tokens, cache.room() + 1)
@@ -159,56 +187,131 @@ class Generation:
                 token = pick(logits)
                 tm['decode_s'] += perf() - t
                 tm['decode_steps'] += 1
-            text, reason = self._text_of(token, index + 1 == budget)
+            event, reason = emit(token, index, index + 1 == budget)
             self._ids.append(token)
-            self._deltas.append(text)
-            yield TokenEvent(token, text, index, perf() - self._t0)
+            yield event
             if reason is not None:
                 self._reason = reason
                 return
 
-    def _picker(self, vocab: int) -> Callable[[np.ndarray], int]:
-        """Return pick(logits) -> token: sampler chain, under the JSON mask when constrained."""
-        sampler = build_sampler(self._req.sampling, vocab)
-        sampler.reset(self._req.prompt_ids)
-        if self._req.constraint is None:
+    def _picker(self, vocab: int) -> Picker:
+        """Return pick(logits) -> token: sampler chain, under the mask when constrained.
+
+        Logprob recording and the reasoning budget's forced tokens wrap it only when asked.
+        """
+        req = self._req
+        sampler = build_sampler(req.sampling, vocab)
+        sampler.reset(req.prompt_ids)
+        state = req.constraint.start() if req.constraint is not None else None
+        self._constraint_state = state
+        if state is None:
             def pick(logits: np.ndarray) -> int:
                 token = sampler.sample(logits)
                 sampler.accept(token)
                 return token
-            return pick
-        state = self._req.constraint.start()
-        self._constraint_state = state
-        mask = np.ones(vocab, dtype=bool)
+        else:
+            mask = np.ones(vocab, dtype=bool)
 
-        def pick_constrained(logits: np.ndarray) -> int:
-            state.fill_mask(mask)
-            token = sampler.sample(logits, mask)
-            sampler.accept(token)
-            state.accept(token)
+            def pick(logits: np.ndarray) -> int:
+                state.fill_mask(mask)
+                token = sampler.sample(logits, mask)
+                sampler.accept(token)
+                state.accept(token)
+                return token
+        if isinstance(sampler, LogprobSampler):
+            pick = self._recording(pick, sampler)
+        plan = req.output
+        if plan.reasoning is not None and plan.reasoning_budget is not None:
+            pick = self._forcing(pick, sampler, state)
+        return pick
+
+    def _recording(self, pick: Picker, sampler: LogprobSampler) -> Picker:
+        """Wrap pick to keep the sampler's TokenLogprobs of every picked token."""
+        record = self._logprobs.append
+
+        def pick_recorded(logits: np.ndarray) -> int:
+            token = pick(logits)
+            self._last_logprobs = sampler.last_logprobs
+            record(sampler.last_logprobs)
             return token
-        return pick_constrained
+        return pick_recorded
+
+    def _forcing(self, pick: Picker, sampler: Sampler, state) -> Picker:
+        """Wrap pick to feed the reasoning close tag once the pipeline says the budget is spent.
+
+        Forced tokens skip the draw but not the bookkeeping: the penalties' history and the
+        constraint see them like sampled ones (the constraint must allow them).
+        """
+        queue: Deque[int] = deque()
+        forced_tokens = self._pipeline.forced_tokens
+        top_n = sampler.top_n if isinstance(sampler, LogprobSampler) else None
+        record = self._logprobs.append
+
+        def pick_forcing(logits: np.ndarray) -> int:
+            if not queue:
+                queue.extend(forced_tokens())
+                if not queue:
+                    return pick(logits)
+            token = queue.popleft()
+            sampler.accept(token)
+            if state is not None:
+                state.accept(token)
+            if top_n is not None:
+                self._last_logprobs = TokenLogprobs(token, 0.0, ((token, 0.0),) if top_n else ())
+                record(self._last_logprobs)
+            return token
+        return pick_forcing
+
+    def _emit_plain(self, token: int, index: int,
+                    last: bool) -> Tuple[TokenEvent, Optional[StopReason]]:
+        """Event of one token when all output is text."""
+        text, reason = self._text_of(token, last)
+        self._deltas.append(text)
+        return TokenEvent(token, text, index, time.perf_counter() - self._t0,
+                          logprobs=self._last_logprobs), reason
+
+    def _emit_split(self, token: int, index: int,
+                    last: bool) -> Tuple[TokenEvent, Optional[StopReason]]:
+        """Event of one token through the output pipeline: text, reasoning and call deltas."""
+        raw, reason = self._raw_text_of(token, last)
+        pipeline = self._pipeline
+        out = pipeline.feed(raw)
+        text, reasoning, calls = out.text, out.reasoning, out.tool_calls
+        if reason is not None:
+            end = pipeline.finish()
+            text, reasoning, calls = text + end.text, reasoning + end.reasoning, \
+                calls + end.tool_calls
+        shown, stopped = self._matcher.feed(text)
+        if stopped:
+            reason = StopReason.STOP
+        elif reason is not None:
+            shown += self._matcher.flush()
+        self._deltas.append(shown)
+        self._reasoning.append(reasoning)
+        return TokenEvent(token, shown, index, time.perf_counter() - self._t0, reasoning,
+                          calls, self._last_logprobs), reason
+
+    def _raw_text_of(self, token: int, last: bool) -> Tuple[str, Optional[StopReason]]:
+        """Model text of one token (before stop strings), and whether it ends the output."""
+        stream = self._stream
+        if token in self._eos:
+            return stream.flush(), StopReason.STOP  # EOS itself adds no text
+        delta = stream.push(token)
+        state = self._constraint_state
+        if state is not None and state.is_finished():
+            return delta + stream.flush(), StopReason.STOP
+        if last:
+            return delta + stream.flush(), StopReason.LENGTH
+        return delta, None
 
     def _text_of(self, token: int, last: bool) -> Tuple[str, Optional[StopReason]]:
         """Text delta of one token, and the stop reason when this token ends the generation."""
-        stream, matcher = self._stream, self._matcher
-        reason = None
-        if token in self._eos:
-            reason, delta = StopReason.STOP, stream.flush()  # EOS itself adds no text
-        else:
-            delta = stream.push(token)
-            state = self._constraint_state
-            if state is not None and state.is_finished():
-                reason = StopReason.STOP
-            elif last:
-                reason = StopReason.LENGTH
-            if reason is not None:
-                delta += stream.flush()
-        text, stopped = matcher.feed(delta)
+        delta, reason = self._raw_text_of(token, last)
+        text, stopped = self._matcher.feed(delta)
         if stopped:
             return text, StopReason.STOP
         if reason is not None:
-            text += matcher.flush()
+            text += self._matcher.flush()
         return text, reason
 
     # --- end ---------------------------------------------------------------------------------
@@ -223,10 +326,15 @@ class Generation:
                           decode_tokens_per_second=decode_tps,
                           total_s=time.perf_counter() - self._t0)
         reason = StopReason.ERROR if error else self._reason
-        self.result = GenerationResult(text=''.join(self._deltas), token_ids=list(self._ids),
-                                       stop_reason=reason,
-                                       prompt_tokens=self._req.prompt_tokens,
-                                       completion_tokens=len(self._ids), timings=timings,
-                                       error=error)
+        pipeline = self._pipeline
+        calls = pipeline.tool_calls if pipeline is not None else []
+        if reason is StopReason.STOP and calls:
+            reason = StopReason.TOOL_CALLS
+        self.result = GenerationResult(
+            text=''.join(self._deltas), token_ids=list(self._ids), stop_reason=reason,
+            prompt_tokens=self._req.prompt_tokens, completion_tokens=len(self._ids),
+            timings=timings, error=error, reasoning=''.join(self._reasoning), tool_calls=calls,
+            invalid_tool_calls=pipeline.invalid_tool_calls if pipeline is not None else [],
+            logprobs=list(self._logprobs))
         if self._on_end is not None:
             self._on_end(self)

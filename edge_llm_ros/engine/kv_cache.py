@@ -112,6 +112,11 @@ class KVCache:
         """Return the saved session ids, least recently used first."""
         return list(self._sessions)
 
+    @property
+    def owner(self) -> str:
+        """Return the session whose conversation the live cache holds ('' = none named)."""
+        return self._owner
+
     def snapshot_bytes(self) -> int:
         return sum(s.nbytes for s in self._sessions.values())
 
@@ -146,6 +151,24 @@ class KVCache:
 
     def clear_sessions(self) -> None:
         self._sessions.clear()
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget one session: its snapshot, and the live cache if that session owns it.
+
+        Returns whether anything of it was kept (a snapshot or the live cache).
+        """
+        found = self._sessions.pop(session_id, None) is not None
+        if session_id and self._owner == session_id:
+            found = found or bool(self._keys)
+            self.reset()
+        return found
+
+    def known_sessions(self) -> List[str]:
+        """Return the sessions with a kept prefix: saved snapshots and the live cache's owner."""
+        names = list(self._sessions)
+        if self._owner and self._keys and self._owner not in self._sessions:
+            names.append(self._owner)
+        return names
 
     # --- reuse -------------------------------------------------------------------------------
     def plan(self, keys: Sequence[Hashable], session_id: str = '', recompute: int = 1) -> int:

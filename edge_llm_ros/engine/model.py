@@ -175,7 +175,7 @@ class OnnxDecoder:
         if rope_max and config.max_context > rope_max:
             raise ModelLoadError(
                 f'max_context {config.max_context} exceeds {rope_max}, the context this '
-                'model\'s rope scaling was converted for: lower max_context')
+                "model's rope scaling was converted for: lower max_context")
         if spec.kv_max_context is not None and config.max_context > spec.kv_max_context:
             raise ModelLoadError(
                 f'max_context {config.max_context} exceeds the static KV length '

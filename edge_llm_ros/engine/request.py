@@ -2,10 +2,16 @@
 
 Everything a request can get wrong is found by prepare(), before the first token, and raised
 as an InvalidRequestError subclass whose message says what to change. The PreparedRequest
-holds the prompt's token ids, the resolved sampling, the compiled constraint and the checked
-lengths. Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor
-handles that are mapped later): their count, width and dtype are checked here, and the array
-is bound with PreparedRequest.bind() just before generating, which checks only its values.
+holds the prompt's token ids, the resolved sampling, the compiled constraint, how to read the
+output (structured.OutputPlan: reasoning tags, tool-call format) and the checked lengths.
+Chat requests go through structured.plan_request (tools rendered by the template, one
+constraint among tools / json_schema / grammar / regex / choices, reasoning switches); raw
+prompts take a json_schema, grammar, regex or choices, but no tools and no reasoning
+options, and their output is returned as the model wrote it.
+
+Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor handles
+that are mapped later): their count, width and dtype are checked here, and the array is bound
+with PreparedRequest.bind() just before generating, which checks only its values.
 """
 from __future__ import annotations
 
@@ -16,9 +22,13 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from edge_llm_ros.engine import sampling
+from edge_llm_ros.engine.constraint import compile_request_constraint
 from edge_llm_ros.engine.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.engine.kv_cache import check_fits
+from edge_llm_ros.engine.model_config import ModelFamilyConfig
+from edge_llm_ros.engine.structured import OutputPlan, plan_request
 from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.engine.tools.spec import check_single_constraint
 from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                        ROLES, SamplingConfig)
 
@@ -37,13 +47,15 @@ class PreparedRequest:
     max_tokens: int
     sampling: SamplingConfig
     stop: Tuple[str, ...]
-    constraint: Optional[object]    # compiled JSON-schema constraint (has .start())
+    constraint: Optional[object]    # the compiled constraint, any kind (has .start())
     session_id: str
     act_dtype: np.dtype             # the model's activation dtype (embeddings are cast to it)
     embeddings: Optional[DeclaredEmbeddings] = None   # checked shape of the prefix embeddings
     embeds: Optional[np.ndarray] = None   # the bound [rows, hidden] array, act_dtype
     # Cache key of every prompt position, embeddings first (see kv_cache); complete once bound.
     keys: Tuple[Hashable, ...] = ()
+    # How to split the output into text, reasoning and tool calls (empty: all of it is text).
+    output: OutputPlan = OutputPlan()
 
     @property
     def prompt_tokens(self) -> int:
@@ -131,10 +143,13 @@ def _embeddings(value, hidden_size: int
 
 def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: int,
             capacity: int, compile_schema: Callable[[str], object],
-            act_dtype=np.float32) -> PreparedRequest:
+            act_dtype=np.float32, family: Optional[ModelFamilyConfig] = None,
+            vocab_size: Optional[int] = None) -> PreparedRequest:
     """Validate the request and build the prompt; raises InvalidRequestError subclasses.
 
     compile_schema(text) returns a compiled JSON-schema constraint (InvalidSchemaError if bad).
+    family: the model's family config (reasoning tags, tool-call format; None: generic JSON
+    tool calls, no reasoning tags). vocab_size: the model's logits width, for logit_bias ids.
     An array in prefix_embeddings is bound at once; DeclaredEmbeddings wait for bind().
     """
     if not isinstance(request, GenerationRequest):
@@ -146,9 +161,8 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         raise InvalidRequestError('the request is empty: give a prompt or messages')
     if request.use_chat_template:
         messages = conversation(request)
-    elif request.messages or request.system_prompt:
-        raise InvalidRequestError('use_chat_template=False takes only `prompt` (raw text); '
-                                  'messages and system_prompt need the chat template')
+    else:
+        _check_raw(request)
     if not isinstance(request.session_id, str):
         raise InvalidRequestError('session_id must be text')
     # How to answer: sampling, stopping, format, embeddings.
@@ -159,12 +173,11 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     if max_tokens < 1:
         raise InvalidRequestError(f'max_tokens must be >= 1, got {max_tokens}')
     sampling.validate(request.sampling)
+    sampling.logit_bias_items(sampling.extra(request.sampling, 'logit_bias'), vocab_size)
     stop = tuple(request.stop)
     if any(not isinstance(s, str) or not s for s in stop):
         raise InvalidRequestError('stop strings must be non-empty text')
-    if not isinstance(request.json_schema, str):
-        raise InvalidRequestError('json_schema must be the schema as JSON text')
-    constraint = compile_schema(request.json_schema) if request.json_schema else None
+    _check_output_fields(request)
     if max_tokens >= capacity:
         raise ContextOverflowError(f'max_tokens {max_tokens} leaves no room for the '
                                    f'prompt in the context of {capacity} tokens: lower it')
@@ -175,10 +188,22 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         raise ContextOverflowError(
             f'prefix_embeddings have {rows} rows; with max_tokens {max_tokens} that '
             f'exceeds the context of {capacity} positions: send fewer rows or lower max_tokens')
-    # The prompt, and whether it fits.
+    # The prompt, its constraint and how to read the output; and whether it fits.
     if request.use_chat_template:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        plan = plan_request(
+            tokenizer, family, messages, tools=request.tools, tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls, json_schema=request.json_schema,
+            grammar=request.grammar, regex=request.regex, choices=request.choices,
+            reasoning=request.reasoning, reasoning_budget=request.reasoning_budget,
+            compile_schema=compile_schema)
+        ids, constraint, output = list(plan.prompt_ids), plan.constraint, plan.output
     else:
+        kind = check_single_constraint(json_schema=request.json_schema, grammar=request.grammar,
+                                       regex=request.regex, choices=request.choices)
+        constraint = (compile_schema(request.json_schema) if kind == 'json_schema' else
+                      compile_request_constraint(tokenizer, grammar=request.grammar,
+                                                 regex=request.regex, choices=request.choices))
+        output = OutputPlan()
         ids = tokenizer.encode(request.prompt)
         bos = tokenizer.bos_token_id
         if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
@@ -191,8 +216,39 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     prepared = PreparedRequest(prompt_ids=tuple(ids), max_tokens=max_tokens,
                                sampling=request.sampling, stop=stop, constraint=constraint,
                                session_id=request.session_id, act_dtype=np.dtype(act_dtype),
-                               embeddings=declared, keys=() if declared else tuple(ids))
+                               embeddings=declared, keys=() if declared else tuple(ids),
+                               output=output)
     return prepared.bind(array) if array is not None else prepared
+
+
+def _check_raw(request: GenerationRequest) -> None:
+    """Refuse what only the chat template can express when `prompt` is raw text."""
+    if request.messages or request.system_prompt:
+        raise InvalidRequestError('use_chat_template=False takes only `prompt` (raw text); '
+                                  'messages and system_prompt need the chat template')
+    if request.tools or request.tool_choice not in ('', 'none'):
+        raise InvalidRequestError('tools need the chat template: set use_chat_template=True '
+                                  '(a raw prompt cannot show the model its tools)')
+    if request.reasoning_budget is not None or request.reasoning is not True:
+        raise InvalidRequestError('reasoning and reasoning_budget need the chat template: set '
+                                  'use_chat_template=True, or leave them at their defaults '
+                                  '(a raw prompt is returned as the model writes it)')
+
+
+def _check_output_fields(request: GenerationRequest) -> None:
+    """Type checks of the output fields (their values are checked where they are compiled)."""
+    for name in ('json_schema', 'grammar', 'regex'):
+        if not isinstance(getattr(request, name), str):
+            raise InvalidRequestError(f'{name} must be text')
+    if isinstance(request.choices, str) or \
+            not isinstance(request.choices, (list, tuple)):
+        raise InvalidRequestError('choices must be a list of strings')
+    if isinstance(request.tools, (str, bytes)) or \
+            not isinstance(request.tools, (list, tuple)):
+        raise InvalidRequestError('tools must be a list of ToolSpec or OpenAI tool dicts')
+    for name in ('parallel_tool_calls', 'reasoning'):
+        if not isinstance(getattr(request, name), bool):
+            raise InvalidRequestError(f'{name} must be true or false')
 
 
 def split_chunks(total: int, start: int, chunk: int) -> Sequence[Tuple[int, int]]:

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from typing import List, Optional, TextIO
 
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
-from rclpy.signals import SignalHandlerOptions
 
-from edge_llm_ros.client import GenerationOutcome, LLMClient, LLMClientError
+from edge_llm_ros.client import GenerationOutcome, LLMClient, LLMClientError, NodeNotActiveError
+from edge_llm_ros.nodes import spin
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 130
 
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--json-schema', default='',
                         help='constrain the answer to JSON of this schema (schema as JSON text)')
     parser.add_argument('--wait', type=float, default=30.0,
-                        help='seconds to wait for the node to appear (default 30)')
+                        help='seconds to wait for the node to be active (default 30)')
     parser.add_argument('--timeout', type=float, default=600.0,
                         help='seconds to wait for the answer (default 600)')
 
@@ -88,30 +87,44 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
     return EXIT_OK if outcome.ok else EXIT_FAILED
 
 
+def wait_for_node(client: LLMClient, wait_s: float, err: TextIO = sys.stderr) -> bool:
+    """Wait until the llm_node is active and its action server known; say why not."""
+    try:
+        client.wait_until_active(timeout=wait_s)
+    except NodeNotActiveError as exc:
+        print(f'ask: {exc}', file=err)   # says what to check: name, domain, lifecycle state
+        return False
+    if not client.wait_for_server(timeout=max(wait_s, 5.0)):
+        print(f'ask: {client.server} is active but its action server {client.server}/generate '
+              f'was not discovered within {max(wait_s, 5.0):.0f} s', file=err)
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
-    # Our own Ctrl-C handling: KeyboardInterrupt reaches the main thread, the context stays
-    # up so the cancel request can still be sent.
-    rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
+    # Our own Ctrl-C handling (nodes/spin.py): KeyboardInterrupt reaches the main thread, the
+    # context stays up so the cancel request can still be sent.
+    spin.init()
     node = rclpy.create_node('edge_llm_ask', start_parameter_services=False)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    spinning = spin.BackgroundSpin(executor)
+    client: Optional[LLMClient] = None
     try:
         client = LLMClient(node, args.server)
-        if not client.wait_for_server(timeout=args.wait):
-            print(f'ask: no llm_node action server at {args.server}/generate after '
-                  f'{args.wait:.0f} s: start one (ros2 run edge_llm_ros llm_node --ros-args -p '
-                  'autostart:=true) or pass --server', file=sys.stderr)
+        if not wait_for_node(client, args.wait):
             return EXIT_FAILED
         return stream_answer(client, args)
     except KeyboardInterrupt:
         return EXIT_CANCELLED
     finally:
-        executor.shutdown(timeout_sec=1.0)
+        spin.ignore_signals()
+        spinning.stop()
+        spin.shutdown_executor(executor, timeout=1.0)
+        if client is not None:
+            client.destroy()
         node.destroy_node()
         rclpy.try_shutdown()
-        spinner.join(timeout=2.0)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

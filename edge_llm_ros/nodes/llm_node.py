@@ -4,6 +4,9 @@ Interfaces (all relative to the node's name):
   ~/generate   edge_llm_msgs/action/Generate   streamed, cancellable, queued
   ~/complete   edge_llm_msgs/srv/Complete      one-shot, through the same queue
   ~/tokenize   edge_llm_msgs/srv/Tokenize      answered at once, never queued
+  ~/detokenize edge_llm_msgs/srv/Detokenize    answered at once, never queued
+  ~/get_model_info edge_llm_msgs/srv/GetModelInfo  answered at once, in every state
+  ~/reset_session edge_llm_msgs/srv/ResetSession  drops KV sessions between two generations
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
   /diagnostics diagnostic_msgs/DiagnosticArray every diagnostics.period_s (1 s)
 Parameters: bringup.parameters' llm_node schema (see nodes/llm_config.py).
@@ -35,8 +38,8 @@ group, so a slow configure blocks only other transitions; the action server has 
 mutually exclusive group (goals are admitted in arrival order, and a cancel is fully
 recorded by rclpy before the goal's end is decided, see _on_cancel); ~/complete is
 reentrant; ~/tokenize and the diagnostics timer each have their own group.
-Shutdown (Ctrl-C, SIGTERM): see nodes/spin.py; the goals still running or queued end
-ABORTED, the model is freed, the process exits 0.
+Shutdown (Ctrl-C, SIGTERM): see nodes/spin.py and nodes/runner.py; the goals still running
+or queued end ABORTED, the model is freed, the process exits 0.
 CPU pinning (engine.cpu_affinity): every thread of the process is pinned before the model
 loads, the worker (decode) thread to the first core, ORT's intra-op threads one per core;
 the thermal governor (thermal.*) narrows the cores and paces tokens when the SoC runs hot.
@@ -56,7 +59,6 @@ import uuid
 
 from diagnostic_msgs.msg import DiagnosticArray
 import psutil
-import rclpy
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.exceptions import InvalidParameterTypeException, InvalidParameterValueException
@@ -68,19 +70,21 @@ from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
-from edge_llm_msgs.srv import Complete, Tokenize
+from edge_llm_msgs.srv import Complete, Detokenize, GetModelInfo, ResetSession, Tokenize
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
-from edge_llm_ros.engine.engine import Engine
 from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
-from edge_llm_ros.nodes import spin
+from edge_llm_ros.nodes import llm_services
 from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
+from edge_llm_ros.nodes.engine_factory import engine_factory
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
                                            declare_parameters, LLMNodeConfig, read_config,
                                            runtime_config, RuntimeConfig)
-from edge_llm_ros.nodes.messages import build_transcript, fill_result, to_request
+from edge_llm_ros.nodes.messages import (build_transcript, error_kind, fill_result,
+                                         to_request, tool_call_delta_msgs)
+from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker,
                                        error_result, FeedbackChunk, Job, JobOutcome,
                                        QueueFullError, WorkerStoppedError)
@@ -91,6 +95,10 @@ NODE_NAME = 'llm_node'
 # On Ctrl-C, how long the goals and ~/complete calls that release() ended may take to send
 # their answers before the executor stops.
 ANSWER_GRACE_S = 2.0
+# The decode thread needs the GIL between two model steps (ORT runs without it); an executor
+# thread holding it (a wait set rebuilt, a callback) otherwise keeps it up to CPython's 5 ms
+# switch interval: a token's (and the first token's) delay. Waiting threads get it sooner.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def _pin_worker(cpus) -> None:
@@ -108,6 +116,8 @@ class _Goal:
     done: Future = field(default_factory=Future)
     # Done once rclpy has recorded an accepted client cancel (the goal is CANCELING).
     cancel_applied: Future = field(default_factory=Future)
+    # Generate.Result.ERROR_* decided at admission (invalid request), '' otherwise.
+    error_kind: str = ''
 
 
 @dataclass
@@ -160,6 +170,13 @@ class LLMNode(LifecycleNode):
             Complete, '~/complete', self._on_complete, callback_group=self._complete_group)
         self._tokenize_srv = self.create_service(
             Tokenize, '~/tokenize', self._on_tokenize, callback_group=self._tokenize_group)
+        # Reentrant: a reset waiting for a running generation blocks nothing else.
+        self._info_group = ReentrantCallbackGroup()
+        self._small_services = [self.create_service(
+            kind, name, callback, callback_group=self._info_group) for kind, name, callback in (
+                (Detokenize, '~/detokenize', self._on_detokenize),
+                (GetModelInfo, '~/get_model_info', self._on_get_model_info),
+                (ResetSession, '~/reset_session', self._on_reset_session))]
         self._transcript_pub = self.create_publisher(Transcript, '~/transcript', TRANSCRIPT_QOS)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._diagnostics_timer = self.create_timer(
@@ -187,7 +204,8 @@ class LLMNode(LifecycleNode):
             self.get_logger().warn(warning)
         governor = ThermalGovernor(config.thermal, config.engine.intra_op_threads or 1,
                                    config.process_cpus)
-        worker = EngineWorker(functools.partial(Engine, config.engine), config.queue_depth,
+        worker = EngineWorker(engine_factory(current_values(self), config.engine),
+                              config.queue_depth,
                               config.runtime.feedback,
                               thread_setup=functools.partial(_pin_worker, config.decode_cpus),
                               pacer=governor)
@@ -367,7 +385,7 @@ class LLMNode(LifecycleNode):
             worker.submit(job, reserved=True)
         except (QueueFullError, WorkerStoppedError) as exc:
             # Deactivated or cleaned up between admission and now.
-            done.set_result(JobOutcome(error_result(str(exc))))
+            done.set_result(JobOutcome(error_result(str(exc)), CancelReason.DEACTIVATED))
 
     async def _run(self, worker: EngineWorker, job: Job) -> JobOutcome:
         """Submit and await the outcome without holding an executor thread."""
@@ -393,20 +411,23 @@ class LLMNode(LifecycleNode):
         """Validate and queue the goal at once, then let its execute coroutine await it.
 
         Runs right after the goal response is sent, so the worker can start before the
-        execute coroutine is even scheduled (one executor hop less to the first token).
+        execute coroutine runs (one executor hop less to the first token). The job is queued
+        last: the woken worker then never waits for the GIL while this executor thread still
+        publishes the EXECUTING status and schedules the coroutine (it awaits state.done).
         """
         key = bytes(goal_handle.goal_id.uuid)
         state = _Goal(stamp=self.get_clock().now().to_msg())
         self._goals[key] = state
+        goal_handle.execute()
         try:
             worker, job = self._prepare(goal_handle.request)
         except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
+            state.error_kind = _error_kind(exc)
             state.done.set_result(JobOutcome(error_result(self._refusal(exc, '~/generate'))))
         else:
             job.on_feedback = functools.partial(self._send_feedback, goal_handle)
             state.job = job
             self._submit(worker, job, state.done)
-        goal_handle.execute()
 
     def _on_cancel(self, goal_handle) -> CancelResponse:
         """Accept every cancel request and stop the goal's job.
@@ -448,18 +469,21 @@ class LLMNode(LifecycleNode):
                 self._goals.pop(key, None)
             request = state.job.request if state.job is not None else None
             return self._finish_goal(goal_handle, state.stamp, request, outcome.result,
-                                     outcome.cancel_reason)
+                                     outcome.cancel_reason, state.error_kind)
 
     def _finish_goal(self, goal_handle, stamp, request, result: GenerationResult,
-                     cancel_reason: CancelReason = CancelReason.NONE) -> Generate.Result:
+                     cancel_reason: CancelReason = CancelReason.NONE,
+                     kind: str = '') -> Generate.Result:
         """Set the goal's terminal state and build its result (and transcript)."""
         error = result.error
+        stopped = cancel_reason in (CancelReason.DEACTIVATED, CancelReason.SHUTDOWN)
         if result.stop_reason is StopReason.CANCELLED:
             if cancel_reason is CancelReason.CLIENT and goal_handle.is_cancel_requested:
                 goal_handle.canceled()
                 self._count('cancelled')
             else:
                 error = error or self._stopped_message(cancel_reason)
+                stopped = True
                 goal_handle.abort()
                 self._count('aborted')
         elif result.stop_reason is StopReason.ERROR:
@@ -470,7 +494,8 @@ class LLMNode(LifecycleNode):
             self._count('succeeded')
         if error:
             self.get_logger().warn(f'goal aborted: {error}')
-        msg = fill_result(Generate.Result(), result, error)
+        msg = fill_result(Generate.Result(), result, error, self._token_strings,
+                          error_kind(result, kind, stopped))
         self._publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
                                  goal_handle.request, request, msg, accepted=True,
                                  accepted_stamp=stamp, error=error)
@@ -486,7 +511,9 @@ class LLMNode(LifecycleNode):
         """Publish one feedback message (worker thread)."""
         msg = Generate.Feedback(text_delta=chunk.text_delta, token_ids=list(chunk.token_ids),
                                 completion_tokens=chunk.completion_tokens,
-                                queue_position=chunk.queue_position)
+                                queue_position=chunk.queue_position,
+                                reasoning_delta=chunk.reasoning_delta,
+                                tool_call_deltas=tool_call_delta_msgs(chunk.tool_call_deltas))
         try:
             goal_handle.publish_feedback(msg)
         except Exception as exc:  # noqa: B902 - a lost feedback must not fail the generation
@@ -519,24 +546,31 @@ class LLMNode(LifecycleNode):
         problem = self._admit()
         if problem:
             self.get_logger().warn(f'complete refused: {problem}')
+            kind = (Generate.Result.ERROR_QUEUE_FULL if self._serving and self._worker
+                    else Generate.Result.ERROR_UNAVAILABLE)
             return self._finish_service(response, goal_id, request, None,
-                                        error_result(problem), stamp, accepted=False)
+                                        error_result(problem), stamp, accepted=False,
+                                        kind=kind)
         try:
             worker, job = self._prepare(request)
         except Exception as exc:  # noqa: B902 - answered with the message (see _refusal)
             return self._finish_service(response, goal_id, request, None,
-                                        error_result(self._refusal(exc, '~/complete')), stamp)
+                                        error_result(self._refusal(exc, '~/complete')), stamp,
+                                        kind=_error_kind(exc))
         engine_request = job.request
         outcome = await self._run(worker, job)
         result = outcome.result
         if result.stop_reason is StopReason.CANCELLED and not result.error:
             result = replace(result, error=self._stopped_message(outcome.cancel_reason))
-        return self._finish_service(response, goal_id, request, engine_request, result, stamp)
+        stopped = outcome.cancel_reason is not CancelReason.NONE
+        return self._finish_service(response, goal_id, request, engine_request, result, stamp,
+                                    kind=error_kind(result, '', stopped))
 
     def _finish_service(self, response, goal_id, request, engine_request, result,
-                        stamp, accepted: bool = True) -> Complete.Response:
-        fill_result(response, result)
-        response.success = result.stop_reason in (StopReason.STOP, StopReason.LENGTH)
+                        stamp, accepted: bool = True, kind: str = '') -> Complete.Response:
+        fill_result(response, result, token_strings=self._token_strings, kind=kind)
+        response.success = result.stop_reason in (StopReason.STOP, StopReason.LENGTH,
+                                                  StopReason.TOOL_CALLS)
         if accepted:
             self._count('succeeded' if response.success else 'aborted')
         self._publish_transcript(Transcript.SOURCE_SERVICE, goal_id, request, engine_request,
@@ -571,6 +605,46 @@ class LLMNode(LifecycleNode):
         response.tokens = tokens
         response.context_length = int(engine.context_length)
         return response
+
+    def _engine(self):
+        worker = self._worker
+        return worker.engine if worker is not None else None
+
+    def _unloaded(self) -> str:
+        return f'{self.get_name()} is {self._state}: configure it to load the model'
+
+    def _token_strings(self, ids) -> list:
+        """Token texts for logprobs ('' each when the engine cannot say, e.g. remote)."""
+        engine = self._engine()
+        try:
+            return list(engine.token_strings(ids))
+        except Exception:  # noqa: B902 - names are a courtesy: never fail a result for them
+            return [''] * len(ids)
+
+    def _on_detokenize(self, request: Detokenize.Request,
+                       response: Detokenize.Response) -> Detokenize.Response:
+        try:
+            return llm_services.detokenize(self._engine(), request, response, self._unloaded())
+        except Exception as exc:  # noqa: B902 - answer, never crash (see _refusal)
+            response.success, response.error_message = False, self._refusal(exc, '~/detokenize')
+            return response
+
+    def _on_get_model_info(self, request: GetModelInfo.Request,
+                           response: GetModelInfo.Response) -> GetModelInfo.Response:
+        try:
+            return llm_services.model_info(self._engine(), response, self._unloaded())
+        except Exception as exc:  # noqa: B902 - answer, never crash (see _refusal)
+            response.success = False
+            response.error_message = self._refusal(exc, '~/get_model_info')
+            return response
+
+    def _on_reset_session(self, request: ResetSession.Request,
+                          response: ResetSession.Response) -> ResetSession.Response:
+        try:
+            return llm_services.reset_session(self._worker, request, response, self._unloaded())
+        except Exception as exc:  # noqa: B902 - answer, never crash (see _refusal)
+            response.success, response.message = False, self._refusal(exc, '~/reset_session')
+            return response
 
     # ---- transcript and diagnostics ----------------------------------------------------------
     def _publish_transcript(self, source: str, goal_id, request_msg, engine_request,
@@ -641,38 +715,32 @@ def _unset_on_done(outcome: JobOutcome) -> None:
     raise RuntimeError('job submitted before its on_done was set')
 
 
+def _error_kind(exc: Exception) -> str:
+    """Generate.Result.ERROR_* of a request that failed before it was queued."""
+    if isinstance(exc, WorkerStoppedError):
+        return Generate.Result.ERROR_UNAVAILABLE
+    if isinstance(exc, EngineError):
+        return Generate.Result.ERROR_INVALID_REQUEST
+    return Generate.Result.ERROR_FAILED
+
+
+def _stop_serving(node: LLMNode) -> None:
+    """On Ctrl-C, while the executor still spins: end the goals, let their answers go out."""
+    node.release()
+    node.wait_requests_answered(ANSWER_GRACE_S)
+
+
 def main(args=None) -> int:
     """Console script `llm_node`: spin until Ctrl-C or SIGTERM, then free the model; exit 0."""
-    spin.init(args)
-    node: Optional[LLMNode] = None
-    executor: Optional[MultiThreadedExecutor] = None
-    spinning: Optional[spin.BackgroundSpin] = None
-    try:
-        node = LLMNode()
-        executor = MultiThreadedExecutor(num_threads=max(4, os.cpu_count() or 1))
-        executor.add_node(node)
-        spinning = spin.BackgroundSpin(executor)
-        spinning.wait()
-    except (InvalidParameterTypeException, InvalidParameterValueException) as exc:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    return run_node(
+        'llm_node', LLMNode, (InvalidParameterTypeException, InvalidParameterValueException),
+        args, executor_factory=lambda: MultiThreadedExecutor(
+            num_threads=max(4, os.cpu_count() or 1)),
+        release_while_spinning=_stop_serving, release_after_spin=LLMNode.release,
         # A parameter override of the wrong type or out of range: say which, no traceback.
-        print(f'llm_node: {exc}. (A string that looks like a number needs quotes: '
-              f'-p engine.cpu_affinity:="\'2-3\'")', file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:   # before the spin started: nothing served yet
-        pass
-    finally:
-        spin.ignore_signals()
-        if node is not None:
-            node.release()   # ends the goals still running or queued
-        if spinning is not None:
-            node.wait_requests_answered(ANSWER_GRACE_S)   # still spinning: answers go out
-            spinning.stop()
-        if executor is not None:
-            spin.shutdown_executor(executor)
-        if node is not None:
-            node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+        hint='a string that looks like a number needs quotes: '
+             '-p engine.cpu_affinity:="\'2-3\'"')
 
 
 if __name__ == '__main__':

@@ -1,22 +1,34 @@
 """Translation between edge_llm_msgs messages and the engine's plain types.
 
 The request side applies the node's defaults: a SamplingParams field left at its UNSET
-value (and presence_penalty at 0.0, the message default) takes the node's
-~/sampling.* parameter, max_tokens 0 takes ~/max_tokens and an empty system_prompt takes
-~/system_prompt. Everything else is passed through unchanged: this module only translates,
-and Engine.prepare is the one place that checks values (NaN, negative seeds, ranges).
+value takes the node's ~/sampling.* parameter, max_tokens 0 takes ~/max_tokens and an empty
+system_prompt takes ~/system_prompt. Everything else is passed through unchanged: this module
+only translates, and Engine.prepare is the one place that checks values (NaN, negative seeds,
+ranges, tools, grammars). What cannot be translated at all (logit_bias arrays of different
+lengths, an unknown reasoning_mode) raises InvalidRequestError here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
+from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage as ChatMessageMsg
 from edge_llm_msgs.msg import SamplingParams
 from edge_llm_msgs.msg import Timings as TimingsMsg
+from edge_llm_msgs.msg import TokenLogprob as TokenLogprobMsg
+from edge_llm_msgs.msg import ToolCall as ToolCallMsg
+from edge_llm_msgs.msg import ToolCallDelta as ToolCallDeltaMsg
 from edge_llm_msgs.msg import Transcript
+from edge_llm_ros.engine.errors import InvalidRequestError
+from edge_llm_ros.engine.tools.spec import ToolCall
 from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                        GenerationResult, SamplingConfig, StopReason, Timings)
+
+Goal = Generate.Goal
+Result = Generate.Result
+# Generate.Goal.reasoning_mode -> GenerationRequest.reasoning (True = as the template does).
+_REASONING = {Goal.REASONING_DEFAULT: True, Goal.REASONING_ON: True, Goal.REASONING_OFF: False}
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ def effective_sampling(msg: SamplingParams, defaults: SamplingConfig) -> Samplin
         return default if value == unset else value
 
     seed = defaults.seed if msg.seed == SamplingParams.UNSET_SEED else int(msg.seed)
+    top = int(msg.top_logprobs)
     return SamplingConfig(
         temperature=float(pick(msg.temperature, SamplingParams.UNSET, defaults.temperature)),
         top_k=int(pick(msg.top_k, SamplingParams.UNSET_INT, defaults.top_k)),
@@ -41,22 +54,65 @@ def effective_sampling(msg: SamplingParams, defaults: SamplingConfig) -> Samplin
         min_p=float(pick(msg.min_p, SamplingParams.UNSET, defaults.min_p)),
         repetition_penalty=float(pick(msg.repetition_penalty, SamplingParams.UNSET,
                                       defaults.repetition_penalty)),
-        # The message default is 0.0 (no UNSET value exists for it): 0.0 = node default.
-        presence_penalty=float(msg.presence_penalty or defaults.presence_penalty),
-        seed=seed)
+        presence_penalty=float(pick(msg.presence_penalty, SamplingParams.UNSET_PENALTY,
+                                    defaults.presence_penalty)),
+        frequency_penalty=float(pick(msg.frequency_penalty, SamplingParams.UNSET_PENALTY,
+                                     defaults.frequency_penalty)),
+        seed=seed,
+        logit_bias=logit_bias(msg.logit_bias_token_ids, msg.logit_bias_values),
+        # UNSET_INT: no log probabilities; 0..20: the chosen token's and this many more.
+        logprobs=top != SamplingParams.UNSET_INT,
+        top_logprobs=0 if top == SamplingParams.UNSET_INT else top)
+
+
+def logit_bias(token_ids: Sequence[int], values: Sequence[float]) -> Optional[Dict[int, float]]:
+    """{token id: bias} of SamplingParams' parallel arrays; None when empty."""
+    if len(token_ids) != len(values):
+        raise InvalidRequestError(
+            f'sampling.logit_bias_token_ids has {len(token_ids)} entries but '
+            f'logit_bias_values {len(values)}: give one bias per token id')
+    bias = {int(t): float(v) for t, v in zip(token_ids, values)}
+    if len(bias) != len(token_ids):
+        raise InvalidRequestError('sampling.logit_bias_token_ids lists a token id twice: give '
+                                  'each token one bias')
+    return bias or None
 
 
 def sampling_to_msg(config: SamplingConfig) -> SamplingParams:
+    bias = dict(config.logit_bias or {})
     return SamplingParams(
         temperature=float(config.temperature), top_k=int(config.top_k),
         top_p=float(config.top_p), min_p=float(config.min_p),
         repetition_penalty=float(config.repetition_penalty),
         presence_penalty=float(config.presence_penalty),
-        seed=SamplingParams.UNSET_SEED if config.seed is None else int(config.seed))
+        frequency_penalty=float(config.frequency_penalty),
+        seed=SamplingParams.UNSET_SEED if config.seed is None else int(config.seed),
+        logit_bias_token_ids=[int(t) for t in bias],
+        logit_bias_values=[float(v) for v in bias.values()],
+        top_logprobs=int(config.top_logprobs) if config.logprobs else SamplingParams.UNSET_INT)
 
 
 def chat_messages(msgs: Sequence[ChatMessageMsg]) -> tuple:
-    return tuple(ChatMessage(role=m.role, content=m.content) for m in msgs)
+    return tuple(ChatMessage(role=m.role, content=m.content,
+                             tool_calls=tuple(ToolCall(id=c.id, name=c.name,
+                                                       arguments=c.arguments)
+                                              for c in m.tool_calls),
+                             tool_call_id=m.tool_call_id, name=m.name) for m in msgs)
+
+
+def tool_dicts(tools) -> tuple:
+    """Return OpenAI tool entries of ToolSpec messages (parameters stay JSON text)."""
+    return tuple({'type': 'function',
+                  'function': {'name': t.name, 'description': t.description,
+                               'parameters': t.parameters}} for t in tools)
+
+
+def reasoning_switch(mode: int) -> bool:
+    if mode not in _REASONING:
+        raise InvalidRequestError(
+            f'reasoning_mode {mode} is not one of REASONING_DEFAULT (0), REASONING_ON (1), '
+            'REASONING_OFF (2)')
+    return _REASONING[mode]
 
 
 def to_request(goal, defaults: RequestDefaults,
@@ -71,7 +127,16 @@ def to_request(goal, defaults: RequestDefaults,
         stop=tuple(goal.stop),
         json_schema=goal.json_schema,
         prefix_embeddings=prefix_embeddings,
-        session_id=goal.session_id)
+        session_id=goal.session_id,
+        tools=tool_dicts(goal.tools),
+        tool_choice=goal.tool_choice,
+        parallel_tool_calls=not goal.no_parallel_tool_calls,
+        grammar=goal.grammar,
+        regex=goal.regex,
+        choices=tuple(goal.choices),
+        reasoning=reasoning_switch(goal.reasoning_mode),
+        reasoning_budget=(None if goal.reasoning_budget == Goal.REASONING_BUDGET_NONE
+                          else int(goal.reasoning_budget)))
 
 
 def timings_to_msg(timings: Timings) -> TimingsMsg:
@@ -85,8 +150,57 @@ def timings_to_msg(timings: Timings) -> TimingsMsg:
         total_s=float(timings.total_s))
 
 
-def fill_result(msg, result: GenerationResult, error_message: Optional[str] = None):
-    """Copy an engine result into a Generate.Result or Complete.Response; return `msg`."""
+def tool_call_msgs(calls) -> List[ToolCallMsg]:
+    return [ToolCallMsg(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+
+
+def tool_call_delta_msgs(deltas) -> List[ToolCallDeltaMsg]:
+    return [ToolCallDeltaMsg(index=int(d.index), id=d.id, name=d.name,
+                             arguments_delta=d.arguments) for d in deltas]
+
+
+TokenStrings = Callable[[Sequence[int]], Sequence[str]]
+
+
+def logprob_msgs(logprobs, token_strings: Optional[TokenStrings] = None
+                 ) -> List[TokenLogprobMsg]:
+    """Return TokenLogprob messages of engine TokenLogprobs (token texts: `token_strings`)."""
+    out = []
+    for item in logprobs:
+        top_ids = [int(t) for t, _ in item.top]
+        msg = TokenLogprobMsg(token_id=int(item.token_id), logprob=float(item.logprob),
+                              top_token_ids=top_ids,
+                              top_logprobs=[float(p) for _, p in item.top])
+        if token_strings is not None:
+            names = list(token_strings([int(item.token_id)] + top_ids))
+            msg.token, msg.top_tokens = names[0], names[1:]
+        out.append(msg)
+    return out
+
+
+def error_kind(result: GenerationResult, known: str = '', stopped: bool = False) -> str:
+    """Generate.Result.ERROR_* of an ended request ('' unless it failed or was stopped).
+
+    `known`: the kind decided where the request failed (e.g. invalid at admission);
+    `stopped`: the node deactivated or shut down while it waited or ran.
+    """
+    if known:
+        return known
+    if result.stop_reason is StopReason.ERROR:
+        return Result.ERROR_UNAVAILABLE if stopped else Result.ERROR_FAILED
+    if result.stop_reason is StopReason.CANCELLED and stopped:
+        return Result.ERROR_UNAVAILABLE
+    return ''
+
+
+def fill_result(msg, result: GenerationResult, error_message: Optional[str] = None,
+                token_strings: Optional[TokenStrings] = None, kind: str = ''):
+    """Copy an engine result into a Generate.Result or Complete.Response; return `msg`.
+
+    `token_strings` (Engine.token_strings) names the tokens of the logprobs; `kind` is the
+    error_kind (see error_kind).
+    """
+    msg.error_kind = kind
     msg.text = result.text
     msg.token_ids = [int(t) for t in result.token_ids]
     msg.finish_reason = result.stop_reason.value
@@ -94,13 +208,18 @@ def fill_result(msg, result: GenerationResult, error_message: Optional[str] = No
     msg.completion_tokens = int(result.completion_tokens)
     msg.timings = timings_to_msg(result.timings)
     msg.error_message = result.error if error_message is None else error_message
+    msg.tool_calls = tool_call_msgs(result.tool_calls)
+    msg.reasoning = result.reasoning
+    msg.logprobs = logprob_msgs(result.logprobs, token_strings)
     return msg
 
 
 REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens', 'stop',
-                  'json_schema', 'prefix_embeddings', 'session_id')
+                  'json_schema', 'prefix_embeddings', 'session_id', 'tools', 'tool_choice',
+                  'no_parallel_tool_calls', 'grammar', 'regex', 'choices', 'reasoning_mode',
+                  'reasoning_budget')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
-                  'timings')
+                  'timings', 'tool_calls', 'reasoning', 'logprobs')
 
 
 def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_msg,
@@ -114,7 +233,8 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
     Generate.Result or Complete.Response) is None for a refusal.
     """
     msg = Transcript(goal_id=goal_id, source=source, accepted=accepted, model=model,
-                     finished_stamp=finished_stamp, error_message=error)
+                     finished_stamp=finished_stamp, error_message=error,
+                     interface_version=Transcript.INTERFACE_VERSION)
     if accepted_stamp is not None:
         msg.accepted_stamp = accepted_stamp
     if engine_request is not None:

@@ -6,7 +6,8 @@ thread so that CPU pinning applied to that thread is inherited by the ONNX Runti
 threads the engine's session creates.
 
 Threading contract:
-- `submit`, `cancel`, `cancel_all`, `snapshot` may be called from any thread.
+- `submit`, `cancel`, `cancel_all`, `snapshot`, `run_between_jobs` may be called from any
+  thread.
 - `Job.on_feedback` and `Job.on_done` run on the worker thread, except when a job is
   cancelled while still queued: then `on_done` runs on the cancelling thread.
 - `on_done` is called exactly once per submitted job.
@@ -24,6 +25,7 @@ import numpy as np
 
 from edge_llm_ros.engine.errors import InvalidRequestError
 from edge_llm_ros.engine.request import PreparedRequest
+from edge_llm_ros.engine.tools.parser import ToolCallDelta
 from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings
 
 
@@ -52,6 +54,36 @@ class FeedbackChunk:
     token_ids: tuple = ()
     completion_tokens: int = 0
     queue_position: int = 0
+    reasoning_delta: str = ''
+    tool_call_deltas: tuple = ()     # engine.tools.parser.ToolCallDelta
+
+
+def tool_call_tail(streamed, calls) -> tuple:
+    """Deltas that complete `calls` (the result's) after the `streamed` deltas.
+
+    So the last feedback carries what the stream missed: joined per index, the deltas' id,
+    name and arguments equal the result's tool calls.
+    """
+    sent: dict = {}
+    for delta in streamed:
+        sent[delta.index] = sent.get(delta.index, '') + delta.arguments
+    tail = []
+    for index, call in enumerate(calls):
+        if index not in sent:
+            tail.append(ToolCallDelta(index, call.id, call.name, call.arguments))
+        elif call.arguments.startswith(sent[index]) and len(call.arguments) > len(sent[index]):
+            tail.append(ToolCallDelta(index, arguments=call.arguments[len(sent[index]):]))
+    return tuple(tail)
+
+
+@dataclass(eq=False)
+class _Between:
+    """An action waiting to run between two jobs (EngineWorker.run_between_jobs)."""
+
+    action: Callable[[Any], Any]
+    done: threading.Event = field(default_factory=threading.Event)
+    value: Any = None
+    error: Optional[BaseException] = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +173,7 @@ class EngineWorker:
         self._announce_lock = threading.Lock()
         self._queue: Deque[Job] = collections.deque()
         self._running: Optional[Job] = None
+        self._between: list = []    # _Between actions waiting for the running job to end
         self._reserved = 0
         self._accepting = False
         self._stopping = False
@@ -270,6 +303,39 @@ class EngineWorker:
                 self._lock.wait(left)
             return True
 
+    def run_between_jobs(self, action: Callable[[Any], Any], timeout: float) -> Any:
+        """Return `action(engine)`, run while no generation runs (e.g. dropping KV sessions).
+
+        At once when idle (holding the lock, so no job starts meanwhile), else on the worker
+        thread right after the running job, before the next queued one: a running generation
+        is never disturbed. Raises TimeoutError when the running job did not end within
+        `timeout` (the action still runs after it) and WorkerStoppedError without an engine.
+        """
+        with self._lock:
+            if self.engine is None or not self.alive or self._stopping:
+                raise WorkerStoppedError('the engine is not loaded (node not configured, or '
+                                         'shutting down)')
+            if self._running is None:
+                return action(self.engine)
+            pending = _Between(action)
+            self._between.append(pending)
+        if not pending.done.wait(timeout):
+            raise TimeoutError(f'a generation is still running after {timeout:g} s; the '
+                               'action runs once it ends')
+        if pending.error is not None:
+            raise pending.error
+        return pending.value
+
+    def _run_between(self) -> None:
+        """Run the actions that waited for the job that just ended (worker thread, locked)."""
+        pending, self._between = self._between, []
+        for item in pending:
+            try:
+                item.value = item.action(self.engine)
+            except Exception as exc:  # noqa: B902 - handed to the caller, who re-raises it
+                item.error = exc
+            item.done.set()
+
     def snapshot(self) -> WorkerSnapshot:
         with self._lock:
             return WorkerSnapshot(len(self._queue), self._running is not None,
@@ -336,6 +402,7 @@ class EngineWorker:
             job._finished = True
             job._generation = None
             self._running = None
+            self._run_between()
             self._lock.notify_all()
         job.on_done(JobOutcome(result, job.cancel_reason))
 
@@ -356,12 +423,16 @@ class EngineWorker:
         send = job.on_feedback
         text: list = []
         ids: list = []
-        sent_ids = 0
+        reasoning: list = []
+        deltas: list = []
+        sent_ids = sent_deltas = 0
         last_sent = time.monotonic()
         pacer = self._pacer
         for event in generation:
             text.append(event.text_delta)
             ids.append(event.token_id)
+            reasoning.append(event.reasoning_delta)
+            deltas.extend(event.tool_call_deltas)
             if pacer is not None and pacer.token_pause_s:
                 time.sleep(pacer.token_pause_s)   # the SoC runs hot: let it cool
             if send is None:
@@ -370,8 +441,10 @@ class EngineWorker:
             # The first token goes out at once (time to first feedback ~ engine TTFT).
             if (sent_ids == 0 or len(ids) - sent_ids >= policy.tokens
                     or (policy.period_s and now - last_sent >= policy.period_s)):
-                send(FeedbackChunk(''.join(text[sent_ids:]), tuple(ids[sent_ids:]), len(ids)))
-                sent_ids = len(ids)
+                send(FeedbackChunk(''.join(text[sent_ids:]), tuple(ids[sent_ids:]), len(ids),
+                                   reasoning_delta=''.join(reasoning[sent_ids:]),
+                                   tool_call_deltas=tuple(deltas[sent_deltas:])))
+                sent_ids, sent_deltas = len(ids), len(deltas)
                 last_sent = now
         result = generation.result
         if send is not None:
@@ -383,8 +456,13 @@ class EngineWorker:
                 tail = result.text[len(streamed):]
             else:
                 self.stats.last_error = 'engine: streamed text is not a prefix of the result'
+            thought = ''.join(reasoning[:sent_ids])
             send(FeedbackChunk(tail, tuple(result.token_ids[sent_ids:]),
-                               result.completion_tokens))
+                               result.completion_tokens,
+                               reasoning_delta=(result.reasoning[len(thought):]
+                                                if result.reasoning.startswith(thought) else ''),
+                               tool_call_deltas=tool_call_tail(deltas[:sent_deltas],
+                                                               result.tool_calls)))
         return result
 
     def _record(self, result: GenerationResult) -> None:

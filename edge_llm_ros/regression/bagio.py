@@ -273,7 +273,8 @@ class TopicCheck:
     count: int
     digest: str
     expected: str = ''
-    status: str = 'ok'      # ok | mismatch | unverified | unknown
+    status: str = 'ok'      # ok | older (decoded with the bag's definition) | mismatch |
+    #                         unverified | unknown
 
 
 @dataclass
@@ -331,13 +332,31 @@ def _check_topic(conn, interfaces: Interfaces) -> TopicCheck:
     return check
 
 
+def _own_typestore(conn) -> Optional[Typestore]:
+    """Return a typestore with the definitions the bag stored for `conn` (None: none usable).
+
+    Bags of an older interface version (see regression.legacy) are decoded this way: rosbag2
+    stores each topic's full definition (the type and every type it uses).
+    """
+    if not conn.msgdef.data:
+        return None
+    try:
+        store = get_typestore(Stores.ROS2_JAZZY)
+        store.register(get_types_from_msg(conn.msgdef.data, conn.msgtype))
+    except (TypesysError, KeyError):
+        return None
+    return store
+
+
 def read_bag(path: str | os.PathLike, interfaces: Optional[Interfaces] = None,
              tensor_topics: Sequence[str] = ()) -> BagContents:
     """Read transcripts, feedback and tensor handles of a regression bag.
 
-    Raises BagNotFoundError / BagCorruptError when nothing can be read and
-    BagTypeMismatchError when the transcripts were recorded with another Transcript
-    version. Damage after the start (a truncated file, an undecodable message) and
+    Topics recorded with another version of their type are decoded with the definitions the
+    bag stored (older records are then upgraded by regression.legacy). Raises
+    BagNotFoundError / BagCorruptError when nothing can be read and BagTypeMismatchError
+    when the transcripts were recorded with another Transcript version and the bag holds
+    no definition of it. Damage after the start (a truncated file, an undecodable message) and
     mismatches on optional topics are listed in `problems` and `complete` is False:
     the caller keeps what was read and reports it.
     """
@@ -379,18 +398,29 @@ def read_bag(path: str | os.PathLike, interfaces: Optional[Interfaces] = None,
 def _read_messages(reader: Reader, contents: BagContents, interfaces: Interfaces,
                    tensor_topics: set) -> None:
     wanted = []
+    stores = {}   # connection id -> typestore of the bag's own definitions
+    older = {}    # connection id -> (connection, why it is decoded with them)
     for conn in reader.connections:
         check = _check_topic(conn, interfaces)
         contents.topics.append(check)
         if check.status == 'mismatch':
             text = (f'topic {conn.topic} was recorded with another version of '
                     f'{conn.msgtype} (bag hash {check.digest}, this build {check.expected})')
-            if conn.msgtype == TRANSCRIPT_TYPE:
+            own = _own_typestore(conn)
+            if own is not None:
+                check.status = 'older'
+                stores[conn.id] = own
+                older[conn.id] = (conn, text)
+                contents.warnings.append(f'{text}: decoded with the definition stored in the '
+                                         'bag')
+            elif conn.msgtype == TRANSCRIPT_TYPE:
                 raise BagTypeMismatchError(
-                    f'{text}: its goals cannot be decoded. Replay it with the edge_llm_msgs '
-                    'version it was recorded with, or re-record the session with this build')
-            contents.problem(text + ': topic skipped')
-            continue
+                    f'{text}, and the bag holds no definition of it: its goals cannot be '
+                    'decoded. Replay it with the edge_llm_msgs version it was recorded with, '
+                    'or re-record the session with this build')
+            else:
+                contents.problem(text + ': topic skipped')
+                continue
         if check.status == 'unverified':
             contents.warnings.append(
                 f'topic {conn.topic} has no type hash or definition: assumed to be the '
@@ -402,10 +432,14 @@ def _read_messages(reader: Reader, contents: BagContents, interfaces: Interfaces
     if not wanted:
         return
     decode_errors = 0
+    unusable = {}   # connection id -> why its (older) messages make no record
     try:
         for conn, stamp, data in reader.messages(connections=wanted):
+            if conn.id in unusable:
+                continue
             try:
-                msg = interfaces.typestore.deserialize_cdr(data, conn.msgtype)
+                store = stores.get(conn.id, interfaces.typestore)
+                msg = store.deserialize_cdr(data, conn.msgtype)
             except SerdeError as exc:  # a damaged message: keep going
                 decode_errors += 1
                 if decode_errors <= 3:
@@ -413,13 +447,25 @@ def _read_messages(reader: Reader, contents: BagContents, interfaces: Interfaces
                         f'undecodable {conn.msgtype} message on {conn.topic} at {stamp} ns: '
                         f'{type(exc).__name__}: {exc}')
                 continue
-            _store(contents, conn, stamp, msg)
+            try:
+                _store(contents, conn, stamp, msg)
+            except (AttributeError, TypeError) as exc:
+                if conn.id not in older:
+                    raise
+                unusable[conn.id] = (f'{older[conn.id][1]}, and the definition stored in the '
+                                     f'bag lacks what this build reads ({exc})')
     except Exception as exc:  # damaged storage: any of the kinds listed in read_bag
         contents.problem(
             f'bag storage is damaged after {len(contents.transcripts)} transcripts: '
             f'{type(exc).__name__}: {exc}; the messages before the damage are used')
     if decode_errors > 3:
         contents.problem(f'{decode_errors} undecodable messages in total')
+    for conn_id, why in unusable.items():
+        if older[conn_id][0].msgtype == TRANSCRIPT_TYPE:
+            raise BagTypeMismatchError(
+                f'{why}: its goals cannot be decoded. Replay it with the edge_llm_msgs '
+                'version it was recorded with, or re-record the session with this build')
+        contents.problem(why + ': topic skipped')
 
 
 def _store(contents: BagContents, conn, stamp: int, msg) -> None:

@@ -39,6 +39,7 @@ NOT_SENT = 'not_sent'
 STATUS_OF_FINISH_REASON = {
     StopReason.STOP.value: SUCCEEDED,
     StopReason.LENGTH.value: SUCCEEDED,
+    StopReason.TOOL_CALLS.value: SUCCEEDED,
     StopReason.CANCELLED.value: CANCELED,
     StopReason.ERROR.value: ABORTED,
 }
@@ -220,9 +221,13 @@ def _sampling_diff(old: TranscriptRecord, new: TranscriptRecord) -> list:
     if old.sampling.seed < 0:
         # A node draws a fresh seed when none was asked for: that is not a setting change.
         a, b = replace(a, seed=-1), replace(b, seed=-1)
-    return [f'{name} {getattr(a, name):g} -> {getattr(b, name):g}'
+    return [f'{name} {_value(getattr(a, name))} -> {_value(getattr(b, name))}'
             for name in SamplingRecord.__dataclass_fields__
             if getattr(a, name) != getattr(b, name)]
+
+
+def _value(value) -> str:
+    return f'{value:g}' if isinstance(value, (int, float)) else str(list(value))
 
 
 # ---------------------------------------------------------------- per goal
@@ -351,9 +356,13 @@ def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: Transcr
 
 # ---------------------------------------------------------------- recorded pairs
 
+_REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'json_schema', 'stop', 'session_id',
+                   'tools', 'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex',
+                   'choices', 'reasoning_mode', 'reasoning_budget')
+
+
 def _same_request(a: TranscriptRecord, b: TranscriptRecord) -> bool:
-    return (a.prompt, a.messages, a.system_prompt, a.json_schema, a.stop, a.session_id) == \
-        (b.prompt, b.messages, b.system_prompt, b.json_schema, b.stop, b.session_id)
+    return all(getattr(a, name) == getattr(b, name) for name in _REQUEST_FIELDS)
 
 
 def outcome_of(new: TranscriptRecord) -> ReplayOutcome:

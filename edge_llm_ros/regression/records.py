@@ -2,7 +2,9 @@
 
 A `TranscriptRecord` mirrors edge_llm_msgs/msg/Transcript. `transcript_from_msg` reads
 it from any object with the same attribute names: a message deserialized by rosbags
-from a bag, or an rclpy message received live.
+from a bag (also with the definitions of an older interface version: fields it lacks take
+their defaults), or an rclpy message received live. Records of older versions are then
+translated to the current semantics in one place, regression.legacy.
 """
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 import uuid
 
+from edge_llm_ros.engine.tools.spec import ToolCall
 from edge_llm_ros.engine.types import ChatMessage, Timings
 
 # SamplingParams sentinels (edge_llm_msgs/msg/SamplingParams.msg).
 UNSET_FLOAT = -1.0
 UNSET_INT = -1
+UNSET_PENALTY = -1000.0
+# Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
+INTERFACE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -24,8 +30,12 @@ class SamplingRecord:
     top_p: float = UNSET_FLOAT
     min_p: float = UNSET_FLOAT
     repetition_penalty: float = UNSET_FLOAT
-    presence_penalty: float = 0.0
+    presence_penalty: float = UNSET_PENALTY
     seed: int = UNSET_INT
+    frequency_penalty: float = UNSET_PENALTY
+    logit_bias_token_ids: tuple = ()
+    logit_bias_values: tuple = ()
+    top_logprobs: int = UNSET_INT
 
     def is_unset(self) -> bool:
         """Whether every field still holds the node-default sentinel."""
@@ -34,7 +44,25 @@ class SamplingRecord:
 
 # The engine's own plain types have exactly the message's fields: reuse them.
 TimingsRecord = Timings
-ChatRecord = ChatMessage
+ChatRecord = ChatMessage      # tool_calls hold ToolCall
+ToolCallRecord = ToolCall
+
+
+@dataclass(frozen=True)
+class ToolSpecRecord:
+    name: str
+    description: str = ''
+    parameters: str = ''      # JSON Schema text, as in the message
+
+
+@dataclass(frozen=True)
+class TokenLogprobRecord:
+    token_id: int
+    token: str
+    logprob: float
+    top_token_ids: tuple = ()
+    top_tokens: tuple = ()
+    top_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,7 @@ class TranscriptRecord:
 
     goal_id: str                       # hex of the 16-byte goal UUID
     source: str = 'action'
+    interface_version: int = INTERFACE_VERSION
     accepted_stamp_ns: int = 0
     finished_stamp_ns: int = 0
     model: str = ''
@@ -77,6 +106,14 @@ class TranscriptRecord:
     json_schema: str = ''
     prefix_embeddings: list = field(default_factory=list)  # TensorHandleRecord
     session_id: str = ''
+    tools: list = field(default_factory=list)              # ToolSpecRecord
+    tool_choice: str = ''
+    no_parallel_tool_calls: bool = False
+    grammar: str = ''
+    regex: str = ''
+    choices: list = field(default_factory=list)            # str
+    reasoning_mode: int = 0
+    reasoning_budget: int = -1
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -85,6 +122,9 @@ class TranscriptRecord:
     completion_tokens: int = 0
     timings: TimingsRecord = field(default_factory=TimingsRecord)
     error_message: str = ''
+    tool_calls: list = field(default_factory=list)         # ToolCallRecord
+    reasoning: str = ''
+    logprobs: list = field(default_factory=list)           # TokenLogprobRecord
     # Where it came from: bag receive time and topic (not part of the message).
     bag_stamp_ns: int = 0
     topic: str = ''
@@ -129,10 +169,35 @@ def stamp_ns(stamp: Any) -> int:
 
 
 def sampling_from_msg(msg: Any) -> SamplingRecord:
+    """Read a SamplingParams; fields an older version lacks keep their (unset) defaults."""
     return SamplingRecord(
         temperature=float(msg.temperature), top_k=int(msg.top_k), top_p=float(msg.top_p),
         min_p=float(msg.min_p), repetition_penalty=float(msg.repetition_penalty),
-        presence_penalty=float(msg.presence_penalty), seed=int(msg.seed))
+        presence_penalty=float(msg.presence_penalty), seed=int(msg.seed),
+        frequency_penalty=float(getattr(msg, 'frequency_penalty', UNSET_PENALTY)),
+        logit_bias_token_ids=tuple(int(t) for t in getattr(msg, 'logit_bias_token_ids', ())),
+        logit_bias_values=tuple(float(v) for v in getattr(msg, 'logit_bias_values', ())),
+        top_logprobs=int(getattr(msg, 'top_logprobs', UNSET_INT)))
+
+
+def chat_from_msg(msg: Any) -> ChatRecord:
+    return ChatRecord(str(msg.role), str(msg.content),
+                      tool_calls=tuple(tool_call_from_msg(c)
+                                       for c in getattr(msg, 'tool_calls', ())),
+                      tool_call_id=str(getattr(msg, 'tool_call_id', '')),
+                      name=str(getattr(msg, 'name', '')))
+
+
+def tool_call_from_msg(msg: Any) -> ToolCallRecord:
+    return ToolCallRecord(id=str(msg.id), name=str(msg.name), arguments=str(msg.arguments))
+
+
+def logprob_from_msg(msg: Any) -> TokenLogprobRecord:
+    return TokenLogprobRecord(
+        token_id=int(msg.token_id), token=str(msg.token), logprob=float(msg.logprob),
+        top_token_ids=tuple(int(t) for t in msg.top_token_ids),
+        top_tokens=tuple(str(t) for t in msg.top_tokens),
+        top_logprobs=tuple(float(p) for p in msg.top_logprobs))
 
 
 def timings_from_msg(msg: Any) -> TimingsRecord:
@@ -156,16 +221,24 @@ def tensor_handle_from_msg(msg: Any) -> TensorHandleRecord:
 
 
 def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> TranscriptRecord:
-    """Build a record from a Transcript message (rosbags- or rclpy-generated class)."""
-    return TranscriptRecord(
+    """Build a record from a Transcript message (rosbags- or rclpy-generated class).
+
+    A message of an older interface version (decoded with its own definitions) lacks the
+    newer fields: they take their defaults, and the record is upgraded to the current
+    semantics by regression.legacy.upgrade.
+    """
+    # Imported here: legacy builds on this module's records.
+    from edge_llm_ros.regression.legacy import upgrade
+    record = TranscriptRecord(
         goal_id=uuid_hex(msg.goal_id.uuid),
         source=str(msg.source),
+        interface_version=int(getattr(msg, 'interface_version', 1)),
         accepted_stamp_ns=stamp_ns(msg.accepted_stamp),
         finished_stamp_ns=stamp_ns(msg.finished_stamp),
         model=str(msg.model),
         effective_sampling=sampling_from_msg(msg.effective_sampling),
         prompt=str(msg.prompt),
-        messages=[ChatRecord(str(m.role), str(m.content)) for m in msg.messages],
+        messages=[chat_from_msg(m) for m in msg.messages],
         system_prompt=str(msg.system_prompt),
         sampling=sampling_from_msg(msg.sampling),
         max_tokens=int(msg.max_tokens),
@@ -173,6 +246,15 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         json_schema=str(msg.json_schema),
         prefix_embeddings=[tensor_handle_from_msg(h) for h in msg.prefix_embeddings],
         session_id=str(msg.session_id),
+        tools=[ToolSpecRecord(str(t.name), str(t.description), str(t.parameters))
+               for t in getattr(msg, 'tools', ())],
+        tool_choice=str(getattr(msg, 'tool_choice', '')),
+        no_parallel_tool_calls=bool(getattr(msg, 'no_parallel_tool_calls', False)),
+        grammar=str(getattr(msg, 'grammar', '')),
+        regex=str(getattr(msg, 'regex', '')),
+        choices=[str(c) for c in getattr(msg, 'choices', ())],
+        reasoning_mode=int(getattr(msg, 'reasoning_mode', 0)),
+        reasoning_budget=int(getattr(msg, 'reasoning_budget', -1)),
         accepted=bool(msg.accepted),
         text=str(msg.text),
         token_ids=[int(t) for t in msg.token_ids],
@@ -181,8 +263,12 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         completion_tokens=int(msg.completion_tokens),
         timings=timings_from_msg(msg.timings),
         error_message=str(msg.error_message),
+        tool_calls=[tool_call_from_msg(c) for c in getattr(msg, 'tool_calls', ())],
+        reasoning=str(getattr(msg, 'reasoning', '')),
+        logprobs=[logprob_from_msg(lp) for lp in getattr(msg, 'logprobs', ())],
         bag_stamp_ns=int(bag_stamp_ns),
         topic=topic)
+    return upgrade(record)
 
 
 @dataclass

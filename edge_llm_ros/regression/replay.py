@@ -30,7 +30,8 @@ from rclpy.signals import SignalHandlerOptions
 from rclpy.time import Time as RosTime
 from unique_identifier_msgs.msg import UUID
 
-from edge_llm_msgs.msg import TensorHandle, Transcript
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import ChatMessage, TensorHandle, ToolCall, ToolSpec, Transcript
 from edge_llm_ros.client import (
     GenerationHandle, GenerationOutcome, GoalRejectedError, LLMClient, LLMClientError,
     make_goal, NodeNotActiveError)
@@ -43,7 +44,8 @@ from edge_llm_ros.regression.compare import (
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 from edge_llm_ros.regression.live import RawRecorder
 from edge_llm_ros.regression.records import (
-    SamplingRecord, TensorHandleRecord, transcript_from_msg, TranscriptRecord, uuid_bytes)
+    ChatRecord, SamplingRecord, TensorHandleRecord, transcript_from_msg, TranscriptRecord,
+    uuid_bytes)
 from edge_llm_ros.regression.report import now_iso, RunInfo, write_report
 from edge_llm_ros.regression.thresholds import load_thresholds, Thresholds
 
@@ -53,7 +55,8 @@ EXIT_INTERRUPTED = 130
 # Goal fields `--set` may override, with their types.
 _GOAL_OVERRIDES = {'max_tokens': int, 'system_prompt': str, 'json_schema': str,
                    'session_id': str}
-_SAMPLING_OVERRIDES = {f.name: f.type for f in fields(SamplingRecord)}
+_SAMPLING_OVERRIDES = {f.name: f.type for f in fields(SamplingRecord)
+                       if f.type in (float, int, 'float', 'int')}
 # TensorHandle fields a TensorHandleRecord holds under the same name (the header apart).
 _HANDLE_FIELDS = tuple(f.name for f in fields(TensorHandleRecord)
                        if f.name not in ('frame_id', 'stamp_ns'))
@@ -126,11 +129,31 @@ def goal_fields(record: TranscriptRecord) -> dict:
         msg.header.frame_id = h.frame_id
         msg.header.stamp = RosTime(nanoseconds=h.stamp_ns).to_msg()
         handles.append(msg)
-    return dict(prompt=record.prompt, messages=[(m.role, m.content) for m in record.messages],
+    sampling = asdict(record.sampling)
+    for name in ('logit_bias_token_ids', 'logit_bias_values'):
+        sampling[name] = list(sampling[name])
+    return dict(prompt=record.prompt, messages=[chat_msg(m) for m in record.messages],
                 system_prompt=record.system_prompt, max_tokens=record.max_tokens,
                 stop=list(record.stop), json_schema=record.json_schema,
                 session_id=record.session_id, prefix_embeddings=handles,
-                **asdict(record.sampling))
+                tools=[ToolSpec(name=t.name, description=t.description,
+                                parameters=t.parameters) for t in record.tools],
+                tool_choice=record.tool_choice,
+                parallel_tool_calls=not record.no_parallel_tool_calls, grammar=record.grammar,
+                regex=record.regex, choices=list(record.choices),
+                reasoning={Generate.Goal.REASONING_ON: True,
+                           Generate.Goal.REASONING_OFF: False}.get(record.reasoning_mode),
+                reasoning_budget=(None if record.reasoning_budget < 0
+                                  else record.reasoning_budget),
+                **sampling)
+
+
+def chat_msg(record: ChatRecord) -> ChatMessage:
+    """Return the ChatMessage of a recorded turn (with its tool calls)."""
+    return ChatMessage(role=record.role, content=record.content,
+                       tool_calls=[ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                   for c in record.tool_calls],
+                       tool_call_id=record.tool_call_id, name=record.name)
 
 
 @dataclass

@@ -9,6 +9,12 @@ constraint engages at the trigger; formats whose calls are a bare JSON answer (l
 generic_json) engage when the answer starts with `{`. A reasoning block
 may come first (its close tag ends it; a template that opens it makes it mandatory).
 
+Small models loop (the same word until max_tokens, call after call), which would leave a
+call unfinished. So the forced calls get generous bounds where the schema sets none: a free
+string at most MAX_FREE_STRING characters, an array at most MAX_FREE_ITEMS items, a run at
+most MAX_PARALLEL_CALLS calls. Whatever is written still validates against the tool's own
+schema; a schema's own bounds are kept.
+
 The generator uses the result like any other constraint (constraint.GrammarConstraint):
 start() per generation, fill_mask / accept per token, is_finished to stop after the calls.
 Free text costs llguidance a few microseconds per token (measured on SmolLM2's 49k vocab).
@@ -28,13 +34,18 @@ from edge_llm_ros.engine.tools.formats import ToolFormat
 from edge_llm_ros.engine.tools.spec import InvalidToolsError, ToolChoice, tools_in_scope, ToolSpec
 
 
+MAX_FREE_STRING = 128     # characters of a string argument whose schema sets no bound
+MAX_FREE_ITEMS = 32       # items of an array argument whose schema sets no maxItems
+MAX_PARALLEL_CALLS = 4    # calls in one run (parallel_tool_calls)
+
+
 def call_schema(tool: ToolSpec, args_key: str) -> Dict[str, Any]:
     """JSON Schema of one call object: {"name": <const>, args_key: <the tool's schema>}.
 
     The tool's schema becomes a subschema, so its local $refs ("#/...") are re-rooted. Objects
     that do not say whether other keys are allowed get none (as OpenAI's strict mode does): a
     model is not led into inventing keys, and what it writes still validates against the
-    tool's own schema.
+    tool's own schema. Free strings and arrays get bounds (see the module docstring).
     """
     args = _reroot(_closed(dict(tool.parameters)), f'#/properties/{args_key}')
     return {'type': 'object',
@@ -63,7 +74,15 @@ def _closed(schema: Any) -> Any:
     is_object = out.get('type') == 'object' or 'properties' in out
     if is_object and 'additionalProperties' not in out and 'patternProperties' not in out:
         out['additionalProperties'] = False
+    if out.get('type') == 'string' and not _STRING_BOUNDS.intersection(out):
+        out['maxLength'] = MAX_FREE_STRING
+    if out.get('type') == 'array' and 'maxItems' not in out:
+        out['maxItems'] = max(MAX_FREE_ITEMS, out.get('minItems', 0))
     return out
+
+
+# A string with any of these is bounded by them (or its content is the schema's business).
+_STRING_BOUNDS = frozenset(('maxLength', 'enum', 'const', 'pattern', 'format'))
 
 
 def _reroot(value: Any, base: str) -> Any:
@@ -73,6 +92,9 @@ def _reroot(value: Any, base: str) -> Any:
     if isinstance(value, list):
         return [_reroot(v, base) for v in value]
     return value
+
+
+_MORE = f'{{0,{MAX_PARALLEL_CALLS - 1}}}'  # Lark repetition: the calls after the first
 
 
 def tool_grammar(tools: Sequence[ToolSpec], choice: ToolChoice, fmt: ToolFormat,
@@ -90,10 +112,10 @@ def tool_grammar(tools: Sequence[ToolSpec], choice: ToolChoice, fmt: ToolFormat,
     rules.append(f'call: {alts}')
     one = f'{lit(fmt.call_prefix)} call {lit(fmt.call_suffix)}'.strip()
     if fmt.name == 'mistral':
-        more = ' ("," " " call)*' if parallel else ''
+        more = f' ("," " " call){_MORE}' if parallel else ''
         rules.append(f'calls: {lit("[TOOL_CALLS]")} "[" call{more} "]"')
     else:
-        more = f' ({lit(fmt.separator)} {one})*' if parallel else ''
+        more = f' ({lit(fmt.separator)} {one}){_MORE}' if parallel else ''
         rules.append(f'calls: {one}{more}')
     prefix = ''
     if reasoning is not None and (starts_open or choice.mode != 'auto'):
@@ -116,12 +138,12 @@ def tool_grammar(tools: Sequence[ToolSpec], choice: ToolChoice, fmt: ToolFormat,
 def _after_marker(fmt: ToolFormat, lit: '_Literals', parallel: bool) -> str:
     """Write what follows the trigger in auto mode: the first call's rest, more calls."""
     if fmt.name == 'mistral':
-        more = ' ("," " " call)*' if parallel else ''
+        more = f' ("," " " call){_MORE}' if parallel else ''
         return f'"[" call{more} "]"'
     rest = fmt.call_prefix[len(fmt.open_markers[0]):]
     first = ' '.join(p for p in (lit(rest), 'call', lit(fmt.call_suffix)) if p)
     one = ' '.join(p for p in (lit(fmt.call_prefix), 'call', lit(fmt.call_suffix)) if p)
-    return f'{first} ({lit(fmt.separator)} {one})*' if parallel else first
+    return f'{first} ({lit(fmt.separator)} {one}){_MORE}' if parallel else first
 
 
 def _reasoning_prefix(rules: List[str], lit: '_Literals', reasoning: ReasoningConfig,

@@ -1,0 +1,85 @@
+"""llm_node's small services: ~/detokenize, ~/reset_session and ~/get_model_info.
+
+Each answers from the loaded engine without the queue (never behind a generation):
+detokenizing and model info only read the tokenizer and the model's description;
+reset_session drops KV prefixes through EngineWorker.run_between_jobs, so a running
+generation is never disturbed (the drop happens right after it, before the next goal).
+`engine` is None while the node is unconfigured: the answer then says so.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from edge_llm_msgs.action import Generate
+from edge_llm_msgs.srv import Detokenize, GetModelInfo, ResetSession
+from edge_llm_ros.engine.errors import EngineError
+from edge_llm_ros.nodes.worker import EngineWorker, WorkerStoppedError
+
+# How long ~/reset_session waits for a running generation before answering "scheduled".
+RESET_WAIT_S = 10.0
+
+
+def detokenize(engine: Any, request: Detokenize.Request, response: Detokenize.Response,
+               unloaded: str) -> Detokenize.Response:
+    """Fill `response` with the text of the request's ids (`unloaded`: why no engine)."""
+    if engine is None:
+        response.success, response.error_message = False, unloaded
+        return response
+    try:
+        response.text = engine.detokenize([int(t) for t in request.token_ids])
+    except EngineError as exc:     # an id outside the vocabulary
+        response.success, response.error_message = False, str(exc)
+        return response
+    response.success = True
+    return response
+
+
+def model_info(engine: Any, response: GetModelInfo.Response,
+               unloaded: str) -> GetModelInfo.Response:
+    """Fill `response` with what the engine reports (a remote engine may report less)."""
+    response.interface_version = Generate.Goal.INTERFACE_VERSION
+    if engine is None:
+        response.success, response.loaded, response.error_message = True, False, unloaded
+        return response
+    info = engine.model_info()
+    caps = info.get('capabilities', {})
+    for name in ('model_name', 'model_dir', 'architecture', 'quantization', 'family',
+                 'chat_template', 'tool_call_format'):
+        setattr(response, name, str(info.get(name) or ''))
+    response.context_length = int(info.get('context_length') or 0)
+    response.vocab_size = int(info.get('vocab_size') or 0)
+    response.providers = [str(p) for p in info.get('providers', ())]
+    response.supports_tools = bool(caps.get('tools'))
+    response.supports_reasoning = bool(caps.get('reasoning'))
+    response.supports_embeddings_input = bool(caps.get('embeddings_input'))
+    family = getattr(engine, 'family', None)
+    reasoning = getattr(family, 'reasoning', None)
+    if reasoning is not None:
+        response.reasoning_start = reasoning.open_tag
+        response.reasoning_end = reasoning.close_tag
+    response.success = response.loaded = True
+    return response
+
+
+def reset_session(worker: Optional[EngineWorker], request: ResetSession.Request,
+                  response: ResetSession.Response, unloaded: str,
+                  wait_s: float = RESET_WAIT_S) -> ResetSession.Response:
+    """Drop one session's KV prefix ('' = all) between generations; fill `response`."""
+    which = f'session {request.session_id!r}' if request.session_id else 'every session'
+    if worker is None:
+        response.success, response.message = False, unloaded
+        return response
+    try:
+        response.dropped = int(worker.run_between_jobs(
+            lambda engine: engine.reset_sessions(request.session_id), wait_s) or 0)
+    except TimeoutError:
+        response.success = True
+        response.message = (f'{which}: a generation is still running; the KV is dropped as '
+                            'soon as it ends, before the next goal')
+        return response
+    except (EngineError, WorkerStoppedError) as exc:
+        response.success, response.message = False, str(exc)
+        return response
+    response.success = True
+    response.message = f'{which}: dropped {response.dropped} kept prefix(es)'
+    return response

@@ -1,0 +1,44 @@
+"""Records of older interface versions, translated to the current semantics in one place.
+
+Interface version 1 (before issue 13) had no `interface_version` field in Transcript; bags
+recorded then are decoded with their own stored definitions (regression.bagio), so their
+records simply lack the newer fields, which take their defaults. What changed meaning is
+translated here:
+
+- SamplingParams.presence_penalty had no unset value: 0.0 meant "node default". Version 2
+  has UNSET_PENALTY for that (0.0 now means "disabled"), so a version-1 request's 0.0
+  becomes UNSET_PENALTY: replayed, it again asks for the node's default.
+- frequency_penalty, logit_bias and top_logprobs did not exist. In the request they are
+  unset (read with their defaults). In the effective sampling a version-1 node applied no
+  frequency penalty and reported no logprobs: 0.0 and UNSET_INT, as a version-2 node
+  reports them for such a request. An effective sampling that was never filled (refused
+  request: every field unset) stays unset.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from edge_llm_ros.regression.records import (INTERFACE_VERSION, SamplingRecord, TranscriptRecord,
+                                             UNSET_PENALTY)
+
+
+def request_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
+    """Return a version-1 goal's SamplingParams in version-2 terms."""
+    if sampling.presence_penalty == 0.0:
+        sampling = replace(sampling, presence_penalty=UNSET_PENALTY)
+    return sampling
+
+
+def effective_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
+    """Return what a version-1 node reported as applied, in version-2 terms."""
+    if sampling.temperature < 0.0:   # never filled: the request was refused
+        return request_sampling_v1(sampling)
+    return replace(sampling, frequency_penalty=0.0)
+
+
+def upgrade(record: TranscriptRecord) -> TranscriptRecord:
+    """Return `record` in the current semantics (unchanged when already current)."""
+    if record.interface_version >= INTERFACE_VERSION:
+        return record
+    return replace(record, sampling=request_sampling_v1(record.sampling),
+                   effective_sampling=effective_sampling_v1(record.effective_sampling))
