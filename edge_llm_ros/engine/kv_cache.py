@@ -66,15 +66,60 @@ class _Snapshot:
         return sum(d.nbytes for d in self.data) + extra
 
 
+class SnapshotStore:
+    """Saved session prefixes, least recently used first; one store may serve several caches.
+
+    With several sequence slots (one KVCache per slot) every slot saves into and restores from
+    the same store, so a session can continue in whichever slot is free.
+    """
+
+    def __init__(self, max_sessions: int = 8) -> None:
+        if max_sessions < 0:
+            raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
+        self.max_sessions = max_sessions
+        self._snaps: 'OrderedDict[str, _Snapshot]' = OrderedDict()
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._snaps
+
+    def ids(self) -> List[str]:
+        """Session ids, least recently used first."""
+        return list(self._snaps)
+
+    def values(self) -> List[_Snapshot]:
+        return list(self._snaps.values())
+
+    def put(self, session_id: str, snap: _Snapshot) -> None:
+        """Keep snap as the session's prefix (most recently used); evict beyond the bound."""
+        if self.max_sessions == 0:
+            return
+        self._snaps[session_id] = snap
+        self._snaps.move_to_end(session_id)
+        while len(self._snaps) > self.max_sessions:
+            self._snaps.popitem(last=False)
+
+    def touch(self, session_id: str) -> None:
+        if session_id in self._snaps:
+            self._snaps.move_to_end(session_id)
+
+    def pop(self, session_id: str) -> bool:
+        return self._snaps.pop(session_id, None) is not None
+
+    def clear(self) -> None:
+        self._snaps.clear()
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._snaps.values())
+
+
 class KVCache:
     """Bookkeeping of the decoder's preallocated KV buffers (see the module docstring)."""
 
     def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
-                 snapshot_dtype: str = 'float32', max_sessions: int = 8) -> None:
+                 snapshot_dtype: str = 'float32', max_sessions: int = 8,
+                 store: Optional[SnapshotStore] = None) -> None:
         if snapshot_dtype not in SNAPSHOT_DTYPES:
             raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
-        if max_sessions < 0:
-            raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
         for buf in buffers:
             if buf.ndim != 4 or buf.shape[2] < capacity:
                 raise ValueError(
@@ -82,11 +127,10 @@ class KVCache:
         self._buffers = list(buffers)
         self._capacity = capacity
         self._snapshot_dtype = snapshot_dtype
-        self._max_sessions = max_sessions
+        self._sessions = store if store is not None else SnapshotStore(max_sessions)
         self._keys: List[Hashable] = []
         self._owner = ''          # session whose conversation the live cache holds
         self._owner_saved = True  # its snapshot already equals the live cache
-        self._sessions: 'OrderedDict[str, _Snapshot]' = OrderedDict()
 
     # --- state -----------------------------------------------------------------------------
     @property
@@ -110,7 +154,7 @@ class KVCache:
 
     def sessions(self) -> List[str]:
         """Return the saved session ids, least recently used first."""
-        return list(self._sessions)
+        return self._sessions.ids()
 
     @property
     def owner(self) -> str:
@@ -118,7 +162,7 @@ class KVCache:
         return self._owner
 
     def snapshot_bytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
+        return self._sessions.nbytes()
 
     # --- live cache --------------------------------------------------------------------------
     def append(self, keys: Sequence[Hashable]) -> None:
@@ -157,7 +201,7 @@ class KVCache:
 
         Returns whether anything of it was kept (a snapshot or the live cache).
         """
-        found = self._sessions.pop(session_id, None) is not None
+        found = self._sessions.pop(session_id)
         if session_id and self._owner == session_id:
             found = found or bool(self._keys)
             self.reset()
@@ -165,7 +209,7 @@ class KVCache:
 
     def known_sessions(self) -> List[str]:
         """Return the sessions with a kept prefix: saved snapshots and the live cache's owner."""
-        names = list(self._sessions)
+        names = self._sessions.ids()
         if self._owner and self._keys and self._owner not in self._sessions:
             names.append(self._owner)
         return names
@@ -199,14 +243,13 @@ class KVCache:
         self.rewind_to(min(keep, len(self._keys)))
         if source is not None:
             self._restore(source, best)
-        if session_id in self._sessions:
-            self._sessions.move_to_end(session_id)
+        self._sessions.touch(session_id)
         self._owner = session_id
         self._owner_saved = False
         return best
 
     def _save(self, session_id: str) -> None:
-        if self._max_sessions == 0 or not self._keys:
+        if self._sessions.max_sessions == 0 or not self._keys:
             return
         n = len(self._keys)
         if self._snapshot_dtype == 'int8':
@@ -215,10 +258,7 @@ class KVCache:
         else:
             snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
                              None)
-        self._sessions[session_id] = snap
-        self._sessions.move_to_end(session_id)
-        while len(self._sessions) > self._max_sessions:
-            self._sessions.popitem(last=False)
+        self._sessions.put(session_id, snap)
         if session_id == self._owner:
             self._owner_saved = True
 

@@ -56,6 +56,7 @@ class FeedbackChunk:
     queue_position: int = 0
     reasoning_delta: str = ''
     tool_call_deltas: tuple = ()     # engine.tools.parser.ToolCallDelta
+    paused: bool = False             # preempted: its KV is kept, it resumes later
 
 
 def tool_call_tail(streamed, calls) -> tuple:
@@ -102,6 +103,8 @@ class Job:
     # Entered on the worker thread around the generation; yields the prefix-embedding array
     # bound into the request (llm_node maps tensor handles only while the job runs).
     embeddings: Optional[Callable[[], ContextManager[np.ndarray]]] = None
+    priority: int = 0                 # higher runs first; ties keep arrival order
+    preempt: bool = False             # may pause the lowest-priority running sequence
     # Set by the worker/canceller under the worker's lock.
     enqueued_at: float = field(default=0.0, init=False)
     cancel_reason: CancelReason = field(default=CancelReason.NONE, init=False)
