@@ -41,6 +41,7 @@ setup(
             'perception = edge_llm_ros.nodes.perception:main',
             'edge-llm = edge_llm_ros.cli:main',
             'edge-llm-convert = edge_llm_ros.engine.convert:main',
+            'edge-llm-update = edge_llm_ros.update.cli:main',
             'edge-llm-record = edge_llm_ros.regression.record:main',
             'edge-llm-replay = edge_llm_ros.regression.replay:main',
             'edge-llm-report = edge_llm_ros.regression.report:main',

@@ -3,6 +3,12 @@
     .venv/bin/python bench/soak.py [--goals 1000] [--clients 4] [--max-tokens 8]
                                    [--cancel-rate 0.2] [--invalid-rate 0.05] [--tiny]
                                    [--model-path DIR] [--json bench/results/soak.json]
+                                   [--parallel-sequences 4 --priority-rate 0.3]
+
+With --parallel-sequences N the node batches N goals at once (issue 14); --priority-rate R
+gives that share of the goals a random priority in [-5, 5], half of them with preempt, so
+goals are paused and resumed, and cancels also hit queued, running and paused goals; an
+out-of-range priority joins the invalid kinds.
 
 Starts a real llm_node process (the embedded SmolLM2 by default, the tiny random test model
 with --tiny), drives it through the ~/generate action from C client nodes on threads, and
@@ -16,7 +22,8 @@ checks what issue 8 asks:
   to the warm-up baseline (/proc/<pid>/fd, /proc/<pid>/task) once it is idle;
 - the KV cache holds nothing left over: after the soak, the same probe goal as after
   warm-up leaves the same kv_used_tokens in /diagnostics (occupancy is the probe's own
-  sequence, not accumulated).
+  sequence, not accumulated; with several slots, ~/reset_session '' empties them before
+  each probe).
 
 Prints one JSON object and a short table; exits 1 if any check failed. run_soak() is what
 test/test_soak.py calls for the CI-sized run.
@@ -72,6 +79,8 @@ class SoakConfig:
     seed: int = 1
     node_name: str = ''
     rss_growth_limit: float = 0.05
+    parallel_sequences: int = 1   # engine.parallel_sequences of the node (issue 14)
+    priority_rate: float = 0.0    # goals with a random priority (half with preempt)
 
 
 @dataclass
@@ -93,6 +102,8 @@ class SoakReport:
     lost_where: List[str] = field(default_factory=list)
     # Goals whose result LLMClient had to request again (a response lost on the way).
     recovered: int = 0
+    # Goals paused by a preempting goal at least once (feedback.paused; issue 14).
+    paused: int = 0
     unexpected: List[str] = field(default_factory=list)
     node_alive: bool = True
     node_exit_code: Optional[int] = None
@@ -194,11 +205,18 @@ def _prompt(rng: random.Random, max_words: int) -> str:
     return ' '.join(rng.choice(WORDS) for _ in range(rng.randint(1, max_words)))
 
 
+def _invalid_kinds(config: SoakConfig) -> tuple:
+    # Added only with priorities on, so that earlier seeds keep their goal sequences.
+    return INVALID_KINDS + (('priority',) if config.priority_rate else ())
+
+
 def _goal_kwargs(rng: random.Random, config: SoakConfig, invalid: Optional[str],
                  cancel: bool = False) -> dict:
     """Return the keyword arguments of LLMClient.generate for one random goal."""
     from edge_llm_msgs.msg import TensorHandle
     kw: dict = {'max_tokens': rng.randint(1, config.max_tokens)}
+    if config.priority_rate and rng.random() < config.priority_rate:
+        kw.update(priority=rng.randint(-5, 5), preempt=rng.random() < 0.5)
     if rng.random() < 0.3:
         kw['messages'] = [('user', _prompt(rng, config.max_words)),
                           ('assistant', _prompt(rng, config.max_words))]
@@ -229,6 +247,8 @@ def _goal_kwargs(rng: random.Random, config: SoakConfig, invalid: Optional[str],
                                                 shape=[1, 8], nbytes=32)]
     elif invalid == 'overflow':
         kw['max_tokens'] = 1_000_000
+    elif invalid == 'priority':
+        kw['priority'] = rng.choice([-101, 101, 1000])
     return {'prompt': prompt, **kw}
 
 
@@ -253,15 +273,19 @@ class ClientThread(threading.Thread):
     def run(self) -> None:
         from edge_llm_ros.client import GoalRejectedError, LLMClientError
         while next(self.budget, None) is not None:
-            invalid = self.rng.choice(INVALID_KINDS) \
+            invalid = self.rng.choice(_invalid_kinds(self.config)) \
                 if self.rng.random() < self.config.invalid_rate else None
             cancel = invalid is None and self.rng.random() < self.config.cancel_rate
             record = {'invalid': invalid, 'cancel': cancel, 'status': 'lost', 'error': '',
-                      'goal_id': '', 'responded': False, 'result_requests': 0}
+                      'goal_id': '', 'responded': False, 'result_requests': 0,
+                      'paused': False}
+
+            def on_feedback(feedback, record=record) -> None:
+                record['paused'] = record['paused'] or feedback.paused
             handle = None
             try:
                 handle = self.llm.generate(**_goal_kwargs(self.rng, self.config, invalid,
-                                                          cancel))
+                                                          cancel), on_feedback=on_feedback)
                 if cancel:
                     time.sleep(self.rng.choice([0.0, 0.005, 0.02, 0.05]))
                     handle.cancel(timeout=self.config.goal_timeout_s)
@@ -331,7 +355,8 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
     server = '/' + name
     params: Dict[str, object] = {'autostart': True, 'model.path': config.model_path,
                                  'max_tokens': config.max_tokens,
-                                 'diagnostics.period_s': 0.5}
+                                 'diagnostics.period_s': 0.5,
+                                 'engine.parallel_sequences': config.parallel_sequences}
     if config.max_context:
         params['kv.max_context'] = config.max_context
     report = SoakReport(config=asdict(config))
@@ -356,6 +381,14 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         log(f'soak: {name} (pid {node.pid}) active; warm-up {config.warmup} goals')
 
         probe = {'prompt': 'What color is the sky?', 'max_tokens': 4}
+
+        def run_probe() -> None:
+            # With N slots each keeps its last sequence for prefix reuse, so occupancy
+            # depends on which slots the last goals took: empty them all first (a slot
+            # that is not freed shows up as more than the probe's own positions).
+            if config.parallel_sequences > 1:
+                clients[0].reset_session('', timeout=30)
+            clients[0].generate(**probe).result(timeout=120)
         # Warm-up, part 1: the largest request of the mix once per session id, so the ORT
         # arena has seen the longest prefill and the session LRU holds its largest prefixes
         # (memory that is reused later, not leaked). Part 2: the mix itself (cancels,
@@ -368,7 +401,7 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         bad = [u for u in map(_unexpected, warm) if u]
         if bad:
             raise RuntimeError(f'warm-up goals went wrong: {bad[:5]}')
-        clients[0].generate(**probe).result(timeout=120)
+        run_probe()
         diag.idle()
         report.kv_after_warmup = int(diag.fresh()['kv_used_tokens'])
         base = sample(node.pid)
@@ -387,10 +420,11 @@ def run_soak(config: SoakConfig, log=print) -> SoakReport:
         report.unexpected = [u for u in map(_unexpected, results) if u][:20]
         report.lost_where = [transcripts.explain(r) for r in results if r['status'] == 'lost']
         report.recovered = sum(r['result_requests'] > 1 for r in results)
+        report.paused = sum(r['paused'] for r in results)
 
         if report.node_alive:
             diag.idle()
-            clients[0].generate(**probe).result(timeout=120)
+            run_probe()
             idle = diag.idle()
             report.kv_after_soak = int(diag.fresh()['kv_used_tokens'])
             report.kv_capacity = int(idle['kv_capacity_tokens'])
@@ -467,11 +501,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--model-path', default='', help="'' = the embedded SmolLM2")
     parser.add_argument('--tiny', action='store_true', help='the tiny random test model')
     parser.add_argument('--json', default='', help='also write the JSON report here')
+    parser.add_argument('--parallel-sequences', type=int, default=1,
+                        help='engine.parallel_sequences of the node (goals batched together)')
+    parser.add_argument('--priority-rate', type=float, default=0.0,
+                        help='share of goals with a random priority (half with preempt)')
     args = parser.parse_args(argv)
     config = SoakConfig(goals=args.goals, clients=args.clients, max_tokens=args.max_tokens,
                         cancel_rate=args.cancel_rate, invalid_rate=args.invalid_rate,
                         warmup=args.warmup, seed=args.seed, model_path=args.model_path,
-                        session_rate=args.session_rate)
+                        session_rate=args.session_rate,
+                        parallel_sequences=args.parallel_sequences,
+                        priority_rate=args.priority_rate)
     if args.tiny:
         config.model_path = tiny_model(ROOT / '.cache' / 'soak_tiny')
         config.max_context = 256
@@ -486,7 +526,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     base, final = report.baseline or {}, report.final or {}
     print(f'\n{report.config["goals"]} goals, {report.config["clients"]} clients, '
           f'{report.wall_s} s ({report.goals_per_s} goals/s): {report.outcomes}, '
-          f'{report.recovered} results requested again')
+          f'{report.recovered} results requested again, {report.paused} goals paused')
     print(f'rss {base.get("rss_bytes", 0) / mib:.1f} -> {final.get("rss_bytes", 0) / mib:.1f}'
           f' MiB ({report.rss_growth:+.2%}, peak {report.peak_rss_bytes / mib:.1f}); fds '
           f'{base.get("fds")} -> {final.get("fds")}; threads {base.get("threads")} -> '

@@ -328,6 +328,8 @@ class GenerationHandle:
         self._server_gone_since: Optional[float] = None
         self.result_requests = 0       # get_result requests sent (more than 1 = recovered)
         self.queue_position = 0
+        # True while the node has paused this goal for a preempting one (feedback.paused).
+        self.paused = False
         self.sent_at = time.monotonic()
         self.first_feedback_at: Optional[float] = None
         client.watch(self._key, self._on_status)
@@ -350,6 +352,7 @@ class GenerationHandle:
         feedback = message.feedback
         with self._cond:
             self.queue_position = feedback.queue_position
+            self.paused = feedback.paused
             if feedback.text_delta or feedback.completion_tokens:
                 if self.first_feedback_at is None and feedback.token_ids:
                     self.first_feedback_at = time.monotonic()
@@ -632,7 +635,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               request_type=Generate.Goal, *, tools: Sequence[Any] = (), tool_choice: str = '',
               parallel_tool_calls: bool = True, grammar: str = '', regex: str = '',
               choices: Sequence[str] = (), reasoning: Optional[bool] = None,
-              reasoning_budget: Optional[int] = None, **sampling) -> Any:
+              reasoning_budget: Optional[int] = None, priority: int = 0,
+              preempt: bool = False, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -640,12 +644,21 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     {token id: bias}. `tools` holds ToolSpec messages or dicts (name, description,
     parameters as a dict or JSON text, or OpenAI's {"type": "function", "function": {...}}).
     `reasoning` None keeps the model's default; `reasoning_budget` None = no limit.
+    `priority` (higher is served first; the node accepts Generate.Goal.PRIORITY_MIN..MAX) and
+    `preempt` (pause a lower-priority running goal) exist only on Generate goals: ~/complete
+    requests run at priority 0, so asking one for anything else raises TypeError.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f'unknown sampling field(s) {sorted(unknown)}; known: '
                         f'{", ".join(SAMPLING_FIELDS)}')
     goal = request_type()
+    if hasattr(goal, 'priority'):
+        goal.priority = int(priority)
+        goal.preempt = bool(preempt)
+    elif priority or preempt:
+        raise TypeError(f'{request_type.__name__} has no priority/preempt: send a Generate '
+                        'goal (LLMClient.generate) to queue by priority')
     goal.prompt = prompt
     goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
                      for m in messages]

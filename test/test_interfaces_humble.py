@@ -85,3 +85,18 @@ def test_actions_depend_on_action_msgs():
     if list((PKG_DIR / 'action').glob('*.action')):
         assert 'action_msgs' in _cmake_dependencies()
         assert 'action_msgs' in {key for _, key in dependencies(PKG_DIR / 'package.xml')}
+
+
+def test_version_3_queue_fields_parse_with_humble_types():
+    """Issue 14's fields: plain primitives Humble has, constants inside their type's range."""
+    goal, _, feedback = _messages('action/Generate.action')
+    fields = {item.name: item.type.type for item in goal.fields}
+    assert fields['priority'] == 'int16' and fields['preempt'] == 'bool'
+    assert {item.name: item.type.type for item in feedback.fields}['paused'] == 'bool'
+    constants = {c.name: (c.type, c.value) for c in goal.constants}
+    assert constants['PRIORITY_MIN'] == ('int16', -100)
+    assert constants['PRIORITY_MAX'] == ('int16', 100)
+    assert constants['INTERFACE_VERSION'] == ('uint16', 3)
+    transcript = {item.name: item.type.type
+                  for item in _messages('msg/Transcript.msg')[0].fields}
+    assert transcript['priority'] == 'int16' and transcript['preempt'] == 'bool'

@@ -1,10 +1,13 @@
 """KV cache bookkeeping on plain arrays: reuse planning, sessions, int8 snapshots, no-room."""
+import logging
+
 import numpy as np
 import pytest
 
 from edge_llm_ros.engine.errors import ContextOverflowError
-from edge_llm_ros.engine.kv_cache import (check_fits, common_prefix, dequantize_int8, KVCache,
-                                          quantize_int8)
+from edge_llm_ros.engine.kv_cache import (_Snapshot, check_fits, common_prefix,
+                                          dequantize_int8, KVCache, quantize_int8,
+                                          SnapshotStore)
 
 LAYERS, KV_HEADS, HEAD_DIM, CAP = 2, 2, 8, 32
 
@@ -21,10 +24,11 @@ def fake_kv(keys, layer):
 class FakeModel:
     """Writes fake_kv into the buffers as a decoder would, through KVCache.plan/append."""
 
-    def __init__(self, snapshot_dtype='float32', max_sessions=4):
+    def __init__(self, snapshot_dtype='float32', max_sessions=4, max_bytes=None, store=None):
         self.buffers = [np.zeros((1, KV_HEADS, CAP, HEAD_DIM), np.float32)
                         for _ in range(2 * LAYERS)]
-        self.cache = KVCache(self.buffers, CAP, snapshot_dtype, max_sessions)
+        self.cache = KVCache(self.buffers, CAP, snapshot_dtype, max_sessions, store=store,
+                             max_bytes=max_bytes)
         self.prefilled = 0
 
     def run(self, keys, session=''):
@@ -162,3 +166,75 @@ def test_bad_construction():
         KVCache(buf, 5)
     with pytest.raises(ValueError, match='kv_dtype'):
         KVCache(buf, 4, 'int4')
+
+
+# --- byte bound --------------------------------------------------------------------------------
+POSITION_BYTES = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4  # one float32 position of every buffer
+
+
+def snap_of(n, fill=1.0):
+    """Return a float32 snapshot of n positions (n * POSITION_BYTES bytes)."""
+    data = [np.full((1, KV_HEADS, n, HEAD_DIM), fill, np.float32) for _ in range(2 * LAYERS)]
+    return _Snapshot(tuple(range(n)), data, None)
+
+
+def test_byte_bound_evicts_least_recently_used():
+    store = SnapshotStore(max_sessions=100, max_bytes=10 * POSITION_BYTES)
+    for name in 'ABC':
+        assert store.put(name, snap_of(3))
+    store.touch('A')                       # A becomes the most recently used
+    assert store.put('D', snap_of(3))      # 12 positions > 10: evict B, the oldest
+    assert store.ids() == ['C', 'A', 'D']
+    assert store.nbytes() == 9 * POSITION_BYTES
+    assert store.put('E', snap_of(7))      # evicts C then A
+    assert store.ids() == ['D', 'E'] and store.nbytes() == 10 * POSITION_BYTES
+    assert store.put('D', snap_of(1))      # replacing a session counts its new size only
+    assert store.nbytes() == 8 * POSITION_BYTES and store.ids() == ['E', 'D']
+    assert store.pop('E') and not store.pop('E')
+    assert store.nbytes() == POSITION_BYTES
+
+
+def test_count_bound_still_applies_with_a_byte_bound():
+    store = SnapshotStore(max_sessions=2, max_bytes=1000 * POSITION_BYTES)
+    for name in 'ABC':
+        store.put(name, snap_of(1))
+    assert store.ids() == ['B', 'C']
+
+
+def test_a_snapshot_larger_than_the_bound_is_not_kept(caplog):
+    store = SnapshotStore(max_sessions=4, max_bytes=4 * POSITION_BYTES)
+    assert store.put('A', snap_of(2))
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.engine.kv_cache'):
+        assert not store.put('A', snap_of(5))
+    assert 'not kept' in caplog.text and 'sessions.max_bytes' in caplog.text
+    # The older, shorter prefix of the session stays: it is still a valid prefix.
+    assert store.ids() == ['A'] and len(store.get('A').keys) == 2
+
+
+def test_kvcache_respects_the_byte_bound():
+    m = FakeModel(max_sessions=8, max_bytes=10 * POSITION_BYTES)
+    m.run([1, 2, 3, 4], 'A')
+    m.run([1, 5, 6, 7], 'B')
+    m.run([1, 8, 9, 10], 'C')              # saves B: A + B = 8 positions fit
+    assert m.cache.sessions() == ['A', 'B']
+    m.run([1, 11, 12, 13], 'D')            # saves C: 12 > 10, A goes
+    assert m.cache.sessions() == ['B', 'C']
+    assert m.cache.snapshot_bytes() <= 10 * POSITION_BYTES
+    m.run(list(range(20, 32)), 'E')        # saves D (4 positions)
+    m.run([1, 2], 'F')                     # E's 12 positions alone exceed the bound
+    assert 'E' not in m.cache.sessions()
+    assert m.run(list(range(20, 33)), 'E') == 0
+
+
+def test_checkpoint_is_a_no_op_without_persistence():
+    m = FakeModel()
+    m.run([1, 2, 3], 'A')
+    assert not m.cache.checkpoint()
+    assert m.cache.sessions() == []
+    m.cache.close()
+    assert m.cache.length == 0
+
+
+def test_bad_byte_bound():
+    with pytest.raises(ValueError, match='max_bytes'):
+        SnapshotStore(max_bytes=-1)

@@ -270,3 +270,59 @@ def test_stop_cancels_everything_and_closes_the_engine(make_worker):
     assert running.outcome().cancel_reason is CancelReason.SHUTDOWN
     assert waiting.outcome().cancel_reason is CancelReason.SHUTDOWN
     assert engine.closed and not worker.alive
+
+
+def test_a_job_cancelled_before_submission_ends_cancelled(make_worker):
+    worker, engine = make_worker()
+    rec = Recorder()
+    job = rec.job(max_tokens=50)
+    worker.cancel(job, CancelReason.CLIENT)   # the client cancelled between accept and submit
+    worker.submit(job)
+    outcome = rec.outcome()
+    assert outcome.result.stop_reason is StopReason.CANCELLED
+    assert outcome.cancel_reason is CancelReason.CLIENT and engine.steps == 0
+
+
+def test_priority_orders_waiting_jobs_and_out_of_range_is_refused(make_worker):
+    worker, engine = make_worker(depth=5, gated=True)
+    first = Recorder()
+    worker.submit(first.job(max_tokens=1))
+    order = []
+    recs = {}
+    for name, priority in (('low', -3), ('mid', 0), ('high', 9), ('mid2', 0)):
+        recs[name] = Recorder()
+        job = recs[name].job(max_tokens=1, priority=priority)
+        job.on_done = (lambda n, r: lambda outcome: (order.append(n), r.finish(outcome)))(
+            name, recs[name])
+        worker.submit(job)
+    with pytest.raises(ValueError, match='priority'):
+        worker.submit(Recorder().job(priority=101))
+    assert [c.queue_position for c in recs['low'].chunks][-1] == 4
+    for _ in range(5):
+        engine.gate.release()
+    for rec in recs.values():
+        rec.outcome()
+    assert order == ['high', 'mid', 'mid2', 'low']
+
+
+def test_a_failing_step_ends_every_job_with_an_error(make_worker):
+    worker, engine = make_worker(depth=3, gated=True)
+    running, waiting = Recorder(), Recorder()
+    worker.submit(running.job(max_tokens=50))
+    engine.gate.release()
+    _wait(lambda: engine.steps == 1, 'the first token')
+    worker.submit(waiting.job())
+    step = worker._sched.step
+
+    def broken(*args):
+        raise RuntimeError('scheduler bug')
+    worker._sched.step = broken
+    engine.gate.release()
+    for rec in (running, waiting):
+        result = rec.outcome().result
+        assert result.stop_reason is StopReason.ERROR and 'scheduler bug' in result.error
+    worker._sched.step = step
+    again = Recorder()
+    worker.submit(again.job(max_tokens=1))
+    engine.gate.release()
+    assert again.outcome().result.stop_reason is StopReason.LENGTH

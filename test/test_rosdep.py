@@ -33,7 +33,8 @@ ROSDEP_KEYS = {
     'PIL': 'python3-pil', 'matplotlib': 'python3-matplotlib',
     'onnxruntime': 'python3-onnxruntime-pip', 'rosbags': 'python3-rosbags-pip',
     'fastapi': 'python3-fastapi', 'uvicorn': 'python3-uvicorn', 'httpx': 'python3-httpx',
-    'py_trees': 'py_trees',
+    'py_trees': 'py_trees', 'prometheus_client': 'python3-prometheus-client',
+    'cryptography': 'python3-cryptography',
     # FastAPI's own dependencies, installed with it.
     'starlette': 'python3-fastapi', 'anyio': 'python3-fastapi',
 }
@@ -41,7 +42,9 @@ ROSDEP_KEYS = {
 PIP_ONLY = {'onnx': 'onnx', 'tokenizers': 'tokenizers', 'gguf': 'gguf',
             'safetensors': 'safetensors', 'llguidance': 'llguidance', 'av': 'av',
             # The bridge needs pydantic 2; jammy's python3-pydantic is 1.x.
-            'pydantic': 'pydantic'}
+            'pydantic': 'pydantic',
+            # Model update deltas (edge_llm_ros.update.delta).
+            'bsdiff4': 'bsdiff4'}
 # Import-guarded extras that only exist on a CUDA board (JetPack ships them).
 BOARD_ONLY = {'cuda', 'pycuda'}
 

@@ -240,9 +240,17 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('engine.prefill_chunk', ParamType.INTEGER, 256,
               'Prompt tokens per forward pass during prefill (bounds memory and how long a '
               'cancel waits)', range=Range(1, 8192)),
+    ParamSpec('engine.parallel_sequences', ParamType.INTEGER, 1,
+              'Goals decoded together in one batch (continuous batching); each has its own '
+              'kv.max_context KV slot, reserved at configure (docs/batching.md)',
+              range=Range(1, 16)),
     ParamSpec('kv.max_context', ParamType.INTEGER, 2048,
               "KV-cache capacity in tokens (must not exceed the model's context length)",
               range=Range(64, 131072)),
+    ParamSpec('kv.memory_limit', ParamType.INTEGER, 0,
+              'Bytes the KV slots (and saved session prefixes) may take; configure fails with '
+              'the bytes needed above it; 0 = 80 % of the memory available at configure',
+              range=Range(0, 1 << 42)),
     ParamSpec('kv.dtype', ParamType.STRING, 'float32',
               'Storage type of saved per-session KV prefixes', choices=('float32', 'int8')),
     ParamSpec('kv.prefix_reuse', ParamType.BOOL, True,
@@ -250,6 +258,13 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('kv.max_sessions', ParamType.INTEGER, 8,
               'Saved per-session KV prefixes kept (least recently used dropped first)',
               range=Range(0, 1024)),
+    ParamSpec('sessions.max_bytes', ParamType.INTEGER, 256 << 20,
+              'Byte bound of the saved session KV prefixes, in memory and in sessions.store '
+              '(least recently used dropped first; a larger prefix is not kept)',
+              range=Range(0, 1 << 40)),
+    ParamSpec('sessions.store', ParamType.STRING, '',
+              "SQLite file the saved sessions persist in across restarts; '' = memory only "
+              '(docs/sessions.md)'),
     ParamSpec('sampling.temperature', ParamType.DOUBLE, 0.0,
               'Default temperature; 0 = greedy', read_only=False, range=Range(0.0, 2.0)),
     ParamSpec('sampling.top_k', ParamType.INTEGER, 0,
@@ -292,6 +307,19 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'to true because they start llm_node alone, with no manager to drive it'),
     ParamSpec('diagnostics.period_s', ParamType.DOUBLE, 1.0,
               'Period of /diagnostics and thermal polling', range=Range(0.1, 60.0)),
+    ParamSpec('metrics.port', ParamType.INTEGER, 0,
+              'TCP port of the Prometheus /metrics endpoint, served from configure to '
+              'cleanup; 0 = off (docs/metrics.md)', range=Range(0, 65535)),
+    ParamSpec('metrics.host', ParamType.STRING, '127.0.0.1',
+              "Address the /metrics endpoint binds; '0.0.0.0' exposes it to the network",
+              pattern=r'\S+'),
+    ParamSpec('update.public_key', ParamType.STRING, '',
+              'ed25519 public key that must sign model updates (~/update_model): a key file '
+              "(edge-llm-update keygen's .pub, or PEM) or its base64; '' = updates refused "
+              '(docs/model_updates.md)'),
+    ParamSpec('update.models_root', ParamType.STRING, '',
+              'Folder the updates are installed in (versions/<name> and the `current` '
+              "symlink; point model.path at <root>/current); '' = updates refused"),
     ParamSpec('thermal.enabled', ParamType.BOOL, True,
               'Throttle generation when the SoC runs hot'),
     ParamSpec('thermal.zones', ParamType.STRING_ARRAY, ['*'],
@@ -541,7 +569,11 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'kv_dtype': values['kv.dtype'],
         'prefix_reuse': values['kv.prefix_reuse'],
         'max_sessions': values['kv.max_sessions'],
+        'session_max_bytes': values['sessions.max_bytes'],
+        'session_store': values['sessions.store'],
         'prefill_chunk': values['engine.prefill_chunk'],
+        'parallel_sequences': values['engine.parallel_sequences'],
+        'kv_memory_limit': values['kv.memory_limit'],
     }
 
 

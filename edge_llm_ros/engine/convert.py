@@ -24,7 +24,7 @@ from .errors import ConversionError, EngineError
 from .onnx_graph import DATA_FILE, DecoderGraph, GraphOptions, LayerWeights, OPSET
 from .quant import BlockWeights, concat_rows, PRECISIONS, to_blocks
 
-CONVERTER_VERSION = '3'
+CONVERTER_VERSION = '4'  # 4: symbolic batch dimension (parallel sequence slots)
 _TMP_MARK = '.tmp-'
 # A write that failed while less than this was free is taken for a full disk: numpy's short
 # writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.

@@ -5,8 +5,11 @@
     for event in engine.generate(prepared):            # or generate(request): prepares too
         print(event.text_delta, end='')
 
-One generation runs at a time (the KV cache is shared); a new ``generate`` call ends a previous
-generation that was not iterated to the end (it finishes as CANCELLED).
+One generation runs at a time through ``generate`` (it uses slot 0's KV cache); a new
+``generate`` call ends a previous generation that was not iterated to the end (it finishes as
+CANCELLED). Several sequences at once go through ``scheduler()`` (continuous batching over
+``parallel_sequences`` slots, priorities and preemption; docs/batching.md); the two are not
+meant to be mixed while the scheduler has sequences (generate then raises EngineError).
 
 The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
 or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
@@ -27,10 +30,12 @@ from edge_llm_ros.engine.errors import EngineError, InvalidRequestError, ModelLo
 from edge_llm_ros.engine.generator import Generation
 from edge_llm_ros.engine.gguf_tokenizer import CHAT_TEMPLATE_FILE
 from edge_llm_ros.engine.kv_cache import KVCache, SNAPSHOT_DTYPES
-from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
+from edge_llm_ros.engine.model import load_model_info, ModelInfo, OnnxDecoder, SessionConfig
 from edge_llm_ros.engine.model_config import (family_for_model_dir, load_family,
                                               ModelConfigError, ModelFamilyConfig)
 from edge_llm_ros.engine.request import prepare, PreparedRequest
+from edge_llm_ros.engine.scheduler import BatchScheduler, min_rows_for
+from edge_llm_ros.engine.session_store import open_sessions
 from edge_llm_ros.engine.tokenizer import TextTokenizer
 from edge_llm_ros.engine.types import ChatMessage, GenerationRequest
 
@@ -50,9 +55,59 @@ class EngineConfig:
     kv_dtype: str = 'float32'
     prefix_reuse: bool = True
     max_sessions: int = 8          # LRU of saved per-session KV prefixes
+    # Byte bound of the saved prefixes, in memory and in session_store (docs/sessions.md).
+    session_max_bytes: int = 256 << 20
+    session_store: str = ''        # SQLite file the saved prefixes persist in; '' = memory only
     prefill_chunk: int = 256       # prompt positions per forward (bounds memory, cancel latency)
     # config/models family name (or a family .yaml path) instead of the one model.yaml matches.
     model_family: str = ''
+    # Sequence slots (continuous batching, docs/batching.md): each holds max_context positions.
+    parallel_sequences: int = 1
+    # Bytes the KV buffers may take; 0 = KV_MEMORY_FRACTION of the memory available at load.
+    kv_memory_limit: int = 0
+
+
+PARALLEL_SEQUENCES_MAX = 64
+KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weights and Python
+
+
+def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
+    """Bytes of the preallocated KV buffers: slots x layers x (K, V) x kv_heads x L x head_dim."""
+    kv_len = info.kv_max_context or max_context
+    itemsize = 2 if info.activation_dtype == 'float16' else 4
+    return slots * info.num_layers * 2 * info.num_kv_heads * kv_len * info.head_dim * itemsize
+
+
+def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
+    """Return the KV bytes of parallel_sequences slots, or raise ModelLoadError if too many.
+
+    Runs before anything is allocated; the budget is the slots' KV buffers plus the bound of
+    the saved session prefixes (session_max_bytes, when prefixes are kept), and the message
+    names the bytes and what to lower.
+    """
+    n = config.parallel_sequences
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PARALLEL_SEQUENCES_MAX:
+        raise ModelLoadError(f'parallel_sequences must be an integer in '
+                             f'1..{PARALLEL_SEQUENCES_MAX}, got {n!r}')
+    if config.kv_memory_limit < 0:
+        raise ModelLoadError(f'kv_memory_limit must be >= 0, got {config.kv_memory_limit}')
+    need = kv_budget_bytes(info, config.max_context, n)
+    saved = config.session_max_bytes if config.prefix_reuse and config.max_sessions else 0
+    limit = config.kv_memory_limit
+    source = 'kv_memory_limit'
+    if not limit:
+        import psutil
+        limit = int(psutil.virtual_memory().available * KV_MEMORY_FRACTION)
+        source = f'{KV_MEMORY_FRACTION:.0%} of the available memory'
+    if need + saved > limit:
+        one = kv_budget_bytes(info, config.max_context, 1)
+        raise ModelLoadError(
+            f'the KV cache of {n} parallel sequence(s) x {config.max_context} positions needs '
+            f'{need} bytes ({need / 2**20:.1f} MiB; {one / 2**20:.1f} MiB per sequence) plus '
+            f'{saved} bytes of saved session prefixes (session_max_bytes), more than {limit} '
+            f'bytes ({source}): lower parallel_sequences or max_context (or '
+            'session_max_bytes)')
+    return need
 
 
 class Engine:
@@ -73,6 +128,7 @@ class Engine:
             model_dir = str(ensure_default_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
+        self.kv_bytes = check_kv_budget(self.info, config)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.family, self.family_error = _family(model_dir, config.model_family)
         self._eos = _end_ids(self.tokenizer, self.family)
@@ -81,12 +137,20 @@ class Engine:
             provider_options=tuple(config.provider_options),
             intra_op_threads=config.intra_op_threads,
             intra_op_affinity=config.intra_op_affinity,
-            max_context=config.max_context))
-        self._cache = KVCache(self._decoder.kv_buffers, self._decoder.capacity,
-                              snapshot_dtype=config.kv_dtype,
-                              max_sessions=config.max_sessions if config.prefix_reuse else 0)
+            max_context=config.max_context,
+            slots=config.parallel_sequences))
+        # Restores the sessions saved for this model (SessionStoreError on a bad store).
+        store = open_sessions(config, model_dir, self._decoder.slot_buffers(0),
+                              self._decoder.capacity)
+        # One cache per slot; they share the saved session prefixes (a session continues in
+        # whichever slot is free).
+        self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
+                                snapshot_dtype=config.kv_dtype, store=store)
+                        for i in range(config.parallel_sequences)]
+        self._cache = self._caches[0]
         self._lock = threading.RLock()
         self._active: Optional[Generation] = None
+        self._scheduler: Optional[BatchScheduler] = None
         self._compile_schema = functools.lru_cache(maxsize=16)(self._compile)
         self.model_name = self.info.name
         self.context_length = self._decoder.capacity
@@ -127,6 +191,9 @@ class Engine:
                               'call prepared.bind(array) before generate()')
         with self._lock:
             decoder = self._open_decoder()
+            if self._scheduler is not None and not self._scheduler.idle():
+                raise EngineError('the scheduler is running sequences on this engine: submit '
+                                  'through engine.scheduler() instead of generate()')
             if self._active is not None:
                 self._active.abandon()
             if not self.config.prefix_reuse:
@@ -137,7 +204,31 @@ class Engine:
             self._active = generation
         return generation
 
+    def scheduler(self) -> BatchScheduler:
+        """Return the engine's scheduler over its parallel_sequences slots (made once)."""
+        with self._lock:
+            decoder = self._open_decoder()
+            if self._scheduler is None:
+                if self._active is not None:
+                    self._active.abandon()
+                quant = self.info.extra.get('quantization')
+                level = quant.get('accuracy_level') if isinstance(quant, dict) else None
+                self._scheduler = BatchScheduler(decoder, self._caches, self._new_generation,
+                                                 self._lock, self.config.prefix_reuse,
+                                                 min_rows_for(level))
+            return self._scheduler
+
+    def _new_generation(self, prepared: PreparedRequest, cache: KVCache,
+                        slot: int) -> Generation:
+        if not prepared.bound:
+            raise EngineError('the request declares prefix_embeddings that were never bound: '
+                              'bind them before running it')
+        return Generation(self._open_decoder(), cache, self.tokenizer, prepared,
+                          self.config.prefill_chunk, self._lock, time.perf_counter(),
+                          eos=self._eos, slot=slot)
+
     def _ended(self, generation: Generation) -> None:
+        self._cache.checkpoint()  # persisted sessions only: queue this turn's prefix for disk
         if self._active is generation:
             self._active = None
 
@@ -200,8 +291,9 @@ class Engine:
 
     # --- state -------------------------------------------------------------------------------
     def kv_occupancy(self) -> Tuple[int, int]:
-        """(positions used, capacity) of the live KV cache."""
-        return self._cache.occupancy()
+        """(positions used, capacity) of the live KV caches (summed over the slots)."""
+        used = sum(c.length for c in self._caches)
+        return used, self._cache.capacity * len(self._caches)
 
     def saved_sessions(self) -> List[str]:
         """Return the session ids whose KV prefixes are saved, least recently used first."""
@@ -220,30 +312,44 @@ class Engine:
             raise InvalidRequestError('session_id must be text')
         with self._lock:
             if not session_id:
-                count = len(self._cache.known_sessions())
+                count = len({s for c in self._caches for s in c.known_sessions()})
                 self.reset_cache()
                 return count
             if self._active is not None and self._cache.owner == session_id:
                 self._active.abandon()
-            return int(self._cache.drop_session(session_id))
+            if self._scheduler is not None:
+                for seq in self._scheduler.live():
+                    if self._caches[seq.slot].owner == session_id:
+                        self._scheduler.cancel(seq)
+            # Every slot's cache forgets its live copy (all of them: no short cut).
+            dropped = [c.drop_session(session_id) for c in self._caches]
+            return int(any(dropped))
 
     def reset_cache(self, sessions: bool = True) -> None:
         """Forget the live KV cache (and the saved session prefixes unless sessions=False)."""
         with self._lock:
-            if self._active is not None:
-                self._active.abandon()
-            self._cache.reset()
+            self._abort()
+            for cache in self._caches:
+                cache.reset()
             if sessions:
                 self._cache.clear_sessions()
 
     def close(self) -> None:
         """Free the session and the KV buffers; the engine cannot be used afterwards."""
         with self._lock:
-            if self._active is not None:
-                self._active.abandon()
-            self._cache.reset()
-            self._cache.clear_sessions()
+            self._abort()
+            for cache in self._caches[1:]:
+                cache.checkpoint()
+                cache.reset()
+            self._cache.close()  # flushes persisted sessions, keeps them on disk
             self._decoder = None
+
+    def _abort(self) -> None:
+        """End the solo generation and every scheduled sequence (CANCELLED)."""
+        if self._active is not None:
+            self._active.abandon()
+        if self._scheduler is not None:
+            self._scheduler.abort()
 
 
 def _family(model_dir: str, name: str) -> Tuple[Optional[ModelFamilyConfig], str]:

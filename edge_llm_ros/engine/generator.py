@@ -21,6 +21,11 @@ Event/result conventions:
   TokenLogprobs; a forced token has log probability 0 (it was certain).
 * Every choice (logprobs or not, constraint or not, pipeline or not) is made once when the
   generation starts: the per-token path of a plain request is what it always was.
+* Drivers: the per-sequence logic (prefix planning, prefill chunks, sampling, constraints,
+  output pipeline, stop strings, logprobs, timings) lives in the driver methods ``begin`` /
+  ``prefill_chunk`` / ``first`` / ``advance`` / ``fail``. Iterating a Generation drives them
+  alone (one decode per step); engine.scheduler drives many at once, batching their decode
+  steps into one model call (docs/batching.md).
 * Timings: TTFT counts from the call to ``Engine.generate``; prefill tok/s counts only the
   positions actually computed (``cached_prompt_tokens`` were reused); decode tok/s is decode
   steps per second of the engine's own time (what the consumer does between events is not
@@ -60,9 +65,10 @@ class Generation:
     def __init__(self, decoder: OnnxDecoder, cache: KVCache, tokenizer: TextTokenizer,
                  prepared: PreparedRequest, prefill_chunk: int, lock: threading.RLock,
                  t0: float, on_end: Optional[Callable[['Generation'], None]] = None,
-                 eos: Iterable[int] = ()) -> None:
+                 eos: Iterable[int] = (), slot: int = 0) -> None:
         self._decoder = decoder
         self._cache = cache
+        self.slot = slot  # the decoder slot whose KV this generation writes (see move_to)
         self._tokenizer = tokenizer
         self._req = prepared
         self._chunk = prefill_chunk
@@ -86,6 +92,14 @@ class Generation:
         self._logprobs: List[TokenLogprobs] = []
         self._last_logprobs: Optional[TokenLogprobs] = None
         self.result: Optional[GenerationResult] = None
+        # Decode state (set by first()): the token to feed next at position pos.
+        self.token = 0
+        self.pos = 0
+        self.done = False
+        self._index = 0
+        self._budget = 0
+        self._pick: Optional[Picker] = None
+        self._emit = self._emit_plain
 
     # --- public ------------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -130,69 +144,118 @@ class Generation:
             self._finish()
 
     # --- the loop ----------------------------------------------------------------------------
-    def _prefill(self) -> Optional[np.ndarray]:
-        """Fill the cache with the prompt; returns the last position's logits (None: cancelled)."""
-        req, cache, dec = self._req, self._cache, self._decoder
-        reused = cache.plan(req.keys, req.session_id, recompute=RECOMPUTE)
-        n_emb = 0 if req.embeds is None else req.embeds.shape[0]
-        total = len(req.keys)
+    def _run(self) -> Iterator[TokenEvent]:
+        """Drive this generation alone: prefill every chunk, then one decode per step."""
+        cancel = self._cancel
+        chunks = self.begin() if not cancel.is_set() else None
         logits = None
-        t = time.perf_counter()
-        for a, b in split_chunks(total, reused, self._chunk):
-            if self._cancel.is_set():
-                return None
-            embeds = req.embeds[a:b] if a < n_emb else None
-            ids = np.asarray(req.prompt_ids[max(a - n_emb, 0):max(b - n_emb, 0)], dtype=np.int64)
-            logits = dec.forward(ids, embeds, a)
-            cache.append(req.keys[a:b])
-        tm = self._timing
-        tm['prefill_s'] = time.perf_counter() - t
-        tm['prefill_tokens'] = total - reused
+        for a, b in chunks or ():
+            if cancel.is_set():
+                break
+            logits = self.prefill_chunk(a, b)
+        if cancel.is_set():
+            self._reason = StopReason.CANCELLED
+            return
+        event = self.first(logits)
+        if event is not None:
+            yield event
+        dec, perf = self._decoder, time.perf_counter
+        while not self.done:
+            if cancel.is_set():
+                self._reason = StopReason.CANCELLED
+                return
+            t = perf()
+            yield self.advance(dec.decode(self.token, self.pos), t)
+
+    # --- driver API (the solo loop above, or engine.scheduler) --------------------------------
+    def move_to(self, cache: KVCache, slot: int) -> None:
+        """Continue in another slot whose cache now holds this generation's positions."""
+        self._cache = cache
+        self.slot = slot
+
+    def begin(self) -> List[Tuple[int, int]]:
+        """Plan prefix reuse in the cache; return the prompt chunks (a, b) still to prefill."""
+        req, tm = self._req, self._timing
+        reused = self._cache.plan(req.keys, req.session_id, recompute=RECOMPUTE)
         tm['cached'] = reused
+        return list(split_chunks(len(req.keys), reused, self._chunk))
+
+    def prefill_chunk(self, a: int, b: int) -> np.ndarray:
+        """Prefill prompt positions a..b-1 in this generation's slot; returns the logits view."""
+        req = self._req
+        t = time.perf_counter()
+        n_emb = 0 if req.embeds is None else req.embeds.shape[0]
+        embeds = req.embeds[a:b] if a < n_emb else None
+        ids = np.asarray(req.prompt_ids[max(a - n_emb, 0):max(b - n_emb, 0)], dtype=np.int64)
+        logits = self._decoder.forward(ids, embeds, a, self.slot)
+        self._cache.append(req.keys[a:b])
+        tm = self._timing
+        tm['prefill_s'] += time.perf_counter() - t
+        tm['prefill_tokens'] += b - a   # positions actually computed
         return logits
 
-    def _run(self) -> Iterator[TokenEvent]:
-        req, cache, dec, tm = self._req, self._cache, self._decoder, self._timing
-        if self._cancel.is_set():
-            self._reason = StopReason.CANCELLED
-            return
-        logits = self._prefill()
-        if logits is None:
-            self._reason = StopReason.CANCELLED
-            return
+    def first(self, logits: np.ndarray) -> Optional[TokenEvent]:
+        """Set up the output side and pick the first token from the prompt's last logits.
+
+        Returns its event (None when the budget allows no token at all).
+        """
+        req, cache = self._req, self._cache
         plan = req.output
         if plan.tool_format is not None or plan.reasoning is not None:
             self._pipeline = plan.start()
-        pick = self._picker(logits.shape[0])
+        self._pick = self._picker(logits.shape[0])
         # Tool-call markers may be special tokens (Mistral's [TOOL_CALLS]): keep them as text
         # for the parser, which takes them out of the answer.
         self._stream = self._tokenizer.new_stream(skip_special_tokens=plan.tool_format is None)
         self._matcher = StopMatcher(req.stop)
-        emit = self._emit_split if self._pipeline is not None else self._emit_plain
-        cancel, perf = self._cancel, time.perf_counter
+        self._emit = self._emit_split if self._pipeline is not None else self._emit_plain
         # prepare() checked prompt + max_tokens <= capacity; the min() only guards it.
-        budget = min(req.max_tokens, cache.room() + 1)
-        pos = cache.length
-        token = pick(logits)
-        tm['ttft'] = perf() - self._t0
-        for index in range(budget):
-            if index:  # one decode step: feed the previous token, pick the next
-                if cancel.is_set():
-                    self._reason = StopReason.CANCELLED
-                    return
-                t = perf()
-                logits = dec.decode(token, pos)
-                cache.append_token(token)
-                pos += 1
-                token = pick(logits)
-                tm['decode_s'] += perf() - t
-                tm['decode_steps'] += 1
-            event, reason = emit(token, index, index + 1 == budget)
-            self._ids.append(token)
-            yield event
+        self._budget = min(req.max_tokens, cache.room() + 1)
+        self.pos = cache.length
+        self.token = self._pick(logits)
+        self._timing['ttft'] = time.perf_counter() - self._t0
+        if self._budget < 1:
+            self.done = True
+            return None
+        return self._emit_token()
+
+    def advance(self, logits: np.ndarray, t: float) -> TokenEvent:
+        """Take the logits of feeding `token` at `pos`; pick and emit the next token.
+
+        t: perf_counter time when that model call started (decode timing).
+        """
+        self._cache.append_token(self.token)
+        self.pos += 1
+        self.token = self._pick(logits)
+        tm = self._timing
+        tm['decode_s'] += time.perf_counter() - t
+        tm['decode_steps'] += 1
+        return self._emit_token()
+
+    def _emit_token(self) -> TokenEvent:
+        index = self._index
+        event, reason = self._emit(self.token, index, index + 1 == self._budget)
+        self._ids.append(self.token)
+        self._index = index + 1
+        if reason is not None:
+            self._reason = reason
+            self.done = True
+        return event
+
+    def end(self, reason: Optional[StopReason] = None) -> None:
+        """Finish now (a driver's call): with `reason` if given, else the one reached."""
+        if self.result is None:
             if reason is not None:
                 self._reason = reason
-                return
+            self._steps.close()
+            self._finish()
+
+    def fail(self, exc: BaseException) -> None:
+        """End with ERROR after a runtime failure; the slot's cache contents are unknown."""
+        if self.result is None:
+            self._cache.reset()
+            self._steps.close()
+            self._finish(f'{type(exc).__name__}: {exc}')
 
     def _picker(self, vocab: int) -> Picker:
         """Return pick(logits) -> token: sampler chain, under the mask when constrained.

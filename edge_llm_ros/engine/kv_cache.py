@@ -12,8 +12,10 @@ so that a new request only prefills what differs from the cache:
   snapshots, restores it into the live buffers if it came from a snapshot, and returns how
   many positions need no prefill (at least the last prompt position is recomputed to get its
   logits).
-* Session snapshots (LRU of ``max_sessions``) keep alternating conversations' prefixes. They
-  are saved lazily, only when another request is about to overwrite the live cache.
+* Session snapshots (a SnapshotStore: LRU bounded by count and by bytes) keep alternating
+  conversations' prefixes. They are saved lazily, only when another request is about to
+  overwrite the live cache, or, when the store persists to SQLite (engine.session_store,
+  docs/sessions.md), also by checkpoint() when a sequence ends.
 
 Snapshot storage (``snapshot_dtype``): 'float32' keeps an exact copy of the buffers' dtype
 (46 KB per token for SmolLM2-135M). 'int8' stores each (head, position) row of head_dim values
@@ -26,13 +28,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, List, Optional, Sequence, Tuple
+import logging
+from typing import Hashable, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 
 from edge_llm_ros.engine.errors import ContextOverflowError
 
 SNAPSHOT_DTYPES = ('float32', 'int8')
+_log = logging.getLogger(__name__)
 
 
 def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
@@ -66,21 +70,54 @@ class _Snapshot:
         return sum(d.nbytes for d in self.data) + extra
 
 
+class SnapshotSink(Protocol):
+    """Where a SnapshotStore mirrors its changes (session_store.SessionStore: SQLite)."""
+
+    def save(self, session_id: str, snap: _Snapshot, tick: int) -> None: ...
+
+    def touch(self, session_id: str, tick: int) -> None: ...
+
+    def delete(self, session_id: str) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class SnapshotStore:
     """Saved session prefixes, least recently used first; one store may serve several caches.
 
     With several sequence slots (one KVCache per slot) every slot saves into and restores from
-    the same store, so a session can continue in whichever slot is free.
+    the same store, so a session can continue in whichever slot is free. Bounded by count
+    (max_sessions) and by bytes (max_bytes, None = no byte bound): the least recently used are
+    evicted until both hold; a single prefix larger than max_bytes is not kept (logged). A sink
+    (SQLite persistence) mirrors every change: what is evicted here is deleted there, so the
+    disk holds what memory holds.
     """
 
-    def __init__(self, max_sessions: int = 8) -> None:
+    def __init__(self, max_sessions: int = 8, max_bytes: Optional[int] = None,
+                 sink: Optional[SnapshotSink] = None) -> None:
         if max_sessions < 0:
             raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f'max_bytes must be >= 0 or None, got {max_bytes}')
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self._sink = sink
         self._snaps: 'OrderedDict[str, _Snapshot]' = OrderedDict()
+        self._bytes = 0
+        self._tick = 0  # LRU clock, persisted so a restart keeps the order
+
+    @property
+    def persistent(self) -> bool:
+        """Whether a sink (SQLite) keeps the snapshots across restarts."""
+        return self._sink is not None
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._snaps
+
+    def __len__(self) -> int:
+        return len(self._snaps)
 
     def ids(self) -> List[str]:
         """Session ids, least recently used first."""
@@ -89,27 +126,93 @@ class SnapshotStore:
     def values(self) -> List[_Snapshot]:
         return list(self._snaps.values())
 
-    def put(self, session_id: str, snap: _Snapshot) -> None:
-        """Keep snap as the session's prefix (most recently used); evict beyond the bound."""
-        if self.max_sessions == 0:
-            return
+    def get(self, session_id: str) -> Optional[_Snapshot]:
+        return self._snaps.get(session_id)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether one snapshot of this size can be kept at all."""
+        return self.max_sessions > 0 and (self.max_bytes is None or nbytes <= self.max_bytes)
+
+    def put(self, session_id: str, snap: _Snapshot) -> bool:
+        """Keep snap as the session's prefix (most recently used); evict beyond the bounds.
+
+        Returns False when snap alone exceeds max_bytes (or max_sessions is 0): then it is not
+        kept, and an older, shorter prefix of the same session stays if there was one.
+        """
+        if not self.fits(snap.nbytes):
+            self.refuse(session_id, len(snap.keys), snap.nbytes)
+            return False
+        self._tick += 1
+        self._insert(session_id, snap)
+        if self._sink is not None:
+            self._sink.save(session_id, snap, self._tick)
+        self._evict()
+        return True
+
+    def refuse(self, session_id: str, positions: int, nbytes: int) -> None:
+        """Log that a prefix too big for max_bytes is not kept."""
+        if self.max_sessions > 0:
+            _log.info('session %r: prefix of %d positions is %d bytes > sessions.max_bytes %d: '
+                      'not kept (raise sessions.max_bytes or use kv.dtype int8)',
+                      session_id, positions, nbytes, self.max_bytes)
+
+    def load(self, session_id: str, snap: _Snapshot, tick: int) -> bool:
+        """Put a snapshot read back from the sink (oldest first), without writing it back."""
+        if not self.fits(snap.nbytes):
+            return False
+        self._tick = max(self._tick, tick)
+        self._insert(session_id, snap)
+        self._evict()
+        return session_id in self._snaps
+
+    def _insert(self, session_id: str, snap: _Snapshot) -> None:
+        old = self._snaps.pop(session_id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
         self._snaps[session_id] = snap
-        self._snaps.move_to_end(session_id)
-        while len(self._snaps) > self.max_sessions:
-            self._snaps.popitem(last=False)
+        self._bytes += snap.nbytes
+
+    def _evict(self) -> None:
+        while self._snaps and (len(self._snaps) > self.max_sessions or (
+                self.max_bytes is not None and self._bytes > self.max_bytes)):
+            session_id, old = self._snaps.popitem(last=False)
+            self._bytes -= old.nbytes
+            if self._sink is not None:
+                self._sink.delete(session_id)
 
     def touch(self, session_id: str) -> None:
         if session_id in self._snaps:
             self._snaps.move_to_end(session_id)
+            self._tick += 1
+            if self._sink is not None:
+                self._sink.touch(session_id, self._tick)
 
     def pop(self, session_id: str) -> bool:
-        return self._snaps.pop(session_id, None) is not None
+        old = self._snaps.pop(session_id, None)
+        if old is None:
+            return False
+        self._bytes -= old.nbytes
+        if self._sink is not None:
+            self._sink.delete(session_id)
+        return True
 
     def clear(self) -> None:
+        """Forget every session, in memory and in the sink."""
         self._snaps.clear()
+        self._bytes = 0
+        if self._sink is not None:
+            self._sink.clear()
+
+    def close(self) -> None:
+        """Flush and close the sink, keeping what it saved; forget the in-memory copies."""
+        self._snaps.clear()
+        self._bytes = 0
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.close()
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._snaps.values())
+        return self._bytes
 
 
 class KVCache:
@@ -117,7 +220,8 @@ class KVCache:
 
     def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
                  snapshot_dtype: str = 'float32', max_sessions: int = 8,
-                 store: Optional[SnapshotStore] = None) -> None:
+                 store: Optional[SnapshotStore] = None,
+                 max_bytes: Optional[int] = None) -> None:
         if snapshot_dtype not in SNAPSHOT_DTYPES:
             raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
         for buf in buffers:
@@ -127,7 +231,8 @@ class KVCache:
         self._buffers = list(buffers)
         self._capacity = capacity
         self._snapshot_dtype = snapshot_dtype
-        self._sessions = store if store is not None else SnapshotStore(max_sessions)
+        # A given store carries its own bounds (max_sessions/max_bytes here are then unused).
+        self._sessions = store if store is not None else SnapshotStore(max_sessions, max_bytes)
         self._keys: List[Hashable] = []
         self._owner = ''          # session whose conversation the live cache holds
         self._owner_saved = True  # its snapshot already equals the live cache
@@ -194,7 +299,29 @@ class KVCache:
         self._owner_saved = True
 
     def clear_sessions(self) -> None:
+        """Forget every saved session (in the SQLite store too, when there is one)."""
         self._sessions.clear()
+
+    def checkpoint(self) -> bool:
+        """Save the live cache as its owner's snapshot now, when sessions persist.
+
+        Called when a sequence ends, so that a restart (or a kill) finds its last turn; without
+        a persistent store snapshots stay lazy (saved only before another session overwrites
+        the live cache) and this is a no-op. Returns whether a snapshot was taken.
+        """
+        if not self._sessions.persistent or not self._owner or self._owner_saved:
+            return False
+        self._save(self._owner)
+        return True
+
+    def close(self) -> None:
+        """Checkpoint, empty the live cache and close the store (its saved sessions stay).
+
+        With several caches on one store: checkpoint() and reset() each, then close the store.
+        """
+        self.checkpoint()
+        self.reset()
+        self._sessions.close()
 
     def drop_session(self, session_id: str) -> bool:
         """Forget one session: its snapshot, and the live cache if that session owns it.
@@ -252,6 +379,12 @@ class KVCache:
         if self._sessions.max_sessions == 0 or not self._keys:
             return
         n = len(self._keys)
+        nbytes = self._snapshot_nbytes(n)
+        if not self._sessions.fits(nbytes):  # do not copy what cannot be kept
+            self._sessions.refuse(session_id, n, nbytes)
+            if session_id == self._owner:
+                self._owner_saved = True
+            return
         if self._snapshot_dtype == 'int8':
             pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
             snap = _Snapshot(tuple(self._keys), [q for q, _ in pairs], [s for _, s in pairs])
@@ -261,6 +394,17 @@ class KVCache:
         self._sessions.put(session_id, snap)
         if session_id == self._owner:
             self._owner_saved = True
+
+    def _snapshot_nbytes(self, n: int) -> int:
+        """Bytes of a snapshot of n positions (known before copying anything)."""
+        total = 0
+        for buf in self._buffers:
+            rows = buf.shape[0] * buf.shape[1] * n
+            if self._snapshot_dtype == 'int8':
+                total += rows * buf.shape[3] + rows * 4
+            else:
+                total += rows * buf.shape[3] * buf.itemsize
+        return total
 
     def _restore(self, snap: _Snapshot, n: int) -> None:
         # The live cache was rewound to what it shares with the snapshot: copy only the rest.

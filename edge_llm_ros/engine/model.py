@@ -1,13 +1,20 @@
 """ONNX decoder session: one onnxruntime session, IOBinding, preallocated KV buffers.
 
-One graph serves prefill and decode (see the engine contract): inputs ``input_ids [1, s]``,
-``inputs_embeds [1, e, hidden]`` (fed ahead of the ids), ``seqlens_k [1]`` (total - 1),
-``total_sequence_length []`` and ``past_key_values.{i}.key/value [1, kv_heads, L, head_dim]``;
-outputs ``logits [1, 1, vocab]`` (last position) and ``present.{i}.key/value``.
+One graph serves prefill and decode (see the engine contract): inputs ``input_ids [B, s]``,
+``inputs_embeds [B, e, hidden]`` (fed ahead of the ids), ``seqlens_k [B]`` (total - 1),
+``total_sequence_length []`` and ``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``;
+outputs ``logits [B, 1, vocab]`` (last position) and ``present.{i}.key/value``.
 
 The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
 writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
 small decode inputs are numpy arrays bound once and rewritten in place each step.
+
+Sequence slots (``SessionConfig.slots`` = N, docs/batching.md): the buffers are
+``[N, kv_heads, L, head_dim]``; slot i is the contiguous view ``buf[i:i+1]``. A prefill runs
+one slot (batch 1, over that slot's views); ``decode_rows`` runs rows 0..b-1 in one call with
+per-row lengths in ``seqlens_k`` (GroupQueryAttention's per-sequence lengths). Every binding is
+built at init, so a step only writes ints and runs. With N = 1 the path is the single-sequence
+one it always was.
 """
 from __future__ import annotations
 
@@ -110,6 +117,7 @@ class SessionConfig:
     intra_op_threads: int = 0                # 0 = onnxruntime's default
     intra_op_affinity: str = ''              # 'session.intra_op_thread_affinities'
     max_context: int = 2048                  # KV positions to allocate
+    slots: int = 1                           # sequence slots (rows of the KV buffers)
 
 
 def check_providers(providers: Sequence[str], provider_options: Sequence[dict]) -> None:
@@ -193,27 +201,40 @@ class OnnxDecoder:
                                  f'model.onnx.data): {e}. {REGENERATE_HINT[0].upper()}'
                                  f'{REGENERATE_HINT[1:]}') from None
         self.providers = tuple(self._session.get_providers())
-        self._check_io(model_path)
+        if config.slots < 1:
+            raise ModelLoadError(f'slots must be >= 1, got {config.slots}')
+        self._check_io(model_path, config.slots)
         self.capacity = config.max_context
+        self.slots = config.slots
         kv_len = spec.kv_max_context or config.max_context
-        kv_shape = (1, spec.num_kv_heads, kv_len, spec.head_dim)
+        kv_shape = (self.slots, spec.num_kv_heads, kv_len, spec.head_dim)
         # Owned here for the session's life: the OrtValues below point into these arrays.
-        self.kv_buffers: List[np.ndarray] = []
-        self._kv_values: List[ort.OrtValue] = []
-        self._binding = self._session.io_binding()
-        for i in range(spec.num_layers):
-            for kind in ('key', 'value'):
-                buf = np.zeros(kv_shape, dtype=self._kv_dtype)
-                value = ort.OrtValue.ortvalue_from_numpy(buf)
-                self._binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}', value)
-                self._binding.bind_ortvalue_output(f'present.{i}.{kind}', value)
-                self.kv_buffers.append(buf)
-                self._kv_values.append(value)
-        self._logits = np.zeros((1, 1, spec.vocab_size), dtype=np.float32)
-        self.logits = self._logits.reshape(-1)  # the view every call returns
-        self._binding.bind_ortvalue_output(
-            'logits', ort.OrtValue.ortvalue_from_numpy(self._logits))
-        # Decode inputs: bound once, rewritten in place every step.
+        self.kv_buffers: List[np.ndarray] = [
+            np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * spec.num_layers)]
+        self._logits = np.zeros((self.slots, 1, spec.vocab_size), dtype=np.float32)
+        self.logits = self._logits[0].reshape(-1)  # the view a single-row call returns
+        self._keep: list = []   # numpy views the OrtValues below point into
+        # One binding per slot (prefill, and decode of slot 0) ...
+        self._slot_bindings = [self._rows_binding(slice(i, i + 1)) for i in range(self.slots)]
+        self._binding = self._slot_bindings[0]
+        # ... and one per row count b for batched decode over rows 0..b-1 (N > 1 only).
+        self._rows: List[Tuple[ort.IOBinding, np.ndarray, np.ndarray, np.ndarray]] = []
+        if self.slots > 1:
+            self._rows_total = np.zeros((), dtype=np.int32)
+            total = ort.OrtValue.ortvalue_from_numpy(self._rows_total)
+            for b in range(1, self.slots + 1):
+                binding = self._rows_binding(slice(0, b))
+                ids = np.zeros((b, 1), dtype=np.int64)
+                seqlens = np.zeros((b,), dtype=np.int32)
+                inputs = {'input_ids': self._value(ids), 'seqlens_k': self._value(seqlens),
+                          'total_sequence_length': total}
+                if self.accepts_embeds:
+                    inputs['inputs_embeds'] = self._value(
+                        np.zeros((b, 0, spec.hidden_size), dtype=self.act_dtype))
+                for name, value in inputs.items():
+                    binding.bind_ortvalue_input(name, value)
+                self._rows.append((binding, ids, seqlens, self._logits[:b].reshape(b, -1)))
+        # Decode inputs of slot 0: bound once, rewritten in place every step.
         self._ids1 = np.zeros((1, 1), dtype=np.int64)
         self._no_embeds = np.zeros((1, 0, spec.hidden_size), dtype=self.act_dtype)
         self._seqlens = np.zeros((1,), dtype=np.int32)
@@ -232,7 +253,7 @@ class OnnxDecoder:
         self._decode_bound = True
 
     # --- graph checks ------------------------------------------------------------------------
-    def _check_io(self, model_path: str) -> None:
+    def _check_io(self, model_path: str, slots: int) -> None:
         spec = self.info
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
@@ -247,6 +268,12 @@ class OnnxDecoder:
             raise ModelLoadError(
                 f'{model_path} does not match model.yaml ({spec.num_layers} layers): missing '
                 f'graph inputs/outputs {", ".join(missing[:6])}: {REGENERATE_HINT}')
+        batch = inputs['past_key_values.0.key'].shape[0]
+        if slots > 1 and isinstance(batch, int):
+            raise ModelLoadError(
+                f'{model_path} was converted with a fixed batch of {batch}, so it cannot run '
+                f'{slots} parallel sequences: reconvert it with a current edge-llm-convert '
+                '(converter version 4 or later), or set parallel_sequences to 1')
         self.accepts_embeds = 'inputs_embeds' in inputs
         kv_type = inputs['past_key_values.0.key'].type
         if kv_type not in _ORT_DTYPES:
@@ -259,6 +286,32 @@ class OnnxDecoder:
         if isinstance(logits_shape[-1], int) and logits_shape[-1] != spec.vocab_size:
             raise ModelLoadError(f'{model_path}: logits width {logits_shape[-1]} != vocab_size '
                                  f'{spec.vocab_size} in model.yaml: {REGENERATE_HINT}')
+
+    def _value(self, array: np.ndarray) -> ort.OrtValue:
+        """Wrap array's memory in an OrtValue (no copy: tested) and keep the array alive."""
+        self._keep.append(array)
+        return ort.OrtValue.ortvalue_from_numpy(array)
+
+    def _rows_binding(self, rows: slice) -> ort.IOBinding:
+        """Build a binding whose KV (past = present) and logits are these buffer rows."""
+        binding = self._session.io_binding()
+        n = self.info.num_layers
+        for i in range(n):
+            for j, kind in enumerate(('key', 'value')):
+                value = self._value(self.kv_buffers[2 * i + j][rows])
+                binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}', value)
+                binding.bind_ortvalue_output(f'present.{i}.{kind}', value)
+        width = rows.stop - rows.start
+        binding.bind_ortvalue_output('logits', self._value(self._logits[:width]))
+        return binding
+
+    def slot_buffers(self, slot: int) -> List[np.ndarray]:
+        """Slot's KV views [1, kv_heads, L, head_dim] per buffer (what its KVCache tracks)."""
+        return [buf[slot:slot + 1] for buf in self.kv_buffers]
+
+    def kv_bytes(self) -> int:
+        """Bytes of every KV buffer together (all slots)."""
+        return sum(buf.nbytes for buf in self.kv_buffers)
 
     # --- running -----------------------------------------------------------------------------
     def _bind(self, values: Dict[str, ort.OrtValue]) -> None:
@@ -277,14 +330,31 @@ class OnnxDecoder:
         self._session.run_with_iobinding(self._binding)
         return self.logits
 
-    def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int) -> np.ndarray:
-        """Run ``embeds`` (ahead) then ``ids`` at positions past_len..; returns logits [vocab].
+    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """Run one decode step of rows 0..b-1 (N > 1); returns the logits view [b, vocab].
+
+        Row i feeds tokens[i] at positions[i] of slot i (b = len(tokens)); the view is valid
+        until the next call.
+
+        A row whose slot is idle must still be fed: give it a position past that slot's kept
+        KV (its own length), where the write lands in garbage space.
+        """
+        binding, ids, seqlens, logits = self._rows[len(tokens) - 1]
+        ids[:, 0] = tokens
+        seqlens[:] = positions
+        self._rows_total[()] = int(seqlens.max()) + 1
+        self._session.run_with_iobinding(binding)
+        return logits
+
+    def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int,
+                slot: int = 0) -> np.ndarray:
+        """Run ``embeds`` (ahead) then ``ids`` at positions past_len.. of a slot: logits [vocab].
 
         ids: int [s] or [1, s] (s may be 0 when embeds are given); embeds: [e, hidden] or
         [1, e, hidden] or None. The caller keeps past_len + e + s within the capacity.
         """
         ids = np.asarray(ids).reshape(-1)
-        if embeds is None and ids.shape[0] == 1:
+        if embeds is None and ids.shape[0] == 1 and slot == 0:
             return self.decode(int(ids[0]), past_len)
         n_emb = 0
         if embeds is not None:
@@ -307,9 +377,12 @@ class OnnxDecoder:
             arrays['inputs_embeds'] = embeds if embeds is not None else self._no_embeds
         values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
         self._prefill_keep = [arrays, values]
-        self._bind(values)
-        self._decode_bound = False
+        binding = self._slot_bindings[slot]
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        if slot == 0:
+            self._decode_bound = False
         self._seqlens[0] = past_len + n - 1
         self._total[()] = past_len + n
-        self._session.run_with_iobinding(self._binding)
+        self._session.run_with_iobinding(binding)
         return self.logits

@@ -25,6 +25,7 @@ OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
 MS_DOMAIN = 'com.microsoft'
 DATA_FILE = 'model.onnx.data'
+BATCH_DIM = 'batch'  # symbolic batch dimension of every graph input/output (sequence slots)
 _INLINE_BYTES = 1024  # smaller initializers stay inside model.onnx
 _FLOAT_TYPES = {'float32': (np.float32, TensorProto.FLOAT),
                 'float16': (np.float16, TensorProto.FLOAT16)}
@@ -124,16 +125,19 @@ class DecoderGraph:
         self._data = data_file
         self._embed: Optional[WeightRef] = None
         kv_len = opts.max_context if opts.max_context else 'max_ctx'
-        kv_shape = [1, spec.num_kv_heads, kv_len, spec.head_dim]
+        # 'batch' is symbolic: one row per sequence slot (the reshapes use 0, so the body is
+        # batch-generic); a decode step runs every active slot in one call.
+        kv_shape = [BATCH_DIM, spec.num_kv_heads, kv_len, spec.head_dim]
         t = self.onnx_dtype
         self.inputs = [
-            helper.make_tensor_value_info('input_ids', TensorProto.INT64, [1, 's_ids']),
-            helper.make_tensor_value_info('inputs_embeds', t, [1, 's_emb', spec.hidden_size]),
-            helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [1]),
+            helper.make_tensor_value_info('input_ids', TensorProto.INT64, [BATCH_DIM, 's_ids']),
+            helper.make_tensor_value_info('inputs_embeds', t,
+                                          [BATCH_DIM, 's_emb', spec.hidden_size]),
+            helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [BATCH_DIM]),
             helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
         ]
         self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
-                                                      [1, 1, spec.vocab_size])]
+                                                      [BATCH_DIM, 1, spec.vocab_size])]
         for i in range(spec.num_layers):
             for kind in ('key', 'value'):
                 self.inputs.append(helper.make_tensor_value_info(

@@ -7,6 +7,8 @@ Interfaces (all relative to the node's name):
   ~/detokenize edge_llm_msgs/srv/Detokenize    answered at once, never queued
   ~/get_model_info edge_llm_msgs/srv/GetModelInfo  answered at once, in every state
   ~/reset_session edge_llm_msgs/srv/ResetSession  drops KV sessions between two generations
+  ~/update_model edge_llm_msgs/srv/UpdateModel  installs a signed model, swaps it in
+                                                  (nodes/model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
   /diagnostics diagnostic_msgs/DiagnosticArray every diagnostics.period_s (1 s)
 Parameters: bringup.parameters' llm_node schema (see nodes/llm_config.py).
@@ -75,6 +77,10 @@ from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
 from edge_llm_ros.engine.errors import EngineError
 from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
+from edge_llm_ros.metrics import figures
+from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError, MetricsServer,
+                                           MetricsSettings)
+from edge_llm_ros.metrics.figures import FigureRecorder, Gauges
 from edge_llm_ros.nodes import llm_services
 from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
@@ -83,7 +89,8 @@ from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_v
                                            declare_parameters, LLMNodeConfig, read_config,
                                            runtime_config, RuntimeConfig)
 from edge_llm_ros.nodes.messages import (build_transcript, error_kind, fill_result,
-                                         to_request, tool_call_delta_msgs)
+                                         queue_order, to_request, tool_call_delta_msgs)
+from edge_llm_ros.nodes.model_update import ModelUpdater
 from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker,
                                        error_result, FeedbackChunk, Job, JobOutcome,
@@ -118,6 +125,12 @@ class _Goal:
     cancel_applied: Future = field(default_factory=Future)
     # Generate.Result.ERROR_* decided at admission (invalid request), '' otherwise.
     error_kind: str = ''
+    accepted_at: float = field(default_factory=time.monotonic)   # for goal_duration_seconds
+
+    @property
+    def queued(self) -> bool:
+        """Whether the job reached the worker's queue (so its queue wait is known)."""
+        return self.job is not None and self.job.enqueued_at > 0.0
 
 
 @dataclass
@@ -130,6 +143,7 @@ class _Configured:
     throttle: ThrottleApplier
     embeddings: EmbeddingResolver   # maps the goals' prefix_embeddings handles
     saved_affinity: dict            # CPU masks before engine.cpu_affinity pinned the process
+    metrics: Optional[MetricsServer] = None   # /metrics (metrics.port 0: None)
 
 
 class LLMNode(LifecycleNode):
@@ -149,9 +163,8 @@ class LLMNode(LifecycleNode):
         self._cancels_lock = threading.Lock()
         self._answering = threading.Condition()   # see wait_requests_answered
         self._answering_count = 0
-        self._counts = {'succeeded': 0, 'cancelled': 0, 'aborted': 0, 'rejected_inactive': 0,
-                        'rejected_queue_full': 0, 'invalid': 0}
-        self._counts_lock = threading.Lock()
+        # Goal counts and latency histograms: /diagnostics and /metrics both read these.
+        self._figures = FigureRecorder()
         self._process = psutil.Process()
 
         self._action_group = MutuallyExclusiveCallbackGroup()
@@ -178,6 +191,7 @@ class LLMNode(LifecycleNode):
                 (GetModelInfo, '~/get_model_info', self._on_get_model_info),
                 (ResetSession, '~/reset_session', self._on_reset_session))]
         self._transcript_pub = self.create_publisher(Transcript, '~/transcript', TRANSCRIPT_QOS)
+        self._updater = ModelUpdater(self)   # ~/update_model (nodes/model_update.py)
         self._diagnostics_pub = self.create_publisher(DiagnosticArray, '/diagnostics', 10)
         self._diagnostics_timer = self.create_timer(
             self.get_parameter('diagnostics.period_s').value, self._publish_diagnostics,
@@ -197,11 +211,15 @@ class LLMNode(LifecycleNode):
     def on_configure(self, state: LifecycleState) -> TransitionCallbackReturn:
         self._state = 'configuring'
         try:
-            config = read_config(self)
+            config = self._updater.configured(read_config(self))
         except ConfigError as exc:
             return self._configure_failed(f'invalid parameter: {exc}')
         for warning in config.warnings:
             self.get_logger().warn(warning)
+        try:   # before the model loads: a taken port fails at once
+            metrics = self._start_metrics(MetricsSettings.from_params(current_values(self)))
+        except MetricsError as exc:
+            return self._configure_failed(str(exc))
         governor = ThermalGovernor(config.thermal, config.engine.intra_op_threads or 1,
                                    config.process_cpus)
         worker = EngineWorker(engine_factory(current_values(self), config.engine),
@@ -219,18 +237,33 @@ class LLMNode(LifecycleNode):
         except Exception as exc:  # noqa: B902 - any load failure leaves us unconfigured
             if saved_affinity:
                 affinity.restore(saved_affinity)
+            if metrics is not None:
+                metrics.stop()
             return self._configure_failed(f'{type(exc).__name__}: {exc}')
         engine = worker.engine
         self._configured = _Configured(
             config=config, worker=worker, governor=governor,
             throttle=ThrottleApplier(config.process_cpus), embeddings=EmbeddingResolver(),
-            saved_affinity=saved_affinity)
+            saved_affinity=saved_affinity, metrics=metrics)
         self._load_error = ''
         self._state = 'inactive'
         self.get_logger().info(
             f'loaded {engine.model_name} from {engine.model_dir} in {time.monotonic() - t0:.1f}'
             f' s (context {engine.context_length}, providers {", ".join(engine.providers)})')
+        if config.engine.session_store and hasattr(engine, 'saved_sessions'):
+            self.get_logger().info(f'sessions.store {config.engine.session_store}: '
+                                   f'{len(engine.saved_sessions())} saved sessions restored')
         return TransitionCallbackReturn.SUCCESS
+
+    def _start_metrics(self, settings: MetricsSettings) -> Optional[MetricsServer]:
+        """Serve /metrics until cleanup (None when metrics.port is 0); MetricsError if not."""
+        if not settings.enabled:
+            return None
+        server = MetricsServer(settings, FiguresCollector(self._figures, self._gauges))
+        server.start()
+        self.get_logger().info(f'Prometheus metrics on http://{settings.host}:{server.port}'
+                               '/metrics')
+        return server
 
     def _configure_failed(self, message: str) -> TransitionCallbackReturn:
         self._load_error = message
@@ -290,6 +323,8 @@ class LLMNode(LifecycleNode):
         configured.embeddings.close()
         if configured.saved_affinity:
             affinity.restore(configured.saved_affinity)
+        if configured.metrics is not None:
+            configured.metrics.stop()
 
     @property
     def _worker(self) -> Optional[EngineWorker]:
@@ -331,11 +366,11 @@ class LLMNode(LifecycleNode):
         """Reserve a queue slot for a new request; return why not ('' when reserved)."""
         worker = self._worker
         if not self._serving or worker is None:
-            self._count('rejected_inactive')
+            self._figures.goal_rejected(figures.REJECTED_NOT_ACTIVE)
             return (f'{self.get_name()} is {self._state}, not active: activate it with '
                     f'lifecycle change_state (or start it with autostart:=true)')
         if not worker.reserve():
-            self._count('rejected_queue_full')
+            self._figures.goal_rejected(figures.REJECTED_QUEUE_FULL)
             return (f'queue full ({worker.queue_depth} goal(s) already wait behind the '
                     f'running one): retry later or raise ~/queue.depth')
         return ''
@@ -353,6 +388,7 @@ class LLMNode(LifecycleNode):
         worker, resolver = configured.worker, configured.embeddings
         try:
             handles = list(msg.prefix_embeddings)
+            priority, preempt = queue_order(msg)
             prepared = engine.prepare(to_request(msg, self._runtime.defaults,
                                                  resolver.describe(handles)))
         except BaseException:
@@ -361,7 +397,8 @@ class LLMNode(LifecycleNode):
         # The frames are mapped on the worker, only while the job runs (see embeddings.py).
         embeddings = (functools.partial(resolver.hold, handles)
                       if prepared.embeddings is not None else None)
-        return worker, Job(prepared, on_done=_unset_on_done, embeddings=embeddings)
+        return worker, Job(prepared, on_done=_unset_on_done, embeddings=embeddings,
+                           priority=priority, preempt=preempt)
 
     def _refusal(self, exc: Exception, what: str) -> str:
         """Say why `what` could not take a request; log the failures that are not the request's.
@@ -371,7 +408,7 @@ class LLMNode(LifecycleNode):
         answered too, so that one request never takes the node down.
         """
         if isinstance(exc, (EngineError, WorkerStoppedError)):
-            self._count('invalid')
+            self._figures.invalid_request()
             return str(exc)
         self.get_logger().error(f'{what} failed unexpectedly: '
                                 f'{"".join(traceback.format_exception(exc)).rstrip()}')
@@ -392,10 +429,6 @@ class LLMNode(LifecycleNode):
         done = Future()
         self._submit(worker, job, done)
         return await done
-
-    def _count(self, key: str) -> None:
-        with self._counts_lock:
-            self._counts[key] += 1
 
     # ---- action ------------------------------------------------------------------------------
     def _on_goal(self, goal: Generate.Goal) -> GoalResponse:
@@ -469,33 +502,39 @@ class LLMNode(LifecycleNode):
                 self._goals.pop(key, None)
             request = state.job.request if state.job is not None else None
             return self._finish_goal(goal_handle, state.stamp, request, outcome.result,
-                                     outcome.cancel_reason, state.error_kind)
+                                     outcome.cancel_reason, state.error_kind,
+                                     started=state.accepted_at, queued=state.queued)
 
     def _finish_goal(self, goal_handle, stamp, request, result: GenerationResult,
                      cancel_reason: CancelReason = CancelReason.NONE,
-                     kind: str = '') -> Generate.Result:
-        """Set the goal's terminal state and build its result (and transcript)."""
+                     kind: str = '', *, started: float, queued: bool) -> Generate.Result:
+        """Set the goal's terminal state and build its result (and transcript).
+
+        `started`: when it was accepted (time.monotonic); `queued`: it reached the worker.
+        """
         error = result.error
         stopped = cancel_reason in (CancelReason.DEACTIVATED, CancelReason.SHUTDOWN)
         if result.stop_reason is StopReason.CANCELLED:
             if cancel_reason is CancelReason.CLIENT and goal_handle.is_cancel_requested:
                 goal_handle.canceled()
-                self._count('cancelled')
+                outcome = figures.CANCELED
             else:
                 error = error or self._stopped_message(cancel_reason)
                 stopped = True
                 goal_handle.abort()
-                self._count('aborted')
+                outcome = figures.ABORTED
         elif result.stop_reason is StopReason.ERROR:
             goal_handle.abort()
-            self._count('aborted')
+            outcome = figures.ABORTED
         else:
             goal_handle.succeed()
-            self._count('succeeded')
+            outcome = figures.SUCCEEDED
         if error:
             self.get_logger().warn(f'goal aborted: {error}')
         msg = fill_result(Generate.Result(), result, error, self._token_strings,
                           error_kind(result, kind, stopped))
+        self._figures.goal_ended(outcome, msg.error_kind or msg.finish_reason, result,
+                                 time.monotonic() - started, queued)
         self._publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
                                  goal_handle.request, request, msg, accepted=True,
                                  accepted_stamp=stamp, error=error)
@@ -513,7 +552,8 @@ class LLMNode(LifecycleNode):
                                 completion_tokens=chunk.completion_tokens,
                                 queue_position=chunk.queue_position,
                                 reasoning_delta=chunk.reasoning_delta,
-                                tool_call_deltas=tool_call_delta_msgs(chunk.tool_call_deltas))
+                                tool_call_deltas=tool_call_delta_msgs(chunk.tool_call_deltas),
+                                paused=chunk.paused)
         try:
             goal_handle.publish_feedback(msg)
         except Exception as exc:  # noqa: B902 - a lost feedback must not fail the generation
@@ -542,6 +582,7 @@ class LLMNode(LifecycleNode):
     async def _complete(self, request: Complete.Request,
                         response: Complete.Response) -> Complete.Response:
         stamp = self.get_clock().now().to_msg()
+        started = time.monotonic()
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
         problem = self._admit()
         if problem:
@@ -550,13 +591,13 @@ class LLMNode(LifecycleNode):
                     else Generate.Result.ERROR_UNAVAILABLE)
             return self._finish_service(response, goal_id, request, None,
                                         error_result(problem), stamp, accepted=False,
-                                        kind=kind)
+                                        kind=kind, started=started)
         try:
             worker, job = self._prepare(request)
         except Exception as exc:  # noqa: B902 - answered with the message (see _refusal)
             return self._finish_service(response, goal_id, request, None,
                                         error_result(self._refusal(exc, '~/complete')), stamp,
-                                        kind=_error_kind(exc))
+                                        kind=_error_kind(exc), started=started)
         engine_request = job.request
         outcome = await self._run(worker, job)
         result = outcome.result
@@ -564,15 +605,19 @@ class LLMNode(LifecycleNode):
             result = replace(result, error=self._stopped_message(outcome.cancel_reason))
         stopped = outcome.cancel_reason is not CancelReason.NONE
         return self._finish_service(response, goal_id, request, engine_request, result, stamp,
-                                    kind=error_kind(result, '', stopped))
+                                    kind=error_kind(result, '', stopped), started=started,
+                                    queued=job.enqueued_at > 0.0)
 
     def _finish_service(self, response, goal_id, request, engine_request, result,
-                        stamp, accepted: bool = True, kind: str = '') -> Complete.Response:
+                        stamp, accepted: bool = True, kind: str = '', *, started: float,
+                        queued: bool = False) -> Complete.Response:
         fill_result(response, result, token_strings=self._token_strings, kind=kind)
         response.success = result.stop_reason in (StopReason.STOP, StopReason.LENGTH,
                                                   StopReason.TOOL_CALLS)
         if accepted:
-            self._count('succeeded' if response.success else 'aborted')
+            self._figures.goal_ended(figures.SUCCEEDED if response.success else figures.ABORTED,
+                                     response.error_kind or response.finish_reason, result,
+                                     time.monotonic() - started, queued)
         self._publish_transcript(Transcript.SOURCE_SERVICE, goal_id, request, engine_request,
                                  response, accepted=accepted, accepted_stamp=stamp,
                                  error=response.error_message)
@@ -668,42 +713,45 @@ class LLMNode(LifecycleNode):
         configured.throttle.apply(state)
         return state
 
+    def _gauges(self) -> Gauges:
+        """Queue, KV, memory and thermal figures now (diagnostics timer and /metrics scrape).
+
+        The temperature and throttle state are the governor's last poll (the diagnostics
+        timer polls), so a scrape never reads sysfs nor changes the throttle.
+        """
+        configured = self._configured
+        worker = configured.worker if configured is not None else None
+        engine = worker.engine if worker is not None else None
+        waiting = depth = running = 0
+        if worker is not None:
+            snap = worker.snapshot()
+            waiting, depth, running = snap.waiting, snap.queue_depth, int(snap.running)
+        kv_used, kv_capacity = engine.kv_occupancy() if engine is not None else (0, 0)
+        thermal = configured.governor.state if configured is not None else None
+        hottest = thermal.hottest if thermal is not None else None
+        return Gauges(queue_waiting=waiting, queue_capacity=depth, running=running,
+                      kv_used=kv_used, kv_capacity=kv_capacity,
+                      rss_bytes=self._process.memory_info().rss,
+                      soc_temp_c=hottest.celsius if hottest is not None else None,
+                      throttled=thermal is not None and thermal.throttled)
+
     def health(self) -> NodeHealth:
         configured = self._configured
         worker = configured.worker if configured is not None else None
         config = configured.config if configured is not None else None
         engine = worker.engine if worker is not None else None
-        kv_used = kv_capacity = 0
-        waiting, running, depth, full, ttft, tps, last_error = 0, False, 0, False, 0.0, 0.0, ''
-        if worker is not None:
-            snap = worker.snapshot()
-            waiting, running, depth = snap.waiting, snap.running, snap.queue_depth
-            full = not worker.has_room()
-            ttft, tps = snap.stats.last_ttft_s, snap.stats.last_decode_tps
-            last_error = snap.stats.last_error
-        if engine is not None:
-            kv_used, kv_capacity = engine.kv_occupancy()
-        thermal = self._poll_thermal(configured)
-        hottest = thermal.hottest if thermal is not None else None
-        with self._counts_lock:
-            counts = dict(self._counts)
+        full = worker is not None and not worker.has_room()
+        last_error = worker.stats.last_error if worker is not None else ''
+        thermal = self._poll_thermal(configured)   # first: the gauges read this poll
         return NodeHealth(
             node_name=self.get_fully_qualified_name(), state=self._state,
             model=engine.model_name if engine else '', model_dir=engine.model_dir if engine
             else '', providers=','.join(engine.providers) if engine else '',
-            queue_waiting=waiting, queue_depth=depth, running=running, queue_full=full,
-            last_ttft_s=ttft, decode_tps=tps, kv_used=kv_used, kv_capacity=kv_capacity,
-            rss_bytes=self._process.memory_info().rss,
-            soc_temp_c=hottest.celsius if hottest is not None else None,
-            soc_temp_warn=thermal is not None and thermal.throttled,
+            queue_full=full, gauges=self._gauges(), figures=self._figures.snapshot(),
             board=config.board if config is not None else '',
             warnings=config.warnings if config is not None else (),
             extra=tuple(thermal.diagnostics().items()) if thermal is not None else (),
-            goals_succeeded=counts['succeeded'], goals_cancelled=counts['cancelled'],
-            goals_aborted=counts['aborted'], rejected_inactive=counts['rejected_inactive'],
-            rejected_queue_full=counts['rejected_queue_full'],
-            invalid_requests=counts['invalid'], load_error=self._load_error,
-            last_error=last_error)
+            load_error=self._load_error, last_error=last_error)
 
     def _publish_diagnostics(self) -> None:
         msg = DiagnosticArray(status=[build_status(self.health())])

@@ -5,12 +5,13 @@ value takes the node's ~/sampling.* parameter, max_tokens 0 takes ~/max_tokens a
 system_prompt takes ~/system_prompt. Everything else is passed through unchanged: this module
 only translates, and Engine.prepare is the one place that checks values (NaN, negative seeds,
 ranges, tools, grammars). What cannot be translated at all (logit_bias arrays of different
-lengths, an unknown reasoning_mode) raises InvalidRequestError here.
+lengths, an unknown reasoning_mode) raises InvalidRequestError here, and so does a goal
+priority outside [PRIORITY_MIN, PRIORITY_MAX] (queue_order: the queue, not the engine, uses it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage as ChatMessageMsg
@@ -113,6 +114,21 @@ def reasoning_switch(mode: int) -> bool:
             f'reasoning_mode {mode} is not one of REASONING_DEFAULT (0), REASONING_ON (1), '
             'REASONING_OFF (2)')
     return _REASONING[mode]
+
+
+def queue_order(request) -> Tuple[int, bool]:
+    """(priority, preempt) of a Generate goal; a Complete request runs at (0, False).
+
+    Raises InvalidRequestError for a priority outside [PRIORITY_MIN, PRIORITY_MAX].
+    """
+    if not isinstance(request, Goal):   # ~/complete has no queue-order fields
+        return 0, False
+    priority = int(request.priority)
+    if not Goal.PRIORITY_MIN <= priority <= Goal.PRIORITY_MAX:
+        raise InvalidRequestError(
+            f'priority {priority} is outside [{Goal.PRIORITY_MIN}, {Goal.PRIORITY_MAX}] '
+            '(Generate.Goal.PRIORITY_MIN/PRIORITY_MAX): higher runs first, 0 is normal')
+    return priority, bool(request.preempt)
 
 
 def to_request(goal, defaults: RequestDefaults,
@@ -218,6 +234,8 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'json_schema', 'prefix_embeddings', 'session_id', 'tools', 'tool_choice',
                   'no_parallel_tool_calls', 'grammar', 'regex', 'choices', 'reasoning_mode',
                   'reasoning_budget')
+# Generate goals only (a ~/complete record keeps 0 / false).
+GOAL_ONLY_FIELDS = ('priority', 'preempt')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs')
 
@@ -241,6 +259,9 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
         msg.effective_sampling = sampling_to_msg(engine_request.sampling)
     for name in REQUEST_FIELDS:
         setattr(msg, name, getattr(request_msg, name))
+    if isinstance(request_msg, Goal):
+        for name in GOAL_ONLY_FIELDS:
+            setattr(msg, name, getattr(request_msg, name))
     if outcome_msg is not None:
         for name in OUTCOME_FIELDS:
             setattr(msg, name, getattr(outcome_msg, name))

@@ -1,9 +1,15 @@
-"""One thread that owns the engine and runs queued generation jobs in order.
+"""One thread that owns the engine and runs the queued generation jobs.
 
 No rclpy here: llm_node wraps jobs around action goals and service calls, and this
 module can be tested with a fake engine. The engine is created *inside* the worker
 thread so that CPU pinning applied to that thread is inherited by the ONNX Runtime
 threads the engine's session creates.
+
+The worker drives the engine's scheduler (engine/scheduler.py, docs/batching.md): up to
+``parallel_sequences`` jobs decode together, the rest wait by priority then arrival, and a
+``preempt`` job may pause a lower-priority one (its feedback says paused, then resumed). An
+engine without ``scheduler()`` (the remote backend, test fakes) runs one job at a time
+through a SerialScheduler over its ``generate``.
 
 Threading contract:
 - `submit`, `cancel`, `cancel_all`, `snapshot`, `run_between_jobs` may be called from any
@@ -14,19 +20,23 @@ Threading contract:
 """
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field, replace
 import enum
 import threading
 import time
-from typing import Any, Callable, ContextManager, Deque, Optional
+from typing import Any, Callable, ContextManager, List, Optional
 
 import numpy as np
 
-from edge_llm_ros.engine.errors import InvalidRequestError
 from edge_llm_ros.engine.request import PreparedRequest
+from edge_llm_ros.engine.scheduler import (cancelled_result, error_result, SeqEvent, Sequence,
+                                           SerialScheduler)
 from edge_llm_ros.engine.tools.parser import ToolCallDelta
-from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings
+from edge_llm_ros.engine.types import GenerationResult, StopReason
+
+__all__ = ['CancelReason', 'EngineWorker', 'FeedbackChunk', 'FeedbackPolicy', 'Job',
+           'JobOutcome', 'QueueFullError', 'WorkerStoppedError', 'cancelled_result',
+           'error_result', 'tool_call_tail']
 
 
 class CancelReason(str, enum.Enum):
@@ -108,7 +118,8 @@ class Job:
     # Set by the worker/canceller under the worker's lock.
     enqueued_at: float = field(default=0.0, init=False)
     cancel_reason: CancelReason = field(default=CancelReason.NONE, init=False)
-    _generation: Any = field(default=None, init=False, repr=False)
+    _seq: Any = field(default=None, init=False, repr=False)       # its scheduler Sequence
+    _stream: Any = field(default=None, init=False, repr=False)    # its _FeedbackStream
     _finished: bool = field(default=False, init=False, repr=False)
 
 
@@ -131,6 +142,69 @@ class WorkerSnapshot:
     stats: WorkerStats
 
 
+class _FeedbackStream:
+    """One job's streamed output and what of it was sent (feedback batching per job)."""
+
+    def __init__(self, job: Job, policy: FeedbackPolicy) -> None:
+        self.send = job.on_feedback
+        self.policy = policy
+        self.text: list = []
+        self.ids: list = []
+        self.reasoning: list = []
+        self.deltas: list = []
+        self.sent_ids = self.sent_deltas = 0
+        self.last_sent = time.monotonic()
+
+    def add(self, event) -> None:
+        self.text.append(event.text_delta)
+        self.ids.append(event.token_id)
+        self.reasoning.append(event.reasoning_delta)
+        self.deltas.extend(event.tool_call_deltas)
+        if self.send is None:
+            return
+        now = time.monotonic()
+        policy = self.policy
+        # The first token goes out at once (time to first feedback ~ engine TTFT).
+        if (self.sent_ids == 0 or len(self.ids) - self.sent_ids >= policy.tokens
+                or (policy.period_s and now - self.last_sent >= policy.period_s)):
+            self.flush()
+
+    def flush(self, paused: bool = False) -> None:
+        """Send what is pending (and the paused state)."""
+        ids = self.ids
+        self.send(FeedbackChunk(''.join(self.text[self.sent_ids:]), tuple(ids[self.sent_ids:]),
+                                len(ids), reasoning_delta=''.join(self.reasoning[self.sent_ids:]),
+                                tool_call_deltas=tuple(self.deltas[self.sent_deltas:]),
+                                paused=paused))
+        self.sent_ids, self.sent_deltas = len(ids), len(self.deltas)
+        self.last_sent = time.monotonic()
+
+    def finish(self, result: GenerationResult) -> str:
+        """Send the last feedback: the rest of the result and its final count.
+
+        Returns an error text when the stream and the result disagree ('' when fine).
+        """
+        if self.send is None:
+            return ''
+        # The last feedback always carries the final count, so a client knows it has
+        # every chunk once it sees completion_tokens == result.completion_tokens.
+        streamed = ''.join(self.text[:self.sent_ids])
+        tail, problem = '', ''
+        if result.text.startswith(streamed):
+            tail = result.text[len(streamed):]
+        else:
+            problem = 'engine: streamed text is not a prefix of the result'
+        thought = ''.join(self.reasoning[:self.sent_ids])
+        self.send(FeedbackChunk(tail, tuple(result.token_ids[self.sent_ids:]),
+                                result.completion_tokens,
+                                reasoning_delta=(result.reasoning[len(thought):]
+                                                 if result.reasoning.startswith(thought)
+                                                 else ''),
+                                tool_call_deltas=tool_call_tail(self.deltas[:self.sent_deltas],
+                                                                result.tool_calls)))
+        return problem
+
+
 class QueueFullError(RuntimeError):
     """All queue slots are taken; retry later or raise the node's queue_depth."""
 
@@ -139,21 +213,8 @@ class WorkerStoppedError(RuntimeError):
     """The worker is not running (node not configured, or shutting down)."""
 
 
-def cancelled_result(text: str = '', token_ids=(), prompt_tokens: int = 0,
-                     timings: Timings = Timings()) -> GenerationResult:
-    return GenerationResult(text=text, token_ids=list(token_ids),
-                            stop_reason=StopReason.CANCELLED, prompt_tokens=prompt_tokens,
-                            completion_tokens=len(token_ids), timings=timings)
-
-
-def error_result(message: str, timings: Timings = Timings()) -> GenerationResult:
-    return GenerationResult(text='', token_ids=[], stop_reason=StopReason.ERROR,
-                            prompt_tokens=0, completion_tokens=0, timings=timings,
-                            error=message)
-
-
 class EngineWorker:
-    """Runs jobs one at a time on a dedicated thread that owns the engine."""
+    """Runs jobs on a dedicated thread that owns the engine (batched when it can)."""
 
     def __init__(self, engine_factory: Callable[[], Any], queue_depth: int,
                  feedback: FeedbackPolicy = FeedbackPolicy(),
@@ -162,10 +223,10 @@ class EngineWorker:
         """Prepare a worker; nothing runs until `start`.
 
         :param engine_factory: builds the engine; called on the worker thread.
-        :param queue_depth: goals allowed to wait behind the running one.
+        :param queue_depth: goals allowed to wait behind the running ones (one per slot).
         :param thread_setup: called first on the worker thread (CPU pinning).
         :param pacer: object whose `token_pause_s` attribute (the thermal governor's) is
-            slept between tokens when non-zero; None = never pause.
+            slept after each step that made tokens when non-zero; None = never pause.
         """
         self._engine_factory = engine_factory
         self._thread_setup = thread_setup
@@ -174,9 +235,10 @@ class EngineWorker:
         self.queue_depth = queue_depth
         self._lock = threading.Condition()
         self._announce_lock = threading.Lock()
-        self._queue: Deque[Job] = collections.deque()
-        self._running: Optional[Job] = None
-        self._between: list = []    # _Between actions waiting for the running job to end
+        self._sched: Any = None     # the engine's scheduler (set on the worker thread)
+        self._jobs: List[Job] = []  # submitted and not finished, in submission order
+        self._between: list = []    # _Between actions waiting for no job to be mid-flight
+        self._stepping = False      # the worker thread is inside a scheduler step
         self._reserved = 0
         self._accepting = False
         self._stopping = False
@@ -212,6 +274,11 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def slots(self) -> int:
+        """Jobs that run at once (the engine's parallel_sequences; 1 before loading)."""
+        return self._sched.slots if self._sched is not None else 1
+
     # ---- producer side ----------------------------------------------------------------------
     def set_accepting(self, accepting: bool) -> None:
         """Open or close the queue (the node's active state); closing drops reservations."""
@@ -222,23 +289,26 @@ class EngineWorker:
 
     def has_room(self) -> bool:
         with self._lock:
-            return self._open() and self._in_flight() < self.queue_depth + 1
+            return self._open() and self._in_flight() < self._capacity()
 
     def _open(self) -> bool:
         return self._accepting and not self._stopping
 
+    def _capacity(self) -> int:
+        # Room is for one running job per slot plus queue_depth waiting (or reserved) ones.
+        return self.queue_depth + self.slots
+
     def _in_flight(self) -> int:
-        # Room is for one running job plus queue_depth waiting (or reserved) ones.
-        return len(self._queue) + (1 if self._running is not None else 0) + self._reserved
+        return len(self._jobs) + self._reserved
 
     def reserve(self) -> bool:
-        """Hold a slot for a job that will be submitted soon; False when full.
+        """Hold a place for a job that will be submitted soon; False when full.
 
         Admission (the action's goal callback) and submission (its accepted callback) are
         separate steps: without a reservation, a burst of goals could all be admitted.
         """
         with self._lock:
-            if not self._open() or self._in_flight() >= self.queue_depth + 1:
+            if not self._open() or self._in_flight() >= self._capacity():
                 return False
             self._reserved += 1
             return True
@@ -249,49 +319,63 @@ class EngineWorker:
             self._reserved = max(0, self._reserved - 1)
 
     def submit(self, job: Job, reserved: bool = False) -> int:
-        """Queue a job (using a reservation if given); return its position (0: runs now)."""
+        """Queue a job (using a reservation if given); return its position (0: runs now).
+
+        ValueError when job.priority is outside PRIORITY_MIN..PRIORITY_MAX.
+        """
         with self._lock:
             if reserved:
                 self._reserved = max(0, self._reserved - 1)
-            if not self._open() or not self.alive:
+            if not self._open() or not self.alive or self._sched is None:
                 raise WorkerStoppedError('llm_node stopped serving (deactivated or shutting '
                                          'down) before the request could be queued')
-            busy = 1 if self._running is not None else 0
-            if self._in_flight() >= self.queue_depth + 1:
+            if self._in_flight() >= self._capacity():
                 raise QueueFullError(
                     'queue full: %d goal(s) waiting (queue_depth=%d)'
-                    % (len(self._queue), self.queue_depth))
+                    % (len(self._sched.waiting()), self.queue_depth))
+            seq = Sequence(job.request, job.priority, job.preempt, job.embeddings, tag=job)
+            # Cancelled before it was submitted: it runs to a CANCELLED end at once.
+            seq.cancel_asked = job.cancel_reason is not CancelReason.NONE
+            self._sched.submit(seq)   # checks the priority range first
+            job._seq = seq
             job.enqueued_at = time.monotonic()
-            self._queue.append(job)
-            position = len(self._queue) - 1 + busy
+            self._jobs.append(job)
+            position = self._positions().get(id(job), 0)
+            # Ahead of some waiting job (higher priority): their positions moved too.
+            last = self._sched.waiting()[-1:] == [seq]
             self._lock.notify_all()
         if position > 0:
-            self._announce_positions(only=job)
+            self._announce_positions(only=job if last else None)
         return position
 
+    def _positions(self) -> dict:
+        """Return the 1-based queue position of every waiting job (locked).
+
+        Priority order, behind the free slots' worth of jobs admitted at the next step.
+        """
+        sched = self._sched
+        free = sched.slots - len(sched.live()) - len(sched.paused())
+        return {id(seq.tag): max(0, index + 1 - max(free, 0))
+                for index, seq in enumerate(sched.waiting())}
+
     def cancel(self, job: Job, reason: CancelReason = CancelReason.CLIENT) -> None:
-        """Stop a running job within one decode step, or drop it from the queue."""
+        """Stop a running or paused job within one step, or drop it from the queue."""
         with self._lock:
             if job._finished or job.cancel_reason is not CancelReason.NONE:
                 return
             job.cancel_reason = reason
-            queued = job in self._queue
-            if queued:
-                self._queue.remove(job)
-                job._finished = True
-            generation = job._generation
-        if queued:
-            job.on_done(JobOutcome(cancelled_result(
-                timings=Timings(queue_wait_s=time.monotonic() - job.enqueued_at)), reason))
+            if job._seq is None:
+                return   # not submitted yet: submit() starts it cancelled
+            dropped = self._sched.cancel(job._seq)
+            if dropped:
+                self._forget(job)
+        if dropped:
+            job.on_done(JobOutcome(job._seq.result, reason))
             self._announce_positions()
-        elif generation is not None:
-            generation.cancel()
 
     def cancel_all(self, reason: CancelReason) -> None:
         with self._lock:
-            jobs = list(self._queue)
-            if self._running is not None:
-                jobs.insert(0, self._running)
+            jobs = list(self._jobs)
         for job in jobs:
             self.cancel(job, reason)
 
@@ -299,7 +383,7 @@ class EngineWorker:
         """Wait until no job runs or waits; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._queue or self._running is not None:
+            while self._jobs:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -307,21 +391,24 @@ class EngineWorker:
             return True
 
     def run_between_jobs(self, action: Callable[[Any], Any], timeout: float) -> Any:
-        """Return `action(engine)`, run while no generation runs (e.g. dropping KV sessions).
+        """Return `action(engine)`, run while no job is mid-flight (e.g. dropping KV sessions).
 
-        At once when idle (holding the lock, so no job starts meanwhile), else on the worker
-        thread right after the running job, before the next queued one: a running generation
-        is never disturbed. Raises TimeoutError when the running job did not end within
-        `timeout` (the action still runs after it) and WorkerStoppedError without an engine.
+        At once when no job holds a slot (holding the lock, so no step starts meanwhile), else
+        on the worker thread as soon as the running jobs have ended: no new job is admitted
+        while an action waits, so it never starves, and a running generation is never
+        disturbed (paused jobs keep their KV apart and are not affected). Raises TimeoutError
+        when the running jobs did not end within `timeout` (the action still runs after them)
+        and WorkerStoppedError without an engine.
         """
         with self._lock:
             if self.engine is None or not self.alive or self._stopping:
                 raise WorkerStoppedError('the engine is not loaded (node not configured, or '
                                          'shutting down)')
-            if self._running is None:
+            if not self._stepping and not self._sched.busy():
                 return action(self.engine)
             pending = _Between(action)
             self._between.append(pending)
+            self._lock.notify_all()
         if not pending.done.wait(timeout):
             raise TimeoutError(f'a generation is still running after {timeout:g} s; the '
                                'action runs once it ends')
@@ -330,7 +417,7 @@ class EngineWorker:
         return pending.value
 
     def _run_between(self) -> None:
-        """Run the actions that waited for the job that just ended (worker thread, locked)."""
+        """Run the actions that waited for the running jobs to end (worker thread, locked)."""
         pending, self._between = self._between, []
         for item in pending:
             try:
@@ -341,38 +428,54 @@ class EngineWorker:
 
     def snapshot(self) -> WorkerSnapshot:
         with self._lock:
-            return WorkerSnapshot(len(self._queue), self._running is not None,
-                                  self.queue_depth, self.stats)
+            sched = self._sched
+            waiting = len(sched.waiting()) if sched is not None else 0
+            running = sched is not None and bool(sched.live() or sched.paused())
+            return WorkerSnapshot(waiting, running, self.queue_depth, self.stats)
 
     # ---- worker thread ----------------------------------------------------------------------
     def _main(self) -> None:
         try:
             self._thread_setup()
             self.engine = self._engine_factory()
+            make = getattr(self.engine, 'scheduler', None)
+            self._sched = make() if callable(make) else SerialScheduler(self.engine)
         except BaseException as exc:  # noqa: B902 - handed to start() and re-raised there
             self._load_error = exc
             self._loaded.set()
             return
         self._loaded.set()
         try:
-            while True:
-                job = self._next_job()
-                if job is None:
-                    break
-                self._run(job)
+            while self._wait_for_work():
+                admit = not self._between
+                try:
+                    events = self._sched.step(admit, self._route)
+                except Exception as exc:  # noqa: B902 - a scheduler bug must not strand jobs
+                    events = []
+                    self._fail_all(exc)
+                finally:
+                    with self._lock:
+                        self._stepping = False
+                self._route(events)
         finally:
             engine, self.engine = self.engine, None
             engine.close()
 
-    def _next_job(self) -> Optional[Job]:
+    def _wait_for_work(self) -> bool:
+        """Block until a step has something to do (True) or the worker is done (False)."""
+        sched = self._sched
         with self._lock:
-            while not self._queue and not self._stopping:
+            while True:
+                if self._between and not sched.busy():
+                    self._run_between()
+                if self._stopping and not self._jobs:
+                    return False
+                # Stopping: only drain (cancelled jobs end at the next step).
+                admit = not self._between and not self._stopping
+                if sched.has_work(admit) or (self._stopping and self._jobs):
+                    self._stepping = True
+                    return True
                 self._lock.wait()
-            if self._stopping:
-                return None
-            job = self._running = self._queue.popleft()
-        self._announce_positions()
-        return job
 
     def _announce_positions(self, only: Optional[Job] = None) -> None:
         """Send waiting jobs their current queue position (1 = next).
@@ -382,91 +485,75 @@ class EngineWorker:
         """
         with self._announce_lock:
             with self._lock:
-                waiting = list(self._queue)
-                busy = 1 if self._running is not None else 0
-            for index, job in enumerate(waiting):
-                if job.on_feedback is not None and only in (None, job):
-                    job.on_feedback(FeedbackChunk(queue_position=index + busy))
+                if self._sched is None:
+                    return
+                positions = self._positions()
+                waiting = [seq.tag for seq in self._sched.waiting()]
+            for job in waiting:
+                position = positions[id(job)]
+                if job.on_feedback is not None and only in (None, job) and position > 0:
+                    job.on_feedback(FeedbackChunk(queue_position=position))
 
-    def _run(self, job: Job) -> None:
-        queue_wait = time.monotonic() - job.enqueued_at
-        self.stats.started += 1
-        try:
-            result = self._generate(job)
-        except InvalidRequestError as exc:
-            # Validated at admission; what only running can find: the embeddings' frames
-            # could not be mapped (stale handle) or hold NaN.
-            result = error_result(str(exc))
-        except Exception as exc:  # noqa: B902 - one bad job must not kill the worker
-            result = error_result('%s: %s' % (type(exc).__name__, exc))
-        result = replace(result, timings=replace(result.timings, queue_wait_s=queue_wait))
+    def _route(self, events: List[SeqEvent]) -> None:
+        """Hand each event to its job: feedback (batched per job), paused state, the end."""
+        tokens = False
+        admitted = False
+        for event in events:
+            job = event.seq.tag
+            if job._stream is None:
+                job._stream = _FeedbackStream(job, self.feedback)
+                self.stats.started += 1
+                admitted = True
+            if event.token is not None:
+                tokens = True
+                job._stream.add(event.token)
+            elif event.paused is not None:
+                if job.on_feedback is not None:
+                    job._stream.flush(paused=event.paused)
+            elif event.result is not None:
+                self._finish(job, event.result)
+        pacer = self._pacer
+        if tokens and pacer is not None and pacer.token_pause_s:
+            time.sleep(pacer.token_pause_s)   # the SoC runs hot: let it cool
+        if admitted:
+            self._announce_positions()
+
+    def _finish(self, job: Job, result: GenerationResult) -> None:
+        stream = job._stream
+        # A job that failed before running (stale embeddings) gets no feedback, only its end.
+        if stream.ids or result.stop_reason is not StopReason.ERROR:
+            problem = stream.finish(result)
+            if problem:
+                self.stats.last_error = problem
+        result = replace(result, timings=replace(result.timings,
+                                                 queue_wait_s=job._seq.queue_wait_s))
         self._record(result)
         with self._lock:
-            job._finished = True
-            job._generation = None
-            self._running = None
-            self._run_between()
-            self._lock.notify_all()
+            self._forget(job)
         job.on_done(JobOutcome(result, job.cancel_reason))
 
-    def _generate(self, job: Job) -> GenerationResult:
-        if job.embeddings is None:
-            return self._stream(job, job.request)
-        with job.embeddings() as array:
-            return self._stream(job, job.request.bind(array))
-
-    def _stream(self, job: Job, request: PreparedRequest) -> GenerationResult:
-        generation = self.engine.generate(request)
+    def _fail_all(self, exc: Exception) -> None:
+        """End every job with ERROR after an unexpected failure of a whole step."""
+        message = 'engine step failed: %s: %s' % (type(exc).__name__, exc)
         with self._lock:
-            job._generation = generation
-            cancelled = job.cancel_reason is not CancelReason.NONE
-        if cancelled:
-            generation.cancel()
-        policy = self.feedback
-        send = job.on_feedback
-        text: list = []
-        ids: list = []
-        reasoning: list = []
-        deltas: list = []
-        sent_ids = sent_deltas = 0
-        last_sent = time.monotonic()
-        pacer = self._pacer
-        for event in generation:
-            text.append(event.text_delta)
-            ids.append(event.token_id)
-            reasoning.append(event.reasoning_delta)
-            deltas.extend(event.tool_call_deltas)
-            if pacer is not None and pacer.token_pause_s:
-                time.sleep(pacer.token_pause_s)   # the SoC runs hot: let it cool
-            if send is None:
-                continue
-            now = time.monotonic()
-            # The first token goes out at once (time to first feedback ~ engine TTFT).
-            if (sent_ids == 0 or len(ids) - sent_ids >= policy.tokens
-                    or (policy.period_s and now - last_sent >= policy.period_s)):
-                send(FeedbackChunk(''.join(text[sent_ids:]), tuple(ids[sent_ids:]), len(ids),
-                                   reasoning_delta=''.join(reasoning[sent_ids:]),
-                                   tool_call_deltas=tuple(deltas[sent_deltas:])))
-                sent_ids, sent_deltas = len(ids), len(deltas)
-                last_sent = now
-        result = generation.result
-        if send is not None:
-            # The last feedback always carries the final count, so a client knows it has
-            # every chunk once it sees completion_tokens == result.completion_tokens.
-            streamed = ''.join(text[:sent_ids])
-            tail = ''
-            if result.text.startswith(streamed):
-                tail = result.text[len(streamed):]
-            else:
-                self.stats.last_error = 'engine: streamed text is not a prefix of the result'
-            thought = ''.join(reasoning[:sent_ids])
-            send(FeedbackChunk(tail, tuple(result.token_ids[sent_ids:]),
-                               result.completion_tokens,
-                               reasoning_delta=(result.reasoning[len(thought):]
-                                                if result.reasoning.startswith(thought) else ''),
-                               tool_call_deltas=tool_call_tail(deltas[:sent_deltas],
-                                                               result.tool_calls)))
-        return result
+            jobs = list(self._jobs)
+        for job in jobs:
+            self._sched.cancel(job._seq)
+        try:
+            self._sched.abort()
+        except Exception:  # noqa: B902 - the jobs end below either way
+            pass
+        for job in jobs:
+            if job._stream is None:
+                job._stream = _FeedbackStream(job, self.feedback)
+            if not job._finished:
+                self._finish(job, error_result(message))
+
+    def _forget(self, job: Job) -> None:
+        """Mark a job finished (locked)."""
+        job._finished = True
+        self._jobs.remove(job)
+        self._lock.notify_all()
 
     def _record(self, result: GenerationResult) -> None:
         stats = self.stats

@@ -13,13 +13,20 @@ translated here:
   frequency penalty and reported no logprobs: 0.0 and UNSET_INT, as a version-2 node
   reports them for such a request. An effective sampling that was never filled (refused
   request: every field unset) stays unset.
+
+Interface version 3 (issue 14) only added fields: Generate.Goal/Transcript `priority` and
+`preempt`, Generate.Feedback `paused`. A version-2 record lacks them and reads them as 0,
+false (normal priority, no preemption), which is exactly how a version-2 node served every
+goal: version-2 records need no translation. Version-1 ones get the translation above.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 
-from edge_llm_ros.regression.records import (INTERFACE_VERSION, SamplingRecord, TranscriptRecord,
-                                             UNSET_PENALTY)
+from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord, UNSET_PENALTY
+
+# The first version whose sampling means what it means today (see the module docstring).
+SAMPLING_SEMANTICS_SINCE = 2
 
 
 def request_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
@@ -38,7 +45,7 @@ def effective_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
 
 def upgrade(record: TranscriptRecord) -> TranscriptRecord:
     """Return `record` in the current semantics (unchanged when already current)."""
-    if record.interface_version >= INTERFACE_VERSION:
+    if record.interface_version >= SAMPLING_SEMANTICS_SINCE:
         return record
     return replace(record, sampling=request_sampling_v1(record.sampling),
                    effective_sampling=effective_sampling_v1(record.effective_sampling))

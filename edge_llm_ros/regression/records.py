@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 2
+INTERFACE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,8 @@ class TranscriptRecord:
     choices: list = field(default_factory=list)            # str
     reasoning_mode: int = 0
     reasoning_budget: int = -1
+    priority: int = 0                  # version 3; older records: 0 (normal)
+    preempt: bool = False              # version 3; older records: false
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -255,6 +257,8 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         choices=[str(c) for c in getattr(msg, 'choices', ())],
         reasoning_mode=int(getattr(msg, 'reasoning_mode', 0)),
         reasoning_budget=int(getattr(msg, 'reasoning_budget', -1)),
+        priority=int(getattr(msg, 'priority', 0)),
+        preempt=bool(getattr(msg, 'preempt', False)),
         accepted=bool(msg.accepted),
         text=str(msg.text),
         token_ids=[int(t) for t in msg.token_ids],

@@ -145,7 +145,7 @@ def goal_fields(record: TranscriptRecord) -> dict:
                            Generate.Goal.REASONING_OFF: False}.get(record.reasoning_mode),
                 reasoning_budget=(None if record.reasoning_budget < 0
                                   else record.reasoning_budget),
-                **sampling)
+                priority=record.priority, preempt=record.preempt, **sampling)
 
 
 def chat_msg(record: ChatRecord) -> ChatMessage:
