@@ -6,7 +6,9 @@ on the keys up to it), so what comes back from disk can be compared value by val
 import logging
 import os
 import pathlib
+import shutil
 import sqlite3
+import tempfile
 
 import numpy as np
 import pytest
@@ -266,13 +268,47 @@ def test_unwritable_path_is_refused(model_dir, tmp_path):
     assert 'is a directory' in _open_error(model_dir, tmp_path)
 
 
-def test_read_only_database_is_refused(model_dir, tmp_path):
-    if os.geteuid() == 0:
-        pytest.skip('root writes read-only files')
-    path = tmp_path / 's.db'
-    Rig(model_dir, path).close()
-    path.chmod(0o444)
-    assert 'cannot be written' in _open_error(model_dir, path)
+def _open_error_unprivileged(model_dir, path) -> str:
+    """_open_error in a forked child that drops root (root may write read-only files)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                Rig(model_dir, path).close()
+                msg = 'opened'
+            except SessionStoreError as exc:
+                msg = str(exc)
+            os.write(w, msg.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, 'rb') as pipe:
+        msg = pipe.read().decode()
+    assert os.waitpid(pid, 0)[1] == 0
+    return msg
+
+
+def test_read_only_database_is_refused(model_dir):
+    # A folder every user can read (pytest's tmp_path is root's only), so the child that
+    # drops root can read the model files and open the store.
+    base = pathlib.Path(tempfile.mkdtemp(prefix='ro_store_'))
+    try:
+        base.chmod(0o755)
+        model = base / 'model'
+        shutil.copytree(model_dir, model)
+        for f in [model, *model.iterdir()]:
+            f.chmod(0o755 if f.is_dir() else 0o644)
+        path = base / 's.db'
+        Rig(model, path).close()
+        path.chmod(0o444)
+        assert 'cannot be written' in _open_error_unprivileged(model, path)
+    finally:
+        shutil.rmtree(base)
 
 
 def test_a_store_in_use_is_refused(model_dir, tmp_path):
