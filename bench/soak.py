@@ -54,7 +54,7 @@ SCHEMAS = ('{"type": "string", "maxLength": 6}', '{"type": "integer"}',
            '{"type": "object", "properties": {"ok": {"type": "boolean"}}}')
 INVALID_KINDS = ('empty', 'role', 'sampling', 'schema', 'handle', 'overflow')
 # Goals picked for cancelling run long enough to be caught mid-stream: the schema forbids
-# EOS until CANCEL_TOKENS (a cancel that still arrives late finds them succeeded).
+# EOS until cancel_tokens (a cancel that still arrives late finds them succeeded).
 LONG_SCHEMA = '{"type": "string", "minLength": 5000}'
 CANCEL_TOKENS = 64
 SESSIONS = 20   # session ids in use: more than kv.max_sessions (8), so the LRU evicts
@@ -81,6 +81,9 @@ class SoakConfig:
     rss_growth_limit: float = 0.05
     parallel_sequences: int = 1   # engine.parallel_sequences of the node (issue 14)
     priority_rate: float = 0.0    # goals with a random priority (half with preempt)
+    # Tokens of the goals picked for cancelling: long enough that most cancels land while
+    # they run (a batching node decodes the tiny model's tokens in well under 1 ms).
+    cancel_tokens: int = CANCEL_TOKENS
 
 
 @dataclass
@@ -232,7 +235,10 @@ def _goal_kwargs(rng: random.Random, config: SoakConfig, invalid: Optional[str],
         kw['json_schema'] = rng.choice(SCHEMAS)
     prompt = _prompt(rng, config.max_words)
     if cancel:
-        kw.update(max_tokens=CANCEL_TOKENS, json_schema=LONG_SCHEMA)
+        # A short prompt, so that cancel_tokens fits in a small context.
+        kw.pop('messages', None)
+        kw.pop('system_prompt', None)
+        kw.update(max_tokens=config.cancel_tokens, json_schema=LONG_SCHEMA)
     if invalid == 'empty':
         prompt = ''
         kw.pop('messages', None)

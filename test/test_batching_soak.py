@@ -17,7 +17,7 @@ def test_soak_with_4_slots_priorities_and_cancels(tmp_path_factory):
     config = soak.SoakConfig(goals=150, clients=8, max_tokens=32, cancel_rate=0.2,
                              invalid_rate=0.05, model_path=model, max_context=256,
                              max_words=4, warmup=40, goal_timeout_s=60.0, seed=5,
-                             parallel_sequences=4, priority_rate=0.3)
+                             parallel_sequences=4, priority_rate=0.3, cancel_tokens=192)
     lines = []
     report = soak.run_soak(config, log=lines.append)
     summary = (f'outcomes {report.outcomes}, lost {report.lost} ({report.lost_where}), '
