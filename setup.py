@@ -40,7 +40,7 @@ setup(
             'frame_source = edge_llm_ros.nodes.frame_source:main',
             'perception = edge_llm_ros.nodes.perception:main',
             'edge-llm = edge_llm_ros.cli:main',
-            'edge-llm-convert = edge_llm_ros.engine.convert:main',
+            'edge-llm-convert = edge_llm_ros.convert.converter:main',
             'edge-llm-update = edge_llm_ros.update.cli:main',
             'edge-llm-record = edge_llm_ros.regression.record:main',
             'edge-llm-replay = edge_llm_ros.regression.replay:main',

@@ -19,9 +19,9 @@ import argparse
 import json
 import time
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.scheduler import SeqState, Sequence
-from edge_llm_ros.engine.types import GenerationRequest
+from edge_llm_ros.runtime.types import GenerationRequest
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+from edge_llm_ros.serving.scheduler import SeqState, Sequence
 
 PROMPTS = [
     'Explain how a robot arm picks up a cup.', 'Write a short poem about the sea.',

@@ -76,7 +76,7 @@ def model_files(name: str) -> Dict[str, str]:
                 'gguf': str(default_model.ensure_default_gguf())}
     import yaml
 
-    from edge_llm_ros.engine.convert import CONVERTER_VERSION
+    from edge_llm_ros.model_format import CONVERTER_VERSION
     gguf = ROOT / '.cache' / 'random_gguf' / f'{name}.gguf'
     if not gguf.is_file():
         run([sys.executable, str(ROOT / 'bench' / 'make_random_gguf.py'), name, str(gguf)],
@@ -88,7 +88,7 @@ def model_files(name: str) -> Dict[str, str]:
     if not current:
         print(f'bench_batching: converting {gguf} into {out} (converter {CONVERTER_VERSION})',
               file=sys.stderr, flush=True)
-        run([sys.executable, '-m', 'edge_llm_ros.engine.convert', str(gguf), str(out),
+        run([sys.executable, '-m', 'edge_llm_ros.convert.converter', str(gguf), str(out),
              '--force', '--quiet'], f'convert {gguf}')
     return {'dir': str(out), 'gguf': str(gguf)}
 
@@ -102,8 +102,8 @@ def run(cmd: List[str], what: str) -> str:
 
 def kv_reserved_bytes(model_dir: str, max_context: int, slots: int) -> int:
     """KV bytes the engine preallocates for `slots` sequences (as Engine computes them)."""
-    from edge_llm_ros.engine.engine import kv_budget_bytes
-    from edge_llm_ros.engine.model import load_model_info
+    from edge_llm_ros.serving.engine import kv_budget_bytes
+    from edge_llm_ros.model_format import load_model_info
     return kv_budget_bytes(load_model_info(model_dir), max_context, slots)
 
 

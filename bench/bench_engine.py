@@ -138,8 +138,8 @@ def bench_engine(args, between_runs: Callable[[], None]) -> Dict:
     """Measure our engine; between_runs() runs once after each cold run (peers, interleaved)."""
     import psutil
 
-    from edge_llm_ros.engine.engine import Engine, EngineConfig
-    from edge_llm_ros.engine.types import GenerationRequest
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    from edge_llm_ros.runtime.types import GenerationRequest
 
     proc = psutil.Process()
     rss_start = proc.memory_info().rss
@@ -206,12 +206,12 @@ def bench_engine(args, between_runs: Callable[[], None]) -> Dict:
 
 
 def main_messages(req):
-    from edge_llm_ros.engine.request import conversation
+    from edge_llm_ros.runtime.request import conversation
     return conversation(req)
 
 
 def _msg(role, content):
-    from edge_llm_ros.engine.types import ChatMessage
+    from edge_llm_ros.runtime.types import ChatMessage
     return ChatMessage(role, content)
 
 
@@ -591,7 +591,7 @@ def merge_runs(runs: List[Dict]) -> Dict:
 
 
 def _default_model_dir() -> str:
-    from edge_llm_ros.engine.default_model import ensure_default_model
+    from edge_llm_ros.convert.default_model import ensure_default_model
     return str(ensure_default_model())
 
 
@@ -608,9 +608,9 @@ def source_gguf(model_dir: str) -> str:
 
 def _prompt(model_dir: str) -> Tuple[List[int], str]:
     """Return the chat prompt's ids and their text (special tokens kept) for the peers' check."""
-    from edge_llm_ros.engine.request import conversation
-    from edge_llm_ros.engine.tokenizer import TextTokenizer
-    from edge_llm_ros.engine.types import GenerationRequest
+    from edge_llm_ros.runtime.request import conversation
+    from edge_llm_ros.runtime.tokenizer import TextTokenizer
+    from edge_llm_ros.runtime.types import GenerationRequest
     tok = TextTokenizer.from_dir(model_dir)
     ids = tok.encode_chat(conversation(GenerationRequest(prompt=PROMPT)))
     return ids, tok.decode(ids)

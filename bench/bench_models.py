@@ -6,7 +6,7 @@
 
 `--model default` is the embedded SmolLM2-135M; a model without `--gguf` uses the GGUF its
 model.yaml records. For each model, in one run so the ratios compare like with like on this
-shared machine: our decoder (edge_llm_ros.engine.model.OnnxDecoder, loaded as the Engine
+shared machine: our decoder (edge_llm_ros.runtime.decoder.OnnxDecoder, loaded as the Engine
 loads it) measures a prefill of the prompt and greedy decode steps, then llama-cpp-python (the
 portable build of bench/llama_peer.py, in its own process) does the same on the same ids with
 the same threads; repeated `--repeats` times, alternating. The prompt is the tokenized text of
@@ -89,7 +89,7 @@ def prompt_ids(model_dir: str, n: int) -> List[int]:
     """`n` ids: BOS (when the model adds one), then bench_engine's prompt text tokenized."""
     sys.path.insert(0, str(ROOT / 'bench'))
     import bench_engine
-    from edge_llm_ros.engine.tokenizer import TextTokenizer
+    from edge_llm_ros.runtime.tokenizer import TextTokenizer
     tok = TextTokenizer.from_dir(model_dir)
     head = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
     text, body = bench_engine.PROMPT, []
@@ -106,7 +106,8 @@ class OursRunner:
     def __init__(self, model_dir: str, config: RowConfig) -> None:
         import psutil
 
-        from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
+        from edge_llm_ros.model_format import load_model_info
+        from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
         self._proc = psutil.Process()
         rss0 = self._proc.memory_info().rss
         t = time.perf_counter()
@@ -291,9 +292,9 @@ def measure_row(model_dir: str, gguf: str, python: str, config: RowConfig) -> Di
 # --- through llm_node ---------------------------------------------------------------------------
 def chat_prompt(model_dir: str, n: int) -> tuple:
     """Return (text, ids): a prompt whose chat-templated ids are at least n long."""
-    from edge_llm_ros.engine.request import conversation
-    from edge_llm_ros.engine.tokenizer import TextTokenizer
-    from edge_llm_ros.engine.types import GenerationRequest
+    from edge_llm_ros.runtime.request import conversation
+    from edge_llm_ros.runtime.tokenizer import TextTokenizer
+    from edge_llm_ros.runtime.types import GenerationRequest
     sys.path.insert(0, str(ROOT / 'bench'))
     import bench_engine
     tok = TextTokenizer.from_dir(model_dir)

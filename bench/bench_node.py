@@ -36,11 +36,11 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 
 from edge_llm_ros.client import LLMClient
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.types import GenerationRequest
 from edge_llm_ros.node_process import NodeProcess
 from edge_llm_ros.nodes import spin
 from edge_llm_ros.nodes.llm_node import GIL_SWITCH_INTERVAL_S
+from edge_llm_ros.runtime.types import GenerationRequest
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 # name: (target, 'min' = the measured value must be at least the target, 'max' = at most)
 TARGETS = {'client_vs_engine_tokps': (0.95, 'min'),

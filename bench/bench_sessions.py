@@ -29,8 +29,8 @@ from typing import Dict, List
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig  # noqa: E402
-from edge_llm_ros.engine.types import ChatMessage, GenerationRequest  # noqa: E402
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest  # noqa: E402
+from edge_llm_ros.serving.engine import Engine, EngineConfig  # noqa: E402
 
 TARGET_GAIN = 5.0
 SESSION = 'bench'

@@ -25,11 +25,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / 'test'))
 
-from edge_llm_ros.engine.constraint import JsonSchemaConstraint  # noqa: E402
-from edge_llm_ros.engine.sampling import build_sampler  # noqa: E402
-from edge_llm_ros.engine.stop import StopMatcher  # noqa: E402
-from edge_llm_ros.engine.tokenizer import TextTokenizer  # noqa: E402
-from edge_llm_ros.engine.types import SamplingConfig  # noqa: E402
+from edge_llm_ros.runtime.constraint import JsonSchemaConstraint  # noqa: E402
+from edge_llm_ros.runtime.sampling import build_sampler  # noqa: E402
+from edge_llm_ros.runtime.stop import StopMatcher  # noqa: E402
+from edge_llm_ros.runtime.tokenizer import TextTokenizer  # noqa: E402
+from edge_llm_ros.runtime.types import SamplingConfig  # noqa: E402
 from smollm2_files import write_text_model_dir  # noqa: E402, I100, I201
 
 SAMPLING = {

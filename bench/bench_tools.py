@@ -28,8 +28,8 @@ import jsonschema
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig  # noqa: E402
-from edge_llm_ros.engine.types import GenerationRequest, StopReason  # noqa: E402
+from edge_llm_ros.runtime.types import GenerationRequest, StopReason  # noqa: E402
+from edge_llm_ros.serving.engine import Engine, EngineConfig  # noqa: E402
 
 VERBS = ('move', 'set', 'get', 'open', 'close', 'pick', 'place', 'scan', 'report', 'rotate',
          'dock', 'charge', 'follow', 'stop', 'inspect')

@@ -29,9 +29,8 @@ import time
 import numpy as np
 import onnx
 
-from edge_llm_ros.engine.default_model import ensure_default_model
-from edge_llm_ros.update import delta as delta_mod
-from edge_llm_ros.update import manifest, signing
+from edge_llm_ros.convert.default_model import ensure_default_model
+from edge_llm_ros.update import delta as delta_mod, manifest, signing
 from edge_llm_ros.update.install import ModelsRoot
 
 
@@ -88,8 +87,8 @@ def timed_install(source, base, trusted, work: pathlib.Path, old: pathlib.Path) 
 
 
 def generates(folder: pathlib.Path) -> str:
-    from edge_llm_ros.engine.engine import Engine, EngineConfig
-    from edge_llm_ros.engine.types import GenerationRequest
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    from edge_llm_ros.runtime.types import GenerationRequest
     engine = Engine(EngineConfig(model_dir=str(folder), max_context=256))
     try:
         generation = engine.generate(engine.prepare(GenerationRequest(

@@ -213,7 +213,7 @@ class BlockMaker:
 
 def _vector(name: str, n: int, shape: Shape, rng: np.random.Generator) -> np.ndarray:
     if name == 'rope_freqs.weight':
-        from edge_llm_ros.engine.architectures import llama3_rope_factors
+        from edge_llm_ros.convert.architectures import llama3_rope_factors
         f, lo, hi, orig = shape.extra['llama3_rope']
         return np.array(llama3_rope_factors(shape.head_dim, shape.rope_theta, f, lo, hi, orig),
                         np.float32)
@@ -291,7 +291,7 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
 
 def convert_peak_rss(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> dict:
     """Convert in a child process; return its peak RSS, wall time and the sizes."""
-    cmd = [sys.executable, '-m', 'edge_llm_ros.engine.convert', str(gguf_path), str(out_dir),
+    cmd = [sys.executable, '-m', 'edge_llm_ros.convert.converter', str(gguf_path), str(out_dir),
            '--force', '--quiet']
     t0 = time.monotonic()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss

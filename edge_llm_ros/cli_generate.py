@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import EngineError, InvalidRequestError
-from edge_llm_ros.engine.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.errors import EngineError, InvalidRequestError
+from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

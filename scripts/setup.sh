@@ -82,6 +82,6 @@ fi
 
 # --- embedded model ----------------------------------------------------------------------
 if [ "${EDGE_LLM_SKIP_MODEL:-0}" != "1" ]; then
-  "$VENV/bin/python" -m edge_llm_ros.engine.default_model --ensure
+  "$VENV/bin/python" -m edge_llm_ros.convert.default_model --ensure
 fi
 echo "setup: ready (venv: $VENV)"

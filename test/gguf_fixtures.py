@@ -19,7 +19,7 @@ import numpy as np
 from tiny_model import (add_tokenizer, BOS_ID, EOS_ID, llama_cpp_permute, tiny_vocab,
                         TinyDims, write_hf_folder)
 
-from edge_llm_ros.engine.architectures import llama3_rope_factors
+from edge_llm_ros.convert.architectures import llama3_rope_factors
 
 # Byte offsets of the fp16 scale fields inside one block, per type gguf-py cannot encode
 # (ggml-common.h block layouts): (d offset, dmin offset or None, dmin / d). dmin / d is the

@@ -3,7 +3,7 @@
 llama.cpp runs in the portable llama-cpp-python venv of bench/llama_peer.py (built on first
 use: ~6-8 min once, then cached in .cache/llama_cpp_peer), in a subprocess that feeds token
 ids directly (test/llama_cpp_runner.py). Our side converts the GGUF with
-edge_llm_ros.engine.convert and drives the graph with ort_driver.OrtDriver, which binds the KV
+edge_llm_ros.convert.converter and drives the graph with ort_driver.OrtDriver, which binds the KV
 buffers exactly as the engine's OnnxDecoder does (test_llama_cpp_parity also checks that the
 engine's decoder gives the same logits).
 
@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 from ort_driver import OrtDriver
 
-from edge_llm_ros.engine.convert import convert
+from edge_llm_ros.convert.converter import convert
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNNER = pathlib.Path(__file__).with_name('llama_cpp_runner.py')
@@ -140,8 +140,8 @@ def bits_per_weight(qtype: str, precision: str = 'source', accuracy_level: int =
     import gguf
     from gguf_fixtures import random_blocks, RAW_SCALE_FIELDS
 
-    from edge_llm_ros.engine.checkpoint import SourceTensor
-    from edge_llm_ros.engine.quant import fold_offsets, to_blocks
+    from edge_llm_ros.convert.checkpoint import SourceTensor
+    from edge_llm_ros.convert.quant import fold_offsets, to_blocks
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((64, k)) * 0.02).astype(np.float32)
     if qtype in RAW_SCALE_FIELDS:

@@ -38,7 +38,7 @@ _MODELS_LOCK = threading.Lock()
 
 def medium_model_dir(root: pathlib.Path) -> pathlib.Path:
     """Build and convert the medium random model under root once per process."""
-    from edge_llm_ros.engine.convert import convert
+    from edge_llm_ros.convert.converter import convert
     with _MODELS_LOCK:
         key = str(root)
         if key not in _MODELS:

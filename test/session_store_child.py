@@ -15,9 +15,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402, I100
 
-from edge_llm_ros.engine.engine import EngineConfig  # noqa: E402
-from edge_llm_ros.engine.kv_cache import KVCache  # noqa: E402
-from edge_llm_ros.engine.session_store import open_sessions  # noqa: E402
+from edge_llm_ros.runtime.kv_cache import KVCache  # noqa: E402
+from edge_llm_ros.serving.engine import EngineConfig  # noqa: E402
+from edge_llm_ros.serving.session_store import open_sessions  # noqa: E402
 
 SESSIONS = 4
 BUFFERS, HEADS, POSITIONS, HEAD_DIM = 16, 4, 1024, 64   # 16 MiB of float32 per prefix

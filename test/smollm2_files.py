@@ -38,7 +38,7 @@ def write_text_model_dir(out_dir: pathlib.Path) -> dict:
     """Write tokenizer.json, chat_template.jinja and a model.yaml with the special ids."""
     import gguf
 
-    from edge_llm_ros.engine.gguf_tokenizer import write_tokenizer_files
+    from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
 
     info = write_tokenizer_files(gguf.GGUFReader(smollm2_gguf()), out_dir)
     keys = ('bos_token_id', 'eos_token_ids', 'add_bos_token')

@@ -17,7 +17,7 @@ from edge_llm_msgs.srv import Complete
 from edge_llm_ros.bringup import parameters, profiles
 from edge_llm_ros.bringup.errors import ParameterRangeError
 from edge_llm_ros.client import make_goal
-from edge_llm_ros.engine.errors import InvalidRequestError
+from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.nodes.messages import build_transcript, queue_order
 from edge_llm_ros.regression import bagio, legacy
 from edge_llm_ros.regression.records import TranscriptRecord

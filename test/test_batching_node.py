@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from edge_llm_msgs.action import Generate
-from edge_llm_ros.engine.default_model import ensure_default_model
+from edge_llm_ros.convert.default_model import ensure_default_model
 
 pytestmark = pytest.mark.slow
 

@@ -42,7 +42,7 @@ def test_defaults_are_consistent():
 
 
 def test_engine_kwargs_cover_engine_config():
-    engine = pytest.importorskip('edge_llm_ros.engine.engine')
+    engine = pytest.importorskip('edge_llm_ros.serving.engine')
     fields = {f.name for f in dataclasses.fields(engine.EngineConfig)}
     kwargs = parameters.engine_kwargs(LLM.defaults())
     assert set(kwargs) == fields
@@ -50,7 +50,7 @@ def test_engine_kwargs_cover_engine_config():
 
 
 def test_sampling_kwargs_cover_sampling_config():
-    from edge_llm_ros.engine.types import SamplingConfig
+    from edge_llm_ros.runtime.types import SamplingConfig
     fields = {f.name for f in dataclasses.fields(SamplingConfig)}
     values = dict(LLM.defaults(), **{'sampling.seed': 7})
     kwargs = parameters.sampling_kwargs(values)

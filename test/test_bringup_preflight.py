@@ -10,8 +10,8 @@ import yaml
 
 from edge_llm_ros.bringup import kernels, parameters, preflight, profiles
 from edge_llm_ros.bringup.__main__ import main
-from edge_llm_ros.bringup.errors import (
-    AffinityError, KernelSupportError, ParameterRangeError, ProviderError)
+from edge_llm_ros.bringup.errors import (AffinityError, KernelSupportError, ParameterRangeError,
+                                         ProviderError)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOARDS = ROOT / 'test' / 'data' / 'boards'

@@ -6,9 +6,9 @@ import pytest
 import yaml
 
 from edge_llm_ros.bringup import parameters, profiles
-from edge_llm_ros.bringup.errors import (
-    AffinityError, BringupError, ParameterRangeError, ParameterTypeError, ProfileFormatError,
-    ThermalError, UnknownBoardError, UnknownParameterError)
+from edge_llm_ros.bringup.errors import (AffinityError, BringupError, ParameterRangeError,
+                                         ParameterTypeError, ProfileFormatError, ThermalError,
+                                         UnknownBoardError, UnknownParameterError)
 
 BOARDS = pathlib.Path(__file__).parent / 'data' / 'boards'
 SHIPPED = ('orin_agx', 'orin_nano', 'orin_nx', 'rk3588', 'rpi5', 'x86_64', 'x86_64_cuda')

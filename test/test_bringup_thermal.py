@@ -8,8 +8,8 @@ import pytest
 
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.errors import ThermalError
-from edge_llm_ros.bringup.thermal import (
-    hottest_zone, list_zones, ThermalGovernor, ThermalLevel, ThermalSettings)
+from edge_llm_ros.bringup.thermal import (hottest_zone, list_zones, ThermalGovernor, ThermalLevel,
+                                          ThermalSettings)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOARDS = ROOT / 'test' / 'data' / 'boards'

@@ -8,8 +8,8 @@ import sys
 import pytest
 from tiny_model import tiny_model_dir
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.types import GenerationRequest
+from edge_llm_ros.runtime.types import GenerationRequest
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.constraint import (
-    compile_choices, compile_lark, compile_regex, compile_request_constraint, InvalidGrammarError,
-    JsonSchemaConstraint)
-from edge_llm_ros.engine.errors import EngineError, InvalidSchemaError
-from edge_llm_ros.engine.sampling import build_sampler
-from edge_llm_ros.engine.tokenizer import TextTokenizer
-from edge_llm_ros.engine.tools.spec import ConstraintConflictError
-from edge_llm_ros.engine.types import SamplingConfig
+from edge_llm_ros.errors import EngineError, InvalidSchemaError
+from edge_llm_ros.runtime.constraint import (compile_choices, compile_lark, compile_regex,
+                                             compile_request_constraint, InvalidGrammarError,
+                                             JsonSchemaConstraint)
+from edge_llm_ros.runtime.sampling import build_sampler
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.tools.spec import ConstraintConflictError
+from edge_llm_ros.runtime.types import SamplingConfig
 
 SCHEMAS = {
     'required_fields': {

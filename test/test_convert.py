@@ -21,15 +21,14 @@ import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
+from reference_model import ReferenceModel
 from tiny_model import build_tiny_gguf, build_tiny_hf, CHAT_TEMPLATE, tiny_model_dir, TinyDims
 import yaml
 
-from edge_llm_ros.engine import convert as convert_mod
-from edge_llm_ros.engine.checkpoint import load_checkpoint
-from edge_llm_ros.engine.convert import convert, main
-from edge_llm_ros.engine.errors import (ConversionError, ModelLoadError,
-                                        UnsupportedModelError)
-from edge_llm_ros.engine.reference import ReferenceModel
+from edge_llm_ros.convert import converter as convert_mod
+from edge_llm_ros.convert.checkpoint import load_checkpoint
+from edge_llm_ros.convert.converter import convert, main
+from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedModelError
 
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61]
 YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',

@@ -19,8 +19,8 @@ from ort_driver import OrtDriver
 import pytest
 import yaml
 
-from edge_llm_ros.engine.convert import convert
-from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.slow
 PROMPTS = ['What color is the sky?', 'What is 2+2? Answer briefly.',
@@ -30,13 +30,13 @@ N_TOKENS = 32
 
 @pytest.fixture(scope='module')
 def smol() -> pathlib.Path:
-    from edge_llm_ros.engine.default_model import ensure_default_model
+    from edge_llm_ros.convert.default_model import ensure_default_model
     return ensure_default_model()
 
 
 @pytest.fixture(scope='module')
 def gguf_path() -> pathlib.Path:
-    from edge_llm_ros.engine.default_model import ensure_default_gguf
+    from edge_llm_ros.convert.default_model import ensure_default_gguf
     return ensure_default_gguf()
 
 
@@ -55,7 +55,7 @@ def reference(gguf_path, prompts, tmp_path_factory):
     """
     tok, ids = prompts
     out = tmp_path_factory.mktemp('ref') / 'logits.npz'
-    cmd = [sys.executable, '-m', 'edge_llm_ros.engine.reference', str(gguf_path),
+    cmd = [sys.executable, '-m', 'reference_model', str(gguf_path),
            '--tokens', str(N_TOKENS), '--stop', ','.join(map(str, tok.eos_token_ids)),
            '--logits-out', str(out)]
     for p in ids:
@@ -134,5 +134,5 @@ def test_default_model_metadata(smol, gguf_path):
     assert meta['architecture'] == 'llama' and meta['num_layers'] == 30
     assert meta['vocab_size'] == 49152 and meta['eos_token_ids'][0] == 2
     assert meta['quantization']['source_types'] == ['Q4_1', 'Q8_0']
-    from edge_llm_ros.engine.default_model import GGUF_SHA256
+    from edge_llm_ros.convert.default_model import GGUF_SHA256
     assert meta['source']['sha256'] == GGUF_SHA256

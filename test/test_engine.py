@@ -11,22 +11,23 @@ import threading
 
 import numpy as np
 import pytest
+from reference_model import ReferenceModel
 from tiny_model import tiny_model_dir
 import yaml
 
-from edge_llm_ros.engine.constraint import InvalidGrammarError
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import (ContextOverflowError, EngineError, InvalidRequestError,
-                                        InvalidSamplingError, InvalidSchemaError, ModelLoadError)
-from edge_llm_ros.engine.generator import RECOMPUTE
-from edge_llm_ros.engine.kv_cache import KVCache
-from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
-from edge_llm_ros.engine.reference import ReferenceModel
-from edge_llm_ros.engine.request import conversation, InvalidEmbeddingsError, split_chunks
-from edge_llm_ros.engine.structured import OutputPlan
-from edge_llm_ros.engine.tools.spec import ConstraintConflictError, InvalidToolsError
-from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
-                                       SamplingConfig, StopReason)
+from edge_llm_ros.errors import (ContextOverflowError, EngineError, InvalidRequestError,
+                                 InvalidSamplingError, InvalidSchemaError, ModelLoadError)
+from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.runtime.constraint import InvalidGrammarError
+from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.kv_cache import KVCache
+from edge_llm_ros.runtime.request import conversation, InvalidEmbeddingsError, split_chunks
+from edge_llm_ros.runtime.sequence import RECOMPUTE
+from edge_llm_ros.runtime.structured import OutputPlan
+from edge_llm_ros.runtime.tools.spec import ConstraintConflictError, InvalidToolsError
+from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
+                                        SamplingConfig, StopReason)
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 N = 24
 PROMPTS = [('once upon a time there was', False), ('robot arm', False),

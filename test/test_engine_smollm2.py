@@ -8,8 +8,8 @@ import sys
 import jsonschema
 import pytest
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.types import GenerationRequest, SamplingConfig, StopReason
+from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig, StopReason
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +29,7 @@ SYSTEM = (
 
 @pytest.fixture(scope='session')
 def smollm2_dir():
-    from edge_llm_ros.engine.default_model import ensure_default_model
+    from edge_llm_ros.convert.default_model import ensure_default_model
     return ensure_default_model()
 
 

@@ -16,12 +16,11 @@ import pytest
 from tiny_model import tiny_model_dir
 import yaml
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import InvalidRequestError, InvalidSamplingError
-from edge_llm_ros.engine.structured import OutputPlan
-from edge_llm_ros.engine.tools.spec import ToolCall
-from edge_llm_ros.engine.types import (ChatMessage, GenerationRequest, SamplingConfig,
-                                       StopReason)
+from edge_llm_ros.errors import InvalidRequestError, InvalidSamplingError
+from edge_llm_ros.runtime.structured import OutputPlan
+from edge_llm_ros.runtime.tools.spec import ToolCall
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig, StopReason
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 MOVE = {'type': 'function', 'function': {
     'name': 'move_to', 'description': 'Drive the robot to a named place',

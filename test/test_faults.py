@@ -27,10 +27,10 @@ import rclpy
 from tiny_model import build_tiny_gguf, TinyDims
 
 from edge_llm_ros.client import LLMClientError, ServerUnavailableError
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import ModelLoadError
+from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.ipc.errors import PoolClosedError, UnknownPoolError
 from edge_llm_ros.ipc.resolver import TensorResolver
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHILDREN = HERE / 'fault_children.py'
@@ -322,7 +322,7 @@ def _convert_cli(source: pathlib.Path, out: pathlib.Path, limit: str):
             'if sys.argv[1] == "rlimit":\n'
             '    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes fail with EFBIG\n'
             '    resource.setrlimit(resource.RLIMIT_FSIZE, (5 << 20, 5 << 20))\n'
-            'from edge_llm_ros.engine.convert import main\n'
+            'from edge_llm_ros.convert.converter import main\n'
             'sys.exit(main(sys.argv[2:]))\n')
     return subprocess.run([sys.executable, '-c', code, limit, str(source), str(out), '--quiet'],
                           capture_output=True, text=True, timeout=300)

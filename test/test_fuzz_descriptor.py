@@ -20,8 +20,8 @@ import pytest
 from edge_llm_msgs.msg import TensorHandle
 from edge_llm_ros.ipc import channel, protocol as proto
 from edge_llm_ros.ipc.allocators import BufferKind
-from edge_llm_ros.ipc.descriptor import (
-    array_from_bytes, DTYPES, HANDLE_FIELDS, MAX_NDIM, TensorDescriptor, U32, U64)
+from edge_llm_ros.ipc.descriptor import (array_from_bytes, DTYPES, HANDLE_FIELDS, MAX_NDIM,
+                                         TensorDescriptor, U32, U64)
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, SlotOutOfRangeError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver

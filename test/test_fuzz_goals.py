@@ -26,12 +26,12 @@ from tiny_model import tiny_model_dir
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
 from edge_llm_msgs.srv import Complete, Tokenize
-from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.engine.types import StopReason
+from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.ipc.channel import ENV_DIR
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes.llm_node import LLMNode
-from edge_llm_ros.nodes.worker import WorkerStoppedError
+from edge_llm_ros.runtime.types import StopReason
+from edge_llm_ros.serving.worker import WorkerStoppedError
 
 QUEUE_DEPTH = 2
 TINY_CONTEXT = 256   # the tiny model's whole context

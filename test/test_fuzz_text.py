@@ -15,12 +15,12 @@ import pytest
 from smollm2_files import write_text_model_dir
 from tiny_model import tiny_model_dir
 
-from edge_llm_ros.engine.constraint import JsonSchemaConstraint
-from edge_llm_ros.engine.errors import (EngineError, InvalidRequestError, InvalidSamplingError,
-                                        InvalidSchemaError, ModelLoadError)
-from edge_llm_ros.engine.sampling import build_sampler, validate
-from edge_llm_ros.engine.tokenizer import SpecialTokens, TextTokenizer
-from edge_llm_ros.engine.types import ChatMessage, ROLES, SamplingConfig
+from edge_llm_ros.errors import (EngineError, InvalidRequestError, InvalidSamplingError,
+                                 InvalidSchemaError, ModelLoadError)
+from edge_llm_ros.runtime.constraint import JsonSchemaConstraint
+from edge_llm_ros.runtime.sampling import build_sampler, validate
+from edge_llm_ros.runtime.tokenizer import SpecialTokens, TextTokenizer
+from edge_llm_ros.runtime.types import ChatMessage, ROLES, SamplingConfig
 
 
 @pytest.fixture(scope='module')

@@ -14,9 +14,9 @@ import regex
 from smollm2_files import smollm2_gguf, write_text_model_dir
 from tokenizers import Tokenizer
 
-from edge_llm_ros.engine.errors import ModelLoadError, UnsupportedModelError
-from edge_llm_ros.engine.gguf_tokenizer import (
-    CHAT_TEMPLATE_FILE, DEFAULT_CHATML_TEMPLATE, TOKENIZER_FILE, write_tokenizer_files)
+from edge_llm_ros.convert.gguf_tokenizer import DEFAULT_CHATML_TEMPLATE, write_tokenizer_files
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
+from edge_llm_ros.model_format import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 
 # llama.cpp's regexes for tokenizer.ggml.pre == 'smollm' (LLAMA_VOCAB_PRE_TYPE_SMOLLM).
 SMOLLM_REGEXES = (

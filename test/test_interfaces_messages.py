@@ -11,14 +11,13 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, ToolCall
 from edge_llm_msgs.srv import Complete
 from edge_llm_ros.client import make_goal
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.sampling import TokenLogprobs
-from edge_llm_ros.engine.tools.parser import ToolCallDelta
-from edge_llm_ros.engine.tools.spec import ToolCall as EngineToolCall
-from edge_llm_ros.engine.types import (GenerationResult, SamplingConfig, StopReason,
-                                       Timings)
+from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.nodes import messages
-from edge_llm_ros.nodes.worker import tool_call_tail
+from edge_llm_ros.runtime.sampling import TokenLogprobs
+from edge_llm_ros.runtime.tools.parser import ToolCallDelta
+from edge_llm_ros.runtime.tools.spec import ToolCall as EngineToolCall
+from edge_llm_ros.runtime.types import GenerationResult, SamplingConfig, StopReason, Timings
+from edge_llm_ros.serving.worker import tool_call_tail
 
 DEFAULTS = messages.RequestDefaults(
     sampling=SamplingConfig(temperature=0.7, presence_penalty=0.3, frequency_penalty=0.2))

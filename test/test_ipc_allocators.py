@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from edge_llm_ros.ipc import allocators
-from edge_llm_ros.ipc.allocators import (
-    BufferKind, create_sealed_memfd, DMA_BUF_SYNC_READ, DMA_BUF_SYNC_START,
-    REQUIRED_MEMFD_SEALS, select_allocator)
-from edge_llm_ros.ipc.errors import AllocationError, AllocatorUnavailableError
-from edge_llm_ros.ipc.errors import BufferValidationError
+from edge_llm_ros.ipc.allocators import (BufferKind, create_sealed_memfd, DMA_BUF_SYNC_READ,
+                                         DMA_BUF_SYNC_START, REQUIRED_MEMFD_SEALS,
+                                         select_allocator)
+from edge_llm_ros.ipc.errors import (AllocationError, AllocatorUnavailableError,
+                                     BufferValidationError)
 from edge_llm_ros.ipc.mapping import fdinfo, import_buffer, Mapping
 
 

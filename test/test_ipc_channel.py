@@ -14,9 +14,8 @@ import pytest
 from edge_llm_ros.ipc import channel, protocol as proto
 from edge_llm_ros.ipc.allocators import BufferKind, create_sealed_memfd, select_allocator
 from edge_llm_ros.ipc.descriptor import TensorDescriptor
-from edge_llm_ros.ipc.errors import (
-    BufferValidationError, InsecureDirectoryError, IpcError, PeerCredentialsError,
-    PoolUnreachableError, ProtocolError)
+from edge_llm_ros.ipc.errors import (BufferValidationError, InsecureDirectoryError, IpcError,
+                                     PeerCredentialsError, PoolUnreachableError, ProtocolError)
 from edge_llm_ros.ipc.mapping import import_buffer
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver

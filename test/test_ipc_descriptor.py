@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from edge_llm_ros.ipc.allocators import BufferKind
-from edge_llm_ros.ipc.descriptor import (
-    array_from_bytes, describe_array, HANDLE_FIELDS, TensorDescriptor)
+from edge_llm_ros.ipc.descriptor import (array_from_bytes, describe_array, HANDLE_FIELDS,
+                                         TensorDescriptor)
 from edge_llm_ros.ipc.errors import DescriptorError, InvalidHandleError, SlotOutOfRangeError
 
 

@@ -14,10 +14,10 @@ import pytest
 
 from edge_llm_ros.ipc import channel, protocol as proto
 from edge_llm_ros.ipc.descriptor import array_from_bytes, TensorDescriptor
-from edge_llm_ros.ipc.errors import (
-    AdmissionError, DescriptorError, InflightLimitError, InvalidHandleError, IpcError,
-    PoolClosedError, PoolExhaustedError, SlotOutOfRangeError, StaleHandleError,
-    UnknownPoolError)
+from edge_llm_ros.ipc.errors import (AdmissionError, DescriptorError, InflightLimitError,
+                                     InvalidHandleError, IpcError, PoolClosedError,
+                                     PoolExhaustedError, SlotOutOfRangeError, StaleHandleError,
+                                     UnknownPoolError)
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver
 

@@ -4,10 +4,9 @@ import logging
 import numpy as np
 import pytest
 
-from edge_llm_ros.engine.errors import ContextOverflowError
-from edge_llm_ros.engine.kv_cache import (_Snapshot, check_fits, common_prefix,
-                                          dequantize_int8, KVCache, quantize_int8,
-                                          SnapshotStore)
+from edge_llm_ros.errors import ContextOverflowError
+from edge_llm_ros.runtime.kv_cache import (_Snapshot, check_fits, common_prefix, dequantize_int8,
+                                           KVCache, quantize_int8, SnapshotStore)
 
 LAYERS, KV_HEADS, HEAD_DIM, CAP = 2, 2, 8, 32
 
@@ -204,7 +203,7 @@ def test_count_bound_still_applies_with_a_byte_bound():
 def test_a_snapshot_larger_than_the_bound_is_not_kept(caplog):
     store = SnapshotStore(max_sessions=4, max_bytes=4 * POSITION_BYTES)
     assert store.put('A', snap_of(2))
-    with caplog.at_level(logging.INFO, logger='edge_llm_ros.engine.kv_cache'):
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.runtime.kv_cache'):
         assert not store.put('A', snap_of(5))
     assert 'not kept' in caplog.text and 'sessions.max_bytes' in caplog.text
     # The older, shorter prefix of the session stays: it is still a valid prefix.

@@ -30,7 +30,8 @@ import numpy as np
 import pytest
 from tiny_model import TinyDims
 
-from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
+from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 
 MAX_ABS_DIFF = 0.75
 # llama.cpp's top-2 gap on its own greedy path: above 2 * MAX_ABS_DIFF no argmax can flip

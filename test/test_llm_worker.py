@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings, TokenEvent
-from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker, FeedbackPolicy, Job,
-                                       QueueFullError, WorkerStoppedError)
+from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
+from edge_llm_ros.runtime.types import GenerationResult, StopReason, Timings, TokenEvent
+from edge_llm_ros.serving.worker import (CancelReason, EngineWorker, FeedbackPolicy, Job,
+                                         QueueFullError, WorkerStoppedError)
 
 
 @dataclass(frozen=True)

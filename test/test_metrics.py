@@ -12,12 +12,11 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
-from edge_llm_ros.engine.types import GenerationResult, StopReason, Timings
 from edge_llm_ros.metrics import figures as fig
-from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError,
-                                           MetricsPortInUseError, MetricsServer,
-                                           MetricsSettings)
+from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError, MetricsPortInUseError,
+                                           MetricsServer, MetricsSettings)
 from edge_llm_ros.metrics.figures import FigureRecorder, Gauges, HistogramSnapshot
+from edge_llm_ros.runtime.types import GenerationResult, StopReason, Timings
 
 
 def result(tokens=10, stop=StopReason.LENGTH, ttft=0.03, tps=120.0, wait=0.002):

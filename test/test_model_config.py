@@ -3,9 +3,9 @@ import pathlib
 
 import pytest
 
-from edge_llm_ros.engine import model_config as mc
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.model_config import ModelConfigError
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime import model_config as mc
+from edge_llm_ros.runtime.model_config import ModelConfigError
 
 FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'llama3',
             'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm2')

@@ -12,8 +12,8 @@ import rclpy
 from tiny_model import tiny_model_dir
 
 from edge_llm_ros.client import LLMClient, NodeNotActiveError
-from edge_llm_ros.node_process import (
-    node_command, NodeProcess, NodeStartError, NodeStopError, parameter_text)
+from edge_llm_ros.node_process import (node_command, NodeProcess, NodeStartError, NodeStopError,
+                                       parameter_text)
 
 TAG = f'np{os.getpid()}'
 TINY = {'autostart': True, 'kv.max_context': 256, 'engine.intra_op_threads': 1}

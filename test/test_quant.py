@@ -15,10 +15,10 @@ from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
 import pytest
 
-from edge_llm_ros.engine.checkpoint import SourceTensor, unpermute_llama_rows
-from edge_llm_ros.engine.errors import ModelLoadError
-from edge_llm_ros.engine.quant import (concat_rows, EXACT_LAYOUTS, fold_offsets, from_q4_0,
-                                       from_q4_1, from_q8_0, quantize_blocks, to_blocks)
+from edge_llm_ros.convert.checkpoint import SourceTensor, unpermute_llama_rows
+from edge_llm_ros.convert.quant import (concat_rows, EXACT_LAYOUTS, fold_offsets, from_q4_0,
+                                        from_q4_1, from_q8_0, quantize_blocks, to_blocks)
+from edge_llm_ros.errors import ModelLoadError
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 48, 256

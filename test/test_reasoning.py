@@ -6,11 +6,11 @@ from hypothesis import given, settings, strategies as st
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.model_config import load_family, ReasoningConfig
-from edge_llm_ros.engine.reasoning import (
-    close_ids, prompt_opens_reasoning, ReasoningBudget, ReasoningSplitter)
-from edge_llm_ros.engine.tokenizer import TextTokenizer
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.model_config import load_family, ReasoningConfig
+from edge_llm_ros.runtime.reasoning import (close_ids, prompt_opens_reasoning, ReasoningBudget,
+                                            ReasoningSplitter)
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
 
 CFG = ReasoningConfig()
 

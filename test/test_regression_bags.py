@@ -20,8 +20,8 @@ from edge_llm_msgs.msg import (ChatMessage, SamplingParams, TokenLogprob, ToolCa
                                Transcript)
 from edge_llm_ros.client import make_goal
 from edge_llm_ros.regression import bagio, legacy
-from edge_llm_ros.regression.errors import (
-    BagContentError, BagCorruptError, BagNotFoundError, BagTypeMismatchError)
+from edge_llm_ros.regression.errors import (BagContentError, BagCorruptError, BagNotFoundError,
+                                            BagTypeMismatchError)
 from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
 from edge_llm_ros.regression.replay import goal_fields
 

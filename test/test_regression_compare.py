@@ -6,16 +6,17 @@ from hypothesis import given, settings, strategies as st
 import pytest
 
 from edge_llm_ros.client import STATUS_NAMES
-from edge_llm_ros.engine.types import StopReason
 from edge_llm_ros.regression import compare
-from edge_llm_ros.regression.compare import (
-    ABORTED, CANCELED, compare_goal, compare_run, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION,
-    NOT_SENT, outcome_of, pair_recordings, REJECTED, ReplayOutcome, SUCCEEDED)
+from edge_llm_ros.regression.compare import (ABORTED, CANCELED, compare_goal, compare_run,
+                                             EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, NOT_SENT,
+                                             outcome_of, pair_recordings, REJECTED, ReplayOutcome,
+                                             SUCCEEDED)
 from edge_llm_ros.regression.errors import ThresholdsError
-from edge_llm_ros.regression.records import (
-    SamplingRecord, TensorHandleRecord, TimingsRecord, TranscriptRecord)
-from edge_llm_ros.regression.thresholds import (
-    LatencyThresholds, load_thresholds, OutputThresholds, Thresholds)
+from edge_llm_ros.regression.records import (SamplingRecord, TensorHandleRecord, TimingsRecord,
+                                             TranscriptRecord)
+from edge_llm_ros.regression.thresholds import (LatencyThresholds, load_thresholds,
+                                                OutputThresholds, Thresholds)
+from edge_llm_ros.runtime.types import StopReason
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULTS = Thresholds()

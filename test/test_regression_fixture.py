@@ -15,8 +15,8 @@ from rclpy.parameter_client import AsyncParameterClient
 from regression_helpers import read_report, run_tool
 
 from edge_llm_ros.regression import bagio
-from edge_llm_ros.regression.make_fixture import (
-    DEFAULT_OUT, FIXTURE_GOALS, MAX_TOKENS, NODE_PARAMETERS, start_node)
+from edge_llm_ros.regression.make_fixture import (DEFAULT_OUT, FIXTURE_GOALS, MAX_TOKENS,
+                                                  NODE_PARAMETERS, start_node)
 
 pytestmark = pytest.mark.timeout(600)
 FIXTURE = DEFAULT_OUT

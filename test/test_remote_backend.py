@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 
 from edge_llm_ros.bridge import BridgeConfig, QueueFullError
-from edge_llm_ros.engine.errors import (ContextOverflowError, InvalidRequestError,
-                                        InvalidSamplingError, ModelLoadError)
-from edge_llm_ros.engine.remote import (REMOTE_TOKEN_ID, RemoteConfig, RemoteEngine,
-                                        RemoteUnsupportedError)
-from edge_llm_ros.engine.types import (ChatMessage, GenerationRequest, SamplingConfig,
-                                       StopReason)
+from edge_llm_ros.errors import (ContextOverflowError, InvalidRequestError, InvalidSamplingError,
+                                 ModelLoadError)
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig, StopReason
+from edge_llm_ros.serving.remote import (REMOTE_TOKEN_ID, RemoteConfig, RemoteEngine,
+                                         RemoteUnsupportedError)
 
 pytestmark = pytest.mark.timeout(600)
 KEY_ENV = 'REMOTE_TEST_KEY'

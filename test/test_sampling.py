@@ -7,10 +7,10 @@ from hypothesis import given, settings, strategies as st
 import numpy as np
 import pytest
 
-from edge_llm_ros.engine.errors import EngineError, InvalidSamplingError
-from edge_llm_ros.engine.sampling import (
-    _draw, _top_indices, build_sampler, Candidates, MinP, TopK, TopP, validate)
-from edge_llm_ros.engine.types import SamplingConfig
+from edge_llm_ros.errors import EngineError, InvalidSamplingError
+from edge_llm_ros.runtime.sampling import (_draw, _top_indices, build_sampler, Candidates, MinP,
+                                           TopK, TopP, validate)
+from edge_llm_ros.runtime.types import SamplingConfig
 
 VOCAB = 49152
 

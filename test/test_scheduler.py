@@ -13,12 +13,13 @@ import pytest
 import test_engine
 from tiny_model import tiny_model_dir
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig, kv_budget_bytes
-from edge_llm_ros.engine.errors import ModelLoadError
-from edge_llm_ros.engine.model import load_model_info, OnnxDecoder, SessionConfig
-from edge_llm_ros.engine.scheduler import (LIVE, min_rows_for, PRIORITY_MAX, PRIORITY_MIN,
-                                           SeqState, Sequence, WaitQueue)
-from edge_llm_ros.engine.types import GenerationRequest, StopReason
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.types import GenerationRequest, StopReason
+from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
+from edge_llm_ros.serving.scheduler import (LIVE, min_rows_for, PRIORITY_MAX, PRIORITY_MIN,
+                                            SeqState, Sequence, WaitQueue)
 
 # Fixtures: the tiny model (accuracy level 0) and its NumPy reference, as test_engine has them.
 tiny_dir = test_engine.tiny_dir
@@ -115,7 +116,7 @@ def test_mixed_requests_in_a_batch_equal_each_alone(eng4, tiny_dir):
     Each result equals the same request run alone (solo Engine.generate).
     """
     import json
-    from edge_llm_ros.engine.types import SamplingConfig
+    from edge_llm_ros.runtime.types import SamplingConfig
     schema = {'type': 'object', 'properties': {'turn': {'enum': ['left', 'right']}},
               'required': ['turn'], 'additionalProperties': False}
     embeds = np.random.default_rng(3).standard_normal((5, eng4.info.hidden_size))
@@ -156,7 +157,7 @@ def test_mixed_requests_in_a_batch_equal_each_alone(eng4, tiny_dir):
 
 
 def _greedy_logprobs():
-    from edge_llm_ros.engine.types import SamplingConfig
+    from edge_llm_ros.runtime.types import SamplingConfig
     return SamplingConfig(temperature=0.0, logprobs=True, top_logprobs=0)
 
 
@@ -313,7 +314,7 @@ def test_sessions_continue_in_any_slot(eng2):
 
 def test_embedding_errors_end_only_that_sequence(eng2):
     import contextlib
-    from edge_llm_ros.engine.errors import InvalidRequestError
+    from edge_llm_ros.errors import InvalidRequestError
     sched = eng2.scheduler()
 
     @contextlib.contextmanager

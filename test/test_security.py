@@ -14,8 +14,8 @@ import onnx
 import pytest
 from tiny_model import tiny_model_dir
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import ModelLoadError
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / 'edge_llm_ros'
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from test_kv_cache import CAP, FakeModel, POSITION_BYTES
 
-from edge_llm_ros.engine import session_store
-from edge_llm_ros.engine.engine import EngineConfig
-from edge_llm_ros.engine.errors import ModelLoadError
-from edge_llm_ros.engine.kv_cache import _Snapshot
-from edge_llm_ros.engine.session_store import (decode_keys, encode_keys, KVLayout, model_hash,
-                                               open_sessions, SessionStore, SessionStoreError)
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.kv_cache import _Snapshot
+from edge_llm_ros.serving import session_store
+from edge_llm_ros.serving.engine import EngineConfig
+from edge_llm_ros.serving.session_store import (decode_keys, encode_keys, KVLayout, model_hash,
+                                                open_sessions, SessionStore, SessionStoreError)
 
 A = [1, 10, 11, 12, 13, 14, 15, 16]
 EMB = [('emb', 'ab' * 16, 0), ('emb', 'ab' * 16, 1), 7, 8, 9]
@@ -169,7 +169,7 @@ def test_another_model_is_dropped_with_one_line(model_dir, tmp_path, caplog):
     old = model_hash(str(model_dir))
     (model_dir / 'model.onnx.data').write_bytes(b'other weights')   # an updated model
     assert model_hash(str(model_dir)) != old
-    with caplog.at_level(logging.INFO, logger='edge_llm_ros.engine.session_store'):
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.serving.session_store'):
         rig, store = reopen(model_dir, path)
     assert store.ids() == []
     line = _dropped_line(caplog)
@@ -189,14 +189,14 @@ def test_another_converter_version_or_layout_is_dropped(model_dir, tmp_path, cap
     db.execute("UPDATE sessions SET positions = 99 WHERE session_id = 's1'")
     db.commit()
     db.close()
-    with caplog.at_level(logging.INFO, logger='edge_llm_ros.engine.session_store'):
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.serving.session_store'):
         rig, store = reopen(model_dir, path)
     assert store.ids() == ['s2']
     line = _dropped_line(caplog)
     assert 'dropped 2' in line and 'converter version 0' in line and 'longer than' in line
     rig.close()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger='edge_llm_ros.engine.session_store'):
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.serving.session_store'):
         rig, store = reopen(model_dir, path, dtype='int8')   # kv.dtype changed
     assert store.ids() == []
     assert 'another KV layout or kv.dtype' in _dropped_line(caplog)

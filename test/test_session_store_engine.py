@@ -12,11 +12,11 @@ import pytest
 from session_store_child import BUFFERS, HEAD_DIM, HEADS, POSITIONS, session_of
 from tiny_model import tiny_model_dir
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.errors import ModelLoadError
-from edge_llm_ros.engine.kv_cache import SnapshotStore
-from edge_llm_ros.engine.session_store import KVLayout, model_hash, SessionStore
-from edge_llm_ros.engine.types import ChatMessage, GenerationRequest
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.kv_cache import SnapshotStore
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+from edge_llm_ros.serving.session_store import KVLayout, model_hash, SessionStore
 
 HERE = pathlib.Path(__file__).resolve().parent
 CHILD = HERE / 'session_store_child.py'

@@ -2,8 +2,8 @@
 from hypothesis import given, settings, strategies as st
 import pytest
 
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.stop import StopMatcher
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.stop import StopMatcher
 
 ALPHABET = 'ab\nXY😀'
 STOPS = st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), min_size=0, max_size=4)

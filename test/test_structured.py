@@ -5,12 +5,12 @@ import shutil
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.model_config import load_family
-from edge_llm_ros.engine.structured import OutputPlan, plan_request
-from edge_llm_ros.engine.tokenizer import TextTokenizer
-from edge_llm_ros.engine.tools.formats import FORMATS
-from edge_llm_ros.engine.tools.spec import ConstraintConflictError, InvalidToolsError
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.model_config import load_family
+from edge_llm_ros.runtime.structured import OutputPlan, plan_request
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.tools.formats import FORMATS
+from edge_llm_ros.runtime.tools.spec import ConstraintConflictError, InvalidToolsError
 
 TOOLS = [{'type': 'function', 'function': {
     'name': 'dock', 'parameters': {'type': 'object', 'properties': {
@@ -152,8 +152,8 @@ def generate(tok, plan, seed, max_tokens=400):
     """Run the generator's loop in miniature: forced ids, mask, sample, accept, split."""
     import numpy as np
 
-    from edge_llm_ros.engine.sampling import build_sampler
-    from edge_llm_ros.engine.types import SamplingConfig
+    from edge_llm_ros.runtime.sampling import build_sampler
+    from edge_llm_ros.runtime.types import SamplingConfig
     rng = np.random.default_rng(seed)
     sampler = build_sampler(SamplingConfig(temperature=1.0, seed=seed), tok.vocab_size)
     sampler.reset(list(plan.prompt_ids))
@@ -234,8 +234,8 @@ def accepts(state, tok, text):
 
 def test_forced_calls_are_bounded_where_the_schema_is_not(model_dir, tmp_path):
     """A looping model still closes its call: free strings, arrays and runs of calls end."""
-    from edge_llm_ros.engine.tools.grammar import (MAX_FREE_ITEMS, MAX_FREE_STRING,
-                                                   MAX_PARALLEL_CALLS)
+    from edge_llm_ros.runtime.tools.grammar import (MAX_FREE_ITEMS, MAX_FREE_STRING,
+                                                    MAX_PARALLEL_CALLS)
     tok = tokenizer_with(model_dir, tmp_path)
     say = [{'type': 'function', 'function': {'name': 'say', 'parameters': {
         'type': 'object', 'properties': {'text': {'type': 'string'},

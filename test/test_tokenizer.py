@@ -6,9 +6,9 @@ import jinja2
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.engine.tokenizer import TextTokenizer
-from edge_llm_ros.engine.types import ChatMessage
+from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.types import ChatMessage
 
 FIXTURE_CHECKS = [HealthCheck.function_scoped_fixture]
 
@@ -181,7 +181,7 @@ def tools_tok(model_dir, tmp_path_factory):
 
 
 def test_tools_reach_the_template_as_hf_passes_them(tools_tok):
-    from edge_llm_ros.engine.tools.spec import check_tool, ToolCall
+    from edge_llm_ros.runtime.tools.spec import check_tool, ToolCall
     assert tools_tok.template_uses_tools and tools_tok.template_uses_tool_calls
     messages = [
         {'role': 'user', 'content': 'go'},
@@ -249,7 +249,7 @@ def test_bad_tool_messages(tools_tok, message, words):
 
 
 def test_bad_tools_are_refused_before_rendering(tools_tok):
-    from edge_llm_ros.engine.tools.spec import InvalidToolsError
+    from edge_llm_ros.runtime.tools.spec import InvalidToolsError
     with pytest.raises(InvalidToolsError, match='parameters schema is invalid'):
         tools_tok.apply_chat_template([ChatMessage('user', 'x')],
                                       tools=[{'name': 'f', 'parameters': {'type': 'bogus'}}])

@@ -13,19 +13,20 @@ import numpy as np
 import pytest
 from smollm2_files import write_text_model_dir
 
-from edge_llm_ros.engine.constraint import compile_request_constraint
-from edge_llm_ros.engine.model_config import load_family, ReasoningConfig
-from edge_llm_ros.engine.reasoning import close_ids, ReasoningBudget, ReasoningSplitter
-from edge_llm_ros.engine.sampling import build_sampler
-from edge_llm_ros.engine.tokenizer import TextTokenizer
-from edge_llm_ros.engine.tools.formats import FORMATS, tool_format
-from edge_llm_ros.engine.tools.grammar import compile_tool_constraint, tool_grammar
-from edge_llm_ros.engine.tools.parser import parse_all, ToolCallParser
-from edge_llm_ros.engine.tools.render import calls_text, chat_inputs, tools_system_text
-from edge_llm_ros.engine.tools.spec import (
-    check_single_constraint, check_tool, check_tools, ConstraintConflictError,
-    InvalidToolsError, new_call_id, parse_tool_choice, ToolCall, ToolChoice, ToolSpec)
-from edge_llm_ros.engine.types import SamplingConfig
+from edge_llm_ros.runtime.constraint import compile_request_constraint
+from edge_llm_ros.runtime.model_config import load_family, ReasoningConfig
+from edge_llm_ros.runtime.reasoning import close_ids, ReasoningBudget, ReasoningSplitter
+from edge_llm_ros.runtime.sampling import build_sampler
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.tools.formats import FORMATS, tool_format
+from edge_llm_ros.runtime.tools.grammar import compile_tool_constraint, tool_grammar
+from edge_llm_ros.runtime.tools.parser import parse_all, ToolCallParser
+from edge_llm_ros.runtime.tools.render import calls_text, chat_inputs, tools_system_text
+from edge_llm_ros.runtime.tools.spec import (check_single_constraint, check_tool, check_tools,
+                                             ConstraintConflictError, InvalidToolsError,
+                                             new_call_id, parse_tool_choice, ToolCall, ToolChoice,
+                                             ToolSpec)
+from edge_llm_ros.runtime.types import SamplingConfig
 
 MOVE = {'type': 'function', 'function': {
     'name': 'move_to', 'description': 'Drive to a pose',

@@ -14,8 +14,8 @@ from cryptography.hazmat.primitives import serialization
 import pytest
 from update_support import keys, two_versions
 
-from edge_llm_ros.engine.convert import CONVERTER_VERSION
-from edge_llm_ros.engine.engine import Engine, EngineConfig
+from edge_llm_ros.model_format import CONVERTER_VERSION
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.update import canonical, cli, delta, manifest, signing
 from edge_llm_ros.update.errors import (BadSignatureError, DeltaError, ExtraFileError,
                                         HashMismatchError, KeyFormatError, ManifestError,

@@ -18,7 +18,7 @@ import time
 import pytest
 from update_support import keys, two_versions
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
+from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.update import delta, manifest, signing
 from edge_llm_ros.update.errors import DiskFullError
 from edge_llm_ros.update.install import ModelsRoot

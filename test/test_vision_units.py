@@ -14,9 +14,9 @@ import pytest
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver
 from edge_llm_ros.vision import default_model, sources, synthetic
-from edge_llm_ros.vision.errors import (
-    FrameDecodeError, FrameSizeError, ModelMismatchError, SourceError, SourceUnavailableError,
-    TornFrameError, VisionModelLoadError)
+from edge_llm_ros.vision.errors import (FrameDecodeError, FrameSizeError, ModelMismatchError,
+                                        SourceError, SourceUnavailableError, TornFrameError,
+                                        VisionModelLoadError)
 from edge_llm_ros.vision.runner import VisionModel
 
 

@@ -8,9 +8,9 @@ import pytest
 import test_engine
 from test_llm_worker import _wait
 
-from edge_llm_ros.engine.engine import Engine, EngineConfig
-from edge_llm_ros.engine.types import GenerationRequest, StopReason
-from edge_llm_ros.nodes.worker import CancelReason, EngineWorker, FeedbackPolicy, Job
+from edge_llm_ros.runtime.types import GenerationRequest, StopReason
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+from edge_llm_ros.serving.worker import CancelReason, EngineWorker, FeedbackPolicy, Job
 
 
 tiny_dir = test_engine.tiny_dir   # fixture: the tiny model at accuracy level 0

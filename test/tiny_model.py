@@ -291,7 +291,7 @@ _CACHE_LOCK = threading.Lock()
 
 def tiny_model_dir(tmp_root, arch: str = 'llama', seed: int = 0, **convert_kwargs) -> pathlib.Path:
     """Build and convert the tiny GGUF under tmp_root once per process; return the model dir."""
-    from edge_llm_ros.engine.convert import convert
+    from edge_llm_ros.convert.converter import convert
     key = (str(tmp_root), arch, seed, tuple(sorted(convert_kwargs.items())))
     with _CACHE_LOCK:
         if key in _CACHE and (_CACHE[key] / 'model.yaml').is_file():

@@ -11,11 +11,10 @@ raises in bridge/errors.py.
 from edge_llm_ros.bridge.app import create_app
 from edge_llm_ros.bridge.backend import (Backend, BackendRequest, Event, Finished, Message,
                                          ReasoningDelta, TextDelta, TokenLogprob, ToolCall,
-                                         ToolCallDelta, ToolChoice, ToolSpec, TopLogprob,
-                                         Usage)
+                                         ToolCallDelta, ToolChoice, ToolSpec, TopLogprob, Usage)
 from edge_llm_ros.bridge.config import BridgeConfig
-from edge_llm_ros.bridge.errors import (BackendUnavailableError, BridgeError,
-                                        InvalidRequestError, QueueFullError)
+from edge_llm_ros.bridge.errors import (BackendUnavailableError, BridgeError, InvalidRequestError,
+                                        QueueFullError)
 from edge_llm_ros.bridge.server import BridgeStartError, run_bridge, RunningBridge
 
 __all__ = [

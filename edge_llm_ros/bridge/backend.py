@@ -28,8 +28,8 @@ from typing import (Any, AsyncIterator, Dict, Iterator, Optional, Protocol, Sequ
                     Union)
 
 # The engine's tool types are the bridge's too: one definition from HTTP to the model.
-from edge_llm_ros.engine.tools.parser import ToolCallDelta
-from edge_llm_ros.engine.tools.spec import ToolCall, ToolChoice, ToolSpec
+from edge_llm_ros.runtime.tools.parser import ToolCallDelta
+from edge_llm_ros.runtime.tools.spec import ToolCall, ToolChoice, ToolSpec
 
 __all__ = ['Backend', 'BackendRequest', 'Event', 'Finished', 'FINISH_REASONS', 'Message',
            'ReasoningDelta', 'TextDelta', 'TokenLogprob', 'ToolCall', 'ToolCallDelta',

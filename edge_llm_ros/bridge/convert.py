@@ -14,11 +14,11 @@ from pydantic import BaseModel, ValidationError
 
 from edge_llm_ros.bridge.backend import BackendRequest, Message
 from edge_llm_ros.bridge.errors import InvalidRequestError
-from edge_llm_ros.bridge.schemas import (ChatCompletionRequest, ChatMessageIn,
-                                         CompletionRequest, ResponseFormat, ToolDef)
-from edge_llm_ros.engine.errors import InvalidRequestError as EngineInvalidRequest
-from edge_llm_ros.engine.tools.spec import (check_single_constraint, check_tool, check_tools,
-                                            parse_tool_choice, ToolCall, ToolChoice, ToolSpec)
+from edge_llm_ros.bridge.schemas import (ChatCompletionRequest, ChatMessageIn, CompletionRequest,
+                                         ResponseFormat, ToolDef)
+from edge_llm_ros.errors import InvalidRequestError as EngineInvalidRequest
+from edge_llm_ros.runtime.tools.spec import (check_single_constraint, check_tool, check_tools,
+                                             parse_tool_choice, ToolCall, ToolChoice, ToolSpec)
 
 Body = TypeVar('Body', bound=BaseModel)
 TEXT_PARTS = ('text', 'input_text')

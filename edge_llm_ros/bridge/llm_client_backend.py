@@ -30,17 +30,13 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage
-from edge_llm_msgs.msg import ToolCall as ToolCallMsg
-from edge_llm_msgs.msg import ToolSpec as ToolSpecMsg
-from edge_llm_ros.bridge.backend import (BackendRequest, Event, Finished, Message,
-                                         ReasoningDelta, TextDelta, TokenLogprob,
-                                         ToolCallDelta, TopLogprob, Usage)
-from edge_llm_ros.bridge.errors import (BackendUnavailableError, InvalidRequestError,
-                                        QueueFullError)
+from edge_llm_msgs.msg import ChatMessage, ToolCall as ToolCallMsg, ToolSpec as ToolSpecMsg
+from edge_llm_ros.bridge.backend import (BackendRequest, Event, Finished, Message, ReasoningDelta,
+                                         TextDelta, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
+from edge_llm_ros.bridge.errors import BackendUnavailableError, InvalidRequestError, QueueFullError
 from edge_llm_ros.client import (FEEDBACK_GRACE_S, GenerationHandle, GenerationOutcome,
-                                 GoalRejectedError, LLMClient, LLMClientError, make_goal)
-from edge_llm_ros.client import QueueFullError as QueueFullRejection
+                                 GoalRejectedError, LLMClient, LLMClientError, make_goal,
+                                 QueueFullError as QueueFullRejection)
 
 _DONE = object()
 # How long a cancelled goal may take to end before the stream gives up on its result.

@@ -20,7 +20,7 @@ from edge_llm_ros.bridge.schemas import (ChatChoice, ChatChunkChoice, ChatComple
                                          CompletionLogprobs, CompletionTokensDetails,
                                          FunctionCallOut, TokenLogprobOut, ToolCallOut,
                                          TopLogprobOut, UsageOut)
-from edge_llm_ros.engine.tools.spec import new_call_id
+from edge_llm_ros.runtime.tools.spec import new_call_id
 
 # The backend's finish reasons in OpenAI's words ('cancelled' by the server: vLLM's 'abort').
 FINISH_REASON = {'stop': 'stop', 'length': 'length', 'tool_calls': 'tool_calls',

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from edge_llm_ros.engine.tools.spec import NAME_RE
+from edge_llm_ros.runtime.tools.spec import NAME_RE
 
 
 class _Request(BaseModel):

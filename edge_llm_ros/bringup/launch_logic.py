@@ -13,8 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup import profiles
 from edge_llm_ros.bringup.errors import BringupError, ParameterRangeError
-from edge_llm_ros.engine.model_config import (available_families, ModelConfigError,
-                                              resolve_model)
+from edge_llm_ros.runtime.model_config import available_families, ModelConfigError, resolve_model
 
 PACKAGE = 'edge_llm_ros'
 LOG_LEVELS = ('debug', 'info', 'warn', 'error', 'fatal')

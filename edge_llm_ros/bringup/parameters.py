@@ -18,8 +18,8 @@ import math
 import re
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
-from edge_llm_ros.bringup.errors import (
-    ParameterRangeError, ParameterTypeError, UnknownParameterError)
+from edge_llm_ros.bringup.errors import (ParameterRangeError, ParameterTypeError,
+                                         UnknownParameterError)
 from edge_llm_ros.ipc.allocators import allocator_names
 
 

@@ -23,8 +23,7 @@ import yaml
 from edge_llm_ros.bringup import parameters
 from edge_llm_ros.bringup.affinity import check_cpus, parse_cpu_list, usable_cpus
 from edge_llm_ros.bringup.detect import BoardInfo, detect_board
-from edge_llm_ros.bringup.errors import (
-    ParameterTypeError, ProfileFormatError, UnknownBoardError)
+from edge_llm_ros.bringup.errors import ParameterTypeError, ProfileFormatError, UnknownBoardError
 
 PROFILE_SECTIONS = {'/**/llm_node': 'llm_node', '/**/perception': 'perception'}
 # YAML aliases share nodes: a few lines can expand into billions (an "alias bomb"). A real

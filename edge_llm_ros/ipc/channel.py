@@ -15,8 +15,8 @@ import stat
 from typing import Optional, Union
 
 from edge_llm_ros.ipc.descriptor import check_pool_id
-from edge_llm_ros.ipc.errors import (
-    InsecureDirectoryError, IpcError, PoolUnreachableError, UnknownPoolError)
+from edge_llm_ros.ipc.errors import (InsecureDirectoryError, IpcError, PoolUnreachableError,
+                                     UnknownPoolError)
 from edge_llm_ros.ipc.protocol import check_peer
 
 PathLike = Union[str, os.PathLike]

@@ -13,9 +13,8 @@ import weakref
 
 import numpy as np
 
-from edge_llm_ros.ipc.allocators import (
-    BufferKind, DMA_BUF_SYNC_END, DMA_BUF_SYNC_READ, DMA_BUF_SYNC_START, dmabuf_sync,
-    REQUIRED_MEMFD_SEALS)
+from edge_llm_ros.ipc.allocators import (BufferKind, DMA_BUF_SYNC_END, DMA_BUF_SYNC_READ,
+                                         DMA_BUF_SYNC_START, dmabuf_sync, REQUIRED_MEMFD_SEALS)
 from edge_llm_ros.ipc.errors import BufferValidationError, PoolClosedError
 
 # dma-buf exporter names (fdinfo "exp_name") expected for each kind.

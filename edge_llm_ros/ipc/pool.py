@@ -27,13 +27,12 @@ import weakref
 import numpy as np
 
 from edge_llm_ros.ipc import channel, protocol as proto
-from edge_llm_ros.ipc.allocators import (
-    Allocator, Buffer, DMA_BUF_SYNC_END, DMA_BUF_SYNC_START, DMA_BUF_SYNC_WRITE, page_align,
-    select_allocator)
+from edge_llm_ros.ipc.allocators import (Allocator, Buffer, DMA_BUF_SYNC_END, DMA_BUF_SYNC_START,
+                                         DMA_BUF_SYNC_WRITE, page_align, select_allocator)
 from edge_llm_ros.ipc.descriptor import check_pool_id, describe_array, TensorDescriptor
-from edge_llm_ros.ipc.errors import (
-    DescriptorError, IpcError, PeerCredentialsError, PoolClosedError, PoolExhaustedError,
-    ProtocolError, StaleHandleError)
+from edge_llm_ros.ipc.errors import (DescriptorError, IpcError, PeerCredentialsError,
+                                     PoolClosedError, PoolExhaustedError, ProtocolError,
+                                     StaleHandleError)
 from edge_llm_ros.ipc.mapping import Mapping
 
 

@@ -27,10 +27,10 @@ import numpy as np
 from edge_llm_ros.ipc import channel, protocol as proto
 from edge_llm_ros.ipc.allocators import BufferKind
 from edge_llm_ros.ipc.descriptor import TensorDescriptor
-from edge_llm_ros.ipc.errors import (
-    AdmissionError, BufferValidationError, DescriptorError, InflightLimitError,
-    InvalidHandleError, IpcError, PeerCredentialsError, PoolClosedError, PoolUnreachableError,
-    ProtocolError, SlotOutOfRangeError, StaleHandleError)
+from edge_llm_ros.ipc.errors import (AdmissionError, BufferValidationError, DescriptorError,
+                                     InflightLimitError, InvalidHandleError, IpcError,
+                                     PeerCredentialsError, PoolClosedError, PoolUnreachableError,
+                                     ProtocolError, SlotOutOfRangeError, StaleHandleError)
 from edge_llm_ros.ipc.mapping import import_buffer, Mapping
 
 _DENY_ERRORS = {

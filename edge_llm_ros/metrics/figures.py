@@ -14,7 +14,7 @@ import math
 import threading
 from typing import Dict, Optional, Sequence, Tuple
 
-from edge_llm_ros.engine.types import GenerationResult, StopReason
+from edge_llm_ros.runtime.types import GenerationResult, StopReason
 
 # Action outcomes (the goal's terminal status, or a refusal before acceptance).
 SUCCEEDED = 'succeeded'

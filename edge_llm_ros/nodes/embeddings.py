@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.types import DeclaredEmbeddings
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.types import DeclaredEmbeddings
 
 
 class EmbeddingResolveError(InvalidRequestError):

@@ -20,12 +20,12 @@ from edge_llm_ros.bringup.affinity import parse_cpu_list, plan_affinity
 from edge_llm_ros.bringup.errors import BringupError
 from edge_llm_ros.bringup.preflight import preflight
 from edge_llm_ros.bringup.thermal import ThermalSettings
-from edge_llm_ros.engine.engine import EngineConfig
-from edge_llm_ros.engine.types import SamplingConfig
 from edge_llm_ros.nodes import node_params
 from edge_llm_ros.nodes.messages import RequestDefaults
 from edge_llm_ros.nodes.node_params import ConfigError
-from edge_llm_ros.nodes.worker import FeedbackPolicy
+from edge_llm_ros.runtime.types import SamplingConfig
+from edge_llm_ros.serving.engine import EngineConfig
+from edge_llm_ros.serving.worker import FeedbackPolicy
 
 SCHEMA = schema_mod.schema('llm_node')
 

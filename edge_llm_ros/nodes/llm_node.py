@@ -75,8 +75,7 @@ from edge_llm_msgs.msg import Transcript
 from edge_llm_msgs.srv import Complete, Detokenize, GetModelInfo, ResetSession, Tokenize
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
-from edge_llm_ros.engine.errors import EngineError
-from edge_llm_ros.engine.types import ChatMessage, GenerationResult, StopReason
+from edge_llm_ros.errors import EngineError
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError, MetricsServer,
                                            MetricsSettings)
@@ -84,19 +83,19 @@ from edge_llm_ros.metrics.figures import FigureRecorder, Gauges
 from edge_llm_ros.nodes import llm_services
 from edge_llm_ros.nodes.diagnostics import build_status, NodeHealth
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
-from edge_llm_ros.nodes.engine_factory import engine_factory
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
                                            declare_parameters, LLMNodeConfig, read_config,
                                            runtime_config, RuntimeConfig)
-from edge_llm_ros.nodes.messages import (build_transcript, error_kind, fill_result,
-                                         queue_order, to_request, tool_call_delta_msgs)
+from edge_llm_ros.nodes.messages import (build_transcript, error_kind, fill_result, queue_order,
+                                         to_request, tool_call_delta_msgs)
 from edge_llm_ros.nodes.model_update import ModelUpdater
 from edge_llm_ros.nodes.runner import run_node
-from edge_llm_ros.nodes.worker import (CancelReason, EngineWorker,
-                                       error_result, FeedbackChunk, Job, JobOutcome,
-                                       QueueFullError, WorkerStoppedError)
 from edge_llm_ros.qos import FEEDBACK_QOS, TRANSCRIPT_QOS
 from edge_llm_ros.rclpy_compat import add_set_parameters_callbacks
+from edge_llm_ros.runtime.types import ChatMessage, GenerationResult, StopReason
+from edge_llm_ros.serving.backends import engine_factory
+from edge_llm_ros.serving.worker import (CancelReason, EngineWorker, error_result, FeedbackChunk,
+                                         Job, JobOutcome, QueueFullError, WorkerStoppedError)
 
 NODE_NAME = 'llm_node'
 # On Ctrl-C, how long the goals and ~/complete calls that release() ended may take to send

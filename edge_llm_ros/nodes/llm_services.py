@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.srv import Detokenize, GetModelInfo, ResetSession
-from edge_llm_ros.engine.errors import EngineError
-from edge_llm_ros.nodes.worker import EngineWorker, WorkerStoppedError
+from edge_llm_ros.errors import EngineError
+from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
 # How long ~/reset_session waits for a running generation before answering "scheduled".
 RESET_WAIT_S = 10.0

@@ -14,17 +14,14 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage as ChatMessageMsg
-from edge_llm_msgs.msg import SamplingParams
-from edge_llm_msgs.msg import Timings as TimingsMsg
-from edge_llm_msgs.msg import TokenLogprob as TokenLogprobMsg
-from edge_llm_msgs.msg import ToolCall as ToolCallMsg
-from edge_llm_msgs.msg import ToolCallDelta as ToolCallDeltaMsg
-from edge_llm_msgs.msg import Transcript
-from edge_llm_ros.engine.errors import InvalidRequestError
-from edge_llm_ros.engine.tools.spec import ToolCall
-from edge_llm_ros.engine.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
-                                       GenerationResult, SamplingConfig, StopReason, Timings)
+from edge_llm_msgs.msg import (ChatMessage as ChatMessageMsg, SamplingParams,
+                               Timings as TimingsMsg, TokenLogprob as TokenLogprobMsg,
+                               ToolCall as ToolCallMsg, ToolCallDelta as ToolCallDeltaMsg,
+                               Transcript)
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.tools.spec import ToolCall
+from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
+                                        GenerationResult, SamplingConfig, StopReason, Timings)
 
 Goal = Generate.Goal
 Result = Generate.Result

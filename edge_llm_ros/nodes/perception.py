@@ -24,7 +24,7 @@ from rclpy.node import Node
 
 from edge_llm_ros.bringup.errors import BringupError
 from edge_llm_ros.bringup.parameters import schema
-from edge_llm_ros.engine.errors import EngineError
+from edge_llm_ros.errors import EngineError
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read

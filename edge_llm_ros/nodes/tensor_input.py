@@ -24,8 +24,8 @@ from std_msgs.msg import Header, UInt8MultiArray
 
 from edge_llm_msgs.msg import TensorHandle
 from edge_llm_ros.ipc.descriptor import TensorDescriptor
-from edge_llm_ros.ipc.errors import (
-    DescriptorError, IpcError, PeerCredentialsError, StaleHandleError, UnknownPoolError)
+from edge_llm_ros.ipc.errors import (DescriptorError, IpcError, PeerCredentialsError,
+                                     StaleHandleError, UnknownPoolError)
 from edge_llm_ros.ipc.resolver import TensorResolver
 from edge_llm_ros.nodes import copy_codec
 from edge_llm_ros.nodes.handles import from_handle

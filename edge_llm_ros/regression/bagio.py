@@ -21,12 +21,12 @@ from rosbags.typesys import get_types_from_msg, get_typestore, Stores, TypesysEr
 from rosbags.typesys.store import Typestore
 import yaml
 
-from edge_llm_ros.regression.errors import (
-    BagContentError, BagCorruptError, BagNotFoundError, BagTypeMismatchError,
-    InterfaceDefinitionError, RegressionToolError)
-from edge_llm_ros.regression.records import (
-    feedback_from_msg, FeedbackRecord, tensor_handle_from_msg, TensorHandleRecord,
-    transcript_from_msg, TranscriptRecord)
+from edge_llm_ros.regression.errors import (BagContentError, BagCorruptError, BagNotFoundError,
+                                            BagTypeMismatchError, InterfaceDefinitionError,
+                                            RegressionToolError)
+from edge_llm_ros.regression.records import (feedback_from_msg, FeedbackRecord,
+                                             tensor_handle_from_msg, TensorHandleRecord,
+                                             transcript_from_msg, TranscriptRecord)
 
 PKG = 'edge_llm_msgs'
 TRANSCRIPT_TYPE = f'{PKG}/msg/Transcript'

@@ -9,9 +9,9 @@ import json
 import statistics
 from typing import Optional, Sequence
 
-from edge_llm_ros.engine.types import StopReason
 from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
 from edge_llm_ros.regression.thresholds import Thresholds
+from edge_llm_ros.runtime.types import StopReason
 
 # Finding severities, strongest first. Exit status: 1 if any regression, else 2 if any
 # input problem (the bag could not be fully replayed), else 0.

@@ -11,8 +11,7 @@ from rclpy.subscription import Subscription
 from rosbags.interfaces import (
     Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime)
 
-from edge_llm_ros.regression.bagio import (
-    BagWriter, FEEDBACK_TYPE, goal_id_of_raw, TRANSCRIPT_TYPE)
+from edge_llm_ros.regression.bagio import BagWriter, FEEDBACK_TYPE, goal_id_of_raw, TRANSCRIPT_TYPE
 
 # Iron and later: how many publishers a subscription is matched with. Humble's rclpy only
 # tells how many publishers the graph lists for the topic.

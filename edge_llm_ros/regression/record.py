@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from edge_llm_ros.regression.bagio import (
-    BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE, LlmTopics, STORAGES, TENSOR_HANDLE_TYPE)
+from edge_llm_ros.regression.bagio import (BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
+                                           LlmTopics, STORAGES, TENSOR_HANDLE_TYPE)
 from edge_llm_ros.regression.errors import RegressionToolError
 
 

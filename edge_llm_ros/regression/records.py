@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 import uuid
 
-from edge_llm_ros.engine.tools.spec import ToolCall
-from edge_llm_ros.engine.types import ChatMessage, Timings
+from edge_llm_ros.runtime.tools.spec import ToolCall
+from edge_llm_ros.runtime.types import ChatMessage, Timings
 
 # SamplingParams sentinels (edge_llm_msgs/msg/SamplingParams.msg).
 UNSET_FLOAT = -1.0

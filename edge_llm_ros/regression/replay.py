@@ -32,20 +32,18 @@ from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, TensorHandle, ToolCall, ToolSpec, Transcript
-from edge_llm_ros.client import (
-    GenerationHandle, GenerationOutcome, GoalRejectedError, LLMClient, LLMClientError,
-    make_goal, NodeNotActiveError)
+from edge_llm_ros.client import (GenerationHandle, GenerationOutcome, GoalRejectedError, LLMClient,
+                                 LLMClientError, make_goal, NodeNotActiveError)
 from edge_llm_ros.nodes.messages import build_transcript
-from edge_llm_ros.regression.bagio import (
-    BagContents, BagWriter, LlmTopics, read_bag, STORAGES, TRANSCRIPT_TYPE)
-from edge_llm_ros.regression.compare import (
-    ABORTED, ACTION_STATUSES, compare_run, ComparisonResult, EXIT_INPUT, NOT_SENT, REJECTED,
-    ReplayOutcome, SKIPPED, TIMEOUT)
+from edge_llm_ros.regression.bagio import (BagContents, BagWriter, LlmTopics, read_bag, STORAGES,
+                                           TRANSCRIPT_TYPE)
+from edge_llm_ros.regression.compare import (ABORTED, ACTION_STATUSES, compare_run,
+                                             ComparisonResult, EXIT_INPUT, NOT_SENT, REJECTED,
+                                             ReplayOutcome, SKIPPED, TIMEOUT)
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 from edge_llm_ros.regression.live import RawRecorder
-from edge_llm_ros.regression.records import (
-    ChatRecord, SamplingRecord, TensorHandleRecord, transcript_from_msg, TranscriptRecord,
-    uuid_bytes)
+from edge_llm_ros.regression.records import (ChatRecord, SamplingRecord, TensorHandleRecord,
+                                             transcript_from_msg, TranscriptRecord, uuid_bytes)
 from edge_llm_ros.regression.report import now_iso, RunInfo, write_report
 from edge_llm_ros.regression.thresholds import load_thresholds, Thresholds
 

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from edge_llm_ros.regression.compare import (
-    ComparisonResult, EXIT_INPUT, GoalComparison, INFO, INPUT, REGRESSION, WARNING)
+from edge_llm_ros.regression.compare import (ComparisonResult, EXIT_INPUT, GoalComparison, INFO,
+                                             INPUT, REGRESSION, WARNING)
 
 SEVERITY_ORDER = (REGRESSION, INPUT, WARNING, INFO)
 JSON_NAME = 'report.json'

@@ -17,9 +17,7 @@ import pathlib
 import sys
 from typing import List, Optional
 
-from edge_llm_ros.update import delta as delta_mod
-from edge_llm_ros.update import manifest as manifest_mod
-from edge_llm_ros.update import signing
+from edge_llm_ros.update import delta as delta_mod, manifest as manifest_mod, signing
 from edge_llm_ros.update.errors import UpdateError
 from edge_llm_ros.update.install import ModelsRoot
 

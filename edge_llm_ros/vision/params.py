@@ -73,7 +73,7 @@ def frame_source_config(values: Mapping[str, Any]) -> FrameSourceConfig:
 def _hidden_size(values: Mapping[str, Any]) -> int:
     if not values['model.llm_path']:
         return values['model.hidden_size']
-    from edge_llm_ros.engine.model import load_model_info
+    from edge_llm_ros.model_format import load_model_info
     return load_model_info(values['model.llm_path']).hidden_size
 
 

@@ -1,0 +1,696 @@
+"""Read GGUF files and HF safetensors folders into one in-memory form for the converter.
+
+Both readers expose the decoder as `ModelSpec` (hyper-parameters) plus `SourceTensor`s under
+canonical keys ('embed', 'final_norm', 'lm_head', '{layer}.q', '{layer}.attn_norm', ...).
+Weights are [out_features, in_features] with Q/K rows in NEOX order (HF's rotate_half
+layout): llama.cpp permutes llama Q/K rows for its interleaved RoPE, so the GGUF reader undoes
+that permutation (a row permutation, exact on quantized rows too).
+"""
+from dataclasses import dataclass, field
+import json
+import pathlib
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from edge_llm_ros.convert.architectures import (Architecture, architecture, HF_MODEL_TYPES,
+                                                llama3_rope_factors, ROPE_SCALING_TYPES,
+                                                SUPPORTED_ARCHITECTURES, swa_layers)
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
+
+# GGML tensor types the converter accepts (each checked against llama.cpp in
+# test_llama_cpp_parity); others are refused by name.
+SUPPORTED_GGML_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0',
+                        'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K', 'IQ4_NL', 'IQ4_XS')
+LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
+_GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
+               'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
+               'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
+               'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
+               'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
+               'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
+               'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight'}
+_HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
+             'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
+             'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
+             'gate': 'mlp.gate_proj.weight', 'up': 'mlp.up_proj.weight',
+             'down': 'mlp.down_proj.weight', 'q_bias': 'self_attn.q_proj.bias',
+             'k_bias': 'self_attn.k_proj.bias', 'v_bias': 'self_attn.v_proj.bias',
+             'q_norm': 'self_attn.q_norm.weight', 'k_norm': 'self_attn.k_norm.weight',
+             'qkv': 'self_attn.qkv_proj.weight', 'gate_up': 'mlp.gate_up_proj.weight'}
+# Gemma 3 has four norms per layer: its post_attention_layernorm is applied to the attention
+# output (GGUF post_attention_norm), pre_feedforward_layernorm is the MLP's input norm.
+_HF_GEMMA3_LAYER = dict(_HF_LAYER, ffn_norm='pre_feedforward_layernorm.weight',
+                        post_attn_norm='post_attention_layernorm.weight',
+                        post_ffn_norm='post_feedforward_layernorm.weight')
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyper-parameters of a llama-family decoder."""
+
+    architecture: str
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tied_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (qwen3)
+    # RoPE angle of frequency i at position p: p * rope_scale * theta**(-2i/d) / factors[i]
+    # (llama.cpp's freq_scale and rope_freqs; Llama 3.1 scaling is the factors).
+    rope_scale: float = 1.0
+    rope_freq_factors: Optional[Tuple[float, ...]] = None
+    # Leading dims of each head that are rotated (0: all; Phi-4-mini rotates 3/4).
+    rope_dims: int = 0
+    # cos/sin multiplier (llama.cpp's rope.scaling.attn_factor: Phi-3 LongRoPE's mscale).
+    rope_attn_factor: float = 1.0
+    # The context the rope factors were chosen for (LongRoPE short factors: the original
+    # context); 0 = any. llama.cpp picks the long factors beyond it.
+    rope_factors_max_context: int = 0
+    post_norms: bool = False        # gemma3: norms of attention and MLP outputs
+    activation: str = 'silu'        # 'silu' or 'gelu_tanh'
+    embed_scale: float = 1.0        # token embeddings times this (gemma: sqrt(hidden))
+    attention_scale: float = 0.0    # q.k multiplier; 0: 1/sqrt(head_dim)
+    # Sliding-window attention: a local layer's query sees the last `sliding_window` keys
+    # (itself included; llama.cpp's n_swa), with its own RoPE base and scale.
+    sliding_window: int = 0
+    local_layers: Tuple[bool, ...] = ()
+    local_rope_theta: float = 0.0
+    local_rope_scale: float = 1.0
+    final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+
+    @property
+    def rotary_dims(self) -> int:
+        """Rotated dims per head."""
+        return self.rope_dims or self.head_dim
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` is a sliding-window layer."""
+        return bool(self.sliding_window and self.local_layers and self.local_layers[layer])
+
+
+@dataclass
+class SourceTensor:
+    """One tensor as stored in the source: raw GGML blocks or a float array.
+
+    `shape` is the logical numpy shape ([out, in] for matrices). For block types `data` is
+    uint8 [rows, row_bytes]; for float types it is the array itself.
+    """
+
+    name: str
+    qtype: str
+    shape: Tuple[int, ...]
+    data: np.ndarray
+    # llama.cpp's Q/K row permutation to undo over this many heads when the rows are read
+    # (0: none). Kept lazy so that loading maps the file without copying any tensor.
+    permute_heads: int = 0
+    shift: float = 0.0  # added to every value by dequantize (Gemma's HF norm weights)
+
+    def values(self) -> np.ndarray:
+        """Return the stored rows (raw blocks or floats), Q/K permutation undone."""
+        if self.permute_heads:
+            return unpermute_llama_rows(np.asarray(self.data), self.permute_heads)
+        return self.data
+
+    def rows(self, start: int, stop: int) -> 'SourceTensor':
+        """Rows [start, stop) of a matrix (blocks run along rows, so this is exact)."""
+        return SourceTensor(self.name, self.qtype, (stop - start,) + tuple(self.shape[1:]),
+                            self.values()[start:stop], shift=self.shift)
+
+    def dequantize(self) -> np.ndarray:
+        """Return the tensor as float32 in its logical shape."""
+        data = self.values()
+        if self.qtype == 'F32':
+            out = np.asarray(data, dtype=np.float32).reshape(self.shape)
+        elif self.qtype == 'F16':
+            out = np.asarray(data).astype(np.float32).reshape(self.shape)
+        elif self.qtype == 'BF16' and data.dtype == np.uint16:
+            out = (data.astype(np.uint32) << 16).view(np.float32).reshape(self.shape)
+        else:
+            import gguf
+            qtype = gguf.GGMLQuantizationType[self.qtype]
+            out = gguf.quants.dequantize(np.asarray(data), qtype).reshape(self.shape)
+        return out + np.float32(self.shift) if self.shift else out
+
+
+@dataclass
+class Checkpoint:
+    """A decoder checkpoint: spec, tensors by canonical key, and how to write its tokenizer."""
+
+    spec: ModelSpec
+    source_path: pathlib.Path
+    tensors: Dict[str, SourceTensor]
+    # write_tokenizer(out_dir) -> {'bos_token_id', 'eos_token_ids', 'add_bos_token'}
+    write_tokenizer: Callable[[pathlib.Path], dict] = field(repr=False, default=None)
+    # Gives the pages of a memory-mapped source back to the OS (their contents stay readable).
+    release: Callable[[], None] = field(repr=False, default=lambda: None)
+
+    def tensor(self, key: str) -> SourceTensor:
+        """Return a tensor by canonical key; a missing one is a corrupt checkpoint."""
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise ModelLoadError(
+                f'{self.source_path}: tensor {key!r} is missing; the checkpoint is incomplete '
+                f'or not a {self.spec.architecture} decoder') from None
+
+    def has(self, key: str) -> bool:
+        """Whether the checkpoint holds a tensor under `key`."""
+        return key in self.tensors
+
+    def source_types(self) -> List[str]:
+        """Sorted tensor types of the matrices (what the quantization came from)."""
+        return sorted({t.qtype for t in self.tensors.values() if len(t.shape) == 2})
+
+
+def load_checkpoint(source: str) -> Checkpoint:
+    """Open a GGUF file or an HF folder; raise ModelLoadError/UnsupportedModelError."""
+    path = pathlib.Path(source).expanduser().resolve()
+    if not path.exists():
+        raise ModelLoadError(f'{path}: no such file or folder; give a .gguf file or an HF '
+                             'folder with config.json and *.safetensors')
+    try:
+        return _load_hf(path) if path.is_dir() else _load_gguf(path)
+    except (TypeError, ValueError, KeyError) as exc:
+        # Metadata of an unexpected form (e.g. per-layer head counts) or a malformed header.
+        raise UnsupportedModelError(f'{path}: cannot read the model description ({exc!r}); '
+                                    'it is not a plain '
+                                    f'{"/".join(SUPPORTED_ARCHITECTURES)} checkpoint') from exc
+
+
+def unpermute_llama_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K permutation: interleaved pairs back to NEOX halves (axis 0)."""
+    n = rows.shape[0]
+    return (rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:])
+            .swapaxes(1, 2).reshape(rows.shape))
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+class _ShortRead(ValueError):
+    """The file ends before a header field or tensor it declares."""
+
+
+def _open_gguf(path: pathlib.Path):
+    """Open a GGUF with gguf's reader; errors name the byte where the file stops making sense."""
+    import gguf
+    size = path.stat().st_size
+    where = [0]
+
+    class _Reader(gguf.GGUFReader):
+        # Every read goes through _get: remember where it starts, and refuse short reads
+        # (gguf slices its memory map, which silently stops at the end of the file).
+        def _get(self, offset, dtype, count=1, override_order=None):
+            where[0] = int(offset)
+            need = int(count) * np.dtype(dtype).itemsize
+            if int(offset) + need > size:
+                raise _ShortRead(f'{need} bytes needed at byte {offset}, but the file ends at '
+                                 f'byte {size}')
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_tensors(self, start_offs, fields):
+            # Type fields are checked here, where the byte holding each one is known.
+            for f in fields:
+                where[0] = int(f.offset) + sum(int(p.nbytes) for p in f.parts[:4])
+                gguf.GGMLQuantizationType(int(f.parts[4][0]))
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return _Reader(str(path))
+    except (ValueError, IndexError, KeyError, OSError, TypeError, OverflowError,
+            UnicodeDecodeError) as exc:
+        raise ModelLoadError(
+            f'{path}: not a readable GGUF file: {exc} (reading at byte {where[0]} of {size}); '
+            'the file is truncated or corrupt, download it again') from exc
+
+
+def _field(reader, key: str, default=None, required: bool = False):
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise ModelLoadError(f'GGUF metadata key {key!r} is missing; the file is not a '
+                                 'complete llama.cpp model')
+        return default
+    value = f.contents()
+    return value
+
+
+def _load_gguf(path: pathlib.Path) -> Checkpoint:
+    reader = _open_gguf(path)
+    arch = _field(reader, 'general.architecture', required=True)
+    family = architecture(arch, str(path))
+
+    def key(k: str, default=None, required: bool = False):
+        return _field(reader, f'{arch}.{k}', default, required)
+
+    scaling = key('rope.scaling.type', 'none') or 'none'
+    if scaling not in ROPE_SCALING_TYPES:
+        raise UnsupportedModelError(
+            f'{path}: RoPE scaling type {scaling!r} is not supported (supported: '
+            f'{", ".join(ROPE_SCALING_TYPES)}, Llama 3 rope_freqs and Phi-3 LongRoPE factors); '
+            'use a GGUF of the model without long-context scaling or one converted for its '
+            'base context')
+    # As llama.cpp: the factor applies whatever the type says (0 or absent: none).
+    factor = float(key('rope.scaling.factor', 0.0) or key('rope.scale_linear', 0.0) or 0.0)
+    hidden = int(key('embedding_length', required=True))
+    heads = int(key('attention.head_count', required=True))
+    kv_heads = int(key('attention.head_count_kv', heads))
+    head_dim = int(key('attention.key_length', hidden // heads))
+    rope_dims = int(key('rope.dimension_count', head_dim))
+    if not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
+        raise UnsupportedModelError(f'{path}: rope.dimension_count {rope_dims} does not fit '
+                                    f'head size {head_dim}; the header is corrupt')
+    layers = int(key('block_count', required=True))
+    n_ff = int(key('feed_forward_length', required=True))
+    names = {t.name: t for t in reader.tensors}
+    wanted = {'embed': 'token_embd.weight', 'final_norm': 'output_norm.weight',
+              'lm_head': 'output.weight'}
+    for i in range(layers):
+        for role, suffix in _GGUF_LAYER.items():
+            wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
+    tensors = {ckey: _gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
+               if gname in names}
+    if family.gguf_permuted_qk:
+        # llama.cpp stored Q/K with interleaved RoPE pairs; read them back as NEOX halves.
+        for i in range(layers):
+            for role, n in (('q', heads), ('k', kv_heads)):
+                for k in (f'{i}.{role}', f'{i}.{role}_bias'):
+                    if k in tensors:
+                        tensors[k].permute_heads = n
+    _split_fused(path, tensors, layers, heads * head_dim, kv_heads * head_dim, n_ff)
+    if 'embed' not in tensors:
+        raise ModelLoadError(f'{path}: token_embd.weight is missing; the GGUF is incomplete')
+    ctx = int(key('context_length', 2048))
+    factors, factors_ctx = _rope_factors(path, key, names, rope_dims, ctx)
+    window, local = 0, ()
+    local_theta = 0.0
+    if family.swa_period and int(key('attention.sliding_window', 0) or 0) > 0:
+        window = int(key('attention.sliding_window'))
+        period = key('attention.sliding_window_pattern', family.swa_period)
+        if not isinstance(period, int):
+            raise UnsupportedModelError(f'{path}: a per-layer sliding_window_pattern array is '
+                                        'not supported; use a GGUF with the period form')
+        local = swa_layers(period, layers)
+        local_theta = _f32(key('rope.freq_base_swa', family.swa_rope_base))
+    spec = ModelSpec(
+        architecture=arch,
+        name=str(_field(reader, 'general.name', path.stem)),
+        num_layers=layers, hidden_size=hidden, intermediate_size=n_ff,
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=tensors['embed'].shape[0], max_position_embeddings=ctx,
+        rope_theta=_f32(key('rope.freq_base', 10000.0)),
+        rms_norm_eps=_f32(key('attention.layer_norm_rms_epsilon', 1e-5)),
+        tied_embeddings='lm_head' not in tensors,
+        attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
+        rope_scale=1.0 / factor if factor else 1.0, rope_freq_factors=factors,
+        rope_dims=0 if rope_dims == head_dim else rope_dims,
+        rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
+        rope_factors_max_context=factors_ctx,
+        **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
+                         float(key('final_logit_softcapping', 0.0) or 0.0)))
+
+    def write_tokenizer(out_dir: pathlib.Path) -> dict:
+        return _write_gguf_tokenizer(reader, out_dir)
+
+    def release() -> None:
+        import mmap
+        mm = getattr(reader.data, '_mmap', None)
+        if mm is not None and hasattr(mmap, 'MADV_DONTNEED'):
+            mm.madvise(mmap.MADV_DONTNEED)
+
+    ckpt = Checkpoint(spec, path, tensors, write_tokenizer, release)
+    _check_shapes(ckpt)
+    return ckpt
+
+
+def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int, layers: int,
+                   window: int, local: Tuple[bool, ...], local_theta: float,
+                   softcap: float) -> dict:
+    """Return the ModelSpec fields a family adds to the llama skeleton (as llama.cpp)."""
+    out = {'post_norms': family.post_norms, 'activation': family.activation}
+    if family.embed_scale:
+        out['embed_scale'] = float(np.sqrt(np.float32(hidden)))  # sqrtf(n_embd)
+    if family.name == 'gemma3':
+        # llama.cpp: 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(n_embd/n_head).
+        out['attention_scale'] = float(1.0 / np.sqrt(np.float32(
+            hidden // heads if layers == 62 else head_dim)))
+        if window:
+            out.update(sliding_window=window, local_layers=local, local_rope_theta=local_theta)
+        else:
+            out['final_logit_softcap'] = softcap  # only the non-SWA graph caps its logits
+    return out
+
+
+def _split_fused(path: pathlib.Path, tensors: Dict[str, SourceTensor], layers: int,
+                 q_out: int, kv_out: int, n_ff: int) -> None:
+    """Split Phi-3's fused attn_qkv (q|k|v rows) and ffn_up (gate|up rows) into the roles."""
+    for i in range(layers):
+        p = f'{i}.'
+        qkv = tensors.pop(p + 'qkv', None)
+        if qkv is not None:
+            if qkv.shape[0] != q_out + 2 * kv_out:
+                raise ModelLoadError(f'{path}: tensor {qkv.name} has {qkv.shape[0]} rows, but '
+                                     f"the header's heads need {q_out + 2 * kv_out}: the file "
+                                     'contradicts itself; convert the model again')
+            tensors[p + 'q'] = qkv.rows(0, q_out)
+            tensors[p + 'k'] = qkv.rows(q_out, q_out + kv_out)
+            tensors[p + 'v'] = qkv.rows(q_out + kv_out, q_out + 2 * kv_out)
+        up = tensors.get(p + 'up')
+        if up is not None and p + 'gate' not in tensors and up.shape[0] == 2 * n_ff:
+            # llama.cpp's SWIGLU on the fused rows: silu(first half) * second half.
+            tensors[p + 'gate'], tensors[p + 'up'] = up.rows(0, n_ff), up.rows(n_ff, 2 * n_ff)
+
+
+def _rope_factors(path: pathlib.Path, key, names: dict, rope_dims: int,
+                  ctx: int) -> Tuple[Optional[Tuple[float, ...]], int]:
+    """Per-frequency RoPE divisors: Llama 3's rope_freqs, or Phi-3 LongRoPE's short factors.
+
+    llama.cpp uses rope_factors_long only when the context it runs with exceeds
+    rope.scaling.original_context_length; the converted graph takes the short ones and
+    records that context (longer contexts are refused at conversion).
+    """
+    if 'rope_freqs.weight' in names:
+        return _rope_freqs(path, names['rope_freqs.weight'], rope_dims), 0
+    if 'rope_factors_short.weight' in names:
+        orig = int(key('rope.scaling.original_context_length', ctx) or ctx)
+        return _rope_freqs(path, names['rope_factors_short.weight'], rope_dims), orig
+    if 'rope_factors_long.weight' in names:
+        raise UnsupportedModelError(f'{path}: rope_factors_long without rope_factors_short; '
+                                    'convert the model again with llama.cpp')
+    return None, 0
+
+
+def _rope_freqs(path: pathlib.Path, t, rope_dims: int) -> Tuple[float, ...]:
+    """Read a per-frequency RoPE divisor tensor (rope_freqs / rope_factors_*)."""
+    factors = _gguf_tensor(path, t).dequantize().reshape(-1)
+    if factors.shape[0] != rope_dims // 2 or not (np.isfinite(factors).all() and
+                                                  (factors > 0).all()):
+        raise ModelLoadError(f'{path}: tensor {t.name} has {factors.shape[0]} '
+                             f'values, expected {rope_dims // 2} positive ones (rotary dims '
+                             '/ 2); the GGUF contradicts its own header: convert the model again')
+    return tuple(float(f) for f in factors)
+
+
+def _f32(value) -> float:
+    """Return a GGUF float32 as its shortest round-trip decimal (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _gguf_tensor(path: pathlib.Path, t) -> SourceTensor:
+    qname = t.tensor_type.name
+    if qname not in SUPPORTED_GGML_TYPES:
+        raise UnsupportedModelError(
+            f'{path}: tensor {t.name} has type {qname}, which the converter does not read '
+            f'(supported: {", ".join(SUPPORTED_GGML_TYPES)}); pick a GGUF quantized as '
+            'Q4_0/Q4_1/Q4_K_M/Q8_0 or re-quantize it with llama-quantize')
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    data = t.data
+    expected = t.n_bytes
+    if data.nbytes != expected:
+        raise ModelLoadError(f'{path}: tensor {t.name} is truncated ({data.nbytes} of '
+                             f'{expected} bytes from byte {t.data_offset}); download the file '
+                             'again')
+    if qname == 'BF16':
+        data = data.view(np.uint16)
+    return SourceTensor(t.name, qname, shape, data)
+
+
+def _write_gguf_tokenizer(reader, out_dir: pathlib.Path) -> dict:
+    from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
+    specials = write_tokenizer_files(reader, out_dir) or {}
+    bos = specials.get('bos_token_id', _field(reader, 'tokenizer.ggml.bos_token_id'))
+    eos_ids: List[int] = list(specials.get('eos_token_ids', []))
+    for k in ('tokenizer.ggml.eos_token_id', 'tokenizer.ggml.eot_token_id',
+              'tokenizer.ggml.eom_token_id'):
+        v = _field(reader, k)
+        if v is not None and int(v) not in eos_ids:
+            eos_ids.append(int(v))
+    add_bos = specials.get('add_bos_token', _field(reader, 'tokenizer.ggml.add_bos_token', False))
+    return {'bos_token_id': None if bos is None else int(bos),
+            'eos_token_ids': [int(e) for e in eos_ids], 'add_bos_token': bool(add_bos)}
+
+
+# --- HF safetensors ---------------------------------------------------------------------------
+
+def _load_hf(folder: pathlib.Path) -> Checkpoint:
+    cfg_path = folder / 'config.json'
+    if not cfg_path.is_file():
+        raise ModelLoadError(f'{folder}: config.json is missing; an HF checkpoint folder needs '
+                             'config.json, *.safetensors and tokenizer.json')
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
+    model_type = cfg.get('model_type')
+    if 'text_config' in cfg:
+        raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
+                                    'convert the text model (e.g. its GGUF, or the '
+                                    'Gemma3ForCausalLM / *-text checkpoint)')
+    family = architecture(HF_MODEL_TYPES.get(model_type, model_type), f'{folder} (model_type)')
+    arch = family.name
+    act = cfg.get('hidden_activation') or cfg.get('hidden_act') or 'silu'
+    if _HF_ACTIVATIONS.get(act) != family.activation:
+        raise UnsupportedModelError(f'{folder}: activation {act!r} is not what {arch} uses '
+                                    f'({family.activation}); the checkpoint is not a plain '
+                                    f'{arch} model')
+    files = sorted(folder.glob('*.safetensors'))
+    if not files:
+        raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
+                             'not read (convert them to safetensors first)')
+    raw = _read_safetensors(files)
+    heads = int(cfg['num_attention_heads'])
+    hidden = int(cfg['hidden_size'])
+    head_dim = int(cfg.get('head_dim') or hidden // heads)
+    rope_dims = int(float(cfg.get('partial_rotary_factor', 1.0)) * hidden) // heads
+    theta = float(cfg.get('rope_theta', 10000.0))
+    ctx = int(cfg.get('max_position_embeddings', 2048))
+    scaling = cfg.get('rope_scaling')
+    if scaling and cfg.get('original_max_position_embeddings'):  # Phi-3 keeps it at the top
+        scaling = dict(scaling, original_max_position_embeddings=scaling.get(
+            'original_max_position_embeddings', cfg['original_max_position_embeddings']))
+    rope = _hf_rope_scaling(folder, scaling, rope_dims, theta, ctx)
+    wanted = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight',
+              'lm_head': 'lm_head.weight'}
+    layers = int(cfg['num_hidden_layers'])
+    layer_names = _HF_GEMMA3_LAYER if arch == 'gemma3' else _HF_LAYER
+    for i in range(layers):
+        for role, suffix in layer_names.items():
+            wanted[f'{i}.{role}'] = f'model.layers.{i}.{suffix}'
+    tensors = {k: raw[n] for k, n in wanted.items() if n in raw}
+    tied = bool(cfg.get('tie_word_embeddings', family.embed_scale)) or 'lm_head' not in tensors
+    if tied:
+        tensors.pop('lm_head', None)
+    if 'embed' not in tensors:
+        raise ModelLoadError(f'{folder}: model.embed_tokens.weight is missing')
+    if family.hf_norm_shift:
+        for k, t in tensors.items():
+            if k.endswith('norm'):
+                t.shift = family.hf_norm_shift
+    n_ff = int(cfg['intermediate_size'])
+    for i in range(layers):
+        if f'{i}.gate_up' in tensors:
+            tensors[f'{i}.up'] = tensors.pop(f'{i}.gate_up')
+    kv_heads = int(cfg.get('num_key_value_heads', heads))
+    _split_fused(folder, tensors, layers, heads * head_dim, kv_heads * head_dim, n_ff)
+    extras = _family_extras(family, hidden, heads, head_dim, layers, 0, (), 0.0,
+                            float(cfg.get('final_logit_softcapping') or 0.0))
+    if arch == 'gemma3':
+        extras.update(_hf_gemma3(cfg, layers, rope))
+    spec = ModelSpec(
+        architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
+        intermediate_size=n_ff, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=tensors['embed'].shape[0], max_position_embeddings=ctx,
+        rope_theta=theta, rms_norm_eps=float(cfg.get('rms_norm_eps', 1e-6)),
+        tied_embeddings=tied, attention_bias='0.q_bias' in tensors, qk_norm=family.qk_norm,
+        rope_scale=rope['scale'], rope_freq_factors=rope['factors'],
+        rope_dims=0 if rope_dims == head_dim else rope_dims,
+        rope_attn_factor=rope['attn_factor'], rope_factors_max_context=rope['factors_ctx'],
+        **extras)
+
+    def write_tokenizer(out_dir: pathlib.Path) -> dict:
+        return _write_hf_tokenizer(folder, cfg, out_dir)
+
+    ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
+    _check_shapes(ckpt)
+    return ckpt
+
+
+# HF hidden_act / hidden_activation -> the family's activation name.
+_HF_ACTIVATIONS = {'silu': 'silu', 'swish': 'silu', 'gelu_pytorch_tanh': 'gelu_tanh'}
+
+
+def _hf_gemma3(cfg: dict, layers: int, rope: dict) -> dict:
+    """Gemma 3's attention extras from an HF config (as its modeling code reads them)."""
+    out = {'attention_scale': float(cfg.get('query_pre_attn_scalar', 256)) ** -0.5}
+    window = int(cfg.get('sliding_window') or 0)
+    if window:
+        types = cfg.get('layer_types')
+        if types:
+            local = tuple(t == 'sliding_attention' for t in types)
+        else:
+            local = swa_layers(int(cfg.get('sliding_window_pattern', 6)), layers)
+        out.update(sliding_window=window, local_layers=local,
+                   local_rope_theta=float(cfg.get('rope_local_base_freq', 10000.0)),
+                   final_logit_softcap=0.0)
+    return out
+
+
+def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], rope_dims: int,
+                     theta: float, ctx: int) -> dict:
+    """Return the RoPE scaling of an HF config's rope_scaling, as ModelSpec fields.
+
+    As llama.cpp's converter turns it into GGUF metadata (linear: freq_scale; llama3:
+    rope_freqs; longrope: short factors and attn_factor; see _rope_factors).
+    """
+    out = {'scale': 1.0, 'factors': None, 'attn_factor': 1.0, 'factors_ctx': 0}
+    kind = (scaling or {}).get('rope_type', (scaling or {}).get('type')) or 'default'
+    if kind == 'default':
+        return out
+    if kind == 'linear':
+        out['scale'] = 1.0 / float(scaling['factor'])
+    elif kind == 'llama3':
+        out['factors'] = llama3_rope_factors(
+            rope_dims, theta, float(scaling['factor']), float(scaling['low_freq_factor']),
+            float(scaling['high_freq_factor']),
+            int(scaling['original_max_position_embeddings']))
+    elif kind in ('longrope', 'su'):
+        orig = int(scaling.get('original_max_position_embeddings') or ctx)
+        ratio = ctx / orig
+        if ratio > 1.0:
+            out['attn_factor'] = _f32(np.sqrt(1 + np.log(ratio) / np.log(orig)))
+        out['factors'] = tuple(float(f) for f in scaling['short_factor'])
+        out['factors_ctx'] = orig
+        if len(out['factors']) != rope_dims // 2:
+            raise ModelLoadError(f'{folder}: rope_scaling.short_factor has '
+                                 f'{len(out["factors"])} values, expected {rope_dims // 2}')
+    else:
+        raise UnsupportedModelError(f'{folder}: rope_scaling type {kind!r} is not supported '
+                                    '(supported: default, linear, llama3, longrope); use a '
+                                    'checkpoint without it')
+    return out
+
+
+def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
+    try:
+        from safetensors import deserialize, safe_open
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ModelLoadError('reading HF checkpoints needs the `safetensors` package: '
+                             'pip install safetensors') from exc
+    out: Dict[str, SourceTensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework='numpy') as sf:
+                keys = list(sf.keys())
+                dtypes = {k: sf.get_slice(k).get_dtype() for k in keys}
+                for k in keys:
+                    if dtypes[k] in ('F32', 'F16'):
+                        arr = sf.get_tensor(k)
+                        out[k] = SourceTensor(k, dtypes[k], tuple(arr.shape), arr)
+            if any(d == 'BF16' for d in dtypes.values()):
+                # numpy has no bfloat16: take the raw bytes from the library and widen them.
+                for name, info in deserialize(f.read_bytes()):
+                    if info['dtype'] == 'BF16':
+                        arr = np.frombuffer(info['data'], dtype=np.uint16)
+                        out[name] = SourceTensor(name, 'BF16', tuple(info['shape']),
+                                                 arr.reshape(info['shape']))
+        except Exception as exc:  # safetensors raises its own error types
+            raise ModelLoadError(f'{f}: not a readable safetensors file ({exc}); download it '
+                                 'again') from exc
+        unsupported = {k: d for k, d in dtypes.items() if d not in ('F32', 'F16', 'BF16')}
+        if unsupported:
+            name, dtype = next(iter(unsupported.items()))
+            raise UnsupportedModelError(f'{f}: tensor {name} has dtype {dtype}; only F32/F16/'
+                                        'BF16 safetensors are converted')
+    return out
+
+
+def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) -> dict:
+    import shutil
+    tok_json = folder / 'tokenizer.json'
+    if not tok_json.is_file():
+        raise ModelLoadError(f'{folder}: tokenizer.json is missing (a fast HF tokenizer is '
+                             'needed; save it with transformers: tokenizer.save_pretrained)')
+    shutil.copyfile(tok_json, out_dir / 'tokenizer.json')
+    tcfg = {}
+    if (folder / 'tokenizer_config.json').is_file():
+        tcfg = json.loads((folder / 'tokenizer_config.json').read_text())
+    template = tcfg.get('chat_template')
+    if isinstance(template, list):  # [{'name': 'default', 'template': ...}, ...]
+        by_name = {t.get('name'): t.get('template') for t in template}
+        template = by_name.get('default') or next(iter(by_name.values()), None)
+    if template is None and (folder / 'chat_template.jinja').is_file():
+        template = (folder / 'chat_template.jinja').read_text()
+    if template is None:
+        raise ModelLoadError(f'{folder}: no chat template (tokenizer_config.json has no '
+                             'chat_template); use an instruct checkpoint')
+    (out_dir / 'chat_template.jinja').write_text(template)
+    vocab = _hf_token_ids(tok_json)
+    gen = {}
+    if (folder / 'generation_config.json').is_file():
+        gen = json.loads((folder / 'generation_config.json').read_text())
+
+    def token_id(value):
+        if isinstance(value, dict):
+            value = value.get('content')
+        return vocab.get(value) if isinstance(value, str) else value
+
+    bos = gen.get('bos_token_id', cfg.get('bos_token_id', token_id(tcfg.get('bos_token'))))
+    eos = gen.get('eos_token_id', cfg.get('eos_token_id'))
+    eos_ids = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
+    tok_eos = token_id(tcfg.get('eos_token'))
+    if tok_eos is not None and tok_eos not in eos_ids:
+        eos_ids.append(tok_eos)
+    return {'bos_token_id': None if bos is None else int(bos),
+            'eos_token_ids': [int(e) for e in eos_ids],
+            'add_bos_token': bool(tcfg.get('add_bos_token', False))}
+
+
+def _hf_token_ids(tok_json: pathlib.Path) -> Dict[str, int]:
+    data = json.loads(tok_json.read_text())
+    ids = dict(data.get('model', {}).get('vocab', {}) or {})
+    for t in data.get('added_tokens', []):
+        ids[t['content']] = t['id']
+    return ids
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+def _check_shapes(ckpt: Checkpoint) -> None:
+    s = ckpt.spec
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    expect = {'embed': (s.vocab_size, s.hidden_size), 'final_norm': (s.hidden_size,)}
+    if not s.tied_embeddings:
+        expect['lm_head'] = (s.vocab_size, s.hidden_size)
+    for i in range(s.num_layers):
+        expect.update({
+            f'{i}.attn_norm': (s.hidden_size,), f'{i}.ffn_norm': (s.hidden_size,),
+            f'{i}.q': (q_out, s.hidden_size), f'{i}.k': (kv_out, s.hidden_size),
+            f'{i}.v': (kv_out, s.hidden_size), f'{i}.o': (s.hidden_size, q_out),
+            f'{i}.gate': (s.intermediate_size, s.hidden_size),
+            f'{i}.up': (s.intermediate_size, s.hidden_size),
+            f'{i}.down': (s.hidden_size, s.intermediate_size)})
+        if s.attention_bias:
+            expect.update({f'{i}.q_bias': (q_out,), f'{i}.k_bias': (kv_out,),
+                           f'{i}.v_bias': (kv_out,)})
+        if s.qk_norm:
+            expect.update({f'{i}.q_norm': (s.head_dim,), f'{i}.k_norm': (s.head_dim,)})
+        if s.post_norms:
+            expect.update({f'{i}.post_attn_norm': (s.hidden_size,),
+                           f'{i}.post_ffn_norm': (s.hidden_size,)})
+    for k, shape in expect.items():
+        t = ckpt.tensor(k)
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f'{ckpt.source_path}: tensor {t.name} has shape {t.shape}, '
+                                 f"but the header's hyper-parameters need {shape}: the file "
+                                 'contradicts itself; convert the model again')
+        if len(shape) == 1 and t.qtype not in ('F32', 'F16', 'BF16'):
+            raise UnsupportedModelError(f'{ckpt.source_path}: vector {t.name} is stored as '
+                                        f'{t.qtype}; only float vectors are supported')

@@ -1,0 +1,385 @@
+"""Convert a GGUF file or an HF safetensors folder into the engine's ONNX model folder.
+
+    edge-llm-convert model.gguf out_dir [--block-size 32] [--dtype float32]
+
+The folder (model.onnx + model.onnx.data, tokenizer.json, chat_template.jinja, model.yaml) is
+written into a temporary sibling folder and renamed into place only when complete, so a
+failure (bad input, disk full, Ctrl-C) never leaves a half-written model behind.
+"""
+import argparse
+from dataclasses import dataclass
+import errno
+import hashlib
+import os
+import pathlib
+import secrets
+import shutil
+import sys
+from typing import List, Optional
+
+import numpy as np
+
+from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
+from edge_llm_ros.convert.onnx_graph import DecoderGraph, GraphOptions, LayerWeights, OPSET
+from edge_llm_ros.convert.quant import BlockWeights, concat_rows, to_blocks
+from edge_llm_ros.errors import ConversionError, EngineError
+from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML,
+                                       PRECISIONS)
+
+_TMP_MARK = '.tmp-'
+# A write that failed while less than this was free is taken for a full disk: numpy's short
+# writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.
+_FULL_BELOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What the converter produces; defaults give the fast CPU model."""
+
+    block_size: int = 32
+    activation_dtype: str = 'float32'
+    max_context: Optional[int] = None
+    accuracy_level: int = 4
+    exact_q4_1: bool = True
+    precision: str = 'source'
+    # Q4_1 offsets (see GraphOptions.offset_levels); None: folded into 2 extra 4-bit levels
+    # when activations are rounded to int8 anyway (accuracy_level 4), exact otherwise.
+    offset_levels: Optional[int] = None
+
+    @property
+    def graph_offset_levels(self) -> int:
+        """Return the offset_levels the graph is built with."""
+        if self.offset_levels is not None:
+            return self.offset_levels
+        return 2 if self.accuracy_level == 4 else 0
+
+    def check(self, ckpt: Checkpoint) -> None:
+        """Raise ConversionError for options the checkpoint cannot take."""
+        s = ckpt.spec
+        bs = self.block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ConversionError(f'block size {bs} is not a power of two >= 16 (use 32)')
+        for dim, what in ((s.hidden_size, 'hidden size'),
+                          (s.intermediate_size, 'intermediate size'),
+                          (s.num_heads * s.head_dim, 'attention width')):
+            if dim % bs:
+                raise ConversionError(f'{what} {dim} is not a multiple of block size {bs}; '
+                                      'use --block-size 32')
+        if self.activation_dtype not in ('float32', 'float16'):
+            raise ConversionError(f'activation dtype {self.activation_dtype!r} is not '
+                                  'float32 or float16')
+        if self.max_context is not None and not 0 < self.max_context <= \
+                s.max_position_embeddings:
+            raise ConversionError(f'max_context {self.max_context} must be in 1..'
+                                  f'{s.max_position_embeddings} (the context of the model)')
+        if self.max_context is not None and s.rope_factors_max_context and \
+                self.max_context > s.rope_factors_max_context:
+            raise ConversionError(
+                f'max_context {self.max_context} exceeds {s.rope_factors_max_context}, the '
+                'original context of its LongRoPE short factors; beyond it llama.cpp switches '
+                'to the long factors, which the converter does not build: use --max-context '
+                f'{s.rope_factors_max_context} or less')
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ConversionError(f'accuracy level {self.accuracy_level} is not 0..4')
+        if self.precision not in PRECISIONS:
+            raise ConversionError(f'precision {self.precision!r} is not one of {PRECISIONS}')
+        if self.offset_levels is not None and self.offset_levels not in range(4):
+            raise ConversionError(f'offset levels {self.offset_levels} is not 0..3 (0 = exact)')
+
+
+def convert(source: str, out_dir: str, *, block_size: int = 32,
+            activation_dtype: str = 'float32', max_context: Optional[int] = None,
+            progress: bool = True, accuracy_level: int = 4, exact_q4_1: bool = True,
+            precision: str = 'source', overwrite: bool = False,
+            verify: bool = True, offset_levels: Optional[int] = None) -> pathlib.Path:
+    """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
+
+    Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
+    ConversionError when the output cannot be written. precision='source' repacks every
+    supported GGUF block type without requantization (4-bit codes for Q4_0/Q4_1/Q2_K/Q3_K/
+    Q4_K, 8-bit for Q5_*/Q6_K/Q8_0/IQ4_*; Q4_1 needs exact_q4_1) and float weights at 8 bits;
+    'int4' makes every matrix 4-bit (docs/quantization.md). An existing `out_dir` is replaced
+    only with overwrite=True. verify=True opens the result with onnxruntime before it is moved
+    into place. offset_levels: how Q4_1 / Q4_K / Q2_K offsets are computed (None: folded into
+    the matmul at accuracy_level 4, exact otherwise; see GraphOptions).
+    """
+    opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
+                          precision, offset_levels)
+    out = pathlib.Path(out_dir).expanduser().resolve()
+    if out.parent.is_dir():
+        _remove_stale_temps(out)
+    if out.exists() and not overwrite:
+        raise ConversionError(f'{out} already exists; remove it or pass overwrite=True '
+                              '(--force)')
+    ckpt = load_checkpoint(source)
+    opts.check(ckpt)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConversionError(f'cannot create {out.parent}: {exc}') from exc
+    tmp = out.parent / f'.{out.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}'
+    try:
+        tmp.mkdir()
+        _write_folder(ckpt, tmp, opts, progress)
+        if verify:
+            _verify(tmp)
+        _replace(tmp, out)
+    except BaseException as exc:
+        # Measured before the cleanup, which gives the space back.
+        free = _free_bytes(out.parent) if isinstance(exc, OSError) else None
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            if exc.errno == errno.ENOSPC or (exc.errno is None and free is not None and
+                                             free < _FULL_BELOW):
+                shown = 'unknown' if free is None else f'{free / (1 << 20):.1f} MiB'
+                hint = (f'the disk is full ({shown} free on {out.parent}); free space and '
+                        'convert again')
+            else:
+                hint = 'check the path and permissions'
+            raise ConversionError(f'writing {out} failed ({exc}); {hint}') from exc
+        if isinstance(exc, (EngineError, KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise ConversionError(f'converting {source} failed: {exc!r}') from exc
+    return out
+
+
+def _free_bytes(folder: pathlib.Path) -> Optional[int]:
+    """Bytes an unprivileged writer can still use in `folder`'s file system (None: unknown)."""
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
+                  progress: bool) -> None:
+    from tqdm import tqdm
+    import onnx
+    import yaml
+    s = ckpt.spec
+    specials = ckpt.write_tokenizer(tmp)
+    steps = s.num_layers + 2
+    bar = tqdm(total=steps, desc='converting layers', unit='step', disable=not progress)
+    # Weights stream into model.onnx.data as each layer is converted.
+    with open(tmp / DATA_FILE, 'wb') as data:
+        graph = DecoderGraph(s, GraphOptions(opts.activation_dtype, opts.max_context,
+                                             opts.accuracy_level, opts.graph_offset_levels),
+                             data)
+        graph.add_embedding(_blocks(ckpt, 'embed', opts))
+        bar.update()
+        ckpt.release()
+        for i in range(s.num_layers):
+            graph.add_layer(i, _layer(ckpt, i, opts))
+            # The layer's source pages are read: give them back, so that converting holds
+            # one layer at a time, not the whole mapped file.
+            ckpt.release()
+            bar.update()
+        lm_head = None if s.tied_embeddings else _blocks(ckpt, 'lm_head', opts)
+        model = graph.finish(ckpt.tensor('final_norm').dequantize(), lm_head)
+        del lm_head
+        ckpt.release()
+    bar.set_description('writing model.onnx')
+    onnx.save_model(model, str(tmp / MODEL_FILE))
+    bar.update()
+    bar.close()
+    meta = {
+        'name': s.name, 'architecture': s.architecture, 'num_layers': s.num_layers,
+        'num_heads': s.num_heads, 'num_kv_heads': s.num_kv_heads, 'head_dim': s.head_dim,
+        'hidden_size': s.hidden_size, 'vocab_size': s.vocab_size,
+        'max_position_embeddings': s.max_position_embeddings,
+        'rope_theta': float(s.rope_theta), 'rms_norm_eps': float(s.rms_norm_eps),
+        'rope_scaling': {'scale': float(s.rope_scale),
+                         'freq_factors': s.rope_freq_factors is not None,
+                         'rotary_dims': s.rotary_dims,
+                         'attn_factor': float(s.rope_attn_factor),
+                         # LongRoPE short factors: valid up to this KV length (0: any)
+                         'max_context': int(s.rope_factors_max_context)},
+        'qk_norm': bool(s.qk_norm),
+        'post_norms': bool(s.post_norms), 'activation': s.activation,
+        'embed_scale': float(s.embed_scale),
+        'attention_scale': float(s.attention_scale or 1.0 / np.sqrt(s.head_dim)),
+        'sliding_window': {'window': int(s.sliding_window),
+                           'local_layers': [i for i in range(s.num_layers) if s.is_local(i)],
+                           'local_rope_theta': float(s.local_rope_theta)},
+        'final_logit_softcap': float(s.final_logit_softcap),
+        'activation_dtype': opts.activation_dtype,
+        'bos_token_id': specials.get('bos_token_id'),
+        'eos_token_ids': list(specials.get('eos_token_ids', [])),
+        'add_bos_token': bool(specials.get('add_bos_token', False)),
+        'quantization': {'bits': 4, 'block_size': opts.block_size,
+                         'source_types': ckpt.source_types(),
+                         'accuracy_level': opts.accuracy_level,
+                         'exact_q4_1': opts.exact_q4_1, 'precision': opts.precision,
+                         'offset_levels': opts.graph_offset_levels,
+                         'weight_bytes_per_token': int(graph.weight_bytes)},
+        'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
+        'converter_version': CONVERTER_VERSION, 'opset': OPSET,
+        'kv_max_context': opts.max_context,
+    }
+    (tmp / MODEL_YAML).write_text(yaml.safe_dump(meta, sort_keys=False))
+    for f in tmp.iterdir():
+        os.chmod(f, 0o644)  # onnx writes the data file 0600; the model is meant to be shared
+        with open(f, 'rb') as fh:
+            os.fsync(fh.fileno())
+
+
+def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> BlockWeights:
+    return to_blocks(ckpt.tensor(key), opts.block_size, opts.precision, opts.exact_q4_1)
+
+
+def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
+    p = f'{i}.'
+    bias: Optional[np.ndarray] = None
+    if ckpt.spec.attention_bias:
+        bias = np.concatenate([ckpt.tensor(p + r).dequantize()
+                               for r in ('q_bias', 'k_bias', 'v_bias')])
+    return LayerWeights(
+        attn_norm=ckpt.tensor(p + 'attn_norm').dequantize(),
+        ffn_norm=ckpt.tensor(p + 'ffn_norm').dequantize(),
+        qkv=concat_rows([_blocks(ckpt, p + r, opts) for r in ('q', 'k', 'v')]),
+        qkv_bias=bias,
+        o=_blocks(ckpt, p + 'o', opts),
+        gate_up=concat_rows([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts),
+        q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
+        k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
+        post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+
+
+def _vector(ckpt: Checkpoint, key: str, wanted: bool) -> Optional[np.ndarray]:
+    return ckpt.tensor(key).dequantize() if wanted else None
+
+
+def _verify(folder: pathlib.Path) -> None:
+    """Open the graph with onnxruntime: every node must have a kernel that takes its inputs.
+
+    Without graph optimizations and weight pre-packing, onnxruntime maps model.onnx.data and
+    never touches it: opening a 7B model then costs ~60 MB, where the default session would
+    copy every weight into its own packed buffers (~2x the model in RSS).
+    """
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.add_session_config_entry('session.disable_prepacking', '1')
+    try:
+        ort.InferenceSession(str(folder / MODEL_FILE), so,
+                             providers=['CPUExecutionProvider'])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise ConversionError(f'onnxruntime rejected the converted graph: {exc}') from exc
+
+
+def _replace(tmp: pathlib.Path, out: pathlib.Path) -> None:
+    """Move tmp to out; an existing out is swapped away first and removed afterwards."""
+    old = None
+    if out.exists():
+        old = out.parent / f'.{out.name}{_TMP_MARK}old-{os.getpid()}-{secrets.token_hex(4)}'
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale_temps(out: pathlib.Path) -> None:
+    """Clean up after earlier conversions to `out` whose process is gone.
+
+    Their half-written temp folders are deleted; a previous model they had moved aside
+    (killed between the two renames of _replace) is put back if `out` is missing.
+    """
+    prefix = f'.{out.name}{_TMP_MARK}'
+    for cand in sorted(out.parent.glob(prefix + '*')):
+        parts = cand.name[len(prefix):].split('-')
+        moved_aside = parts[0] == 'old'
+        try:
+            pid = int(parts[1] if moved_aside else parts[0])
+        except (ValueError, IndexError):
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        if moved_aside and not out.exists():
+            os.rename(cand, out)
+        else:
+            shutil.rmtree(cand, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def source_sha256(path: pathlib.Path) -> str:
+    """sha256 of a GGUF file, or of an HF folder's config + safetensors files in name order."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        list(path.glob('*.safetensors')) + [path / 'config.json'])
+    for f in files:
+        with open(f, 'rb') as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b''):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """CLI of edge-llm-convert."""
+    p = argparse.ArgumentParser(
+        prog='edge-llm-convert',
+        description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
+                    'gemma3, phi3) '
+                    'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
+    p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
+    p.add_argument('out_dir', help='model folder to create')
+    p.add_argument('--block-size', type=int, default=32, help='INT4 block size (default 32)')
+    p.add_argument('--dtype', default='float32', choices=('float32', 'float16'),
+                   help='activation and KV dtype (default float32)')
+    p.add_argument('--max-context', type=int, default=None,
+                   help='build the graph for a fixed KV length (default: dynamic)')
+    p.add_argument('--accuracy-level', type=int, default=4, choices=(0, 1, 2, 3, 4),
+                   help='MatMulNBits accuracy level: 4 = int8 activations (fast CPU path), '
+                        '0 = compute in the activation dtype')
+    p.add_argument('--requantize-q4-1', action='store_true',
+                   help='re-quantize Q4_1 blocks to integer zero points instead of keeping '
+                        'them exact with per-block offsets (~6%% smaller, ~10%% faster decode, '
+                        'but lossy: on SmolLM2 logits move by up to ~12)')
+    p.add_argument('--precision', default='source', choices=PRECISIONS,
+                   help='source (default): GGUF blocks repacked exactly (4 or 8 bits, see '
+                        'docs/quantization.md), float weights at 8 bits; int4: every matrix '
+                        '4-bit (smaller, faster, lossy)')
+    p.add_argument('--offset-levels', type=int, default=None, choices=(0, 1, 2, 3),
+                   help='exact Q4_1 offsets: 0 = a separate exact float term; 1-3 = folded '
+                        'into the matmul as that many 4-bit levels (default: 2 at accuracy '
+                        'level 4, where activations are rounded to int8 anyway; else 0)')
+    p.add_argument('--force', action='store_true', help='replace an existing out_dir')
+    p.add_argument('--no-verify', action='store_true',
+                   help='skip opening the result with onnxruntime')
+    p.add_argument('--quiet', action='store_true', help='no progress bar')
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: 0 on success, 1 for a bad/unsupported model, 2 for usage errors."""
+    args = build_arg_parser().parse_args(argv)
+    try:
+        out = convert(args.source, args.out_dir, block_size=args.block_size,
+                      activation_dtype=args.dtype, max_context=args.max_context,
+                      progress=not args.quiet, accuracy_level=args.accuracy_level,
+                      exact_q4_1=not args.requantize_q4_1, precision=args.precision,
+                      overwrite=args.force,
+                      verify=not args.no_verify, offset_levels=args.offset_levels)
+    except EngineError as exc:
+        print(f'edge-llm-convert: error: {exc}', file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print('edge-llm-convert: interrupted; nothing was written', file=sys.stderr)
+        return 130
+    print(out)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

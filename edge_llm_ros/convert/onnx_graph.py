@@ -1,0 +1,435 @@
+"""Build the ONNX decoder graph (one graph for prefill and decode) from block-quantized weights.
+
+Per layer: RMSNorm (SkipSimplifiedLayerNormalization fuses the residual add) -> fused QKV
+MatMulNBits -> GroupQueryAttention (RoPE inside, KV past/present share-buffer layout) ->
+MatMulNBits -> RMSNorm -> fused gate/up MatMulNBits -> SiLU * up -> MatMulNBits. The embedding
+is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Only the
+last position's logits are computed. I/O names and shapes follow ENGINE_API.md.
+
+Exact GGUF Q4_1 weights carry a per-block offset; each such MatMulNBits either gets the offsets
+folded into extra 4-bit blocks, fed the input's block means appended to it (ReduceMean +
+Concat, no extra matmul), or adds them as an exact float term (see GraphOptions.offset_levels).
+"""
+from dataclasses import dataclass
+import math
+from typing import BinaryIO, Dict, List, Optional
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, TensorProto
+
+from edge_llm_ros.convert.checkpoint import ModelSpec
+from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
+from edge_llm_ros.model_format import DATA_FILE
+
+OPSET = 21
+IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
+MS_DOMAIN = 'com.microsoft'
+BATCH_DIM = 'batch'  # symbolic batch dimension of every graph input/output (sequence slots)
+_INLINE_BYTES = 1024  # smaller initializers stay inside model.onnx
+_FLOAT_TYPES = {'float32': (np.float32, TensorProto.FLOAT),
+                'float16': (np.float16, TensorProto.FLOAT16)}
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """How the graph is built: activation dtype, static KV length, MatMulNBits accuracy."""
+
+    activation_dtype: str = 'float32'
+    max_context: Optional[int] = None  # None = dynamic KV length ('max_ctx')
+    # MatMulNBits accuracy_level: 4 quantizes activations to int8 per block inside the
+    # kernel (the fast CPU path); 0 computes in the activation dtype.
+    accuracy_level: int = 4
+    # Per-block weight offsets (exact GGUF Q4_1): 0 adds the exact float term
+    # block_means(x) @ (bs * offsets).T after each matmul (2 more nodes and a float matmul);
+    # n > 0 folds them into n 4-bit levels of extra blocks of the same MatMulNBits, fed the
+    # block means appended to x (quant.fold_offsets: ~0.1% error per offset at n=2).
+    offset_levels: int = 0
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """What the graph needs to reuse written weights (the tied lm_head): names and shape."""
+
+    names: Dict[str, str]
+    n: int
+    k: int
+    bits: int
+    block_size: int
+    nbytes: int
+    offsets: Optional[np.ndarray] = None  # [N, K/bs] when the weight has per-block offsets
+    default_zp: bool = False  # every zero point is 2**(bits-1): MatMulNBits needs none
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, ready for the graph (norm weights as float32 vectors)."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    qkv: List[BlockWeights]      # [fused q|k|v] or [q, k, v] when their formats differ
+    qkv_bias: Optional[np.ndarray]
+    o: BlockWeights
+    gate_up: List[BlockWeights]  # [fused gate|up] or [gate, up]
+    down: BlockWeights
+    q_norm: Optional[np.ndarray] = None  # per-head RMSNorm weights [head_dim] (qwen3)
+    k_norm: Optional[np.ndarray] = None
+    post_attn_norm: Optional[np.ndarray] = None  # gemma3: norms of the attention / MLP output
+    post_ffn_norm: Optional[np.ndarray] = None
+
+
+def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
+    """cos/sin tables [length, rotary_dims/2] for NEOX RoPE (float64 math, float32 out).
+
+    Scaled as llama.cpp does: every angle times rope_scale (its freq_scale), frequency i
+    divided by rope_freq_factors[i] (rope_freqs: Llama 3.1; rope_factors_short: Phi-3), cos
+    and sin times rope_attn_factor. Sliding-window layers (local) use their own base and
+    scale and no factors (gemma3 passes none).
+    """
+    dims = spec.rotary_dims
+    half = dims // 2
+    theta = spec.local_rope_theta if local else spec.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / dims))
+    inv_freq = inv_freq * (spec.local_rope_scale if local else spec.rope_scale)
+    if spec.rope_freq_factors is not None and not local:
+        inv_freq = inv_freq / np.asarray(spec.rope_freq_factors, dtype=np.float64)
+    angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
+    m = spec.rope_attn_factor
+    return (m * np.cos(angles)).astype(np.float32), (m * np.sin(angles)).astype(np.float32)
+
+
+class DecoderGraph:
+    """Accumulates nodes and initializers; call add_embedding, add_layer..., finish.
+
+    With `data_file` every initializer above 1 KiB is appended to that open file as it is
+    added (the graph keeps only an external-data reference), so converting needs memory for
+    one layer, not the whole model. Save the result next to the file as model.onnx.
+    """
+
+    def __init__(self, spec: ModelSpec, opts: GraphOptions,
+                 data_file: Optional[BinaryIO] = None) -> None:
+        if opts.activation_dtype not in _FLOAT_TYPES:
+            raise ValueError(f'activation_dtype must be one of {sorted(_FLOAT_TYPES)}')
+        self.spec = spec
+        self.opts = opts
+        self.np_dtype, self.onnx_dtype = _FLOAT_TYPES[opts.activation_dtype]
+        self.nodes: List[onnx.NodeProto] = []
+        self.initializers: List[onnx.TensorProto] = []
+        self.weight_bytes = 0  # bytes of linear weights read per decoded token
+        self._count = 0
+        self._block_means: Dict[str, str] = {}
+        self._with_means: Dict[tuple, str] = {}
+        self._consts: Dict[str, str] = {}
+        self._x = ''         # hidden state entering the next layer's norm
+        self._residual = ''  # residual stream (empty before layer 0)
+        self._data = data_file
+        self._embed: Optional[WeightRef] = None
+        kv_len = opts.max_context if opts.max_context else 'max_ctx'
+        # 'batch' is symbolic: one row per sequence slot (the reshapes use 0, so the body is
+        # batch-generic); a decode step runs every active slot in one call.
+        kv_shape = [BATCH_DIM, spec.num_kv_heads, kv_len, spec.head_dim]
+        t = self.onnx_dtype
+        self.inputs = [
+            helper.make_tensor_value_info('input_ids', TensorProto.INT64, [BATCH_DIM, 's_ids']),
+            helper.make_tensor_value_info('inputs_embeds', t,
+                                          [BATCH_DIM, 's_emb', spec.hidden_size]),
+            helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [BATCH_DIM]),
+            helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
+        ]
+        self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
+                                                      [BATCH_DIM, 1, spec.vocab_size])]
+        for i in range(spec.num_layers):
+            for kind in ('key', 'value'):
+                self.inputs.append(helper.make_tensor_value_info(
+                    f'past_key_values.{i}.{kind}', t, kv_shape))
+                self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
+                                                                  kv_shape))
+        cache_len = opts.max_context or spec.max_position_embeddings
+        local = [spec.is_local(i) for i in range(spec.num_layers)]
+        if not all(local):
+            cos, sin = rope_cache(spec, cache_len)
+            self._init('cos_cache', cos.astype(self.np_dtype))
+            self._init('sin_cache', sin.astype(self.np_dtype))
+        if any(local):
+            cos, sin = rope_cache(spec, cache_len, local=True)
+            self._init('cos_cache_local', cos.astype(self.np_dtype))
+            self._init('sin_cache_local', sin.astype(self.np_dtype))
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _name(self, base: str) -> str:
+        self._count += 1
+        return f'{base}_{self._count}'
+
+    def _init(self, name: str, array: np.ndarray) -> str:
+        array = np.ascontiguousarray(array)
+        if self._data is None or array.nbytes <= _INLINE_BYTES:
+            self.initializers.append(numpy_helper.from_array(array, name))
+            return name
+        # Page-align big tensors so onnxruntime can map them instead of copying.
+        align = 4096 if array.nbytes >= 1 << 20 else 64
+        offset = -(-self._data.tell() // align) * align
+        self._data.write(b'\0' * (offset - self._data.tell()))
+        array.tofile(self._data)
+        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                             dims=array.shape, data_location=onnx.TensorProto.EXTERNAL)
+        for key, value in (('location', DATA_FILE), ('offset', str(offset)),
+                           ('length', str(array.nbytes))):
+            t.external_data.add(key=key, value=value)
+        self.initializers.append(t)
+        return name
+
+    def _node(self, op: str, inputs: List[str], n_out: int = 1, domain: str = '',
+              name: str = '', outputs: Optional[List[str]] = None, **attrs) -> List[str]:
+        # Named nodes (weights' prefixes, unique per layer) keep their name; others get a
+        # counter.
+        node_name = name or self._name(op)
+        outs = outputs or [f'{node_name}/out{j}' for j in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=node_name,
+                                           domain=domain or None, **attrs))
+        return outs
+
+    def _const_i64(self, name: str, values) -> str:
+        if name not in self._consts:
+            self._consts[name] = self._init(name, np.array(values, dtype=np.int64))
+        return name
+
+    def _weights(self, prefix: str, w: BlockWeights, gathered: bool = False) -> WeightRef:
+        """Write a weight's codes, scales and zero points (offsets are written by their user).
+
+        Default zero points are left out, except for a `gathered` table (the embedding).
+        """
+        default_zp = w.default_zero_points()
+        names = {'B': self._init(prefix + '.qweight', w.packed),
+                 'scales': self._init(prefix + '.scales', w.scales.astype(self.np_dtype))}
+        if gathered or not default_zp:
+            names['zp'] = self._init(prefix + '.zero_points', w.packed_zero_points())
+        nbytes = w.nbytes() - (w.packed_zero_points().nbytes if default_zp else 0)
+        self.weight_bytes += nbytes
+        n, k = w.shape
+        return WeightRef(names, n, k, w.bits, w.block_size, nbytes, w.offsets, default_zp)
+
+    def _means(self, x: str, bs: int) -> str:
+        """Mean of x over each K block, [1, S, K/bs].
+
+        Reshape + ReduceMean: measured ~8% faster decode on SmolLM2 than one AveragePool
+        (which reads S as channels) or a matmul with a 0/1 block indicator.
+        """
+        key = f'{x}/{bs}'
+        if key not in self._block_means:
+            blocks = self._const_i64(f'shape_blocks_of_{bs}', [0, 0, -1, bs])
+            (r,) = self._node('Reshape', [x, blocks])
+            axes = self._const_i64('axes_last', [-1])
+            (self._block_means[key],) = self._node('ReduceMean', [r, axes], keepdims=0)
+        return self._block_means[key]
+
+    def _append_means(self, x: str, bs: int, copies: int) -> str:
+        """[x, means, means, ...]: the input of a weight with folded offsets."""
+        key = (x, bs, copies)
+        if key not in self._with_means:
+            means = self._means(x, bs)
+            (self._with_means[key],) = self._node('Concat', [x] + [means] * copies, axis=-1)
+        return self._with_means[key]
+
+    def _linear(self, x: str, w: Optional[BlockWeights], prefix: str,
+                bias: Optional[np.ndarray] = None, ref: Optional[WeightRef] = None) -> str:
+        """Add x @ W.T as MatMulNBits (+ the exact-Q4_1 offset term); `ref` reuses weights.
+
+        Offsets are folded into the weight (offset_levels > 0) unless the weights are shared
+        (the tied lm_head reads the embedding table, which cannot carry extra blocks).
+        """
+        k_in = None
+        # Folding needs 4-bit blocks; 8-bit weights with offsets (Q5_1, Q5_K) keep the exact
+        # float term.
+        if ref is None and w.offsets is not None and self.opts.offset_levels and w.bits == 4:
+            k_in = w.shape[1]
+            w, copies = fold_offsets(w, self.opts.offset_levels)
+            k_in += copies * k_in // w.block_size
+            x = self._append_means(x, w.block_size, copies)
+        ref = ref or self._weights(prefix, w)
+        n, names = ref.n, ref.names
+        inputs = [x, names['B'], names['scales'], '' if ref.default_zp else names['zp']]
+        if bias is not None:
+            inputs += ['', self._init(prefix + '.bias', bias.astype(self.np_dtype))]
+        while not inputs[-1]:  # trailing optional inputs left out
+            inputs.pop()
+        (y,) = self._node('MatMulNBits', inputs, domain=MS_DOMAIN, name=prefix, K=k_in or ref.k,
+                          N=n, bits=ref.bits, block_size=ref.block_size,
+                          accuracy_level=self.opts.accuracy_level)
+        if ref.offsets is not None:
+            # Exact term: sum_b block_sum_b(x) * offset_b, with block sums = bs * means (the
+            # power-of-two scale is folded into the stored offsets, exactly).
+            bs = ref.block_size
+            off_t = self._init(prefix + '.offsets_t', (ref.offsets.T * bs).astype(self.np_dtype))
+            (corr,) = self._node('MatMul', [self._means(x, bs), off_t], name=prefix + '/offsets')
+            (y,) = self._node('Add', [y, corr])
+        return y
+
+    def _norm(self, gamma: np.ndarray, prefix: str) -> str:
+        return self._init(prefix, gamma.astype(self.np_dtype))
+
+    # --- model pieces --------------------------------------------------------------------------
+    def add_embedding(self, embed: BlockWeights) -> None:
+        """Token embeddings (GatherBlockQuantized), with inputs_embeds concatenated ahead."""
+        s = self.spec
+        self._embed = self._weights('embed', embed, gathered=True)
+        names = self._embed.names
+        self.weight_bytes -= self._embed.nbytes  # one row per token, not the table
+        flat = self._const_i64('shape_embed_rows',
+                               [s.vocab_size, s.hidden_size * embed.bits // 8])
+        (table,) = self._node('Reshape', [names['B'], flat])
+        (rows,) = self._node('GatherBlockQuantized',
+                             [table, 'input_ids', names['scales'], names['zp']],
+                             domain=MS_DOMAIN, name='embed',
+                             bits=embed.bits, block_size=embed.block_size, gather_axis=0,
+                             quantize_axis=1)
+        if embed.offsets is not None:
+            bs = embed.block_size
+            nb = s.hidden_size // bs
+            off = self._init('embed.offsets', embed.offsets.astype(self.np_dtype))
+            (off_rows,) = self._node('Gather', [off, 'input_ids'], axis=0)
+            axes = self._const_i64('axes_last', [-1])
+            (off_rows,) = self._node('Unsqueeze', [off_rows, axes])
+            blocks = self._const_i64(f'shape_blocks_{nb}x{bs}', [0, 0, nb, bs])
+            (r,) = self._node('Reshape', [rows, blocks])
+            (r,) = self._node('Add', [r, off_rows])
+            back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
+            (rows,) = self._node('Reshape', [r, back])
+        if s.embed_scale != 1.0:
+            # Token rows only: llama.cpp leaves raw embeddings (inputs_embeds) unscaled.
+            scale = self._init('embed_scale', np.array(s.embed_scale, self.np_dtype))
+            (rows,) = self._node('Mul', [rows, scale])
+        (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
+
+    def add_layer(self, i: int, lw: LayerWeights) -> None:
+        """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
+        s = self.spec
+        eps = float(s.rms_norm_eps)
+        p = f'layers.{i}'
+        gamma = self._norm(lw.attn_norm, f'{p}.attn_norm')
+        if not self._residual:
+            (h,) = self._node('SimplifiedLayerNormalization', [self._x, gamma],
+                              name=f'{p}/attn_norm', axis=-1, epsilon=eps, stash_type=1)
+            residual = self._x
+        else:
+            h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
+                                           [self._x, self._residual, gamma], n_out=4,
+                                           domain=MS_DOMAIN, name=f'{p}/attn_norm', epsilon=eps)
+        q_k_v = self._qkv(h, lw, p)
+        local = s.is_local(i)
+        rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        # A local layer's query sees the last sliding_window keys, itself included, as in
+        # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
+        # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
+        window = {'local_window_size': s.sliding_window} if local else {}
+        attn, _, _ = self._node(
+            'GroupQueryAttention',
+            q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
+                     'seqlens_k', 'total_sequence_length', *rope],
+            outputs=[self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value'],
+            domain=MS_DOMAIN, name=f'{p}/attn', num_heads=s.num_heads,
+            kv_num_heads=s.num_kv_heads,
+            scale=s.attention_scale or 1.0 / math.sqrt(s.head_dim), do_rotary=1,
+            rotary_interleaved=0, **window)
+        o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
+        if lw.post_attn_norm is not None:
+            o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
+        gamma = self._norm(lw.ffn_norm, f'{p}.ffn_norm')
+        h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
+                                       [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
+                                       name=f'{p}/ffn_norm', epsilon=eps)
+        if len(lw.gate_up) == 1:
+            gu = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_up_proj')
+            gate, up = self._node('Split', [gu], n_out=2, axis=-1, num_outputs=2)
+        else:
+            gate = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_proj')
+            up = self._linear(h, lw.gate_up[1], f'{p}.mlp.up_proj')
+        if s.activation == 'gelu_tanh':
+            (act,) = self._node('Gelu', [gate], approximate='tanh')
+        else:
+            (sig,) = self._node('Sigmoid', [gate])
+            (act,) = self._node('Mul', [gate, sig])
+        (act,) = self._node('Mul', [act, up])
+        self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
+        if lw.post_ffn_norm is not None:
+            self._x = self._plain_norm(self._x, lw.post_ffn_norm, f'{p}.post_ffn_norm')
+        self._residual = residual
+
+    def _plain_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
+        """Normalize x alone (gemma3's post-norms, applied before the residual add)."""
+        (y,) = self._node('SimplifiedLayerNormalization', [x, self._norm(gamma, prefix)],
+                          name=f'{prefix}/norm', axis=-1, epsilon=float(self.spec.rms_norm_eps),
+                          stash_type=1)
+        return y
+
+    def _qkv(self, h: str, lw: LayerWeights, p: str) -> List[str]:
+        """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v.
+
+        With per-head q/k norms the packed output is split and q, k normalized (GQA ropes
+        them afterwards, as llama.cpp does).
+        """
+        s = self.spec
+        if len(lw.qkv) == 1:
+            qkv = self._linear(h, lw.qkv[0], f'{p}.attn.qkv_proj', bias=lw.qkv_bias)
+            if lw.q_norm is None:
+                return [qkv, '', '']
+            q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            sizes = self._const_i64(f'split_qkv_{q_out}_{kv_out}', [q_out, kv_out, kv_out])
+            outs = self._node('Split', [qkv, sizes], n_out=3, axis=-1)
+        else:
+            outs, row = [], 0
+            for w, role in zip(lw.qkv, 'qkv'):
+                n = w.shape[0]
+                bias = None if lw.qkv_bias is None else lw.qkv_bias[row:row + n]
+                outs.append(self._linear(h, w, f'{p}.attn.{role}_proj', bias=bias))
+                row += n
+        if lw.q_norm is not None:
+            outs[0] = self._head_norm(outs[0], lw.q_norm, f'{p}.attn.q_norm')
+            outs[1] = self._head_norm(outs[1], lw.k_norm, f'{p}.attn.k_norm')
+        return outs
+
+    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
+        """Apply RMSNorm to every head of x [1, S, heads*head_dim] over head_dim."""
+        d = self.spec.head_dim
+        heads = self._const_i64(f'shape_heads_of_{d}', [0, 0, -1, d])
+        (r,) = self._node('Reshape', [x, heads])
+        (n,) = self._node('SimplifiedLayerNormalization', [r, self._norm(gamma, prefix)],
+                          name=f'{prefix}/norm', axis=-1, epsilon=float(self.spec.rms_norm_eps),
+                          stash_type=1)
+        flat = self._const_i64('shape_flat_heads', [0, 0, -1])
+        (y,) = self._node('Reshape', [n, flat])
+        return y
+
+    def finish(self, final_norm: np.ndarray, lm_head: Optional[BlockWeights]) -> onnx.ModelProto:
+        """Add the final norm on the last position and lm_head (tied when None)."""
+        s = self.spec
+        starts = self._const_i64('slice_last_start', [-1])
+        ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
+        axes = self._const_i64('slice_axis_seq', [1])
+        (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
+        (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
+        gamma = self._norm(final_norm, 'final_norm')
+        h, _, _, _ = self._node('SkipSimplifiedLayerNormalization', [x_last, r_last, gamma],
+                                n_out=4, domain=MS_DOMAIN, name='final_norm',
+                                epsilon=float(s.rms_norm_eps))
+        if lm_head is None:
+            self.weight_bytes += self._embed.nbytes
+            logits = self._linear(h, None, 'lm_head', ref=self._embed)
+        else:
+            logits = self._linear(h, lm_head, 'lm_head')
+        if self.onnx_dtype != TensorProto.FLOAT:
+            (logits,) = self._node('Cast', [logits], to=TensorProto.FLOAT)
+        if s.final_logit_softcap > 0:
+            cap = self._init('logit_softcap', np.array(s.final_logit_softcap, np.float32))
+            inv = np.array(1 / s.final_logit_softcap, np.float32)
+            inv = self._init('logit_softcap_inv', inv)
+            (logits,) = self._node('Mul', [logits, inv])
+            (logits,) = self._node('Tanh', [logits])
+            (logits,) = self._node('Mul', [logits, cap])
+        self.nodes.append(helper.make_node('Identity', [logits], ['logits'], name='logits'))
+        graph = helper.make_graph(self.nodes, 'edge_llm_decoder', self.inputs, self.outputs,
+                                  self.initializers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET),
+                                                        helper.make_opsetid(MS_DOMAIN, 1)],
+                                  producer_name='edge_llm_ros.convert')
+        model.ir_version = IR_VERSION
+        return model

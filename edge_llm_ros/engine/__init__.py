@@ -1,1 +1,0 @@
-"""edge_llm_ros.engine."""

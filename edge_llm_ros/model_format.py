@@ -1,0 +1,152 @@
+"""The model-folder contract: what the converter writes and the runtime reads.
+
+A model folder holds ``model.onnx`` (+ ``model.onnx.data``), ``tokenizer.json``,
+``chat_template.jinja`` and ``model.yaml``. This module names those files, the converter
+version that wrote them, the architectures and precisions the format knows, and reads
+model.yaml into a typed ModelInfo. Both ``convert/`` (the writer) and ``runtime/`` (the
+reader) import it; it imports neither, and nothing heavier than yaml.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import os
+import pathlib
+from typing import Dict, Optional, Tuple
+
+import yaml
+
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
+
+MODEL_FILE = 'model.onnx'
+DATA_FILE = 'model.onnx.data'
+TOKENIZER_FILE = 'tokenizer.json'
+CHAT_TEMPLATE_FILE = 'chat_template.jinja'
+MODEL_YAML = 'model.yaml'
+# Bumped whenever a folder written before cannot run as it is (the runtime then asks for a
+# reconversion). 4: symbolic batch dimension (parallel sequence slots).
+CONVERTER_VERSION = '4'
+# The decoder families a folder may hold (the converter's registry, convert/architectures.py,
+# has exactly these keys: test_model_format checks it).
+ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
+# Weight precisions of a conversion: 'source' keeps GGUF's own types, 'int4' requantizes.
+PRECISIONS = ('source', 'int4')
+REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
+                   'embedded model)')
+# The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
+EMBEDDED_MODEL_NAME = 'smollm2-135m-instruct-int4'
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model.yaml written by the converter (only what the runtime needs is typed)."""
+
+    name: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    bos_token_id: Optional[int]
+    eos_token_ids: Tuple[int, ...]
+    add_bos_token: bool
+    activation_dtype: str = 'float32'
+    kv_max_context: Optional[int] = None
+    extra: Dict = field(default_factory=dict)  # every other key, kept for reports
+
+
+_REQUIRED_INT = ('num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'hidden_size',
+                 'vocab_size', 'max_position_embeddings')
+
+
+def load_model_info(model_dir: str) -> ModelInfo:
+    """Read and check <model_dir>/model.yaml; ModelLoadError says which file and what to do."""
+    path = os.path.join(model_dir, MODEL_YAML)
+    if not os.path.isdir(model_dir):
+        raise ModelLoadError(f'model folder {model_dir} does not exist: give a folder written by '
+                             'edge-llm-convert (or leave model_dir empty for the embedded model)')
+    try:
+        with open(path, encoding='utf-8') as f:
+            raw = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f'{path} is missing: {REGENERATE_HINT}') from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f'{path} is unreadable ({e}): {REGENERATE_HINT}') from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f'{path} is not a mapping of keys: {REGENERATE_HINT}')
+    missing = [k for k in _REQUIRED_INT + ('architecture', 'eos_token_ids') if k not in raw]
+    if missing:
+        raise ModelLoadError(f'{path} lacks {", ".join(missing)}: {REGENERATE_HINT}')
+    try:
+        ints = {k: int(raw[k]) for k in _REQUIRED_INT}
+        eos = raw['eos_token_ids']
+        eos = tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
+        bos = raw.get('bos_token_id')
+        kv_max = raw.get('kv_max_context')
+        spec = ModelInfo(
+            name=str(raw.get('name') or os.path.basename(os.path.normpath(model_dir))),
+            architecture=str(raw['architecture']),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos,
+            add_bos_token=bool(raw.get('add_bos_token', False)),
+            activation_dtype=str(raw.get('activation_dtype', 'float32')),
+            kv_max_context=None if kv_max is None else int(kv_max),
+            extra={k: v for k, v in raw.items() if k not in _REQUIRED_INT},
+            **ints)
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f'{path} has a malformed value ({e}): {REGENERATE_HINT}') from None
+    if spec.architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f'{path}: architecture {spec.architecture!r} is not supported (supported: '
+            f'{", ".join(ARCHITECTURES)})')
+    if spec.activation_dtype not in ('float32', 'float16'):
+        raise UnsupportedModelError(f'{path}: activation_dtype {spec.activation_dtype!r} is not '
+                                    'float32 or float16: reconvert the model')
+    if min(ints.values()) < 1:
+        raise ModelLoadError(f'{path} has a non-positive size: {REGENERATE_HINT}')
+    return spec
+
+
+def cache_root() -> pathlib.Path:
+    """$EDGE_LLM_CACHE, else <repo>/.cache in a source checkout, else ~/.cache/edge_llm_ros."""
+    env = os.environ.get('EDGE_LLM_CACHE')
+    if env:
+        return pathlib.Path(env).expanduser()
+    if (_REPO / 'package.xml').is_file():
+        return _REPO / '.cache'
+    return pathlib.Path.home() / '.cache' / 'edge_llm_ros'
+
+
+def embedded_model_dir() -> pathlib.Path:
+    """Where the converted embedded model lives (it may not exist yet)."""
+    return cache_root() / 'models' / EMBEDDED_MODEL_NAME
+
+
+def is_current(folder: pathlib.Path) -> bool:
+    """Tell whether folder is a complete conversion by this converter version (cheap)."""
+    try:
+        meta = yaml.safe_load((folder / MODEL_YAML).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return (isinstance(meta, dict) and meta.get('converter_version') == CONVERTER_VERSION
+            and (folder / MODEL_FILE).is_file() and (folder / DATA_FILE).is_file())
+
+
+def embedded_model() -> pathlib.Path:
+    """Return the converted embedded model folder, or raise ModelLoadError saying how to make it.
+
+    The runtime never converts: scripts/setup.sh (or ``python -m
+    edge_llm_ros.convert.default_model --ensure``) writes this folder once.
+    """
+    folder = embedded_model_dir()
+    if not is_current(folder):
+        state = 'is missing' if not folder.exists() else \
+            f'was not written by converter version {CONVERTER_VERSION}'
+        raise ModelLoadError(
+            f'the embedded model {folder} {state}: run scripts/setup.sh (or `python -m '
+            'edge_llm_ros.convert.default_model --ensure`) to convert it, or give a model '
+            'folder')
+    return folder

@@ -1,0 +1,1 @@
+"""edge_llm_ros.runtime."""

@@ -1,0 +1,432 @@
+"""KV cache bookkeeping: what the preallocated KV buffers hold, and how to reuse it.
+
+The decoder owns nothing but the buffers ([1, kv_heads, max_ctx, head_dim] per layer, bound as
+both past and present). This module tracks which positions are valid and what produced them,
+so that a new request only prefills what differs from the cache:
+
+* ``keys`` holds one hashable key per cached position: a token id (int), or
+  ``('emb', digest, i)`` for position i of prefix embeddings whose bytes hash to ``digest``.
+  A position's K/V depends only on the keys before and at it, so equal key prefixes mean
+  equal K/V and can be reused: embeddings are keyed by content, never by accident.
+* ``plan(keys)`` picks the longest common prefix among the live cache and the saved session
+  snapshots, restores it into the live buffers if it came from a snapshot, and returns how
+  many positions need no prefill (at least the last prompt position is recomputed to get its
+  logits).
+* Session snapshots (a SnapshotStore: LRU bounded by count and by bytes) keep alternating
+  conversations' prefixes. They are saved lazily, only when another request is about to
+  overwrite the live cache, or, when the store persists to SQLite (engine.session_store,
+  docs/sessions.md), also by checkpoint() when a sequence ends.
+
+Snapshot storage (``snapshot_dtype``): 'float32' keeps an exact copy of the buffers' dtype
+(46 KB per token for SmolLM2-135M). 'int8' stores each (head, position) row of head_dim values
+as int8 with one float32 scale (max|x|/127): 3.8x smaller, but a restored prefix differs from a
+fresh prefill by up to half a quantization step per value (~0.4 % of the row's max), so logits
+after a restore are close to, not bit-equal with, a fresh run; near-ties in greedy decoding can
+flip. The live cache itself always stays at full precision.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+import logging
+from typing import Hashable, List, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+
+from edge_llm_ros.errors import ContextOverflowError
+
+SNAPSHOT_DTYPES = ('float32', 'int8')
+_log = logging.getLogger(__name__)
+
+
+def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
+    """Length of the longest common prefix of two key sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, capacity: int) -> Optional[str]:
+    """Return None when prompt + max_tokens fits in the context, else a message saying why not."""
+    if prompt_tokens + max_tokens <= capacity:
+        return None
+    return (f'prompt {prompt_tokens} tokens + max_tokens {max_tokens} > context {capacity}: '
+            'shorten the prompt or lower max_tokens')
+
+
+@dataclass
+class _Snapshot:
+    """A copy of the first len(keys) positions of every KV buffer."""
+
+    keys: Tuple[Hashable, ...]
+    data: List[np.ndarray]             # per buffer: [1, kv_heads, n, head_dim]
+    scales: Optional[List[np.ndarray]]  # int8 only: per buffer [1, kv_heads, n, 1] float32
+
+    @property
+    def nbytes(self) -> int:
+        extra = sum(s.nbytes for s in self.scales) if self.scales is not None else 0
+        return sum(d.nbytes for d in self.data) + extra
+
+
+class SnapshotSink(Protocol):
+    """Where a SnapshotStore mirrors its changes (session_store.SessionStore: SQLite)."""
+
+    def save(self, session_id: str, snap: _Snapshot, tick: int) -> None: ...
+
+    def touch(self, session_id: str, tick: int) -> None: ...
+
+    def delete(self, session_id: str) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class SnapshotStore:
+    """Saved session prefixes, least recently used first; one store may serve several caches.
+
+    With several sequence slots (one KVCache per slot) every slot saves into and restores from
+    the same store, so a session can continue in whichever slot is free. Bounded by count
+    (max_sessions) and by bytes (max_bytes, None = no byte bound): the least recently used are
+    evicted until both hold; a single prefix larger than max_bytes is not kept (logged). A sink
+    (SQLite persistence) mirrors every change: what is evicted here is deleted there, so the
+    disk holds what memory holds.
+    """
+
+    def __init__(self, max_sessions: int = 8, max_bytes: Optional[int] = None,
+                 sink: Optional[SnapshotSink] = None) -> None:
+        if max_sessions < 0:
+            raise ValueError(f'max_sessions must be >= 0, got {max_sessions}')
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f'max_bytes must be >= 0 or None, got {max_bytes}')
+        self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self._sink = sink
+        self._snaps: 'OrderedDict[str, _Snapshot]' = OrderedDict()
+        self._bytes = 0
+        self._tick = 0  # LRU clock, persisted so a restart keeps the order
+
+    @property
+    def persistent(self) -> bool:
+        """Whether a sink (SQLite) keeps the snapshots across restarts."""
+        return self._sink is not None
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._snaps
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def ids(self) -> List[str]:
+        """Session ids, least recently used first."""
+        return list(self._snaps)
+
+    def values(self) -> List[_Snapshot]:
+        return list(self._snaps.values())
+
+    def get(self, session_id: str) -> Optional[_Snapshot]:
+        return self._snaps.get(session_id)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether one snapshot of this size can be kept at all."""
+        return self.max_sessions > 0 and (self.max_bytes is None or nbytes <= self.max_bytes)
+
+    def put(self, session_id: str, snap: _Snapshot) -> bool:
+        """Keep snap as the session's prefix (most recently used); evict beyond the bounds.
+
+        Returns False when snap alone exceeds max_bytes (or max_sessions is 0): then it is not
+        kept, and an older, shorter prefix of the same session stays if there was one.
+        """
+        if not self.fits(snap.nbytes):
+            self.refuse(session_id, len(snap.keys), snap.nbytes)
+            return False
+        self._tick += 1
+        self._insert(session_id, snap)
+        if self._sink is not None:
+            self._sink.save(session_id, snap, self._tick)
+        self._evict()
+        return True
+
+    def refuse(self, session_id: str, positions: int, nbytes: int) -> None:
+        """Log that a prefix too big for max_bytes is not kept."""
+        if self.max_sessions > 0:
+            _log.info('session %r: prefix of %d positions is %d bytes > sessions.max_bytes %d: '
+                      'not kept (raise sessions.max_bytes or use kv.dtype int8)',
+                      session_id, positions, nbytes, self.max_bytes)
+
+    def load(self, session_id: str, snap: _Snapshot, tick: int) -> bool:
+        """Put a snapshot read back from the sink (oldest first), without writing it back."""
+        if not self.fits(snap.nbytes):
+            return False
+        self._tick = max(self._tick, tick)
+        self._insert(session_id, snap)
+        self._evict()
+        return session_id in self._snaps
+
+    def _insert(self, session_id: str, snap: _Snapshot) -> None:
+        old = self._snaps.pop(session_id, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        self._snaps[session_id] = snap
+        self._bytes += snap.nbytes
+
+    def _evict(self) -> None:
+        while self._snaps and (len(self._snaps) > self.max_sessions or (
+                self.max_bytes is not None and self._bytes > self.max_bytes)):
+            session_id, old = self._snaps.popitem(last=False)
+            self._bytes -= old.nbytes
+            if self._sink is not None:
+                self._sink.delete(session_id)
+
+    def touch(self, session_id: str) -> None:
+        if session_id in self._snaps:
+            self._snaps.move_to_end(session_id)
+            self._tick += 1
+            if self._sink is not None:
+                self._sink.touch(session_id, self._tick)
+
+    def pop(self, session_id: str) -> bool:
+        old = self._snaps.pop(session_id, None)
+        if old is None:
+            return False
+        self._bytes -= old.nbytes
+        if self._sink is not None:
+            self._sink.delete(session_id)
+        return True
+
+    def clear(self) -> None:
+        """Forget every session, in memory and in the sink."""
+        self._snaps.clear()
+        self._bytes = 0
+        if self._sink is not None:
+            self._sink.clear()
+
+    def close(self) -> None:
+        """Flush and close the sink, keeping what it saved; forget the in-memory copies."""
+        self._snaps.clear()
+        self._bytes = 0
+        sink, self._sink = self._sink, None
+        if sink is not None:
+            sink.close()
+
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+class KVCache:
+    """Bookkeeping of the decoder's preallocated KV buffers (see the module docstring)."""
+
+    def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
+                 snapshot_dtype: str = 'float32', max_sessions: int = 8,
+                 store: Optional[SnapshotStore] = None,
+                 max_bytes: Optional[int] = None) -> None:
+        if snapshot_dtype not in SNAPSHOT_DTYPES:
+            raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
+        for buf in buffers:
+            if buf.ndim != 4 or buf.shape[2] < capacity:
+                raise ValueError(
+                    f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
+        self._buffers = list(buffers)
+        self._capacity = capacity
+        self._snapshot_dtype = snapshot_dtype
+        # A given store carries its own bounds (max_sessions/max_bytes here are then unused).
+        self._sessions = store if store is not None else SnapshotStore(max_sessions, max_bytes)
+        self._keys: List[Hashable] = []
+        self._owner = ''          # session whose conversation the live cache holds
+        self._owner_saved = True  # its snapshot already equals the live cache
+
+    # --- state -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def length(self) -> int:
+        return len(self._keys)
+
+    @property
+    def keys(self) -> Tuple[Hashable, ...]:
+        return tuple(self._keys)
+
+    def room(self) -> int:
+        return self._capacity - len(self._keys)
+
+    def occupancy(self) -> Tuple[int, int]:
+        """(positions used, capacity)."""
+        return len(self._keys), self._capacity
+
+    def sessions(self) -> List[str]:
+        """Return the saved session ids, least recently used first."""
+        return self._sessions.ids()
+
+    @property
+    def owner(self) -> str:
+        """Return the session whose conversation the live cache holds ('' = none named)."""
+        return self._owner
+
+    def snapshot_bytes(self) -> int:
+        return self._sessions.nbytes()
+
+    # --- live cache --------------------------------------------------------------------------
+    def append(self, keys: Sequence[Hashable]) -> None:
+        """Record that the decoder just wrote K/V for these positions (after the current ones)."""
+        if len(self._keys) + len(keys) > self._capacity:
+            raise ContextOverflowError(
+                f'KV cache full: {len(self._keys)} + {len(keys)} positions > capacity '
+                f'{self._capacity}: raise max_context or shorten the request')
+        self._keys.extend(keys)
+        self._owner_saved = False
+
+    def append_token(self, token_id: int) -> None:
+        """Cheap single-position append for the decode loop (the caller checked the room)."""
+        self._keys.append(token_id)
+        self._owner_saved = False
+
+    def rewind_to(self, n: int) -> None:
+        """Forget every position from n on (the buffers' bytes there become garbage)."""
+        if not 0 <= n <= len(self._keys):
+            raise ValueError(f'cannot rewind to {n}: the cache holds {len(self._keys)} positions')
+        if n < len(self._keys):
+            del self._keys[n:]
+            self._owner_saved = False
+
+    def reset(self) -> None:
+        """Empty the live cache (saved sessions stay)."""
+        self._keys.clear()
+        self._owner = ''
+        self._owner_saved = True
+
+    def clear_sessions(self) -> None:
+        """Forget every saved session (in the SQLite store too, when there is one)."""
+        self._sessions.clear()
+
+    def checkpoint(self) -> bool:
+        """Save the live cache as its owner's snapshot now, when sessions persist.
+
+        Called when a sequence ends, so that a restart (or a kill) finds its last turn; without
+        a persistent store snapshots stay lazy (saved only before another session overwrites
+        the live cache) and this is a no-op. Returns whether a snapshot was taken.
+        """
+        if not self._sessions.persistent or not self._owner or self._owner_saved:
+            return False
+        self._save(self._owner)
+        return True
+
+    def close(self) -> None:
+        """Checkpoint, empty the live cache and close the store (its saved sessions stay).
+
+        With several caches on one store: checkpoint() and reset() each, then close the store.
+        """
+        self.checkpoint()
+        self.reset()
+        self._sessions.close()
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget one session: its snapshot, and the live cache if that session owns it.
+
+        Returns whether anything of it was kept (a snapshot or the live cache).
+        """
+        found = self._sessions.pop(session_id)
+        if session_id and self._owner == session_id:
+            found = found or bool(self._keys)
+            self.reset()
+        return found
+
+    def known_sessions(self) -> List[str]:
+        """Return the sessions with a kept prefix: saved snapshots and the live cache's owner."""
+        names = self._sessions.ids()
+        if self._owner and self._keys and self._owner not in self._sessions:
+            names.append(self._owner)
+        return names
+
+    # --- reuse -------------------------------------------------------------------------------
+    def plan(self, keys: Sequence[Hashable], session_id: str = '', recompute: int = 1) -> int:
+        """Prepare the live cache for a request of these position keys.
+
+        Returns how many leading positions are already in place (0 .. len(keys) - recompute);
+        the caller prefills keys[returned:] (at least `recompute` >= 1 positions, since the
+        last one must be computed for its logits). The live cache is rewound to that length,
+        after saving it as its owner's snapshot when another session's request overwrites it.
+        """
+        if not keys:
+            raise ValueError('a request needs at least one position')
+        if recompute < 1:
+            raise ValueError(f'recompute must be >= 1, got {recompute}')
+        limit = max(len(keys) - recompute, 0)
+        best = min(common_prefix(self._keys, keys), limit)
+        source: Optional[_Snapshot] = None
+        for snap in self._sessions.values():
+            n = min(common_prefix(snap.keys, keys), limit)
+            if n > best:
+                best, source = n, snap
+
+        # First live position this request overwrites.
+        keep = best if source is None else common_prefix(self._keys, source.keys[:best])
+        if self._owner and self._owner != session_id and not self._owner_saved \
+                and keep < len(self._keys):
+            self._save(self._owner)
+        self.rewind_to(min(keep, len(self._keys)))
+        if source is not None:
+            self._restore(source, best)
+        self._sessions.touch(session_id)
+        self._owner = session_id
+        self._owner_saved = False
+        return best
+
+    def _save(self, session_id: str) -> None:
+        if self._sessions.max_sessions == 0 or not self._keys:
+            return
+        n = len(self._keys)
+        nbytes = self._snapshot_nbytes(n)
+        if not self._sessions.fits(nbytes):  # do not copy what cannot be kept
+            self._sessions.refuse(session_id, n, nbytes)
+            if session_id == self._owner:
+                self._owner_saved = True
+            return
+        if self._snapshot_dtype == 'int8':
+            pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
+            snap = _Snapshot(tuple(self._keys), [q for q, _ in pairs], [s for _, s in pairs])
+        else:
+            snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
+                             None)
+        self._sessions.put(session_id, snap)
+        if session_id == self._owner:
+            self._owner_saved = True
+
+    def _snapshot_nbytes(self, n: int) -> int:
+        """Bytes of a snapshot of n positions (known before copying anything)."""
+        total = 0
+        for buf in self._buffers:
+            rows = buf.shape[0] * buf.shape[1] * n
+            if self._snapshot_dtype == 'int8':
+                total += rows * buf.shape[3] + rows * 4
+            else:
+                total += rows * buf.shape[3] * buf.itemsize
+        return total
+
+    def _restore(self, snap: _Snapshot, n: int) -> None:
+        # The live cache was rewound to what it shares with the snapshot: copy only the rest.
+        start = len(self._keys)
+        for i, buf in enumerate(self._buffers):
+            if snap.scales is None:
+                buf[:, :, start:n] = snap.data[i][:, :, start:n]
+            else:
+                buf[:, :, start:n] = dequantize_int8(
+                    snap.data[i][:, :, start:n], snap.scales[i][:, :, start:n], buf.dtype)
+        self._keys.extend(snap.keys[start:n])
+
+
+def quantize_int8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 with one scale per row of the last axis: returns (q, scale)."""
+    xf = x.astype(np.float32, copy=False)
+    scale = np.abs(xf).max(axis=-1, keepdims=True) / 127.0
+    safe = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(xf / safe), -127, 127).astype(np.int8)
+    return q, scale.astype(np.float32)
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """Inverse of quantize_int8 (up to half a step per value)."""
+    return (q.astype(np.float32) * scale).astype(dtype, copy=False)

@@ -1,0 +1,263 @@
+"""Request validation: GenerationRequest -> PreparedRequest, checked once before any token.
+
+Everything a request can get wrong is found by prepare(), before the first token, and raised
+as an InvalidRequestError subclass whose message says what to change. The PreparedRequest
+holds the prompt's token ids, the resolved sampling, the compiled constraint, how to read the
+output (structured.OutputPlan: reasoning tags, tool-call format) and the checked lengths.
+Chat requests go through structured.plan_request (tools rendered by the template, one
+constraint among tools / json_schema / grammar / regex / choices, reasoning switches); raw
+prompts take a json_schema, grammar, regex or choices, but no tools and no reasoning
+options, and their output is returned as the model wrote it.
+
+Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor handles
+that are mapped later): their count, width and dtype are checked here, and the array is bound
+with PreparedRequest.bind() just before generating, which checks only its values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+import hashlib
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
+from edge_llm_ros.runtime import sampling
+from edge_llm_ros.runtime.constraint import compile_request_constraint
+from edge_llm_ros.runtime.kv_cache import check_fits
+from edge_llm_ros.runtime.model_config import ModelFamilyConfig
+from edge_llm_ros.runtime.structured import OutputPlan, plan_request
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.tools.spec import check_single_constraint
+from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest, ROLES,
+                                        SamplingConfig)
+
+EMBEDDING_DTYPES = ('float32', 'float16')
+
+
+class InvalidEmbeddingsError(InvalidRequestError):
+    """prefix_embeddings have the wrong type, shape or values."""
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request, ready for Engine.generate (see the module docstring)."""
+
+    prompt_ids: Tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingConfig
+    stop: Tuple[str, ...]
+    constraint: Optional[object]    # the compiled constraint, any kind (has .start())
+    session_id: str
+    act_dtype: np.dtype             # the model's activation dtype (embeddings are cast to it)
+    embeddings: Optional[DeclaredEmbeddings] = None   # checked shape of the prefix embeddings
+    embeds: Optional[np.ndarray] = None   # the bound [rows, hidden] array, act_dtype
+    # Cache key of every prompt position, embeddings first (see kv_cache); complete once bound.
+    keys: Tuple[Hashable, ...] = ()
+    # How to split the output into text, reasoning and tool calls (empty: all of it is text).
+    output: OutputPlan = OutputPlan()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt positions: prefix-embedding rows plus prompt token ids."""
+        rows = self.embeddings.rows if self.embeddings is not None else 0
+        return rows + len(self.prompt_ids)
+
+    @property
+    def bound(self) -> bool:
+        """Whether generate() can run it: no declared embeddings wait for their array."""
+        return self.embeddings is None or self.embeds is not None
+
+    def bind(self, array: np.ndarray) -> 'PreparedRequest':
+        """Return this request with the values of its declared prefix embeddings.
+
+        Count, width and dtype were checked by prepare(): the array must be exactly what was
+        declared ([rows, hidden] of that dtype); only its values are checked here.
+        """
+        declared = self.embeddings
+        if declared is None:
+            raise InvalidEmbeddingsError('this request declared no prefix_embeddings to bind')
+        shape = (declared.rows, declared.hidden)
+        if not isinstance(array, np.ndarray) or array.shape != shape or \
+                array.dtype != np.dtype(declared.dtype):
+            got = (f'{array.dtype} {list(array.shape)}' if isinstance(array, np.ndarray)
+                   else type(array).__name__)
+            raise InvalidEmbeddingsError(f'prefix_embeddings bound as {got}, not the declared '
+                                         f'{declared.dtype} {list(shape)}')
+        if not np.isfinite(array).all():
+            raise InvalidEmbeddingsError('prefix_embeddings contain NaN or infinite values')
+        embeds = np.ascontiguousarray(array, dtype=self.act_dtype)
+        return replace(self, embeds=embeds,
+                       keys=tuple(embedding_keys(embeds)) + self.prompt_ids)
+
+
+def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
+    """Cache keys of prefix embeddings: by content, so only identical bytes are reused."""
+    digest = hashlib.blake2b(np.ascontiguousarray(embeds).tobytes(), digest_size=16).hexdigest()
+    return [('emb', digest, i) for i in range(embeds.shape[0])]
+
+
+def conversation(request: GenerationRequest) -> List[ChatMessage]:
+    """List the messages to render: system_prompt, messages, then the prompt as a user turn."""
+    messages: List[ChatMessage] = []
+    if request.system_prompt:
+        messages.append(ChatMessage('system', request.system_prompt))
+    for i, m in enumerate(request.messages):
+        if not isinstance(m, ChatMessage):
+            raise InvalidRequestError(f'messages[{i}] must be a ChatMessage, not '
+                                      f'{type(m).__name__}')
+        if m.role not in ROLES:
+            raise InvalidRequestError(f'messages[{i}] has unknown role {m.role!r}: use one of '
+                                      f'{", ".join(ROLES)}')
+        messages.append(m)
+    if request.prompt:
+        messages.append(ChatMessage('user', request.prompt))
+    return messages
+
+
+def _embeddings(value, hidden_size: int
+                ) -> Tuple[Optional[DeclaredEmbeddings], Optional[np.ndarray]]:
+    """Check prefix_embeddings' declared shape; return it and the array when one was given."""
+    if value is None:
+        return None, None
+    array = None
+    if isinstance(value, DeclaredEmbeddings):
+        dtype, shape = value.dtype, (value.rows, value.hidden)
+    elif isinstance(value, np.ndarray):
+        array = value[0] if value.ndim == 3 and value.shape[0] == 1 else value
+        dtype, shape = str(value.dtype), array.shape
+    else:
+        raise InvalidEmbeddingsError(f'prefix_embeddings must be a numpy array, not '
+                                     f'{type(value).__name__}')
+    if dtype not in EMBEDDING_DTYPES:
+        raise InvalidEmbeddingsError(f'prefix_embeddings dtype {dtype} is not float32 or '
+                                     'float16')
+    if len(shape) != 2 or shape[1] != hidden_size or shape[0] < 0:
+        raise InvalidEmbeddingsError(
+            f'prefix_embeddings shape {tuple(shape)} is not [n, {hidden_size}] (hidden_size '
+            'of the model)')
+    if shape[0] == 0:
+        return None, None
+    return DeclaredEmbeddings(rows=int(shape[0]), hidden=hidden_size, dtype=dtype), array
+
+
+def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: int,
+            capacity: int, compile_schema: Callable[[str], object],
+            act_dtype=np.float32, family: Optional[ModelFamilyConfig] = None,
+            vocab_size: Optional[int] = None) -> PreparedRequest:
+    """Validate the request and build the prompt; raises InvalidRequestError subclasses.
+
+    compile_schema(text) returns a compiled JSON-schema constraint (InvalidSchemaError if bad).
+    family: the model's family config (reasoning tags, tool-call format; None: generic JSON
+    tool calls, no reasoning tags). vocab_size: the model's logits width, for logit_bias ids.
+    An array in prefix_embeddings is bound at once; DeclaredEmbeddings wait for bind().
+    """
+    if not isinstance(request, GenerationRequest):
+        raise InvalidRequestError(f'expected a GenerationRequest, got {type(request).__name__}')
+    # What is asked: the conversation.
+    if not isinstance(request.prompt, str):
+        raise InvalidRequestError(f'prompt must be text, not {type(request.prompt).__name__}')
+    if not request.prompt and not request.messages:
+        raise InvalidRequestError('the request is empty: give a prompt or messages')
+    if request.use_chat_template:
+        messages = conversation(request)
+    else:
+        _check_raw(request)
+    if not isinstance(request.session_id, str):
+        raise InvalidRequestError('session_id must be text')
+    # How to answer: sampling, stopping, format, embeddings.
+    if isinstance(request.max_tokens, bool) or \
+            not isinstance(request.max_tokens, (int, np.integer)):
+        raise InvalidRequestError(f'max_tokens must be an integer, got {request.max_tokens!r}')
+    max_tokens = int(request.max_tokens)
+    if max_tokens < 1:
+        raise InvalidRequestError(f'max_tokens must be >= 1, got {max_tokens}')
+    sampling.validate(request.sampling)
+    sampling.logit_bias_items(sampling.extra(request.sampling, 'logit_bias'), vocab_size)
+    stop = tuple(request.stop)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise InvalidRequestError('stop strings must be non-empty text')
+    _check_output_fields(request)
+    if max_tokens >= capacity:
+        raise ContextOverflowError(f'max_tokens {max_tokens} leaves no room for the '
+                                   f'prompt in the context of {capacity} tokens: lower it')
+    declared, array = _embeddings(request.prefix_embeddings, hidden_size)
+    rows = declared.rows if declared is not None else 0
+    # Before tokenizing (or scanning and hashing an array): the row count is the sender's word.
+    if rows + max_tokens > capacity:
+        raise ContextOverflowError(
+            f'prefix_embeddings have {rows} rows; with max_tokens {max_tokens} that '
+            f'exceeds the context of {capacity} positions: send fewer rows or lower max_tokens')
+    # The prompt, its constraint and how to read the output; and whether it fits.
+    if request.use_chat_template:
+        plan = plan_request(
+            tokenizer, family, messages, tools=request.tools, tool_choice=request.tool_choice,
+            parallel_tool_calls=request.parallel_tool_calls, json_schema=request.json_schema,
+            grammar=request.grammar, regex=request.regex, choices=request.choices,
+            reasoning=request.reasoning, reasoning_budget=request.reasoning_budget,
+            compile_schema=compile_schema)
+        ids, constraint, output = list(plan.prompt_ids), plan.constraint, plan.output
+    else:
+        kind = check_single_constraint(json_schema=request.json_schema, grammar=request.grammar,
+                                       regex=request.regex, choices=request.choices)
+        constraint = (compile_schema(request.json_schema) if kind == 'json_schema' else
+                      compile_request_constraint(tokenizer, grammar=request.grammar,
+                                                 regex=request.regex, choices=request.choices))
+        output = OutputPlan()
+        ids = tokenizer.encode(request.prompt)
+        bos = tokenizer.bos_token_id
+        if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+    if not rows + len(ids):
+        raise InvalidRequestError('the prompt encodes to no tokens: give some text')
+    problem = check_fits(rows + len(ids), max_tokens, capacity)
+    if problem:
+        raise ContextOverflowError(problem)
+    prepared = PreparedRequest(prompt_ids=tuple(ids), max_tokens=max_tokens,
+                               sampling=request.sampling, stop=stop, constraint=constraint,
+                               session_id=request.session_id, act_dtype=np.dtype(act_dtype),
+                               embeddings=declared, keys=() if declared else tuple(ids),
+                               output=output)
+    return prepared.bind(array) if array is not None else prepared
+
+
+def _check_raw(request: GenerationRequest) -> None:
+    """Refuse what only the chat template can express when `prompt` is raw text."""
+    if request.messages or request.system_prompt:
+        raise InvalidRequestError('use_chat_template=False takes only `prompt` (raw text); '
+                                  'messages and system_prompt need the chat template')
+    if request.tools or request.tool_choice not in ('', 'none'):
+        raise InvalidRequestError('tools need the chat template: set use_chat_template=True '
+                                  '(a raw prompt cannot show the model its tools)')
+    if request.reasoning_budget is not None or request.reasoning is not True:
+        raise InvalidRequestError('reasoning and reasoning_budget need the chat template: set '
+                                  'use_chat_template=True, or leave them at their defaults '
+                                  '(a raw prompt is returned as the model writes it)')
+
+
+def _check_output_fields(request: GenerationRequest) -> None:
+    """Type checks of the output fields (their values are checked where they are compiled)."""
+    for name in ('json_schema', 'grammar', 'regex'):
+        if not isinstance(getattr(request, name), str):
+            raise InvalidRequestError(f'{name} must be text')
+    if isinstance(request.choices, str) or \
+            not isinstance(request.choices, (list, tuple)):
+        raise InvalidRequestError('choices must be a list of strings')
+    if isinstance(request.tools, (str, bytes)) or \
+            not isinstance(request.tools, (list, tuple)):
+        raise InvalidRequestError('tools must be a list of ToolSpec or OpenAI tool dicts')
+    for name in ('parallel_tool_calls', 'reasoning'):
+        if not isinstance(getattr(request, name), bool):
+            raise InvalidRequestError(f'{name} must be true or false')
+
+
+def split_chunks(total: int, start: int, chunk: int) -> Sequence[Tuple[int, int]]:
+    """Cut [start, total) into [a, b) pieces of at most `chunk` positions.
+
+    No piece has a single position unless the whole range does: a one-row forward takes the
+    decode kernel, whose numerics differ from the prefill kernel (see generator.RECOMPUTE).
+    """
+    bounds = list(range(start, total, chunk)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and chunk > 1:
+        bounds[-2] -= 1
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -1,0 +1,58 @@
+"""The tool-call formats families are tuned on (config/models/*.yaml `tool_call_format`).
+
+One table, read by the parser (where calls are in the output), the grammar (what to force)
+and the renderer (how to describe tools when a template has no tools section).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+from edge_llm_ros.runtime.tools.spec import InvalidToolsError
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    # Markers that open a run of calls anywhere in the output (special tokens or text).
+    open_markers: Tuple[str, ...]
+    # Text that closes the run ('' = the calls run to the end of the output).
+    close: str
+    # Prefixes that open a run only at the very start of the output (after whitespace): a
+    # bare JSON answer, e.g. when the tokenizer dropped a special marker.
+    start_markers: Tuple[str, ...]
+    # The key holding the arguments (parsers also accept the other common one).
+    args_key: str
+    # How several calls are written: inside one JSON array, or one after another.
+    array: bool
+    separator: str        # between calls when not in an array
+    id_style: str         # see spec.new_call_id
+    # Text that leads each forced call and follows it (grammar and examples).
+    call_prefix: str
+    call_suffix: str
+
+
+FORMATS: Dict[str, ToolFormat] = {
+    # Qwen2.5/Qwen3/Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    'hermes': ToolFormat('hermes', ('<tool_call>',), '</tool_call>', (), 'arguments', False,
+                         '\n', 'openai', '<tool_call>\n', '\n</tool_call>'),
+    # Llama 3.x custom tools: {"name": ..., "parameters": {...}}, maybe after <|python_tag|>.
+    'llama3_json': ToolFormat('llama3_json', ('<|python_tag|>',), '', ('{',), 'parameters',
+                              False, '; ', 'openai', '', ''),
+    # Mistral v0.3+: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    'mistral': ToolFormat('mistral', ('[TOOL_CALLS]',), '', ('[{',), 'arguments', True, ', ',
+                          'mistral', '', ''),
+    # Families with no trained format: the whole answer is the call(s) as JSON.
+    'generic_json': ToolFormat('generic_json', (), '', ('```json', '```', '{', '['),
+                               'arguments', False, '\n', 'openai', '', ''),
+}
+ARG_KEYS = ('arguments', 'parameters')
+
+
+def tool_format(name: str) -> ToolFormat:
+    """Look up config/models `tool_call_format` (InvalidToolsError for 'none')."""
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise InvalidToolsError(f'this model has no tool-call format ({name!r}); pick a model '
+                                f'whose config sets one of {", ".join(FORMATS)}')
+    return fmt

@@ -1,0 +1,392 @@
+"""The engine facade: load a converted model once, then validate and run requests.
+
+    engine = Engine(EngineConfig(model_dir=''))        # '' = the embedded SmolLM2
+    prepared = engine.prepare(GenerationRequest(prompt='What color is the sky?'))
+    for event in engine.generate(prepared):            # or generate(request): prepares too
+        print(event.text_delta, end='')
+
+One generation runs at a time through ``generate`` (it uses slot 0's KV cache); a new
+``generate`` call ends a previous generation that was not iterated to the end (it finishes as
+CANCELLED). Several sequences at once go through ``scheduler()`` (continuous batching over
+``parallel_sequences`` slots, priorities and preemption; docs/batching.md); the two are not
+meant to be mixed while the scheduler has sequences (generate then raises EngineError).
+
+The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
+or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
+tool calls and no reasoning tags (model_info() says why no family was found).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import functools
+import operator
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
+from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, load_model_info,
+                                       ModelInfo)
+from edge_llm_ros.runtime import constraint as constraint_mod
+from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.kv_cache import KVCache, SNAPSHOT_DTYPES
+from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family, ModelConfigError,
+                                               ModelFamilyConfig)
+from edge_llm_ros.runtime.request import prepare, PreparedRequest
+from edge_llm_ros.runtime.sequence import Generation
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest
+from edge_llm_ros.serving.scheduler import BatchScheduler, min_rows_for
+from edge_llm_ros.serving.session_store import open_sessions
+
+
+@dataclass
+class EngineConfig:
+    """How to load and run the model (see the engine contract)."""
+
+    model_dir: str = ''            # '' = the embedded SmolLM2 (model_format.embedded_model())
+    providers: tuple = ('CPUExecutionProvider',)
+    provider_options: tuple = ()   # one dict per provider
+    intra_op_threads: int = 0      # 0 = onnxruntime's default
+    intra_op_affinity: str = ''    # onnxruntime 'session.intra_op_thread_affinities' string
+    max_context: int = 2048        # KV cache capacity (must not exceed the model's maximum)
+    # Saved session prefixes: 'float32' = exact copies at the KV buffers' precision; 'int8' =
+    # 3.8x smaller but lossy (see kv_cache). The live cache always keeps full precision.
+    kv_dtype: str = 'float32'
+    prefix_reuse: bool = True
+    max_sessions: int = 8          # LRU of saved per-session KV prefixes
+    # Byte bound of the saved prefixes, in memory and in session_store (docs/sessions.md).
+    session_max_bytes: int = 256 << 20
+    session_store: str = ''        # SQLite file the saved prefixes persist in; '' = memory only
+    prefill_chunk: int = 256       # prompt positions per forward (bounds memory, cancel latency)
+    # config/models family name (or a family .yaml path) instead of the one model.yaml matches.
+    model_family: str = ''
+    # Sequence slots (continuous batching, docs/batching.md): each holds max_context positions.
+    parallel_sequences: int = 1
+    # Bytes the KV buffers may take; 0 = KV_MEMORY_FRACTION of the memory available at load.
+    kv_memory_limit: int = 0
+
+
+PARALLEL_SEQUENCES_MAX = 64
+KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weights and Python
+
+
+def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
+    """Bytes of the preallocated KV buffers: slots x layers x (K, V) x kv_heads x L x head_dim."""
+    kv_len = info.kv_max_context or max_context
+    itemsize = 2 if info.activation_dtype == 'float16' else 4
+    return slots * info.num_layers * 2 * info.num_kv_heads * kv_len * info.head_dim * itemsize
+
+
+def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
+    """Return the KV bytes of parallel_sequences slots, or raise ModelLoadError if too many.
+
+    Runs before anything is allocated; the budget is the slots' KV buffers plus the bound of
+    the saved session prefixes (session_max_bytes, when prefixes are kept), and the message
+    names the bytes and what to lower.
+    """
+    n = config.parallel_sequences
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PARALLEL_SEQUENCES_MAX:
+        raise ModelLoadError(f'parallel_sequences must be an integer in '
+                             f'1..{PARALLEL_SEQUENCES_MAX}, got {n!r}')
+    if config.kv_memory_limit < 0:
+        raise ModelLoadError(f'kv_memory_limit must be >= 0, got {config.kv_memory_limit}')
+    need = kv_budget_bytes(info, config.max_context, n)
+    saved = config.session_max_bytes if config.prefix_reuse and config.max_sessions else 0
+    limit = config.kv_memory_limit
+    source = 'kv_memory_limit'
+    if not limit:
+        import psutil
+        limit = int(psutil.virtual_memory().available * KV_MEMORY_FRACTION)
+        source = f'{KV_MEMORY_FRACTION:.0%} of the available memory'
+    if need + saved > limit:
+        one = kv_budget_bytes(info, config.max_context, 1)
+        raise ModelLoadError(
+            f'the KV cache of {n} parallel sequence(s) x {config.max_context} positions needs '
+            f'{need} bytes ({need / 2**20:.1f} MiB; {one / 2**20:.1f} MiB per sequence) plus '
+            f'{saved} bytes of saved session prefixes (session_max_bytes), more than {limit} '
+            f'bytes ({source}): lower parallel_sequences or max_context (or '
+            'session_max_bytes)')
+    return need
+
+
+class Engine:
+    """A loaded model with its KV cache; see the module docstring."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.kv_dtype not in SNAPSHOT_DTYPES:
+            raise ModelLoadError(f'kv_dtype {config.kv_dtype!r} is not one of '
+                                 f'{", ".join(SNAPSHOT_DTYPES)}')
+        if config.prefill_chunk < 1:
+            raise ModelLoadError(f'prefill_chunk must be >= 1, got {config.prefill_chunk}')
+        if config.max_sessions < 0:
+            raise ModelLoadError(f'max_sessions must be >= 0, got {config.max_sessions}')
+        model_dir = config.model_dir
+        if not model_dir:
+            model_dir = str(embedded_model())
+        self.model_dir = model_dir
+        self.info = load_model_info(model_dir)
+        self.kv_bytes = check_kv_budget(self.info, config)
+        self.tokenizer = TextTokenizer.from_dir(model_dir)
+        self.family, self.family_error = _family(model_dir, config.model_family)
+        self._eos = _end_ids(self.tokenizer, self.family)
+        self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info, SessionConfig(
+            providers=tuple(config.providers),
+            provider_options=tuple(config.provider_options),
+            intra_op_threads=config.intra_op_threads,
+            intra_op_affinity=config.intra_op_affinity,
+            max_context=config.max_context,
+            slots=config.parallel_sequences))
+        # Restores the sessions saved for this model (SessionStoreError on a bad store).
+        store = open_sessions(config, model_dir, self._decoder.slot_buffers(0),
+                              self._decoder.capacity)
+        # One cache per slot; they share the saved session prefixes (a session continues in
+        # whichever slot is free).
+        self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
+                                snapshot_dtype=config.kv_dtype, store=store)
+                        for i in range(config.parallel_sequences)]
+        self._cache = self._caches[0]
+        self._lock = threading.RLock()
+        self._active: Optional[Generation] = None
+        self._scheduler: Optional[BatchScheduler] = None
+        self._compile_schema = functools.lru_cache(maxsize=16)(self._compile)
+        self.model_name = self.info.name
+        self.context_length = self._decoder.capacity
+        self.vocab_size = self.info.vocab_size
+        self.providers = self._decoder.providers
+
+    # --- requests ----------------------------------------------------------------------------
+    def _compile(self, schema_text: str) -> object:
+        return constraint_mod.JsonSchemaConstraint.compile(schema_text, self.tokenizer)
+
+    def _open_decoder(self) -> OnnxDecoder:
+        if self._decoder is None:
+            raise EngineError('this engine was closed: create a new Engine')
+        return self._decoder
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validate a request once (no model call) into what generate() runs.
+
+        Raises an InvalidRequestError subclass saying what to change. The prompt is tokenized
+        and a JSON schema compiled here; DeclaredEmbeddings are checked by shape and must be
+        bound (PreparedRequest.bind) before generate().
+        """
+        decoder = self._open_decoder()
+        return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
+                       self._compile_schema, decoder.act_dtype, family=self.family,
+                       vocab_size=self.vocab_size)
+
+    def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> Generation:
+        """Return the Generation of a prepared request, to iterate.
+
+        A GenerationRequest is prepared first (a convenience for scripts and tests; a server
+        prepares at admission and passes the PreparedRequest).
+        """
+        t0 = time.perf_counter()
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        if not prepared.bound:
+            raise EngineError('the request declares prefix_embeddings that were never bound: '
+                              'call prepared.bind(array) before generate()')
+        with self._lock:
+            decoder = self._open_decoder()
+            if self._scheduler is not None and not self._scheduler.idle():
+                raise EngineError('the scheduler is running sequences on this engine: submit '
+                                  'through engine.scheduler() instead of generate()')
+            if self._active is not None:
+                self._active.abandon()
+            if not self.config.prefix_reuse:
+                self._cache.reset()
+            generation = Generation(decoder, self._cache, self.tokenizer, prepared,
+                                    self.config.prefill_chunk, self._lock, t0,
+                                    on_end=self._ended, eos=self._eos)
+            self._active = generation
+        return generation
+
+    def scheduler(self) -> BatchScheduler:
+        """Return the engine's scheduler over its parallel_sequences slots (made once)."""
+        with self._lock:
+            decoder = self._open_decoder()
+            if self._scheduler is None:
+                if self._active is not None:
+                    self._active.abandon()
+                quant = self.info.extra.get('quantization')
+                level = quant.get('accuracy_level') if isinstance(quant, dict) else None
+                self._scheduler = BatchScheduler(decoder, self._caches, self._new_generation,
+                                                 self._lock, self.config.prefix_reuse,
+                                                 min_rows_for(level))
+            return self._scheduler
+
+    def _new_generation(self, prepared: PreparedRequest, cache: KVCache,
+                        slot: int) -> Generation:
+        if not prepared.bound:
+            raise EngineError('the request declares prefix_embeddings that were never bound: '
+                              'bind them before running it')
+        return Generation(self._open_decoder(), cache, self.tokenizer, prepared,
+                          self.config.prefill_chunk, self._lock, time.perf_counter(),
+                          eos=self._eos, slot=slot)
+
+    def _ended(self, generation: Generation) -> None:
+        self._cache.checkpoint()  # persisted sessions only: queue this turn's prefix for disk
+        if self._active is generation:
+            self._active = None
+
+    # --- text --------------------------------------------------------------------------------
+    def tokenize(self, text: str = '', messages: Sequence[ChatMessage] = (),
+                 add_generation_prompt: bool = True) -> List[int]:
+        """Token ids of raw text, or of messages rendered with the chat template."""
+        if messages:
+            return self.tokenizer.encode_chat(list(messages), add_generation_prompt)
+        return self.tokenizer.encode(text)
+
+    def token_strings(self, ids) -> List[str]:
+        return self.tokenizer.token_strings(ids)
+
+    def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids (InvalidRequestError for an id outside the vocabulary)."""
+        checked = []
+        for i in ids:
+            try:
+                value = operator.index(i)  # ints and numpy integers, not floats
+            except TypeError:
+                value = None
+            if value is None or isinstance(i, bool):
+                raise InvalidRequestError(f'token ids must be integers, not {type(i).__name__}')
+            if not 0 <= value < self.tokenizer.vocab_size:
+                raise InvalidRequestError(f'token id {value} is outside the vocabulary '
+                                          f'(0..{self.tokenizer.vocab_size - 1})')
+            checked.append(value)
+        return self.tokenizer.decode(checked, skip_special_tokens=skip_special_tokens)
+
+    # --- model -------------------------------------------------------------------------------
+    def model_info(self) -> Dict[str, Any]:
+        """Describe the model for ~/get_model_info: what it is, its template, what it can do."""
+        family = self.family
+        reasoning = family.reasoning if family is not None else None
+        fmt = family.tool_call_format if family is not None else 'generic_json'
+        path = os.path.join(self.model_dir, CHAT_TEMPLATE_FILE)
+        with open(path, encoding='utf-8') as f:
+            template = f.read()
+        return {
+            'model_name': self.model_name,
+            'model_dir': self.model_dir,
+            'architecture': self.info.architecture,
+            'quantization': quantization_text(self.info.extra.get('quantization')),
+            'context_length': int(self.context_length),
+            'max_position_embeddings': int(self.info.max_position_embeddings),
+            'vocab_size': int(self.vocab_size),
+            'providers': list(self.providers),
+            'chat_template': template,
+            'family': family.family if family is not None else '',
+            'family_error': self.family_error,
+            'tool_call_format': fmt,
+            'capabilities': {
+                'tools': fmt != 'none',
+                'reasoning': reasoning is not None,
+                'reasoning_can_disable': family is not None and family.can_disable_reasoning,
+                'embeddings_input': True,
+            },
+        }
+
+    # --- state -------------------------------------------------------------------------------
+    def kv_occupancy(self) -> Tuple[int, int]:
+        """(positions used, capacity) of the live KV caches (summed over the slots)."""
+        used = sum(c.length for c in self._caches)
+        return used, self._cache.capacity * len(self._caches)
+
+    def saved_sessions(self) -> List[str]:
+        """Return the session ids whose KV prefixes are saved, least recently used first."""
+        return self._cache.sessions()
+
+    def reset_sessions(self, session_id: str = '') -> int:
+        """Drop one session's KV prefix ('' = every session and the live cache).
+
+        Returns how many sessions had a kept prefix (saved, or in the live cache). An unknown
+        session id is a no-op that returns 0, not an error: saved prefixes are an LRU and may
+        already have been evicted, so "forget this conversation" must not depend on that
+        race. A generation running on the dropped prefix is ended first (CANCELLED), since
+        its cache is going away.
+        """
+        if not isinstance(session_id, str):
+            raise InvalidRequestError('session_id must be text')
+        with self._lock:
+            if not session_id:
+                count = len({s for c in self._caches for s in c.known_sessions()})
+                self.reset_cache()
+                return count
+            if self._active is not None and self._cache.owner == session_id:
+                self._active.abandon()
+            if self._scheduler is not None:
+                for seq in self._scheduler.live():
+                    if self._caches[seq.slot].owner == session_id:
+                        self._scheduler.cancel(seq)
+            # Every slot's cache forgets its live copy (all of them: no short cut).
+            dropped = [c.drop_session(session_id) for c in self._caches]
+            return int(any(dropped))
+
+    def reset_cache(self, sessions: bool = True) -> None:
+        """Forget the live KV cache (and the saved session prefixes unless sessions=False)."""
+        with self._lock:
+            self._abort()
+            for cache in self._caches:
+                cache.reset()
+            if sessions:
+                self._cache.clear_sessions()
+
+    def close(self) -> None:
+        """Free the session and the KV buffers; the engine cannot be used afterwards."""
+        with self._lock:
+            self._abort()
+            for cache in self._caches[1:]:
+                cache.checkpoint()
+                cache.reset()
+            self._cache.close()  # flushes persisted sessions, keeps them on disk
+            self._decoder = None
+
+    def _abort(self) -> None:
+        """End the solo generation and every scheduled sequence (CANCELLED)."""
+        if self._active is not None:
+            self._active.abandon()
+        if self._scheduler is not None:
+            self._scheduler.abort()
+
+
+def _family(model_dir: str, name: str) -> Tuple[Optional[ModelFamilyConfig], str]:
+    """Find the model's family, or (None, why none matched); a named family must load."""
+    if name:
+        return load_family(name), ''
+    try:
+        return family_for_model_dir(model_dir), ''
+    except ModelConfigError as exc:
+        return None, str(exc)
+
+
+def _end_ids(tokenizer: TextTokenizer, family: Optional[ModelFamilyConfig]) -> frozenset:
+    """EOS ids of model.yaml plus the family's stop tokens that are tokens of this vocabulary.
+
+    A GGUF names one EOS, but e.g. Llama 3.1 also ends turns with <|eom_id|> after a tool
+    call; the family config lists them (config/models `stop_tokens`).
+    """
+    ids = set(tokenizer.eos_token_ids)
+    for text in family.stop_tokens if family is not None else ():
+        token = tokenizer.hf_tokenizer.token_to_id(text)
+        if token is not None:
+            ids.add(int(token))
+    return frozenset(ids)
+
+
+def quantization_text(quant: Any) -> str:
+    """One line for model.yaml's quantization section (e.g. 'int4, block 32, from Q4_1+Q8_0')."""
+    if not isinstance(quant, dict):
+        return str(quant or '')
+    parts = []
+    if quant.get('bits'):
+        parts.append(f'int{quant["bits"]}')
+    if quant.get('block_size'):
+        parts.append(f'block {quant["block_size"]}')
+    if quant.get('source_types'):
+        parts.append('from ' + '+'.join(map(str, quant['source_types'])))
+    if quant.get('precision') and not parts:
+        parts.append(str(quant['precision']))
+    return ', '.join(parts)

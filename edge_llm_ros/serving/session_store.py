@@ -1,0 +1,504 @@
+"""Saved session prefixes that survive a restart: a SQLite (WAL) mirror of the SnapshotStore.
+
+    store = open_sessions(config, model_dir, buffers, capacity)   # at Engine init (configure)
+    cache = KVCache(buffers, capacity, config.kv_dtype, store=store)
+
+* What is saved: per session, its position keys (token ids, and ('emb', digest, i) for
+  prefix embeddings, as JSON) and its KV prefix exactly as the snapshot holds it (int8 rows
+  with float32 scales when kv.dtype is int8, else the KV buffers' dtype).
+* Writes never run on the decode path: SnapshotStore calls save/touch/delete/clear here, which
+  only record the latest operation per session under a lock; a writer thread commits all
+  pending operations in one transaction (repeated saves of one session coalesce). close()
+  flushes. A kill -9 loses at most the transaction being written: SQLite's WAL journal keeps
+  the file valid.
+* The disk holds what memory holds: the SnapshotStore's byte/count bounds evict here too.
+* A restart restores the rows written for this model (model_hash), by this converter version
+  and for this KV layout; every other row is deleted, with one log line saying how many and
+  why. See docs/sessions.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import sqlite3
+import threading
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.model_format import CONVERTER_VERSION
+from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
+
+_log = logging.getLogger(__name__)
+APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
+SCHEMA_VERSION = 1           # PRAGMA user_version
+_SCHEMA = ('CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, '
+           'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, layout TEXT NOT NULL, '
+           'keys TEXT NOT NULL, positions INTEGER NOT NULL, nbytes INTEGER NOT NULL, '
+           'tick INTEGER NOT NULL, data BLOB NOT NULL)')
+_WAL_LIMIT = 32 << 20  # bytes the WAL file is truncated to after a checkpoint
+_HASHED = ('model.yaml', 'model.onnx')
+_FIX = ('point sessions.store at another file, delete this one (its saved sessions are lost), '
+        "or set sessions.store to '' to keep sessions in memory only")
+
+
+class SessionStoreError(ModelLoadError):
+    """sessions.store cannot be used: not writable, corrupt, foreign or in use."""
+
+
+def model_hash(model_dir: str) -> str:
+    """Identity of the weights a KV prefix was computed with (docs/sessions.md).
+
+    sha256 of model.yaml and model.onnx (the graph, ~0.2 MB) plus the name, size and mtime of
+    every *.data file: hashing the weights themselves costs ~0.1 s per 100 MB (1-4 s per
+    configure for 1.5B-7B models), while a converter or an update always writes new data
+    files. A copied folder (new mtimes) therefore drops its sessions: safe, never wrong.
+    """
+    root = pathlib.Path(model_dir)
+    digest = hashlib.sha256()
+    for name in _HASHED:
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode() + b'\0' + path.read_bytes() + b'\0')
+    for path in sorted(root.glob('*.data')):
+        st = path.stat()
+        digest.update(f'{path.name}\0{st.st_size}\0{st.st_mtime_ns}\0'.encode())
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a saved prefix's bytes mean: buffer count, heads, head size and dtypes."""
+
+    buffers: int
+    kv_heads: int
+    head_dim: int
+    buffer_dtype: str    # numpy name of the KV buffers' dtype
+    snapshot_dtype: str  # 'float32' (= the buffers' dtype) or 'int8'
+
+    @classmethod
+    def of(cls, buffers: Sequence[np.ndarray], snapshot_dtype: str) -> 'KVLayout':
+        b = buffers[0]
+        return cls(len(buffers), int(b.shape[1]), int(b.shape[3]), np.dtype(b.dtype).name,
+                   snapshot_dtype)
+
+    def text(self) -> str:
+        return json.dumps([self.buffers, self.kv_heads, self.head_dim, self.buffer_dtype,
+                           self.snapshot_dtype])
+
+    def nbytes(self, positions: int) -> int:
+        rows = self.buffers * self.kv_heads * positions
+        if self.snapshot_dtype == 'int8':
+            return rows * (self.head_dim + 4)
+        return rows * self.head_dim * np.dtype(self.buffer_dtype).itemsize
+
+    def decode(self, keys: Tuple[Hashable, ...], blob: bytes) -> _Snapshot:
+        """Snapshot of a row's blob (ValueError when its size does not match)."""
+        n = len(keys)
+        if len(blob) != self.nbytes(n):
+            raise ValueError(f'{len(blob)} bytes for {n} positions, expected {self.nbytes(n)}')
+        quantized = self.snapshot_dtype == 'int8'
+        dtype = np.dtype(np.int8) if quantized else np.dtype(self.buffer_dtype)
+        shape = (1, self.kv_heads, n, self.head_dim)
+        step = int(np.prod(shape)) * dtype.itemsize
+        data = [np.frombuffer(blob, dtype, int(np.prod(shape)), i * step).reshape(shape)
+                for i in range(self.buffers)]
+        scales = None
+        if quantized:
+            base, count = self.buffers * step, self.kv_heads * n
+            scales = [np.frombuffer(blob, np.float32, count, base + i * count * 4).reshape(
+                (1, self.kv_heads, n, 1)) for i in range(self.buffers)]
+        return _Snapshot(keys, data, scales)
+
+
+def encode_keys(keys: Sequence[Hashable]) -> str:
+    """JSON of position keys: ints stay ints, ('emb', digest, i) becomes ['emb', digest, i]."""
+    return json.dumps([k if isinstance(k, int) else list(k) for k in keys],
+                      separators=(',', ':'))
+
+
+def decode_keys(text: str) -> Tuple[Hashable, ...]:
+    """Inverse of encode_keys (ValueError for anything it would not have written)."""
+    out: List[Hashable] = []
+    for k in json.loads(text):
+        if isinstance(k, int) and not isinstance(k, bool):
+            out.append(k)
+        elif (isinstance(k, list) and len(k) == 3 and k[0] == 'emb' and isinstance(k[1], str)
+              and isinstance(k[2], int)):
+            out.append(('emb', k[1], k[2]))
+        else:
+            raise ValueError(f'unknown position key {k!r}')
+    return tuple(out)
+
+
+def _blob(snap: _Snapshot) -> bytes:
+    parts = list(snap.data) + list(snap.scales or [])
+    return b''.join(memoryview(np.ascontiguousarray(a)).cast('B') for a in parts)
+
+
+@dataclass
+class _Row:
+    session_id: str
+    model_hash: str
+    converter_version: str
+    layout: str
+    positions: int
+    nbytes: int
+    tick: int
+
+
+class SessionStore:
+    """The SQLite file: validated at open, written by one background thread (a SnapshotSink)."""
+
+    def __init__(self, path: str, model_id: str, layout: KVLayout) -> None:
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.model_id = model_id
+        self.layout = layout
+        self._layout_text = layout.text()
+        self._lock_file = self._acquire_lock()
+        try:
+            self._db = self._connect()
+        except BaseException:
+            self._lock_file.close()
+            raise
+        self._cond = threading.Condition()
+        self._pending: Dict[str, Tuple[str, Optional[_Snapshot], int]] = {}
+        self._clear = False
+        self._busy = False
+        self._closing = False
+        self._thread: Optional[threading.Thread] = None
+        self.stats = {'batches': 0, 'saves': 0, 'coalesced': 0, 'errors': 0}
+        self.last_error = ''
+
+    # --- opening -----------------------------------------------------------------------------
+    def _acquire_lock(self):
+        """Hold <path>.lock for the store's life (two nodes on one file: an error).
+
+        Two nodes on one file would delete each other's sessions. The kernel drops the lock
+        when the process dies (even by kill -9).
+        """
+        parent = os.path.dirname(self.path)
+        try:
+            if os.path.isdir(self.path):
+                raise IsADirectoryError(f'{self.path} is a directory')
+            os.makedirs(parent, exist_ok=True)
+            lock_file = open(self.path + '.lock', 'a+b')
+        except OSError as exc:
+            raise SessionStoreError(
+                f'sessions.store {self.path} cannot be written ({exc}): choose a writable '
+                "file path (its folder is created if missing), or set sessions.store to ''"
+            ) from None
+        try:
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.close()
+            raise SessionStoreError(
+                f'sessions.store {self.path} is in use by another process: give every node its '
+                'own sessions.store file') from None
+        return lock_file
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise SessionStoreError(f'sessions.store {self.path} cannot be opened ({exc}): '
+                                    "choose a writable file path, or set sessions.store to ''"
+                                    ) from None
+        try:
+            self._check_and_init(db)
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            text = str(exc)
+            if 'readonly' in text or 'unable to open' in text or 'disk I/O' in text:
+                raise SessionStoreError(
+                    f'sessions.store {self.path} cannot be written ({text}): choose a '
+                    "writable file path, or set sessions.store to ''") from None
+            raise SessionStoreError(f'sessions.store {self.path} is not a valid SQLite file '
+                                    f'({text}): {_FIX}') from None
+        except SessionStoreError:
+            db.close()
+            raise
+        return db
+
+    def _check_and_init(self, db: sqlite3.Connection) -> None:
+        app_id = db.execute('PRAGMA application_id').fetchone()[0]
+        version = db.execute('PRAGMA user_version').fetchone()[0]
+        tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        if app_id == 0 and not tables:  # a new (or empty) file: make it ours
+            db.execute('PRAGMA auto_vacuum = FULL')  # freed pages go back to the filesystem
+            db.execute(f'PRAGMA application_id = {APPLICATION_ID}')
+            db.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
+            db.execute(_SCHEMA)
+        elif app_id != APPLICATION_ID:
+            raise SessionStoreError(
+                f'sessions.store {self.path} is an SQLite file of another application '
+                f'(application_id {app_id:#x}, tables {", ".join(tables[:5]) or "none"}), not '
+                f'an edge_llm_ros session store: {_FIX}')
+        elif version != SCHEMA_VERSION:
+            raise SessionStoreError(
+                f'sessions.store {self.path} has schema version {version}, this edge_llm_ros '
+                f'reads version {SCHEMA_VERSION}: {_FIX}')
+        mode = db.execute('PRAGMA journal_mode = WAL').fetchone()[0]
+        if str(mode).lower() != 'wal':
+            raise SessionStoreError(f'sessions.store {self.path}: SQLite refused WAL mode '
+                                    f'(got {mode}; a network filesystem?): {_FIX}')
+        db.execute('PRAGMA synchronous = NORMAL')  # WAL: a crash never corrupts the file
+        db.execute(f'PRAGMA journal_size_limit = {_WAL_LIMIT}')
+        bad = db.execute('PRAGMA quick_check').fetchone()[0]
+        if bad != 'ok':
+            raise SessionStoreError(f'sessions.store {self.path} is corrupt ({bad}): {_FIX}')
+        columns = {r[1] for r in db.execute('PRAGMA table_info(sessions)')}
+        if not set(_Row.__dataclass_fields__) | {'keys', 'data'} <= columns:
+            raise SessionStoreError(f'sessions.store {self.path} lacks the sessions table '
+                                    f'columns of schema {SCHEMA_VERSION}: {_FIX}')
+        db.execute('BEGIN IMMEDIATE')  # proves the file is writable now, not at the first save
+        db.execute('COMMIT')
+
+    # --- restoring ---------------------------------------------------------------------------
+    def restore_into(self, snaps: SnapshotStore, capacity: int) -> int:
+        """Load the rows that fit this model into snaps (oldest first); delete the others.
+
+        Logs one line: how many were restored, and how many dropped and why. Returns the
+        number restored.
+        """
+        rows = [_Row(*r) for r in self._db.execute(
+            'SELECT session_id, model_hash, converter_version, layout, positions, nbytes, tick'
+            ' FROM sessions ORDER BY tick DESC')]
+        why: Dict[str, int] = {}
+        keep: List[_Row] = []
+        used = 0
+        for row in rows:  # newest first: the bounds keep the most recently used
+            reason = self._mismatch(row, capacity)
+            if reason is None and not (len(keep) < snaps.max_sessions and (
+                    snaps.max_bytes is None or used + row.nbytes <= snaps.max_bytes)):
+                reason = 'over the kv.max_sessions / sessions.max_bytes bound'
+            if reason is not None:
+                why[reason] = why.get(reason, 0) + 1
+                continue
+            keep.append(row)
+            used += row.nbytes
+        restored = 0
+        for row in reversed(keep):
+            (keys_text, blob), = self._db.execute(
+                'SELECT keys, data FROM sessions WHERE session_id = ?', (row.session_id,))
+            try:
+                keys = decode_keys(keys_text)
+                if len(keys) != row.positions:
+                    raise ValueError(f'{len(keys)} keys for {row.positions} positions')
+                snap = self.layout.decode(keys, blob)
+            except ValueError as exc:
+                reason = f'unreadable ({exc})'
+                why[reason] = why.get(reason, 0) + 1
+                keep.remove(row)
+                continue
+            snaps.load(row.session_id, snap, row.tick)
+            restored += 1
+        kept = {r.session_id for r in keep}
+        dropped = [r.session_id for r in rows if r.session_id not in kept]
+        if dropped:
+            self._db.execute('BEGIN IMMEDIATE')
+            self._db.executemany('DELETE FROM sessions WHERE session_id = ?',
+                                 [(d,) for d in dropped])
+            self._db.execute('COMMIT')
+            reasons = '; '.join(f'{n} {r}' for r, n in why.items())
+            _log.warning('sessions.store %s: restored %d saved sessions (%d bytes), dropped %d: '
+                         '%s', self.path, restored, snaps.nbytes(), len(dropped), reasons)
+        else:
+            _log.info('sessions.store %s: restored %d saved sessions (%d bytes)', self.path,
+                      restored, snaps.nbytes())
+        return restored
+
+    def _mismatch(self, row: _Row, capacity: int) -> Optional[str]:
+        if row.model_hash != self.model_id:
+            return 'of another model (model hash differs)'
+        if row.converter_version != CONVERTER_VERSION:
+            return f'of converter version {row.converter_version} (now {CONVERTER_VERSION})'
+        if row.layout != self._layout_text:
+            return 'of another KV layout or kv.dtype'
+        if row.positions > capacity:
+            return f'longer than kv.max_context {capacity}'
+        return None
+
+    # --- the SnapshotSink side (called under the engine's lock: only records) ----------------
+    def save(self, session_id: str, snap: _Snapshot, tick: int) -> None:
+        with self._cond:
+            if session_id in self._pending:
+                self.stats['coalesced'] += 1
+            self._pending[session_id] = ('save', snap, tick)
+            self._cond.notify_all()
+
+    def touch(self, session_id: str, tick: int) -> None:
+        with self._cond:
+            op = self._pending.get(session_id)
+            if op is None or op[0] == 'touch':
+                self._pending[session_id] = ('touch', None, tick)
+            elif op[0] == 'save':
+                self._pending[session_id] = ('save', op[1], tick)
+            self._cond.notify_all()
+
+    def delete(self, session_id: str) -> None:
+        with self._cond:
+            self._pending[session_id] = ('delete', None, 0)
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        with self._cond:
+            self._pending.clear()
+            self._clear = True
+            self._cond.notify_all()
+
+    # --- the writer thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name='session-store-writer',
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._clear or self._closing):
+                    self._cond.wait()
+                if not (self._pending or self._clear):
+                    return  # closing, nothing left
+                batch, self._pending = self._pending, {}
+                clear, self._clear = self._clear, False
+                self._busy = True
+            try:
+                self._write(batch, clear)
+            except (sqlite3.Error, OSError, ValueError, MemoryError) as exc:  # e.g. disk full
+                self.stats['errors'] += 1
+                self.last_error = f'{type(exc).__name__}: {exc}'
+                _log.error('sessions.store %s: writing %d sessions failed (%s): they stay in '
+                           'memory only until their next save; free disk space or move '
+                           'sessions.store', self.path, len(batch), exc)
+                if self._db.in_transaction:
+                    self._db.execute('ROLLBACK')
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _write(self, batch: Dict[str, Tuple[str, Optional[_Snapshot], int]],
+               clear: bool) -> None:
+        """Commit a batch: each save in its own transaction, touches and deletes together.
+
+        A kill -9 therefore loses at most the save being written.
+        """
+        db = self._db
+        if clear:
+            db.execute('BEGIN IMMEDIATE')
+            db.execute('DELETE FROM sessions')
+            db.execute('COMMIT')
+        small = []
+        for session_id, (kind, snap, tick) in batch.items():
+            if kind != 'save':
+                small.append((session_id, kind, tick))
+                continue
+            assert snap is not None
+            db.execute('BEGIN IMMEDIATE')
+            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)',
+                       (session_id, self.model_id, CONVERTER_VERSION, self._layout_text,
+                        encode_keys(snap.keys), len(snap.keys), snap.nbytes, tick,
+                        _blob(snap)))
+            db.execute('COMMIT')
+            self.stats['saves'] += 1
+        if small:
+            db.execute('BEGIN IMMEDIATE')
+            for session_id, kind, tick in small:
+                if kind == 'touch':
+                    db.execute('UPDATE sessions SET tick = ? WHERE session_id = ?',
+                               (tick, session_id))
+                else:
+                    db.execute('DELETE FROM sessions WHERE session_id = ?', (session_id,))
+            db.execute('COMMIT')
+        self.stats['batches'] += 1
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until everything recorded so far is committed; False on timeout."""
+        with self._cond:
+            if self._thread is None:
+                return not (self._pending or self._clear)
+            return self._cond.wait_for(
+                lambda: not (self._pending or self._clear or self._busy), timeout)
+
+    def close(self) -> None:
+        """Commit what is pending, stop the writer, close the file and release the lock."""
+        if self._thread is not None:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join()
+            self._thread = None
+        elif self._pending or self._clear:
+            self._run_pending_inline()
+        try:
+            self._db.close()
+        finally:
+            self._lock_file.close()
+
+    def discard(self) -> None:
+        """Close without writing what is pending (the file could not be read)."""
+        self._pending.clear()
+        self._clear = False
+        self.close()
+
+    def _run_pending_inline(self) -> None:
+        batch, self._pending = self._pending, {}
+        clear, self._clear = self._clear, False
+        self._write(batch, clear)
+
+    # --- figures -----------------------------------------------------------------------------
+    def disk_bytes(self) -> int:
+        """Return the bytes of the database file and its WAL."""
+        total = 0
+        for suffix in ('', '-wal'):
+            try:
+                total += os.path.getsize(self.path + suffix)
+            except OSError:
+                pass
+        return total
+
+    def row_ids(self) -> List[str]:
+        """Return the saved session ids on disk, least recently used first (own reader)."""
+        db = sqlite3.connect(f'file:{self.path}?mode=ro', uri=True)
+        try:
+            return [r[0] for r in db.execute('SELECT session_id FROM sessions ORDER BY tick')]
+        finally:
+            db.close()
+
+
+def open_sessions(config: Any, model_dir: str, buffers: Sequence[np.ndarray],
+                  capacity: int) -> SnapshotStore:
+    """Build the SnapshotStore an Engine's caches share, restored from config.session_store.
+
+    config: an EngineConfig (reads kv_dtype, prefix_reuse, max_sessions, session_max_bytes,
+    session_store). Raises SessionStoreError (a ModelLoadError) saying what to do.
+    """
+    max_sessions = config.max_sessions if config.prefix_reuse else 0
+    max_bytes = config.session_max_bytes
+    if max_bytes < 0:
+        raise SessionStoreError(f'session_max_bytes must be >= 0, got {max_bytes}')
+    if not config.session_store:
+        return SnapshotStore(max_sessions, max_bytes)
+    if max_sessions == 0 or max_bytes == 0:
+        raise SessionStoreError(
+            'sessions.store is set but no session prefix can be kept (kv.prefix_reuse false, '
+            'kv.max_sessions 0 or sessions.max_bytes 0): enable them, or set sessions.store '
+            "to ''")
+    sink = SessionStore(config.session_store, model_hash(model_dir),
+                        KVLayout.of(buffers, config.kv_dtype))
+    snaps = SnapshotStore(max_sessions, max_bytes, sink=sink)
+    try:
+        sink.restore_into(snaps, capacity)
+    except sqlite3.DatabaseError as exc:
+        sink.discard()
+        raise SessionStoreError(f'sessions.store {sink.path} could not be read ({exc}): '
+                                f'{_FIX}') from None
+    sink.start()
+    return snaps
