@@ -68,7 +68,7 @@ def test_rewind_and_reset():
     m = FakeModel()
     m.run([5, 6, 7, 8])
     m.cache.rewind_to(2)
-    assert m.cache.occupancy() == (2, CAP)
+    assert (m.cache.length, m.cache.capacity) == (2, CAP)
     with pytest.raises(ValueError):
         m.cache.rewind_to(3)
     m.cache.reset()
@@ -121,7 +121,7 @@ def test_int8_snapshot_restore_within_tolerance():
     m.run([1, 2, 3], 'B')
     # One int8 per value plus one float32 scale per (head, position) row.
     rows = len(m.buffers) * KV_HEADS * len(a)
-    assert m.cache.snapshot_bytes() == rows * (HEAD_DIM + 4)
+    assert m.cache.store.nbytes() == rows * (HEAD_DIM + 4)
     assert m.run(a + [17], 'A') == len(a)
     for got, want in zip(m.live(), m.expected()):
         # Half a quantization step of each row's max: |err| <= max|row| / 254.
@@ -218,7 +218,7 @@ def test_kvcache_respects_the_byte_bound():
     assert m.cache.sessions() == ['A', 'B']
     m.run([1, 11, 12, 13], 'D')            # saves C: 12 > 10, A goes
     assert m.cache.sessions() == ['B', 'C']
-    assert m.cache.snapshot_bytes() <= 10 * POSITION_BYTES
+    assert m.cache.store.nbytes() <= 10 * POSITION_BYTES
     m.run(list(range(20, 32)), 'E')        # saves D (4 positions)
     m.run([1, 2], 'F')                     # E's 12 positions alone exceed the bound
     assert 'E' not in m.cache.sessions()

@@ -13,8 +13,8 @@ import pytest
 
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.runtime.types import GenerationResult, StopReason, Timings, TokenEvent
-from edge_llm_ros.serving.worker import (CancelReason, EngineWorker, FeedbackPolicy, Job,
-                                         QueueFullError, WorkerStoppedError)
+from edge_llm_ros.serving.goal import CancelReason, FeedbackPolicy, Goal
+from edge_llm_ros.serving.worker import EngineWorker, QueueFullError, WorkerStoppedError
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class FakeEngine:
 
 
 class Recorder:
-    """on_done / on_feedback of one job."""
+    """on_done / on_feedback of one goal."""
 
     def __init__(self) -> None:
         self.chunks = []
@@ -101,9 +101,9 @@ class Recorder:
         self.done_thread = threading.current_thread().name
         self.done.set()
 
-    def job(self, prompt: str = 'hi', max_tokens: int = 5, **kwargs) -> Job:
-        return Job(FakeRequest(prompt=prompt, max_tokens=max_tokens), self.finish,
-                   self.feedback, **kwargs)
+    def job(self, prompt: str = 'hi', max_tokens: int = 5, **kwargs) -> Goal:
+        return Goal(FakeRequest(prompt=prompt, max_tokens=max_tokens), on_done=self.finish,
+                    on_feedback=self.feedback, **kwargs)
 
     def outcome(self):
         assert self.done.wait(30), 'job did not finish'
@@ -312,16 +312,16 @@ def test_a_failing_step_ends_every_job_with_an_error(make_worker):
     engine.gate.release()
     _wait(lambda: engine.steps == 1, 'the first token')
     worker.submit(waiting.job())
-    step = worker._sched.step
+    step = worker._loop.step
 
     def broken(*args):
         raise RuntimeError('scheduler bug')
-    worker._sched.step = broken
+    worker._loop.step = broken
     engine.gate.release()
     for rec in (running, waiting):
         result = rec.outcome().result
         assert result.stop_reason is StopReason.ERROR and 'scheduler bug' in result.error
-    worker._sched.step = step
+    worker._loop.step = step
     again = Recorder()
     worker.submit(again.job(max_tokens=1))
     engine.gate.release()

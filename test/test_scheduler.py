@@ -4,8 +4,10 @@ The scheduler is stepped by hand here, so every interleaving is deterministic. T
 is converted at MatMulNBits accuracy_level 0 (float math); expected tokens come from the NumPy
 reference forward pass (reference.py), never from the engine itself.
 """
+from dataclasses import dataclass
 import pathlib
 import shutil
+from typing import Optional
 
 import numpy as np
 import onnx
@@ -16,10 +18,11 @@ from tiny_model import tiny_model_dir
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
-from edge_llm_ros.runtime.types import GenerationRequest, StopReason
+from edge_llm_ros.runtime.types import GenerationRequest, GenerationResult, StopReason, TokenEvent
 from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
-from edge_llm_ros.serving.scheduler import (LIVE, min_rows_for, PRIORITY_MAX, PRIORITY_MIN,
-                                            SeqState, Sequence, WaitQueue)
+from edge_llm_ros.serving.executor import probe_rows
+from edge_llm_ros.serving.goal import Goal, GoalState as SeqState, LIVE, PRIORITY_MAX, PRIORITY_MIN
+from edge_llm_ros.serving.queue import WaitQueue
 
 # Fixtures: the tiny model (accuracy level 0) and its NumPy reference, as test_engine has them.
 tiny_dir = test_engine.tiny_dir
@@ -50,8 +53,43 @@ def eng2(tiny_dir):
 
 def seq(eng, prompt, max_tokens=12, priority=0, preempt=False, **kw):
     kw.setdefault('use_chat_template', False)   # the prompt's ids are eng.tokenize(prompt)
-    return Sequence(eng.prepare(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw)),
-                    priority=priority, preempt=preempt)
+    return Goal(eng.prepare(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw)),
+                priority=priority, preempt=preempt)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One thing a plan did to one goal, in the order the reports list them."""
+
+    seq: Goal
+    token: Optional[TokenEvent] = None
+    paused: Optional[bool] = None
+    result: Optional[GenerationResult] = None
+
+
+def events_of(report):
+    events = [Event(g, paused=True) for g in report.paused]
+    events += [Event(g, paused=False) for g in report.resumed]
+    events += [Event(g, token=g.output.events[-1]) for g in report.tokens]
+    return events + [Event(g, result=g.result) for g in report.ended]
+
+
+class Stepper:
+    """The engine's scheduler, stepped by hand: step() runs an admission and a decode plan."""
+
+    def __init__(self, eng):
+        self._eng = eng
+        self._sched = eng.scheduler()
+
+    def __getattr__(self, name):
+        return getattr(self._sched, name)
+
+    def step(self):
+        return [e for _ in range(2) for e in events_of(self._eng.run_plan())]
+
+
+def stepper(eng):
+    return Stepper(eng)
 
 
 def drain(sched, limit=5000):
@@ -79,7 +117,7 @@ def results_of(events):
 
 # --- exactness -------------------------------------------------------------------------------
 def test_batch_of_four_matches_the_reference_token_for_token(eng4, ref):
-    sched = eng4.scheduler()
+    sched = stepper(eng4)
     eng4.reset_cache()
     seqs = [sched.submit(seq(eng4, p, max_tokens=16)) for p in PROMPTS[:4]]
     events = drain(sched)
@@ -95,7 +133,7 @@ def test_batch_of_four_matches_the_reference_token_for_token(eng4, ref):
 
 def test_alone_and_in_a_batch_are_bit_identical(eng4):
     """A sequence alone on an N>1 engine runs >= 2 rows, like in any batch (MIN_ROWS)."""
-    sched = eng4.scheduler()
+    sched = stepper(eng4)
     prompt = PROMPTS[0]
 
     def logprob_run(others):
@@ -139,9 +177,9 @@ def test_mixed_requests_in_a_batch_equal_each_alone(eng4, tiny_dir):
         want.append(alone.generate(requests[-1]).run_to_end())
     finally:
         alone.close()
-    sched = eng4.scheduler()
+    sched = stepper(eng4)
     eng4.reset_cache()
-    seqs = [sched.submit(Sequence(eng4.prepare(r))) for r in requests]
+    seqs = [sched.submit(Goal(eng4.prepare(r))) for r in requests]
     drain(sched)
     assert want[4].stop_reason is StopReason.STOP and stop not in want[4].text
     assert json.loads(want[0].text)['turn'] in ('left', 'right')
@@ -166,7 +204,7 @@ def test_wait_queue_orders_by_priority_then_arrival():
     q = WaitQueue()
     items = []
     for i, p in enumerate((0, 5, 0, 5, -3, 100)):
-        s = Sequence(None, priority=p)
+        s = Goal(None, priority=p)
         s.arrival = i
         q.push(s)
         items.append(s)
@@ -174,7 +212,7 @@ def test_wait_queue_orders_by_priority_then_arrival():
 
 
 def test_priority_range_is_checked(eng2):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     for bad in (PRIORITY_MIN - 1, PRIORITY_MAX + 1, 1.5, True):
         with pytest.raises(ValueError, match='priority'):
             sched.submit(seq(eng2, 'hi', priority=bad))
@@ -182,7 +220,7 @@ def test_priority_range_is_checked(eng2):
 
 
 def test_admission_order_and_interleaved_prefill(eng2):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     eng2.reset_cache()
     a = sched.submit(seq(eng2, PROMPTS[0], max_tokens=30))
     b = sched.submit(seq(eng2, 'robot', max_tokens=30))
@@ -219,12 +257,12 @@ def test_admission_order_and_interleaved_prefill(eng2):
 
 
 def test_preempt_pauses_the_lowest_latest_and_resumes_it_exactly(eng2, ref):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     eng2.reset_cache()
     eos = eng2.tokenizer.eos_token_ids
     low = sched.submit(seq(eng2, PROMPTS[0], max_tokens=20, priority=0))
     later = sched.submit(seq(eng2, PROMPTS[1], max_tokens=20, priority=0))
-    step_until(sched, lambda: len(later.generation._ids if later.generation else []) >= 3)
+    step_until(sched, lambda: len(later.output) >= 3)
     waiting_same = sched.submit(seq(eng2, 'hello', max_tokens=4, priority=0))
     urgent = sched.submit(seq(eng2, PROMPTS[2], max_tokens=6, priority=10, preempt=True))
     events = sched.step()
@@ -247,7 +285,7 @@ def test_preempt_pauses_the_lowest_latest_and_resumes_it_exactly(eng2, ref):
 
 
 def test_nothing_preemptible_means_the_goal_waits(eng2):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     a = sched.submit(seq(eng2, 'robot arm', max_tokens=8, priority=5))
     b = sched.submit(seq(eng2, 'the sky', max_tokens=8, priority=7))
     step_until(sched, lambda: b.state is SeqState.DECODE and a.state is SeqState.DECODE)
@@ -259,7 +297,7 @@ def test_nothing_preemptible_means_the_goal_waits(eng2):
 
 
 def test_cancel_in_every_state_reaches_a_terminal_result(eng2):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     eng2.reset_cache()
     running = sched.submit(seq(eng2, 'robot arm', max_tokens=40, priority=0))
     paused = sched.submit(seq(eng2, 'the sky', max_tokens=40, priority=-5))
@@ -290,7 +328,7 @@ def test_cancel_in_every_state_reaches_a_terminal_result(eng2):
 
 
 def test_sessions_continue_in_any_slot(eng2):
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
     eng2.reset_cache()
     turn = ' '.join(['the sky is blue'] * 3)
     first = sched.submit(seq(eng2, turn, max_tokens=4, session_id='s'))
@@ -315,7 +353,7 @@ def test_sessions_continue_in_any_slot(eng2):
 def test_embedding_errors_end_only_that_sequence(eng2):
     import contextlib
     from edge_llm_ros.errors import InvalidRequestError
-    sched = eng2.scheduler()
+    sched = stepper(eng2)
 
     @contextlib.contextmanager
     def stale():
@@ -370,22 +408,25 @@ def test_fixed_batch_graph_needs_reconversion(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize('level', [0, 4])
-def test_one_row_and_several_rows_agree_as_min_rows_assumes(tmp_path_factory, level):
-    """min_rows_for: at level 4 one row equals several bit for bit; at level 0 rows >= 2 do."""
+def test_the_row_policy_makes_every_row_count_agree_on_this_cpu(tmp_path_factory, level):
+    """probe_rows: from min_rows rows on, a row's logits are the same bits at any row count.
+
+    Whatever kernels this CPU's onnxruntime takes (one row and several differ on some CPUs
+    at level 4 and on all at level 0), the probed policy must hold here.
+    """
     model = tiny_model_dir(tmp_path_factory.mktemp(f'rows{level}'), accuracy_level=level)
     info = load_model_info(str(model))
     dec = OnnxDecoder(str(model), info, SessionConfig(max_context=32, slots=4,
                                                       intra_op_threads=1))
+    policy = probe_rows(dec)
+    assert policy.exact and 1 <= policy.min_rows <= 4, policy
     for slot in range(4):
         dec.forward(np.arange(5, 12) + slot, None, 0, slot=slot)
     rows = {b: dec.decode_rows([40 + i for i in range(b)], [7] * b)[0].copy()
             for b in (1, 2, 3, 4)}
-    np.testing.assert_array_equal(rows[2], rows[3])
-    np.testing.assert_array_equal(rows[2], rows[4])
-    if min_rows_for(level) == 1:
-        np.testing.assert_array_equal(rows[1], rows[2])
-    else:
-        np.testing.assert_allclose(rows[1], rows[2], atol=1e-3)
+    for b in range(policy.min_rows + 1, 5):
+        np.testing.assert_array_equal(rows[policy.min_rows], rows[b])
+    np.testing.assert_allclose(rows[1], rows[4], atol=1e-3)
 
 
 def test_slot_views_share_the_buffers(tiny_dir):
@@ -404,7 +445,7 @@ def test_random_load_with_cancels_and_preemption_loses_nothing(tiny_dir):
     rng = random.Random(7)
     eng = make_engine(tiny_dir, 3, prefill_chunk=3, max_context=128)
     try:
-        sched = eng.scheduler()
+        sched = stepper(eng)
         seqs, ended, dropped, pauses = [], {}, set(), 0
         words = ('robot', 'arm', 'the', 'sky', 'is', 'blue', 'hello', 'once', 'upon')
         for step in range(600):

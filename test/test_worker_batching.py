@@ -10,7 +10,8 @@ from test_llm_worker import _wait
 
 from edge_llm_ros.runtime.types import GenerationRequest, StopReason
 from edge_llm_ros.serving.engine import Engine, EngineConfig
-from edge_llm_ros.serving.worker import CancelReason, EngineWorker, FeedbackPolicy, Job
+from edge_llm_ros.serving.goal import CancelReason, FeedbackPolicy, Goal
+from edge_llm_ros.serving.worker import EngineWorker
 
 
 tiny_dir = test_engine.tiny_dir   # fixture: the tiny model at accuracy level 0
@@ -63,7 +64,7 @@ def job(worker, prompt, max_tokens=8, **kw):
     rec = Recorder()
     prepared = worker.engine.prepare(GenerationRequest(prompt=prompt, max_tokens=max_tokens,
                                                        use_chat_template=False))
-    return Job(prepared, rec.finish, rec.feedback, **kw), rec
+    return Goal(prepared, on_done=rec.finish, on_feedback=rec.feedback, **kw), rec
 
 
 def test_jobs_in_a_batch_equal_the_same_jobs_alone(worker_of, tiny_dir):

@@ -25,7 +25,7 @@ from edge_llm_ros.nodes.messages import RequestDefaults
 from edge_llm_ros.nodes.node_params import ConfigError
 from edge_llm_ros.runtime.types import SamplingConfig
 from edge_llm_ros.serving.engine import EngineConfig
-from edge_llm_ros.serving.worker import FeedbackPolicy
+from edge_llm_ros.serving.goal import FeedbackPolicy
 
 SCHEMA = schema_mod.schema('llm_node')
 

@@ -1,18 +1,22 @@
-"""llm_node's small services: ~/detokenize, ~/reset_session and ~/get_model_info.
+"""llm_node's small services: ~/tokenize, ~/detokenize, ~/get_model_info, ~/reset_session.
 
 Each answers from the loaded engine without the queue (never behind a generation):
-detokenizing and model info only read the tokenizer and the model's description;
+tokenizing, detokenizing and model info only read the tokenizer and the model's description;
 reset_session drops KV prefixes through EngineWorker.run_between_jobs, so a running
 generation is never disturbed (the drop happens right after it, before the next goal).
-`engine` is None while the node is unconfigured: the answer then says so.
+`engine` is None while the node is unconfigured: the answer then says so. A service always
+answers: an unexpected exception is logged and answered (GenerateServer.refusal).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.srv import Detokenize, GetModelInfo, ResetSession
+from edge_llm_msgs.srv import Detokenize, GetModelInfo, ResetSession, Tokenize
 from edge_llm_ros.errors import EngineError
+from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
 # How long ~/reset_session waits for a running generation before answering "scheduled".
@@ -83,3 +87,74 @@ def reset_session(worker: Optional[EngineWorker], request: ResetSession.Request,
     response.success = True
     response.message = f'{which}: dropped {response.dropped} kept prefix(es)'
     return response
+
+
+def tokenize(engine: Any, request: Tokenize.Request, response: Tokenize.Response,
+             unloaded: str) -> Tokenize.Response:
+    """Fill `response` with the ids and token texts of the request's text or messages."""
+    if engine is None:
+        response.success, response.error_message = False, unloaded
+        return response
+    try:
+        messages = [ChatMessage(m.role, m.content) for m in request.messages]
+        ids = engine.tokenize(request.text, messages, request.add_generation_prompt)
+        tokens = list(engine.token_strings(ids))
+    except (EngineError, ValueError, TypeError) as exc:  # e.g. a template the sandbox refused
+        response.success, response.error_message = False, str(exc)
+        return response
+    response.success = True
+    response.token_ids = [int(i) for i in ids]
+    response.tokens = tokens
+    response.context_length = int(engine.context_length)
+    return response
+
+
+class LLMServices:
+    """Registers the small services on an llm_node and answers them."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+        # The tokenizer is thread-safe and independent of the worker: answered at once.
+        self._tokenize_group = MutuallyExclusiveCallbackGroup()
+        self._tokenize_srv = node.create_service(Tokenize, '~/tokenize', self.on_tokenize,
+                                                 callback_group=self._tokenize_group)
+        # Reentrant: a reset waiting for a running generation blocks nothing else.
+        self._info_group = ReentrantCallbackGroup()
+        self._small = [node.create_service(kind, name, callback,
+                                           callback_group=self._info_group)
+                       for kind, name, callback in (
+                           (Detokenize, '~/detokenize', self.on_detokenize),
+                           (GetModelInfo, '~/get_model_info', self.on_get_model_info),
+                           (ResetSession, '~/reset_session', self.on_reset_session))]
+
+    def _unloaded(self) -> str:
+        node = self._node
+        return f'{node.get_name()} is {node.lifecycle_state()}: configure it to load the model'
+
+    def _answer(self, what: str, answer, response, error_field: str = 'error_message'):
+        try:
+            return answer()
+        except Exception as exc:  # noqa: B902 - answer, never crash (see refusal)
+            response.success = False
+            setattr(response, error_field, self._node.action.refusal(exc, what))
+            return response
+
+    def on_tokenize(self, request: Tokenize.Request,
+                    response: Tokenize.Response) -> Tokenize.Response:
+        return self._answer('~/tokenize', lambda: tokenize(
+            self._node.engine, request, response, self._unloaded()), response)
+
+    def on_detokenize(self, request: Detokenize.Request,
+                      response: Detokenize.Response) -> Detokenize.Response:
+        return self._answer('~/detokenize', lambda: detokenize(
+            self._node.engine, request, response, self._unloaded()), response)
+
+    def on_get_model_info(self, request: GetModelInfo.Request,
+                          response: GetModelInfo.Response) -> GetModelInfo.Response:
+        return self._answer('~/get_model_info', lambda: model_info(
+            self._node.engine, response, self._unloaded()), response)
+
+    def on_reset_session(self, request: ResetSession.Request,
+                         response: ResetSession.Response) -> ResetSession.Response:
+        return self._answer('~/reset_session', lambda: reset_session(
+            self._node.worker, request, response, self._unloaded()), response, 'message')

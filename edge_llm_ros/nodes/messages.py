@@ -5,8 +5,7 @@ value takes the node's ~/sampling.* parameter, max_tokens 0 takes ~/max_tokens a
 system_prompt takes ~/system_prompt. Everything else is passed through unchanged: this module
 only translates, and Engine.prepare is the one place that checks values (NaN, negative seeds,
 ranges, tools, grammars). What cannot be translated at all (logit_bias arrays of different
-lengths, an unknown reasoning_mode) raises InvalidRequestError here, and so does a goal
-priority outside [PRIORITY_MIN, PRIORITY_MAX] (queue_order: the queue, not the engine, uses it).
+lengths, an unknown reasoning_mode) raises InvalidRequestError here.
 """
 from __future__ import annotations
 
@@ -116,16 +115,11 @@ def reasoning_switch(mode: int) -> bool:
 def queue_order(request) -> Tuple[int, bool]:
     """(priority, preempt) of a Generate goal; a Complete request runs at (0, False).
 
-    Raises InvalidRequestError for a priority outside [PRIORITY_MIN, PRIORITY_MAX].
+    The priority's range is checked where the goal is built (serving.goal.check_priority).
     """
     if not isinstance(request, Goal):   # ~/complete has no queue-order fields
         return 0, False
-    priority = int(request.priority)
-    if not Goal.PRIORITY_MIN <= priority <= Goal.PRIORITY_MAX:
-        raise InvalidRequestError(
-            f'priority {priority} is outside [{Goal.PRIORITY_MIN}, {Goal.PRIORITY_MAX}] '
-            '(Generate.Goal.PRIORITY_MIN/PRIORITY_MAX): higher runs first, 0 is normal')
-    return priority, bool(request.preempt)
+    return int(request.priority), bool(request.preempt)
 
 
 def to_request(goal, defaults: RequestDefaults,

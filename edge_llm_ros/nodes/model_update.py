@@ -21,7 +21,7 @@ Threading: the service is in the node's default (mutually exclusive) callback gr
 the lifecycle services, so a change_state request never runs in the middle of a swap. Its
 coroutine awaits a plain thread doing the verification and the transitions, so no executor
 thread is held meanwhile and the other services, the action and diagnostics keep answering.
-The node's internals used here: `_state`, `_engine()`, `_load_error` and the trigger_*
+What it uses of the node: `lifecycle_state()`, `engine`, `load_error` and the trigger_*
 transitions; llm_node calls `configured()` from on_configure, which also verifies a model
 folder installed under update.models_root before it loads (a version corrupted on disk
 fails configure with the reason).
@@ -134,9 +134,10 @@ class ModelUpdater:
     def _update(self, path: str, response: UpdateModel.Response) -> Tuple[bool, str]:
         node = self._node
         trusted, root = self._settings()
-        engine = node._engine()
-        if node._state not in ('inactive', 'active') or engine is None:
-            raise UpdateError(f'{node.get_name()} is {node._state}: configure it first (an '
+        engine = node.engine
+        state = node.lifecycle_state()
+        if state not in ('inactive', 'active') or engine is None:
+            raise UpdateError(f'{node.get_name()} is {state}: configure it first (an '
                               'update replaces the loaded model)')
         if str(node.get_parameter('engine.backend').value) != 'local':
             raise UpdateError(f'{node.get_name()} forwards goals to a remote server '
@@ -154,7 +155,7 @@ class ModelUpdater:
     def _swap(self, root: ModelsRoot, installed: Installed, previous: str,
               response: UpdateModel.Response) -> Tuple[bool, str]:
         node = self._node
-        was_active = node._state == 'active'
+        was_active = node.lifecycle_state() == 'active'
         try:
             if was_active:
                 node.trigger_deactivate()
@@ -162,7 +163,7 @@ class ModelUpdater:
             return self._load(root, installed, previous, response)
         finally:
             # Whatever happened, a node that was serving serves again (if a model is loaded).
-            if was_active and node._state == 'inactive':
+            if was_active and node.lifecycle_state() == 'inactive':
                 node.trigger_activate()
 
     def _load(self, root: ModelsRoot, installed: Installed, previous: str,
@@ -180,7 +181,7 @@ class ModelUpdater:
                               f'not be switched to it ({exc}): a restart loads the old model')
             return True, (f'now serving {installed.manifest.model_name} from '
                           f'{installed.path}{self._model_path_note(root)}')
-        why = node._load_error
+        why = node.load_error
         self._override = old_override
         restored = node.trigger_configure() == TransitionCallbackReturn.SUCCESS
         if not installed.reused:
@@ -190,8 +191,8 @@ class ModelUpdater:
             return False, (f'the new model {installed.path} failed to load ({why}); '
                            f'{previous} is serving again')
         return False, (f'the new model {installed.path} failed to load ({why}) and reloading '
-                       f'{previous} failed too ({node._load_error}): the node is '
-                       f'{node._state}; configure it again')
+                       f'{previous} failed too ({node.load_error}): the node is '
+                       f'{node.lifecycle_state()}; configure it again')
 
     def _model_path_note(self, root: ModelsRoot) -> str:
         model_path = str(self._node.get_parameter('model.path').value)

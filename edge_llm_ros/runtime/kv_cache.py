@@ -8,10 +8,13 @@ so that a new request only prefills what differs from the cache:
   ``('emb', digest, i)`` for position i of prefix embeddings whose bytes hash to ``digest``.
   A position's K/V depends only on the keys before and at it, so equal key prefixes mean
   equal K/V and can be reused: embeddings are keyed by content, never by accident.
-* ``plan(keys)`` picks the longest common prefix among the live cache and the saved session
-  snapshots, restores it into the live buffers if it came from a snapshot, and returns how
-  many positions need no prefill (at least the last prompt position is recomputed to get its
-  logits).
+* ``find_reuse(keys)`` finds the longest common prefix among the live caches of every slot
+  and the saved session snapshots, without walking their keys: each holder keeps a chained
+  digest per block of BLOCK positions (``block_hashes``), so equal prefixes are found by a
+  binary search over digests plus at most one block of key compares. ``KVCache.apply`` then
+  makes that prefix live (restoring it from a snapshot or copying it from another slot);
+  ``plan(keys)`` does both for one cache. At least the last prompt position is recomputed to
+  get its logits.
 * Session snapshots (a SnapshotStore: LRU bounded by count and by bytes) keep alternating
   conversations' prefixes. They are saved lazily, only when another request is about to
   overwrite the live cache, or, when the store persists to SQLite (engine.session_store,
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+import functools
+import hashlib
 import logging
-from typing import Hashable, List, Optional, Protocol, Sequence, Tuple
+from typing import Hashable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -48,6 +53,46 @@ def common_prefix(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return i
 
 
+# Positions per hashed block of keys (prefix matching granularity; the last partial block is
+# compared key by key).
+BLOCK = 16
+
+
+def block_hashes(keys: Sequence[Hashable], start: Sequence[bytes] = ()) -> List[bytes]:
+    """Chained digests of the complete BLOCK-sized blocks of keys, continuing `start`.
+
+    Digest i depends on every key of blocks 0..i, so two key lists share their first i blocks
+    exactly when (with cryptographic certainty) their digests i-1 are equal.
+    """
+    out = list(start)
+    prev = out[-1] if out else b''
+    for i in range(len(out) * BLOCK, len(keys) - BLOCK + 1, BLOCK):
+        prev = hashlib.blake2b(prev + repr(tuple(keys[i:i + BLOCK])).encode(),
+                               digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def hashed_common_prefix(a: Sequence[Hashable], a_hashes: Sequence[bytes],
+                         b: Sequence[Hashable], b_hashes: Sequence[bytes]) -> int:
+    """Length of the common prefix of two key lists, from their block digests.
+
+    A binary search finds the equal leading blocks; only the next block is compared by key.
+    """
+    lo, hi = 0, min(len(a_hashes), len(b_hashes))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a_hashes[mid] == b_hashes[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    n = lo * BLOCK
+    limit = min(len(a), len(b), n + BLOCK)
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def check_fits(prompt_tokens: int, max_tokens: int, capacity: int) -> Optional[str]:
     """Return None when prompt + max_tokens fits in the context, else a message saying why not."""
     if prompt_tokens + max_tokens <= capacity:
@@ -63,6 +108,10 @@ class _Snapshot:
     keys: Tuple[Hashable, ...]
     data: List[np.ndarray]             # per buffer: [1, kv_heads, n, head_dim]
     scales: Optional[List[np.ndarray]]  # int8 only: per buffer [1, kv_heads, n, 1] float32
+
+    @functools.cached_property
+    def hashes(self) -> List[bytes]:
+        return block_hashes(self.keys)
 
     @property
     def nbytes(self) -> int:
@@ -215,8 +264,20 @@ class SnapshotStore:
         return self._bytes
 
 
+@dataclass(frozen=True)
+class Reuse:
+    """Where a request's reusable prefix is: `length` positions from `source`.
+
+    source None: the target cache's own live keys; a KVCache: another slot's live keys (copied
+    over); a _Snapshot: a saved session prefix (restored).
+    """
+
+    length: int
+    source: Union[None, 'KVCache', _Snapshot] = None
+
+
 class KVCache:
-    """Bookkeeping of the decoder's preallocated KV buffers (see the module docstring)."""
+    """Bookkeeping of one slot's preallocated KV buffers (see the module docstring)."""
 
     def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
                  snapshot_dtype: str = 'float32', max_sessions: int = 8,
@@ -234,6 +295,7 @@ class KVCache:
         # A given store carries its own bounds (max_sessions/max_bytes here are then unused).
         self._sessions = store if store is not None else SnapshotStore(max_sessions, max_bytes)
         self._keys: List[Hashable] = []
+        self._hashes: List[bytes] = []   # block_hashes(self._keys), kept up to date
         self._owner = ''          # session whose conversation the live cache holds
         self._owner_saved = True  # its snapshot already equals the live cache
 
@@ -248,14 +310,19 @@ class KVCache:
 
     @property
     def keys(self) -> Tuple[Hashable, ...]:
+        """Return a copy of the live position keys, for inspection: matching never copies."""
         return tuple(self._keys)
+
+    @property
+    def buffers(self) -> List[np.ndarray]:
+        return self._buffers
+
+    @property
+    def store(self) -> SnapshotStore:
+        return self._sessions
 
     def room(self) -> int:
         return self._capacity - len(self._keys)
-
-    def occupancy(self) -> Tuple[int, int]:
-        """(positions used, capacity)."""
-        return len(self._keys), self._capacity
 
     def sessions(self) -> List[str]:
         """Return the saved session ids, least recently used first."""
@@ -266,9 +333,6 @@ class KVCache:
         """Return the session whose conversation the live cache holds ('' = none named)."""
         return self._owner
 
-    def snapshot_bytes(self) -> int:
-        return self._sessions.nbytes()
-
     # --- live cache --------------------------------------------------------------------------
     def append(self, keys: Sequence[Hashable]) -> None:
         """Record that the decoder just wrote K/V for these positions (after the current ones)."""
@@ -277,11 +341,14 @@ class KVCache:
                 f'KV cache full: {len(self._keys)} + {len(keys)} positions > capacity '
                 f'{self._capacity}: raise max_context or shorten the request')
         self._keys.extend(keys)
+        self._hashes = block_hashes(self._keys, self._hashes)
         self._owner_saved = False
 
     def append_token(self, token_id: int) -> None:
         """Cheap single-position append for the decode loop (the caller checked the room)."""
         self._keys.append(token_id)
+        if len(self._keys) % BLOCK == 0:
+            self._hashes = block_hashes(self._keys, self._hashes)
         self._owner_saved = False
 
     def rewind_to(self, n: int) -> None:
@@ -290,11 +357,13 @@ class KVCache:
             raise ValueError(f'cannot rewind to {n}: the cache holds {len(self._keys)} positions')
         if n < len(self._keys):
             del self._keys[n:]
+            del self._hashes[n // BLOCK:]
             self._owner_saved = False
 
     def reset(self) -> None:
         """Empty the live cache (saved sessions stay)."""
         self._keys.clear()
+        self._hashes.clear()
         self._owner = ''
         self._owner_saved = True
 
@@ -342,38 +411,95 @@ class KVCache:
         return names
 
     # --- reuse -------------------------------------------------------------------------------
-    def plan(self, keys: Sequence[Hashable], session_id: str = '', recompute: int = 1) -> int:
-        """Prepare the live cache for a request of these position keys.
+    def common_length(self, keys: Sequence[Hashable], hashes: Sequence[bytes]) -> int:
+        """Positions of the live cache that equal keys' first ones (hashes: block_hashes(keys))."""
+        return hashed_common_prefix(self._keys, self._hashes, keys, hashes)
+
+    def find_reuse(self, keys: Sequence[Hashable], hashes: Sequence[bytes], limit: int,
+                   others: Sequence['KVCache'] = (), own: bool = True) -> Reuse:
+        """Return the longest prefix of keys (at most `limit`) this cache can make live.
+
+        Candidates: its own live keys (unless `own` is False), the live keys of `others`
+        (other slots, copied over) and every saved snapshot; ties go to the one that copies
+        least (own, then snapshot, then another slot).
+        """
+        best = Reuse(min(self.common_length(keys, hashes), limit) if own else 0)
+        for snap in self._sessions.values():
+            n = min(hashed_common_prefix(snap.keys, snap.hashes, keys, hashes), limit)
+            if n > best.length:
+                best = Reuse(n, snap)
+        for other in others:
+            if other is not self:
+                n = min(other.common_length(keys, hashes), limit)
+                if n > best.length:
+                    best = Reuse(n, other)
+        return best
+
+    def apply(self, reuse: Reuse, session_id: str = '') -> int:
+        """Make reuse.length positions live for `session_id`; return that length.
+
+        When another session's unsaved conversation is about to be overwritten, it is saved as
+        that session's snapshot first.
+        """
+        source, n = reuse.source, reuse.length
+        if source is None:
+            keep = n
+        elif isinstance(source, KVCache):
+            keep = hashed_common_prefix(self._keys, self._hashes, source._keys, source._hashes)
+        else:
+            keep = hashed_common_prefix(self._keys, self._hashes, source.keys, source.hashes)
+        keep = min(keep, n)
+        if self._owner and self._owner != session_id and not self._owner_saved \
+                and keep < len(self._keys):
+            self._save(self._owner)
+        self.rewind_to(min(keep, len(self._keys)))
+        if isinstance(source, KVCache):
+            self.copy_positions(source.buffers, source._keys, n)
+        elif source is not None:
+            self._restore(source, n)
+        self._sessions.touch(session_id)
+        self._owner = session_id
+        self._owner_saved = False
+        return n
+
+    def plan(self, keys: Sequence[Hashable], session_id: str = '', recompute: int = 1,
+             hashes: Optional[Sequence[bytes]] = None) -> int:
+        """Prepare the live cache for a request of these position keys (this cache alone).
 
         Returns how many leading positions are already in place (0 .. len(keys) - recompute);
         the caller prefills keys[returned:] (at least `recompute` >= 1 positions, since the
-        last one must be computed for its logits). The live cache is rewound to that length,
-        after saving it as its owner's snapshot when another session's request overwrites it.
+        last one must be computed for its logits).
         """
         if not keys:
             raise ValueError('a request needs at least one position')
         if recompute < 1:
             raise ValueError(f'recompute must be >= 1, got {recompute}')
+        if hashes is None:
+            hashes = block_hashes(keys)
         limit = max(len(keys) - recompute, 0)
-        best = min(common_prefix(self._keys, keys), limit)
-        source: Optional[_Snapshot] = None
-        for snap in self._sessions.values():
-            n = min(common_prefix(snap.keys, keys), limit)
-            if n > best:
-                best, source = n, snap
+        return self.apply(self.find_reuse(keys, hashes, limit), session_id)
 
-        # First live position this request overwrites.
-        keep = best if source is None else common_prefix(self._keys, source.keys[:best])
-        if self._owner and self._owner != session_id and not self._owner_saved \
-                and keep < len(self._keys):
-            self._save(self._owner)
-        self.rewind_to(min(keep, len(self._keys)))
-        if source is not None:
-            self._restore(source, best)
-        self._sessions.touch(session_id)
-        self._owner = session_id
+    def take(self, keys: Sequence[Hashable], session_id: str,
+             data: Sequence[np.ndarray]) -> None:
+        """Hold exactly `keys`, whose K/V are `data` (a parked or another slot's copy).
+
+        The live cache's unsaved conversation of another session is saved first.
+        """
+        self.apply(Reuse(0), session_id)
+        self.rewind_to(0)
+        self.copy_positions(data, keys, len(keys))
+
+    def copy_positions(self, data: Sequence[np.ndarray], keys: Sequence[Hashable],
+                       n: int) -> None:
+        """Copy positions length..n-1 of `data` (per buffer [1, heads, >=n, dim]) in, with keys."""
+        start = len(self._keys)
+        if n > self._capacity:
+            raise ContextOverflowError(f'{n} positions > capacity {self._capacity}')
+        for buf, src in zip(self._buffers, data):
+            buf[:, :, start:n] = src[:, :, start:n]
+        self._keys.extend(keys[start:n])
+        self._hashes = block_hashes(self._keys, self._hashes)
         self._owner_saved = False
-        return best
 
     def _save(self, session_id: str) -> None:
         if self._sessions.max_sessions == 0 or not self._keys:
@@ -391,6 +517,7 @@ class KVCache:
         else:
             snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
                              None)
+        snap.__dict__['hashes'] = list(self._hashes)   # already known: no rehash
         self._sessions.put(session_id, snap)
         if session_id == self._owner:
             self._owner_saved = True
@@ -408,14 +535,16 @@ class KVCache:
 
     def _restore(self, snap: _Snapshot, n: int) -> None:
         # The live cache was rewound to what it shares with the snapshot: copy only the rest.
+        if snap.scales is None:
+            self.copy_positions(snap.data, snap.keys, n)
+            return
         start = len(self._keys)
         for i, buf in enumerate(self._buffers):
-            if snap.scales is None:
-                buf[:, :, start:n] = snap.data[i][:, :, start:n]
-            else:
-                buf[:, :, start:n] = dequantize_int8(
-                    snap.data[i][:, :, start:n], snap.scales[i][:, :, start:n], buf.dtype)
+            buf[:, :, start:n] = dequantize_int8(
+                snap.data[i][:, :, start:n], snap.scales[i][:, :, start:n], buf.dtype)
         self._keys.extend(snap.keys[start:n])
+        self._hashes = block_hashes(self._keys, self._hashes)
+        self._owner_saved = False
 
 
 def quantize_int8(x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -16,6 +16,7 @@ with PreparedRequest.bind() just before generating, which checks only its values
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+import functools
 import hashlib
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
@@ -24,7 +25,7 @@ import numpy as np
 from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.runtime import sampling
 from edge_llm_ros.runtime.constraint import compile_request_constraint
-from edge_llm_ros.runtime.kv_cache import check_fits
+from edge_llm_ros.runtime.kv_cache import block_hashes, check_fits
 from edge_llm_ros.runtime.model_config import ModelFamilyConfig
 from edge_llm_ros.runtime.structured import OutputPlan, plan_request
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
@@ -63,6 +64,11 @@ class PreparedRequest:
         rows = self.embeddings.rows if self.embeddings is not None else 0
         return rows + len(self.prompt_ids)
 
+    @functools.cached_property
+    def key_hashes(self) -> List[bytes]:
+        """Block digests of `keys` (runtime/kv_cache.py's prefix matching), computed once."""
+        return block_hashes(self.keys)
+
     @property
     def bound(self) -> bool:
         """Whether generate() can run it: no declared embeddings wait for their array."""
@@ -92,8 +98,11 @@ class PreparedRequest:
 
 
 def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
-    """Cache keys of prefix embeddings: by content, so only identical bytes are reused."""
-    digest = hashlib.blake2b(np.ascontiguousarray(embeds).tobytes(), digest_size=16).hexdigest()
+    """Cache keys of prefix embeddings: by content, so only identical bytes are reused.
+
+    The digest reads the array's own buffer (a mapped frame is hashed in place, not copied).
+    """
+    digest = hashlib.blake2b(np.ascontiguousarray(embeds), digest_size=16).hexdigest()
     return [('emb', digest, i) for i in range(embeds.shape[0])]
 
 

@@ -1,47 +1,40 @@
-"""The prefill/decode loop: a Generation is an iterator of TokenEvent.
+"""One sequence's token logic: pick, detokenize, split and stop. No model calls, no threads.
 
-The model runs in the thread that iterates. ``cancel()`` may come from any thread: it sets an
-Event that the loop checks once per step (and between prefill chunks), so the generation stops
-within one step with StopReason.CANCELLED.
+A Sequence turns the logits a model call produced into the next token and its TokenEvent; the
+serving layer decides when to call the model (serving/scheduler.py plans, serving/executor.py
+runs) and hands each sequence the logits of its row. The sequence appends every event to its
+Output (runtime/output.py), the one copy of what it produced, and builds the result from it.
 
 Event/result conventions:
-* An EOS token ends the generation with StopReason.STOP; it gets an event (its id, and as text
+* An EOS token ends the sequence with StopReason.STOP; it gets an event (its id, and as text
   whatever the detokenizer still held back) and counts as a completion token.
 * ``result.text`` is always the concatenation of the events' ``text_delta``; a stop string and
   what follows it are not part of it.
 * Output with structure (a request with tools, or a model with reasoning tags; see
-  structured.OutputPlan) goes through an OutputPipeline per generation: ``text_delta`` is only
-  the user-visible answer, reasoning comes as ``reasoning_delta`` and tool calls as
-  ``tool_call_deltas`` (``result.reasoning`` joins the former, ``result.tool_calls`` holds
-  the parsed calls). Stop strings apply to the user-visible text only. A generation that
-  made tool calls and stopped (EOS, end of the constraint or a stop string) ends with
-  StopReason.TOOL_CALLS. A spent reasoning budget forces the close tag: those tokens are
-  fed instead of sampled, yet still go through the sampler's history and the constraint.
+  structured.OutputPlan) goes through an OutputPipeline: ``text_delta`` is only the
+  user-visible answer, reasoning comes as ``reasoning_delta`` and tool calls as
+  ``tool_call_deltas`` (``result.reasoning`` joins the former, ``result.tool_calls`` holds the
+  parsed calls). Stop strings apply to the user-visible text only. A sequence that made tool
+  calls and stopped (EOS, end of the constraint or a stop string) ends with
+  StopReason.TOOL_CALLS. A spent reasoning budget forces the close tag: those tokens are fed
+  instead of sampled, yet still go through the sampler's history and the constraint.
 * Logprobs (SamplingConfig.logprobs / top_logprobs): each event carries the sampler's
   TokenLogprobs; a forced token has log probability 0 (it was certain).
-* Every choice (logprobs or not, constraint or not, pipeline or not) is made once when the
-  generation starts: the per-token path of a plain request is what it always was.
-* Drivers: the per-sequence logic (prefix planning, prefill chunks, sampling, constraints,
-  output pipeline, stop strings, logprobs, timings) lives in the driver methods ``begin`` /
-  ``prefill_chunk`` / ``first`` / ``advance`` / ``fail``. Iterating a Generation drives them
-  alone (one decode per step); engine.scheduler drives many at once, batching their decode
-  steps into one model call (docs/batching.md).
-* Timings: TTFT counts from the call to ``Engine.generate``; prefill tok/s counts only the
-  positions actually computed (``cached_prompt_tokens`` were reused); decode tok/s is decode
-  steps per second of the engine's own time (what the consumer does between events is not
-  counted).
+* Every choice (logprobs or not, constraint or not, pipeline or not) is made once, in
+  ``start``: the per-token path of a plain request has no branch for the features it lacks.
+* Timings: TTFT counts from ``t0`` (when the sequence got its slot); prefill tok/s counts only
+  the positions actually computed (``cached_prompt_tokens`` were reused); decode tok/s is
+  decode steps per second of the model calls' own time.
 """
 from __future__ import annotations
 
 from collections import deque
-import threading
 import time
-from typing import Callable, Deque, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from edge_llm_ros.runtime.decoder import OnnxDecoder
-from edge_llm_ros.runtime.kv_cache import KVCache
+from edge_llm_ros.runtime.output import Output
 from edge_llm_ros.runtime.request import PreparedRequest, split_chunks
 from edge_llm_ros.runtime.sampling import build_sampler, LogprobSampler, Sampler, TokenLogprobs
 from edge_llm_ros.runtime.stop import StopMatcher
@@ -59,147 +52,69 @@ Picker = Callable[[np.ndarray], int]
 RECOMPUTE = 2
 
 
-class Generation:
-    """One running generation (see the module docstring). Not thread-safe except cancel()."""
+class Sequence:
+    """One request's token state from its first prompt chunk to its result (owner thread)."""
 
-    def __init__(self, decoder: OnnxDecoder, cache: KVCache, tokenizer: TextTokenizer,
-                 prepared: PreparedRequest, prefill_chunk: int, lock: threading.RLock,
-                 t0: float, on_end: Optional[Callable[['Generation'], None]] = None,
-                 eos: Iterable[int] = (), slot: int = 0) -> None:
-        self._decoder = decoder
-        self._cache = cache
-        self.slot = slot  # the decoder slot whose KV this generation writes (see move_to)
+    def __init__(self, tokenizer: TextTokenizer, prepared: PreparedRequest, output: Output,
+                 eos: Iterable[int] = (), t0: Optional[float] = None) -> None:
+        if not prepared.bound:
+            raise ValueError('the request declares prefix_embeddings that were never bound: '
+                             'bind them before running it')
         self._tokenizer = tokenizer
         self._req = prepared
-        self._chunk = prefill_chunk
-        self._lock = lock
-        self._t0 = t0
-        self._on_end = on_end
-        self._cancel = threading.Event()
-        self._steps = self._run()
-        self._deltas: List[str] = []
-        self._ids: List[int] = []
+        self.output = output
+        self._t0 = time.perf_counter() if t0 is None else t0
         self._reason = StopReason.LENGTH
         self._timing = {'prefill_tokens': 0, 'cached': 0, 'ttft': 0.0, 'prefill_s': 0.0,
                         'decode_steps': 0, 'decode_s': 0.0}
         # The model's EOS ids and the family's other end-of-turn tokens (see Engine).
         self._eos = frozenset(eos or tokenizer.eos_token_ids)
         self._stream = None
-        self._matcher = None
+        self._matcher: Optional[StopMatcher] = None
         self._constraint_state = None
         self._pipeline: Optional[OutputPipeline] = None
-        self._reasoning: List[str] = []
-        self._logprobs: List[TokenLogprobs] = []
         self._last_logprobs: Optional[TokenLogprobs] = None
         self.result: Optional[GenerationResult] = None
-        # Decode state (set by first()): the token to feed next at position pos.
+        # Decode state (set by start()): the token to feed next at position pos.
         self.token = 0
         self.pos = 0
         self.done = False
-        self._index = 0
         self._budget = 0
         self._pick: Optional[Picker] = None
         self._emit = self._emit_plain
 
-    # --- public ------------------------------------------------------------------------------
-    def cancel(self) -> None:
-        """Stop at the next step boundary (thread-safe)."""
-        self._cancel.set()
+    @property
+    def request(self) -> PreparedRequest:
+        return self._req
 
-    def __iter__(self) -> Iterator[TokenEvent]:
-        return self
+    # --- the prompt --------------------------------------------------------------------------
+    def chunks(self, reused: int, chunk: int) -> List[Tuple[int, int]]:
+        """Return the prompt pieces (a, b) to prefill after `reused` positions already in KV."""
+        self._timing['cached'] = reused
+        return list(split_chunks(len(self._req.keys), reused, chunk))
 
-    def __next__(self) -> TokenEvent:
-        if self.result is not None:
-            raise StopIteration
-        with self._lock:
-            try:
-                return next(self._steps)
-            except StopIteration:
-                self._finish()
-                raise
-            except Exception as e:  # a runtime failure ends the generation, never the caller
-                self._cache.reset()  # its contents beyond the last commit are unknown
-                self._finish(f'{type(e).__name__}: {e}')
-                raise StopIteration from None
-            except BaseException:  # KeyboardInterrupt/SystemExit: end cleanly, then let it go
-                self._cache.reset()
-                self._reason = StopReason.CANCELLED
-                self._finish()
-                raise
-
-    def run_to_end(self) -> GenerationResult:
-        """Consume every event and return the result."""
-        for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
-
-    def abandon(self) -> None:
-        """End a generation that will not be iterated further (result: CANCELLED)."""
-        if self.result is None:
-            self._cancel.set()
-            self._steps.close()
-            self._reason = StopReason.CANCELLED
-            self._finish()
-
-    # --- the loop ----------------------------------------------------------------------------
-    def _run(self) -> Iterator[TokenEvent]:
-        """Drive this generation alone: prefill every chunk, then one decode per step."""
-        cancel = self._cancel
-        chunks = self.begin() if not cancel.is_set() else None
-        logits = None
-        for a, b in chunks or ():
-            if cancel.is_set():
-                break
-            logits = self.prefill_chunk(a, b)
-        if cancel.is_set():
-            self._reason = StopReason.CANCELLED
-            return
-        event = self.first(logits)
-        if event is not None:
-            yield event
-        dec, perf = self._decoder, time.perf_counter
-        while not self.done:
-            if cancel.is_set():
-                self._reason = StopReason.CANCELLED
-                return
-            t = perf()
-            yield self.advance(dec.decode(self.token, self.pos), t)
-
-    # --- driver API (the solo loop above, or engine.scheduler) --------------------------------
-    def move_to(self, cache: KVCache, slot: int) -> None:
-        """Continue in another slot whose cache now holds this generation's positions."""
-        self._cache = cache
-        self.slot = slot
-
-    def begin(self) -> List[Tuple[int, int]]:
-        """Plan prefix reuse in the cache; return the prompt chunks (a, b) still to prefill."""
-        req, tm = self._req, self._timing
-        reused = self._cache.plan(req.keys, req.session_id, recompute=RECOMPUTE)
-        tm['cached'] = reused
-        return list(split_chunks(len(req.keys), reused, self._chunk))
-
-    def prefill_chunk(self, a: int, b: int) -> np.ndarray:
-        """Prefill prompt positions a..b-1 in this generation's slot; returns the logits view."""
+    def prefill_inputs(self, a: int, b: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Token ids and prefix-embedding rows of prompt positions a..b-1 (embeddings first)."""
         req = self._req
-        t = time.perf_counter()
         n_emb = 0 if req.embeds is None else req.embeds.shape[0]
-        embeds = req.embeds[a:b] if a < n_emb else None
+        embeds = req.embeds[a:min(b, n_emb)] if a < n_emb else None
         ids = np.asarray(req.prompt_ids[max(a - n_emb, 0):max(b - n_emb, 0)], dtype=np.int64)
-        logits = self._decoder.forward(ids, embeds, a, self.slot)
-        self._cache.append(req.keys[a:b])
-        tm = self._timing
-        tm['prefill_s'] += time.perf_counter() - t
-        tm['prefill_tokens'] += b - a   # positions actually computed
-        return logits
+        return ids, embeds
 
-    def first(self, logits: np.ndarray) -> Optional[TokenEvent]:
+    def prefilled(self, a: int, b: int, seconds: float) -> None:
+        """Count a prefill chunk the model computed (positions a..b-1 in `seconds`)."""
+        tm = self._timing
+        tm['prefill_s'] += seconds
+        tm['prefill_tokens'] += b - a
+
+    # --- tokens ------------------------------------------------------------------------------
+    def start(self, logits: np.ndarray, pos: int, room: int) -> Optional[TokenEvent]:
         """Set up the output side and pick the first token from the prompt's last logits.
 
+        pos: positions now in KV (the prompt's length); room: free positions after them.
         Returns its event (None when the budget allows no token at all).
         """
-        req, cache = self._req, self._cache
+        req = self._req
         plan = req.output
         if plan.tool_format is not None or plan.reasoning is not None:
             self._pipeline = plan.start()
@@ -210,8 +125,8 @@ class Generation:
         self._matcher = StopMatcher(req.stop)
         self._emit = self._emit_split if self._pipeline is not None else self._emit_plain
         # prepare() checked prompt + max_tokens <= capacity; the min() only guards it.
-        self._budget = min(req.max_tokens, cache.room() + 1)
-        self.pos = cache.length
+        self._budget = min(req.max_tokens, room + 1)
+        self.pos = pos
         self.token = self._pick(logits)
         self._timing['ttft'] = time.perf_counter() - self._t0
         if self._budget < 1:
@@ -219,43 +134,26 @@ class Generation:
             return None
         return self._emit_token()
 
-    def advance(self, logits: np.ndarray, t: float) -> TokenEvent:
+    def advance(self, logits: np.ndarray, started: float) -> TokenEvent:
         """Take the logits of feeding `token` at `pos`; pick and emit the next token.
 
-        t: perf_counter time when that model call started (decode timing).
+        started: perf_counter time when that model call started (decode timing).
         """
-        self._cache.append_token(self.token)
         self.pos += 1
         self.token = self._pick(logits)
         tm = self._timing
-        tm['decode_s'] += time.perf_counter() - t
+        tm['decode_s'] += time.perf_counter() - started
         tm['decode_steps'] += 1
         return self._emit_token()
 
     def _emit_token(self) -> TokenEvent:
-        index = self._index
+        index = len(self.output)
         event, reason = self._emit(self.token, index, index + 1 == self._budget)
-        self._ids.append(self.token)
-        self._index = index + 1
+        self.output.add(event)
         if reason is not None:
             self._reason = reason
             self.done = True
         return event
-
-    def end(self, reason: Optional[StopReason] = None) -> None:
-        """Finish now (a driver's call): with `reason` if given, else the one reached."""
-        if self.result is None:
-            if reason is not None:
-                self._reason = reason
-            self._steps.close()
-            self._finish()
-
-    def fail(self, exc: BaseException) -> None:
-        """End with ERROR after a runtime failure; the slot's cache contents are unknown."""
-        if self.result is None:
-            self._cache.reset()
-            self._steps.close()
-            self._finish(f'{type(exc).__name__}: {exc}')
 
     def _picker(self, vocab: int) -> Picker:
         """Return pick(logits) -> token: sampler chain, under the mask when constrained.
@@ -290,12 +188,9 @@ class Generation:
 
     def _recording(self, pick: Picker, sampler: LogprobSampler) -> Picker:
         """Wrap pick to keep the sampler's TokenLogprobs of every picked token."""
-        record = self._logprobs.append
-
         def pick_recorded(logits: np.ndarray) -> int:
             token = pick(logits)
             self._last_logprobs = sampler.last_logprobs
-            record(sampler.last_logprobs)
             return token
         return pick_recorded
 
@@ -308,7 +203,6 @@ class Generation:
         queue: Deque[int] = deque()
         forced_tokens = self._pipeline.forced_tokens
         top_n = sampler.top_n if isinstance(sampler, LogprobSampler) else None
-        record = self._logprobs.append
 
         def pick_forcing(logits: np.ndarray) -> int:
             if not queue:
@@ -321,7 +215,6 @@ class Generation:
                 state.accept(token)
             if top_n is not None:
                 self._last_logprobs = TokenLogprobs(token, 0.0, ((token, 0.0),) if top_n else ())
-                record(self._last_logprobs)
             return token
         return pick_forcing
 
@@ -329,7 +222,6 @@ class Generation:
                     last: bool) -> Tuple[TokenEvent, Optional[StopReason]]:
         """Event of one token when all output is text."""
         text, reason = self._text_of(token, last)
-        self._deltas.append(text)
         return TokenEvent(token, text, index, time.perf_counter() - self._t0,
                           logprobs=self._last_logprobs), reason
 
@@ -349,8 +241,6 @@ class Generation:
             reason = StopReason.STOP
         elif reason is not None:
             shown += self._matcher.flush()
-        self._deltas.append(shown)
-        self._reasoning.append(reasoning)
         return TokenEvent(token, shown, index, time.perf_counter() - self._t0, reasoning,
                           calls, self._last_logprobs), reason
 
@@ -378,7 +268,13 @@ class Generation:
         return text, reason
 
     # --- end ---------------------------------------------------------------------------------
-    def _finish(self, error: str = '') -> None:
+    def finish(self, reason: Optional[StopReason] = None, error: str = '') -> GenerationResult:
+        """Build the result once (later calls return it) and end the sequence.
+
+        With `reason` if given, ERROR when `error` is given, else the reason reached.
+        """
+        if self.result is not None:
+            return self.result
         tm = self._timing
         prefill_tps = tm['prefill_tokens'] / tm['prefill_s'] if tm['prefill_s'] > 0 else 0.0
         decode_tps = tm['decode_steps'] / tm['decode_s'] if tm['decode_s'] > 0 else 0.0
@@ -388,16 +284,20 @@ class Generation:
                           prefill_tokens_per_second=prefill_tps,
                           decode_tokens_per_second=decode_tps,
                           total_s=time.perf_counter() - self._t0)
-        reason = StopReason.ERROR if error else self._reason
+        if error:
+            reason = StopReason.ERROR
+        elif reason is None:
+            reason = self._reason
         pipeline = self._pipeline
         calls = pipeline.tool_calls if pipeline is not None else []
         if reason is StopReason.STOP and calls:
             reason = StopReason.TOOL_CALLS
+        out = self.output
+        self.done = True
         self.result = GenerationResult(
-            text=''.join(self._deltas), token_ids=list(self._ids), stop_reason=reason,
-            prompt_tokens=self._req.prompt_tokens, completion_tokens=len(self._ids),
-            timings=timings, error=error, reasoning=''.join(self._reasoning), tool_calls=calls,
+            text=out.text(), token_ids=out.token_ids(), stop_reason=reason,
+            prompt_tokens=self._req.prompt_tokens, completion_tokens=len(out),
+            timings=timings, error=error, reasoning=out.reasoning(), tool_calls=calls,
             invalid_tool_calls=pipeline.invalid_tool_calls if pipeline is not None else [],
-            logprobs=list(self._logprobs))
-        if self._on_end is not None:
-            self._on_end(self)
+            logprobs=out.logprobs())
+        return self.result

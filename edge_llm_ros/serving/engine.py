@@ -1,15 +1,16 @@
-"""The engine facade: load a converted model once, then validate and run requests.
+"""The local backend: a converted model loaded once, serving goals through one scheduler.
 
     engine = Engine(EngineConfig(model_dir=''))        # '' = the embedded SmolLM2
     prepared = engine.prepare(GenerationRequest(prompt='What color is the sky?'))
     for event in engine.generate(prepared):            # or generate(request): prepares too
         print(event.text_delta, end='')
 
-One generation runs at a time through ``generate`` (it uses slot 0's KV cache); a new
-``generate`` call ends a previous generation that was not iterated to the end (it finishes as
-CANCELLED). Several sequences at once go through ``scheduler()`` (continuous batching over
-``parallel_sequences`` slots, priorities and preemption; docs/batching.md); the two are not
-meant to be mixed while the scheduler has sequences (generate then raises EngineError).
+Every goal runs through the same scheduler (serving/scheduler.py) and executor
+(serving/executor.py) over ``parallel_sequences`` KV slots (docs/batching.md): the node's
+worker drives that loop on its thread, and ``generate`` drives it on the caller's thread for
+one goal (any other submitted goal advances with it). A single stream is the scheduler with
+one slot. A new ``generate`` call ends a previous generation that was not iterated to the end
+(it finishes as CANCELLED).
 
 The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
 or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
@@ -23,7 +24,7 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, load_model_info,
@@ -34,10 +35,13 @@ from edge_llm_ros.runtime.kv_cache import KVCache, SNAPSHOT_DTYPES
 from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family, ModelConfigError,
                                                ModelFamilyConfig)
 from edge_llm_ros.runtime.request import prepare, PreparedRequest
-from edge_llm_ros.runtime.sequence import Generation
+from edge_llm_ros.runtime.sequence import Sequence as TokenSequence
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
-from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest
-from edge_llm_ros.serving.scheduler import BatchScheduler, min_rows_for
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, GenerationResult, TokenEvent
+from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
+from edge_llm_ros.serving.goal import CancelReason, Goal
+from edge_llm_ros.serving.loop import StepLoop
+from edge_llm_ros.serving.scheduler import Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
 
 
@@ -112,7 +116,7 @@ def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
 
 
 class Engine:
-    """A loaded model with its KV cache; see the module docstring."""
+    """A loaded model with its KV slots, scheduler and executor; see the module docstring."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -123,9 +127,7 @@ class Engine:
             raise ModelLoadError(f'prefill_chunk must be >= 1, got {config.prefill_chunk}')
         if config.max_sessions < 0:
             raise ModelLoadError(f'max_sessions must be >= 0, got {config.max_sessions}')
-        model_dir = config.model_dir
-        if not model_dir:
-            model_dir = str(embedded_model())
+        model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
         self.kv_bytes = check_kv_budget(self.info, config)
@@ -139,6 +141,8 @@ class Engine:
             intra_op_affinity=config.intra_op_affinity,
             max_context=config.max_context,
             slots=config.parallel_sequences))
+        # Before any cache holds positions: the probe writes into every slot.
+        self.rows: RowPolicy = probe_rows(self._decoder)
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
         store = open_sessions(config, model_dir, self._decoder.slot_buffers(0),
                               self._decoder.capacity)
@@ -147,10 +151,12 @@ class Engine:
         self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
                                 snapshot_dtype=config.kv_dtype, store=store)
                         for i in range(config.parallel_sequences)]
-        self._cache = self._caches[0]
         self._lock = threading.RLock()
-        self._active: Optional[Generation] = None
-        self._scheduler: Optional[BatchScheduler] = None
+        self._scheduler = Scheduler(self._caches, self._start_sequence, config.prefill_chunk,
+                                    config.prefix_reuse)
+        self.loop = StepLoop(self._scheduler, Executor(self._decoder, self._caches, self.rows),
+                             self._lock)
+        self._solo: Optional[Generation] = None
         self._compile_schema = functools.lru_cache(maxsize=16)(self._compile)
         self.model_name = self.info.name
         self.context_length = self._decoder.capacity
@@ -178,8 +184,12 @@ class Engine:
                        self._compile_schema, decoder.act_dtype, family=self.family,
                        vocab_size=self.vocab_size)
 
-    def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> Generation:
-        """Return the Generation of a prepared request, to iterate.
+    def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
+        """Build the runtime state of a goal that got a slot (the scheduler calls this)."""
+        return TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
+
+    def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> 'Generation':
+        """Submit one goal and return its Generation, which steps the engine as it is iterated.
 
         A GenerationRequest is prepared first (a convenience for scripts and tests; a server
         prepares at admission and passes the PreparedRequest).
@@ -190,47 +200,34 @@ class Engine:
             raise EngineError('the request declares prefix_embeddings that were never bound: '
                               'call prepared.bind(array) before generate()')
         with self._lock:
-            decoder = self._open_decoder()
-            if self._scheduler is not None and not self._scheduler.idle():
-                raise EngineError('the scheduler is running sequences on this engine: submit '
-                                  'through engine.scheduler() instead of generate()')
-            if self._active is not None:
-                self._active.abandon()
-            if not self.config.prefix_reuse:
-                self._cache.reset()
-            generation = Generation(decoder, self._cache, self.tokenizer, prepared,
-                                    self.config.prefill_chunk, self._lock, t0,
-                                    on_end=self._ended, eos=self._eos)
-            self._active = generation
-        return generation
+            self._open_decoder()
+            if self._solo is not None:
+                self._solo.abandon()
+            goal = Goal(prepared, t0=t0)
+            self._scheduler.submit(goal)
+            self._solo = Generation(self, goal)
+        return self._solo
 
-    def scheduler(self) -> BatchScheduler:
-        """Return the engine's scheduler over its parallel_sequences slots (made once)."""
+    def scheduler(self) -> Scheduler:
+        """Return the scheduler over the engine's parallel_sequences slots."""
+        self._open_decoder()
+        return self._scheduler
+
+    def step(self) -> Report:
+        """Run an admission plan, then a decode plan, on this thread."""
+        self._open_decoder()
+        return self.loop.step()
+
+    def run_plan(self) -> Report:
+        """Run the next plan (admission or decode) on this thread."""
+        self._open_decoder()
+        return self.loop.run_plan()
+
+    def end_goal(self, goal: Goal, reason: CancelReason) -> None:
+        """Cancel a goal and end it now (not at the next step)."""
         with self._lock:
-            decoder = self._open_decoder()
-            if self._scheduler is None:
-                if self._active is not None:
-                    self._active.abandon()
-                quant = self.info.extra.get('quantization')
-                level = quant.get('accuracy_level') if isinstance(quant, dict) else None
-                self._scheduler = BatchScheduler(decoder, self._caches, self._new_generation,
-                                                 self._lock, self.config.prefix_reuse,
-                                                 min_rows_for(level))
-            return self._scheduler
-
-    def _new_generation(self, prepared: PreparedRequest, cache: KVCache,
-                        slot: int) -> Generation:
-        if not prepared.bound:
-            raise EngineError('the request declares prefix_embeddings that were never bound: '
-                              'bind them before running it')
-        return Generation(self._open_decoder(), cache, self.tokenizer, prepared,
-                          self.config.prefill_chunk, self._lock, time.perf_counter(),
-                          eos=self._eos, slot=slot)
-
-    def _ended(self, generation: Generation) -> None:
-        self._cache.checkpoint()  # persisted sessions only: queue this turn's prefix for disk
-        if self._active is generation:
-            self._active = None
+            if not self._scheduler.cancel(goal, reason):
+                self._run_ends()
 
     # --- text --------------------------------------------------------------------------------
     def tokenize(self, text: str = '', messages: Sequence[ChatMessage] = (),
@@ -293,20 +290,20 @@ class Engine:
     def kv_occupancy(self) -> Tuple[int, int]:
         """(positions used, capacity) of the live KV caches (summed over the slots)."""
         used = sum(c.length for c in self._caches)
-        return used, self._cache.capacity * len(self._caches)
+        return used, self._caches[0].capacity * len(self._caches)
 
     def saved_sessions(self) -> List[str]:
         """Return the session ids whose KV prefixes are saved, least recently used first."""
-        return self._cache.sessions()
+        return self._caches[0].sessions()
 
     def reset_sessions(self, session_id: str = '') -> int:
-        """Drop one session's KV prefix ('' = every session and the live cache).
+        """Drop one session's KV prefix ('' = every session and the live caches).
 
-        Returns how many sessions had a kept prefix (saved, or in the live cache). An unknown
+        Returns how many sessions had a kept prefix (saved, or in a live cache). An unknown
         session id is a no-op that returns 0, not an error: saved prefixes are an LRU and may
         already have been evicted, so "forget this conversation" must not depend on that
-        race. A generation running on the dropped prefix is ended first (CANCELLED), since
-        its cache is going away.
+        race. A goal running on the dropped prefix is ended first (CANCELLED), since its
+        cache is going away; paused goals keep their parked KV and are not affected.
         """
         if not isinstance(session_id, str):
             raise InvalidRequestError('session_id must be text')
@@ -315,41 +312,100 @@ class Engine:
                 count = len({s for c in self._caches for s in c.known_sessions()})
                 self.reset_cache()
                 return count
-            if self._active is not None and self._cache.owner == session_id:
-                self._active.abandon()
-            if self._scheduler is not None:
-                for seq in self._scheduler.live():
-                    if self._caches[seq.slot].owner == session_id:
-                        self._scheduler.cancel(seq)
+            for goal in self._scheduler.live():
+                if self._caches[goal.slot].owner == session_id:
+                    self._scheduler.cancel(goal, CancelReason.SESSION_RESET)
+            self._run_ends()
             # Every slot's cache forgets its live copy (all of them: no short cut).
             dropped = [c.drop_session(session_id) for c in self._caches]
             return int(any(dropped))
 
     def reset_cache(self, sessions: bool = True) -> None:
-        """Forget the live KV cache (and the saved session prefixes unless sessions=False)."""
+        """Forget the live KV caches (and the saved session prefixes unless sessions=False)."""
         with self._lock:
-            self._abort()
+            self.loop.abort(CancelReason.SHUTDOWN)
             for cache in self._caches:
                 cache.reset()
             if sessions:
-                self._cache.clear_sessions()
+                self._caches[0].clear_sessions()
+
+    def _run_ends(self) -> None:
+        """End the cancelled goals now (their results set; checkpoints run)."""
+        self.loop.executor.run(self._scheduler.reap_plan())
 
     def close(self) -> None:
         """Free the session and the KV buffers; the engine cannot be used afterwards."""
         with self._lock:
-            self._abort()
+            if self._decoder is None:
+                return
+            self.loop.abort(CancelReason.SHUTDOWN)
             for cache in self._caches[1:]:
                 cache.checkpoint()
                 cache.reset()
-            self._cache.close()  # flushes persisted sessions, keeps them on disk
+            self._caches[0].close()  # flushes persisted sessions, keeps them on disk
             self._decoder = None
 
-    def _abort(self) -> None:
-        """End the solo generation and every scheduled sequence (CANCELLED)."""
-        if self._active is not None:
-            self._active.abandon()
-        if self._scheduler is not None:
-            self._scheduler.abort()
+
+class Generation:
+    """One goal driven on the caller's thread: iterate its TokenEvents (Engine.generate).
+
+    Each ``next`` runs plans until the goal has a new token or has ended (the first token
+    comes right after the prompt's last prefill chunk); ``result`` is the goal's result once
+    it ended. ``cancel()`` may come from any thread: the goal ends at the next admission plan
+    with StopReason.CANCELLED. An abandoned or interrupted generation yields nothing more.
+    """
+
+    def __init__(self, engine: Engine, goal: Goal) -> None:
+        self._engine = engine
+        self.goal = goal
+        self._next = 0
+        self._closed = False
+
+    @property
+    def result(self) -> Optional[GenerationResult]:
+        return self.goal.result
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        goal = self.goal
+        events = goal.output.events
+        try:
+            while self._next >= len(events) and not self._closed:
+                if goal.done:
+                    raise StopIteration
+                self._engine.run_plan()
+        except StopIteration:
+            raise
+        except BaseException:
+            if not goal.done:
+                # A KeyboardInterrupt mid-call: end every goal, forget the KV it left.
+                self._engine.reset_cache(sessions=False)
+            self._closed = True
+            raise
+        if self._closed:
+            raise StopIteration
+        event = events[self._next]
+        self._next += 1
+        return event
+
+    def cancel(self) -> None:
+        """Stop at the next step boundary (thread-safe)."""
+        self._engine.scheduler().cancel(self.goal, CancelReason.CLIENT)
+
+    def run_to_end(self) -> GenerationResult:
+        """Consume every event and return the result."""
+        for _ in self:
+            pass
+        assert self.goal.result is not None
+        return self.goal.result
+
+    def abandon(self) -> None:
+        """End a generation that will not be iterated further (result: CANCELLED)."""
+        self._closed = True
+        if not self.goal.done:
+            self._engine.end_goal(self.goal, CancelReason.SUPERSEDED)
 
 
 def _family(model_dir: str, name: str) -> Tuple[Optional[ModelFamilyConfig], str]:

@@ -1,72 +1,47 @@
-"""One thread that owns the engine and runs the queued generation jobs.
+"""One thread that owns the engine and runs its step loop over the submitted goals.
 
-No rclpy here: llm_node wraps jobs around action goals and service calls, and this
-module can be tested with a fake engine. The engine is created *inside* the worker
-thread so that CPU pinning applied to that thread is inherited by the ONNX Runtime
-threads the engine's session creates.
+No rclpy here: llm_node (nodes/llm_action.py) submits Goals and receives their feedback and
+ends through the goal's callbacks. The engine is created *inside* the worker thread so that CPU
+pinning applied to that thread is inherited by the ONNX Runtime threads the engine's session
+creates.
 
-The worker drives the engine's scheduler (engine/scheduler.py, docs/batching.md): up to
-``parallel_sequences`` jobs decode together, the rest wait by priority then arrival, and a
-``preempt`` job may pause a lower-priority one (its feedback says paused, then resumed). An
-engine without ``scheduler()`` (the remote backend, test fakes) runs one job at a time
-through a SerialScheduler over its ``generate``.
+The worker drives the engine's StepLoop (serving/loop.py, docs/batching.md): up to
+``parallel_sequences`` goals decode together, the rest wait by priority then arrival, and a
+``preempt`` goal may pause a lower-priority one (its feedback says paused, then resumed). A
+backend without a loop of its own (the remote backend, test fakes: anything whose
+``generate()`` streams TokenEvents) runs through serving/stream.py's StreamScheduler.
+
+Feedback: each goal's Output is the one copy of its tokens; the worker sends slices of it
+(every FeedbackPolicy.tokens tokens or period_s seconds, the first token at once) and, at the
+end, the rest with the final count, so joined feedback always equals the result.
+
+What other threads read about goals (queue positions, running and waiting counts) comes from a
+QueueView the worker publishes after every change, never from the scheduler's live state.
 
 Threading contract:
-- `submit`, `cancel`, `cancel_all`, `snapshot`, `run_between_jobs` may be called from any
-  thread.
-- `Job.on_feedback` and `Job.on_done` run on the worker thread, except when a job is
+- `submit`, `cancel`, `cancel_all`, `snapshot`, `position`, `run_between_jobs` may be called
+  from any thread.
+- `Goal.on_feedback` and `Goal.on_done` run on the worker thread, except when a goal is
   cancelled while still queued: then `on_done` runs on the cancelling thread.
-- `on_done` is called exactly once per submitted job.
+- `on_done` is called exactly once per submitted goal.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-import enum
+from dataclasses import dataclass, field
 import threading
 import time
-from typing import Any, Callable, ContextManager, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
-
-from edge_llm_ros.runtime.request import PreparedRequest
 from edge_llm_ros.runtime.tools.parser import ToolCallDelta
 from edge_llm_ros.runtime.types import GenerationResult, StopReason
-from edge_llm_ros.serving.scheduler import (cancelled_result, error_result, SeqEvent, Sequence,
-                                            SerialScheduler)
+from edge_llm_ros.serving.goal import (CancelReason, error_result, Feedback, FeedbackPolicy,
+                                       Goal)
+from edge_llm_ros.serving.loop import StepLoop
+from edge_llm_ros.serving.scheduler import Report
+from edge_llm_ros.serving.stream import StreamExecutor, StreamScheduler
 
-__all__ = ['CancelReason', 'EngineWorker', 'FeedbackChunk', 'FeedbackPolicy', 'Job',
-           'JobOutcome', 'QueueFullError', 'WorkerStoppedError', 'cancelled_result',
-           'error_result', 'tool_call_tail']
-
-
-class CancelReason(str, enum.Enum):
-    """Who cancelled a job (the node maps it to an action terminal state)."""
-
-    NONE = ''
-    CLIENT = 'client'            # the action client asked for it
-    DEACTIVATED = 'deactivated'  # the node left the active state
-    SHUTDOWN = 'shutdown'        # the node is shutting down
-
-
-@dataclass(frozen=True)
-class FeedbackPolicy:
-    """Send streamed text every `tokens` tokens or `period_s` seconds (0: off), whichever first."""
-
-    tokens: int = 4
-    period_s: float = 0.05
-
-
-@dataclass(frozen=True)
-class FeedbackChunk:
-    """What one feedback message carries (queue_position > 0 only while waiting)."""
-
-    text_delta: str = ''
-    token_ids: tuple = ()
-    completion_tokens: int = 0
-    queue_position: int = 0
-    reasoning_delta: str = ''
-    tool_call_deltas: tuple = ()     # engine.tools.parser.ToolCallDelta
-    paused: bool = False             # preempted: its KV is kept, it resumes later
+__all__ = ['EngineWorker', 'QueueFullError', 'QueueView', 'WorkerStoppedError',
+           'tool_call_tail']
 
 
 def tool_call_tail(streamed, calls) -> tuple:
@@ -89,38 +64,12 @@ def tool_call_tail(streamed, calls) -> tuple:
 
 @dataclass(eq=False)
 class _Between:
-    """An action waiting to run between two jobs (EngineWorker.run_between_jobs)."""
+    """An action waiting to run between two goals (EngineWorker.run_between_jobs)."""
 
     action: Callable[[Any], Any]
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: Optional[BaseException] = None
-
-
-@dataclass(frozen=True)
-class JobOutcome:
-    result: GenerationResult
-    cancel_reason: CancelReason = CancelReason.NONE
-
-
-@dataclass(eq=False)
-class Job:
-    """A prepared request waiting for, or running on, the worker."""
-
-    request: PreparedRequest          # validated once, by Engine.prepare at admission
-    on_done: Callable[[JobOutcome], None]
-    on_feedback: Optional[Callable[[FeedbackChunk], None]] = None
-    # Entered on the worker thread around the generation; yields the prefix-embedding array
-    # bound into the request (llm_node maps tensor handles only while the job runs).
-    embeddings: Optional[Callable[[], ContextManager[np.ndarray]]] = None
-    priority: int = 0                 # higher runs first; ties keep arrival order
-    preempt: bool = False             # may pause the lowest-priority running sequence
-    # Set by the worker/canceller under the worker's lock.
-    enqueued_at: float = field(default=0.0, init=False)
-    cancel_reason: CancelReason = field(default=CancelReason.NONE, init=False)
-    _seq: Any = field(default=None, init=False, repr=False)       # its scheduler Sequence
-    _stream: Any = field(default=None, init=False, repr=False)    # its _FeedbackStream
-    _finished: bool = field(default=False, init=False, repr=False)
 
 
 @dataclass
@@ -135,74 +84,21 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class QueueView:
+    """What the worker last published about its goals (safe to read from any thread)."""
+
+    free_slots: int = 0          # slots no goal holds (running or paused goals hold one each)
+    running: int = 0             # goals holding a slot, or paused
+    waiting: int = 0
+    positions: Dict[int, int] = field(default_factory=dict)   # goal.uid -> 1-based place
+
+
+@dataclass(frozen=True)
 class WorkerSnapshot:
     waiting: int
     running: bool
     queue_depth: int
     stats: WorkerStats
-
-
-class _FeedbackStream:
-    """One job's streamed output and what of it was sent (feedback batching per job)."""
-
-    def __init__(self, job: Job, policy: FeedbackPolicy) -> None:
-        self.send = job.on_feedback
-        self.policy = policy
-        self.text: list = []
-        self.ids: list = []
-        self.reasoning: list = []
-        self.deltas: list = []
-        self.sent_ids = self.sent_deltas = 0
-        self.last_sent = time.monotonic()
-
-    def add(self, event) -> None:
-        self.text.append(event.text_delta)
-        self.ids.append(event.token_id)
-        self.reasoning.append(event.reasoning_delta)
-        self.deltas.extend(event.tool_call_deltas)
-        if self.send is None:
-            return
-        now = time.monotonic()
-        policy = self.policy
-        # The first token goes out at once (time to first feedback ~ engine TTFT).
-        if (self.sent_ids == 0 or len(self.ids) - self.sent_ids >= policy.tokens
-                or (policy.period_s and now - self.last_sent >= policy.period_s)):
-            self.flush()
-
-    def flush(self, paused: bool = False) -> None:
-        """Send what is pending (and the paused state)."""
-        ids = self.ids
-        self.send(FeedbackChunk(''.join(self.text[self.sent_ids:]), tuple(ids[self.sent_ids:]),
-                                len(ids), reasoning_delta=''.join(self.reasoning[self.sent_ids:]),
-                                tool_call_deltas=tuple(self.deltas[self.sent_deltas:]),
-                                paused=paused))
-        self.sent_ids, self.sent_deltas = len(ids), len(self.deltas)
-        self.last_sent = time.monotonic()
-
-    def finish(self, result: GenerationResult) -> str:
-        """Send the last feedback: the rest of the result and its final count.
-
-        Returns an error text when the stream and the result disagree ('' when fine).
-        """
-        if self.send is None:
-            return ''
-        # The last feedback always carries the final count, so a client knows it has
-        # every chunk once it sees completion_tokens == result.completion_tokens.
-        streamed = ''.join(self.text[:self.sent_ids])
-        tail, problem = '', ''
-        if result.text.startswith(streamed):
-            tail = result.text[len(streamed):]
-        else:
-            problem = 'engine: streamed text is not a prefix of the result'
-        thought = ''.join(self.reasoning[:self.sent_ids])
-        self.send(FeedbackChunk(tail, tuple(result.token_ids[self.sent_ids:]),
-                                result.completion_tokens,
-                                reasoning_delta=(result.reasoning[len(thought):]
-                                                 if result.reasoning.startswith(thought)
-                                                 else ''),
-                                tool_call_deltas=tool_call_tail(self.deltas[:self.sent_deltas],
-                                                                result.tool_calls)))
-        return problem
 
 
 class QueueFullError(RuntimeError):
@@ -214,7 +110,7 @@ class WorkerStoppedError(RuntimeError):
 
 
 class EngineWorker:
-    """Runs jobs on a dedicated thread that owns the engine (batched when it can)."""
+    """Runs goals on a dedicated thread that owns the engine (batched when it can)."""
 
     def __init__(self, engine_factory: Callable[[], Any], queue_depth: int,
                  feedback: FeedbackPolicy = FeedbackPolicy(),
@@ -226,25 +122,27 @@ class EngineWorker:
         :param queue_depth: goals allowed to wait behind the running ones (one per slot).
         :param thread_setup: called first on the worker thread (CPU pinning).
         :param pacer: object whose `token_pause_s` attribute (the thermal governor's) is
-            slept after each step that made tokens when non-zero; None = never pause.
+            slept after each plan that made tokens when non-zero; None = never pause.
         """
         self._engine_factory = engine_factory
         self._thread_setup = thread_setup
         self._pacer = pacer
-        self.feedback = feedback  # replaced as a whole; read once per job
+        self.feedback = feedback  # replaced as a whole; read once per goal
         self.queue_depth = queue_depth
         self._lock = threading.Condition()
         self._announce_lock = threading.Lock()
-        self._sched: Any = None     # the engine's scheduler (set on the worker thread)
-        self._jobs: List[Job] = []  # submitted and not finished, in submission order
-        self._between: list = []    # _Between actions waiting for no job to be mid-flight
-        self._stepping = False      # the worker thread is inside a scheduler step
+        self._loop: Optional[StepLoop] = None   # set on the worker thread
+        self._goals: List[Goal] = []   # submitted and not finished, in submission order
+        self._between: list = []       # _Between actions waiting for no goal mid-flight
+        self._stepping = False         # the worker thread is inside a step
         self._reserved = 0
         self._accepting = False
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._loaded = threading.Event()
         self._load_error: Optional[BaseException] = None
+        self._view = QueueView()
+        self._slots = 1
         self.engine: Any = None
         self.stats = WorkerStats()
 
@@ -259,7 +157,7 @@ class EngineWorker:
             raise self._load_error
 
     def stop(self, reason: CancelReason = CancelReason.SHUTDOWN, timeout: float = 30.0) -> None:
-        """Cancel every job, end the thread and close the engine (idempotent)."""
+        """Cancel every goal, end the thread and close the engine (idempotent)."""
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
@@ -276,8 +174,12 @@ class EngineWorker:
 
     @property
     def slots(self) -> int:
-        """Jobs that run at once (the engine's parallel_sequences; 1 before loading)."""
-        return self._sched.slots if self._sched is not None else 1
+        """Goals that run at once (the engine's parallel_sequences; 1 before loading)."""
+        return self._slots
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and not self._stopping
 
     # ---- producer side ----------------------------------------------------------------------
     def set_accepting(self, accepting: bool) -> None:
@@ -289,26 +191,23 @@ class EngineWorker:
 
     def has_room(self) -> bool:
         with self._lock:
-            return self._open() and self._in_flight() < self._capacity()
-
-    def _open(self) -> bool:
-        return self._accepting and not self._stopping
+            return self.accepting and self._in_flight() < self._capacity()
 
     def _capacity(self) -> int:
-        # Room is for one running job per slot plus queue_depth waiting (or reserved) ones.
-        return self.queue_depth + self.slots
+        # Room is for one running goal per slot plus queue_depth waiting (or reserved) ones.
+        return self.queue_depth + self._slots
 
     def _in_flight(self) -> int:
-        return len(self._jobs) + self._reserved
+        return len(self._goals) + self._reserved
 
     def reserve(self) -> bool:
-        """Hold a place for a job that will be submitted soon; False when full.
+        """Hold a place for a goal that will be submitted soon; False when full.
 
         Admission (the action's goal callback) and submission (its accepted callback) are
         separate steps: without a reservation, a burst of goals could all be admitted.
         """
         with self._lock:
-            if not self._open() or self._in_flight() >= self._capacity():
+            if not self.accepting or self._in_flight() >= self._capacity():
                 return False
             self._reserved += 1
             return True
@@ -318,72 +217,67 @@ class EngineWorker:
         with self._lock:
             self._reserved = max(0, self._reserved - 1)
 
-    def submit(self, job: Job, reserved: bool = False) -> int:
-        """Queue a job (using a reservation if given); return its position (0: runs now).
-
-        ValueError when job.priority is outside PRIORITY_MIN..PRIORITY_MAX.
-        """
+    def submit(self, goal: Goal, reserved: bool = False) -> int:
+        """Queue a goal (using a reservation if given); return its position (0: runs now)."""
         with self._lock:
             if reserved:
                 self._reserved = max(0, self._reserved - 1)
-            if not self._open() or not self.alive or self._sched is None:
+            if not self.accepting or not self.alive or self._loop is None:
                 raise WorkerStoppedError('llm_node stopped serving (deactivated or shutting '
                                          'down) before the request could be queued')
             if self._in_flight() >= self._capacity():
                 raise QueueFullError(
                     'queue full: %d goal(s) waiting (queue_depth=%d)'
-                    % (len(self._sched.waiting()), self.queue_depth))
-            seq = Sequence(job.request, job.priority, job.preempt, job.embeddings, tag=job)
-            # Cancelled before it was submitted: it runs to a CANCELLED end at once.
-            seq.cancel_asked = job.cancel_reason is not CancelReason.NONE
-            self._sched.submit(seq)   # checks the priority range first
-            job._seq = seq
-            job.enqueued_at = time.monotonic()
-            self._jobs.append(job)
-            position = self._positions().get(id(job), 0)
-            # Ahead of some waiting job (higher priority): their positions moved too.
-            last = self._sched.waiting()[-1:] == [seq]
-            self._lock.notify_all()
+                    % (self._view.waiting, self.queue_depth))
+            self._loop.scheduler.submit(goal)
+            if goal.done:   # cancelled before it was submitted: ended at once
+                ended = True
+            else:
+                ended = False
+                self._goals.append(goal)
+                self._publish()
+                self._lock.notify_all()
+            position = self._view.positions.get(goal.uid, 0)
+            last = not ended and self._loop.scheduler.waiting()[-1:] == [goal]
+        if ended:
+            self._done(goal)
+            return 0
         if position > 0:
-            self._announce_positions(only=job if last else None)
+            # Ahead of some waiting goal (higher priority): their positions moved too.
+            self._announce_positions(only=goal if last else None)
         return position
 
-    def _positions(self) -> dict:
-        """Return the 1-based queue position of every waiting job (locked).
+    def position(self, goal: Goal) -> int:
+        """Return where the goal waits: 1 = next (0: it holds a slot or has ended)."""
+        return self._view.positions.get(goal.uid, 0)
 
-        Priority order, behind the free slots' worth of jobs admitted at the next step.
-        """
-        sched = self._sched
-        free = sched.slots - len(sched.live()) - len(sched.paused())
-        return {id(seq.tag): max(0, index + 1 - max(free, 0))
-                for index, seq in enumerate(sched.waiting())}
-
-    def cancel(self, job: Job, reason: CancelReason = CancelReason.CLIENT) -> None:
-        """Stop a running or paused job within one step, or drop it from the queue."""
+    def cancel(self, goal: Goal, reason: CancelReason = CancelReason.CLIENT) -> None:
+        """Stop a running or paused goal within one step, or drop it from the queue."""
         with self._lock:
-            if job._finished or job.cancel_reason is not CancelReason.NONE:
+            if goal.done or goal.cancelled:
                 return
-            job.cancel_reason = reason
-            if job._seq is None:
-                return   # not submitted yet: submit() starts it cancelled
-            dropped = self._sched.cancel(job._seq)
+            if self._loop is None or not goal.submitted_at:
+                goal.cancel_reason = reason   # not submitted yet: submit() ends it at once
+                return
+            dropped = self._loop.scheduler.cancel(goal, reason)
             if dropped:
-                self._forget(job)
+                self._forget(goal)
+                self._publish()
         if dropped:
-            job.on_done(JobOutcome(job._seq.result, reason))
+            self._done(goal)
             self._announce_positions()
 
     def cancel_all(self, reason: CancelReason) -> None:
         with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
-            self.cancel(job, reason)
+            goals = list(self._goals)
+        for goal in goals:
+            self.cancel(goal, reason)
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until no job runs or waits; False on timeout."""
+        """Wait until no goal runs or waits; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._jobs:
+            while self._goals:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -391,20 +285,20 @@ class EngineWorker:
             return True
 
     def run_between_jobs(self, action: Callable[[Any], Any], timeout: float) -> Any:
-        """Return `action(engine)`, run while no job is mid-flight (e.g. dropping KV sessions).
+        """Return `action(engine)`, run while no goal is mid-flight (e.g. dropping KV sessions).
 
-        At once when no job holds a slot (holding the lock, so no step starts meanwhile), else
-        on the worker thread as soon as the running jobs have ended: no new job is admitted
-        while an action waits, so it never starves, and a running generation is never
-        disturbed (paused jobs keep their KV apart and are not affected). Raises TimeoutError
-        when the running jobs did not end within `timeout` (the action still runs after them)
-        and WorkerStoppedError without an engine.
+        At once when no goal holds a slot (holding the lock, so no step starts meanwhile),
+        else on the worker thread as soon as the running goals have ended: no new goal is
+        admitted while an action waits, so it never starves, and a running generation is
+        never disturbed (paused goals keep their KV apart and are not affected). Raises
+        TimeoutError when the running goals did not end within `timeout` (the action still
+        runs after them) and WorkerStoppedError without an engine.
         """
         with self._lock:
             if self.engine is None or not self.alive or self._stopping:
                 raise WorkerStoppedError('the engine is not loaded (node not configured, or '
                                          'shutting down)')
-            if not self._stepping and not self._sched.busy():
+            if not self._stepping and not self._loop.scheduler.busy():
                 return action(self.engine)
             pending = _Between(action)
             self._between.append(pending)
@@ -417,7 +311,7 @@ class EngineWorker:
         return pending.value
 
     def _run_between(self) -> None:
-        """Run the actions that waited for the running jobs to end (worker thread, locked)."""
+        """Run the actions that waited for the running goals to end (worker thread, locked)."""
         pending, self._between = self._between, []
         for item in pending:
             try:
@@ -427,19 +321,20 @@ class EngineWorker:
             item.done.set()
 
     def snapshot(self) -> WorkerSnapshot:
-        with self._lock:
-            sched = self._sched
-            waiting = len(sched.waiting()) if sched is not None else 0
-            running = sched is not None and bool(sched.live() or sched.paused())
-            return WorkerSnapshot(waiting, running, self.queue_depth, self.stats)
+        view = self._view
+        return WorkerSnapshot(view.waiting, view.running > 0, self.queue_depth, self.stats)
 
     # ---- worker thread ----------------------------------------------------------------------
     def _main(self) -> None:
         try:
             self._thread_setup()
             self.engine = self._engine_factory()
-            make = getattr(self.engine, 'scheduler', None)
-            self._sched = make() if callable(make) else SerialScheduler(self.engine)
+            loop = getattr(self.engine, 'loop', None)
+            if not isinstance(loop, StepLoop):
+                loop = StepLoop(StreamScheduler(), StreamExecutor(self.engine))
+            self._loop = loop
+            self._slots = loop.scheduler.slots
+            self._publish()
         except BaseException as exc:  # noqa: B902 - handed to start() and re-raised there
             self._load_error = exc
             self._loaded.set()
@@ -449,110 +344,148 @@ class EngineWorker:
             while self._wait_for_work():
                 admit = not self._between
                 try:
-                    events = self._sched.step(admit, self._route)
-                except Exception as exc:  # noqa: B902 - a scheduler bug must not strand jobs
-                    events = []
+                    loop.step(admit, self._route)
+                except Exception as exc:  # noqa: B902 - a scheduler bug must not strand goals
                     self._fail_all(exc)
                 finally:
                     with self._lock:
                         self._stepping = False
-                self._route(events)
+                        self._publish()
         finally:
             engine, self.engine = self.engine, None
             engine.close()
 
     def _wait_for_work(self) -> bool:
         """Block until a step has something to do (True) or the worker is done (False)."""
-        sched = self._sched
+        sched = self._loop.scheduler
         with self._lock:
             while True:
                 if self._between and not sched.busy():
                     self._run_between()
-                if self._stopping and not self._jobs:
+                if self._stopping and not self._goals:
                     return False
-                # Stopping: only drain (cancelled jobs end at the next step).
+                # Stopping: only drain (cancelled goals end at the next step).
                 admit = not self._between and not self._stopping
-                if sched.has_work(admit) or (self._stopping and self._jobs):
+                if sched.has_work(admit) or (self._stopping and self._goals):
                     self._stepping = True
                     return True
                 self._lock.wait()
 
-    def _announce_positions(self, only: Optional[Job] = None) -> None:
-        """Send waiting jobs their current queue position (1 = next).
+    def _publish(self) -> None:
+        """Publish the queue view (locked; on the worker thread or while no step runs)."""
+        sched = self._loop.scheduler
+        held = len(sched.live()) + len(sched.paused())
+        free = max(sched.slots - held, 0)
+        waiting = sched.waiting()
+        self._view = QueueView(
+            free_slots=free, running=held, waiting=len(waiting),
+            positions={g.uid: max(0, i + 1 - free) for i, g in enumerate(waiting)})
 
-        Snapshot and sends happen under one lock, so a client never sees an older position
-        after a newer one.
+    def _announce_positions(self, only: Optional[Goal] = None) -> None:
+        """Send waiting goals their current queue position (1 = next).
+
+        View and sends happen under one lock, so a client never sees an older position after
+        a newer one.
         """
         with self._announce_lock:
             with self._lock:
-                if self._sched is None:
+                if self._loop is None:
                     return
-                positions = self._positions()
-                waiting = [seq.tag for seq in self._sched.waiting()]
-            for job in waiting:
-                position = positions[id(job)]
-                if job.on_feedback is not None and only in (None, job) and position > 0:
-                    job.on_feedback(FeedbackChunk(queue_position=position))
+                view = self._view
+                waiting = self._loop.scheduler.waiting()
+            for goal in waiting:
+                position = view.positions.get(goal.uid, 0)
+                if goal.on_feedback is not None and only in (None, goal) and position > 0:
+                    goal.on_feedback(Feedback(queue_position=position))
 
-    def _route(self, events: List[SeqEvent]) -> None:
-        """Hand each event to its job: feedback (batched per job), paused state, the end."""
-        tokens = False
-        admitted = False
-        for event in events:
-            job = event.seq.tag
-            if job._stream is None:
-                job._stream = _FeedbackStream(job, self.feedback)
-                self.stats.started += 1
-                admitted = True
-            if event.token is not None:
-                tokens = True
-                job._stream.add(event.token)
-            elif event.paused is not None:
-                if job.on_feedback is not None:
-                    job._stream.flush(paused=event.paused)
-            elif event.result is not None:
-                self._finish(job, event.result)
+    def _route(self, report: Report) -> None:
+        """Send each goal's feedback, paused state and end for one plan's report."""
+        now = time.monotonic()
+        policy = self.feedback
+        self.stats.started += len(report.started)
+        for goal in report.tokens:
+            if goal.done:
+                continue   # its end below sends the rest
+            if goal.on_feedback is None:
+                continue
+            pending = len(goal.output) - goal.sent
+            # The first token goes out at once (time to first feedback ~ engine TTFT).
+            if pending and (goal.sent == 0 or pending >= policy.tokens
+                            or (policy.period_s and now - goal.last_sent >= policy.period_s)):
+                self._flush(goal, now)
+        for goal, paused in [(g, True) for g in report.paused] + \
+                [(g, False) for g in report.resumed]:
+            if goal.on_feedback is not None:
+                self._flush(goal, now, paused=paused)
+        for goal in report.ended:
+            self._finish(goal)
         pacer = self._pacer
-        if tokens and pacer is not None and pacer.token_pause_s:
+        if report.tokens and pacer is not None and pacer.token_pause_s:
             time.sleep(pacer.token_pause_s)   # the SoC runs hot: let it cool
-        if admitted:
+        if report.started or report.ended or report.resumed:
+            with self._lock:
+                self._publish()
             self._announce_positions()
 
-    def _finish(self, job: Job, result: GenerationResult) -> None:
-        stream = job._stream
-        # A job that failed before running (stale embeddings) gets no feedback, only its end.
-        if stream.ids or result.stop_reason is not StopReason.ERROR:
-            problem = stream.finish(result)
-            if problem:
-                self.stats.last_error = problem
-        result = replace(result, timings=replace(result.timings,
-                                                 queue_wait_s=job._seq.queue_wait_s))
+    @staticmethod
+    def _flush(goal: Goal, now: float, paused: bool = False) -> None:
+        """Send the goal's Output since its cursor (and the paused state)."""
+        out, start = goal.output, goal.sent
+        end = len(out)
+        deltas = out.tool_call_deltas(start, end)
+        goal.on_feedback(Feedback(out.text(start, end), tuple(out.token_ids(start, end)), end,
+                                  reasoning_delta=out.reasoning(start, end),
+                                  tool_call_deltas=deltas, paused=paused))
+        goal.sent, goal.sent_deltas = end, goal.sent_deltas + len(deltas)
+        goal.last_sent = now or time.monotonic()
+
+    def _finish(self, goal: Goal) -> None:
+        result = goal.result
+        if goal.on_feedback is not None and (len(goal.output) or
+                                             result.stop_reason is not StopReason.ERROR):
+            self._final_feedback(goal, result)
         self._record(result)
         with self._lock:
-            self._forget(job)
-        job.on_done(JobOutcome(result, job.cancel_reason))
+            self._forget(goal)
+        self._done(goal)
+
+    @staticmethod
+    def _final_feedback(goal: Goal, result: GenerationResult) -> None:
+        """Send the rest of the Output and the final count: joined feedback equals the result.
+
+        A goal that failed before its first token gets no feedback, only its end.
+        """
+        out, start = goal.output, goal.sent
+        streamed_deltas = out.tool_call_deltas(0, start)
+        goal.on_feedback(Feedback(
+            out.text(start), tuple(out.token_ids(start)), result.completion_tokens,
+            reasoning_delta=out.reasoning(start),
+            tool_call_deltas=out.tool_call_deltas(start) + tool_call_tail(
+                streamed_deltas + out.tool_call_deltas(start), result.tool_calls)))
+        goal.sent = len(out)
+
+    def _done(self, goal: Goal) -> None:
+        if goal.on_done is not None:
+            goal.on_done(goal)
 
     def _fail_all(self, exc: Exception) -> None:
-        """End every job with ERROR after an unexpected failure of a whole step."""
+        """End every goal with ERROR after an unexpected failure of a whole step."""
         message = 'engine step failed: %s: %s' % (type(exc).__name__, exc)
         with self._lock:
-            jobs = list(self._jobs)
-        for job in jobs:
-            self._sched.cancel(job._seq)
+            goals = list(self._goals)
         try:
-            self._sched.abort()
-        except Exception:  # noqa: B902 - the jobs end below either way
+            self._loop.abort(CancelReason.SHUTDOWN)
+        except Exception:  # noqa: B902 - the goals end below either way
             pass
-        for job in jobs:
-            if job._stream is None:
-                job._stream = _FeedbackStream(job, self.feedback)
-            if not job._finished:
-                self._finish(job, error_result(message))
+        for goal in goals:
+            if goal in self._goals:
+                goal.finish(error_result(message))
+                self._finish(goal)
 
-    def _forget(self, job: Job) -> None:
-        """Mark a job finished (locked)."""
-        job._finished = True
-        self._jobs.remove(job)
+    def _forget(self, goal: Goal) -> None:
+        """Mark a goal finished (locked)."""
+        if goal in self._goals:
+            self._goals.remove(goal)
         self._lock.notify_all()
 
     def _record(self, result: GenerationResult) -> None:
