@@ -3,11 +3,11 @@
     python bench/bench_batch_engine.py [--model-dir DIR] [--json-out FILE]
 
 * throughput: for N in --parallel (default 1 2 4 8), N sequences of --tokens greedy tokens
-  each through Engine.scheduler() on an engine with parallel_sequences=N; aggregate decode
+  each through the engine's scheduler on an engine with parallel_sequences=N; aggregate decode
   tok/s = tokens decoded after the first of each sequence / wall time of the decode phase
   (from the step where every sequence decodes to the end). The single-sequence solo path
   (Engine.generate on an N=1 engine) is measured too, as the baseline.
-  One sequence on a 4-slot engine is measured too (see scheduler.min_rows_for).
+  One sequence on a 4-slot engine is measured too (see the row policy, serving/executor.py).
 * ttft: submit to first token of a priority sequence, idle vs with 3 long ones decoding.
 * step times: the best time of one decode step of b rows at the decoder (interleaved rounds,
   robust when the machine is busy): the ceiling of aggregate tok/s for b sequences.
@@ -21,7 +21,7 @@ import time
 
 from edge_llm_ros.runtime.types import GenerationRequest
 from edge_llm_ros.serving.engine import Engine, EngineConfig
-from edge_llm_ros.serving.scheduler import SeqState, Sequence
+from edge_llm_ros.serving.goal import Goal, GoalState
 
 PROMPTS = [
     'Explain how a robot arm picks up a cup.', 'Write a short poem about the sea.',
@@ -48,15 +48,15 @@ def throughput(model_dir, n, tokens, threads, repeat, slots=0):
         best = None
         for round_ in range(repeat + 1):   # round 0 warms up; the best of the others counts
             eng.reset_cache()
-            seqs = [sched.submit(Sequence(eng.prepare(request(PROMPTS[i % len(PROMPTS)],
-                                                              tokens))))
+            seqs = [sched.submit(Goal(eng.prepare(request(PROMPTS[i % len(PROMPTS)],
+                                                          tokens))))
                     for i in range(n)]
-            while not all(s.state in (SeqState.DECODE, SeqState.DONE) for s in seqs):
-                sched.step()
-            start_tokens = sum(len(s.generation._ids) if s.generation else 0 for s in seqs)
+            while not all(s.state in (GoalState.DECODE, GoalState.DONE) for s in seqs):
+                eng.step()
+            start_tokens = sum(len(s.output) for s in seqs)
             t = time.perf_counter()
             while not sched.idle():
-                sched.step()
+                eng.step()
             wall = time.perf_counter() - t
             done = sum(s.result.completion_tokens for s in seqs)
             row = {'sequences': n, 'slots': slots or n, 'tokens': done,
@@ -109,36 +109,36 @@ def ttft(model_dir, threads, repeat, busy=3):
     try:
         sched = eng.scheduler()
 
-        def first_token(seq):
+        def first_token(goal):
             seen = []
 
-            def emit(events):
-                if any(e.seq is seq and e.token is not None for e in events):
+            def emit(report):
+                if goal in report.tokens and not seen:
                     seen.append(time.perf_counter())
             t = time.perf_counter()
-            sched.submit(seq)
+            sched.submit(goal)
             while not seen:
-                emit(sched.step(emit=emit))
+                eng.loop.step(emit=emit)
             return seen[0] - t
 
         out = {'idle_s': float('inf'), 'busy_s': float('inf')}
         for _ in range(repeat + 1):
             eng.reset_cache()
-            urgent = Sequence(eng.prepare(request(PROMPTS[8], 4)), priority=10)
+            urgent = Goal(eng.prepare(request(PROMPTS[8], 4)), priority=10)
             out['idle_s'] = min(out['idle_s'], first_token(urgent))
             while not sched.idle():
-                sched.step()
+                eng.step()
             eng.reset_cache()
-            long = [sched.submit(Sequence(eng.prepare(request(PROMPTS[i], 300))))
+            long = [sched.submit(Goal(eng.prepare(request(PROMPTS[i], 300))))
                     for i in range(busy)]
-            while not all(s.state is SeqState.DECODE for s in long):
-                sched.step()
-            urgent = Sequence(eng.prepare(request(PROMPTS[8], 4)), priority=10)
+            while not all(s.state is GoalState.DECODE for s in long):
+                eng.step()
+            urgent = Goal(eng.prepare(request(PROMPTS[8], 4)), priority=10)
             out['busy_s'] = min(out['busy_s'], first_token(urgent))
             for s in long:
                 sched.cancel(s)
             while not sched.idle():
-                sched.step()
+                eng.step()
         out['ratio'] = out['busy_s'] / out['idle_s']
         return out
     finally:
@@ -168,9 +168,9 @@ def agreement(model_dir, prompts, tokens, threads):
         for start in range(0, prompts, 4):
             group = [PROMPTS[i % len(PROMPTS)] for i in range(start, min(start + 4, prompts))]
             batch.reset_cache()
-            seqs = [sched.submit(Sequence(batch.prepare(request(p, tokens)))) for p in group]
+            seqs = [sched.submit(Goal(batch.prepare(request(p, tokens)))) for p in group]
             while not sched.idle():
-                sched.step()
+                batch.step()
             for p, s in zip(group, seqs):
                 alone.reset_cache()
                 want = alone.generate(request(p, tokens)).run_to_end().token_ids

@@ -22,6 +22,7 @@ from edge_llm_ros.nodes.messages import build_transcript, queue_order
 from edge_llm_ros.regression import bagio, legacy
 from edge_llm_ros.regression.records import TranscriptRecord
 from edge_llm_ros.regression.replay import goal_fields
+from edge_llm_ros.serving.goal import check_priority, PRIORITY_MAX, PRIORITY_MIN
 
 V2_FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm2_greedy_v2'
 
@@ -30,6 +31,8 @@ def test_version_3_constants_and_defaults():
     goal = Generate.Goal()
     assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 3
     assert (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX) == (-100, 100)
+    # The serving layer's limits are the interface's (one place checks them).
+    assert (PRIORITY_MIN, PRIORITY_MAX) == (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX)
     assert (goal.priority, goal.preempt) == (0, False)
     assert Generate.Feedback().paused is False
     assert Transcript().interface_version == 3
@@ -42,9 +45,10 @@ def test_queue_order_passes_the_range(priority):
 
 
 @pytest.mark.parametrize('priority', [-101, 101, 32767, -32768])
-def test_queue_order_rejects_out_of_range_priority_with_the_range(priority):
+def test_out_of_range_priority_is_refused_with_the_range(priority):
+    # queue_order only translates; the one range check is where the goal is built.
     with pytest.raises(InvalidRequestError) as err:
-        queue_order(make_goal('hi', priority=priority))
+        check_priority(queue_order(make_goal('hi', priority=priority))[0])
     assert f'priority {priority} is outside [-100, 100]' in str(err.value)
 
 

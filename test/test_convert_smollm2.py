@@ -55,7 +55,8 @@ def reference(gguf_path, prompts, tmp_path_factory):
     """
     tok, ids = prompts
     out = tmp_path_factory.mktemp('ref') / 'logits.npz'
-    cmd = [sys.executable, '-m', 'reference_model', str(gguf_path),
+    cmd = [sys.executable, str(pathlib.Path(__file__).with_name('reference_model.py')),
+           str(gguf_path),
            '--tokens', str(N_TOKENS), '--stop', ','.join(map(str, tok.eos_token_ids)),
            '--logits-out', str(out)]
     for p in ids:

@@ -1,7 +1,7 @@
 """Property tests: random Generate goals through llm_node's own validation, and over ROS.
 
 Contract (issue 4/8): a goal is either run to a terminal outcome or refused with a message;
-no exception escapes the node's validation (LLMNode._prepare, shared by ~/generate and
+no exception escapes the node's validation (Admission.prepare, shared by ~/generate and
 ~/complete) or ~/tokenize, and a refused goal gives its queue reservation back. The second
 half sends the inputs fuzzing found dangerous to a real llm_node process, which must answer
 each with a message and keep serving.
@@ -29,6 +29,7 @@ from edge_llm_msgs.srv import Complete, Tokenize
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.ipc.channel import ENV_DIR
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.nodes.llm_admission import NodeGoal
 from edge_llm_ros.nodes.llm_node import LLMNode
 from edge_llm_ros.runtime.types import StopReason
 from edge_llm_ros.serving.worker import WorkerStoppedError
@@ -78,7 +79,7 @@ def node(ros_context, model_dir, ipc_dir):
         Parameter('model.path', value=str(model_dir)),
         Parameter('queue.depth', value=QUEUE_DEPTH), Parameter('max_tokens', value=4),
         Parameter('kv.max_context', value=TINY_CONTEXT)])
-    assert llm.trigger_configure() == TransitionCallbackReturn.SUCCESS, llm._load_error
+    assert llm.trigger_configure() == TransitionCallbackReturn.SUCCESS, llm.load_error
     assert llm.trigger_activate() == TransitionCallbackReturn.SUCCESS
     yield llm
     llm.release()
@@ -153,7 +154,7 @@ def goals(draw) -> Generate.Goal:
 
 def _reservations_all_free(llm: LLMNode) -> None:
     """Every queue slot can be reserved again: no refused goal kept one."""
-    worker = llm._worker
+    worker = llm.worker
     got = [worker.reserve() for _ in range(QUEUE_DEPTH + 1)]
     for ok in got:
         if ok:
@@ -163,9 +164,10 @@ def _reservations_all_free(llm: LLMNode) -> None:
 
 def _validate_and_run(llm: LLMNode, goal) -> str:
     """Do what llm_node does with a goal: refuse it with a message, or run it to the end."""
-    assert llm._admit() == ''
+    assert llm.admission.admit() == ''
+    job = NodeGoal(None)
     try:
-        worker, job = llm._prepare(goal)
+        worker = llm.admission.prepare(goal, job)
     except (InvalidRequestError, WorkerStoppedError) as exc:
         assert str(exc).strip(), f'{type(exc).__name__} without a message'
         return 'refused'
@@ -206,7 +208,7 @@ def test_a_handle_larger_than_its_pool_is_refused_before_allocating(node, ipc_di
         nbytes=rows * 64 * 4)])
     before = _peak_rss()
     with pytest.raises(InvalidRequestError) as err:
-        node._prepare(goal)
+        node.admission.prepare(goal, NodeGoal(None))
     grown = _peak_rss() - before
     assert grown < 64 << 20, f'validating the handle raised the peak RSS by {grown >> 20} MiB'
     assert str(POOL_SLOT_BYTES) in str(err.value) or 'context' in str(err.value)
@@ -226,7 +228,7 @@ def _peak_rss() -> int:
 def test_tokenize_answers_every_request(node, text, turns, generation_prompt):
     request = Tokenize.Request(text=text, add_generation_prompt=generation_prompt,
                                messages=[ChatMessage(role=r, content=c) for r, c in turns])
-    response = bounded(lambda: node._on_tokenize(request, Tokenize.Response()), 30.0,
+    response = bounded(lambda: node.llm_services.on_tokenize(request, Tokenize.Response()), 30.0,
                        '~/tokenize')
     assert response.success or response.error_message.strip()
     if response.success:
@@ -238,18 +240,18 @@ def test_tokenize_answers_every_request(node, text, turns, generation_prompt):
     RuntimeError('an unexpected bug')])
 def test_services_answer_any_error_from_validation_or_the_tokenizer(node, monkeypatch, error):
     # Not only InvalidRequestError: e.g. a template the sandbox refuses raises ModelLoadError
-    # from _prepare, and an exception escaping a service callback ends the node's process.
+    # from prepare, and an exception escaping a service callback ends the node's process.
     def fail(*args, **kwargs):
         raise error
-    engine = node._worker.engine
+    engine = node.engine
     monkeypatch.setattr(engine, 'prepare', fail)
     monkeypatch.setattr(engine, 'tokenize', fail)
-    answer = node._on_complete(Complete.Request(prompt='x'), Complete.Response())
+    answer = node.complete.on_complete(Complete.Request(prompt='x'), Complete.Response())
     with pytest.raises(StopIteration) as finished:
         answer.send(None)  # a refused request is answered before the coroutine awaits
     reply = finished.value.value
     assert not reply.success and str(error) in reply.error_message, reply
-    reply = node._on_tokenize(Tokenize.Request(text='x'), Tokenize.Response())
+    reply = node.llm_services.on_tokenize(Tokenize.Request(text='x'), Tokenize.Response())
     assert not reply.success and str(error) in reply.error_message, reply
     _reservations_all_free(node)
 

@@ -37,18 +37,18 @@ def node(request, ros_context, monkeypatch):
 
 
 def test_runtime_parameters_rebuild_the_runtime_config(node):
-    assert node._runtime.defaults.sampling.top_k == 0
+    assert node.runtime.defaults.sampling.top_k == 0
     results = node.set_parameters([Parameter('sampling.top_k', value=5),
                                    Parameter('max_tokens', value=12),
                                    Parameter('feedback.period_ms', value=40)])
     assert all(r.successful for r in results), results
-    runtime = node._runtime
+    runtime = node.runtime
     assert runtime.defaults.sampling.top_k == 5 and runtime.defaults.max_tokens == 12
     assert runtime.feedback.period_s == pytest.approx(0.04)
     # Refused by the schema (top_p is in (0, 1]): neither stored nor applied.
     refused = node.set_parameters([Parameter('sampling.top_p', value=0.0)])
     assert not refused[0].successful and 'top_p' in refused[0].reason
-    assert node._runtime.defaults.sampling.top_p == 1.0
+    assert node.runtime.defaults.sampling.top_p == 1.0
     assert node.get_parameter('sampling.top_p').value == 1.0
 
 

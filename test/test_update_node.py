@@ -236,7 +236,7 @@ def test_updates_are_refused_without_keys_or_a_loaded_model(
         assert done.wait(30)
         answer = future.result()
         assert not answer.success and message in answer.message, answer.message
-        assert answer.model_dir == '' and node._state == 'unconfigured'
+        assert answer.model_dir == '' and node.lifecycle_state() == 'unconfigured'
 
 
 def test_an_installed_version_corrupted_on_disk_fails_configure(world, tmp_path):
@@ -253,5 +253,5 @@ def test_an_installed_version_corrupted_on_disk_fails_configure(world, tmp_path)
             fh.seek(100)
             fh.write(bytes([byte ^ 0xFF]))
         assert node.trigger_configure() == TransitionCallbackReturn.FAILURE
-        assert 'is an installed update that does not verify' in node._load_error
-        assert 'model.onnx.data does not have the sha256' in node._load_error
+        assert 'is an installed update that does not verify' in node.load_error
+        assert 'model.onnx.data does not have the sha256' in node.load_error

@@ -11,6 +11,7 @@ producer's ring, so a deep queue never starves a camera pipeline.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -34,6 +35,14 @@ def _rows(array_shape: Sequence[int], index: int) -> Tuple[int, int]:
     return shape[0], shape[1]
 
 
+@dataclass(frozen=True)
+class DescribedEmbeddings:
+    """A goal's handles, parsed once: their joined declared shape and their descriptors."""
+
+    declared: DeclaredEmbeddings
+    descriptors: Tuple[Any, ...]   # ipc TensorDescriptor per handle, in order
+
+
 class EmbeddingResolver:
     """Maps TensorHandles through edge_llm_ros.ipc; one per configured node."""
 
@@ -51,17 +60,21 @@ class EmbeddingResolver:
             self._resolver = TensorResolver(name='llm_node')
         return self._resolver
 
-    def describe(self, handles: Sequence[Any]) -> Optional[DeclaredEmbeddings]:
-        """Check the handles without holding frames; return their joined, declared shape."""
+    def describe(self, handles: Sequence[Any]) -> Optional[DescribedEmbeddings]:
+        """Check the handles without holding frames; return their shape and descriptors.
+
+        Each handle message is parsed into its descriptor here, once; hold() takes those.
+        """
         if not handles:
             return None
         resolver = self._ipc()
-        from edge_llm_ros.ipc.descriptor import TensorDescriptor
         from edge_llm_ros.ipc.errors import DescriptorError
+        from edge_llm_ros.nodes.handles import from_handle
         rows, hidden, dtype = 0, None, None
+        descriptors = []
         for index, handle in enumerate(handles):
             try:
-                desc = TensorDescriptor.from_msg(handle)
+                desc = from_handle(handle)
             except DescriptorError as exc:
                 raise EmbeddingResolveError(f'prefix_embeddings[{index}] is not a valid '
                                             f'handle: {exc}') from None
@@ -75,11 +88,13 @@ class EmbeddingResolver:
                     f'prefix_embeddings[{index}]: no producer serves pool {desc.pool_id!r} on '
                     f'this host (is it running, with the same EDGE_LLM_IPC_DIR?)')
             rows, hidden, dtype = rows + n, width, desc.dtype
-        return DeclaredEmbeddings(rows=rows, hidden=hidden, dtype=dtype)
+            descriptors.append(desc)
+        return DescribedEmbeddings(DeclaredEmbeddings(rows=rows, hidden=hidden, dtype=dtype),
+                                   tuple(descriptors))
 
     @contextlib.contextmanager
     def hold(self, handles: Sequence[Any]) -> Iterator[Optional[np.ndarray]]:
-        """Map the frames for the duration of a with-block (one copy if several)."""
+        """Map the frames (descriptors from describe) for a with-block (one copy if several)."""
         if not handles:
             yield None
             return

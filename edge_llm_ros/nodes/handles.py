@@ -1,7 +1,7 @@
 """TensorDescriptor <-> edge_llm_msgs/msg/TensorHandle: the one module that knows both.
 
 edge_llm_ros.ipc never imports ROS messages (its descriptor converts by attribute name);
-the nodes build and read handle messages through these functions only.
+the nodes build and read handle messages through these functions.
 """
 from typing import Any, Optional
 

@@ -2,7 +2,7 @@
 
 Interfaces (all relative to the node's name):
   ~/generate   edge_llm_msgs/action/Generate   streamed, cancellable, queued (llm_action.py)
-  ~/complete   edge_llm_msgs/srv/Complete      one-shot, through the same queue (llm_action.py)
+  ~/complete   edge_llm_msgs/srv/Complete      one-shot, through the same queue (llm_complete.py)
   ~/tokenize   edge_llm_msgs/srv/Tokenize      answered at once, never queued (llm_services.py)
   ~/detokenize edge_llm_msgs/srv/Detokenize    answered at once, never queued
   ~/get_model_info edge_llm_msgs/srv/GetModelInfo  answered at once, in every state
@@ -10,6 +10,7 @@ Interfaces (all relative to the node's name):
   ~/update_model edge_llm_msgs/srv/UpdateModel  installs a signed model, swaps it in
                                                   (model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
+                                                  (llm_admission.py)
   /diagnostics diagnostic_msgs/DiagnosticArray every diagnostics.period_s (llm_health.py)
 Parameters: bringup.parameters' llm_node schema (see nodes/llm_config.py).
 
@@ -47,6 +48,8 @@ from rclpy.parameter import Parameter
 from edge_llm_ros import rclpy_internals
 from edge_llm_ros.metrics.figures import FigureRecorder
 from edge_llm_ros.nodes.llm_action import GenerateServer
+from edge_llm_ros.nodes.llm_admission import Admission
+from edge_llm_ros.nodes.llm_complete import CompleteService
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
                                            declare_parameters, read_config, runtime_config,
                                            RuntimeConfig)
@@ -84,8 +87,10 @@ class LLMNode(LifecycleNode):
         # Goal counts and latency histograms: /diagnostics and /metrics both read these.
         self.figures = FigureRecorder()
         self.process = psutil.Process()
-        self.action = GenerateServer(self)      # ~/generate, ~/complete, ~/transcript
-        self.services = LLMServices(self)       # ~/tokenize, ~/detokenize, ...
+        self.admission = Admission(self)        # one NodeGoal per request, ~/transcript
+        self.action = GenerateServer(self, self.admission)       # ~/generate
+        self.complete = CompleteService(self, self.admission)    # ~/complete
+        self.llm_services = LLMServices(self)   # ~/tokenize, ~/detokenize, ...
         self.updater = ModelUpdater(self)       # ~/update_model
         self.health = Health(self, self.get_parameter('diagnostics.period_s').value)
         self._autostart_timer = None
@@ -101,12 +106,12 @@ class LLMNode(LifecycleNode):
 
     @property
     def engine(self) -> Any:
-        """The loaded engine (local or remote), or None while unconfigured."""
+        """Return the worker's loaded engine, local or remote; None while unconfigured."""
         worker = self.worker
         return worker.engine if worker is not None else None
 
     def lifecycle_state(self) -> str:
-        """rclpy's current lifecycle state label ('unconfigured', 'configuring', ...)."""
+        """Return rclpy's current lifecycle state label: 'unconfigured', 'configuring', ..."""
         return rclpy_internals.lifecycle_state(self)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -178,7 +183,7 @@ class LLMNode(LifecycleNode):
 
     def wait_requests_answered(self, timeout: float) -> bool:
         """Wait until no goal or ~/complete call is being answered (the executor spins)."""
-        return self.action.wait_requests_answered(timeout)
+        return self.admission.wait_requests_answered(timeout)
 
     def _on_parameters_set(self, parameters: List[Parameter]) -> None:
         """Rebuild the runtime config with the accepted values (on Humble not yet stored)."""

@@ -136,7 +136,7 @@ class LLMServices:
             return answer()
         except Exception as exc:  # noqa: B902 - answer, never crash (see refusal)
             response.success = False
-            setattr(response, error_field, self._node.action.refusal(exc, what))
+            setattr(response, error_field, self._node.admission.refusal(exc, what))
             return response
 
     def on_tokenize(self, request: Tokenize.Request,

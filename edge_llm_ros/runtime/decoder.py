@@ -13,8 +13,8 @@ Sequence slots (``SessionConfig.slots`` = N, docs/batching.md): the buffers are
 ``[N, kv_heads, L, head_dim]``; slot i is the contiguous view ``buf[i:i+1]``. A prefill runs
 one slot (batch 1, over that slot's views); ``decode_rows`` runs rows 0..b-1 in one call with
 per-row lengths in ``seqlens_k`` (GroupQueryAttention's per-sequence lengths). Every binding is
-built at init, so a step only writes ints and runs. With N = 1 the path is the single-sequence
-one it always was.
+built at init, so a step only writes ints and runs. With N = 1, decode() feeds one row through
+the binding of slot 0.
 """
 from __future__ import annotations
 
@@ -230,10 +230,6 @@ class OnnxDecoder:
     def slot_buffers(self, slot: int) -> List[np.ndarray]:
         """Slot's KV views [1, kv_heads, L, head_dim] per buffer (what its KVCache tracks)."""
         return [buf[slot:slot + 1] for buf in self.kv_buffers]
-
-    def kv_bytes(self) -> int:
-        """Bytes of every KV buffer together (all slots)."""
-        return sum(buf.nbytes for buf in self.kv_buffers)
 
     # --- running -----------------------------------------------------------------------------
     def _bind(self, values: Dict[str, ort.OrtValue]) -> None:

@@ -321,9 +321,16 @@ class Engine:
             return int(any(dropped))
 
     def reset_cache(self, sessions: bool = True) -> None:
-        """Forget the live KV caches (and the saved session prefixes unless sessions=False)."""
+        """Forget the live KV caches (and the saved session prefixes unless sessions=False).
+
+        Goals holding a slot end first (CANCELLED: their KV is going away); paused goals
+        keep their parked KV and waiting goals their place. The worker calls this only
+        between goals (run_between_jobs), so no goal it drives is ended here.
+        """
         with self._lock:
-            self.loop.abort(CancelReason.SHUTDOWN)
+            for goal in self._scheduler.live():
+                self._scheduler.cancel(goal, CancelReason.SESSION_RESET)
+            self._run_ends()
             for cache in self._caches:
                 cache.reset()
             if sessions:

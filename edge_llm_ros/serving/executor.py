@@ -94,6 +94,8 @@ class Executor:
                 if goal is None:
                     raise
                 out.failed[goal.uid] = exc
+                # Half-copied KV must never be saved as a session: forget the target slot.
+                self._caches[getattr(op, 'dst', getattr(op, 'slot', 0))].reset()
         if plan.prefill is not None and plan.prefill.goal.uid not in out.failed:
             self._prefill(plan.prefill, out)
         if plan.decode is not None:
@@ -148,7 +150,7 @@ class Executor:
                 out.decode_logits = self._decoder.decode_rows(tokens, positions)
             caches = self._caches
             for row, goal in enumerate(step.goals):
-                if goal is not None:
+                if goal is not None and goal.uid not in out.failed:
                     caches[row].append_token(step.tokens[row])
         except Exception as exc:  # noqa: B902 - the call failed for every row in it
             out.decode_error = exc

@@ -453,25 +453,6 @@ class SessionStore:
         clear, self._clear = self._clear, False
         self._write(batch, clear)
 
-    # --- figures -----------------------------------------------------------------------------
-    def disk_bytes(self) -> int:
-        """Return the bytes of the database file and its WAL."""
-        total = 0
-        for suffix in ('', '-wal'):
-            try:
-                total += os.path.getsize(self.path + suffix)
-            except OSError:
-                pass
-        return total
-
-    def row_ids(self) -> List[str]:
-        """Return the saved session ids on disk, least recently used first (own reader)."""
-        db = sqlite3.connect(f'file:{self.path}?mode=ro', uri=True)
-        try:
-            return [r[0] for r in db.execute('SELECT session_id FROM sessions ORDER BY tick')]
-        finally:
-            db.close()
-
 
 def open_sessions(config: Any, model_dir: str, buffers: Sequence[np.ndarray],
                   capacity: int) -> SnapshotStore:

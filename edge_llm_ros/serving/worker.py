@@ -247,6 +247,11 @@ class EngineWorker:
             self._announce_positions(only=goal if last else None)
         return position
 
+    @property
+    def view(self) -> QueueView:
+        """The queue view last published (immutable; safe from any thread)."""
+        return self._view
+
     def position(self, goal: Goal) -> int:
         """Return where the goal waits: 1 = next (0: it holds a slot or has ended)."""
         return self._view.positions.get(goal.uid, 0)
@@ -334,7 +339,7 @@ class EngineWorker:
                 loop = StepLoop(StreamScheduler(), StreamExecutor(self.engine))
             self._loop = loop
             self._slots = loop.scheduler.slots
-            self._publish()
+            self._publish(counts=True)
         except BaseException as exc:  # noqa: B902 - handed to start() and re-raised there
             self._load_error = exc
             self._loaded.set()
@@ -350,7 +355,7 @@ class EngineWorker:
                 finally:
                     with self._lock:
                         self._stepping = False
-                        self._publish()
+                        self._publish(counts=True)
         finally:
             engine, self.engine = self.engine, None
             engine.close()
@@ -371,14 +376,22 @@ class EngineWorker:
                     return True
                 self._lock.wait()
 
-    def _publish(self) -> None:
-        """Publish the queue view (locked; on the worker thread or while no step runs)."""
+    def _publish(self, counts: bool = False) -> None:
+        """Publish the queue view (locked).
+
+        counts True (the worker thread, between plans): recount the slots' goals. Other
+        threads keep the last published counts and only re-rank the waiting goals, which the
+        scheduler's queue gives thread-safely: they never read its live slots.
+        """
         sched = self._loop.scheduler
-        held = len(sched.live()) + len(sched.paused())
-        free = max(sched.slots - held, 0)
+        view = self._view
+        running, free = view.running, view.free_slots
+        if counts:
+            running = len(sched.live()) + len(sched.paused())
+            free = max(sched.slots - running, 0)
         waiting = sched.waiting()
         self._view = QueueView(
-            free_slots=free, running=held, waiting=len(waiting),
+            free_slots=free, running=running, waiting=len(waiting),
             positions={g.uid: max(0, i + 1 - free) for i, g in enumerate(waiting)})
 
     def _announce_positions(self, only: Optional[Goal] = None) -> None:
@@ -403,6 +416,10 @@ class EngineWorker:
         now = time.monotonic()
         policy = self.feedback
         self.stats.started += len(report.started)
+        moved = report.started or report.ended or report.resumed or report.paused
+        if moved:   # before any feedback: a client that saw it sees the new counts too
+            with self._lock:
+                self._publish(counts=True)
         for goal in report.tokens:
             if goal.done:
                 continue   # its end below sends the rest
@@ -422,9 +439,7 @@ class EngineWorker:
         pacer = self._pacer
         if report.tokens and pacer is not None and pacer.token_pause_s:
             time.sleep(pacer.token_pause_s)   # the SoC runs hot: let it cool
-        if report.started or report.ended or report.resumed:
-            with self._lock:
-                self._publish()
+        if moved:
             self._announce_positions()
 
     @staticmethod

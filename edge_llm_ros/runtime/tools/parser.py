@@ -121,10 +121,6 @@ class ToolCallParser:
             self._text.append(held)
         return self._take()
 
-    @property
-    def has_calls(self) -> bool:
-        return bool(self.calls)
-
     # --- text mode ---------------------------------------------------------------------------
     def _scan_text(self, text: str, i: int) -> int:
         fmt = self._fmt
