@@ -33,8 +33,6 @@ import uuid
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import State
 from lifecycle_msgs.srv import GetState
-from rclpy.action import ActionClient
-from rclpy.action.client import ClientGoalHandle
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from unique_identifier_msgs.msg import UUID
@@ -42,9 +40,10 @@ from unique_identifier_msgs.msg import UUID
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import Complete, Detokenize, GetModelInfo, ResetSession, Tokenize
-from edge_llm_ros.feedback_listener import FeedbackListenersMixin
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
+from edge_llm_ros.rclpy_internals import (accepted_goal_handle, FeedbackListenersMixin,
+                                          LockedActionClient)
 
 # After the result arrives, how long to wait for feedback still in flight (topic vs service).
 FEEDBACK_GRACE_S = 1.0
@@ -168,83 +167,12 @@ def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
         logprobs=tuple(result.logprobs))
 
 
-class _LockedActionClient(ActionClient):
-    """rclpy's ActionClient with its request bookkeeping made thread-safe (ros2/rclpy#1123).
+class _GoalClient(FeedbackListenersMixin, LockedActionClient):
+    """LLMClient's action client: thread-safe, with feedback listeners that outlive results.
 
-    Jazzy's ActionClient sends a goal/result/cancel request and only then registers the
-    future awaiting its response; when an executor thread processes the response in between,
-    the response is dropped ('Ignoring unexpected goal response') and the goal hangs forever.
-    As upstream's fix does, one lock covers sending+registering (all three request kinds),
-    taking the responses and status out of the bookkeeping in `execute`, and the removal of
-    finished requests (done callbacks that run concurrently on other executor threads).
-    Nothing that can suspend runs under the lock: feedback never reaches this `execute`
-    (_GoalClient's FeedbackListenersMixin takes it first and calls its callbacks unlocked).
-
-    It also reports every status update of a watched goal (`watch`), which GenerationHandle
-    uses to notice a result or goal response that never arrived.
+    Both bases live in rclpy_internals (they override private rclpy members); the mixin
+    comes first so that feedback is delivered outside LockedActionClient's lock.
     """
-
-    def __init__(self, *args, **kwargs) -> None:
-        self._request_lock = threading.RLock()
-        self._status_listeners: Dict[bytes, Callable[[int], None]] = {}
-        super().__init__(*args, **kwargs)
-
-    # ---- requests (user and executor threads) ------------------------------------------------
-    def send_goal_async(self, *args, **kwargs):
-        with self._request_lock:
-            return super().send_goal_async(*args, **kwargs)
-
-    def _get_result_async(self, goal_handle):
-        with self._request_lock:
-            return super()._get_result_async(goal_handle)
-
-    def _cancel_goal_async(self, goal_handle):
-        with self._request_lock:
-            return super()._cancel_goal_async(goal_handle)
-
-    def _remove_pending_goal_request(self, future) -> None:
-        with self._request_lock:
-            super()._remove_pending_goal_request(future)
-
-    def _remove_pending_cancel_request(self, future) -> None:
-        with self._request_lock:
-            super()._remove_pending_cancel_request(future)
-
-    def _remove_pending_result_request(self, future) -> None:
-        with self._request_lock:
-            super()._remove_pending_result_request(future)
-
-    # The executor walks `_futures` (to hand them its reference) outside any lock while done
-    # callbacks remove from it: copy on write, so that walk never skips an entry.
-    def add_future(self, future) -> None:
-        with self._request_lock:
-            self._futures = self._futures + [future]
-
-    def remove_future(self, future) -> None:
-        with self._request_lock:
-            self._futures = [f for f in self._futures if f is not future]
-
-    # ---- responses (executor threads) --------------------------------------------------------
-    async def execute(self, taken_data) -> None:
-        with self._request_lock:
-            # Without feedback, the base execute never awaits: it completes right here.
-            await super().execute(taken_data)
-        if 'status' in taken_data:
-            for status in taken_data['status'].status_list:
-                listener = self._status_listeners.get(bytes(status.goal_info.goal_id.uuid))
-                if listener is not None:
-                    listener(status.status)
-
-    def watch(self, goal_id: bytes, listener: Callable[[int], None]) -> None:
-        """Call `listener(status)` for each status the server publishes for `goal_id`."""
-        self._status_listeners[goal_id] = listener
-
-    def unwatch(self, goal_id: bytes) -> None:
-        self._status_listeners.pop(goal_id, None)
-
-
-class _GoalClient(FeedbackListenersMixin, _LockedActionClient):
-    """LLMClient's action client: thread-safe, with feedback listeners that outlive results."""
 
 
 class _Waiter:
@@ -492,9 +420,8 @@ class GenerationHandle:
         if not responded and status_seen is not None and \
                 now - status_seen >= config.response_grace_s:
             # The server lists the goal, so it accepted it, but its response never came.
-            self._client._remove_pending_goal_request(self._goal_future)
-            response = Generate.Impl.SendGoalService.Response(accepted=True)
-            self._accept(ClientGoalHandle(self._client, self._uuid, response))
+            self._accept(accepted_goal_handle(self._client, self._goal_future, self._uuid,
+                                              Generate))
         elif responded and terminal is not None and \
                 now - max(terminal, asked) >= config.result_grace_s and \
                 self._goal_handle.accepted:

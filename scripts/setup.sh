@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything edge_llm_ros needs inside this checkout, from nothing:
-# a venv (.venv), the ROS 2 Jazzy wheels, the edge_llm_msgs interfaces built with
-# cmake, this package, and the embedded SmolLM2 model converted to ONNX (.cache/).
+# a venv (.venv), the ROS 2 Jazzy wheels (requirements-ros-wheels.txt) and the runtime
+# libraries (requirements.txt), the edge_llm_msgs interfaces built with cmake, this package,
+# and the embedded SmolLM2 model converted to ONNX (.cache/).
 # Idempotent: a second run only checks stamps and takes seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,7 +35,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip_quiet() {
   local rc=0
   "$VPY" -m pip -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; } || rc=$?
-  [ "${PIPESTATUS[0]:-$rc}" = 0 ] || die "pip $* failed (see above)"
+  # rc is pip's status (pipefail; the grep group always succeeds). PIPESTATUS cannot
+  # tell: after `|| rc=$?` it describes that assignment, so a failure went unnoticed.
+  [ "$rc" = 0 ] || die "pip $* failed (see above)"
 }
 
 hash_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
@@ -46,11 +49,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 mkdir -p "$STAMPS"
 VPY="$VENV/bin/python"
-req_hash=$(hash_of requirements.txt)
+# The ROS 2 wheels (no ROS install here) and the runtime libraries, resolved together; the
+# test tools are scripts/test.sh's (requirements-test.txt).
+REQUIREMENTS=(requirements-ros-wheels.txt requirements.txt)
+req_hash=$(hash_of "${REQUIREMENTS[@]}")
 if [ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$req_hash" ]; then
   echo "setup: installing wheels (ROS 2 Jazzy, onnxruntime, ...)"
   pip_quiet install --upgrade pip setuptools wheel
-  pip_quiet install -r requirements.txt
+  pip_quiet install -r requirements-ros-wheels.txt -r requirements.txt
   # The wheels' exported CMake files carry the build host's Python/numpy include paths.
   "$VPY" "$ROOT/scripts/fix_wheel_cmake_paths.py" "$VENV"
   echo "$req_hash" > "$STAMPS/requirements"

@@ -711,6 +711,44 @@ class Project:
         return None
 
 
+def _private(attr: str) -> bool:
+    return attr.startswith('_') and not (attr.startswith('__') and attr.endswith('__'))
+
+
+def private_uses(project: Project) -> List[Finding]:
+    """Private rclpy members (`_name`) the walk sees used (test_rclpy_internals: only there).
+
+    Attributes of rclpy modules, classes and instances, private rclpy modules imported, and
+    in the checked code's subclasses of rclpy classes, overrides of a private member an rclpy
+    base defines, and uses of one the subclass does not define itself (self._x, super()._x).
+    Instance attributes (absent from the extracts) are found only by name: see the test.
+    """
+    out = []
+    for use in project.uses:
+        owner, attr = use.owner, use.attr
+        if owner.kind == 'import':
+            if any(_private(part) for part in attr.split('.')):
+                out.append(Finding(use.path, use.line, attr, 'private rclpy module'))
+            continue
+        if not _private(attr):
+            continue
+        if owner.kind in ('class', 'instance', 'member') or (
+                owner.kind == 'module' and _is_rclpy(owner.name)):
+            out.append(Finding(use.path, use.line, f'{owner.name}.{attr}',
+                               'private member of an rclpy object'))
+        elif owner.kind in ('pclass', 'pinstance'):
+            if not use.override and project.local_member(owner.name, attr) is not None:
+                continue   # the subclass's own member
+            defining = sorted({found for base in project.class_chain(owner.name)[1]
+                               for api in (project.current, project.older)
+                               for found in [api.defining_class(base, attr)[0]] if found})
+            if defining:
+                how = 'overrides' if use.override else 'uses'
+                out.append(Finding(use.path, use.line, f'{defining[0]}.{attr}',
+                                   f'{owner.name} {how} a private member of its rclpy base'))
+    return out
+
+
 def _switched_guards(trees: Iterable[ast.AST]) -> Set[str]:
     """Guards some test turns off: f(..., param=False) and setattr(module, 'CONST', False)."""
     switched = set()

@@ -71,9 +71,11 @@ def handle(pool_id: str = 'camera0') -> TensorHandle:
     return msg
 
 
-def write_transcript_bag(path, messages, node: str = '/llm_node', storage: str = 'mcap'):
+def write_transcript_bag(path, messages, node: str = '/llm_node', storage: str = 'mcap',
+                         cpu_class=None):
+    """Write transcripts into a new bag; `cpu_class` None records this machine's class."""
     topics = LlmTopics(node)
-    with BagWriter(path, storage=storage) as bag:
+    with BagWriter(path, storage=storage, cpu_class=cpu_class) as bag:
         for topic, msgtype in topics.core().items():
             bag.add_topic(topic, msgtype)
         for index, msg in enumerate(messages):

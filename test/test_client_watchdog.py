@@ -1,8 +1,9 @@
-"""LLMClient's watchdog: lost result responses are recovered, a vanished server is an error.
+"""LLMClient's watchdog: lost goal and result responses are recovered, a vanished server fails.
 
 A real rclpy action server (in this process, its own node) stands in for llm_node so the
 faults can be made exact: one that ignores the first result request of each goal (a result
-response lost on the way), and one whose node is destroyed while a goal runs.
+response lost on the way), one whose node is destroyed while a goal runs, and a client that
+drops the goal response it takes (a goal response lost on the way).
 """
 import threading
 import time
@@ -11,6 +12,7 @@ from rclpy.action import ActionServer
 from rclpy.callback_groups import ReentrantCallbackGroup
 
 from edge_llm_msgs.action import Generate
+from edge_llm_ros import client as client_module
 from edge_llm_ros.client import LLMClient, ServerUnavailableError, WatchdogConfig
 
 FAST = WatchdogConfig(period_s=0.2, server_gone_s=1.0, response_grace_s=1.0, result_grace_s=1.0)
@@ -36,6 +38,19 @@ class DroppingServer(ActionServer):
             self.dropped += 1
             return
         await super()._execute_get_result_request(request_header_and_message)
+
+
+class LosingClient(client_module._GoalClient):
+    """Drop every goal response taken (as if lost on the way): only the status shows it."""
+
+    lost = 0
+
+    async def execute(self, taken_data) -> None:
+        if 'goal' in taken_data:
+            LosingClient.lost += 1
+            taken_data = {key: value for key, value in taken_data.items() if key != 'goal'}
+        if taken_data:
+            await super().execute(taken_data)
 
 
 def _serve(node, server_class, release: threading.Event):
@@ -95,4 +110,23 @@ def test_result_without_timeout_raises_when_the_server_disappears(ros):
     assert box and isinstance(box[0], ServerUnavailableError), box
     assert 'disappeared' in str(box[0]) and handle.goal_id in str(box[0])
     assert handle.done() and gone_after < TIMEOUT_S
+    client.destroy()
+
+
+def test_a_lost_goal_response_is_recovered_from_the_status(ros, monkeypatch):
+    monkeypatch.setattr(client_module, '_GoalClient', LosingClient)
+    LosingClient.lost = 0
+    release = threading.Event()
+    release.set()
+    server_node = ros('wd_lost_server')
+    _serve(server_node, ActionServer, release)
+    client = LLMClient(ros('wd_lost_client'), f'/{server_node.get_name()}', watchdog=FAST)
+    assert isinstance(client._action, LosingClient)
+    assert client.wait_for_server(timeout=TIMEOUT_S)
+    handle = client.generate('lost response')
+    outcome = handle.result(timeout=TIMEOUT_S)
+    assert outcome.status == 'succeeded' and outcome.text == 'echo lost response'
+    assert LosingClient.lost == 1 and handle.result_requests == 1
+    # rclpy_internals.accepted_goal_handle made the handle: rclpy's future never completed.
+    assert not handle._goal_future.done()
     client.destroy()

@@ -24,7 +24,8 @@ def _source_files() -> list:
 @pytest.fixture(scope='module')
 def workspace(tmp_path_factory):
     if shutil.which('colcon', path=str(VENV / 'bin')) is None:
-        pytest.fail('colcon is not installed in the venv: rerun scripts/setup.sh')
+        pytest.fail('colcon is not installed in the venv: run scripts/test.sh '
+                    '(requirements-test.txt lists it)')
     ws = tmp_path_factory.mktemp('colcon_ws')
     src = ws / 'src' / 'edge_llm_ros'
     for rel in _source_files():

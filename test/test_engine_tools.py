@@ -78,9 +78,10 @@ def generate(engine, **kw):
 
 
 def check_calls(result, events):
-    """Every call validates against its tool's schema; streamed deltas rebuild each call."""
+    """Every call names an offered tool and validates against its schema; deltas rebuild it."""
     assert result.tool_calls and not result.invalid_tool_calls
     for call in result.tool_calls:
+        assert call.name in SCHEMAS, f'{call.name!r} is not one of the offered tools'
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
     deltas = [d for e in events for d in e.tool_call_deltas]
     for index, call in enumerate(result.tool_calls):
@@ -120,26 +121,48 @@ def test_named_choice_makes_one_call_of_that_tool(smol):
     check_calls(result, events)
 
 
+# A conversation whose last user turn asks for what an earlier call did.
+LEADS_TO_A_CALL = [
+    ChatMessage('user', 'Go to the dock.'),
+    ChatMessage('assistant', '', tool_calls=(
+        ToolCall('call_1', 'move_to', '{"place": "dock", "speed": 0.5}'),)),
+    ChatMessage('tool', '{"ok": true}', tool_call_id='call_1', name='move_to'),
+    ChatMessage('assistant', 'I am at the dock.'),
+    ChatMessage('user', 'Go to the office.')]
+# One call is at most a few dozen tokens of markers plus MAX_FREE_STRING characters of a free
+# string (runtime/tools/grammar.py): 200 tokens fit whichever tool the model picks.
+ONE_CALL_TOKENS = 200
+
+
 @pytest.mark.slow
 def test_auto_calls_when_the_conversation_leads_there(smol):
-    messages = [ChatMessage('user', 'Go to the dock.'),
-                ChatMessage('assistant', '', tool_calls=(
-                    ToolCall('call_1', 'move_to', '{"place": "dock", "speed": 0.5}'),)),
-                ChatMessage('tool', '{"ok": true}', tool_call_id='call_1', name='move_to'),
-                ChatMessage('assistant', 'I am at the dock.'),
-                ChatMessage('user', 'Go to the office.')]
-    events, result = generate(smol, messages=messages, tools=TOOLS, max_tokens=80)
+    # Which tool and which arguments the model picks is its free choice (it changes with
+    # float rounding): only check that it is a call, of an offered tool, valid by its schema.
+    events, result = generate(smol, messages=LEADS_TO_A_CALL, tools=TOOLS,
+                              parallel_tool_calls=False, max_tokens=ONE_CALL_TOKENS)
     assert result.stop_reason == StopReason.TOOL_CALLS, result
+    assert len(result.tool_calls) == 1 and result.text == '', result
     check_calls(result, events)
-    assert json.loads(result.tool_calls[0].arguments)['place'] == 'office'
+
+
+@pytest.mark.slow
+def test_named_choice_in_that_conversation_calls_move_to(smol):
+    events, result = generate(smol, messages=LEADS_TO_A_CALL, tools=TOOLS,
+                              tool_choice='move_to', parallel_tool_calls=False,
+                              max_tokens=ONE_CALL_TOKENS)
+    assert result.stop_reason == StopReason.TOOL_CALLS, result
+    assert [c.name for c in result.tool_calls] == ['move_to'] and result.text == ''
+    check_calls(result, events)   # place is one of the enum, 0 <= speed <= 1
 
 
 @pytest.mark.slow
 def test_auto_answers_in_text_when_no_call_is_needed(smol):
+    # What the answer says is the model's free choice: check that text stays text.
     events, result = generate(smol, prompt='What color is the sky?', tools=TOOLS,
                               tool_choice='auto', max_tokens=40)
     assert result.tool_calls == [] and result.invalid_tool_calls == []
-    assert 'blue' in result.text.lower() and '<tool_call>' not in result.text
+    assert result.text.strip() and '<tool_call>' not in result.text
+    assert result.text == ''.join(e.text_delta for e in events)
     assert result.stop_reason in (StopReason.STOP, StopReason.LENGTH)
 
 

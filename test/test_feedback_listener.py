@@ -1,4 +1,6 @@
-"""Feedback that arrives after its goal's result still reaches the client (feedback_listener).
+"""Feedback that arrives after its goal's result still reaches the client.
+
+rclpy_internals.FeedbackListenersMixin is the workaround under test.
 
 A real in-process action server answers at once; the test then publishes feedback for the
 finished goal on the action's feedback topic, as a node whose last chunks trail the result
@@ -14,8 +16,8 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from edge_llm_msgs.action import Generate
 from edge_llm_ros import client as client_module
 from edge_llm_ros.client import LLMClient
-from edge_llm_ros.feedback_listener import FeedbackListenersMixin
 from edge_llm_ros.qos import FEEDBACK_QOS
+from edge_llm_ros.rclpy_internals import FeedbackListenersMixin
 
 WORDS = ['Late', ' chunks', ' still', ' count', '.']
 TEXT = ''.join(WORDS)
@@ -98,7 +100,7 @@ def _late_feedback(ros, name: str, keep: bool) -> tuple:
 
 
 def test_rclpy_action_client_drops_feedback_that_follows_the_result(ros):
-    # If this fails, rclpy delivers late feedback itself: feedback_listener can go.
+    # If this fails, rclpy delivers late feedback itself: FeedbackListenersMixin can go.
     assert _late_feedback(ros, 'fb_plain', keep=False) == WORDS[:1]
 
 

@@ -14,14 +14,16 @@ from regression_helpers import (
     transcript, write_transcript_bag)
 from rosbags.rosbag2 import StoragePlugin, Writer
 from rosbags.typesys import get_types_from_msg, get_typestore, Stores
+import yaml
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import (ChatMessage, SamplingParams, TokenLogprob, ToolCall, ToolSpec,
                                Transcript)
 from edge_llm_ros.client import make_goal
 from edge_llm_ros.regression import bagio, legacy
+from edge_llm_ros.regression.cpu_class import current_cpu_class, UNKNOWN
 from edge_llm_ros.regression.errors import (BagContentError, BagCorruptError, BagNotFoundError,
-                                            BagTypeMismatchError)
+                                            BagTypeMismatchError, CpuClassError)
 from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
 from edge_llm_ros.regression.replay import goal_fields
 
@@ -335,3 +337,91 @@ def test_version_2_fields_round_trip_through_a_bag(tmp_path):
     assert goal.reasoning_mode == Generate.Goal.REASONING_OFF and goal.reasoning_budget == 64
     assert goal.messages[0].tool_calls[0].name == 'move'
     assert list(goal.sampling.logit_bias_values) == [-100.0, 2.5]
+
+
+# ---------------------------------------------------------------- CPU class in the bag
+
+AVX512 = 'x86_64:avx2,fma,avx512f,avx512vnni'
+ZEN3 = 'x86_64:avx2,fma'
+
+
+def custom_data(bag: pathlib.Path) -> dict:
+    meta = yaml.safe_load((bag / 'metadata.yaml').read_text())
+    return meta['rosbag2_bagfile_information']['custom_data'] or {}
+
+
+@pytest.mark.parametrize('storage', ['mcap', 'sqlite3'])
+def test_cpu_class_round_trips_through_bag_metadata(tmp_path, storage):
+    bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')], storage=storage,
+                               cpu_class=AVX512)
+    assert custom_data(bag) == {bagio.CPU_CLASS_KEY: AVX512}   # as `ros2 bag info` shows it
+    contents = bagio.read_bag(bag)
+    assert contents.cpu_class == AVX512 and contents.warnings == []
+    # By default a bag records the class of the machine writing it.
+    here = write_transcript_bag(tmp_path / 'here', [transcript('a')], storage=storage)
+    assert bagio.read_bag(here).cpu_class == current_cpu_class()
+    assert bagio.read_bag(here).custom.get(bagio.CPU_CLASS_KEY) == (
+        current_cpu_class() if current_cpu_class() != UNKNOWN else None)
+
+
+def test_bags_without_a_cpu_class_count_as_unknown(tmp_path):
+    assert bagio.read_bag(FIXTURE).cpu_class == UNKNOWN           # recorded before the key
+    stock = stock_record_layout(tmp_path / 'stock', [transcript('a')], StoragePlugin.MCAP)
+    assert bagio.read_bag(stock).cpu_class == UNKNOWN             # ros2 bag record
+    unknown = write_transcript_bag(tmp_path / 'unknown', [transcript('a')], cpu_class='unknown')
+    assert custom_data(unknown) == {} and bagio.read_bag(unknown).cpu_class == UNKNOWN
+
+
+def test_malformed_cpu_class_is_unknown_with_a_warning(tmp_path):
+    bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')], cpu_class=ZEN3)
+    meta = bag / 'metadata.yaml'
+    meta.write_text(meta.read_text().replace(ZEN3, "'avx2 fma'"))
+    contents = bagio.read_bag(bag)
+    assert contents.cpu_class == UNKNOWN and contents.complete
+    assert any(bagio.CPU_CLASS_KEY in w and 'counts as unknown' in w for w in contents.warnings)
+    with pytest.raises(CpuClassError, match='ARCH:FEATURE'):
+        bagio.BagWriter(tmp_path / 'never', cpu_class='avx2')
+    assert not (tmp_path / 'never').exists()
+
+
+def drift_bags(tmp_path, old_class, new_class) -> tuple:
+    """Write a recording and a second run of it whose goal 0 drifted late (token 14 of 24)."""
+    old_text = 'The sky on a clear day is often described as a deep, rich, and vibrant blue.'
+    new_text = 'The sky on a clear day is often described as a deep, rich shade of blue, with'
+    tokens = list(range(24))
+    old = write_transcript_bag(tmp_path / f'old_{old_class}', [
+        transcript('sky', text=old_text, tokens=tokens, finish='length'),
+        transcript('two', text='4', tokens=(52, 2))], cpu_class=old_class)
+    new = write_transcript_bag(tmp_path / f'new_{new_class}', [
+        transcript('sky', text=new_text, tokens=tokens[:14] + list(range(500, 510)),
+                   finish='length'),
+        transcript('two', text='4', tokens=(52, 2))], cpu_class=new_class)
+    return old, new
+
+
+@pytest.mark.parametrize('old_class, new_class, exit_code, code, rule', [
+    (ZEN3, ZEN3, 1, 'token_mismatch', 'exact'),
+    (AVX512, ZEN3, 0, 'cross_cpu_drift', 'cross_cpu'),
+    ('unknown', ZEN3, 0, 'cross_cpu_drift', 'cross_cpu'),
+])
+def test_offline_report_applies_the_rule_of_both_bags_cpu_classes(
+        tmp_path, old_class, new_class, exit_code, code, rule):
+    old, new = drift_bags(tmp_path, old_class, new_class)
+    proc = run_tool('report', old, new, '--report', tmp_path / 'r')
+    assert proc.returncode == exit_code, proc.stdout + proc.stderr
+    data = read_report(tmp_path / 'r')
+    assert (data['cpu']['recorded'], data['cpu']['replay']) == (old_class, new_class)
+    assert data['cpu']['token_rule'] == rule
+    assert [g['token_rule'] for g in data['goals']] == [rule, rule]
+    assert [f['code'] for f in data['findings'] if f['goal'] == 0] == [code]
+    summary = (tmp_path / 'r' / 'summary.md').read_text()
+    assert old_class in summary and new_class in summary
+
+
+def test_record_and_replay_cli_reject_a_malformed_cpu_class(tmp_path):
+    bag = write_transcript_bag(tmp_path / 'bag', [transcript('a')])
+    for tool, args in (('replay', [bag]), ('record', ['-o', tmp_path / 'new'])):
+        proc = run_tool(tool, *args, '--cpu-class', 'avx2,fma')
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert 'ARCH:FEATURE' in proc.stderr
+    assert not (tmp_path / 'new').exists()

@@ -6,14 +6,15 @@ from hypothesis import given, settings, strategies as st
 import pytest
 
 from edge_llm_ros.client import STATUS_NAMES
-from edge_llm_ros.regression import compare
+from edge_llm_ros.regression import compare, cpu_class
 from edge_llm_ros.regression.compare import (ABORTED, CANCELED, compare_goal, compare_run,
-                                             EXIT_INPUT, EXIT_OK, EXIT_REGRESSION, NOT_SENT,
-                                             outcome_of, pair_recordings, REJECTED, ReplayOutcome,
-                                             SUCCEEDED)
-from edge_llm_ros.regression.errors import ThresholdsError
+                                             CpuClasses, EXIT_INPUT, EXIT_OK, EXIT_REGRESSION,
+                                             NOT_SENT, outcome_of, pair_recordings, REJECTED,
+                                             ReplayOutcome, SUCCEEDED)
+from edge_llm_ros.regression.errors import CpuClassError, ThresholdsError
 from edge_llm_ros.regression.records import (SamplingRecord, TensorHandleRecord, TimingsRecord,
-                                             TranscriptRecord)
+                                             ToolCallRecord, ToolSpecRecord, TranscriptRecord)
+from edge_llm_ros.regression.report import RunInfo, write_report
 from edge_llm_ros.regression.thresholds import (LatencyThresholds, load_thresholds,
                                                 OutputThresholds, Thresholds)
 from edge_llm_ros.runtime.types import StopReason
@@ -242,3 +243,324 @@ def test_partial_thresholds_keep_other_defaults(tmp_path):
     assert loaded.outputs == OutputThresholds()
     with pytest.raises(ThresholdsError, match='cannot read thresholds file'):
         load_thresholds(tmp_path / 'missing.yaml')
+
+
+# ---------------------------------------------------------------- CPU classes
+
+ICELAKE_SP = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush \
+mmx fxsr sse sse2 ss ht syscall nx pdpe1gb rdtscp lm constant_tsc pni pclmulqdq ssse3 fma cx16 \
+sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand avx2 bmi2 erms avx512f avx512dq rdseed \
+adx avx512ifma clflushopt avx512cd sha_ni avx512bw avx512vl avx512vbmi avx512_vbmi2 gfni vaes \
+avx512_vnni avx512_bitalg avx512_vpopcntdq
+bugs\t\t: spectre_v1
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+flags\t\t: fpu sse sse2 lm fma avx avx2 avx512f avx512bw avx512_vnni
+"""
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7R13 Processor
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx \
+fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm pni pclmulqdq ssse3 fma cx16 \
+sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand bmi1 avx2 smep bmi2 erms sha_ni vaes
+"""
+SAPPHIRE_RAPIDS = ('processor\t: 0\nflags\t\t: lm fma avx2 avx512f avx512bw avx512_vnni '
+                   'avx_vnni amx_bf16 amx_tile amx_int8\n')
+GRAVITON3 = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm \
+jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit uscat ilrcpc flagm ssbs \
+paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd40
+CPU revision\t: 1
+
+processor\t: 1
+Features\t: fp asimd asimddp sve i8mm
+CPU implementer\t: 0x41
+CPU architecture: 8
+"""
+# A big.LITTLE SoC whose little cores lack i8mm: only the common features count.
+BIG_LITTLE = """processor\t: 0
+Features\t: fp asimd asimddp
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU part\t: 0xd05
+
+processor\t: 4
+Features\t: fp asimd asimddp i8mm
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU part\t: 0xd0b
+"""
+
+
+@pytest.mark.parametrize('text, expected', [
+    (ICELAKE_SP, 'x86_64:avx2,fma,avx512f,avx512vnni'),
+    (ZEN3, 'x86_64:avx2,fma'),
+    (SAPPHIRE_RAPIDS, 'x86_64:avx2,fma,avx512f,avx512vnni,avx_vnni,amx_int8,amx_tile'),
+    (GRAVITON3, 'aarch64:asimddp,i8mm,sve'),
+    (BIG_LITTLE, 'aarch64:asimddp'),
+    ('processor\t: 0\nFeatures\t: fp asimd\nCPU architecture: 8\n', 'aarch64:'),
+    ('processor\t: 0\nflags\t\t: fpu sse sse2\n', 'x86:'),
+    ('', cpu_class.UNKNOWN),
+    ('processor\t: 0\nhart\t: 0\nisa\t: rv64imafdc\n', cpu_class.UNKNOWN),
+])
+def test_cpu_class_from_cpuinfo(text, expected):
+    assert cpu_class.cpu_class_from_cpuinfo(text) == expected
+
+
+def test_cpu_class_uses_the_process_architecture_and_reads_files(tmp_path):
+    # A 32-bit userland on a 64-bit Arm kernel runs the 32-bit onnxruntime build.
+    assert cpu_class.cpu_class_from_cpuinfo(BIG_LITTLE, machine='armv7l') == 'arm:asimddp'
+    assert cpu_class.cpu_class_from_cpuinfo(ZEN3, machine='AMD64') == 'x86_64:avx2,fma'
+    path = tmp_path / 'cpuinfo'
+    path.write_text(GRAVITON3)
+    assert cpu_class.current_cpu_class(str(path), machine='aarch64') == \
+        'aarch64:asimddp,i8mm,sve'
+    assert cpu_class.current_cpu_class(str(tmp_path / 'missing')) == cpu_class.UNKNOWN
+    here = cpu_class.current_cpu_class()
+    assert here == cpu_class.parse_cpu_class(here)  # this machine's class is well formed
+
+
+def test_cpu_classes_compare_as_strings_and_unknown_never_matches():
+    zen3, avx512 = 'x86_64:avx2,fma', 'x86_64:avx2,fma,avx512f,avx512vnni'
+    assert cpu_class.same_cpu_class(zen3, zen3) and not cpu_class.same_cpu_class(zen3, avx512)
+    unknown = cpu_class.UNKNOWN
+    assert not cpu_class.same_cpu_class(unknown, unknown)
+    assert CpuClasses(zen3, zen3).token_rule == compare.EXACT
+    assert CpuClasses(zen3, avx512).token_rule == compare.CROSS_CPU
+    assert CpuClasses(unknown, zen3).token_rule == compare.CROSS_CPU
+    assert CpuClasses().token_rule == compare.CROSS_CPU
+    assert cpu_class.parse_cpu_class(' X86_64:AVX2,FMA ') == zen3
+    assert cpu_class.parse_cpu_class('') == cpu_class.parse_cpu_class('Unknown') == unknown
+    for bad in ('avx2', 'x86_64: avx2', 'x86_64:avx2,,fma', 'x86 64:avx2'):
+        with pytest.raises(CpuClassError, match='ARCH:FEATURE'):
+            cpu_class.parse_cpu_class(bad)
+
+
+# ---------------------------------------------------------------- cross-CPU token rule
+
+ZEN3_CLASS = 'x86_64:avx2,fma'
+AVX512_CLASS = 'x86_64:avx2,fma,avx512f,avx512vnni'
+SAME = CpuClasses(ZEN3_CLASS, ZEN3_CLASS)
+OTHER = CpuClasses(AVX512_CLASS, ZEN3_CLASS)
+UNKNOWN_BAG = CpuClasses(cpu_class.UNKNOWN, ZEN3_CLASS)
+SKY_OLD = 'The sky on a clear day is often described as a deep, rich, and vibrant shade of blue.'
+SKY_NEW = 'The sky on a clear day is often described as a deep, rich shade of blue, with a hint'
+
+
+def drifted(at: int, length: int = 24, tail: int = 1000) -> tuple:
+    """Return token ids equal to range(length) up to `at`, then different ones."""
+    return tuple(range(at)) + tuple(range(tail, tail + length - at))
+
+
+def test_same_cpu_class_requires_identical_tokens():
+    old = record(text=SKY_OLD, tokens=range(24), finish='length')
+    new = record(goal_id='b', text=SKY_NEW, tokens=drifted(14), finish='length')
+    goal = compare_goal(0, old, ok(new), DEFAULTS, SAME)
+    assert goal.token_rule == compare.EXACT
+    assert codes(goal) == {'token_mismatch': 'regression'}
+    assert 'cross-CPU' not in goal.findings[0].message
+    assert compare_goal(0, old, ok(replace(old, goal_id='c')), DEFAULTS, SAME).findings == []
+
+
+@pytest.mark.parametrize('cpu', [OTHER, UNKNOWN_BAG], ids=['other-class', 'unknown-class'])
+def test_cross_cpu_drift_within_thresholds_is_a_warning(cpu):
+    old = record(text=SKY_OLD, tokens=range(24), finish='length')
+    new = record(goal_id='b', text=SKY_NEW, tokens=drifted(14), finish='length')
+    goal = compare_goal(0, old, ok(new), DEFAULTS, cpu)
+    assert goal.token_rule == compare.CROSS_CPU and goal.tokens_equal is False
+    assert codes(goal) == {'cross_cpu_drift': 'warning'}
+    assert (goal.leading_agreement, goal.required_agreement) == (14, 12)
+    message = goal.findings[0].message
+    assert 'float drift on another CPU class' in message and cpu.recorded in message
+    assert '14 leading tokens agree (>= 12 required)' in message
+    result = compare_run([old], [ok(new)], DEFAULTS, cpu=cpu)
+    assert result.exit_code() == EXIT_OK and result.verdict() == 'PASS'
+
+
+def test_cross_cpu_drift_beyond_thresholds_stays_a_regression():
+    old = record(text=SKY_OLD, tokens=range(24), finish='length')
+    early = record(goal_id='b', text='The weather is nice today, is it not? Let me',
+                   finish='length', tokens=drifted(3))
+    goal = compare_goal(0, old, ok(early), DEFAULTS, OTHER)
+    assert codes(goal) == {'token_mismatch': 'regression'}
+    message = goal.findings[0].message
+    assert 'beyond the cross-CPU thresholds' in message
+    assert 'only 3 leading tokens agree, 12 required' in message
+    # A late divergence into unrelated text fails the similarity floor.
+    garbage = record(goal_id='c', text=SKY_OLD[:40] + ' zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz'
+                     'zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz', tokens=drifted(20),
+                     finish='length')
+    goal = compare_goal(0, old, ok(garbage), DEFAULTS, OTHER)
+    assert codes(goal) == {'token_mismatch': 'regression'} and goal.similarity < 0.4
+    assert 'below cross_cpu_min_similarity 0.40' in goal.findings[0].message
+    # An answer cut short changed no token: never drift (finish reason aside).
+    cut = record(goal_id='d', text=SKY_OLD[:50], tokens=range(20), finish='length')
+    goal = compare_goal(0, old, ok(cut), DEFAULTS, OTHER)
+    assert codes(goal) == {'token_mismatch': 'regression'}
+    assert 'only cuts or extends the recorded answer' in goal.findings[0].message
+
+
+def test_cross_cpu_thresholds_fraction_cap_and_strict_settings():
+    limits = DEFAULTS.outputs
+    assert [compare.required_agreement(n, limits) for n in (0, 1, 7, 8, 24, 32, 200)] == [
+        0, 1, 4, 4, 12, 16, 16]
+    uncapped = replace(limits, cross_cpu_max_required_tokens=0)
+    assert compare.required_agreement(200, uncapped) == 100
+    assert compare.required_agreement(10, replace(limits, cross_cpu_min_token_agreement=0.3)) \
+        == 3
+    long_old = record(text=SKY_OLD * 4, tokens=range(200), finish='length')
+    long_new = record(goal_id='b', text=SKY_OLD * 3 + SKY_NEW, tokens=drifted(20, 200),
+                      finish='length')
+    assert codes(compare_goal(0, long_old, ok(long_new), DEFAULTS, OTHER)) == {
+        'cross_cpu_drift': 'warning'}
+    no_cap = Thresholds(outputs=uncapped)
+    assert codes(compare_goal(0, long_old, ok(long_new), no_cap, OTHER)) == {
+        'token_mismatch': 'regression'}
+    # Exact on every CPU: every leading token required (a differing one then never passes).
+    exact = Thresholds(outputs=replace(uncapped, cross_cpu_min_token_agreement=1.0))
+    old = record(text=SKY_OLD, tokens=range(24))
+    late = record(goal_id='c', text=SKY_OLD[:-1] + '!', tokens=drifted(23))
+    assert codes(compare_goal(0, old, ok(late), exact, OTHER)) == {'token_mismatch': 'regression'}
+    assert codes(compare_goal(0, old, ok(late), DEFAULTS, OTHER)) == {'cross_cpu_drift': 'warning'}
+    relaxed = Thresholds(outputs=replace(limits, greedy_exact_match=False))
+    early = record(goal_id='d', text='x', tokens=drifted(1))
+    assert codes(compare_goal(0, old, ok(early), relaxed, OTHER)) == {'token_mismatch': 'warning'}
+
+
+def test_sampled_goals_ignore_the_cpu_class():
+    old = record(temperature=0.8, text='robots plan paths around obstacles')
+    far = record(goal_id='c', temperature=0.8, tokens=(3,), text='xyz')
+    goal = compare_goal(0, old, ok(far), DEFAULTS, OTHER)
+    assert codes(goal) == {'low_similarity': 'regression'} and goal.token_rule is None
+
+
+TOOLS = [ToolSpecRecord('move', 'Drive', '{"type": "object", "required": ["meters"], '
+                        '"properties": {"meters": {"type": "number"}}}'),
+         ToolSpecRecord('grab', 'Close the gripper', '')]
+
+
+def tool_record(goal_id: str, *calls, tokens=range(24), finish='tool_calls') -> TranscriptRecord:
+    return record(goal_id=goal_id, text='', tokens=tokens, finish=finish, tools=TOOLS,
+                  tool_calls=[ToolCallRecord(f'c{i}', name, args)
+                              for i, (name, args) in enumerate(calls)])
+
+
+@pytest.mark.parametrize('cpu', [None, SAME, OTHER, UNKNOWN_BAG])
+def test_non_numeric_checks_are_strict_on_every_cpu(cpu):
+    """Finish reason, JSON, tool names and arguments, sampling: never float drift."""
+    # Every replay below drifted within the cross-CPU thresholds, and broke one more thing.
+    tokens = drifted(20)
+    old = record(text=SKY_OLD, tokens=range(24))
+    stopped = record(goal_id='b', text=SKY_NEW, tokens=tokens, finish='length')
+    assert 'finish_reason_changed' in codes(compare_goal(0, old, ok(stopped), DEFAULTS, cpu))
+    assert codes(compare_goal(0, old, ok(stopped), DEFAULTS, cpu))[
+        'finish_reason_changed'] == 'regression'
+
+    schema = '{"type": "object", "required": ["answer"]}'
+    json_old = record(text='{"answer": "the sky is blue on a clear day"}', json_schema=schema,
+                      tokens=range(24))
+    json_new = record(goal_id='c', text='{"answer": "the sky is blue on a clear day',
+                      tokens=tokens, json_schema=schema)
+    assert codes(compare_goal(0, json_old, ok(json_new), DEFAULTS, cpu))[
+        'json_invalid'] == 'regression'
+
+    calls_old = tool_record('a', ('move', '{"meters": 2.0}'), ('grab', '{}'))
+    renamed = tool_record('b', ('move', '{"meters": 2.0}'), ('drop', '{}'), tokens=tokens)
+    found = codes(compare_goal(0, calls_old, ok(renamed), DEFAULTS, cpu))
+    assert found['tool_calls_changed'] == 'regression'
+    reordered = tool_record('b', ('grab', '{}'), ('move', '{"meters": 2.0}'), tokens=tokens)
+    assert codes(compare_goal(0, calls_old, ok(reordered), DEFAULTS, cpu))[
+        'tool_calls_changed'] == 'regression'
+    broken = tool_record('c', ('move', '{"meters": 2.'), ('grab', '{}'), tokens=tokens)
+    goal = compare_goal(0, calls_old, ok(broken), DEFAULTS, cpu)
+    assert codes(goal)['tool_arguments_invalid'] == 'regression'
+    assert 'tool call 0 (move)' in [f.message for f in goal.findings
+                                    if f.code == 'tool_arguments_invalid'][0]
+    off_schema = tool_record('d', ('move', '{"meters": "far"}'), ('grab', '{}'), tokens=tokens)
+    goal = compare_goal(0, calls_old, ok(off_schema), DEFAULTS, cpu)
+    assert 'violates the schema' in [f.message for f in goal.findings
+                                     if f.code == 'tool_arguments_invalid'][0]
+    drifted_value = tool_record('e', ('move', '{"meters": 2.5}'), ('grab', '{}'), tokens=tokens)
+    assert 'tool_arguments_invalid' not in codes(
+        compare_goal(0, calls_old, ok(drifted_value), DEFAULTS, cpu))
+
+    hot = replace(stopped, finish_reason='stop', effective_sampling=replace(
+        stopped.effective_sampling, temperature=0.7))
+    assert codes(compare_goal(0, old, ok(hot), DEFAULTS, cpu))[
+        'effective_sampling_changed'] == 'regression'
+
+
+def test_tool_call_checks_follow_their_setting():
+    calls_old = tool_record('a', ('move', '{"meters": 2.0}'))
+    broken = tool_record('b', ('move', 'meters=2'))
+    lax = Thresholds(outputs=OutputThresholds(tool_calls_must_stay_valid=False))
+    assert codes(compare_goal(0, calls_old, ok(broken), lax)) == {
+        'tool_arguments_invalid': 'warning'}
+    assert compare.tool_arguments_valid('[1]') == (False, 'not a JSON object')
+    assert compare.tool_arguments_valid('{"a": 1}', 'not a schema')[0] is True
+
+
+def test_report_names_both_cpu_classes_and_the_rule_per_goal(tmp_path):
+    old = record(text=SKY_OLD, tokens=range(24), finish='length')
+    new = record(goal_id='b', text=SKY_NEW, tokens=drifted(14), finish='length')
+    same = record(goal_id='c', prompt='other', tokens=(1, 2))
+    result = compare_run([old, same], [ok(new), ok(replace(same, goal_id='d'))], DEFAULTS,
+                         cpu=UNKNOWN_BAG)
+    data = write_report(result, RunInfo(bag='old', new_bag='new'), tmp_path)
+    assert data['cpu'] == {'recorded': 'unknown', 'replay': ZEN3_CLASS, 'same_class': False,
+                           'token_rule': 'cross_cpu', 'token_rule_text': 'cross-CPU tolerant'}
+    assert [g['token_rule'] for g in data['goals']] == ['cross_cpu', 'cross_cpu']
+    assert (data['goals'][0]['leading_agreement'], data['goals'][0]['required_agreement']) == (
+        14, 12)
+    summary = data['summary']
+    assert (summary['greedy_compared'], summary['greedy_exact'], summary['greedy_identical'],
+            summary['greedy_cross_cpu_drift'], summary['regressions']) == (2, 2, 1, 1, 0)
+    assert data['verdict'] == 'PASS' and summary['warnings'] == 1
+    for name in ('summary.md', 'report.html'):
+        text = (tmp_path / name).read_text()
+        assert 'cross-CPU tolerant' in text and ZEN3_CLASS in text and 'cross_cpu_drift' in text
+    exact = write_report(compare_run([old], [ok(new)], DEFAULTS, cpu=SAME), RunInfo(),
+                         tmp_path / 'same')
+    assert exact['cpu']['token_rule'] == 'exact' and exact['verdict'] == 'REGRESSION'
+    assert exact['goals'][0]['token_rule_text'] == 'exact (same CPU class)'
+    assert (exact['summary']['greedy_exact'], exact['summary']['greedy_identical']) == (0, 0)
+    assert 'exact (same CPU class)' in (tmp_path / 'same' / 'summary.md').read_text()
+
+
+@pytest.mark.parametrize('text, message', [
+    ('outputs: {cross_cpu_min_similarity: 1.5}\n',
+     'outputs.cross_cpu_min_similarity is a fraction: it must be between 0 and 1'),
+    ('outputs: {cross_cpu_min_token_agreement: -0.1}\n',
+     'outputs.cross_cpu_min_token_agreement must be a number >= 0'),
+    ('outputs: {cross_cpu_max_required_tokens: 2.5}\n',
+     'outputs.cross_cpu_max_required_tokens must be an integer >= 0'),
+    ('outputs: {tool_calls_must_stay_valid: yes please}\n',
+     'outputs.tool_calls_must_stay_valid must be true or false'),
+    ('outputs: {cross_cpu_similarity: 0.5}\n', 'unknown setting(s) outputs.cross_cpu_similarity'),
+])
+def test_bad_cross_cpu_thresholds_say_what_to_fix(tmp_path, text, message):
+    path = tmp_path / 'thresholds.yaml'
+    path.write_text(text)
+    with pytest.raises(ThresholdsError) as err:
+        load_thresholds(path)
+    assert message in str(err.value)
+
+
+def test_cross_cpu_thresholds_load_from_yaml(tmp_path):
+    path = tmp_path / 't.yaml'
+    path.write_text('outputs:\n  cross_cpu_min_token_agreement: 1\n  cross_cpu_min_similarity: '
+                    '0.9\n  cross_cpu_max_required_tokens: 0\n')
+    outputs = load_thresholds(path).outputs
+    assert outputs == OutputThresholds(cross_cpu_min_token_agreement=1.0,
+                                       cross_cpu_min_similarity=0.9,
+                                       cross_cpu_max_required_tokens=0)
+    assert isinstance(outputs.cross_cpu_min_token_agreement, float)

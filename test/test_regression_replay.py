@@ -24,6 +24,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, Transcript
 from edge_llm_ros.regression import bagio
+from edge_llm_ros.regression.cpu_class import current_cpu_class, UNKNOWN
 from edge_llm_ros.regression.live import RawRecorder
 
 pytestmark = pytest.mark.timeout(300)
@@ -159,6 +160,12 @@ def test_replay_against_the_same_build_passes(recording, reference_server,
     assert data['goals'][3]['json_valid_new'] is True
     new = bagio.read_bag(report / 'replay_bag')
     assert len(new.transcripts) == 6
+    # Recorded and replayed on this machine: one CPU class, greedy tokens compared exactly.
+    here = current_cpu_class()
+    assert bagio.read_bag(recording).cpu_class == new.cpu_class == here
+    assert data['cpu']['same_class'] is (here != UNKNOWN)
+    assert {g['token_rule'] for g in data['goals'] if g['kind'] == 'greedy'} == {
+        'exact' if here != UNKNOWN else 'cross_cpu'}
     goal_map = json.loads(new.custom['edge_llm_ros.goal_map'])
     old_ids = [t.goal_id for t in bagio.read_bag(recording).transcripts]
     assert sorted(goal_map) == sorted(old_ids)

@@ -96,8 +96,8 @@ def rosdep(tmp_path_factory) -> Rosdep:
     try:
         import rosdep2  # noqa: F401
     except ImportError:
-        pytest.fail('rosdep is not installed in the venv: rerun scripts/setup.sh '
-                    '(requirements.txt lists it)')
+        pytest.fail('rosdep is not installed in the venv: run scripts/test.sh '
+                    '(requirements-test.txt lists it)')
     tool = Rosdep(tmp_path_factory.mktemp('rosdep'), rosdistro)
     proc = tool('update')
     assert proc.returncode == 0, f'rosdep update failed:\n{proc.stdout}\n{proc.stderr}'

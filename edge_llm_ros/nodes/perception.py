@@ -9,6 +9,7 @@ on ``~/embeddings_copy`` for consumers that cannot map it). A Generate goal can 
 that handle in ``prefix_embeddings``.
 
 Default model: the random patch-embedding stand-in of edge_llm_ros.vision.default_model
+(written by edge_llm_ros.convert.standin_encoder)
 (NOT a trained encoder) sized to the LLM's hidden size; ``model.path`` takes any
 single-input ONNX image model whose input accepts the frames as they are.
 Inference runs on a worker thread; the newest frame wins, older unread ones are dropped.
@@ -24,6 +25,7 @@ from rclpy.node import Node
 
 from edge_llm_ros.bringup.errors import BringupError
 from edge_llm_ros.bringup.parameters import schema
+from edge_llm_ros.convert.standin_encoder import build_model
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
@@ -31,7 +33,6 @@ from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
 from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.tensor_input import Sample, TensorInput
 from edge_llm_ros.nodes.tensor_output import CopyKind, TensorOutput
-from edge_llm_ros.vision.default_model import build_model
 from edge_llm_ros.vision.errors import ModelMismatchError, VisionError
 from edge_llm_ros.vision.params import perception_config
 from edge_llm_ros.vision.runner import VisionModel

@@ -20,7 +20,6 @@ nothing ever runs on a node or context that is being destroyed.
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import signal
 import threading
 import time
@@ -29,6 +28,8 @@ from typing import List, Optional
 import rclpy
 from rclpy.executors import Executor
 from rclpy.signals import SignalHandlerOptions
+
+from edge_llm_ros import rclpy_internals
 
 # How long one spin_once may wait for work: the latency of stop() (a wake without work does
 # not end spin_once); also how often wait() wakes up.
@@ -104,6 +105,6 @@ def shutdown_executor(executor: Executor, timeout: float = 5.0) -> None:
     Call only after the spin loop has ended: nothing may submit to the pool any more.
     """
     executor.shutdown(timeout_sec=timeout)
-    pool = getattr(executor, '_executor', None)
-    if isinstance(pool, ThreadPoolExecutor):
+    pool = rclpy_internals.executor_thread_pool(executor)
+    if pool is not None:
         pool.shutdown(wait=True)

@@ -21,9 +21,11 @@ from rosbags.typesys import get_types_from_msg, get_typestore, Stores, TypesysEr
 from rosbags.typesys.store import Typestore
 import yaml
 
+from edge_llm_ros.regression.cpu_class import (current_cpu_class, is_known, parse_cpu_class,
+                                               UNKNOWN)
 from edge_llm_ros.regression.errors import (BagContentError, BagCorruptError, BagNotFoundError,
-                                            BagTypeMismatchError, InterfaceDefinitionError,
-                                            RegressionToolError)
+                                            BagTypeMismatchError, CpuClassError,
+                                            InterfaceDefinitionError, RegressionToolError)
 from edge_llm_ros.regression.records import (feedback_from_msg, FeedbackRecord,
                                              tensor_handle_from_msg, TensorHandleRecord,
                                              transcript_from_msg, TranscriptRecord)
@@ -38,6 +40,8 @@ STATUS_TYPE = 'action_msgs/msg/GoalStatusArray'
 DIAGNOSTICS_TYPE = 'diagnostic_msgs/msg/DiagnosticArray'
 DIAGNOSTICS_TOPIC = '/diagnostics'
 STORAGES = ('mcap', 'sqlite3')
+# metadata.yaml custom_data key of the recording machine's CPU class (regression.cpu_class).
+CPU_CLASS_KEY = 'edge_llm_ros.cpu_class'
 
 # The action's implicit feedback wrapper (rosidl generates it; no file holds it).
 _FEEDBACK_MESSAGE_TEXT = (
@@ -202,12 +206,20 @@ def load_interfaces(folder: str = '') -> Interfaces:
 # ---------------------------------------------------------------- writing
 
 class BagWriter:
-    """Thread-safe rosbag2 writer of raw CDR messages for known interface types."""
+    """Thread-safe rosbag2 writer of raw CDR messages for known interface types.
+
+    The bag's custom_data records the CPU class of the machine that produced the answers
+    (`cpu_class`; None: this machine's; UNKNOWN: not recorded), which decides how replays
+    compare greedy outputs (docs/regression.md, "Replaying on another machine").
+    """
 
     def __init__(self, path: str | os.PathLike, interfaces: Optional[Interfaces] = None,
-                 storage: str = 'mcap') -> None:
+                 storage: str = 'mcap', cpu_class: Optional[str] = None) -> None:
         if storage not in STORAGES:
             raise ValueError(f"storage '{storage}' is not one of {', '.join(STORAGES)}")
+        # Checked before anything is created on disk.
+        self.cpu_class = current_cpu_class() if cpu_class is None else parse_cpu_class(
+            cpu_class)
         self.path = Path(path)
         if self.path.exists():
             raise RegressionToolError(
@@ -220,6 +232,8 @@ class BagWriter:
         self._connections: dict = {}
         self._lock = threading.Lock()
         self.counts: dict = {}
+        if is_known(self.cpu_class):
+            self._writer.set_custom_data(CPU_CLASS_KEY, self.cpu_class)
 
     def add_topic(self, topic: str, msgtype: str, qos: Sequence[Qos] = ()) -> None:
         """Declare a topic (once); `qos` is the publishers' offered QoS, stored as metadata."""
@@ -297,6 +311,18 @@ class BagContents:
         self.problems.append(text)
         self.complete = False
 
+    @property
+    def cpu_class(self) -> str:
+        """Return the recording machine's CPU class; UNKNOWN when the bag does not say.
+
+        Bags of a stock `ros2 bag record`, or written before the key existed (like
+        test/data/bags/smollm2_greedy), do not say.
+        """
+        try:
+            return parse_cpu_class(str(self.custom.get(CPU_CLASS_KEY, '')))
+        except CpuClassError:
+            return UNKNOWN
+
 
 def _bag_metadata(path: Path) -> tuple:
     """(storage id, custom_data) of a bag folder or single storage file."""
@@ -306,6 +332,15 @@ def _bag_metadata(path: Path) -> tuple:
     info = meta.get('rosbag2_bagfile_information', {}) if isinstance(meta, dict) else {}
     custom = info.get('custom_data') or {}
     return str(info.get('storage_identifier', '?')), dict(custom)
+
+
+def _check_cpu_class(contents: BagContents) -> None:
+    """Warn about a malformed stored CPU class (it then counts as unknown)."""
+    try:
+        parse_cpu_class(str(contents.custom.get(CPU_CLASS_KEY, '')))
+    except CpuClassError as exc:
+        contents.warnings.append(f'metadata.yaml custom_data {CPU_CLASS_KEY}: {exc}; the '
+                                 'recording CPU class counts as unknown')
 
 
 def _check_topic(conn, interfaces: Interfaces) -> TopicCheck:
@@ -381,6 +416,7 @@ def read_bag(path: str | os.PathLike, interfaces: Optional[Interfaces] = None,
         reader.open()
     except Exception as exc:  # see above
         raise BagCorruptError(f'cannot open bag {bag}: {type(exc).__name__}: {exc}') from exc
+    _check_cpu_class(contents)
     try:
         _read_messages(reader, contents, interfaces, set(tensor_topics))
     finally:
@@ -491,6 +527,7 @@ def goal_id_of_raw(data: bytes) -> str:
 
 
 __all__ = [
-    'BagContents', 'BagWriter', 'DIAGNOSTICS_TOPIC', 'DIAGNOSTICS_TYPE', 'FEEDBACK_TYPE',
-    'Interfaces', 'LlmTopics', 'STATUS_TYPE', 'TENSOR_HANDLE_TYPE', 'TRANSCRIPT_TYPE',
+    'BagContents', 'BagWriter', 'CPU_CLASS_KEY', 'DIAGNOSTICS_TOPIC', 'DIAGNOSTICS_TYPE',
+    'FEEDBACK_TYPE', 'Interfaces', 'LlmTopics', 'STATUS_TYPE', 'TENSOR_HANDLE_TYPE',
+    'TRANSCRIPT_TYPE',
     'TopicCheck', 'TranscriptRecord', 'goal_id_of_raw', 'load_interfaces', 'read_bag']

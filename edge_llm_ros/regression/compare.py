@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 import json
+import math
 import statistics
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+from edge_llm_ros.regression.cpu_class import same_cpu_class, UNKNOWN
 from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord
-from edge_llm_ros.regression.thresholds import Thresholds
+from edge_llm_ros.regression.thresholds import OutputThresholds, Thresholds
 from edge_llm_ros.runtime.types import StopReason
 
 # Finding severities, strongest first. Exit status: 1 if any regression, else 2 if any
@@ -50,6 +52,35 @@ EXIT_OK = 0
 EXIT_REGRESSION = 1
 EXIT_INPUT = 2
 
+# ---- Token rules of greedy goals (GoalComparison.token_rule, report.json) -----------------
+# Same CPU class in both runs: onnxruntime runs the same kernels, token ids must be equal.
+EXACT = 'exact'
+# Another or an unknown CPU class: float drift may flip a near-tie token; a divergence
+# within the outputs.cross_cpu_* thresholds is a warning (docs/regression.md).
+CROSS_CPU = 'cross_cpu'
+TOKEN_RULE_TEXT = {EXACT: 'exact (same CPU class)', CROSS_CPU: 'cross-CPU tolerant'}
+
+
+@dataclass(frozen=True)
+class CpuClasses:
+    """CPU classes (regression.cpu_class) of the recording and of the replaying node."""
+
+    recorded: str = UNKNOWN
+    replay: str = UNKNOWN
+
+    @property
+    def same(self) -> bool:
+        return same_cpu_class(self.recorded, self.replay)
+
+    @property
+    def token_rule(self) -> str:
+        return EXACT if self.same else CROSS_CPU
+
+    def describe(self) -> str:
+        if self.same:
+            return f'same CPU class {self.recorded}'
+        return f'recorded on CPU class {self.recorded}, replayed on {self.replay}'
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -82,6 +113,10 @@ class GoalComparison:
     similarity: Optional[float] = None
     json_valid_old: Optional[bool] = None
     json_valid_new: Optional[bool] = None
+    # Greedy goals: EXACT or CROSS_CPU; with CROSS_CPU, what the tolerant rule measured.
+    token_rule: Optional[str] = None
+    leading_agreement: Optional[int] = None
+    required_agreement: Optional[int] = None
     findings: list = field(default_factory=list)
 
     @property
@@ -128,6 +163,7 @@ class ComparisonResult:
     goals: list = field(default_factory=list)        # GoalComparison
     metrics: list = field(default_factory=list)      # MetricSummary
     findings: list = field(default_factory=list)     # run-level Finding
+    cpu: Optional[CpuClasses] = None                 # None: both runs on one machine
 
     def all_findings(self) -> list:
         out = list(self.findings)
@@ -208,6 +244,71 @@ def json_valid(text: str, schema_text: str) -> tuple:
     return True, ''
 
 
+def tool_arguments_valid(arguments: str, schema_text: str = '') -> tuple:
+    """Check tool-call arguments: a JSON object, of the tool's parameters schema if any."""
+    try:
+        value = json.loads(arguments)
+    except ValueError as exc:
+        return False, f'not JSON ({exc})'
+    if not isinstance(value, dict):
+        return False, 'not a JSON object'
+    if not schema_text.strip():
+        return True, ''
+    return json_valid(arguments, schema_text)
+
+
+@dataclass(frozen=True)
+class DriftVerdict:
+    """Whether a greedy divergence on another CPU class is float drift (cross_cpu_drift)."""
+
+    within: bool
+    agreed: int          # leading elements both runs share
+    required: int        # leading elements the thresholds require
+    reason: str
+
+
+def required_agreement(recorded: int, limits: OutputThresholds) -> int:
+    """Leading tokens a cross-CPU replay must reproduce: a fraction of the recorded, capped."""
+    # The epsilon keeps 0.3 * 10 at 3: float products may land just above the integer.
+    needed = math.ceil(limits.cross_cpu_min_token_agreement * recorded - 1e-9)
+    if limits.cross_cpu_max_required_tokens > 0:
+        needed = min(needed, limits.cross_cpu_max_required_tokens)
+    return max(needed, 0)
+
+
+def cross_cpu_drift(old: Sequence, new: Sequence, text_similarity: float,
+                    limits: OutputThresholds, unit: str = 'token') -> DriftVerdict:
+    """Judge a greedy divergence between runs on different (or unknown) CPU classes.
+
+    Float drift flips one near-tie token and decoding goes on from there, so it is
+    accepted when that token comes late enough and the texts stay similar. A replay that
+    only cuts or extends the recorded sequence changed no token: that is never drift.
+    """
+    agreed = first_divergence(old, new)
+    agreed = len(old) if agreed is None else agreed
+    required = required_agreement(len(old), limits)
+    if agreed >= min(len(old), len(new)):
+        return DriftVerdict(False, agreed, required,
+                            'the replay only cuts or extends the recorded answer (no token '
+                            'differs), which float drift does not do')
+    failures = []
+    if agreed < required:
+        cap = limits.cross_cpu_max_required_tokens
+        failures.append(
+            f'only {agreed} leading {unit}s agree, {required} required '
+            f'(cross_cpu_min_token_agreement {limits.cross_cpu_min_token_agreement:g} of '
+            f'{len(old)}{f", at most {cap}" if cap else ""})')
+    if text_similarity < limits.cross_cpu_min_similarity:
+        failures.append(f'text similarity {text_similarity:.2f} is below '
+                        f'cross_cpu_min_similarity {limits.cross_cpu_min_similarity:.2f}')
+    if failures:
+        return DriftVerdict(False, agreed, required, '; '.join(failures))
+    return DriftVerdict(True, agreed, required,
+                        f'{agreed} leading {unit}s agree (>= {required} required), text '
+                        f'similarity {text_similarity:.2f} >= '
+                        f'{limits.cross_cpu_min_similarity:.2f}')
+
+
 def _excerpt(text: str, width: int = 60) -> str:
     text = text.replace('\n', '\\n')
     return repr(text if len(text) <= width else text[:width - 1] + '\u2026')
@@ -233,8 +334,12 @@ def _value(value) -> str:
 # ---------------------------------------------------------------- per goal
 
 def compare_goal(index: int, old: TranscriptRecord, outcome: ReplayOutcome,
-                 thresholds: Thresholds) -> GoalComparison:
-    """Compare one recorded goal with its replay."""
+                 thresholds: Thresholds, cpu: Optional[CpuClasses] = None) -> GoalComparison:
+    """Compare one recorded goal with its replay.
+
+    `cpu` says on which CPU classes both runs were made and so which token rule greedy
+    goals get; None means both on one machine (the exact rule).
+    """
     result = GoalComparison(index=index, old=old, outcome=outcome)
     temperature = old.effective_temperature()
     result.kind = 'unknown' if temperature is None else (
@@ -286,7 +391,7 @@ def compare_goal(index: int, old: TranscriptRecord, outcome: ReplayOutcome,
         add('no_transcript', WARNING,
             'the node published no transcript for this goal: the comparison uses the action '
             'result only (effective sampling unknown)')
-    _compare_outputs(result, old, new, thresholds, add)
+    _compare_outputs(result, old, new, thresholds, cpu, add)
     return result
 
 
@@ -302,7 +407,7 @@ def _new_error(outcome: ReplayOutcome) -> str:
 
 
 def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: TranscriptRecord,
-                     thresholds: Thresholds, add) -> None:
+                     thresholds: Thresholds, cpu: Optional[CpuClasses], add) -> None:
     limits = thresholds.outputs
     result.similarity = similarity(old.text, new.text)
     if old.token_ids or new.token_ids:
@@ -313,12 +418,7 @@ def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: Transcr
         result.first_divergence = first_divergence(old.text, new.text)
 
     if result.kind == 'greedy':
-        if not result.tokens_equal:
-            severity = REGRESSION if limits.greedy_exact_match else WARNING
-            add('token_mismatch', severity,
-                f'greedy output changed at token {result.first_divergence} '
-                f'({len(old.token_ids)} -> {len(new.token_ids)} tokens): '
-                f'{_excerpt(old.text)} -> {_excerpt(new.text)}')
+        _compare_greedy(result, old, new, limits, cpu, add)
     else:
         if result.kind == 'unknown':
             add('sampling_unknown', WARNING,
@@ -345,6 +445,8 @@ def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: Transcr
             f'finish reason {old.finish_reason!r} -> {new.finish_reason!r} '
             f'(completion tokens {old.completion_tokens} -> {new.completion_tokens})')
 
+    _compare_tool_calls(old, new, limits, add)
+
     changed = _sampling_diff(old, new)
     if changed:
         add('effective_sampling_changed',
@@ -352,6 +454,52 @@ def _compare_outputs(result: GoalComparison, old: TranscriptRecord, new: Transcr
             'the node applied other sampling than in the recording: ' + ', '.join(changed))
     if old.model and new.model and old.model != new.model:
         add('model_changed', INFO, f'model {old.model!r} -> {new.model!r}')
+
+
+def _compare_greedy(result: GoalComparison, old: TranscriptRecord, new: TranscriptRecord,
+                    limits: OutputThresholds, cpu: Optional[CpuClasses],
+                    add: Callable[[str, str, str], None]) -> None:
+    """Apply the goal's token rule: exact on one CPU class, tolerant across classes."""
+    result.token_rule = EXACT if cpu is None else cpu.token_rule
+    if result.tokens_equal:
+        return
+    if old.token_ids or new.token_ids:
+        a, b, unit = old.token_ids, new.token_ids, 'token'
+    else:
+        a, b, unit = old.text, new.text, 'character'
+    change = (f'greedy output changed at {unit} {result.first_divergence} '
+              f'({len(a)} -> {len(b)} {unit}s): {_excerpt(old.text)} -> {_excerpt(new.text)}')
+    if cpu is not None and result.token_rule == CROSS_CPU:
+        verdict = cross_cpu_drift(a, b, result.similarity, limits, unit)
+        result.leading_agreement, result.required_agreement = verdict.agreed, verdict.required
+        if verdict.within:
+            add('cross_cpu_drift', WARNING,
+                f'{change}; float drift on another CPU class ({cpu.describe()}), within the '
+                f'cross-CPU thresholds: {verdict.reason}')
+            return
+        change += f'; beyond the cross-CPU thresholds ({cpu.describe()}): {verdict.reason}'
+    add('token_mismatch', REGRESSION if limits.greedy_exact_match else WARNING, change)
+
+
+def _compare_tool_calls(old: TranscriptRecord, new: TranscriptRecord,
+                        limits: OutputThresholds, add: Callable[[str, str, str], None]) -> None:
+    """Tool names and argument validity: strict on every CPU (they are not numerics)."""
+    if not old.tool_calls and not new.tool_calls:
+        return
+    severity = REGRESSION if limits.tool_calls_must_stay_valid else WARNING
+    names_old = [c.name for c in old.tool_calls]
+    names_new = [c.name for c in new.tool_calls]
+    if names_old != names_new:
+        add('tool_calls_changed', severity, f'tool calls {names_old} -> {names_new}')
+        return
+    schemas = {t.name: t.parameters for t in old.tools}
+    for i, (a, b) in enumerate(zip(old.tool_calls, new.tool_calls)):
+        was_valid, _ = tool_arguments_valid(a.arguments, schemas.get(a.name, ''))
+        valid, why = tool_arguments_valid(b.arguments, schemas.get(b.name, ''))
+        if was_valid and not valid:
+            add('tool_arguments_invalid', severity,
+                f'the arguments of tool call {i} ({b.name}) were valid and are not any '
+                f'more: {why}: {_excerpt(b.arguments)}')
 
 
 # ---------------------------------------------------------------- recorded pairs
@@ -461,15 +609,19 @@ def compare_latency(goals: Sequence, thresholds: Thresholds) -> tuple:
 
 
 def compare_run(olds: Sequence[TranscriptRecord], outcomes: Sequence[ReplayOutcome],
-                thresholds: Thresholds, problems: Sequence[str] = ()) -> ComparisonResult:
-    """Compare every goal and the run's latency; `problems` are input problems met earlier."""
+                thresholds: Thresholds, problems: Sequence[str] = (),
+                cpu: Optional[CpuClasses] = None) -> ComparisonResult:
+    """Compare every goal and the run's latency; `problems` are input problems met earlier.
+
+    `cpu`: the CPU classes of both runs (None: one machine), see compare_goal.
+    """
     if len(olds) != len(outcomes):
         raise ValueError(f'{len(olds)} recorded goals but {len(outcomes)} outcomes')
-    result = ComparisonResult()
+    result = ComparisonResult(cpu=cpu)
     for problem in problems:
         result.findings.append(Finding('bad_input', INPUT, problem))
     for index, (old, outcome) in enumerate(zip(olds, outcomes)):
-        result.goals.append(compare_goal(index, old, outcome, thresholds))
+        result.goals.append(compare_goal(index, old, outcome, thresholds, cpu))
     result.metrics, latency_findings = compare_latency(result.goals, thresholds)
     result.findings.extend(latency_findings)
     return result

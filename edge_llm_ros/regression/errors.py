@@ -32,6 +32,10 @@ class ThresholdsError(RegressionToolError):
     """The thresholds YAML is missing, malformed or has unknown keys."""
 
 
+class CpuClassError(RegressionToolError, ValueError):
+    """A CPU class (given with --cpu-class or stored in a bag) is malformed."""
+
+
 class NodeUnavailableError(RegressionToolError):
     """The llm_node to replay against did not answer (no action server)."""
 

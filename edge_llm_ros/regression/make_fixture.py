@@ -4,8 +4,9 @@
 
 Starts a real llm_node (embedded SmolLM2, node default temperature 0 = greedy), sends
 FIXTURE_GOALS through the Generate action while recording the transcript, feedback and
-status topics, and writes the bag. The goals leave temperature UNSET on purpose, so a
-node started with another default temperature shows up as a regression on replay.
+status topics, and writes the bag with this machine's CPU class (cpu_class.py) in its
+custom_data. The goals leave temperature UNSET on purpose, so a node started with another
+default temperature shows up as a regression on replay.
 Run it with your own ROS_DOMAIN_ID; the bag is replaced only with --force.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable, List, Mapping, Optional, Sequence
 
 from edge_llm_ros.node_process import NodeProcess
 from edge_llm_ros.regression.bagio import BagWriter, LlmTopics, read_bag
+from edge_llm_ros.regression.cpu_class import current_cpu_class
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy'
@@ -58,10 +60,12 @@ def fixture_goals() -> List[dict]:
 
 def record_session(node_name: str, out: Path, goals: List[dict], server_timeout_s: float,
                    goal_timeout_s: float = 120.0,
-                   give_up: Optional[Callable[[], Optional[str]]] = None) -> None:
+                   give_up: Optional[Callable[[], Optional[str]]] = None,
+                   cpu_class: Optional[str] = None) -> None:
     """Send `goals` to `node_name` one by one and record them into the new bag `out`.
 
     `give_up()` may say why the node will never become active (its process exited).
+    `cpu_class` is the node machine's (None: this machine's), stored in the bag.
     """
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
@@ -70,7 +74,7 @@ def record_session(node_name: str, out: Path, goals: List[dict], server_timeout_
     from edge_llm_ros.regression.live import RawRecorder
 
     topics = LlmTopics(node_name)
-    writer = BagWriter(out)
+    writer = BagWriter(out, cpu_class=current_cpu_class() if cpu_class is None else cpu_class)
     rclpy.init(args=None)
     node = rclpy.create_node('edge_llm_make_fixture')
     executor = SingleThreadedExecutor()

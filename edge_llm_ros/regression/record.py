@@ -1,7 +1,9 @@
 """edge-llm-record: record an llm_node session into a rosbag2 folder.
 
 The transcript, the action's feedback and status topics, and optionally TensorHandle
-topics and /diagnostics (docs/regression.md).
+topics and /diagnostics (docs/regression.md). metadata.yaml's custom_data keeps the CPU
+class the answers were computed on (this machine's, or --cpu-class when the node runs
+elsewhere), so replays know whether greedy outputs must be identical.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Optional, Sequence
 
 from edge_llm_ros.regression.bagio import (BagWriter, DIAGNOSTICS_TOPIC, DIAGNOSTICS_TYPE,
                                            LlmTopics, STORAGES, TENSOR_HANDLE_TYPE)
+from edge_llm_ros.regression.cpu_class import parse_cpu_class
 from edge_llm_ros.regression.errors import RegressionToolError
 
 
@@ -45,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
                         help='stop after this many seconds (0 = until Ctrl-C)')
     parser.add_argument('--max-goals', type=int, default=0,
                         help='stop after this many transcripts (0 = no limit)')
+    parser.add_argument('--cpu-class', default='', metavar='CLASS',
+                        help='CPU class of the machine llm_node runs on when it is not this '
+                             'one (print it there: python -m edge_llm_ros.regression.cpu_class'
+                             "), or 'unknown' (default: this machine's)")
     return parser
 
 
@@ -52,7 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         topics = recording_topics(args.node, args.tensor_topic, args.diagnostics)
-        writer = BagWriter(args.output, storage=args.storage)
+        cpu_class = parse_cpu_class(args.cpu_class) if args.cpu_class else None
+        writer = BagWriter(args.output, storage=args.storage, cpu_class=cpu_class)
     except (RegressionToolError, ValueError) as exc:
         print(f'edge-llm-record: {exc}', file=sys.stderr)
         return 2
@@ -77,7 +85,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    print(f'edge-llm-record: recording {", ".join(topics)} into {args.output}', flush=True)
+    print(f'edge-llm-record: recording {", ".join(topics)} into {args.output} (CPU class '
+          f'{writer.cpu_class})', flush=True)
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
     unmatched = set(topics)
     try:

@@ -2,10 +2,13 @@
 
     edge-llm-replay BAG [--node /llm_node] [--timing fast|original] [--thresholds FILE]
                         [--out NEWBAG] [--report DIR] [--set max_tokens=8 ...]
+                        [--cpu-class CLASS]
 
 Every recorded goal is sent again through the real Generate action with LLMClient; the
 node's new transcripts (and feedback/status) go into a new bag, the two runs are compared
-(compare.py) and a report is written (report.py), also when the run fails early.
+(compare.py) and a report is written (report.py), also when the run fails early. Greedy
+outputs must be identical when the bag's CPU class (cpu_class.py) is the node's; across
+CPU classes float drift within the cross-CPU thresholds is a warning.
 Exit status: 0 pass, 1 regression, 2 bad input (bag, thresholds), 3 node unavailable,
 130 interrupted (Ctrl-C; the report covers what was answered).
 """
@@ -38,9 +41,12 @@ from edge_llm_ros.nodes.messages import build_transcript
 from edge_llm_ros.regression.bagio import (BagContents, BagWriter, LlmTopics, read_bag, STORAGES,
                                            TRANSCRIPT_TYPE)
 from edge_llm_ros.regression.compare import (ABORTED, ACTION_STATUSES, compare_run,
-                                             ComparisonResult, EXIT_INPUT, NOT_SENT, REJECTED,
-                                             ReplayOutcome, SKIPPED, TIMEOUT)
-from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
+                                             ComparisonResult, CpuClasses, EXIT_INPUT,
+                                             NOT_SENT, REJECTED, ReplayOutcome, SKIPPED,
+                                             TIMEOUT, TOKEN_RULE_TEXT)
+from edge_llm_ros.regression.cpu_class import current_cpu_class, parse_cpu_class
+from edge_llm_ros.regression.errors import (CpuClassError, NodeUnavailableError,
+                                            RegressionToolError)
 from edge_llm_ros.regression.live import RawRecorder
 from edge_llm_ros.regression.records import (ChatRecord, SamplingRecord, TensorHandleRecord,
                                              transcript_from_msg, TranscriptRecord, uuid_bytes)
@@ -77,6 +83,12 @@ class ReplayOptions:
     goal_timeout_s: float = 300.0
     # The node publishes its transcript right after the result; a loaded machine may delay it.
     transcript_wait_s: float = 10.0
+    # CPU class of the machine the node runs on ('' = this machine's, from /proc/cpuinfo).
+    cpu_class: str = ''
+
+    def node_cpu_class(self) -> str:
+        """Return the CPU class the replayed answers are computed on."""
+        return parse_cpu_class(self.cpu_class) if self.cpu_class else current_cpu_class()
 
 
 def parse_override(text: str) -> tuple:
@@ -449,14 +461,18 @@ def _run_replay(options: ReplayOptions, report_dir: str, out_bag: str, run: RunI
         thresholds = load_thresholds(options.thresholds_file)
         run.thresholds = thresholds.to_dict()
         contents = read_bag(options.bag)
+        cpu = CpuClasses(contents.cpu_class, options.node_cpu_class())
         run.notes.extend(contents.warnings)
         for problem in contents.problems + contents.warnings:
             print(f'edge-llm-replay: warning: {problem}', file=sys.stderr)
-        outcomes, error = _replay_into_bag(contents, options, out_bag, ctrl_c)
+        print(f'edge-llm-replay: {cpu.describe()}: greedy goals compared '
+              f'{TOKEN_RULE_TEXT[cpu.token_rule]}', flush=True)
+        outcomes, error = _replay_into_bag(contents, options, out_bag, ctrl_c, cpu.replay)
         ctrl_c.quiet()
         if ctrl_c.event.is_set():
             error = INTERRUPTED
-        result = compare_run(contents.transcripts, outcomes, thresholds, contents.problems)
+        result = compare_run(contents.transcripts, outcomes, thresholds, contents.problems,
+                             cpu)
         if error:
             run.error = error
             run.exit_code = EXIT_INTERRUPTED if error == INTERRUPTED else \
@@ -481,8 +497,9 @@ def _run_replay(options: ReplayOptions, report_dir: str, out_bag: str, run: RunI
 
 
 def _replay_into_bag(contents: BagContents, options: ReplayOptions, out_bag: str,
-                     ctrl_c: Optional[CtrlC] = None) -> tuple:
-    writer = BagWriter(out_bag, storage=options.storage)
+                     ctrl_c: Optional[CtrlC] = None, cpu_class: Optional[str] = None) -> tuple:
+    # The new bag records the node's CPU class: edge-llm-report compares it later.
+    writer = BagWriter(out_bag, storage=options.storage, cpu_class=cpu_class)
     runner = None
     outcomes: list = [ReplayOutcome(NOT_SENT, None, 'the node was not reached')
                       for _ in contents.transcripts]
@@ -509,7 +526,8 @@ def _print_summary(data: dict, report_dir: str) -> None:
     summary = data['summary']
     print(f"edge-llm-replay: {data['verdict']}: {summary['goals']} goals, "
           f"{summary['compared']} compared, greedy exact {summary['greedy_exact']}/"
-          f"{summary['greedy_compared']}, {summary['regressions']} regressions, "
+          f"{summary['greedy_compared']} ({summary['greedy_cross_cpu_drift']} within the "
+          f"cross-CPU drift thresholds), {summary['regressions']} regressions, "
           f"{summary['input_problems']} input problems", flush=True)
     if data['run']['error']:
         print(f"edge-llm-replay: error: {data['run']['error']}", file=sys.stderr, flush=True)
@@ -552,6 +570,11 @@ def _parser() -> argparse.ArgumentParser:
                         help='seconds to wait for the action server (default 30)')
     parser.add_argument('--goal-timeout', type=float, default=300.0, metavar='S',
                         help='seconds one goal may take (default 300)')
+    parser.add_argument('--cpu-class', default='', metavar='CLASS',
+                        help='CPU class of the machine llm_node runs on when it is not this '
+                             'one (print it there: python -m edge_llm_ros.regression.cpu_class'
+                             "), or 'unknown'; decides whether greedy outputs must be "
+                             'identical (same class as the bag) or may drift')
     return parser
 
 
@@ -561,13 +584,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         overrides = dict(parse_override(text) for text in args.overrides)
         LlmTopics(args.node)
-    except ValueError as exc:
+        cpu_class = parse_cpu_class(args.cpu_class) if args.cpu_class else ''
+    except (ValueError, CpuClassError) as exc:
         parser.error(str(exc))
     options = ReplayOptions(
         bag=args.bag, node=args.node, timing=args.timing, thresholds_file=args.thresholds,
         out_bag=args.out, report_dir=args.report, storage=args.storage, overrides=overrides,
         skip_tensor_goals=args.skip_tensor_goals, server_timeout_s=args.server_timeout,
-        goal_timeout_s=args.goal_timeout)
+        goal_timeout_s=args.goal_timeout, cpu_class=cpu_class)
     return run_replay(options)
 
 

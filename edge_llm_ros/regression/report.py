@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from edge_llm_ros.regression.compare import (ComparisonResult, EXIT_INPUT, GoalComparison, INFO,
-                                             INPUT, REGRESSION, WARNING)
+from edge_llm_ros.regression.compare import (ComparisonResult, CpuClasses, CROSS_CPU,
+                                             EXIT_INPUT, GoalComparison, INFO, INPUT,
+                                             REGRESSION, TOKEN_RULE_TEXT, WARNING)
 
 SEVERITY_ORDER = (REGRESSION, INPUT, WARNING, INFO)
 JSON_NAME = 'report.json'
@@ -67,6 +68,12 @@ def _goal_json(goal: GoalComparison) -> dict:
         'json_schema': bool(old.json_schema),
         'json_valid_old': goal.json_valid_old,
         'json_valid_new': goal.json_valid_new,
+        'token_rule': goal.token_rule,
+        'token_rule_text': TOKEN_RULE_TEXT.get(goal.token_rule),
+        'leading_agreement': goal.leading_agreement,
+        'required_agreement': goal.required_agreement,
+        'tool_calls_old': [c.name for c in old.tool_calls],
+        'tool_calls_new': [c.name for c in new.tool_calls] if new else None,
         'finish_reason_old': old.finish_reason,
         'finish_reason_new': new.finish_reason if new else None,
         'completion_tokens_old': old.completion_tokens,
@@ -81,6 +88,19 @@ def _goal_json(goal: GoalComparison) -> dict:
     }
 
 
+def _cpu_json(cpu: Optional[CpuClasses]) -> dict:
+    """Both runs' CPU classes and the token rule greedy goals got (None: not known)."""
+    if cpu is None:
+        return {'recorded': None, 'replay': None, 'same_class': None, 'token_rule': None,
+                'token_rule_text': None}
+    return {'recorded': cpu.recorded, 'replay': cpu.replay, 'same_class': cpu.same,
+            'token_rule': cpu.token_rule, 'token_rule_text': TOKEN_RULE_TEXT[cpu.token_rule]}
+
+
+def _drifted(goal: GoalComparison) -> bool:
+    return any(f.code == 'cross_cpu_drift' for f in goal.findings)
+
+
 def report_dict(result: ComparisonResult, run: RunInfo) -> dict:
     """Every number of the report, as written to report.json."""
     goals = result.goals
@@ -93,11 +113,16 @@ def report_dict(result: ComparisonResult, run: RunInfo) -> dict:
         'verdict': verdict,
         'exit_code': exit_code,
         'run': asdict(run),
+        'cpu': _cpu_json(result.cpu),
         'summary': {
             'goals': len(goals),
             'compared': sum(g.compared for g in goals),
             'greedy_compared': len(greedy),
-            'greedy_exact': sum(bool(g.tokens_equal) for g in greedy),
+            # Greedy goals that met their token rule: identical tokens, or (on another CPU
+            # class) a divergence within the cross-CPU thresholds; the two counts follow.
+            'greedy_exact': sum(bool(g.tokens_equal) or _drifted(g) for g in greedy),
+            'greedy_identical': sum(bool(g.tokens_equal) for g in greedy),
+            'greedy_cross_cpu_drift': sum(_drifted(g) for g in greedy),
             'regressions': sum(f.severity == REGRESSION for f in findings),
             'input_problems': sum(f.severity == INPUT for f in findings),
             'warnings': sum(f.severity == WARNING for f in findings),
@@ -194,6 +219,20 @@ def _md_cell(text: str) -> str:
     return str(text).replace('|', '\\|').replace('\n', ' ')
 
 
+def _cpu_line(cpu: dict) -> str:
+    """Return one sentence on both runs' CPU classes and the greedy token rule."""
+    text = (f"recorded `{cpu['recorded']}`, replay `{cpu['replay']}`: greedy goals compared "
+            f"{cpu['token_rule_text']}")
+    if cpu['token_rule'] == CROSS_CPU:
+        text += ('; a divergence within outputs.cross_cpu_* is float drift (a warning), '
+                 'see docs/regression.md "Replaying on another machine"')
+    return text
+
+
+def _md_cpu(cpu: dict) -> list:
+    return [f'- CPU class: {_cpu_line(cpu)}'] if cpu['token_rule'] else []
+
+
 def render_markdown(data: dict, plot_names: list) -> str:
     run, summary = data['run'], data['summary']
     lines = [f"# LLM regression replay: {data['verdict']}", '']
@@ -204,9 +243,12 @@ def render_markdown(data: dict, plot_names: list) -> str:
         f"- node: `{run['node']}`, timing: {run['timing']}",
         f"- overrides: {run['overrides'] or 'none'}",
         f"- thresholds: {run['thresholds_file'] or 'defaults'}",
+        *_md_cpu(data['cpu']),
         f"- {run['started']} .. {run['finished']}, exit status {data['exit_code']}", '',
         f"Goals: {summary['goals']}, compared: {summary['compared']}, greedy exact: "
-        f"{summary['greedy_exact']}/{summary['greedy_compared']}, regressions: "
+        f"{summary['greedy_exact']}/{summary['greedy_compared']} "
+        f"({summary['greedy_identical']} identical, {summary['greedy_cross_cpu_drift']} "
+        'cross-CPU drift), regressions: '
         f"{summary['regressions']}, input problems: {summary['input_problems']}, "
         f"warnings: {summary['warnings']}.", '']
     for note in run['notes']:
@@ -229,14 +271,16 @@ def render_markdown(data: dict, plot_names: list) -> str:
                      f"{_fmt(m['new_median'])} | {_fmt(m['ratio'])} | {_fmt(m['limit'])} | "
                      f'{verdict} |')
     lines += ['', '## Goals', '',
-              '| # | request | kind | status | tokens equal | similarity | finish | '
-              'TTFT s | decode tok/s | verdict |', '|---|---|---|---|---|---|---|---|---|---|']
+              '| # | request | kind | token rule | status | tokens equal | similarity | finish | '
+              'TTFT s | decode tok/s | verdict |',
+              '|---|---|---|---|---|---|---|---|---|---|---|']
     for g in data['goals']:
         finish = f"{g['finish_reason_old']} -> {_fmt(g['finish_reason_new'])}"
         ttft = f"{_fmt(g['ttft_s_old'])} -> {_fmt(g['ttft_s_new'])}"
         tps = f"{_fmt(g['decode_tps_old'])} -> {_fmt(g['decode_tps_new'])}"
         lines.append(
-            f"| {g['index']} | {_md_cell(g['label'])} | {g['kind']} | {g['status']} | "
+            f"| {g['index']} | {_md_cell(g['label'])} | {g['kind']} | "
+            f"{g['token_rule_text'] or '-'} | {g['status']} | "
             f"{_fmt(g['tokens_equal'])} | {_fmt(g['similarity'])} | {finish} | {ttft} | "
             f"{tps} | {g['verdict']} |")
     if plot_names:
@@ -268,6 +312,8 @@ def render_html(data: dict, pngs: dict) -> str:
     for key in ('bag', 'new_bag', 'node', 'timing', 'thresholds_file', 'started', 'finished'):
         out.append(f'<tr><th>{esc(key)}</th><td>{esc(str(run[key]) or "-")}</td></tr>')
     out.append(f"<tr><th>overrides</th><td>{esc(str(run['overrides'] or 'none'))}</td></tr>")
+    if data['cpu']['token_rule']:
+        out.append(f"<tr><th>CPU class</th><td>{esc(_cpu_line(data['cpu']))}</td></tr>")
     out.append(f"<tr><th>exit status</th><td>{data['exit_code']}</td></tr></table>")
     out.append('<p>' + ', '.join(f'{esc(k)}: {v}' for k, v in summary.items()) + '</p>')
     for note in run['notes']:
@@ -295,14 +341,15 @@ def render_html(data: dict, pngs: dict) -> str:
         out.append(f'<h3>{esc(name)}</h3><img alt="{esc(name)}" '
                    f'src="data:image/png;base64,{data_uri}">')
     out.append('<h2>Goals</h2><table><tr><th>#</th><th>request</th><th>kind</th>'
-               '<th>status</th><th>finish</th><th>similarity</th><th>recorded text</th>'
-               '<th>replay text</th><th>findings</th></tr>')
+               '<th>token rule</th><th>status</th><th>finish</th><th>similarity</th>'
+               '<th>recorded text</th><th>replay text</th><th>findings</th></tr>')
     for g in data['goals']:
         findings = '<br>'.join(f"{esc(f['code'])}: {esc(f['message'])}"
                                for f in g['findings'])
         out.append(
             f"<tr class=\"{esc(g['verdict'])}\"><td>{g['index']}</td><td>{esc(g['label'])}</td>"
-            f"<td>{esc(g['kind'])}</td><td>{esc(g['status'])}</td>"
+            f"<td>{esc(g['kind'])}</td><td>{esc(g['token_rule_text'] or '-')}</td>"
+            f"<td>{esc(g['status'])}</td>"
             f"<td>{esc(g['finish_reason_old'])} &rarr; {esc(str(g['finish_reason_new']))}</td>"
             f"<td>{_fmt(g['similarity'])}</td><td><pre>{esc(g['text_old'])}</pre></td>"
             f"<td><pre>{esc(g['text_new'] or '')}</pre></td><td>{findings}</td></tr>")
@@ -368,7 +415,8 @@ def main(argv: Optional[list] = None) -> int:
         outcomes = pair_recordings(old.transcripts, new.transcripts, goal_map)
         problems = old.problems + [f'new bag: {p}' for p in new.problems]
         run.notes.extend(old.warnings + [f'new bag: {w}' for w in new.warnings])
-        result = compare_run(old.transcripts, outcomes, thresholds, problems)
+        result = compare_run(old.transcripts, outcomes, thresholds, problems,
+                             CpuClasses(old.cpu_class, new.cpu_class))
     except (RegressionToolError, ValueError) as exc:
         run.error = str(exc)
         run.exit_code = getattr(exc, 'exit_code', EXIT_INPUT)

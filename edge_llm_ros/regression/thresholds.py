@@ -14,13 +14,17 @@ import yaml
 from edge_llm_ros.regression.errors import ThresholdsError
 
 
+# Field metadata of settings that are fractions: a value above 1 could never be met.
+_FRACTION = {'max': 1.0}
+
+
 @dataclass(frozen=True)
 class OutputThresholds:
     # A greedy goal (temperature 0 after node defaults) must give the same token ids.
     greedy_exact_match: bool = True
     # Sampled goals: normalized edit-distance similarity (0..1) of the texts below this
     # is a regression. Sampled text legitimately changes between builds: keep it low.
-    min_sampled_similarity: float = 0.3
+    min_sampled_similarity: float = field(default=0.3, metadata=_FRACTION)
     # A schema goal whose recorded answer was valid JSON (of its schema) must stay valid.
     json_must_stay_valid: bool = True
     # A changed finish reason (stop -> length, ...) is a regression.
@@ -29,6 +33,18 @@ class OutputThresholds:
     effective_sampling_change: bool = True
     # A goal accepted in the recording but rejected/failed now.
     new_failures: bool = True
+    # Tool calls: the same tool names in the same order, and arguments that were valid JSON
+    # (for the tool's parameters schema) stay valid. On every CPU: this is not numerics.
+    tool_calls_must_stay_valid: bool = True
+    # Greedy goals replayed on another or an unknown CPU class (docs/regression.md,
+    # "Replaying on another machine"): float drift may flip a near-tie token. The output
+    # passes (with a warning) when its first differing token (a cut or extended answer is
+    # no drift) comes no earlier than this fraction of the recorded tokens...
+    cross_cpu_min_token_agreement: float = field(default=0.5, metadata=_FRACTION)
+    # ...though never more leading tokens than this are required (0 = no cap)...
+    cross_cpu_max_required_tokens: int = 16
+    # ...and the normalized edit-distance similarity of the texts is at least this.
+    cross_cpu_min_similarity: float = field(default=0.4, metadata=_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,11 @@ def _build_section(cls: type, data: Any, where: str) -> Any:
         elif isinstance(default, float):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ThresholdsError(f'{where}.{name} must be a number >= 0, got {value!r}')
+            top = known[name].metadata.get('max')
+            if top is not None and value > top:
+                raise ThresholdsError(
+                    f'{where}.{name} is a fraction: it must be between 0 and {top:g}, got '
+                    f'{value!r}')
             value = float(value)
         values[name] = value
     return cls(**values)
