@@ -1,17 +1,20 @@
 """llm_node's ~/generate action: accept, queue, stream, cancel, answer.
 
-A goal is admitted and validated by Admission (llm_admission.py) and queued in the accepted
-callback; its execute callback is a coroutine that awaits the worker's result, so a waiting
-goal holds no executor thread; feedback is published from the worker thread. The action
-server has its own mutually exclusive group: goals are admitted in arrival order, and a
-cancel is fully recorded by rclpy before the goal's end is decided (see on_cancel).
+A goal is admitted, validated (Admission, llm_admission.py) and queued in the goal callback,
+so the worker starts its prefill while rclpy still sends the goal response and the ACCEPTED
+status; the accepted callback that follows gives it its goal handle, and the feedback the
+worker made meanwhile (none, unless the prompt is tiny) is sent then, in order
+(FeedbackGate). Its execute callback is a coroutine that awaits the worker's result, so a
+waiting goal holds no executor thread; feedback is published from the worker thread. The
+action server has its own mutually exclusive group: goals are admitted in arrival order,
+and a cancel is fully recorded by rclpy before the goal's end is decided (see on_cancel).
 """
 from __future__ import annotations
 
 import functools
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -28,6 +31,31 @@ from edge_llm_ros.runtime.types import StopReason
 from edge_llm_ros.serving.goal import CancelReason, error_result, Feedback
 
 
+class FeedbackGate:
+    """A goal's feedback before rclpy gave its goal handle: held, then sent in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._send: Optional[Callable[[Feedback], None]] = None
+        self._held: List[Feedback] = []
+
+    def put(self, chunk: Feedback) -> None:
+        """Send (worker thread), or hold until release()."""
+        with self._lock:
+            if self._send is None:
+                self._held.append(chunk)
+            else:
+                self._send(chunk)
+
+    def release(self, send: Callable[[Feedback], None]) -> None:
+        """Send what was held, then everything as it comes (executor thread)."""
+        with self._lock:
+            for chunk in self._held:
+                send(chunk)
+            self._held.clear()
+            self._send = send
+
+
 class GenerateServer:
     """The ~/generate action server of one llm_node."""
 
@@ -35,6 +63,10 @@ class GenerateServer:
         self._node = node
         self._admission = admission
         self._goals: Dict[bytes, NodeGoal] = {}   # accepted goals until their result is built
+        # The goal on_goal accepted and queued, for the on_accepted call right after it: rclpy
+        # runs both in one task of this server's mutually exclusive group, with no await in
+        # between, so no other goal's callbacks come between the two.
+        self._accepting: Optional[Tuple[Any, NodeGoal, FeedbackGate]] = None
         self._cancels_recorded: List[Future] = []   # see on_cancel
         self._cancels_lock = threading.Lock()
         self._group = MutuallyExclusiveCallbackGroup()
@@ -48,35 +80,55 @@ class GenerateServer:
             self._on_cancels_recorded, callback_group=self._group)
 
     # ---- callbacks --------------------------------------------------------------------------
-    def on_goal(self, goal: Generate.Goal) -> GoalResponse:
-        problem = self._admission.admit()
-        if not problem:
-            return GoalResponse.ACCEPT
-        self._node.get_logger().warn(f'goal rejected: {problem}')
-        self._admission.publish_transcript(Transcript.SOURCE_ACTION, UUID(), goal, None,
-                                           None, accepted=False, error=problem)
-        return GoalResponse.REJECT
+    def on_goal(self, msg: Generate.Goal) -> GoalResponse:
+        """Admit, validate and queue a goal (its handle comes with on_accepted, next).
 
-    def on_accepted(self, goal_handle) -> None:
-        """Validate and queue the goal at once, then let its execute coroutine await it.
-
-        Runs right after the goal response is sent, so the worker can start before the
-        execute coroutine runs (one executor hop less to the first token). The goal is queued
-        last: the woken worker then never waits for the GIL while this executor thread still
-        publishes the EXECUTING status and schedules the coroutine.
+        An invalid request is accepted too, and aborted in on_accepted with its reason.
         """
+        self._drop_unclaimed()
+        problem = self._admission.admit()
+        if problem:
+            self._node.get_logger().warn(f'goal rejected: {problem}')
+            self._admission.publish_transcript(Transcript.SOURCE_ACTION, UUID(), msg, None,
+                                               None, accepted=False, error=problem)
+            return GoalResponse.REJECT
+        self._accepting = (msg,) + self._queue(msg)
+        return GoalResponse.ACCEPT
+
+    def _queue(self, msg: Generate.Goal) -> Tuple[NodeGoal, FeedbackGate]:
         goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
-        self._goals[bytes(goal_handle.goal_id.uuid)] = goal
-        goal_handle.execute()
+        gate = FeedbackGate()
         try:
-            worker = self._admission.prepare(goal_handle.request, goal)
+            worker = self._admission.prepare(msg, goal)
         except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
             goal.error_kind = error_kind_of(exc)
             goal.finish(error_result(self._admission.refusal(exc, '~/generate')))
             self._admission.resolve(goal)
         else:
-            goal.on_feedback = functools.partial(self._send_feedback, goal_handle)
+            goal.on_feedback = gate.put
             self._admission.submit(worker, goal)
+        return goal, gate
+
+    def _drop_unclaimed(self) -> None:
+        """Cancel a queued goal whose accepted callback never came (rclpy failed to answer)."""
+        pending, self._accepting = self._accepting, None
+        if pending is not None:
+            worker = self._node.worker
+            if worker is not None and pending[1].request is not None:
+                worker.cancel(pending[1], CancelReason.CLIENT)
+
+    def on_accepted(self, goal_handle) -> None:
+        """Give the goal queued by on_goal its handle; its execute coroutine awaits its end."""
+        pending, self._accepting = self._accepting, None
+        if pending is not None and pending[0] is goal_handle.request:
+            _, goal, gate = pending
+        else:   # not the message on_goal saw (cannot happen with rclpy's action server)
+            self._accepting = pending
+            self._drop_unclaimed()
+            goal, gate = self._queue(goal_handle.request)
+        self._goals[bytes(goal_handle.goal_id.uuid)] = goal
+        goal_handle.execute()
+        gate.release(functools.partial(self._send_feedback, goal_handle))
 
     def on_cancel(self, goal_handle) -> CancelResponse:
         """Accept every cancel request and stop the goal.

@@ -69,7 +69,7 @@ ANSWER_GRACE_S = 2.0
 # The decode thread needs the GIL between two model steps (ORT runs without it); an executor
 # thread holding it (a wait set rebuilt, a callback) otherwise keeps it up to CPython's 5 ms
 # switch interval: a token's (and the first token's) delay. Waiting threads get it sooner.
-GIL_SWITCH_INTERVAL_S = 0.0005
+GIL_SWITCH_INTERVAL_S = 0.0001
 # How long deactivation waits for the cancelled goals to end.
 DEACTIVATE_WAIT_S = 10.0
 
