@@ -70,7 +70,7 @@ LONG_TOKENS = 400          # the long goals of the priority test (cancelled once
 # --- models ------------------------------------------------------------------------------------
 def model_files(name: str) -> Dict[str, str]:
     """{'dir': converted folder, 'gguf': its GGUF} of `default` or a make_random_gguf shape."""
-    from edge_llm_ros.engine import default_model
+    from edge_llm_ros.convert import default_model
     if name == 'default':
         return {'dir': str(default_model.ensure_default_model()),
                 'gguf': str(default_model.ensure_default_gguf())}

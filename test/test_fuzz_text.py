@@ -1,6 +1,6 @@
 """Property tests: hostile chat content and templates, JSON schemas and sampling configs.
 
-Contract (edge_llm_ros/engine): bad input is rejected with an InvalidRequestError subclass
+Contract (edge_llm_ros/runtime): bad input is rejected with an InvalidRequestError subclass
 (or ModelLoadError for a model's own broken files) whose message says what to fix, within a
 time bound; accepted input behaves as documented (message content is data, never template
 code; a compiled schema starts a constraint; a valid sampling config always picks a token).
