@@ -12,6 +12,12 @@ store's size, the time to write the session (checkpoint + commit).
 
 With --node, the same through llm_node processes (sessions.store set vs unset), TTFT as the
 goal result reports it. Target (issue 15): restored TTFT >= 5x lower than cold.
+
+With --conversation (issue 20), the second turn of the same ~500-token conversation on one
+engine, three ways: 'session' sends only the question (the engine remembers turn 1 and
+continues its ids: its KV is reused whole); 'resend' is a stateless client that sends the
+whole history again without a session (prefix reuse still finds the live KV, up to where the
+re-rendered answer tokenizes differently); 'cold' is the resent history on a fresh engine.
 Prints one JSON object (and --json-out) and a short table; no test asserts these timings.
 """
 from __future__ import annotations
@@ -94,6 +100,35 @@ def engine_round(kv_dtype: str, threads: int, store: str) -> Dict[str, float]:
             'same_answer': restored.token_ids == cold.token_ids}
 
 
+def conversation_round(threads: int) -> Dict[str, float]:
+    """Second-turn TTFT: a remembered session vs resending the history (see the docstring)."""
+    from edge_llm_ros.runtime.conversation import HISTORY_APPEND
+    config = EngineConfig(intra_op_threads=threads)
+    remembered = Engine(config)
+    first = run(remembered, turn_1(), 24)
+    second = remembered.generate(GenerationRequest(
+        prompt=QUESTION, session_id=SESSION, history_mode=HISTORY_APPEND,
+        max_tokens=8)).run_to_end()
+    remembered.close()
+    stateless = Engine(config)
+    plain = stateless.generate(GenerationRequest(messages=turn_1(), max_tokens=24)).run_to_end()
+    resent = stateless.generate(GenerationRequest(messages=turn_2(plain.text),
+                                                  max_tokens=8)).run_to_end()
+    stateless.close()
+    fresh = Engine(config)
+    cold = fresh.generate(GenerationRequest(messages=turn_2(first.text),
+                                            max_tokens=8)).run_to_end()
+    fresh.close()
+    return {'ttft_session_s': second.timings.time_to_first_token_s,
+            'ttft_resend_s': resent.timings.time_to_first_token_s,
+            'ttft_cold_s': cold.timings.time_to_first_token_s,
+            'history_tokens': first.prompt_tokens + first.completion_tokens,
+            'prompt_tokens': second.prompt_tokens,
+            'session_cached_tokens': second.timings.cached_prompt_tokens,
+            'resend_cached_tokens': resent.timings.cached_prompt_tokens,
+            'same_answer': second.token_ids == cold.token_ids}
+
+
 def node_round(kv_dtype: str, store: str, index: int) -> Dict[str, float]:
     """Run the same through llm_node processes (restart = a new process)."""
     sys.path.insert(0, str(ROOT / 'test'))
@@ -156,10 +191,30 @@ def main(argv=None) -> int:
     p.add_argument('--kv-dtype', nargs='+', default=['float32', 'int8'],
                    choices=('float32', 'int8'))
     p.add_argument('--node', action='store_true', help='also through llm_node processes')
+    p.add_argument('--conversation', action='store_true',
+                   help='only the second-turn comparison: a session vs resending the history')
     p.add_argument('--json-out', default='')
     args = p.parse_args(argv)
     res: Dict[str, object] = {'model': 'SmolLM2-135M (embedded)', 'repeats': args.repeats,
                               'loadavg_start': os.getloadavg()[0]}
+    if args.conversation:
+        rounds = [conversation_round(args.threads) for _ in range(args.repeats)]
+        res['conversation'] = {key: statistics.median([r[key] for r in rounds])
+                               for key in rounds[0] if key != 'same_answer'}
+        res['conversation']['rounds'] = rounds
+        c = res['conversation']
+        c['resend_vs_session'] = c['ttft_resend_s'] / c['ttft_session_s']
+        c['cold_vs_session'] = c['ttft_cold_s'] / c['ttft_session_s']
+        res['loadavg_end'] = os.getloadavg()[0]
+        print(json.dumps(res, indent=1))
+        print(f'\nsecond turn after {c["history_tokens"]:.0f} tokens of history: session '
+              f'{c["ttft_session_s"] * 1000:.1f} ms ({c["session_cached_tokens"]:.0f} cached), '
+              f'resent history {c["ttft_resend_s"] * 1000:.1f} ms '
+              f'({c["resend_cached_tokens"]:.0f} cached, {c["resend_vs_session"]:.1f}x), cold '
+              f'{c["ttft_cold_s"] * 1000:.1f} ms ({c["cold_vs_session"]:.1f}x)', file=sys.stderr)
+        if args.json_out:
+            pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
+        return 0
     with tempfile.TemporaryDirectory(prefix='bench_sessions_') as tmp:
         store = os.path.join(tmp, 'sessions.db')
         res['engine'] = {d: summarize([engine_round(d, args.threads, store)

@@ -39,7 +39,8 @@ from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings, ToolSpec
-from edge_llm_msgs.srv import Complete, Detokenize, GetModelInfo, ResetSession, Tokenize
+from edge_llm_msgs.srv import (Complete, Detokenize, GetModelInfo, GetSession, ListSessions,
+                               ResetSession, Tokenize)
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.rclpy_internals import (accepted_goal_handle, FeedbackListenersMixin,
@@ -140,6 +141,7 @@ class GenerationOutcome:
     tool_calls: tuple = ()      # edge_llm_msgs ToolCall messages
     reasoning: str = ''
     logprobs: tuple = ()        # edge_llm_msgs TokenLogprob messages
+    dropped_turns: int = 0      # session turns left out: the conversation outgrew the context
 
     @property
     def ok(self) -> bool:
@@ -164,7 +166,7 @@ def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
         timings=result.timings, error_message=result.error_message,
         status=STATUS_NAMES.get(status, str(status)), error_kind=result.error_kind,
         tool_calls=tuple(result.tool_calls), reasoning=result.reasoning,
-        logprobs=tuple(result.logprobs))
+        logprobs=tuple(result.logprobs), dropped_turns=int(result.dropped_turns))
 
 
 class _GoalClient(FeedbackListenersMixin, LockedActionClient):
@@ -563,7 +565,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               parallel_tool_calls: bool = True, grammar: str = '', regex: str = '',
               choices: Sequence[str] = (), reasoning: Optional[bool] = None,
               reasoning_budget: Optional[int] = None, priority: int = 0,
-              preempt: bool = False, **sampling) -> Any:
+              preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
+              **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -571,6 +574,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     {token id: bias}. `tools` holds ToolSpec messages or dicts (name, description,
     parameters as a dict or JSON text, or OpenAI's {"type": "function", "function": {...}}).
     `reasoning` None keeps the model's default; `reasoning_budget` None = no limit.
+    With a `session_id`, the node remembers the conversation: `history_mode` says whether
+    `messages` are only the new turns or the whole history (Generate.Goal.HISTORY_*).
     `priority` (higher is served first; the node accepts Generate.Goal.PRIORITY_MIN..MAX) and
     `preempt` (pause a lower-priority running goal) exist only on Generate goals: ~/complete
     requests run at priority 0, so asking one for anything else raises TypeError.
@@ -595,6 +600,7 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     goal.stop = list(stop)
     goal.json_schema = json_schema
     goal.session_id = session_id
+    goal.history_mode = int(history_mode)
     goal.prefix_embeddings = list(prefix_embeddings)
     goal.tools = [tool_spec(t) for t in tools]
     goal.tool_choice = tool_choice
@@ -662,6 +668,8 @@ class LLMClient:
         self._tokenize = service(Tokenize, 'tokenize')
         self._detokenize = service(Detokenize, 'detokenize')
         self._reset_session = service(ResetSession, 'reset_session')
+        self._get_session = service(GetSession, 'get_session')
+        self._list_sessions = service(ListSessions, 'list_sessions')
         self._model_info = service(GetModelInfo, 'get_model_info')
         self._get_state = service(GetState, 'get_state')
         self._live: List[GenerationHandle] = []
@@ -770,9 +778,33 @@ class LLMClient:
 
     def reset_session(self, session_id: str = '',
                       timeout: Optional[float] = None) -> ResetSession.Response:
-        """Drop one session's KV prefix, '' = every session (~/reset_session, blocking)."""
+        """Forget one conversation, '' = every one (~/reset_session, blocking)."""
         return self._call(self._reset_session, ResetSession.Request(session_id=session_id),
                           timeout)
+
+    def get_session(self, session_id: str,
+                    timeout: Optional[float] = None) -> GetSession.Response:
+        """Return one session's turns, token count and KV bytes (~/get_session, blocking)."""
+        return self._call(self._get_session, GetSession.Request(session_id=session_id),
+                          timeout)
+
+    def list_sessions(self, timeout: Optional[float] = None) -> ListSessions.Response:
+        """Return the sessions the node keeps (~/list_sessions, blocking)."""
+        return self._call(self._list_sessions, ListSessions.Request(), timeout)
+
+    def history(self, session_id: str, timeout: Optional[float] = None) -> List[ChatMessage]:
+        """Return the turns the node remembers of a session ([] for an unknown one).
+
+        Raises LLMClientError when the node cannot say (not configured, remote backend).
+        """
+        answer = self.get_session(session_id, timeout)
+        if not answer.success:
+            raise LLMClientError(f'{self.server}/get_session: {answer.message}')
+        return list(answer.turns)
+
+    def conversation(self, session_id: str, **defaults) -> 'Conversation':
+        """Return a Conversation helper: ask() repeatedly, the node remembers the turns."""
+        return Conversation(self, session_id, defaults)
 
     def model_info(self, timeout: Optional[float] = None) -> GetModelInfo.Response:
         """Return the served model and its capabilities (~/get_model_info, blocking)."""
@@ -793,5 +825,43 @@ class LLMClient:
         self._waiter.close()
         self._action.destroy()
         for client in (self._complete, self._tokenize, self._detokenize, self._reset_session,
-                       self._model_info, self._get_state):
+                       self._get_session, self._list_sessions, self._model_info,
+                       self._get_state):
             self._node.destroy_client(client)
+
+
+class Conversation:
+    """A session the node remembers: each ask() sends one new user turn.
+
+        chat = client.conversation('kitchen')
+        chat.ask('My name is Ada.')
+        print(chat.ask('What is my name?').text)
+
+    `defaults` are make_goal keywords applied to every turn (temperature, max_tokens, ...);
+    ask() keywords override them. The turns live in llm_node (and its sessions.store), not
+    here: history() asks the node, reset() forgets them.
+    """
+
+    def __init__(self, client: LLMClient, session_id: str,
+                 defaults: Optional[Dict[str, Any]] = None) -> None:
+        if not session_id:
+            raise ValueError('a Conversation needs a session_id')
+        self.client = client
+        self.session_id = session_id
+        self.defaults = dict(defaults or {})
+
+    def send(self, text: str, **kwargs) -> GenerationHandle:
+        """Send one user turn; return its handle (stream it, or wait for its result)."""
+        options = dict(self.defaults, **kwargs)
+        options.setdefault('history_mode', Generate.Goal.HISTORY_APPEND)
+        return self.client.generate(text, session_id=self.session_id, **options)
+
+    def ask(self, text: str, timeout: Optional[float] = None, **kwargs) -> GenerationOutcome:
+        """Send one user turn and return its outcome (raises on an aborted goal)."""
+        return self.send(text, **kwargs).result(timeout=timeout).raise_for_error()
+
+    def history(self, timeout: Optional[float] = None) -> List[ChatMessage]:
+        return self.client.history(self.session_id, timeout)
+
+    def reset(self, timeout: Optional[float] = None) -> ResetSession.Response:
+        return self.client.reset_session(self.session_id, timeout)

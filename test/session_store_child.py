@@ -3,9 +3,11 @@
     python test/session_store_child.py STORE MODEL_DIR
 
 Saves sessions s0..s3 in turn, forever, through the same KVCache -> SnapshotStore -> SQLite
-path as an Engine: turn i fills every KV value of its prefix with the number i, checkpoints
-and waits for the commit. Each prefix is 16 MiB, so a write takes long enough to be cut.
-Prints one JSON object per line: {"writing": i} before a save, {"committed": i} after it.
+path as an Engine: turn i fills every KV value of its prefix with the number i and commits
+the session's conversation, whose one user turn says i, with it; then it waits until the
+store says the turn is written (when_written, what a goal's result waits on). Each prefix is
+16 MiB, so a write takes long enough to be cut. Prints one JSON object per line:
+{"writing": i} before a commit, {"committed": i} once it is on disk.
 """
 import json
 import pathlib
@@ -13,9 +15,13 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+import threading  # noqa: E402, I100
+
 import numpy as np  # noqa: E402, I100
 
+from edge_llm_ros.runtime.conversation import Conversation  # noqa: E402
 from edge_llm_ros.runtime.kv_cache import KVCache  # noqa: E402
+from edge_llm_ros.runtime.types import ChatMessage  # noqa: E402
 from edge_llm_ros.serving.engine import EngineConfig  # noqa: E402
 from edge_llm_ros.serving.session_store import open_sessions  # noqa: E402
 
@@ -50,8 +56,11 @@ def main(store: str, model_dir: str) -> None:
             buf[:] = i
         cache.append(keys[start:])
         tell({'writing': i})
-        cache.checkpoint()
-        snaps._sink.flush()
+        cache.commit(session_of(i), Conversation(turns=(ChatMessage('user', str(i)),),
+                                                 ids=tuple(keys)))
+        written = threading.Event()
+        snaps.when_saved(written.set)
+        written.wait()
         tell({'committed': i})
         i += 1
 

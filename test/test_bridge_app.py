@@ -418,6 +418,22 @@ def test_http_level_bad_input():
     assert client.post('/v1/chat/completions', json=chat_body()).status_code == 200
 
 
+def test_a_session_header_names_the_conversation_and_stateless_is_the_default():
+    backend = FakeBackend(lambda r: text_script('ok'))
+    client = make_client(backend)
+    assert client.post('/v1/chat/completions', json=chat_body()).status_code == 200
+    response = client.post('/v1/chat/completions', json=chat_body(),
+                           headers={'X-Session-Id': 'kitchen robot'})
+    assert response.status_code == 200
+    assert [r.session_id for r in backend.requests] == ['', 'kitchen robot']
+    for bad in ('x' * 129, 'a\tb'):
+        response = client.post('/v1/chat/completions', json=chat_body(),
+                               headers={'X-Session-Id': bad})
+        assert response.status_code == 400, bad
+        assert response.json()['error']['param'] == 'X-Session-Id'
+    assert len(backend.requests) == 2
+
+
 def test_bearer_token():
     backend = FakeBackend()
     client = make_client(backend, api_key='s3cret')

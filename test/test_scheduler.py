@@ -18,6 +18,7 @@ from tiny_model import tiny_model_dir
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.sequence import RECOMPUTE
 from edge_llm_ros.runtime.types import GenerationRequest, GenerationResult, StopReason, TokenEvent
 from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
 from edge_llm_ros.serving.executor import probe_rows
@@ -52,7 +53,8 @@ def eng2(tiny_dir):
 
 
 def seq(eng, prompt, max_tokens=12, priority=0, preempt=False, **kw):
-    kw.setdefault('use_chat_template', False)   # the prompt's ids are eng.tokenize(prompt)
+    # The prompt's ids are eng.tokenize(prompt); a session keeps a chat conversation.
+    kw.setdefault('use_chat_template', bool(kw.get('session_id')))
     return Goal(eng.prepare(GenerationRequest(prompt=prompt, max_tokens=max_tokens, **kw)),
                 priority=priority, preempt=preempt)
 
@@ -334,20 +336,23 @@ def test_sessions_continue_in_any_slot(eng2):
     first = sched.submit(seq(eng2, turn, max_tokens=4, session_id='s'))
     other = sched.submit(seq(eng2, 'robot arm', max_tokens=4, session_id='t'))
     drain(sched)
-    follow = sched.submit(seq(eng2, turn + ' and', max_tokens=4, session_id='s'))
+    follow = sched.submit(seq(eng2, 'and', max_tokens=4, session_id='s'))
     drain(sched)
     assert first.result.timings.cached_prompt_tokens == 0
     assert other.result.stop_reason is StopReason.LENGTH
-    # The slot that holds session s's prefix live was picked (session affinity).
-    assert follow.result.timings.cached_prompt_tokens >= first.result.prompt_tokens - 2
+    # The slot that holds session s's conversation live was picked (session affinity): its
+    # first turn, prompt and answer, came from the KV.
+    first_ids = first.result.prompt_tokens + first.result.completion_tokens
+    assert follow.result.timings.cached_prompt_tokens >= first_ids - 1 - RECOMPUTE
     # Both slots overwritten by other sessions: s's prefix comes back from the shared store.
     for name in ('u', 'v'):
         sched.submit(seq(eng2, f'hello {name} robot', max_tokens=2, session_id=name))
     drain(sched)
     assert 's' in eng2.saved_sessions()
-    third = sched.submit(seq(eng2, turn + ' and blue', max_tokens=4, session_id='s'))
+    third = sched.submit(seq(eng2, 'and blue', max_tokens=4, session_id='s'))
     drain(sched)
-    assert third.result.timings.cached_prompt_tokens >= follow.result.prompt_tokens - 2
+    follow_ids = follow.result.prompt_tokens + follow.result.completion_tokens
+    assert third.result.timings.cached_prompt_tokens >= follow_ids - 1 - RECOMPUTE
 
 
 def test_embedding_errors_end_only_that_sequence(eng2):
@@ -453,7 +458,7 @@ def test_random_load_with_cancels_and_preemption_loses_nothing(tiny_dir):
                 prompt = ' '.join(rng.choice(words) for _ in range(rng.randint(1, 12)))
                 seqs.append(sched.submit(seq(
                     eng, prompt, max_tokens=rng.randint(1, 25),
-                    priority=rng.randint(-3, 3), preempt=rng.random() < 0.3,
+                    priority=rng.randint(-3, 3), preempt=rng.random() < 0.5,
                     session_id=rng.choice(('', 'a', 'b')))))
             if seqs and rng.random() < 0.1:
                 victim = rng.choice(seqs)

@@ -153,7 +153,7 @@ def test_repeated_saves_of_one_session_coalesce(model_dir, tmp_path):
     m = FakeModel()
     for n in range(3, 8):
         m.run(A[:n], 'a')
-        sink.save('a', _snap(m), n)
+        sink.save('a', _snap(m), None, n)
     sink.close()                           # commits what is pending
     assert sink.stats['saves'] == 1 and sink.stats['coalesced'] == 4
 
@@ -340,3 +340,22 @@ def test_store_without_kept_sessions_is_refused(model_dir, tmp_path):
 
 def test_module_has_no_rclpy():
     assert 'rclpy' not in pathlib.Path(session_store.__file__).read_text()
+
+
+def test_when_written_waits_for_the_write(model_dir, tmp_path):
+    layout = KVLayout(4, 2, 8, 'float32', 'float32')
+    sink = SessionStore(str(tmp_path / 's.db'), 'h', layout)   # writer not started yet
+    fired = []
+    sink.when_written(lambda: fired.append('idle'))             # nothing pending: at once
+    m = FakeModel()
+    m.run(A, 'a')
+    sink.save('a', _snap(m), None, 1)
+    sink.when_written(lambda: fired.append('saved'))
+    assert fired == ['idle']                                    # not on disk yet
+    sink.start()
+    assert sink.flush(30)
+    assert fired == ['idle', 'saved'] and row_ids(str(tmp_path / 's.db')) == ['a']
+    sink.save('a', _snap(m), None, 2)
+    sink.when_written(lambda: fired.append('closed'))
+    sink.close()                                                # close writes, then calls it
+    assert fired[-1] == 'closed'

@@ -137,15 +137,18 @@ def test_kill_9_mid_write_loses_at_most_the_session_being_written(tmp_path):
     assert sink.restore_into(snaps, POSITIONS) >= 3
     for session, value in committed.items():
         snap = snaps.get(session)
+        turn = snaps.conversation(session).turns
         if session == in_flight:   # the old version or the new one, never a mix
             assert snap is not None
             values = {float(np.unique(d)[0]) for d in snap.data}
             assert all(len(np.unique(d)) == 1 for d in snap.data)
             assert values in ({float(value)}, {float(writing)}), values
+            assert [t.content for t in turn] == [str(int(values.pop()))]   # with its own KV
             continue
         assert snap is not None, f'{session} (committed as turn {value}) was lost'
         for d in snap.data:
             assert np.all(d == value), f'{session}: turn {value} not intact'
+        assert [t.content for t in turn] == [str(value)], f'{session}: turn and KV differ'
     sink.start()
     snaps.put('after', snaps.get('s0'))   # the reopened store takes new writes
     snaps.close()

@@ -184,7 +184,8 @@ class _Handlers:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, ChatCompletionRequest)
-        backend_request = chat_request(body, f'chatcmpl-{uuid.uuid4().hex}')
+        backend_request = chat_request(body, f'chatcmpl-{uuid.uuid4().hex}',
+                                       request.headers.get('x-session-id', ''))
         return await self.serve(request, backend_request,
                                 ChatRenderer(backend_request, include_usage=_usage_on(body)))
 

@@ -74,6 +74,10 @@ class BackendRequest:
     reasoning: Optional[bool] = None         # False: thinking off where the template allows it
     reasoning_budget: int = 0      # tokens of reasoning before the closing tag is forced; 0 = none
     stream: bool = False
+    # Chat only, from the X-Session-Id header: the node remembers this conversation (the
+    # client still sends the whole history, OpenAI style: the node continues after the turns
+    # it already holds). '' = stateless, the default.
+    session_id: str = ''
 
     @property
     def is_chat(self) -> bool:

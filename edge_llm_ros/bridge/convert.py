@@ -175,7 +175,20 @@ def _reasoning(body: ChatCompletionRequest) -> Optional[bool]:
     return body.reasoning_effort != 'none'
 
 
-def chat_request(body: ChatCompletionRequest, request_id: str) -> BackendRequest:
+# X-Session-Id values: what a ROS session id may be here (no control characters).
+SESSION_ID_MAX = 128
+
+
+def session_header(value: str) -> str:
+    """Check an X-Session-Id header value ('' = none)."""
+    if len(value) > SESSION_ID_MAX or not value.isprintable():
+        raise InvalidRequestError(f'X-Session-Id must be at most {SESSION_ID_MAX} printable '
+                                  'characters', param='X-Session-Id')
+    return value
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str,
+                 session_id: str = '') -> BackendRequest:
     """Check a chat completion body and build the backend's request."""
     tools = _tools(body.tools)
     tool_choice = _tool_choice(body, tools)
@@ -194,7 +207,8 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> BackendRequest
         max_tokens=max_tokens, json_schema=json_schema, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,
-        reasoning=_reasoning(body), reasoning_budget=body.reasoning_budget or 0)
+        reasoning=_reasoning(body), reasoning_budget=body.reasoning_budget or 0,
+        session_id=session_header(session_id))
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> BackendRequest:

@@ -71,7 +71,8 @@ def build_goal(request: BackendRequest) -> Generate.Goal:
         tool_choice=(choice.name if choice.mode == 'named' else choice.mode)
         if request.tools else '',
         parallel_tool_calls=request.parallel_tool_calls, reasoning=request.reasoning,
-        reasoning_budget=request.reasoning_budget or None, **sampling)
+        reasoning_budget=request.reasoning_budget or None, session_id=request.session_id,
+        history_mode=Generate.Goal.HISTORY_AUTO, **sampling)
 
 
 def rejection_error(exc: GoalRejectedError) -> Exception:

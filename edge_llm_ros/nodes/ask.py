@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--temperature', type=float, default=None,
                         help="sampling temperature (default: the node's; 0 = greedy)")
     parser.add_argument('--seed', type=int, default=None, help='sampling seed')
-    parser.add_argument('--session', default='', help='session id to continue a conversation')
+    parser.add_argument('--session', default='',
+                        help='continue this conversation: the node remembers its turns')
     parser.add_argument('--json-schema', default='',
                         help='constrain the answer to JSON of this schema (schema as JSON text)')
     parser.add_argument('--wait', type=float, default=30.0,

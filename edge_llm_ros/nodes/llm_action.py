@@ -197,7 +197,7 @@ class GenerateServer:
         node.figures.goal_ended(outcome, msg.error_kind or msg.finish_reason, result,
                                 time.monotonic() - goal.accepted_at, goal.queued)
         self._admission.publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
-                                           goal_handle.request, goal.request, msg,
+                                           goal_handle.request, goal.ran or goal.request, msg,
                                            accepted=True, accepted_stamp=goal.stamp,
                                            error=error)
         return msg

@@ -86,7 +86,7 @@ class CompleteService:
                 response.error_kind or response.finish_reason, result,
                 time.monotonic() - goal.accepted_at, goal.queued)
         self._admission.publish_transcript(Transcript.SOURCE_SERVICE, goal_id, request,
-                                           goal.request, response, accepted=accepted,
+                                           goal.ran or goal.request, response, accepted=accepted,
                                            accepted_stamp=goal.stamp,
                                            error=response.error_message)
         return response

@@ -6,7 +6,9 @@ Interfaces (all relative to the node's name):
   ~/tokenize   edge_llm_msgs/srv/Tokenize      answered at once, never queued (llm_services.py)
   ~/detokenize edge_llm_msgs/srv/Detokenize    answered at once, never queued
   ~/get_model_info edge_llm_msgs/srv/GetModelInfo  answered at once, in every state
-  ~/reset_session edge_llm_msgs/srv/ResetSession  drops KV sessions between two generations
+  ~/get_session edge_llm_msgs/srv/GetSession   one conversation: turns, tokens, KV bytes
+  ~/list_sessions edge_llm_msgs/srv/ListSessions  the conversations kept
+  ~/reset_session edge_llm_msgs/srv/ResetSession  forgets sessions between two generations
   ~/update_model edge_llm_msgs/srv/UpdateModel  installs a signed model, swaps it in
                                                   (model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request

@@ -1,4 +1,7 @@
-"""llm_node's small services: ~/tokenize, ~/detokenize, ~/get_model_info, ~/reset_session.
+"""llm_node's small services: ~/tokenize, ~/detokenize, ~/get_model_info and the sessions'.
+
+~/get_session and ~/list_sessions describe the conversations the node keeps (turns, tokens,
+KV bytes); ~/reset_session forgets one (or all).
 
 Each answers from the loaded engine without the queue (never behind a generation):
 tokenizing, detokenizing and model info only read the tokenizer and the model's description;
@@ -14,8 +17,10 @@ from typing import Any, Optional
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.srv import Detokenize, GetModelInfo, ResetSession, Tokenize
+from edge_llm_msgs.srv import (Detokenize, GetModelInfo, GetSession, ListSessions, ResetSession,
+                               Tokenize)
 from edge_llm_ros.errors import EngineError
+from edge_llm_ros.nodes.messages import chat_message_msgs
 from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
@@ -89,6 +94,53 @@ def reset_session(worker: Optional[EngineWorker], request: ResetSession.Request,
     return response
 
 
+def _keeps_sessions(engine: Any, response, unloaded: str) -> bool:
+    """Whether `engine` keeps sessions here; else fill `response` with why not."""
+    if engine is None:
+        response.success, response.message = False, unloaded
+        return False
+    if not hasattr(engine, 'session'):
+        response.success = False
+        response.message = ('this node forwards goals to a remote server (engine.backend '
+                            'remote), which keeps its own sessions: ask it')
+        return False
+    return True
+
+
+def get_session(engine: Any, request: GetSession.Request, response: GetSession.Response,
+                unloaded: str) -> GetSession.Response:
+    """Fill `response` with one session's turns, token count and KV bytes."""
+    if not _keeps_sessions(engine, response, unloaded):
+        return response
+    info = engine.session(request.session_id)
+    response.success = True
+    if info is None:
+        response.found = False
+        response.message = (f'no session {request.session_id!r} is kept (never used, reset or '
+                            'evicted): its next goal starts a new conversation')
+        return response
+    response.found = True
+    response.system_prompt = info.conversation.system
+    response.turns = chat_message_msgs(info.conversation.turns)
+    response.token_count = len(info.conversation.ids)
+    response.kv_bytes = int(info.kv_bytes)
+    return response
+
+
+def list_sessions(engine: Any, response: ListSessions.Response,
+                  unloaded: str) -> ListSessions.Response:
+    """Fill `response` with every session kept, least recently used first."""
+    if not _keeps_sessions(engine, response, unloaded):
+        return response
+    infos = engine.sessions()
+    response.success = True
+    response.session_ids = [i.session_id for i in infos]
+    response.turn_counts = [len(i.conversation.turns) for i in infos]
+    response.token_counts = [len(i.conversation.ids) for i in infos]
+    response.kv_bytes = [int(i.kv_bytes) for i in infos]
+    return response
+
+
 def tokenize(engine: Any, request: Tokenize.Request, response: Tokenize.Response,
              unloaded: str) -> Tokenize.Response:
     """Fill `response` with the ids and token texts of the request's text or messages."""
@@ -125,7 +177,9 @@ class LLMServices:
                        for kind, name, callback in (
                            (Detokenize, '~/detokenize', self.on_detokenize),
                            (GetModelInfo, '~/get_model_info', self.on_get_model_info),
-                           (ResetSession, '~/reset_session', self.on_reset_session))]
+                           (ResetSession, '~/reset_session', self.on_reset_session),
+                           (GetSession, '~/get_session', self.on_get_session),
+                           (ListSessions, '~/list_sessions', self.on_list_sessions))]
 
     def _unloaded(self) -> str:
         node = self._node
@@ -158,3 +212,13 @@ class LLMServices:
                          response: ResetSession.Response) -> ResetSession.Response:
         return self._answer('~/reset_session', lambda: reset_session(
             self._node.worker, request, response, self._unloaded()), response, 'message')
+
+    def on_get_session(self, request: GetSession.Request,
+                       response: GetSession.Response) -> GetSession.Response:
+        return self._answer('~/get_session', lambda: get_session(
+            self._node.engine, request, response, self._unloaded()), response, 'message')
+
+    def on_list_sessions(self, request: ListSessions.Request,
+                         response: ListSessions.Response) -> ListSessions.Response:
+        return self._answer('~/list_sessions', lambda: list_sessions(
+            self._node.engine, response, self._unloaded()), response, 'message')

@@ -97,6 +97,12 @@ def chat_messages(msgs: Sequence[ChatMessageMsg]) -> tuple:
                              tool_call_id=m.tool_call_id, name=m.name) for m in msgs)
 
 
+def chat_message_msgs(turns) -> List[ChatMessageMsg]:
+    """Return the ChatMessage messages of engine turns (runtime.types.ChatMessage)."""
+    return [ChatMessageMsg(role=t.role, content=t.content, tool_calls=tool_call_msgs(
+        t.tool_calls), tool_call_id=t.tool_call_id, name=t.name) for t in turns]
+
+
 def tool_dicts(tools) -> tuple:
     """Return OpenAI tool entries of ToolSpec messages (parameters stay JSON text)."""
     return tuple({'type': 'function',
@@ -135,6 +141,7 @@ def to_request(goal, defaults: RequestDefaults,
         json_schema=goal.json_schema,
         prefix_embeddings=prefix_embeddings,
         session_id=goal.session_id,
+        history_mode=int(goal.history_mode),
         tools=tool_dicts(goal.tools),
         tool_choice=goal.tool_choice,
         parallel_tool_calls=not goal.no_parallel_tool_calls,
@@ -218,17 +225,18 @@ def fill_result(msg, result: GenerationResult, error_message: Optional[str] = No
     msg.tool_calls = tool_call_msgs(result.tool_calls)
     msg.reasoning = result.reasoning
     msg.logprobs = logprob_msgs(result.logprobs, token_strings)
+    msg.dropped_turns = int(result.dropped_turns)
     return msg
 
 
 REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens', 'stop',
-                  'json_schema', 'prefix_embeddings', 'session_id', 'tools', 'tool_choice',
-                  'no_parallel_tool_calls', 'grammar', 'regex', 'choices', 'reasoning_mode',
-                  'reasoning_budget')
+                  'json_schema', 'prefix_embeddings', 'session_id', 'history_mode', 'tools',
+                  'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex', 'choices',
+                  'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
 GOAL_ONLY_FIELDS = ('priority', 'preempt')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
-                  'timings', 'tool_calls', 'reasoning', 'logprobs')
+                  'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 
 
 def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_msg,
@@ -248,6 +256,9 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
         msg.accepted_stamp = accepted_stamp
     if engine_request is not None:
         msg.effective_sampling = sampling_to_msg(engine_request.sampling)
+        session = getattr(engine_request, 'session', None)
+        if session is not None:   # the stored turns this goal continued (replay starts there)
+            msg.session_turns = chat_message_msgs(session.history)
     for name in REQUEST_FIELDS:
         setattr(msg, name, getattr(request_msg, name))
     if isinstance(request_msg, Goal):

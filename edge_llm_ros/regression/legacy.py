@@ -18,6 +18,12 @@ Interface version 3 (issue 14) only added fields: Generate.Goal/Transcript `prio
 `preempt`, Generate.Feedback `paused`. A version-2 record lacks them and reads them as 0,
 false (normal priority, no preemption), which is exactly how a version-2 node served every
 goal: version-2 records need no translation. Version-1 ones get the translation above.
+
+Interface version 4 (issue 20) changed what a session is: before, `session_id` only named a
+KV prefix to keep (each goal carried its whole conversation); now the node remembers the
+session's turns and puts them before the goal's. A record of an older version is therefore
+replayed without its session_id: prefix reuse needs no name, so the goal sees exactly the
+prompt it saw then.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from edge_llm_ros.regression.records import SamplingRecord, TranscriptRecord, UN
 
 # The first version whose sampling means what it means today (see the module docstring).
 SAMPLING_SEMANTICS_SINCE = 2
+# The first version whose session_id is a remembered conversation.
+CONVERSATIONS_SINCE = 4
 
 
 def request_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
@@ -45,6 +53,8 @@ def effective_sampling_v1(sampling: SamplingRecord) -> SamplingRecord:
 
 def upgrade(record: TranscriptRecord) -> TranscriptRecord:
     """Return `record` in the current semantics (unchanged when already current)."""
+    if record.interface_version < CONVERSATIONS_SINCE and record.session_id:
+        record = replace(record, session_id='')
     if record.interface_version >= SAMPLING_SEMANTICS_SINCE:
         return record
     return replace(record, sampling=request_sampling_v1(record.sampling),

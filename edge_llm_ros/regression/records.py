@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 3
+INTERFACE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,8 @@ class TranscriptRecord:
     reasoning_budget: int = -1
     priority: int = 0                  # version 3; older records: 0 (normal)
     preempt: bool = False              # version 3; older records: false
+    history_mode: int = 0              # version 4: Generate.Goal.HISTORY_*
+    session_turns: list = field(default_factory=list)   # version 4: ChatRecord, see replay
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -127,6 +129,7 @@ class TranscriptRecord:
     tool_calls: list = field(default_factory=list)         # ToolCallRecord
     reasoning: str = ''
     logprobs: list = field(default_factory=list)           # TokenLogprobRecord
+    dropped_turns: int = 0             # version 4
     # Where it came from: bag receive time and topic (not part of the message).
     bag_stamp_ns: int = 0
     topic: str = ''
@@ -259,6 +262,8 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         reasoning_budget=int(getattr(msg, 'reasoning_budget', -1)),
         priority=int(getattr(msg, 'priority', 0)),
         preempt=bool(getattr(msg, 'preempt', False)),
+        history_mode=int(getattr(msg, 'history_mode', 0)),
+        session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),
         text=str(msg.text),
         token_ids=[int(t) for t in msg.token_ids],
@@ -270,6 +275,7 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         tool_calls=[tool_call_from_msg(c) for c in getattr(msg, 'tool_calls', ())],
         reasoning=str(getattr(msg, 'reasoning', '')),
         logprobs=[logprob_from_msg(lp) for lp in getattr(msg, 'logprobs', ())],
+        dropped_turns=int(getattr(msg, 'dropped_turns', 0)),
         bag_stamp_ns=int(bag_stamp_ns),
         topic=topic)
     return upgrade(record)

@@ -142,10 +142,12 @@ def goal_fields(record: TranscriptRecord) -> dict:
     sampling = asdict(record.sampling)
     for name in ('logit_bias_token_ids', 'logit_bias_values'):
         sampling[name] = list(sampling[name])
-    return dict(prompt=record.prompt, messages=[chat_msg(m) for m in record.messages],
+    messages, history_mode = session_messages(record)
+    return dict(prompt=record.prompt, messages=messages,
                 system_prompt=record.system_prompt, max_tokens=record.max_tokens,
                 stop=list(record.stop), json_schema=record.json_schema,
-                session_id=record.session_id, prefix_embeddings=handles,
+                session_id=record.session_id, history_mode=history_mode,
+                prefix_embeddings=handles,
                 tools=[ToolSpec(name=t.name, description=t.description,
                                 parameters=t.parameters) for t in record.tools],
                 tool_choice=record.tool_choice,
@@ -156,6 +158,29 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 reasoning_budget=(None if record.reasoning_budget < 0
                                   else record.reasoning_budget),
                 priority=record.priority, preempt=record.preempt, **sampling)
+
+
+def session_messages(record: TranscriptRecord) -> tuple:
+    """(messages, history_mode) that resend a goal with the conversation it continued.
+
+    A session goal is sent as HISTORY_REPLACE with the session's stored turns it continued
+    (recorded in session_turns) followed by its own new turns: the replayed node then holds
+    the same conversation before the goal as the recorded one did, whatever it held before
+    (another replay, goals not in the bag). Without a session the goal goes as recorded.
+    """
+    messages = list(record.messages)
+    if not record.session_id:
+        return [chat_msg(m) for m in messages], record.history_mode
+    stored = list(record.session_turns)
+    own = messages
+    if record.history_mode != Generate.Goal.HISTORY_REPLACE:
+        if own and own[0].role == 'system' and own[0].content == record.system_prompt:
+            own = own[1:]
+        if record.history_mode == Generate.Goal.HISTORY_AUTO and own[:len(stored)] == stored:
+            own = own[len(stored):]
+    else:
+        stored = []
+    return [chat_msg(m) for m in stored + own], Generate.Goal.HISTORY_REPLACE
 
 
 def chat_msg(record: ChatRecord) -> ChatMessage:

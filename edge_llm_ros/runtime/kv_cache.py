@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import functools
 import hashlib
 import logging
-from typing import Hashable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Callable, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
 from edge_llm_ros.errors import ContextOverflowError
+from edge_llm_ros.runtime.conversation import Conversation
 
 SNAPSHOT_DTYPES = ('float32', 'int8')
 _log = logging.getLogger(__name__)
@@ -120,9 +121,14 @@ class _Snapshot:
 
 
 class SnapshotSink(Protocol):
-    """Where a SnapshotStore mirrors its changes (session_store.SessionStore: SQLite)."""
+    """Where a SnapshotStore mirrors its changes (session_store.SessionStore: SQLite).
 
-    def save(self, session_id: str, snap: _Snapshot, tick: int) -> None: ...
+    save() gets a session's whole entry, its KV prefix (None: none kept) and conversation
+    (None: none), so both are written in one row, in one transaction.
+    """
+
+    def save(self, session_id: str, snap: Optional[_Snapshot],
+             conversation: Optional[Conversation], tick: int) -> None: ...
 
     def touch(self, session_id: str, tick: int) -> None: ...
 
@@ -130,18 +136,33 @@ class SnapshotSink(Protocol):
 
     def clear(self) -> None: ...
 
+    def when_written(self, done: Callable[[], None]) -> None:
+        """Call done() (from any thread) once everything recorded so far is on disk."""
+
     def close(self) -> None: ...
 
 
-class SnapshotStore:
-    """Saved session prefixes, least recently used first; one store may serve several caches.
+@dataclass
+class _Session:
+    """What the store keeps of one session: a KV prefix, a conversation, or both."""
 
-    With several sequence slots (one KVCache per slot) every slot saves into and restores from
-    the same store, so a session can continue in whichever slot is free. Bounded by count
-    (max_sessions) and by bytes (max_bytes, None = no byte bound): the least recently used are
-    evicted until both hold; a single prefix larger than max_bytes is not kept (logged). A sink
-    (SQLite persistence) mirrors every change: what is evicted here is deleted there, so the
-    disk holds what memory holds.
+    snap: Optional[_Snapshot] = None
+    conversation: Optional[Conversation] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.snap.nbytes if self.snap is not None else 0
+
+
+class SnapshotStore:
+    """Saved sessions (KV prefixes and conversations), least recently used first.
+
+    One store serves every slot's cache, so a session can continue in whichever slot is free.
+    Bounded by count (max_sessions) and by bytes of KV (max_bytes, None = no byte bound): the
+    least recently used sessions are evicted until both hold; a single prefix larger than
+    max_bytes is not kept (logged), but its session's conversation is. A sink (SQLite
+    persistence) mirrors every change: what is evicted here is deleted there, so the disk
+    holds what memory holds.
     """
 
     def __init__(self, max_sessions: int = 8, max_bytes: Optional[int] = None,
@@ -153,30 +174,36 @@ class SnapshotStore:
         self.max_sessions = max_sessions
         self.max_bytes = max_bytes
         self._sink = sink
-        self._snaps: 'OrderedDict[str, _Snapshot]' = OrderedDict()
+        self._entries: 'OrderedDict[str, _Session]' = OrderedDict()
         self._bytes = 0
         self._tick = 0  # LRU clock, persisted so a restart keeps the order
 
     @property
     def persistent(self) -> bool:
-        """Whether a sink (SQLite) keeps the snapshots across restarts."""
+        """Whether a sink (SQLite) keeps the sessions across restarts."""
         return self._sink is not None
 
     def __contains__(self, session_id: str) -> bool:
-        return session_id in self._snaps
+        return session_id in self._entries
 
     def __len__(self) -> int:
-        return len(self._snaps)
+        return len(self._entries)
 
     def ids(self) -> List[str]:
         """Session ids, least recently used first."""
-        return list(self._snaps)
+        return list(self._entries)
 
     def values(self) -> List[_Snapshot]:
-        return list(self._snaps.values())
+        """Return the KV prefixes kept (a session may have only a conversation)."""
+        return [e.snap for e in self._entries.values() if e.snap is not None]
 
     def get(self, session_id: str) -> Optional[_Snapshot]:
-        return self._snaps.get(session_id)
+        entry = self._entries.get(session_id)
+        return entry.snap if entry is not None else None
+
+    def conversation(self, session_id: str) -> Optional[Conversation]:
+        entry = self._entries.get(session_id)
+        return entry.conversation if entry is not None else None
 
     def fits(self, nbytes: int) -> bool:
         """Whether one snapshot of this size can be kept at all."""
@@ -191,12 +218,32 @@ class SnapshotStore:
         if not self.fits(snap.nbytes):
             self.refuse(session_id, len(snap.keys), snap.nbytes)
             return False
-        self._tick += 1
-        self._insert(session_id, snap)
-        if self._sink is not None:
-            self._sink.save(session_id, snap, self._tick)
-        self._evict()
+        entry = self._entries.get(session_id) or _Session()
+        self._store(session_id, _Session(snap, entry.conversation))
         return True
+
+    def commit(self, session_id: str, conversation: Conversation,
+               snap: Optional[_Snapshot] = None) -> None:
+        """Keep a session's conversation after a turn, with its KV prefix when given.
+
+        One entry, one sink write: the turn and its KV are on disk together or not at all.
+        A prefix too large for max_bytes is not kept; the conversation is.
+        """
+        if self.max_sessions == 0:
+            return
+        entry = self._entries.get(session_id) or _Session()
+        if snap is not None and not self.fits(snap.nbytes):
+            self.refuse(session_id, len(snap.keys), snap.nbytes)
+            snap = None
+        self._store(session_id, _Session(snap if snap is not None else entry.snap,
+                                         conversation))
+
+    def _store(self, session_id: str, entry: _Session) -> None:
+        self._tick += 1
+        self._insert(session_id, entry)
+        if self._sink is not None:
+            self._sink.save(session_id, entry.snap, entry.conversation, self._tick)
+        self._evict()
 
     def refuse(self, session_id: str, positions: int, nbytes: int) -> None:
         """Log that a prefix too big for max_bytes is not kept."""
@@ -205,39 +252,42 @@ class SnapshotStore:
                       'not kept (raise sessions.max_bytes or use kv.dtype int8)',
                       session_id, positions, nbytes, self.max_bytes)
 
-    def load(self, session_id: str, snap: _Snapshot, tick: int) -> bool:
-        """Put a snapshot read back from the sink (oldest first), without writing it back."""
-        if not self.fits(snap.nbytes):
+    def load(self, session_id: str, snap: Optional[_Snapshot],
+             conversation: Optional[Conversation], tick: int) -> bool:
+        """Put a session read back from the sink (oldest first), without writing it back."""
+        if snap is not None and not self.fits(snap.nbytes):
+            snap = None
+        if snap is None and conversation is None or self.max_sessions == 0:
             return False
         self._tick = max(self._tick, tick)
-        self._insert(session_id, snap)
+        self._insert(session_id, _Session(snap, conversation))
         self._evict()
-        return session_id in self._snaps
+        return session_id in self._entries
 
-    def _insert(self, session_id: str, snap: _Snapshot) -> None:
-        old = self._snaps.pop(session_id, None)
+    def _insert(self, session_id: str, entry: _Session) -> None:
+        old = self._entries.pop(session_id, None)
         if old is not None:
             self._bytes -= old.nbytes
-        self._snaps[session_id] = snap
-        self._bytes += snap.nbytes
+        self._entries[session_id] = entry
+        self._bytes += entry.nbytes
 
     def _evict(self) -> None:
-        while self._snaps and (len(self._snaps) > self.max_sessions or (
+        while self._entries and (len(self._entries) > self.max_sessions or (
                 self.max_bytes is not None and self._bytes > self.max_bytes)):
-            session_id, old = self._snaps.popitem(last=False)
+            session_id, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
             if self._sink is not None:
                 self._sink.delete(session_id)
 
     def touch(self, session_id: str) -> None:
-        if session_id in self._snaps:
-            self._snaps.move_to_end(session_id)
+        if session_id in self._entries:
+            self._entries.move_to_end(session_id)
             self._tick += 1
             if self._sink is not None:
                 self._sink.touch(session_id, self._tick)
 
     def pop(self, session_id: str) -> bool:
-        old = self._snaps.pop(session_id, None)
+        old = self._entries.pop(session_id, None)
         if old is None:
             return False
         self._bytes -= old.nbytes
@@ -247,14 +297,21 @@ class SnapshotStore:
 
     def clear(self) -> None:
         """Forget every session, in memory and in the sink."""
-        self._snaps.clear()
+        self._entries.clear()
         self._bytes = 0
         if self._sink is not None:
             self._sink.clear()
 
+    def when_saved(self, done: Callable[[], None]) -> None:
+        """Call done() once what was committed so far persists (at once without a sink)."""
+        if self._sink is None:
+            done()
+        else:
+            self._sink.when_written(done)
+
     def close(self) -> None:
         """Flush and close the sink, keeping what it saved; forget the in-memory copies."""
-        self._snaps.clear()
+        self._entries.clear()
         self._bytes = 0
         sink, self._sink = self._sink, None
         if sink is not None:
@@ -324,6 +381,11 @@ class KVCache:
     def room(self) -> int:
         return self._capacity - len(self._keys)
 
+    def live_bytes(self) -> int:
+        """Bytes the live positions take in the buffers (at their own precision)."""
+        per = sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in self._buffers)
+        return per * len(self._keys)
+
     def sessions(self) -> List[str]:
         """Return the saved session ids, least recently used first."""
         return self._sessions.ids()
@@ -382,6 +444,19 @@ class KVCache:
             return False
         self._save(self._owner)
         return True
+
+    def commit(self, session_id: str, conversation: Conversation) -> None:
+        """Keep a session's conversation after a turn that ended in this slot.
+
+        With a persistent store the live KV is saved with it (one row, one transaction);
+        without one the KV stays live and is saved lazily, as any session prefix.
+        """
+        snap = None
+        if self._sessions.persistent and self._owner == session_id and self._keys:
+            snap = self._snapshot()
+            if snap is not None:
+                self._owner_saved = True
+        self._sessions.commit(session_id, conversation, snap)
 
     def close(self) -> None:
         """Checkpoint, empty the live cache and close the store (its saved sessions stay).
@@ -502,15 +577,21 @@ class KVCache:
         self._owner_saved = False
 
     def _save(self, session_id: str) -> None:
+        snap = self._snapshot()
+        if snap is not None:
+            self._sessions.put(session_id, snap)
+        if session_id == self._owner:
+            self._owner_saved = True
+
+    def _snapshot(self) -> Optional[_Snapshot]:
+        """Copy the live positions (None when the store could not keep them: nothing copied)."""
         if self._sessions.max_sessions == 0 or not self._keys:
-            return
+            return None
         n = len(self._keys)
         nbytes = self._snapshot_nbytes(n)
         if not self._sessions.fits(nbytes):  # do not copy what cannot be kept
-            self._sessions.refuse(session_id, n, nbytes)
-            if session_id == self._owner:
-                self._owner_saved = True
-            return
+            self._sessions.refuse(self._owner, n, nbytes)
+            return None
         if self._snapshot_dtype == 'int8':
             pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
             snap = _Snapshot(tuple(self._keys), [q for q, _ in pairs], [s for _, s in pairs])
@@ -518,9 +599,7 @@ class KVCache:
             snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
                              None)
         snap.__dict__['hashes'] = list(self._hashes)   # already known: no rehash
-        self._sessions.put(session_id, snap)
-        if session_id == self._owner:
-            self._owner_saved = True
+        return snap
 
     def _snapshot_nbytes(self, n: int) -> int:
         """Bytes of a snapshot of n positions (known before copying anything)."""

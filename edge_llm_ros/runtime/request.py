@@ -12,6 +12,11 @@ options, and their output is returned as the model wrote it.
 Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor handles
 that are mapped later): their count, width and dtype are checked here, and the array is bound
 with PreparedRequest.bind() just before generating, which checks only its values.
+
+A request with a session_id continues a conversation (runtime/conversation.py). What it adds
+is checked here (roles, tools, constraint, that its own latest turns fit the context); its
+final prompt (the stored turns, then its own) is built when it starts, by
+bind_conversation(), since the conversation may change while it waits.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
+from edge_llm_ros.runtime import conversation as conv
 from edge_llm_ros.runtime import sampling
 from edge_llm_ros.runtime.constraint import compile_request_constraint
 from edge_llm_ros.runtime.kv_cache import block_hashes, check_fits
@@ -57,6 +63,10 @@ class PreparedRequest:
     keys: Tuple[Hashable, ...] = ()
     # How to split the output into text, reasoning and tool calls (empty: all of it is text).
     output: OutputPlan = OutputPlan()
+    # A session goal waiting for its conversation (bind_conversation), and once bound, what it
+    # continued (the prompt ids above are then the whole conversation's).
+    chat: Optional[conv.ChatTurns] = None
+    session: Optional[conv.Bound] = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -73,6 +83,11 @@ class PreparedRequest:
     def bound(self) -> bool:
         """Whether generate() can run it: no declared embeddings wait for their array."""
         return self.embeddings is None or self.embeds is not None
+
+    @property
+    def awaits_conversation(self) -> bool:
+        """A session goal whose prompt is built when it starts (bind_conversation)."""
+        return self.chat is not None and self.session is None
 
     def bind(self, array: np.ndarray) -> 'PreparedRequest':
         """Return this request with the values of its declared prefix embeddings.
@@ -174,6 +189,17 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         _check_raw(request)
     if not isinstance(request.session_id, str):
         raise InvalidRequestError('session_id must be text')
+    session = bool(request.session_id)
+    if session:
+        conv.check_mode(request.history_mode)
+        if not request.use_chat_template:
+            raise InvalidRequestError('a session_id keeps a chat conversation: it needs the '
+                                      'chat template (use_chat_template=True), or send the '
+                                      'raw prompt without a session_id')
+        if request.prefix_embeddings is not None:
+            raise InvalidRequestError('prefix_embeddings start the context, so they cannot '
+                                      'join a stored conversation: send them without a '
+                                      'session_id')
     # How to answer: sampling, stopping, format, embeddings.
     if isinstance(request.max_tokens, bool) or \
             not isinstance(request.max_tokens, (int, np.integer)):
@@ -206,6 +232,8 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
             reasoning=request.reasoning, reasoning_budget=request.reasoning_budget,
             compile_schema=compile_schema)
         ids, constraint, output = list(plan.prompt_ids), plan.constraint, plan.output
+        if session:
+            chat, ids = _session_turns(request, messages, plan, tokenizer, capacity - max_tokens)
     else:
         kind = check_single_constraint(json_schema=request.json_schema, grammar=request.grammar,
                                        regex=request.regex, choices=request.choices)
@@ -226,8 +254,38 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                sampling=request.sampling, stop=stop, constraint=constraint,
                                session_id=request.session_id, act_dtype=np.dtype(act_dtype),
                                embeddings=declared, keys=() if declared else tuple(ids),
-                               output=output)
+                               output=output, chat=chat if session else None)
     return prepared.bind(array) if array is not None else prepared
+
+
+def _session_turns(request: GenerationRequest, messages: List[ChatMessage], plan,
+                   tokenizer: TextTokenizer, room: int) -> Tuple[conv.ChatTurns, List[int]]:
+    """Return a session goal's own turns, and the ids whose length prepare() checks.
+
+    When the request as sent (an OpenAI-style client resends its whole history) does not fit,
+    what must fit is its latest part, from its last user turn on: older turns are the
+    conversation's, which the context policy may drop at bind time.
+    """
+    system = request.system_prompt
+    own = tuple(m for m in messages if not (m is messages[0] and system and m.role == 'system'
+                                            and m.content == system))
+    chat = conv.ChatTurns(system=system, messages=own, mode=int(request.history_mode),
+                          render=plan.render)
+    ids = list(plan.prompt_ids)
+    if len(ids) > room:
+        users = [i for i, m in enumerate(own) if m.role == 'user']
+        tail = own[users[-1]:] if users else own
+        head = (ChatMessage('system', system),) if system else ()
+        ids = tokenizer.encode_prompt(plan.render(head + tail))
+    return chat, ids
+
+
+def bind_conversation(prepared: PreparedRequest, stored: conv.Conversation,
+                      tokenizer: TextTokenizer, capacity: int) -> PreparedRequest:
+    """Return a session goal with its whole prompt: the stored turns, then its own."""
+    bound = conv.bind(tokenizer, stored, prepared.chat, capacity - prepared.max_tokens,
+                      prepared.chat.render)
+    return replace(prepared, prompt_ids=bound.ids, keys=bound.ids, session=bound)
 
 
 def _check_raw(request: GenerationRequest) -> None:

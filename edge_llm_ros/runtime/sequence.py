@@ -57,9 +57,9 @@ class Sequence:
 
     def __init__(self, tokenizer: TextTokenizer, prepared: PreparedRequest, output: Output,
                  eos: Iterable[int] = (), t0: Optional[float] = None) -> None:
-        if not prepared.bound:
-            raise ValueError('the request declares prefix_embeddings that were never bound: '
-                             'bind them before running it')
+        if not prepared.bound or prepared.awaits_conversation:
+            raise ValueError('the request was not bound before running: its prefix '
+                             'embeddings or its session conversation are missing')
         self._tokenizer = tokenizer
         self._req = prepared
         self.output = output
@@ -299,5 +299,6 @@ class Sequence:
             prompt_tokens=self._req.prompt_tokens, completion_tokens=len(out),
             timings=timings, error=error, reasoning=out.reasoning(), tool_calls=calls,
             invalid_tool_calls=pipeline.invalid_tool_calls if pipeline is not None else [],
-            logprobs=out.logprobs())
+            logprobs=out.logprobs(),
+            dropped_turns=self._req.session.dropped if self._req.session is not None else 0)
         return self.result

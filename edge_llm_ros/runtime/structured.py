@@ -117,6 +117,9 @@ class RequestPlan:
     constraint: Optional[GrammarConstraint]
     output: OutputPlan
     tool_choice: ToolChoice
+    # render(messages) -> the prompt text of other messages with this request's tools and
+    # template options (a session goal renders its stored turns with them at bind time).
+    render: Optional[Callable[[Sequence[MessageLike]], str]] = None
 
 
 def plan_request(tokenizer: TextTokenizer, family: Optional[ModelFamilyConfig],
@@ -137,9 +140,12 @@ def plan_request(tokenizer: TextTokenizer, family: Optional[ModelFamilyConfig],
     scope = tools_in_scope(specs, choice)
     fmt = _format(family) if scope else None
     kwargs = _template_kwargs(family, reasoning)
-    dicts, template_tools = chat_inputs(tokenizer, messages, specs if scope else (),
-                                        fmt or _format(family))
-    prompt = tokenizer.apply_chat_template(dicts, True, template_tools, kwargs)
+    in_scope, call_format = (specs if scope else ()), fmt or _format(family)
+
+    def render(turns: Sequence[MessageLike]) -> str:
+        dicts, template_tools = chat_inputs(tokenizer, turns, in_scope, call_format)
+        return tokenizer.apply_chat_template(dicts, True, template_tools, kwargs)
+    prompt = render(messages)
     ids = tokenizer.encode_prompt(prompt)
     rcfg = family.reasoning if family is not None else None
     opens = rcfg is not None and (rcfg.starts_open or prompt_opens_reasoning(prompt, rcfg))
@@ -163,7 +169,7 @@ def plan_request(tokenizer: TextTokenizer, family: Optional[ModelFamilyConfig],
                         close_ids=close_ids(tokenizer, rcfg) if rcfg is not None else ())
     if reasoning_budget is not None:
         ReasoningBudget(reasoning_budget, output.close_ids)  # checks the value now
-    return RequestPlan(tuple(ids), prompt, constraint, output, choice)
+    return RequestPlan(tuple(ids), prompt, constraint, output, choice, render)
 
 
 def _format(family: Optional[ModelFamilyConfig]) -> ToolFormat:

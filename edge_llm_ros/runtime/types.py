@@ -95,8 +95,11 @@ class GenerationRequest:
     # float32/float16 [n, hidden] embeddings fed through inputs_embeds ahead of the prompt,
     # or only their declared shape (bound later, see PreparedRequest.bind).
     prefix_embeddings: Optional[Union[np.ndarray, DeclaredEmbeddings]] = None
-    # Keep this conversation's KV prefix so the next turn only prefills new tokens.
+    # The session (conversation) this request continues ('' = none): its stored turns come
+    # first and this request's new turns after them (runtime/conversation.py).
     session_id: str = ''
+    # How `messages` relate to the stored turns: runtime.conversation.HISTORY_*.
+    history_mode: int = 0
     # Apply the chat template (False: `prompt` is raw text fed as is).
     use_chat_template: bool = True
     # Functions the model may call (ToolSpec or OpenAI tool dicts), and which:
@@ -156,3 +159,4 @@ class GenerationResult:
     tool_calls: list = field(default_factory=list)         # ToolCall, complete and valid
     invalid_tool_calls: list = field(default_factory=list)  # InvalidToolCall (raw, error)
     logprobs: list = field(default_factory=list)           # TokenLogprobs per token, if asked
+    dropped_turns: int = 0     # session turns left out because they no longer fit the context

@@ -24,24 +24,26 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, load_model_info,
                                        ModelInfo)
 from edge_llm_ros.runtime import constraint as constraint_mod
+from edge_llm_ros.runtime.conversation import committed, Conversation, reply_turn
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 from edge_llm_ros.runtime.kv_cache import KVCache, SNAPSHOT_DTYPES
 from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family, ModelConfigError,
                                                ModelFamilyConfig)
-from edge_llm_ros.runtime.request import prepare, PreparedRequest
+from edge_llm_ros.runtime.request import bind_conversation, prepare, PreparedRequest
 from edge_llm_ros.runtime.sequence import Sequence as TokenSequence
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
-from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, GenerationResult, TokenEvent
+from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, GenerationResult,
+                                        StopReason, TokenEvent)
 from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
 from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
-from edge_llm_ros.serving.scheduler import Report, Scheduler
+from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
 
 
@@ -73,6 +75,8 @@ class EngineConfig:
 
 
 PARALLEL_SEQUENCES_MAX = 64
+# Ends whose turn joins the session's conversation.
+_COMMITTED = (StopReason.STOP, StopReason.LENGTH, StopReason.TOOL_CALLS)
 KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weights and Python
 
 
@@ -152,8 +156,9 @@ class Engine:
                                 snapshot_dtype=config.kv_dtype, store=store)
                         for i in range(config.parallel_sequences)]
         self._lock = threading.RLock()
+        self._store = store
         self._scheduler = Scheduler(self._caches, self._start_sequence, config.prefill_chunk,
-                                    config.prefix_reuse)
+                                    config.prefix_reuse, end_ops=self._end_ops)
         self.loop = StepLoop(self._scheduler, Executor(self._decoder, self._caches, self.rows),
                              self._lock)
         self._solo: Optional[Generation] = None
@@ -180,13 +185,50 @@ class Engine:
         bound (PreparedRequest.bind) before generate().
         """
         decoder = self._open_decoder()
+        if getattr(request, 'session_id', '') and self._store.max_sessions == 0:
+            raise InvalidRequestError(
+                'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '
+                'send the whole conversation without a session_id, or enable them')
         return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
                        self._compile_schema, decoder.act_dtype, family=self.family,
                        vocab_size=self.vocab_size)
 
     def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
-        """Build the runtime state of a goal that got a slot (the scheduler calls this)."""
+        """Build the runtime state of a goal that got a slot (the scheduler calls this).
+
+        A session goal's prompt is built here, after the goals before it in its session
+        ended: the stored turns first, then its own (runtime/conversation.py).
+        """
+        if request.awaits_conversation:
+            stored = self._store.conversation(request.session_id) or Conversation()
+            request = bind_conversation(request, stored, self.tokenizer, self.context_length)
         return TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
+
+    def _end_ops(self, goal: Goal, slot: int) -> list:
+        """After a goal's end in `slot`: commit its session's turn, else checkpoint the slot.
+
+        Only a turn that ended well (stop, length, tool calls) joins the conversation; a
+        cancelled or failed one leaves it as it was.
+        """
+        request, result = goal.sequence.request, goal.sequence.result
+        if request.session is None or result.stop_reason not in _COMMITTED:
+            return [Checkpoint(slot)]
+        reply = reply_turn(result.text, result.tool_calls)
+        return [Commit(slot, request.session_id,
+                       committed(request.session, reply, result.token_ids))]
+
+    def when_saved(self, goal: Goal, done: Callable[[], None]) -> None:
+        """Call done() once an ended goal's committed turn persists (at once if none).
+
+        The worker delivers a session goal's end through this: a turn whose result a client
+        saw survives a kill -9 (sessions.store; without a store: at once).
+        """
+        seq = goal.sequence
+        if seq is None or seq.request.session is None or goal.result is None \
+                or goal.result.stop_reason not in _COMMITTED:
+            done()
+            return
+        self._store.when_saved(done)
 
     def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> 'Generation':
         """Submit one goal and return its Generation, which steps the engine as it is iterated.
@@ -296,6 +338,25 @@ class Engine:
         """Return the session ids whose KV prefixes are saved, least recently used first."""
         return self._caches[0].sessions()
 
+    def session(self, session_id: str) -> Optional['SessionInfo']:
+        """Describe one session: its turns, tokens and KV bytes (None when none is kept)."""
+        with self._lock:
+            conversation = self._store.conversation(session_id)
+            snap = self._store.get(session_id)
+            live = max((c.live_bytes() for c in self._caches if c.owner == session_id),
+                       default=0)
+            if conversation is None and snap is None and not live:
+                return None
+            saved = snap.nbytes if snap is not None else 0
+            return SessionInfo(session_id, conversation or Conversation(), max(saved, live))
+
+    def sessions(self) -> List['SessionInfo']:
+        """Describe every session kept, least recently used first."""
+        with self._lock:
+            ids = list(self._store.ids())
+            ids += [c.owner for c in self._caches if c.owner and c.owner not in ids]
+            return [info for info in map(self.session, ids) if info is not None]
+
     def reset_sessions(self, session_id: str = '') -> int:
         """Drop one session's KV prefix ('' = every session and the live caches).
 
@@ -351,6 +412,15 @@ class Engine:
                 cache.reset()
             self._caches[0].close()  # flushes persisted sessions, keeps them on disk
             self._decoder = None
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What ~/get_session reports of one session."""
+
+    session_id: str
+    conversation: Conversation
+    kv_bytes: int        # its saved KV prefix, or the live one in a slot (the larger)
 
 
 class Generation:

@@ -1,8 +1,9 @@
 """The executor: runs a scheduler's Plan on the decoder and the slots' KV caches.
 
 It is the only code that moves KV bytes (admission with prefix reuse, park/unpark of a paused
-goal, moving a goal down a slot, session checkpoints) and the only caller of the decoder
-(one prefill chunk, or one batched decode step). It decides nothing: the plan says what to do.
+goal, moving a goal down a slot, session checkpoints and committed turns) and the only caller
+of the decoder (one prefill chunk, or one batched decode step). It decides nothing: the plan
+says what to do.
 Failures are returned in Outputs, per goal for KV moves and per model call otherwise, so the
 scheduler ends exactly the goals they concern.
 
@@ -24,8 +25,8 @@ import numpy as np
 
 from edge_llm_ros.runtime.decoder import OnnxDecoder
 from edge_llm_ros.runtime.kv_cache import KVCache
-from edge_llm_ros.serving.scheduler import (Admit, Checkpoint, Decode, Move, Outputs, Park,
-                                            Plan, Prefill, Unpark)
+from edge_llm_ros.serving.scheduler import (Admit, Checkpoint, Commit, Decode, Move, Outputs,
+                                            Park, Plan, Prefill, Unpark)
 
 # Prompt of the row probe: any few tokens; every row gets the same ones.
 _PROBE_IDS = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
@@ -107,6 +108,8 @@ class Executor:
         caches = self._caches
         if isinstance(op, Checkpoint):
             caches[op.slot].checkpoint()
+        elif isinstance(op, Commit):
+            caches[op.slot].commit(op.session_id, op.conversation)
         elif isinstance(op, Admit):
             cache = caches[op.slot]
             if op.fresh:

@@ -116,6 +116,8 @@ class Goal:
     slot: int = field(default=-1, init=False)
     output: Output = field(default_factory=Output, init=False, repr=False)
     sequence: Any = field(default=None, init=False, repr=False)   # runtime Sequence / stream
+    # The request as it ran: a session goal's with its whole conversation (set at admission).
+    ran: Any = field(default=None, init=False, repr=False)
     result: Optional[GenerationResult] = field(default=None, init=False)
     # Scheduler bookkeeping: prompt chunks still to prefill, the parked KV of a paused goal,
     # the state to resume into, and the bound embeddings' exit stack.

@@ -31,7 +31,11 @@ class StepLoop:
             plan = self.scheduler.schedule(admit)
             if plan.empty:
                 return Report()
-            return self.scheduler.update(plan, self.executor.run(plan))
+            report = self.scheduler.update(plan, self.executor.run(plan))
+            ends = self.scheduler.settle()
+            if ends is not None:
+                self.executor.run(ends)
+            return report
 
     def step(self, admit: bool = True,
              emit: Optional[Callable[[Report], None]] = None) -> Report:

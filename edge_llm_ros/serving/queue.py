@@ -102,6 +102,18 @@ class GoalQueue:
         with self.lock:
             return self._queue.head()
 
+    def first(self, admissible) -> Optional[Goal]:
+        """Return the first waiting goal, in admission order, that admissible(goal) accepts."""
+        with self.lock:
+            return next((g for g in self._queue.items() if admissible(g)), None)
+
+    def take(self, goal: Optional[Goal]) -> bool:
+        """Remove a waiting goal to admit it; False when it is no longer waiting."""
+        if goal is None:
+            return False
+        with self.lock:
+            return self._queue.remove(goal)
+
     def pop(self) -> Optional[Goal]:
         with self.lock:
             return self._queue.pop() if len(self._queue) else None

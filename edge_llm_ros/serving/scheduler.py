@@ -44,8 +44,8 @@ from edge_llm_ros.serving.goal import (CancelReason, error_result, Goal, GoalSta
                                        PRIORITY_MIN)
 from edge_llm_ros.serving.queue import GoalQueue, WaitQueue
 
-__all__ = ['Admit', 'Checkpoint', 'Decode', 'Move', 'Outputs', 'Park', 'Plan', 'Prefill',
-           'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Scheduler', 'Unpark']
+__all__ = ['Admit', 'Checkpoint', 'Commit', 'Decode', 'Move', 'Outputs', 'Park', 'Plan',
+           'Prefill', 'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Scheduler', 'Unpark']
 
 
 # --- what a plan asks the executor to do -------------------------------------------------------
@@ -91,7 +91,16 @@ class Checkpoint:
     slot: int
 
 
-KVOp = Union[Admit, Park, Unpark, Move, Checkpoint]
+@dataclass(frozen=True)
+class Commit:
+    """Keep a session's conversation after a turn that ended in `slot` (with its KV)."""
+
+    slot: int
+    session_id: str
+    conversation: Any       # runtime.conversation.Conversation
+
+
+KVOp = Union[Admit, Park, Unpark, Move, Checkpoint, Commit]
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,13 @@ class Report:
 
 # Builds a goal's runtime Sequence once its request is bound (Engine._start_sequence).
 StartSequence = Callable[[Goal, Any], Any]
+# What to do with a goal's slot when it ends there (Engine._end_ops): its checkpoint, or its
+# session's committed turn.
+EndOps = Callable[[Goal, int], List[KVOp]]
+
+
+def checkpoint_only(goal: Goal, slot: int) -> List[KVOp]:
+    return [Checkpoint(slot)]
 
 
 class Scheduler:
@@ -175,12 +191,13 @@ class Scheduler:
 
     def __init__(self, caches: Sequence[KVCache], start_sequence: StartSequence,
                  prefill_chunk: int, prefix_reuse: bool = True,
-                 recompute: int = RECOMPUTE) -> None:
+                 recompute: int = RECOMPUTE, end_ops: EndOps = checkpoint_only) -> None:
         """Plan over `caches` (one per slot, read here; the executor writes them).
 
         :param start_sequence: (goal, bound request) -> the goal's runtime Sequence.
         :param prefill_chunk: prompt positions per prefill call.
         :param recompute: prompt positions always prefilled again on prefix reuse.
+        :param end_ops: (goal, slot) -> the KV ops that follow a goal's end in its slot.
         """
         self._caches = list(caches)
         self.slots = len(self._caches)
@@ -188,6 +205,7 @@ class Scheduler:
         self._chunk = prefill_chunk
         self._prefix_reuse = prefix_reuse
         self._recompute = recompute
+        self._end_ops = end_ops
         self._queue = GoalQueue()
         self._slot: List[Optional[Goal]] = [None] * self.slots
         self._paused: List[Goal] = []
@@ -255,7 +273,9 @@ class Scheduler:
         while True:
             free = [i for i, g in enumerate(self._slot) if g is None]
             paused = min(self._paused, key=WaitQueue.key, default=None)
-            head = self._queue.head()
+            # A session's turns run one after the other: its next goal waits for the last.
+            busy = {_session(g) for g in self.live() + self._paused} - {''}
+            head = self._queue.first(lambda g: _session(g) not in busy)
             # A paused goal goes before waiting ones of its own priority.
             take_paused = paused is not None and (head is None
                                                   or paused.priority >= head.priority)
@@ -271,10 +291,10 @@ class Scheduler:
             if take_paused:
                 self._resume(paused, slot, plan, touched)
                 continue
-            goal = self._queue.pop()
-            if goal is None:
+            if head is None:
                 return
-            self._admit_new(goal, slot, plan, touched)
+            if self._queue.take(head):   # else it was cancelled meanwhile: look again
+                self._admit_new(head, slot, plan, touched)
 
     def _victim(self, priority: int) -> Optional[Goal]:
         """Return the running goal of lowest priority below `priority` (latest arrival)."""
@@ -285,8 +305,8 @@ class Scheduler:
         goal.queue_wait_s = goal.wait_time()
         plan.started.append(goal)
         try:
-            request = goal.enter_embeddings()
-            goal.sequence = self._start_sequence(goal, request)
+            goal.sequence = self._start_sequence(goal, goal.enter_embeddings())
+            request = goal.ran = goal.sequence.request
         except Exception as exc:  # noqa: B902 - one bad request must not stop the others
             # Validated at admission; what only running can find (a stale embeddings handle).
             text = str(exc) if isinstance(exc, InvalidRequestError) else \
@@ -421,7 +441,7 @@ class Scheduler:
 
     def _end(self, goal: Goal, ended: List[Goal], reason: Optional[StopReason] = None,
              exc: Optional[BaseException] = None, error: str = '') -> None:
-        """End a goal now: its result, its slot freed (its session checkpointed next plan)."""
+        """End a goal now: its result, its slot freed (its end ops deferred to settle())."""
         if exc is not None:
             error = f'{type(exc).__name__}: {exc}'
         seq = goal.sequence
@@ -433,12 +453,24 @@ class Scheduler:
         if goal.state is GoalState.PAUSED:
             self._paused.remove(goal)
         elif goal.slot >= 0:
-            self._deferred.append(Checkpoint(goal.slot))
+            self._deferred += self._end_ops(goal, goal.slot)
             self._slot[goal.slot] = None
         goal.slot = -1
         goal.finish(replace(result, timings=replace(result.timings,
                                                     queue_wait_s=goal.queue_wait_s)))
         ended.append(goal)
+
+    def settle(self) -> Optional[Plan]:
+        """Return the end ops of the goals update() ended (None: none), to run at once.
+
+        StepLoop runs them before the report leaves the lock, so a session's committed turn
+        is stored before its next goal is bound or anyone reads the session.
+        """
+        if not self._deferred:
+            return None
+        plan = Plan()
+        plan.kv, self._deferred = self._deferred, []
+        return plan
 
     def reap_plan(self) -> Plan:
         """End the goals whose cancel was asked now; return a plan with their checkpoints.
@@ -458,3 +490,9 @@ class Scheduler:
             self.cancel(goal, reason)
         self._decode_next = False
         return self.reap_plan()
+
+
+def _session(goal: Goal) -> str:
+    """Return the conversation a goal continues ('' = none): its goals run one at a time."""
+    request = goal.request
+    return request.session_id if getattr(request, 'chat', None) is not None else ''

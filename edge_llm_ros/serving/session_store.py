@@ -3,9 +3,12 @@
     store = open_sessions(config, model_dir, buffers, capacity)   # at Engine init (configure)
     cache = KVCache(buffers, capacity, config.kv_dtype, store=store)
 
-* What is saved: per session, its position keys (token ids, and ('emb', digest, i) for
-  prefix embeddings, as JSON) and its KV prefix exactly as the snapshot holds it (int8 rows
-  with float32 scales when kv.dtype is int8, else the KV buffers' dtype).
+* What is saved: per session, one row: its conversation (turns and ids, JSON; '' for a KV
+  prefix without one), its position keys (token ids, and ('emb', digest, i) for prefix
+  embeddings, as JSON) and its KV prefix exactly as the snapshot holds it (int8 rows with
+  float32 scales when kv.dtype is int8, else the KV buffers' dtype; empty when no KV is
+  kept). A turn and its KV are written in one transaction: after a kill -9 the session
+  holds its last committed turn with that turn's KV, or the turn before, never half.
 * Writes never run on the decode path: SnapshotStore calls save/touch/delete/clear here, which
   only record the latest operation per session under a lock; a writer thread commits all
   pending operations in one transaction (repeated saves of one session coalesce). close()
@@ -27,21 +30,25 @@ import os
 import pathlib
 import sqlite3
 import threading
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import CONVERTER_VERSION
+from edge_llm_ros.runtime.conversation import Conversation
 from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
 
 _log = logging.getLogger(__name__)
 APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
-SCHEMA_VERSION = 1           # PRAGMA user_version
+SCHEMA_VERSION = 2           # PRAGMA user_version; 2: the conversation column
 _SCHEMA = ('CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, '
            'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, layout TEXT NOT NULL, '
            'keys TEXT NOT NULL, positions INTEGER NOT NULL, nbytes INTEGER NOT NULL, '
-           'tick INTEGER NOT NULL, data BLOB NOT NULL)')
+           "tick INTEGER NOT NULL, data BLOB NOT NULL, conversation TEXT NOT NULL DEFAULT '')")
+# Version 1 files (KV prefixes only) are upgraded in place at open: their rows keep their KV
+# and have no conversation.
+_MIGRATE_1 = "ALTER TABLE sessions ADD COLUMN conversation TEXT NOT NULL DEFAULT ''"
 _WAL_LIMIT = 32 << 20  # bytes the WAL file is truncated to after a checkpoint
 _HASHED = ('model.yaml', 'model.onnx')
 _FIX = ('point sessions.store at another file, delete this one (its saved sessions are lost), '
@@ -168,11 +175,17 @@ class SessionStore:
             self._lock_file.close()
             raise
         self._cond = threading.Condition()
-        self._pending: Dict[str, Tuple[str, Optional[_Snapshot], int]] = {}
+        self._pending: Dict[str, Tuple[str, Optional[_Snapshot], Optional[Conversation],
+                                       int]] = {}
         self._clear = False
         self._busy = False
         self._closing = False
         self._thread: Optional[threading.Thread] = None
+        # Durability barrier: every recorded change gets a number; _written is the last one
+        # on disk (or failed: the error is logged and counted). when_written() waits on it.
+        self._recorded = 0
+        self._written = 0
+        self._waiters: List[Tuple[int, Callable[[], None]]] = []
         self.stats = {'batches': 0, 'saves': 0, 'coalesced': 0, 'errors': 0}
         self.last_error = ''
 
@@ -240,6 +253,12 @@ class SessionStore:
                 f'sessions.store {self.path} is an SQLite file of another application '
                 f'(application_id {app_id:#x}, tables {", ".join(tables[:5]) or "none"}), not '
                 f'an edge_llm_ros session store: {_FIX}')
+        elif version == 1 and 'sessions' in tables:
+            db.execute('BEGIN IMMEDIATE')
+            db.execute(_MIGRATE_1)
+            db.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
+            db.execute('COMMIT')
+            _log.info('sessions.store %s: upgraded from schema 1 (KV prefixes kept)', self.path)
         elif version != SCHEMA_VERSION:
             raise SessionStoreError(
                 f'sessions.store {self.path} has schema version {version}, this edge_llm_ros '
@@ -254,7 +273,7 @@ class SessionStore:
         if bad != 'ok':
             raise SessionStoreError(f'sessions.store {self.path} is corrupt ({bad}): {_FIX}')
         columns = {r[1] for r in db.execute('PRAGMA table_info(sessions)')}
-        if not set(_Row.__dataclass_fields__) | {'keys', 'data'} <= columns:
+        if not set(_Row.__dataclass_fields__) | {'keys', 'data', 'conversation'} <= columns:
             raise SessionStoreError(f'sessions.store {self.path} lacks the sessions table '
                                     f'columns of schema {SCHEMA_VERSION}: {_FIX}')
         db.execute('BEGIN IMMEDIATE')  # proves the file is writable now, not at the first save
@@ -285,19 +304,24 @@ class SessionStore:
             used += row.nbytes
         restored = 0
         for row in reversed(keep):
-            (keys_text, blob), = self._db.execute(
-                'SELECT keys, data FROM sessions WHERE session_id = ?', (row.session_id,))
+            (keys_text, blob, text), = self._db.execute(
+                'SELECT keys, data, conversation FROM sessions WHERE session_id = ?',
+                (row.session_id,))
             try:
                 keys = decode_keys(keys_text)
                 if len(keys) != row.positions:
                     raise ValueError(f'{len(keys)} keys for {row.positions} positions')
-                snap = self.layout.decode(keys, blob)
+                snap = self.layout.decode(keys, blob) if keys else None
+                conversation = Conversation.from_json(text) if text else None
             except ValueError as exc:
                 reason = f'unreadable ({exc})'
                 why[reason] = why.get(reason, 0) + 1
                 keep.remove(row)
                 continue
-            snaps.load(row.session_id, snap, row.tick)
+            if not snaps.load(row.session_id, snap, conversation, row.tick):
+                why['empty'] = why.get('empty', 0) + 1
+                keep.remove(row)
+                continue
             restored += 1
         kept = {r.session_id for r in keep}
         dropped = [r.session_id for r in rows if r.session_id not in kept]
@@ -326,31 +350,36 @@ class SessionStore:
         return None
 
     # --- the SnapshotSink side (called under the engine's lock: only records) ----------------
-    def save(self, session_id: str, snap: _Snapshot, tick: int) -> None:
+    def save(self, session_id: str, snap: Optional[_Snapshot],
+             conversation: Optional[Conversation], tick: int) -> None:
         with self._cond:
             if session_id in self._pending:
                 self.stats['coalesced'] += 1
-            self._pending[session_id] = ('save', snap, tick)
+            self._pending[session_id] = ('save', snap, conversation, tick)
+            self._recorded += 1
             self._cond.notify_all()
 
     def touch(self, session_id: str, tick: int) -> None:
         with self._cond:
             op = self._pending.get(session_id)
             if op is None or op[0] == 'touch':
-                self._pending[session_id] = ('touch', None, tick)
+                self._pending[session_id] = ('touch', None, None, tick)
             elif op[0] == 'save':
-                self._pending[session_id] = ('save', op[1], tick)
+                self._pending[session_id] = ('save', op[1], op[2], tick)
+            self._recorded += 1
             self._cond.notify_all()
 
     def delete(self, session_id: str) -> None:
         with self._cond:
-            self._pending[session_id] = ('delete', None, 0)
+            self._pending[session_id] = ('delete', None, None, 0)
+            self._recorded += 1
             self._cond.notify_all()
 
     def clear(self) -> None:
         with self._cond:
             self._pending.clear()
             self._clear = True
+            self._recorded += 1
             self._cond.notify_all()
 
     # --- the writer thread -------------------------------------------------------------------
@@ -368,6 +397,7 @@ class SessionStore:
                     return  # closing, nothing left
                 batch, self._pending = self._pending, {}
                 clear, self._clear = self._clear, False
+                upto = self._recorded
                 self._busy = True
             try:
                 self._write(batch, clear)
@@ -382,10 +412,13 @@ class SessionStore:
             finally:
                 with self._cond:
                     self._busy = False
+                    ready = self._mark_written(upto)
                     self._cond.notify_all()
+                for done in ready:
+                    done()
 
-    def _write(self, batch: Dict[str, Tuple[str, Optional[_Snapshot], int]],
-               clear: bool) -> None:
+    def _write(self, batch: Dict[str, Tuple[str, Optional[_Snapshot], Optional[Conversation],
+                                            int]], clear: bool) -> None:
         """Commit a batch: each save in its own transaction, touches and deletes together.
 
         A kill -9 therefore loses at most the save being written.
@@ -396,16 +429,17 @@ class SessionStore:
             db.execute('DELETE FROM sessions')
             db.execute('COMMIT')
         small = []
-        for session_id, (kind, snap, tick) in batch.items():
+        for session_id, (kind, snap, conversation, tick) in batch.items():
             if kind != 'save':
                 small.append((session_id, kind, tick))
                 continue
-            assert snap is not None
+            keys = snap.keys if snap is not None else ()
             db.execute('BEGIN IMMEDIATE')
-            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)',
+            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
                        (session_id, self.model_id, CONVERTER_VERSION, self._layout_text,
-                        encode_keys(snap.keys), len(snap.keys), snap.nbytes, tick,
-                        _blob(snap)))
+                        encode_keys(keys), len(keys), snap.nbytes if snap is not None else 0,
+                        tick, _blob(snap) if snap is not None else b'',
+                        conversation.to_json() if conversation is not None else ''))
             db.execute('COMMIT')
             self.stats['saves'] += 1
         if small:
@@ -418,6 +452,25 @@ class SessionStore:
                     db.execute('DELETE FROM sessions WHERE session_id = ?', (session_id,))
             db.execute('COMMIT')
         self.stats['batches'] += 1
+
+    def when_written(self, done: Callable[[], None]) -> None:
+        """Call done() once every change recorded so far is written (or failed, logged).
+
+        From the writer thread; at once when nothing is pending. A goal's result waits on
+        it, so a turn a client saw is on disk (serving/worker.py).
+        """
+        with self._cond:
+            if self._written < self._recorded:
+                self._waiters.append((self._recorded, done))
+                return
+        done()
+
+    def _mark_written(self, upto: int) -> List[Callable[[], None]]:
+        """Record that changes up to `upto` are written; return the waiters now due (locked)."""
+        self._written = max(self._written, upto)
+        ready = [done for mark, done in self._waiters if mark <= self._written]
+        self._waiters = [(mark, done) for mark, done in self._waiters if mark > self._written]
+        return ready
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait until everything recorded so far is committed; False on timeout."""
@@ -437,6 +490,10 @@ class SessionStore:
             self._thread = None
         elif self._pending or self._clear:
             self._run_pending_inline()
+        with self._cond:
+            ready = self._mark_written(self._recorded)
+        for done in ready:
+            done()
         try:
             self._db.close()
         finally:

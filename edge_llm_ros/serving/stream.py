@@ -78,6 +78,10 @@ class StreamScheduler:
     def idle(self) -> bool:
         return not self.busy() and not len(self._queue)
 
+    def settle(self) -> None:
+        """Return no end ops: a stream goal holds no KV here."""
+        return None
+
     def schedule(self, admit: bool = True) -> StreamPlan:
         plan = StreamPlan()
         if self._next_is_event:

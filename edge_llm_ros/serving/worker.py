@@ -22,7 +22,9 @@ Threading contract:
 - `submit`, `cancel`, `cancel_all`, `snapshot`, `position`, `run_between_jobs` may be called
   from any thread.
 - `Goal.on_feedback` and `Goal.on_done` run on the worker thread, except when a goal is
-  cancelled while still queued: then `on_done` runs on the cancelling thread.
+  cancelled while still queued (then `on_done` runs on the cancelling thread) and when a
+  session goal's committed turn is being written to sessions.store (then `on_done` runs on
+  the store's writer thread once the turn is on disk).
 - `on_done` is called exactly once per submitted goal.
 """
 from __future__ import annotations
@@ -42,6 +44,11 @@ from edge_llm_ros.serving.stream import StreamExecutor, StreamScheduler
 
 __all__ = ['EngineWorker', 'QueueFullError', 'QueueView', 'WorkerStoppedError',
            'tool_call_tail']
+
+
+def _at_once(goal: Goal, done: Callable[[], None]) -> None:
+    """Deliver a goal's end at once (a backend without sessions.store)."""
+    done()
 
 
 def tool_call_tail(streamed, calls) -> tuple:
@@ -132,6 +139,7 @@ class EngineWorker:
         self._lock = threading.Condition()
         self._announce_lock = threading.Lock()
         self._loop: Optional[StepLoop] = None   # set on the worker thread
+        self._when_saved: Callable[[Goal, Callable[[], None]], None] = _at_once
         self._goals: List[Goal] = []   # submitted and not finished, in submission order
         self._between: list = []       # _Between actions waiting for no goal mid-flight
         self._stepping = False         # the worker thread is inside a step
@@ -338,6 +346,8 @@ class EngineWorker:
             if not isinstance(loop, StepLoop):
                 loop = StepLoop(StreamScheduler(), StreamExecutor(self.engine))
             self._loop = loop
+            # A session goal's end waits until its turn is on disk (Engine.when_saved).
+            self._when_saved = getattr(self.engine, 'when_saved', _at_once)
             self._slots = loop.scheduler.slots
             self._publish(counts=True)
         except BaseException as exc:  # noqa: B902 - handed to start() and re-raised there
@@ -462,7 +472,7 @@ class EngineWorker:
         self._record(result)
         with self._lock:
             self._forget(goal)
-        self._done(goal)
+        self._when_saved(goal, lambda: self._done(goal))
 
     @staticmethod
     def _final_feedback(goal: Goal, result: GenerationResult) -> None:
