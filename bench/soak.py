@@ -235,9 +235,10 @@ def _goal_kwargs(rng: random.Random, config: SoakConfig, invalid: Optional[str],
         kw['json_schema'] = rng.choice(SCHEMAS)
     prompt = _prompt(rng, config.max_words)
     if cancel:
-        # A short prompt, so that cancel_tokens fits in a small context.
+        # A short prompt and no conversation, so that cancel_tokens fits in a small context.
         kw.pop('messages', None)
         kw.pop('system_prompt', None)
+        kw.pop('session_id', None)
         kw.update(max_tokens=config.cancel_tokens, json_schema=LONG_SCHEMA)
     if invalid == 'empty':
         prompt = ''

@@ -2,7 +2,7 @@
 
 It binds one preallocated KV buffer per layer as both past and present (the contract's
 share-buffer mode), so it exercises the graph exactly as the runtime does, without depending
-on the runtime helper's engine/model.py.
+on the runtime (runtime/decoder.py).
 """
 import pathlib
 from typing import Optional, Sequence

@@ -9,7 +9,7 @@ from smollm2_files import write_text_model_dir
 from tiny_model import tiny_model_dir
 
 from edge_llm_msgs.action import Generate
-from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.runtime import conversation as conv
 from edge_llm_ros.runtime.conversation import ChatTurns, Conversation
 from edge_llm_ros.runtime.sequence import RECOMPUTE
@@ -129,6 +129,24 @@ def test_a_full_context_drops_the_oldest_exchanges_keeping_the_system_prompt(tok
     # Not even the new turn fits: prepare() refuses that earlier; bind says so too.
     with pytest.raises(InvalidRequestError, match='prompt positions'):
         conv.bind(tok, stored, chat(tok, [new]), 5, render)
+
+
+def test_resent_turns_may_go_too_but_not_the_latest_user_turn(tok):
+    render = render_with(tok)
+    stored = Conversation(turns=(U1, A1), ids=tuple(tok.encode_prompt(render([U1, A1]))))
+    older = (ChatMessage('user', 'The dock is in room 4.'), ChatMessage('assistant', 'Noted.'))
+    latest = (U2,)
+    only_latest = len(tok.encode_prompt(render(latest)))
+    # APPEND with two exchanges of its own: only the last user turn must fit.
+    bound = conv.bind(tok, stored, chat(tok, older + latest, conv.HISTORY_APPEND),
+                      only_latest, render)
+    assert bound.dropped == 4 and bound.history == () and bound.new == latest
+    assert tok.decode(bound.ids) == render(latest)
+    # The conversation's system prompt is kept from its start; when it leaves no room for
+    # the latest turn the goal is refused with the numbers (a ContextOverflowError).
+    long_system = Conversation(system='You are a careful robot. ' * 20, turns=(U1, A1))
+    with pytest.raises(ContextOverflowError, match='HISTORY_REPLACE'):
+        conv.bind(tok, long_system, chat(tok, latest), only_latest + 5, render)
 
 
 def test_a_goal_that_adds_nothing_is_refused(tok):
@@ -278,6 +296,47 @@ def test_the_conversation_survives_a_restart_with_its_kv(tiny_dir, tmp_path):
         assert ask(plain, 'What color is the sky?').token_ids == second.token_ids
     finally:
         plain.close()
+
+
+def test_a_session_goal_ends_for_the_worker_once_its_turn_is_on_disk(tiny_dir, tmp_path):
+    """What llm_node relies on: the result a client sees means the turn survives kill -9."""
+    import functools
+    import sqlite3
+    import threading
+    from edge_llm_ros.serving.goal import Goal
+    from edge_llm_ros.serving.worker import EngineWorker
+    store = tmp_path / 'sessions.db'
+    config = EngineConfig(model_dir=str(tiny_dir), session_store=str(store), max_context=256,
+                          intra_op_threads=1)
+    worker = EngineWorker(functools.partial(Engine, config), queue_depth=4)
+    worker.start()
+    worker.set_accepting(True)
+    seen, ended = {}, threading.Event()
+
+    def on_done(goal):
+        db = sqlite3.connect(f'file:{store}?mode=ro', uri=True)
+        try:
+            seen[goal.request.session_id] = db.execute(
+                'SELECT conversation FROM sessions WHERE session_id = ?',
+                (goal.request.session_id,)).fetchall()
+        finally:
+            db.close()
+        if len(seen) == 2:
+            ended.set()
+
+    try:
+        for session in ('a', ''):   # a session goal, and one without a session
+            goal = Goal(worker.engine.prepare(GenerationRequest(
+                prompt='Hello the sky is blue.', session_id=session, max_tokens=4)))
+            goal.on_done = on_done
+            worker.submit(goal)
+        assert ended.wait(120)
+        (text,), = seen['a']
+        assert [t.content for t in Conversation.from_json(text).turns][0] == \
+            'Hello the sky is blue.'
+        assert seen[''] == []
+    finally:
+        worker.stop()
 
 
 # --- the client, the bridge and bags ---------------------------------------------------------

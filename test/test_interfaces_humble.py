@@ -96,7 +96,27 @@ def test_version_3_queue_fields_parse_with_humble_types():
     constants = {c.name: (c.type, c.value) for c in goal.constants}
     assert constants['PRIORITY_MIN'] == ('int16', -100)
     assert constants['PRIORITY_MAX'] == ('int16', 100)
-    assert constants['INTERFACE_VERSION'] == ('uint16', 3)
+    assert constants['INTERFACE_VERSION'] == ('uint16', 4)
     transcript = {item.name: item.type.type
                   for item in _messages('msg/Transcript.msg')[0].fields}
     assert transcript['priority'] == 'int16' and transcript['preempt'] == 'bool'
+
+
+def test_version_4_conversation_fields_parse_with_humble_types():
+    """Issue 20's fields and services: primitives and our own ChatMessage, nothing newer."""
+    goal, result, _ = _messages('action/Generate.action')
+    assert {i.name: i.type.type for i in goal.fields}['history_mode'] == 'uint8'
+    assert {i.name: i.type.type for i in result.fields}['dropped_turns'] == 'uint32'
+    constants = {c.name: (c.type, c.value) for c in goal.constants}
+    assert [constants[f'HISTORY_{m}'] for m in ('AUTO', 'APPEND', 'REPLACE')] == [
+        ('uint8', 0), ('uint8', 1), ('uint8', 2)]
+    transcript = {i.name: i.type for i in _messages('msg/Transcript.msg')[0].fields}
+    assert transcript['history_mode'].type == 'uint8'
+    assert transcript['session_turns'].type == 'ChatMessage'
+    assert transcript['session_turns'].is_array
+    request, response = _messages('srv/GetSession.srv')
+    assert [i.name for i in request.fields] == ['session_id']
+    assert {i.name: i.type.type for i in response.fields}['kv_bytes'] == 'uint64'
+    _, listed = _messages('srv/ListSessions.srv')
+    assert {i.name for i in listed.fields} >= {
+        'session_ids', 'turn_counts', 'token_counts', 'kv_bytes'}

@@ -193,7 +193,7 @@ class GenerateServer:
         if error:
             node.get_logger().warn(f'goal aborted: {error}')
         msg = fill_result(Generate.Result(), result, error, self._admission.token_strings,
-                          error_kind(result, goal.error_kind, stopped))
+                          error_kind(result, goal.error_kind, stopped, goal.refused))
         node.figures.goal_ended(outcome, msg.error_kind or msg.finish_reason, result,
                                 time.monotonic() - goal.accepted_at, goal.queued)
         self._admission.publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,

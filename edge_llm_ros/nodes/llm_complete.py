@@ -72,7 +72,7 @@ class CompleteService:
             result = replace(result, error=self._admission.stopped_message(goal.cancel_reason))
         stopped = goal.cancel_reason is not CancelReason.NONE
         return self._finish_service(response, goal_id, request, goal, result,
-                                    kind=error_kind(result, '', stopped))
+                                    kind=error_kind(result, '', stopped, goal.refused))
 
     def _finish_service(self, response, goal_id, request, goal: NodeGoal,
                         result: GenerationResult, accepted: bool = True,

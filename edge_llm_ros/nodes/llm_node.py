@@ -140,9 +140,9 @@ class LLMNode(LifecycleNode):
         self.get_logger().info(
             f'loaded {engine.model_name} from {engine.model_dir} in {time.monotonic() - t0:.1f}'
             f' s (context {engine.context_length}, providers {", ".join(engine.providers)})')
-        if config.engine.session_store and hasattr(engine, 'saved_sessions'):
+        if config.engine.session_store and hasattr(engine, 'sessions'):
             self.get_logger().info(f'sessions.store {config.engine.session_store}: '
-                                   f'{len(engine.saved_sessions())} saved sessions restored')
+                                   f'{len(engine.sessions())} saved sessions restored')
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, message: str) -> TransitionCallbackReturn:

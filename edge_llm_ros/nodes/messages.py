@@ -192,14 +192,18 @@ def logprob_msgs(logprobs, token_strings: Optional[TokenStrings] = None
     return out
 
 
-def error_kind(result: GenerationResult, known: str = '', stopped: bool = False) -> str:
+def error_kind(result: GenerationResult, known: str = '', stopped: bool = False,
+               refused: bool = False) -> str:
     """Generate.Result.ERROR_* of an ended request ('' unless it failed or was stopped).
 
     `known`: the kind decided where the request failed (e.g. invalid at admission);
-    `stopped`: the node deactivated or shut down while it waited or ran.
+    `stopped`: the node deactivated or shut down while it waited or ran; `refused`: the
+    engine found the request invalid when it started (Goal.refused).
     """
     if known:
         return known
+    if result.stop_reason is StopReason.ERROR and refused:
+        return Result.ERROR_INVALID_REQUEST
     if result.stop_reason is StopReason.ERROR:
         return Result.ERROR_UNAVAILABLE if stopped else Result.ERROR_FAILED
     if result.stop_reason is StopReason.CANCELLED and stopped:

@@ -11,9 +11,11 @@ fresh rendering instead, and prefix reuse then keeps what still matches.
 
 Context policy: when the stored turns, the new ones and max_tokens do not fit the context,
 the oldest turns are dropped, whole exchanges from the start (the next kept turn is a user
-turn), keeping the system prompt and the latest turns; the rest is rendered afresh. How many
-were dropped is in the result (`dropped_turns`). A goal whose own turns cannot fit even then
-was refused by prepare(), never truncated.
+turn), keeping the system prompt and the latest user turn on; the rest is rendered afresh.
+Turns a goal resent (OpenAI style) before its last user turn may go too. How many were
+dropped is in the result (`dropped_turns`). A goal whose latest turn cannot fit even then is
+refused (prepare() checks it with the goal's own system prompt; bind() with the
+conversation's, raising ContextOverflowError), never truncated.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import ChatMessage
@@ -124,20 +126,31 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
     continued = ids is not None
     if ids is None:
         ids = tokenizer.encode_prompt(text)
-    # System turns at the start (a client may send its system prompt as a message) are kept.
+    # What may go, oldest first: the stored turns, then the goal's own turns before its last
+    # user turn (a client that resends a long history). System turns at the start (a client
+    # may send its system prompt as a message) and the latest user turn on are kept.
+    turns = history + new
     pinned = 0
-    while pinned < len(history) and history[pinned].role == 'system':
+    while pinned < len(turns) and turns[pinned].role == 'system':
         pinned += 1
+    users = [i for i, t in enumerate(new) if t.role == 'user']
+    limit = len(history) + (users[-1] if users else 0)   # turns[limit:] are always kept
     dropped = 0
-    while len(ids) > room and len(history) > pinned:
-        cut = _next_exchange(history[pinned:])
+    while len(ids) > room and pinned < limit:
+        cut = min(_next_exchange(turns[pinned:]), limit - pinned)
+        turns = turns[:pinned] + turns[pinned + cut:]
+        limit -= cut
         dropped += cut
-        history = history[:pinned] + history[pinned + cut:]
-        ids = tokenizer.encode_prompt(render(head + history + new))
+        ids = tokenizer.encode_prompt(render(head + turns))
         continued = False
     if len(ids) > room:
-        raise InvalidRequestError(   # prepare() checked the goal's own turns fit: a bug
-            f'the session goal needs {len(ids)} prompt positions, {room} are free')
+        raise ContextOverflowError(
+            f"the session goal needs {len(ids)} prompt positions with its conversation's "
+            f'system prompt and its latest turn, and {room} are free with its max_tokens: '
+            'lower max_tokens, or start the conversation again (HISTORY_REPLACE) with a '
+            'shorter system prompt')
+    kept_history = len(history) - min(dropped, max(0, len(history) - pinned))
+    history, new = turns[:kept_history], turns[kept_history:]
     return Bound(tuple(ids), system, history, new, dropped, continued)
 
 

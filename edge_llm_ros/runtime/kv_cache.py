@@ -193,6 +193,10 @@ class SnapshotStore:
         """Session ids, least recently used first."""
         return list(self._entries)
 
+    def prefix_ids(self) -> List[str]:
+        """Session ids that have a KV prefix saved, least recently used first."""
+        return [sid for sid, e in self._entries.items() if e.snap is not None]
+
     def values(self) -> List[_Snapshot]:
         """Return the KV prefixes kept (a session may have only a conversation)."""
         return [e.snap for e in self._entries.values() if e.snap is not None]
@@ -387,8 +391,8 @@ class KVCache:
         return per * len(self._keys)
 
     def sessions(self) -> List[str]:
-        """Return the saved session ids, least recently used first."""
-        return self._sessions.ids()
+        """Return the ids of the sessions whose KV prefix is saved, least recently used first."""
+        return self._sessions.prefix_ids()
 
     @property
     def owner(self) -> str:

@@ -86,7 +86,7 @@ class PreparedRequest:
 
     @property
     def awaits_conversation(self) -> bool:
-        """A session goal whose prompt is built when it starts (bind_conversation)."""
+        """Tell whether this is a session goal whose prompt is built when it starts."""
         return self.chat is not None and self.session is None
 
     def bind(self, array: np.ndarray) -> 'PreparedRequest':

@@ -1,8 +1,8 @@
 """Which engine llm_node's worker builds: the local ONNX engine or the remote backend.
 
 engine.backend 'local' (default) loads model.path here; 'remote' forwards every goal to the
-OpenAI-compatible server at remote.url (engine/remote.py). The factory runs on the worker
-thread (see nodes/worker.py), so the remote engine's HTTP client lives there too.
+OpenAI-compatible server at remote.url (serving/remote.py). The factory runs on the worker
+thread (see serving/worker.py), so the remote engine's HTTP client lives there too.
 """
 from __future__ import annotations
 

@@ -223,8 +223,8 @@ class Engine:
         The worker delivers a session goal's end through this: a turn whose result a client
         saw survives a kill -9 (sessions.store; without a store: at once).
         """
-        seq = goal.sequence
-        if seq is None or seq.request.session is None or goal.result is None \
+        # goal.request: the goal's sequence is released when it ends.
+        if not goal.request.session_id or goal.result is None \
                 or goal.result.stop_reason not in _COMMITTED:
             done()
             return

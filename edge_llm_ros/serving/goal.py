@@ -119,6 +119,9 @@ class Goal:
     # The request as it ran: a session goal's with its whole conversation (set at admission).
     ran: Any = field(default=None, init=False, repr=False)
     result: Optional[GenerationResult] = field(default=None, init=False)
+    # The request was found invalid only when it started (a stale embeddings handle, a
+    # conversation that no longer leaves room): its ERROR result is the client's to fix.
+    refused: bool = field(default=False, init=False)
     # Scheduler bookkeeping: prompt chunks still to prefill, the parked KV of a paused goal,
     # the state to resume into, and the bound embeddings' exit stack.
     chunks: Any = field(default=None, init=False, repr=False)

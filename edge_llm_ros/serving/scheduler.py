@@ -309,8 +309,8 @@ class Scheduler:
             request = goal.ran = goal.sequence.request
         except Exception as exc:  # noqa: B902 - one bad request must not stop the others
             # Validated at admission; what only running can find (a stale embeddings handle).
-            text = str(exc) if isinstance(exc, InvalidRequestError) else \
-                f'{type(exc).__name__}: {exc}'
+            goal.refused = isinstance(exc, InvalidRequestError)
+            text = str(exc) if goal.refused else f'{type(exc).__name__}: {exc}'
             self._end(goal, plan.ended, error=text)
             return
         goal.slot, goal.state = slot, GoalState.PREFILL

@@ -257,7 +257,7 @@ class EngineWorker:
 
     @property
     def view(self) -> QueueView:
-        """The queue view last published (immutable; safe from any thread)."""
+        """Return the queue view last published (immutable; safe from any thread)."""
         return self._view
 
     def position(self, goal: Goal) -> int:

@@ -39,7 +39,7 @@ _FIELDS = {'format': str, 'format_version': int, 'converter_version': str, 'mode
 _ENTRY_FIELDS = {'sha256': str, 'size': int}
 _NAME = re.compile(r'[A-Za-z0-9_][A-Za-z0-9_.+\-]{0,254}')
 _SHA256 = re.compile(r'[0-9a-f]{64}')
-# The files a loadable model folder needs besides its tokenizer (engine/model.py).
+# The files a loadable model folder needs besides its tokenizer (model_format.py).
 REQUIRED_FILES = (MODEL_YAML, 'model.onnx')
 
 
