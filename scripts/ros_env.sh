@@ -18,5 +18,23 @@ else
 fi
 export ROS_HOME="${ROS_HOME:-$_EDGE_ROOT/.cache/ros_home}"
 mkdir -p "$ROS_HOME" "$HOME"
+# On a machine with ROS 2 installed, setup.sh built against it (bringup/ros_install.py) and
+# recorded its setup.bash; the interfaces it built live in the venv's prefix.
+_edge_venv="${EDGE_LLM_VENV:-$_EDGE_ROOT/.venv}"
+_edge_ros_setup="$(cat "$_edge_venv/.edge_llm_stamps/ros_setup" 2>/dev/null || true)"
+if [ -n "$_edge_ros_setup" ]; then
+  if [ -z "${AMENT_PREFIX_PATH:-}" ]; then
+    # ROS's setup scripts read unset variables: relax `set -u` while they run.
+    case $- in
+      *u*) set +u; source "$_edge_ros_setup"; set -u ;;
+      *) source "$_edge_ros_setup" ;;
+    esac
+  fi
+  case ":${AMENT_PREFIX_PATH:-}:" in
+    *":$_edge_venv:"*) ;;
+    *) export AMENT_PREFIX_PATH="$_edge_venv${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}"
+       export LD_LIBRARY_PATH="$_edge_venv/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+  esac
+fi
 export PATH="$_EDGE_ROOT/.venv/bin:$PATH"
-unset _EDGE_ROOT
+unset _EDGE_ROOT _edge_venv _edge_ros_setup

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set up everything edge_llm_ros needs inside this checkout, from nothing:
-# a venv (.venv), the ROS 2 Jazzy wheels (requirements-ros-wheels.txt) and the runtime
-# libraries (requirements.txt), the edge_llm_msgs interfaces built with cmake, this package,
-# and the embedded SmolLM2 model converted to ONNX (.cache/).
+# a venv (.venv), ROS 2 (the machine's Humble/Jazzy if installed, else the Jazzy wheels of
+# requirements-ros-wheels.txt on x86_64), the runtime libraries (requirements.txt), the
+# edge_llm_msgs interfaces built with cmake, this package, and the embedded SmolLM2 model
+# converted to ONNX (.cache/). The path is edge_llm_ros/bringup/ros_install.py's decision;
+# EDGE_LLM_SETUP_DRY_RUN=1 prints its commands and stops.
 # Idempotent: a second run only checks stamps and takes seconds.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +20,30 @@ PYTHON="${PYTHON:-$(command -v python3 || true)}"
 [ -n "$PYTHON" ] || die "python3 not found: install Python >= $PY_MIN (apt-get install python3 python3-venv)"
 "$PYTHON" -c "import sys; sys.exit(0 if sys.version_info[:2] >= (3, 10) else 1)" \
   || die "Python >= $PY_MIN required, found $("$PYTHON" -V 2>&1) at $PYTHON (set PYTHON=/path/to/python3.x)"
-"$PYTHON" -c "import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)" \
-  || echo "setup: warning: the ROS 2 Jazzy wheels are built for CPython 3.11; $("$PYTHON" -V) may not find them" >&2
+
+# --- which ROS 2: the installed one, the x86_64 wheels, or a stop before any download ----
+plan=$("$PYTHON" edge_llm_ros/bringup/ros_install.py shell) || exit $?
+eval "$plan"
+if [ "${EDGE_LLM_SETUP_DRY_RUN:-0}" = 1 ]; then
+  echo "setup: ROS 2 $EDGE_ROS_DISTRO ($EDGE_ROS_MODE); would run:"
+  "$PYTHON" edge_llm_ros/bringup/ros_install.py commands --venv "$VENV"
+  exit 0
+fi
+if [ "$EDGE_ROS_MODE" = installed ]; then
+  echo "setup: using the installed ROS 2 $EDGE_ROS_DISTRO ($EDGE_ROS_SETUP)"
+  if [ -n "$EDGE_ROS_PYTHON" ]; then
+    # rclpy's C extension is built for one Python: the venv must be made from it.
+    PYTHON="$(command -v "$EDGE_ROS_PYTHON" || true)"
+    [ -n "$PYTHON" ] || die "ROS 2 $EDGE_ROS_DISTRO's rclpy is built for $EDGE_ROS_PYTHON, which is not on PATH (apt-get install $EDGE_ROS_PYTHON-venv)"
+  fi
+  if [ "$EDGE_ROS_SOURCED" != 1 ]; then
+    # ROS's setup scripts read unset variables.
+    set +u; source "$EDGE_ROS_SETUP"; set -u
+  fi
+else
+  "$PYTHON" -c "import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)" \
+    || echo "setup: warning: the ROS 2 Jazzy wheels are built for CPython 3.11; $("$PYTHON" -V) may not find them" >&2
+fi
 "$PYTHON" -c "import venv, ensurepip" 2>/dev/null \
   || die "Python venv/ensurepip missing: apt-get install python3-venv"
 command -v cmake >/dev/null || die "cmake not found: apt-get install cmake (needed to build edge_llm_msgs)"
@@ -43,32 +67,51 @@ pip_quiet() {
 hash_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
 
 # --- venv + wheels -----------------------------------------------------------------
+# A venv made for the other path (or another ROS) is made again: it cannot be converted.
+ros_key="$EDGE_ROS_MODE $EDGE_ROS_DISTRO $EDGE_ROS_PYTHON"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMPS/ros" 2>/dev/null || echo "wheels jazzy ")" != "$ros_key" ]; then
+  echo "setup: $VENV was made for another ROS 2 path; making it again"
+  rm -rf "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating venv $VENV"
-  "$PYTHON" -m venv "$VENV"
+  # shellcheck disable=SC2086  # EDGE_ROS_VENV_ARGS is empty or one flag
+  "$PYTHON" -m venv $EDGE_ROS_VENV_ARGS "$VENV"
 fi
 mkdir -p "$STAMPS"
+echo "$ros_key" > "$STAMPS/ros"
+# ros_env.sh sources this in new terminals.
+echo "$EDGE_ROS_SETUP" > "$STAMPS/ros_setup"
 VPY="$VENV/bin/python"
-# The ROS 2 wheels (no ROS install here) and the runtime libraries, resolved together; the
+# The runtime libraries, with the ROS 2 wheels on the wheels path (resolved together); the
 # test tools are scripts/test.sh's (requirements-test.txt).
-REQUIREMENTS=(requirements-ros-wheels.txt requirements.txt)
-req_hash=$(hash_of "${REQUIREMENTS[@]}")
+ros_tag="$EDGE_ROS_MODE-$EDGE_ROS_DISTRO"
+req_hash="$(hash_of requirements-ros-wheels.txt requirements.txt requirements-engine.txt) $ros_tag"
 if [ "$(cat "$STAMPS/requirements" 2>/dev/null)" != "$req_hash" ]; then
-  echo "setup: installing wheels (ROS 2 Jazzy, onnxruntime, ...)"
   pip_quiet install --upgrade pip setuptools wheel
-  pip_quiet install -r requirements-ros-wheels.txt -r requirements.txt
-  # The wheels' exported CMake files carry the build host's Python/numpy include paths.
-  "$VPY" "$ROOT/scripts/fix_wheel_cmake_paths.py" "$VENV"
+  if [ "$EDGE_ROS_MODE" = wheels ]; then
+    echo "setup: installing wheels (ROS 2 Jazzy, onnxruntime, ...)"
+    pip_quiet install -r requirements-ros-wheels.txt -r requirements.txt
+    # The wheels' exported CMake files carry the build host's Python/numpy include paths.
+    "$VPY" "$ROOT/scripts/fix_wheel_cmake_paths.py" "$VENV"
+  else
+    echo "setup: installing the Python libraries ROS 2 does not provide"
+    mkdir -p "$ROOT/build"
+    # The venv sees the system's packages (JetPack's onnxruntime-gpu, ...): those stay.
+    "$VPY" edge_llm_ros/bringup/ros_install.py requirements --skip-provided > "$ROOT/build/requirements-setup.txt"
+    pip_quiet install -r "$ROOT/build/requirements-setup.txt"
+  fi
   echo "$req_hash" > "$STAMPS/requirements"
 fi
 
 # --- interfaces --------------------------------------------------------------------
-msgs_hash=$(hash_of $(find edge_llm_msgs -type f | sort))
+msgs_hash="$(hash_of $(find edge_llm_msgs -type f | sort)) $ros_tag"
 if [ "$(cat "$STAMPS/msgs" 2>/dev/null)" != "$msgs_hash" ]; then
   echo "setup: building edge_llm_msgs (cmake + rosidl)"
   BUILD="$ROOT/build/edge_llm_msgs"
   rm -rf "$BUILD"; mkdir -p "$ROOT/build"
-  CMAKE_PREFIX_PATH="$VENV" AMENT_PREFIX_PATH="$VENV" PATH="$VENV/bin:$PATH" \
+  if [ "$EDGE_ROS_MODE" = wheels ]; then prefix="$VENV"; else prefix="$VENV:${CMAKE_PREFIX_PATH:-}"; fi
+  CMAKE_PREFIX_PATH="$prefix" AMENT_PREFIX_PATH="$VENV${AMENT_PREFIX_PATH:+:$AMENT_PREFIX_PATH}" PATH="$VENV/bin:$PATH" \
     cmake -S edge_llm_msgs -B "$BUILD" -DCMAKE_INSTALL_PREFIX="$VENV" \
       -DPython3_EXECUTABLE="$VPY" -DBUILD_TESTING=OFF -DCMAKE_BUILD_TYPE=Release > "$ROOT/build/msgs-configure.log" 2>&1 \
     || { tail -30 "$ROOT/build/msgs-configure.log"; die "cmake configure of edge_llm_msgs failed (log: build/msgs-configure.log)"; }

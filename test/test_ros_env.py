@@ -58,6 +58,7 @@ def test_test_sh_runs_pytest_on_its_own_random_domain(tmp_path):
     for name in ('test.sh', 'ros_env.sh'):
         shutil.copy(ROOT / 'scripts' / name, tmp_path / 'scripts' / name)
     (tmp_path / 'scripts' / 'setup.sh').write_text('exit 0\n')
+    (tmp_path / 'scripts' / 'arm64_rootfs.sh').write_text('exit 0\n')
     python = tmp_path / '.venv' / 'bin' / 'python'
     python.parent.mkdir(parents=True)
     python.write_text('#!/bin/sh\necho "pytest domain $ROS_DOMAIN_ID"\n')
@@ -72,3 +73,28 @@ def test_test_sh_runs_pytest_on_its_own_random_domain(tmp_path):
         assert proc.returncode == 0, proc.stderr
         seen.append(int(proc.stdout.split('pytest domain ')[1].split()[0]))
     assert own not in seen and len(set(seen)) > 1, (own, seen)
+
+
+def test_an_installed_ros_that_setup_built_against_is_sourced_in_new_terminals(tmp_path):
+    """setup.sh records the installed ROS's setup.bash; ros_env.sh sources it (under set -u)."""
+    venv = tmp_path / 'venv'
+    (venv / '.edge_llm_stamps').mkdir(parents=True)
+    ros = tmp_path / 'opt_ros' / 'humble'
+    ros.mkdir(parents=True)
+    # Like ROS's own scripts, it reads a variable that may be unset.
+    (ros / 'setup.bash').write_text(
+        f'export ROS_DISTRO=humble${{UNSET_BY_DESIGN:-}}\nexport AMENT_PREFIX_PATH={ros}\n')
+    (venv / '.edge_llm_stamps' / 'ros_setup').write_text(f'{ros / "setup.bash"}\n')
+    script = ROOT / 'scripts' / 'ros_env.sh'
+    show = 'echo "$ROS_DISTRO|$AMENT_PREFIX_PATH|${LD_LIBRARY_PATH%%:*}"'
+    env = {k: v for k, v in _clean_env(EDGE_LLM_VENV=str(venv)).items()
+           if k not in ('AMENT_PREFIX_PATH', 'ROS_DISTRO', 'LD_LIBRARY_PATH')}
+    proc = subprocess.run(['bash', '-c', f'set -u; source "{script}"; source "{script}"; {show}'],
+                          env=env, capture_output=True, text=True, timeout=30, check=True)
+    # The venv (edge_llm_msgs) overlays the ROS install, once however often it is sourced.
+    assert proc.stdout.strip() == f'humble|{venv}:{ros}|{venv}/lib', proc.stderr
+    # The wheels path records no setup.bash: nothing is sourced.
+    (venv / '.edge_llm_stamps' / 'ros_setup').write_text('\n')
+    proc = subprocess.run(['bash', '-c', f'source "{script}"; {show}'], env=env,
+                          capture_output=True, text=True, timeout=30, check=True)
+    assert proc.stdout.strip().startswith('||'), proc.stdout

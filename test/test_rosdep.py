@@ -20,6 +20,8 @@ from rosdistro_snapshot import (dependencies, distribution_packages, package_nam
                                 PACKAGE_XMLS, require_rosdistro, ROOT)
 import yaml
 
+from edge_llm_ros.bringup.ros_install import expand_requirements
+
 TARGETS = [('ubuntu:jammy', 'humble'), ('ubuntu:noble', 'jazzy')]
 # Where a colcon user has the checkout, and the paths the README passes to rosdep and colcon:
 # edge_llm_msgs is nested in the package, and rosdep (like colcon) stops descending at one.
@@ -178,7 +180,7 @@ def test_every_import_has_a_declared_install_path():
          {ROSDEP_KEYS[name] for name in imported if name in ROSDEP_KEYS}) - runtime)
     assert not undeclared, f'imported but not a depend/exec_depend of package.xml: {undeclared}'
     requirements = {re.split(r'[<>=\[ ;]', line.strip())[0].lower()
-                    for line in (ROOT / 'requirements.txt').read_text().splitlines()
+                    for line in expand_requirements(ROOT / 'requirements.txt')
                     if line.strip() and not line.startswith('#')}
     pip_missing = sorted(PIP_ONLY[name] for name in imported & set(PIP_ONLY)
                          if PIP_ONLY[name] not in requirements)

@@ -16,9 +16,15 @@ from typing import Dict, List
 
 import pytest
 
+from edge_llm_ros.bringup.ros_install import expand_requirements
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETUP = ROOT / 'scripts' / 'setup.sh'
-REQUIREMENTS = ('requirements-ros-wheels.txt', 'requirements.txt', 'requirements-test.txt')
+REQUIREMENTS = ('requirements-ros-wheels.txt', 'requirements.txt', 'requirements-engine.txt',
+                'requirements-test.txt')
+# What setup.sh installs on the x86_64 wheels path, hashed into its stamp in this order.
+SETUP_REQUIREMENTS = REQUIREMENTS[:3]
+WHEELS_TAG = ' wheels-jazzy'
 # A venv python that logs its arguments, one call a line (and fails pip when told to).
 STUB_PYTHON = ('#!/bin/sh\necho "$*" >> "$STUB_LOG"\n'
                'if [ "$1 $2" = "-m pip" ] && [ -n "${STUB_PIP_FAILS:-}" ]; then exit 1; fi\n')
@@ -73,15 +79,23 @@ def test_wrong_python_is_named(tmp_path):
 
 def _names(file: str) -> List[str]:
     lines = (ROOT / file).read_text().splitlines()
+    if file == 'requirements.txt':       # with its -r includes
+        lines = [line for line in expand_requirements(ROOT / file)
+                 if not line.startswith('-r ')]
     return [re.split(r'[<>=\[ ;]', line.strip())[0].lower() for line in lines
             if line.strip() and not line.lstrip().startswith('#')]
 
 
 def test_requirements_are_split_by_where_they_run():
-    names: Dict[str, List[str]] = {file: _names(file) for file in REQUIREMENTS}
-    listed = [n for file in REQUIREMENTS for n in names[file]]
+    files = ('requirements-ros-wheels.txt', 'requirements.txt', 'requirements-test.txt')
+    names: Dict[str, List[str]] = {file: _names(file) for file in files}
+    listed = [n for file in files for n in names[file]]
     assert len(listed) == len(set(listed)), f'listed twice: {sorted(listed)}'
-    ros, runtime, tests = (set(names[file]) for file in REQUIREMENTS)
+    ros, runtime, tests = (set(names[file]) for file in files)
+    # The arm64 stage installs the engine's part alone: no converter, ROS or bridge there.
+    assert set(_names('requirements-engine.txt')) == {
+        'numpy', 'onnxruntime', 'tokenizers', 'jinja2', 'pyyaml', 'llguidance', 'jsonschema',
+        'psutil'}
     # Robots install requirements.txt: no ROS wheel (their ROS is installed) and no test tool.
     assert not {n for n in runtime if n.startswith('ros-')}, runtime
     assert {'onnxruntime', 'tokenizers', 'llguidance', 'numpy'} <= runtime
@@ -107,6 +121,10 @@ def _checkout(tmp_path: pathlib.Path, scripts: Dict[str, str]) -> pathlib.Path:
             shutil.copy(ROOT / 'scripts' / name, target)
     for file in REQUIREMENTS:
         shutil.copy(ROOT / file, root / file)
+    # setup.sh asks it which ROS 2 path to take.
+    plan = root / 'edge_llm_ros' / 'bringup' / 'ros_install.py'
+    plan.parent.mkdir(parents=True)
+    shutil.copy(ROOT / 'edge_llm_ros' / 'bringup' / 'ros_install.py', plan)
     return root
 
 
@@ -153,20 +171,20 @@ def test_setup_installs_the_ros_wheels_and_runtime_requirements_when_they_change
         (root / name).write_text(f'{name}\n')
     stamps = venv / '.edge_llm_stamps'
     stamps.mkdir()
-    (stamps / 'msgs').write_text(_hash(b'<package/>\n') + '\n')
+    (stamps / 'msgs').write_text(_hash(b'<package/>\n') + WHEELS_TAG + '\n')
     (stamps / 'package').write_text(_hash(b'setup.py\n', b'setup.cfg\n', b'package.xml\n') + '\n')
     setup = Runner(root, 'setup.sh', EDGE_LLM_VENV=str(venv), EDGE_LLM_SKIP_MODEL='1')
     install = ['-m pip -q install --upgrade pip setuptools wheel',
                '-m pip -q install -r requirements-ros-wheels.txt -r requirements.txt',
                f'{root}/scripts/fix_wheel_cmake_paths.py {venv}']
     assert setup() == install, setup.proc.stderr
-    both = [(root / f).read_bytes() for f in ('requirements-ros-wheels.txt', 'requirements.txt')]
-    assert (stamps / 'requirements').read_text().strip() == _hash(*both)
+    files = [(root / f).read_bytes() for f in SETUP_REQUIREMENTS]
+    assert (stamps / 'requirements').read_text().strip() == _hash(*files) + WHEELS_TAG
     assert setup() == []                       # idempotent: only the stamps are read
     with (root / 'requirements-test.txt').open('a') as f:
         f.write('# not for setup.sh\n')
     assert setup() == []
-    for file in ('requirements-ros-wheels.txt', 'requirements.txt'):
+    for file in SETUP_REQUIREMENTS:
         with (root / file).open('a') as f:
             f.write('# changed\n')
         assert setup() == install, f'{file} changed but setup.sh did not reinstall'
@@ -183,25 +201,41 @@ def test_setup_installs_the_ros_wheels_and_runtime_requirements_when_they_change
 
 
 def test_test_sh_installs_the_test_tools_once_then_runs_pytest(tmp_path):
-    root = _checkout(tmp_path, {'test.sh': '', 'ros_env.sh': '', 'setup.sh': 'exit 0\n'})
+    root = _checkout(tmp_path, {'test.sh': '', 'ros_env.sh': '', 'setup.sh': 'exit 0\n',
+                                'arm64_rootfs.sh': 'echo arm64-stage >> "$STUB_LOG"\n'})
     _stub_venv(root / '.venv')
     run = Runner(root, 'test.sh')
     install = '-m pip -q install -r requirements-test.txt'
-    assert run('-q', '-k', 'layers') == [install, '-m pytest test -q -k layers']
+    # The arm64 stage's userland is checked before every run (stamps, once built).
+    assert run('-q', '-k', 'layers') == [install, 'arm64-stage', '-m pytest test -q -k layers']
     stamp = root / '.venv' / '.edge_llm_stamps' / 'test-requirements'
     assert stamp.read_text().strip() == _hash(*((root / f).read_bytes() for f in REQUIREMENTS))
-    assert run('-q') == ['-m pytest test -q']
+    assert run('-q') == ['arm64-stage', '-m pytest test -q']
     # Tests named by path run alone, not beside the whole of test/.
     assert run('-q', 'test/test_layers.py', 'test/test_ros_env.py::test_x') == [
-        '-m pytest -q test/test_layers.py test/test_ros_env.py::test_x']
+        'arm64-stage', '-m pytest -q test/test_layers.py test/test_ros_env.py::test_x']
     # Its own file changed, or one that setup.sh installs (it may have moved a pinned tool).
-    for file in ('requirements-test.txt', 'requirements.txt', 'requirements-ros-wheels.txt'):
+    for file in ('requirements-test.txt', 'requirements.txt', 'requirements-engine.txt',
+                 'requirements-ros-wheels.txt'):
         with (root / file).open('a') as f:
             f.write('# changed\n')
-        assert run() == [install, '-m pytest test'], file
+        assert run() == [install, 'arm64-stage', '-m pytest test'], file
     # A failed install stops the run before pytest, saying so.
     with (root / 'requirements-test.txt').open('a') as f:
         f.write('# changed again\n')
     assert run(STUB_PIP_FAILS='1') == [install]
     assert run.proc.returncode == 1
     assert 'test: pip install -r requirements-test.txt failed' in run.proc.stderr
+
+
+def test_test_sh_goes_on_when_the_arm64_tools_are_absent_and_stops_when_the_stage_fails(
+        tmp_path):
+    root = _checkout(tmp_path, {'test.sh': '', 'ros_env.sh': '', 'setup.sh': 'exit 0\n',
+                                'arm64_rootfs.sh': 'exit 4\n'})
+    _stub_venv(root / '.venv')
+    run = Runner(root, 'test.sh')
+    assert run('-q')[-1] == '-m pytest test -q'      # its test then skips, saying why
+    (root / 'scripts' / 'arm64_rootfs.sh').write_text('exit 1\n')
+    assert run('-q', STUB_PIP_FAILS='') == []
+    assert run.proc.returncode == 1
+    assert 'building the arm64 stage failed' in run.proc.stderr
