@@ -39,7 +39,7 @@ key="$SUITE $PACKAGES"
 if [ "$(cat "$OUT/rootfs.stamp" 2>/dev/null)" != "$key" ]; then
   echo "arm64: building a Debian $SUITE arm64 rootfs ($PACKAGES)"
   rm -rf "$OUT/rootfs" "$OUT/rootfs.tar"
-  mmdebstrap --quiet --arch=arm64 --variant=extract --include="$PACKAGES" --mode=unshare \
+  mmdebstrap --quiet --arch=arm64 --variant=extract --include="$PACKAGES" \
     "$SUITE" "$OUT/rootfs.tar" > "$OUT/mmdebstrap.log" 2>&1 \
     || { tail -20 "$OUT/mmdebstrap.log"; die "mmdebstrap failed (log: $OUT/mmdebstrap.log)"; }
   mkdir -p "$OUT/rootfs"
