@@ -7,4 +7,4 @@ cd "$ROOT"
 bash scripts/setup.sh
 # shellcheck source=scripts/ros_env.sh
 source scripts/ros_env.sh
-exec "$ROOT/.venv/bin/python" -m edge_llm_ros.nodes.demo "${@:-Why is the sky blue? Answer in two sentences.}"
+exec "${EDGE_LLM_VENV:-$ROOT/.venv}/bin/python" -m edge_llm_ros.nodes.demo "${@:-Why is the sky blue? Answer in two sentences.}"

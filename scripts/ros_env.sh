@@ -36,5 +36,5 @@ if [ -n "$_edge_ros_setup" ]; then
        export LD_LIBRARY_PATH="$_edge_venv/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
   esac
 fi
-export PATH="$_EDGE_ROOT/.venv/bin:$PATH"
+export PATH="$_edge_venv/bin:$PATH"
 unset _EDGE_ROOT _edge_venv _edge_ros_setup
