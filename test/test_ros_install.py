@@ -163,6 +163,13 @@ def test_what_the_system_python_has_is_not_installed_again():
                            '--skip', 'psutil'], capture_output=True, text=True, check=True)
     assert '# provided by the system: psutil' in proc.stdout.splitlines()
     assert '-r requirements-engine.txt' not in proc.stdout and 'numpy' in proc.stdout
+    # A missing file is named, not a traceback.
+    proc = subprocess.run([sys.executable, str(ROOT / 'edge_llm_ros' / 'bringup' /
+                                               'ros_install.py'), 'requirements', '--file',
+                           '/nonexistent/requirements.txt'], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith('ros_install: cannot read the requirements file: ')
+    assert 'Traceback' not in proc.stderr
 
 
 # --- setup.sh on the same fakes ------------------------------------------------------------

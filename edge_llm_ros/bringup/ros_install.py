@@ -90,12 +90,6 @@ class RosSetup:
     def venv_args(self) -> Tuple[str, ...]:
         return ('--system-site-packages',) if self.mode == 'installed' else ()
 
-    @property
-    def requirement_files(self) -> Tuple[str, ...]:
-        if self.mode == 'wheels':
-            return ('requirements-ros-wheels.txt', 'requirements.txt')
-        return ('requirements.txt',)
-
     def commands(self, venv: str = '.venv', python: str = 'python3') -> List[str]:
         """List the commands setup.sh runs on this path, in order (for docs and tests)."""
         q = shlex.quote
@@ -123,7 +117,6 @@ class RosSetup:
             'EDGE_ROS_MODE': self.mode, 'EDGE_ROS_DISTRO': self.distro,
             'EDGE_ROS_SETUP': self.setup_script, 'EDGE_ROS_SOURCED': '1' if self.sourced else '0',
             'EDGE_ROS_PYTHON': self.python, 'EDGE_ROS_VENV_ARGS': ' '.join(self.venv_args),
-            'EDGE_ROS_REQUIREMENTS': ' '.join(self.requirement_files),
         }
         return ''.join(f'{key}={shlex.quote(value)}\n' for key, value in values.items())
 
@@ -279,7 +272,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pathlib.Path(__file__).resolve().parents[2] / 'requirements.txt'))
     args = parser.parse_args(argv)
     if args.what == 'requirements':
-        lines = expand_requirements(pathlib.Path(args.file))
+        try:
+            lines = expand_requirements(pathlib.Path(args.file))
+        except OSError as e:
+            print(f'ros_install: cannot read the requirements file: {e}', file=sys.stderr)
+            return 2
         skip = [*args.skip, *(provided() if args.skip_provided else [])]
         print('\n'.join(filter_requirements(lines, skip)))
         return 0
