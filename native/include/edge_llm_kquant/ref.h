@@ -1,0 +1,37 @@
+// Scalar reference of the K-quant matmul library: GGUF block layouts, dequantization,
+// 8-bit activation quantization with block sums, and dot products. Every ISA path is
+// tested against these, and these against ggml itself (test/test_native_ref.py).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// GGML's type ids, as GGUF files store them.
+enum elk_type {
+  ELK_Q4_0 = 2, ELK_Q4_1 = 3, ELK_Q5_0 = 6, ELK_Q5_1 = 7, ELK_Q8_0 = 8,
+  ELK_Q4_K = 12, ELK_Q5_K = 13, ELK_Q6_K = 14, ELK_Q8_K = 15,
+};
+
+// Weights per block and bytes per block of `type`; 0 for a type this library lacks.
+int elk_block_weights(int type);
+size_t elk_block_bytes(int type);
+
+// y[0..k) = the weights of row x (k a multiple of the block size). Returns 0, or -1 for a
+// type this library lacks.
+int elk_dequantize_row_ref(int type, const void *x, float *y, int64_t k);
+
+// Activations to Q8_K blocks (fp32 scale, 256 int8, 16 int16 block sums), as ggml does, so
+// the K types' min terms are one multiply per 16 weights.
+void elk_quantize_row_q8_K_ref(const float *x, void *y, int64_t k);
+
+// *out = dot(row x of `type`, activations y in Q8_K), n weights. Q4_K, Q5_K and Q6_K.
+// Returns 0, or -1 for another type.
+int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y, float *out);
+
+#ifdef __cplusplus
+}
+#endif

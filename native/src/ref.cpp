@@ -1,0 +1,278 @@
+// Scalar reference: the definition every ISA path must reproduce (see ref.h).
+#include "edge_llm_kquant/ref.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "blocks.h"
+
+namespace elk {
+namespace {
+
+void dequant_q4_0(const BlockQ4_0 *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK) {
+    const float d = fp16_to_fp32(x[i].d);
+    for (int j = 0; j < QK / 2; ++j) {
+      y[j] = ((x[i].qs[j] & 0xf) - 8) * d;
+      y[j + QK / 2] = ((x[i].qs[j] >> 4) - 8) * d;
+    }
+  }
+}
+
+void dequant_q4_1(const BlockQ4_1 *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK) {
+    const float d = fp16_to_fp32(x[i].d), m = fp16_to_fp32(x[i].m);
+    for (int j = 0; j < QK / 2; ++j) {
+      y[j] = (x[i].qs[j] & 0xf) * d + m;
+      y[j + QK / 2] = (x[i].qs[j] >> 4) * d + m;
+    }
+  }
+}
+
+// Bit j of the 32 high bits of a Q5 block, as bit 4 of weight j.
+inline int high_bit(const uint8_t qh[4], int j) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  return ((bits >> j) & 1) << 4;
+}
+
+void dequant_q5_0(const BlockQ5_0 *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK) {
+    const float d = fp16_to_fp32(x[i].d);
+    for (int j = 0; j < QK / 2; ++j) {
+      y[j] = (((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) - 16) * d;
+      y[j + QK / 2] = (((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) - 16) * d;
+    }
+  }
+}
+
+void dequant_q5_1(const BlockQ5_1 *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK) {
+    const float d = fp16_to_fp32(x[i].d), m = fp16_to_fp32(x[i].m);
+    for (int j = 0; j < QK / 2; ++j) {
+      y[j] = ((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) * d + m;
+      y[j + QK / 2] = ((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) * d + m;
+    }
+  }
+}
+
+void dequant_q8_0(const BlockQ8_0 *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i, y += QK) {
+    const float d = fp16_to_fp32(x[i].d);
+    for (int j = 0; j < QK; ++j) y[j] = x[i].qs[j] * d;
+  }
+}
+
+// Q4_K and Q5_K share their layout of 8 sub-blocks of 32: (d * scale) * q - (dmin * min).
+void dequant_q4_K(const BlockQ4_K *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+    const uint8_t *q = x[i].qs;
+    for (int sub = 0; sub < 8; sub += 2, q += 32) {
+      uint8_t sc, m;
+      scale_min_k4(sub, x[i].scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(sub + 1, x[i].scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) *y++ = d1 * (q[l] & 0xf) - m1;
+      for (int l = 0; l < 32; ++l) *y++ = d2 * (q[l] >> 4) - m2;
+    }
+  }
+}
+
+void dequant_q5_K(const BlockQ5_K *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float d = fp16_to_fp32(x[i].d), dmin = fp16_to_fp32(x[i].dmin);
+    const uint8_t *q = x[i].qs;
+    uint8_t u1 = 1, u2 = 2;
+    for (int sub = 0; sub < 8; sub += 2, q += 32, u1 <<= 2, u2 <<= 2) {
+      uint8_t sc, m;
+      scale_min_k4(sub, x[i].scales, &sc, &m);
+      const float d1 = d * sc, m1 = dmin * m;
+      scale_min_k4(sub + 1, x[i].scales, &sc, &m);
+      const float d2 = d * sc, m2 = dmin * m;
+      for (int l = 0; l < 32; ++l) *y++ = d1 * ((q[l] & 0xf) + (x[i].qh[l] & u1 ? 16 : 0)) - m1;
+      for (int l = 0; l < 32; ++l) *y++ = d2 * ((q[l] >> 4) + (x[i].qh[l] & u2 ? 16 : 0)) - m2;
+    }
+  }
+}
+
+void dequant_q6_K(const BlockQ6_K *x, float *y, int64_t nb) {
+  for (int64_t i = 0; i < nb; ++i) {
+    const float d = fp16_to_fp32(x[i].d);
+    const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+    const int8_t *sc = x[i].scales;
+    for (int half = 0; half < 2; ++half, y += 128, ql += 64, qh += 32, sc += 8) {
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = ((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = d * sc[is] * q1;
+        y[l + 32] = d * sc[is + 2] * q2;
+        y[l + 64] = d * sc[is + 4] * q3;
+        y[l + 96] = d * sc[is + 6] * q4;
+      }
+    }
+  }
+}
+
+// Dot products against Q8_K activations: integer sums per super-block, then two scales.
+int dot_q4_K(const BlockQ4_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t dots = 0, mins = 0;
+    const uint8_t *q = x[i].qs;
+    const int8_t *a = y[i].qs;
+    for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64) {
+      uint8_t sc1, m1, sc2, m2;
+      scale_min_k4(sub, x[i].scales, &sc1, &m1);
+      scale_min_k4(sub + 1, x[i].scales, &sc2, &m2);
+      int32_t lo = 0, hi = 0;
+      for (int l = 0; l < 32; ++l) {
+        lo += (q[l] & 0xf) * a[l];
+        hi += (q[l] >> 4) * a[l + 32];
+      }
+      dots += sc1 * lo + sc2 * hi;
+      // The min terms need only the activations' block sums (16 weights each).
+      mins += m1 * (y[i].bsums[2 * sub] + y[i].bsums[2 * sub + 1]) +
+              m2 * (y[i].bsums[2 * sub + 2] + y[i].bsums[2 * sub + 3]);
+    }
+    sum += fp16_to_fp32(x[i].d) * y[i].d * dots - fp16_to_fp32(x[i].dmin) * y[i].d * mins;
+  }
+  *out = sum;
+  return 0;
+}
+
+int dot_q5_K(const BlockQ5_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t dots = 0, mins = 0;
+    const uint8_t *q = x[i].qs;
+    const int8_t *a = y[i].qs;
+    uint8_t u1 = 1, u2 = 2;
+    for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64, u1 <<= 2, u2 <<= 2) {
+      uint8_t sc1, m1, sc2, m2;
+      scale_min_k4(sub, x[i].scales, &sc1, &m1);
+      scale_min_k4(sub + 1, x[i].scales, &sc2, &m2);
+      int32_t lo = 0, hi = 0;
+      for (int l = 0; l < 32; ++l) {
+        lo += ((q[l] & 0xf) + (x[i].qh[l] & u1 ? 16 : 0)) * a[l];
+        hi += ((q[l] >> 4) + (x[i].qh[l] & u2 ? 16 : 0)) * a[l + 32];
+      }
+      dots += sc1 * lo + sc2 * hi;
+      mins += m1 * (y[i].bsums[2 * sub] + y[i].bsums[2 * sub + 1]) +
+              m2 * (y[i].bsums[2 * sub + 2] + y[i].bsums[2 * sub + 3]);
+    }
+    sum += fp16_to_fp32(x[i].d) * y[i].d * dots - fp16_to_fp32(x[i].dmin) * y[i].d * mins;
+  }
+  *out = sum;
+  return 0;
+}
+
+int dot_q6_K(const BlockQ6_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t dots = 0;
+    const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+    const int8_t *sc = x[i].scales, *a = y[i].qs;
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, a += 128) {
+      int32_t part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // per 16 weights, scaled below
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        part[is + 0] += (((ql[l] & 0xf) | (((qh[l] >> 0) & 3) << 4)) - 32) * a[l];
+        part[is + 2] += (((ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4)) - 32) * a[l + 32];
+        part[is + 4] += (((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32) * a[l + 64];
+        part[is + 6] += (((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32) * a[l + 96];
+      }
+      for (int g = 0; g < 8; ++g) dots += sc[g] * part[g];
+    }
+    sum += fp16_to_fp32(x[i].d) * y[i].d * dots;
+  }
+  *out = sum;
+  return 0;
+}
+
+}  // namespace
+}  // namespace elk
+
+using namespace elk;
+
+extern "C" int elk_block_weights(int type) {
+  switch (type) {
+    case ELK_Q4_0: case ELK_Q4_1: case ELK_Q5_0: case ELK_Q5_1: case ELK_Q8_0: return QK;
+    case ELK_Q4_K: case ELK_Q5_K: case ELK_Q6_K: case ELK_Q8_K: return QK_K;
+    default: return 0;
+  }
+}
+
+extern "C" size_t elk_block_bytes(int type) {
+  switch (type) {
+    case ELK_Q4_0: return sizeof(BlockQ4_0);
+    case ELK_Q4_1: return sizeof(BlockQ4_1);
+    case ELK_Q5_0: return sizeof(BlockQ5_0);
+    case ELK_Q5_1: return sizeof(BlockQ5_1);
+    case ELK_Q8_0: return sizeof(BlockQ8_0);
+    case ELK_Q4_K: return sizeof(BlockQ4_K);
+    case ELK_Q5_K: return sizeof(BlockQ5_K);
+    case ELK_Q6_K: return sizeof(BlockQ6_K);
+    case ELK_Q8_K: return sizeof(BlockQ8_K);
+    default: return 0;
+  }
+}
+
+extern "C" int elk_dequantize_row_ref(int type, const void *x, float *y, int64_t k) {
+  const int per = elk_block_weights(type);
+  if (per == 0 || type == ELK_Q8_K || k % per != 0) return -1;
+  const int64_t nb = k / per;
+  switch (type) {
+    case ELK_Q4_0: dequant_q4_0(static_cast<const BlockQ4_0 *>(x), y, nb); break;
+    case ELK_Q4_1: dequant_q4_1(static_cast<const BlockQ4_1 *>(x), y, nb); break;
+    case ELK_Q5_0: dequant_q5_0(static_cast<const BlockQ5_0 *>(x), y, nb); break;
+    case ELK_Q5_1: dequant_q5_1(static_cast<const BlockQ5_1 *>(x), y, nb); break;
+    case ELK_Q8_0: dequant_q8_0(static_cast<const BlockQ8_0 *>(x), y, nb); break;
+    case ELK_Q4_K: dequant_q4_K(static_cast<const BlockQ4_K *>(x), y, nb); break;
+    case ELK_Q5_K: dequant_q5_K(static_cast<const BlockQ5_K *>(x), y, nb); break;
+    case ELK_Q6_K: dequant_q6_K(static_cast<const BlockQ6_K *>(x), y, nb); break;
+    default: return -1;
+  }
+  return 0;
+}
+
+extern "C" void elk_quantize_row_q8_K_ref(const float *x, void *out, int64_t k) {
+  BlockQ8_K *y = static_cast<BlockQ8_K *>(out);
+  for (int64_t i = 0; i < k / QK_K; ++i, x += QK_K) {
+    float max = 0.0f, amax = 0.0f;  // the signed value of largest magnitude, and that magnitude
+    for (int j = 0; j < QK_K; ++j) {
+      const float ax = std::fabs(x[j]);
+      if (ax > amax) { amax = ax; max = x[j]; }
+    }
+    std::memset(&y[i], 0, sizeof(y[i]));
+    if (amax == 0.0f) continue;
+    // -127 / max, as ggml: the largest weight maps to -127, and the others stay in [-127, 127].
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < QK_K; ++j) {
+      const int v = static_cast<int>(std::nearbyint(iscale * x[j]));
+      y[i].qs[j] = static_cast<int8_t>(v < 127 ? v : 127);
+    }
+    for (int g = 0; g < QK_K / 16; ++g) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += y[i].qs[16 * g + j];
+      y[i].bsums[g] = static_cast<int16_t>(sum);
+    }
+    y[i].d = 1.0f / iscale;
+  }
+}
+
+extern "C" int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y,
+                                    float *out) {
+  if (n % QK_K != 0) return -1;
+  const auto *a = static_cast<const BlockQ8_K *>(y);
+  switch (type) {
+    case ELK_Q4_K: return dot_q4_K(static_cast<const BlockQ4_K *>(x), a, n / QK_K, out);
+    case ELK_Q5_K: return dot_q5_K(static_cast<const BlockQ5_K *>(x), a, n / QK_K, out);
+    case ELK_Q6_K: return dot_q6_K(static_cast<const BlockQ6_K *>(x), a, n / QK_K, out);
+    default: return -1;
+  }
+}

@@ -1,0 +1,153 @@
+"""The K-quant library's scalar reference (native/src/ref.cpp) against ggml itself.
+
+ggml is llama-cpp-python's portable build in .cache/llama_cpp_peer (bench/llama_peer.py builds
+it once): its libggml-base exports the dequantizers and the Q8_K activation quantizer, and its
+libggml-cpu the `_generic` (scalar) and SIMD dot products. The reference must equal ggml's
+dequantization bit for bit, for random blocks of every byte pattern, and gguf's numpy
+dequantizer too; its Q8_K activations must equal ggml's byte for byte; its dot products must
+agree with ggml's within float rounding, and with a float64 dot of the dequantized operands.
+"""
+import ctypes
+import pathlib
+import subprocess
+import sys
+
+from gguf import GGMLQuantizationType, quants
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'bench'))
+import llama_peer  # noqa: E402  (bench/ is not a package)
+
+P = ctypes.c_void_p
+# name: (GGML type id, block bytes, weights per block, offsets of its fp16 scales)
+TYPES = {
+    'Q4_0': (2, 18, 32, (0,)), 'Q4_1': (3, 20, 32, (0, 2)), 'Q5_0': (6, 22, 32, (0,)),
+    'Q5_1': (7, 24, 32, (0, 2)), 'Q8_0': (8, 34, 32, (0,)), 'Q4_K': (12, 144, 256, (0, 2)),
+    'Q5_K': (13, 176, 256, (0, 2)), 'Q6_K': (14, 210, 256, (208,)),
+}
+K_TYPES = ('Q4_K', 'Q5_K', 'Q6_K')
+Q8_K_BYTES = 292
+# A dot product of n weights in fp32: the reference and ggml sum in other orders.
+DOT_RTOL = 2e-6
+
+
+@pytest.fixture(scope='module')
+def elk(tmp_path_factory):
+    """Build native/ with cmake (as setup.sh will) and load the library."""
+    build = ROOT / 'build' / 'native-test'
+    subprocess.run(['cmake', '-S', str(ROOT / 'native'), '-B', str(build),
+                    '-DCMAKE_BUILD_TYPE=Release'], check=True, capture_output=True)
+    subprocess.run(['cmake', '--build', str(build)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(build / 'libedge_llm_kquant.so'))
+    lib.elk_dequantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
+    lib.elk_quantize_row_q8_K_ref.argtypes = [P, P, ctypes.c_int64]
+    lib.elk_vec_dot_q8_K_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
+                                         ctypes.POINTER(ctypes.c_float)]
+    lib.elk_block_bytes.restype = ctypes.c_size_t
+    return lib
+
+
+@pytest.fixture(scope='module')
+def ggml():
+    """ggml's own libraries from the portable llama-cpp-python peer."""
+    llama_peer.ensure_peer(install=True)
+    lib_dir = pathlib.Path(llama_peer.venv_python()).parents[1] / 'lib'
+    found = sorted(lib_dir.glob('python3.*/site-packages/llama_cpp/lib/libggml-cpu.so'))
+    assert found, f'no libggml-cpu.so under {lib_dir}'
+    base = ctypes.CDLL(str(found[0].with_name('libggml-base.so')), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(str(found[0]), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_cpu_init()  # fills the fp16 tables ggml's CPU code reads
+    return base, cpu
+
+
+def random_blocks(rng, name: str, count: int) -> np.ndarray:
+    """Blocks of random bytes (every quant pattern) with finite fp16 scales."""
+    _, size, _, scales = TYPES[name]
+    raw = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    for offset in scales:
+        half = rng.uniform(-0.05, 0.05, count).astype(np.float16)
+        raw[:, offset:offset + 2] = half.view(np.uint8).reshape(count, 2)
+    return raw
+
+
+def ggml_dot(cpu, name: str, suffix: str = '_generic'):
+    fn = getattr(cpu, f'ggml_vec_dot_{name[:2].lower()}_K_q8_K{suffix}')
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, P,
+                   ctypes.c_size_t, P, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+def test_block_sizes_are_ggufs(elk):
+    for name, (type_id, size, _, _) in TYPES.items():
+        assert elk.elk_block_bytes(type_id) == size, name
+    assert elk.elk_block_bytes(15) == Q8_K_BYTES
+    assert elk.elk_block_bytes(1) == 0  # F16 is not a block type here
+
+
+@pytest.mark.parametrize('name', sorted(TYPES))
+@pytest.mark.parametrize('count', [1, 7])
+def test_dequantization_equals_ggml_and_gguf_bit_for_bit(elk, ggml, name, count):
+    base, _ = ggml
+    type_id, _, per, _ = TYPES[name]
+    raw = random_blocks(np.random.default_rng(count * 31 + type_id), name, count)
+    k = count * per
+    mine, theirs = np.zeros(k, np.float32), np.zeros(k, np.float32)
+    assert elk.elk_dequantize_row_ref(type_id, raw.ctypes.data, mine.ctypes.data, k) == 0
+    getattr(base, f'dequantize_row_{name[:-1].lower()}{name[-1]}')(
+        raw.ctypes.data_as(P), theirs.ctypes.data_as(P), ctypes.c_int64(k))
+    assert np.array_equal(mine.view(np.uint32), theirs.view(np.uint32))
+    reference = quants.dequantize(raw.reshape(-1), GGMLQuantizationType[name]).reshape(-1)
+    assert np.array_equal(mine, reference.astype(np.float32))
+    # A length that is not whole blocks is refused, not read past.
+    assert elk.elk_dequantize_row_ref(type_id, raw.ctypes.data, mine.ctypes.data, k - 1) == -1
+
+
+@pytest.mark.parametrize('scale', [1.0, 1e-3, 300.0])
+def test_q8_K_activations_equal_ggml_byte_for_byte(elk, ggml, scale):
+    base, _ = ggml
+    rng = np.random.default_rng(int(scale * 1000))
+    x = (rng.standard_normal(4 * 256) * scale).astype(np.float32)
+    x[256:512] = 0.0  # an all-zero block: scale 0, no division
+    mine, theirs = np.zeros(4 * Q8_K_BYTES, np.uint8), np.zeros(4 * Q8_K_BYTES, np.uint8)
+    elk.elk_quantize_row_q8_K_ref(x.ctypes.data, mine.ctypes.data, x.size)
+    base.quantize_row_q8_K_ref(x.ctypes.data_as(P), theirs.ctypes.data_as(P),
+                               ctypes.c_int64(x.size))
+    assert np.array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize('name', K_TYPES)
+@pytest.mark.parametrize('blocks', [1, 3, 16])
+def test_dot_products_agree_with_ggml(elk, ggml, name, blocks):
+    base, cpu = ggml
+    type_id = TYPES[name][0]
+    rng = np.random.default_rng(blocks * 7 + type_id)
+    n = blocks * 256
+    weights = random_blocks(rng, name, blocks)
+    x = rng.standard_normal(n).astype(np.float32)
+    activations = np.zeros(blocks * Q8_K_BYTES, np.uint8)
+    base.quantize_row_q8_K_ref(x.ctypes.data_as(P), activations.ctypes.data_as(P),
+                               ctypes.c_int64(n))
+    mine = ctypes.c_float()
+    assert elk.elk_vec_dot_q8_K_ref(type_id, n, weights.ctypes.data, activations.ctypes.data,
+                                    ctypes.byref(mine)) == 0
+    # The same operands in float64: dequantized weights times dequantized activations.
+    dense = np.zeros(n, np.float32)
+    elk.elk_dequantize_row_ref(type_id, weights.ctypes.data, dense.ctypes.data, n)
+    a = activations.reshape(blocks, Q8_K_BYTES)
+    scales = a[:, :4].copy().view(np.float32)
+    values = a[:, 4:260].view(np.int8).astype(np.float64) * scales
+    exact = float(np.dot(dense.astype(np.float64), values.reshape(-1)))
+    magnitude = float(np.dot(np.abs(dense.astype(np.float64)), np.abs(values.reshape(-1))))
+    assert abs(mine.value - exact) <= DOT_RTOL * magnitude
+    for suffix in ('_generic', ''):  # ggml's scalar and its SIMD build for this CPU
+        theirs = ctypes.c_float()
+        ggml_dot(cpu, name, suffix)(n, ctypes.byref(theirs), 0, weights.ctypes.data_as(P), 0,
+                                    activations.ctypes.data_as(P), 0, 1)
+        assert abs(mine.value - theirs.value) <= DOT_RTOL * magnitude, suffix
+    # Other types and partial blocks are refused.
+    assert elk.elk_vec_dot_q8_K_ref(2, n, weights.ctypes.data, activations.ctypes.data,
+                                    ctypes.byref(mine)) == -1
+    assert elk.elk_vec_dot_q8_K_ref(type_id, n - 32, weights.ctypes.data,
+                                    activations.ctypes.data, ctypes.byref(mine)) == -1
