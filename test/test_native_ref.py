@@ -151,3 +151,49 @@ def test_dot_products_agree_with_ggml(elk, ggml, name, blocks):
                                     ctypes.byref(mine)) == -1
     assert elk.elk_vec_dot_q8_K_ref(type_id, n - 32, weights.ctypes.data,
                                     activations.ctypes.data, ctypes.byref(mine)) == -1
+
+
+def test_kernels_are_chosen_at_run_time_and_pins_are_checked(elk):
+    elk.elk_kernel_name.restype = ctypes.c_char_p
+    elk.elk_cpu_features.restype = ctypes.c_char_p
+    features = elk.elk_cpu_features().decode().split()
+    expected = 'avx2' if {'avx2', 'fma'} <= set(features) else 'scalar'
+    assert elk.elk_select_kernel(b'auto') == 0
+    assert elk.elk_kernel_name().decode() == expected
+    assert elk.elk_select_kernel(b'neon') == -1           # not this architecture
+    assert elk.elk_select_kernel(b'avx2') == (0 if expected == 'avx2' else -1)
+    assert elk.elk_select_kernel(b'scalar') == 0
+    assert elk.elk_kernel_name() == b'scalar'
+    assert elk.elk_select_kernel(b'auto') == 0
+
+
+@pytest.mark.parametrize('name', K_TYPES)
+def test_every_kernel_gives_the_references_bits(elk, name):
+    """Each ISA path computes the same integer sums and float expression: bit equality."""
+    elk.elk_vec_dot_q8_K.argtypes = elk.elk_vec_dot_q8_K_ref.argtypes
+    type_id = TYPES[name][0]
+    rng = np.random.default_rng(type_id)
+    isas = [isa for isa in (b'scalar', b'avx2') if elk.elk_select_kernel(isa) == 0]
+    try:
+        for blocks in (1, 2, 5, 11):
+            n = blocks * 256
+            weights = random_blocks(rng, name, blocks)
+            # Extreme activations too: all +-127 after quantization, the int16 limits.
+            x = rng.standard_normal(n).astype(np.float32)
+            if blocks == 2:
+                x = np.sign(x).astype(np.float32)
+            activations = np.zeros(blocks * Q8_K_BYTES, np.uint8)
+            elk.elk_quantize_row_q8_K_ref(x.ctypes.data, activations.ctypes.data, n)
+            reference = ctypes.c_float()
+            elk.elk_vec_dot_q8_K_ref(type_id, n, weights.ctypes.data, activations.ctypes.data,
+                                     ctypes.byref(reference))
+            for isa in isas:
+                assert elk.elk_select_kernel(isa) == 0
+                out = ctypes.c_float()
+                assert elk.elk_vec_dot_q8_K(type_id, n, weights.ctypes.data,
+                                            activations.ctypes.data, ctypes.byref(out)) == 0
+                assert np.float32(out.value).tobytes() == np.float32(reference.value).tobytes(), (
+                    isa, blocks, out.value, reference.value)
+    finally:
+        elk.elk_select_kernel(b'auto')
+    assert b'avx2' in isas or b'avx2' not in elk.elk_cpu_features()

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "blocks.h"
+#include "kernels.h"
 
 namespace elk {
 namespace {
@@ -118,11 +119,12 @@ void dequant_q6_K(const BlockQ6_K *x, float *y, int64_t nb) {
   }
 }
 
-// Dot products against Q8_K activations: integer sums per super-block, then two scales.
-int dot_q4_K(const BlockQ4_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+// Dot products against Q8_K activations: integer sums per super-block, then k_block.
+float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ4_K *>(vx);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
-    int32_t dots = 0, mins = 0;
+    int32_t dots = 0;
     const uint8_t *q = x[i].qs;
     const int8_t *a = y[i].qs;
     for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64) {
@@ -135,20 +137,19 @@ int dot_q4_K(const BlockQ4_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
         hi += (q[l] >> 4) * a[l + 32];
       }
       dots += sc1 * lo + sc2 * hi;
-      // The min terms need only the activations' block sums (16 weights each).
-      mins += m1 * (y[i].bsums[2 * sub] + y[i].bsums[2 * sub + 1]) +
-              m2 * (y[i].bsums[2 * sub + 2] + y[i].bsums[2 * sub + 3]);
     }
-    sum += fp16_to_fp32(x[i].d) * y[i].d * dots - fp16_to_fp32(x[i].dmin) * y[i].d * mins;
+    // The min terms need only the activations' block sums (16 weights each).
+    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, dots,
+                   k_mins(x[i].scales, y[i].bsums));
   }
-  *out = sum;
-  return 0;
+  return sum;
 }
 
-int dot_q5_K(const BlockQ5_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+float dot_q5_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ5_K *>(vx);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
-    int32_t dots = 0, mins = 0;
+    int32_t dots = 0;
     const uint8_t *q = x[i].qs;
     const int8_t *a = y[i].qs;
     uint8_t u1 = 1, u2 = 2;
@@ -162,16 +163,15 @@ int dot_q5_K(const BlockQ5_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
         hi += ((q[l] >> 4) + (x[i].qh[l] & u2 ? 16 : 0)) * a[l + 32];
       }
       dots += sc1 * lo + sc2 * hi;
-      mins += m1 * (y[i].bsums[2 * sub] + y[i].bsums[2 * sub + 1]) +
-              m2 * (y[i].bsums[2 * sub + 2] + y[i].bsums[2 * sub + 3]);
     }
-    sum += fp16_to_fp32(x[i].d) * y[i].d * dots - fp16_to_fp32(x[i].dmin) * y[i].d * mins;
+    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, dots,
+                   k_mins(x[i].scales, y[i].bsums));
   }
-  *out = sum;
-  return 0;
+  return sum;
 }
 
-int dot_q6_K(const BlockQ6_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
+float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ6_K *>(vx);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t dots = 0;
@@ -188,13 +188,18 @@ int dot_q6_K(const BlockQ6_K *x, const BlockQ8_K *y, int64_t nb, float *out) {
       }
       for (int g = 0; g < 8; ++g) dots += sc[g] * part[g];
     }
-    sum += fp16_to_fp32(x[i].d) * y[i].d * dots;
+    sum += k_block(fp16_to_fp32(x[i].d), 0.0f, y[i].d, dots, 0);
   }
-  *out = sum;
-  return 0;
+  return sum;
 }
 
 }  // namespace
+
+const DotKernels &scalar_kernels() {
+  static const DotKernels kernels{"scalar", dot_q4_K, dot_q5_K, dot_q6_K};
+  return kernels;
+}
+
 }  // namespace elk
 
 using namespace elk;
@@ -269,10 +274,11 @@ extern "C" int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const vo
                                     float *out) {
   if (n % QK_K != 0) return -1;
   const auto *a = static_cast<const BlockQ8_K *>(y);
+  const DotKernels &k = scalar_kernels();
   switch (type) {
-    case ELK_Q4_K: return dot_q4_K(static_cast<const BlockQ4_K *>(x), a, n / QK_K, out);
-    case ELK_Q5_K: return dot_q5_K(static_cast<const BlockQ5_K *>(x), a, n / QK_K, out);
-    case ELK_Q6_K: return dot_q6_K(static_cast<const BlockQ6_K *>(x), a, n / QK_K, out);
+    case ELK_Q4_K: *out = k.q4_K(x, a, n / QK_K); return 0;
+    case ELK_Q5_K: *out = k.q5_K(x, a, n / QK_K); return 0;
+    case ELK_Q6_K: *out = k.q6_K(x, a, n / QK_K); return 0;
     default: return -1;
   }
 }

@@ -32,6 +32,16 @@ void elk_quantize_row_q8_K_ref(const float *x, void *y, int64_t k);
 // Returns 0, or -1 for another type.
 int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y, float *out);
 
+// The same with the kernels chosen for this CPU (or pinned by elk_select_kernel): equal to
+// the reference bit for bit on every path.
+int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out);
+
+// The running kernels' ISA ("scalar", "avx2"), the features found, and a pin: "auto",
+// "scalar" or "avx2". Returns 0, or -1 when this CPU or build lacks that ISA.
+const char *elk_kernel_name(void);
+const char *elk_cpu_features(void);
+int elk_select_kernel(const char *isa);
+
 #ifdef __cplusplus
 }
 #endif

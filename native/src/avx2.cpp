@@ -1,0 +1,134 @@
+// AVX2 kernels (x86-64 with AVX2 and FMA): the reference's integer sums, 32 weights a step.
+// Built with -mavx2 -mfma for this file only; dispatch.cpp calls it only on a CPU that has
+// both, so the library still loads on any x86-64.
+#include <immintrin.h>
+
+#include "kernels.h"
+
+namespace elk {
+namespace {
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// sum over 32 lanes of scale * w * a, as 8 int32: unsigned weights w <= 63, int8 a.
+// maddubs adds pairs into int16 (at most 2 * 63 * 127, no saturation); madd scales them.
+inline __m256i scaled_dot(__m256i w, __m256i a, __m256i scale16) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), scale16);
+}
+
+float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ4_K *>(vx);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i acc = _mm256_setzero_si256();
+    const uint8_t *q = x[i].qs;
+    const int8_t *a = y[i].qs;
+    _mm_prefetch(reinterpret_cast<const char *>(x + i + 1), _MM_HINT_T0);
+    for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64) {
+      uint8_t sc1, m1, sc2, m2;
+      scale_min_k4(sub, x[i].scales, &sc1, &m1);
+      scale_min_k4(sub + 1, x[i].scales, &sc2, &m2);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
+      const __m256i lo = _mm256_and_si256(bytes, low4);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      acc = _mm256_add_epi32(acc, scaled_dot(lo, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i *>(a)), _mm256_set1_epi16(sc1)));
+      acc = _mm256_add_epi32(acc, scaled_dot(hi, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i *>(a + 32)), _mm256_set1_epi16(sc2)));
+    }
+    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, hsum_epi32(acc),
+                   k_mins(x[i].scales, y[i].bsums));
+  }
+  return sum;
+}
+
+float dot_q5_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ5_K *>(vx);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i bit4 = _mm256_set1_epi8(0x10);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i acc = _mm256_setzero_si256();
+    const uint8_t *q = x[i].qs;
+    const int8_t *a = y[i].qs;
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(x[i].qh));
+    _mm_prefetch(reinterpret_cast<const char *>(x + i + 1), _MM_HINT_T0);
+    for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64) {
+      uint8_t sc1, m1, sc2, m2;
+      scale_min_k4(sub, x[i].scales, &sc1, &m1);
+      scale_min_k4(sub + 1, x[i].scales, &sc2, &m2);
+      // Bit `sub` of each qh byte is bit 4 of the low nibble's weight, bit sub+1 the high's.
+      const __m256i u1 = _mm256_set1_epi8(static_cast<char>(1 << sub));
+      const __m256i u2 = _mm256_set1_epi8(static_cast<char>(2 << sub));
+      const __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, u1), u1), bit4);
+      const __m256i h2 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, u2), u2), bit4);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(bytes, low4), h1);
+      const __m256i hi = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), h2);
+      acc = _mm256_add_epi32(acc, scaled_dot(lo, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i *>(a)), _mm256_set1_epi16(sc1)));
+      acc = _mm256_add_epi32(acc, scaled_dot(hi, _mm256_loadu_si256(
+          reinterpret_cast<const __m256i *>(a + 32)), _mm256_set1_epi16(sc2)));
+    }
+    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, hsum_epi32(acc),
+                   k_mins(x[i].scales, y[i].bsums));
+  }
+  return sum;
+}
+
+float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
+  const auto *x = static_cast<const BlockQ6_K *>(vx);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i two = _mm256_set1_epi8(0x03);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i acc = _mm256_setzero_si256();
+    const uint8_t *ql = x[i].ql, *qh = x[i].qh;
+    const int8_t *sc = x[i].scales, *a = y[i].qs;
+    _mm_prefetch(reinterpret_cast<const char *>(x + i + 1), _MM_HINT_T0);
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, a += 128) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(ql + 32));
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qh));
+      // The four 32-weight quarters, unsigned 0..63 (the -32 comes from the block sums).
+      const __m256i w[4] = {
+          _mm256_or_si256(_mm256_and_si256(l0, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(h, two), 4)),
+          _mm256_or_si256(_mm256_and_si256(l1, low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4), two), 4)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 6), two), 4)),
+      };
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        // Weights 0..15 of a quarter have scale sc[2q], weights 16..31 sc[2q+1].
+        const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * quarter + 1]),
+                                               _mm_set1_epi16(sc[2 * quarter]));
+        acc = _mm256_add_epi32(acc, scaled_dot(w[quarter], _mm256_loadu_si256(
+            reinterpret_cast<const __m256i *>(a + 32 * quarter)), scale));
+      }
+    }
+    // The -32 offset of every weight: 32 * scale * (sum of its 16 activations).
+    int32_t offset = 0;
+    for (int g = 0; g < 16; ++g) offset += x[i].scales[g] * y[i].bsums[g];
+    sum += k_block(fp16_to_fp32(x[i].d), 0.0f, y[i].d, hsum_epi32(acc) - 32 * offset, 0);
+  }
+  return sum;
+}
+
+}  // namespace
+
+const DotKernels *avx2_kernels() {
+  static const DotKernels kernels{"avx2", dot_q4_K, dot_q5_K, dot_q6_K};
+  return &kernels;
+}
+
+}  // namespace elk
