@@ -9,7 +9,6 @@ agree with ggml's within float rounding, and with a float64 dot of the dequantiz
 """
 import ctypes
 import pathlib
-import subprocess
 import sys
 
 from gguf import GGMLQuantizationType, quants
@@ -19,6 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'bench'))
 import llama_peer  # noqa: E402  (bench/ is not a package)
+from native_build import native_build  # noqa: E402
 
 P = ctypes.c_void_p
 # name: (GGML type id, block bytes, weights per block, offsets of its fp16 scales)
@@ -34,12 +34,9 @@ DOT_RTOL = 2e-6
 
 
 @pytest.fixture(scope='module')
-def elk(tmp_path_factory):
-    """Build native/ with cmake (as setup.sh will) and load the library."""
-    build = ROOT / 'build' / 'native-test'
-    subprocess.run(['cmake', '-S', str(ROOT / 'native'), '-B', str(build),
-                    '-DCMAKE_BUILD_TYPE=Release'], check=True, capture_output=True)
-    subprocess.run(['cmake', '--build', str(build)], check=True, capture_output=True)
+def elk():
+    """Build native/ with cmake (as setup.sh will) and load the kernels' C library."""
+    build = native_build()
     lib = ctypes.CDLL(str(build / 'libedge_llm_kquant.so'))
     lib.elk_dequantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
     lib.elk_quantize_row_q8_K_ref.argtypes = [P, P, ctypes.c_int64]
