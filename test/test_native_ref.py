@@ -8,17 +8,19 @@ dequantizer too; its Q8_K activations must equal ggml's byte for byte; its dot p
 agree with ggml's within float rounding, and with a float64 dot of the dequantized operands.
 """
 import ctypes
+import importlib
 import pathlib
 import sys
 
 from gguf import GGMLQuantizationType, quants
+from native_build import native_build
 import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'bench'))
-import llama_peer  # noqa: E402  (bench/ is not a package)
-from native_build import native_build  # noqa: E402
+# bench/ is a script folder, not a package.
+llama_peer = importlib.import_module('llama_peer')
 
 P = ctypes.c_void_p
 # name: (GGML type id, block bytes, weights per block, offsets of its fp16 scales)
@@ -48,7 +50,7 @@ def elk():
 
 @pytest.fixture(scope='module')
 def ggml():
-    """ggml's own libraries from the portable llama-cpp-python peer."""
+    """Load ggml's own libraries from the portable llama-cpp-python peer."""
     llama_peer.ensure_peer(install=True)
     lib_dir = pathlib.Path(llama_peer.venv_python()).parents[1] / 'lib'
     found = sorted(lib_dir.glob('python3.*/site-packages/llama_cpp/lib/libggml-cpu.so'))
