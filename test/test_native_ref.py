@@ -196,3 +196,65 @@ def test_every_kernel_gives_the_references_bits(elk, name):
     finally:
         elk.elk_select_kernel(b'auto')
     assert b'avx2' in isas or b'avx2' not in elk.elk_cpu_features()
+
+
+LEGACY = {'Q4_0': 'q8_0', 'Q4_1': 'q8_1', 'Q5_0': 'q8_0', 'Q5_1': 'q8_1', 'Q8_0': 'q8_0'}
+ACTIVATION_BYTES = {'q8_0': 34, 'q8_1': 36}
+
+
+@pytest.mark.parametrize('activation', ['q8_0', 'q8_1'])
+def test_legacy_activations_equal_ggml_byte_for_byte(elk, ggml, activation):
+    base, _ = ggml
+    type_id = {'q8_0': 8, 'q8_1': 9}[activation]
+    rng = np.random.default_rng(type_id)
+    x = (rng.standard_normal(7 * 32) * 3).astype(np.float32)
+    x[32:64] = 0.0
+    x[64:96] = np.float32(0.5)  # ties: half away from zero, as ggml's roundf
+    size = 7 * ACTIVATION_BYTES[activation]
+    mine, theirs = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+    elk.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
+    assert elk.elk_quantize_row_ref(type_id, x.ctypes.data, mine.ctypes.data, x.size) == 0
+    getattr(base, f'quantize_row_{activation}_ref')(x.ctypes.data_as(P), theirs.ctypes.data_as(P),
+                                                    ctypes.c_int64(x.size))
+    assert np.array_equal(mine, theirs)
+    assert elk.elk_quantize_row_ref(type_id, x.ctypes.data, mine.ctypes.data, 33) == -1
+
+
+@pytest.mark.parametrize('name', sorted(LEGACY))
+def test_legacy_dots_agree_with_ggml(elk, ggml, name):
+    base, cpu = ggml
+    type_id, _, per, _ = TYPES[name]
+    activation = LEGACY[name]
+    elk.elk_activation_type.restype = ctypes.c_int
+    assert elk.elk_activation_type(type_id) == {'q8_0': 8, 'q8_1': 9}[activation]
+    elk.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
+                                    ctypes.POINTER(ctypes.c_float)]
+    rng = np.random.default_rng(type_id + 100)
+    for blocks in (1, 9, 40):  # 40 x 32 = 1280: not a multiple of 256
+        n = blocks * per
+        weights = random_blocks(rng, name, blocks)
+        x = rng.standard_normal(n).astype(np.float32)
+        activations = np.zeros(blocks * ACTIVATION_BYTES[activation], np.uint8)
+        getattr(base, f'quantize_row_{activation}_ref')(
+            x.ctypes.data_as(P), activations.ctypes.data_as(P), ctypes.c_int64(n))
+        mine = ctypes.c_float()
+        assert elk.elk_vec_dot_ref(type_id, n, weights.ctypes.data, activations.ctypes.data,
+                                   ctypes.byref(mine)) == 0
+        dense = np.zeros(n, np.float32)
+        elk.elk_dequantize_row_ref(type_id, weights.ctypes.data, dense.ctypes.data, n)
+        a = activations.reshape(blocks, ACTIVATION_BYTES[activation])
+        scales = a[:, :2].copy().view(np.float16).astype(np.float64)
+        values = a[:, -32:].view(np.int8).astype(np.float64) * scales
+        exact = float(np.dot(dense.astype(np.float64), values.reshape(-1)))
+        magnitude = float(np.dot(np.abs(dense.astype(np.float64)), np.abs(values.reshape(-1))))
+        # Q4_1/Q5_1: ggml's s is d * sum rounded to fp16, so the min term carries that error.
+        tolerance = (DOT_RTOL if activation == 'q8_0' else 2e-3) * magnitude
+        assert abs(mine.value - exact) <= tolerance, (blocks, mine.value, exact)
+        for suffix in ('_generic', ''):
+            fn = getattr(cpu, f'ggml_vec_dot_{name.lower()}_{activation}{suffix}')
+            fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, P,
+                           ctypes.c_size_t, P, ctypes.c_size_t, ctypes.c_int]
+            theirs = ctypes.c_float()
+            fn(n, ctypes.byref(theirs), 0, weights.ctypes.data_as(P), 0,
+               activations.ctypes.data_as(P), 0, 1)
+            assert abs(mine.value - theirs.value) <= DOT_RTOL * magnitude, (suffix, blocks)

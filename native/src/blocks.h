@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 namespace elk {
@@ -21,6 +22,8 @@ struct BlockQ5_K {
 };
 struct BlockQ6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
 struct BlockQ8_K { float d; int8_t qs[QK_K]; int16_t bsums[QK_K / 16]; };
+// Activations for Q4_1/Q5_1: s = d * sum(qs), the block's min term in one product.
+struct BlockQ8_1 { uint16_t d, s; int8_t qs[QK]; };
 
 static_assert(sizeof(BlockQ4_0) == 18, "Q4_0 block");
 static_assert(sizeof(BlockQ4_1) == 20, "Q4_1 block");
@@ -31,6 +34,7 @@ static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block");
 static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block");
 static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block");
 static_assert(sizeof(BlockQ8_K) == 292, "Q8_K block");
+static_assert(sizeof(BlockQ8_1) == 36, "Q8_1 block");
 
 // IEEE half to float, exactly (subnormals, infinities and NaN included), with no F16C.
 inline float fp16_to_fp32(uint16_t h) {
@@ -52,6 +56,25 @@ inline float fp16_to_fp32(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+}
+
+// Float to IEEE half, rounding to nearest even (as F16C's _cvtss_sh(x, 0) does).
+inline uint16_t fp32_to_fp16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000;
+  const uint32_t magnitude = x & 0x7fffffff;
+  if (magnitude >= 0x7f800000) return sign | (magnitude > 0x7f800000 ? 0x7e00 : 0x7c00);
+  if (magnitude >= 0x477ff000) return sign | 0x7c00;  // rounds to 65536 or more: infinity
+  if (magnitude < 0x38800000) {                        // below 2^-14: a subnormal half
+    float a;
+    std::memcpy(&a, &magnitude, sizeof(a));
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  uint32_t h = (((magnitude >> 23) - 112) << 10) | ((magnitude >> 13) & 0x3ff);
+  const uint32_t rest = magnitude & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry moves to the exponent
+  return static_cast<uint16_t>(sign | h);
 }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block.

@@ -119,6 +119,93 @@ void dequant_q6_K(const BlockQ6_K *x, float *y, int64_t nb) {
   }
 }
 
+// Legacy blocks of 32 against Q8_0 / Q8_1 activations: one integer sum per block, then
+// (dx * dy) * sum, plus the weight's min times the activations' d * sum for Q4_1/Q5_1.
+inline float legacy_block(uint16_t dx, uint16_t dy, int32_t sum) {
+  return (fp16_to_fp32(dx) * fp16_to_fp32(dy)) * static_cast<float>(sum);
+}
+
+float dot_q4_0(const BlockQ4_0 *x, const BlockQ8_0 *y, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < QK / 2; ++j) {
+      s += ((x[i].qs[j] & 0xf) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
+    }
+    sum += legacy_block(x[i].d, y[i].d, s);
+  }
+  return sum;
+}
+
+float dot_q4_1(const BlockQ4_1 *x, const BlockQ8_1 *y, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < QK / 2; ++j) {
+      s += (x[i].qs[j] & 0xf) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK / 2];
+    }
+    sum += legacy_block(x[i].d, y[i].d, s) + fp16_to_fp32(x[i].m) * fp16_to_fp32(y[i].s);
+  }
+  return sum;
+}
+
+float dot_q5_0(const BlockQ5_0 *x, const BlockQ8_0 *y, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < QK / 2; ++j) {
+      s += (((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) - 16) * y[i].qs[j] +
+           (((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) - 16) * y[i].qs[j + QK / 2];
+    }
+    sum += legacy_block(x[i].d, y[i].d, s);
+  }
+  return sum;
+}
+
+float dot_q5_1(const BlockQ5_1 *x, const BlockQ8_1 *y, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < QK / 2; ++j) {
+      s += ((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) * y[i].qs[j] +
+           ((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) * y[i].qs[j + QK / 2];
+    }
+    sum += legacy_block(x[i].d, y[i].d, s) + fp16_to_fp32(x[i].m) * fp16_to_fp32(y[i].s);
+  }
+  return sum;
+}
+
+float dot_q8_0(const BlockQ8_0 *x, const BlockQ8_0 *y, int64_t nb) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < nb; ++i) {
+    int32_t s = 0;
+    for (int j = 0; j < QK; ++j) s += x[i].qs[j] * y[i].qs[j];
+    sum += legacy_block(x[i].d, y[i].d, s);
+  }
+  return sum;
+}
+
+inline void set_sum(BlockQ8_0 &, float) {}
+inline void set_sum(BlockQ8_1 &b, float s) { b.s = fp32_to_fp16(s); }
+
+// Blocks of 32 at amax / 127 (fp16 scale), rounded half away from zero, as ggml does.
+template <typename Block>
+void quantize_q8_32(const float *x, Block *y, int64_t nb, bool with_sum) {
+  for (int64_t i = 0; i < nb; ++i, x += QK) {
+    float amax = 0.0f;
+    for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(x[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    y[i].d = fp32_to_fp16(d);
+    int sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      y[i].qs[j] = static_cast<int8_t>(std::round(x[j] * id));
+      sum += y[i].qs[j];
+    }
+    if (with_sum) set_sum(y[i], static_cast<float>(sum) * d);
+  }
+}
+
 // Dot products against Q8_K activations: integer sums per super-block, then k_block.
 float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
   const auto *x = static_cast<const BlockQ4_K *>(vx);
@@ -206,7 +293,8 @@ using namespace elk;
 
 extern "C" int elk_block_weights(int type) {
   switch (type) {
-    case ELK_Q4_0: case ELK_Q4_1: case ELK_Q5_0: case ELK_Q5_1: case ELK_Q8_0: return QK;
+    case ELK_Q4_0: case ELK_Q4_1: case ELK_Q5_0: case ELK_Q5_1: case ELK_Q8_0: case ELK_Q8_1:
+      return QK;
     case ELK_Q4_K: case ELK_Q5_K: case ELK_Q6_K: case ELK_Q8_K: return QK_K;
     default: return 0;
   }
@@ -223,13 +311,14 @@ extern "C" size_t elk_block_bytes(int type) {
     case ELK_Q5_K: return sizeof(BlockQ5_K);
     case ELK_Q6_K: return sizeof(BlockQ6_K);
     case ELK_Q8_K: return sizeof(BlockQ8_K);
+    case ELK_Q8_1: return sizeof(BlockQ8_1);
     default: return 0;
   }
 }
 
 extern "C" int elk_dequantize_row_ref(int type, const void *x, float *y, int64_t k) {
   const int per = elk_block_weights(type);
-  if (per == 0 || type == ELK_Q8_K || k % per != 0) return -1;
+  if (per == 0 || type == ELK_Q8_K || type == ELK_Q8_1 || k % per != 0) return -1;
   const int64_t nb = k / per;
   switch (type) {
     case ELK_Q4_0: dequant_q4_0(static_cast<const BlockQ4_0 *>(x), y, nb); break;
@@ -279,6 +368,53 @@ extern "C" int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const vo
     case ELK_Q4_K: *out = k.q4_K(x, a, n / QK_K); return 0;
     case ELK_Q5_K: *out = k.q5_K(x, a, n / QK_K); return 0;
     case ELK_Q6_K: *out = k.q6_K(x, a, n / QK_K); return 0;
+    default: return -1;
+  }
+}
+
+extern "C" int elk_activation_type(int weight_type) {
+  switch (weight_type) {
+    case ELK_Q4_0: case ELK_Q5_0: case ELK_Q8_0: return ELK_Q8_0;
+    case ELK_Q4_1: case ELK_Q5_1: return ELK_Q8_1;
+    case ELK_Q4_K: case ELK_Q5_K: case ELK_Q6_K: return ELK_Q8_K;
+    default: return -1;
+  }
+}
+
+extern "C" int elk_quantize_row_ref(int activation_type, const float *x, void *y, int64_t k) {
+  switch (activation_type) {
+    case ELK_Q8_0:
+      if (k % QK != 0) return -1;
+      quantize_q8_32(x, static_cast<BlockQ8_0 *>(y), k / QK, false);
+      return 0;
+    case ELK_Q8_1:
+      if (k % QK != 0) return -1;
+      quantize_q8_32(x, static_cast<BlockQ8_1 *>(y), k / QK, true);
+      return 0;
+    case ELK_Q8_K:
+      if (k % QK_K != 0) return -1;
+      elk_quantize_row_q8_K_ref(x, y, k);
+      return 0;
+    default:
+      return -1;
+  }
+}
+
+extern "C" int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y,
+                               float *out) {
+  if (elk_activation_type(weight_type) == ELK_Q8_K) {
+    return elk_vec_dot_q8_K_ref(weight_type, n, x, y, out);
+  }
+  if (n % QK != 0) return -1;
+  const int64_t nb = n / QK;
+  const auto *a0 = static_cast<const BlockQ8_0 *>(y);
+  const auto *a1 = static_cast<const BlockQ8_1 *>(y);
+  switch (weight_type) {
+    case ELK_Q4_0: *out = dot_q4_0(static_cast<const BlockQ4_0 *>(x), a0, nb); return 0;
+    case ELK_Q4_1: *out = dot_q4_1(static_cast<const BlockQ4_1 *>(x), a1, nb); return 0;
+    case ELK_Q5_0: *out = dot_q5_0(static_cast<const BlockQ5_0 *>(x), a0, nb); return 0;
+    case ELK_Q5_1: *out = dot_q5_1(static_cast<const BlockQ5_1 *>(x), a1, nb); return 0;
+    case ELK_Q8_0: *out = dot_q8_0(static_cast<const BlockQ8_0 *>(x), a0, nb); return 0;
     default: return -1;
   }
 }

@@ -13,7 +13,7 @@ extern "C" {
 // GGML's type ids, as GGUF files store them.
 enum elk_type {
   ELK_Q4_0 = 2, ELK_Q4_1 = 3, ELK_Q5_0 = 6, ELK_Q5_1 = 7, ELK_Q8_0 = 8,
-  ELK_Q4_K = 12, ELK_Q5_K = 13, ELK_Q6_K = 14, ELK_Q8_K = 15,
+  ELK_Q8_1 = 9, ELK_Q4_K = 12, ELK_Q5_K = 13, ELK_Q6_K = 14, ELK_Q8_K = 15,
 };
 
 // Weights per block and bytes per block of `type`; 0 for a type this library lacks.
@@ -41,6 +41,14 @@ int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *o
 const char *elk_kernel_name(void);
 const char *elk_cpu_features(void);
 int elk_select_kernel(const char *isa);
+
+// Every weight type against the activation blocks it pairs with, as ggml pairs them:
+// Q4_0/Q5_0/Q8_0 with Q8_0, Q4_1/Q5_1 with Q8_1, the K types with Q8_K.
+int elk_activation_type(int weight_type);
+// Activations of k floats into blocks of `activation_type`. Returns 0, or -1.
+int elk_quantize_row_ref(int activation_type, const float *x, void *y, int64_t k);
+// *out = dot(row x of weight_type, y in its activation type), n weights. Returns 0, or -1.
+int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y, float *out);
 
 #ifdef __cplusplus
 }
