@@ -20,16 +20,16 @@ rm -f "$OUT/unavailable"
 die() { echo "arm64: $*" >&2; exit 1; }
 unavailable() { echo "$*" > "$OUT/unavailable"; echo "arm64: stage unavailable: $*" >&2; exit 4; }
 
-# --- tools: Debian's mmdebstrap and qemu-user-static ---------------------------------------
-if ! command -v mmdebstrap >/dev/null || ! command -v qemu-aarch64-static >/dev/null; then
+# --- tools: Debian's mmdebstrap, qemu-user-static and the aarch64 cross compiler ---------------------------------------
+if ! command -v mmdebstrap >/dev/null || ! command -v qemu-aarch64-static >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null; then
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    unavailable "mmdebstrap and qemu-user-static are not installed (as root: apt-get install mmdebstrap qemu-user-static)"
+    unavailable "mmdebstrap, qemu-user-static or g++-aarch64-linux-gnu is not installed (as root: apt-get install mmdebstrap qemu-user-static g++-aarch64-linux-gnu)"
   fi
-  echo "arm64: installing mmdebstrap and qemu-user-static"
+  echo "arm64: installing mmdebstrap, qemu-user-static and g++-aarch64-linux-gnu"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q mmdebstrap qemu-user-static > "$OUT/apt.log" 2>&1 \
-    || { apt-get update -q >> "$OUT/apt.log" 2>&1 && apt-get install -y -q mmdebstrap qemu-user-static >> "$OUT/apt.log" 2>&1; } \
-    || { tail -20 "$OUT/apt.log"; die "apt-get install mmdebstrap qemu-user-static failed (log: $OUT/apt.log)"; }
+  apt-get install -y -q mmdebstrap qemu-user-static g++-aarch64-linux-gnu > "$OUT/apt.log" 2>&1 \
+    || { apt-get update -q >> "$OUT/apt.log" 2>&1 && apt-get install -y -q mmdebstrap qemu-user-static g++-aarch64-linux-gnu >> "$OUT/apt.log" 2>&1; } \
+    || { tail -20 "$OUT/apt.log"; die "apt-get install mmdebstrap qemu-user-static g++-aarch64-linux-gnu failed (log: $OUT/apt.log)"; }
 fi
 
 # --- rootfs --------------------------------------------------------------------------------

@@ -3,12 +3,23 @@
 #include <cstring>
 #include <string>
 
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
 #include "edge_llm_kquant/ref.h"
 #include "kernels.h"
 
 namespace elk {
 #ifndef ELK_HAVE_AVX2
 const DotKernels *avx2_kernels() { return nullptr; }
+#endif
+#ifndef ELK_HAVE_NEON
+const DotKernels *neon_kernels() { return nullptr; }
+const DotKernels *neon_dotprod_kernels() { return nullptr; }
 #endif
 
 namespace {
@@ -22,8 +33,27 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+bool cpu_has_dotprod() {
+#if defined(__aarch64__)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+  return false;
+#endif
+}
+
+// A kernel set by name, if this build has it and this CPU can run it.
+const DotKernels *usable(const char *isa) {
+  if (std::strcmp(isa, "scalar") == 0) return &scalar_kernels();
+  if (std::strcmp(isa, "avx2") == 0 && cpu_has_avx2_fma()) return avx2_kernels();
+  if (std::strcmp(isa, "neon") == 0) return neon_kernels();  // every aarch64 core has NEON
+  if (std::strcmp(isa, "neon_dotprod") == 0 && cpu_has_dotprod()) return neon_dotprod_kernels();
+  return nullptr;
+}
+
 const DotKernels *best() {
-  if (cpu_has_avx2_fma() && avx2_kernels() != nullptr) return avx2_kernels();
+  for (const char *isa : {"avx2", "neon_dotprod", "neon"}) {
+    if (const DotKernels *k = usable(isa)) return k;
+  }
   return &scalar_kernels();
 }
 
@@ -40,24 +70,19 @@ using namespace elk;
 extern "C" const char *elk_kernel_name(void) { return selected()->isa; }
 
 extern "C" const char *elk_cpu_features(void) {
-  static const std::string features = std::string(cpu_has_avx2_fma() ? "avx2 fma" : "");
+#if defined(__aarch64__)
+  static const std::string features = cpu_has_dotprod() ? "neon dotprod" : "neon";
+#else
+  static const std::string features = cpu_has_avx2_fma() ? "avx2 fma" : "";
+#endif
   return features.c_str();
 }
 
 extern "C" int elk_select_kernel(const char *isa) {
-  if (std::strcmp(isa, "auto") == 0) {
-    selected() = best();
-    return 0;
-  }
-  if (std::strcmp(isa, "scalar") == 0) {
-    selected() = &scalar_kernels();
-    return 0;
-  }
-  if (std::strcmp(isa, "avx2") == 0 && avx2_kernels() != nullptr && cpu_has_avx2_fma()) {
-    selected() = avx2_kernels();
-    return 0;
-  }
-  return -1;
+  const DotKernels *k = std::strcmp(isa, "auto") == 0 ? best() : usable(isa);
+  if (k == nullptr) return -1;
+  selected() = k;
+  return 0;
 }
 
 extern "C" int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out) {

@@ -19,6 +19,8 @@ struct DotKernels {
 const DotKernels &scalar_kernels();
 // nullptr when the library was built without that file (another architecture).
 const DotKernels *avx2_kernels();
+const DotKernels *neon_kernels();
+const DotKernels *neon_dotprod_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {

@@ -1,0 +1,57 @@
+"""Every kernel of native/ against the scalar reference, bit for bit, on this CPU and on aarch64.
+
+native/tests/kernel_check runs each ISA path the CPU has (others are refused by the
+dispatcher, so a build never assumes the build machine's CPU). The aarch64 build comes from
+Debian's g++-aarch64-linux-gnu and runs under qemu-aarch64: cortex-a53 has no dotprod (the
+NEON fallback, and no SIGILL), cortex-a76 and max have it. qemu timings mean nothing.
+"""
+import pathlib
+import shutil
+import subprocess
+
+from native_build import native_build
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CROSS_BUILD = ROOT / 'build' / 'native-aarch64-test'
+
+
+def test_host_kernels_equal_the_reference():
+    proc = subprocess.run([str(native_build() / 'kernel_check')], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert 'ok scalar' in proc.stdout
+    if 'avx2' in proc.stdout.split('cpu: ')[1]:
+        assert 'ok avx2' in proc.stdout
+
+
+@pytest.fixture(scope='module')
+def aarch64_kernel_check() -> pathlib.Path:
+    for tool in ('aarch64-linux-gnu-g++', 'qemu-aarch64-static'):
+        if shutil.which(tool) is None:
+            pytest.fail(f'{tool} is missing: scripts/arm64_rootfs.sh installs it '
+                        '(apt-get install g++-aarch64-linux-gnu qemu-user-static)')
+    include = subprocess.run(['bash', str(ROOT / 'scripts' / 'ort_headers.sh')], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    toolchain = ROOT / 'native' / 'cmake' / 'aarch64-linux-gnu.cmake'
+    for command in (['cmake', '-S', str(ROOT / 'native'), '-B', str(CROSS_BUILD),
+                     f'-DCMAKE_TOOLCHAIN_FILE={toolchain}',
+                     f'-DORT_INCLUDE_DIR={include}', '-DCMAKE_BUILD_TYPE=Release'],
+                    ['cmake', '--build', str(CROSS_BUILD), '-j2', '--target', 'kernel_check']):
+        proc = subprocess.run(command, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return CROSS_BUILD / 'kernel_check'
+
+
+@pytest.mark.parametrize('cpu, kernels', [
+    ('cortex-a53', ['scalar', 'neon']),                    # no dotprod: refused, no SIGILL
+    ('cortex-a76', ['scalar', 'neon', 'neon_dotprod']),
+    ('max', ['scalar', 'neon', 'neon_dotprod']),
+])
+def test_aarch64_kernels_equal_the_reference_under_qemu(aarch64_kernel_check, cpu, kernels):
+    proc = subprocess.run(['qemu-aarch64-static', '-cpu', cpu, '-L', '/usr/aarch64-linux-gnu',
+                           str(aarch64_kernel_check)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith('ok ')]
+    assert ran == kernels, proc.stdout
