@@ -1,5 +1,5 @@
-// AVX2 kernels (x86-64 with AVX2 and FMA): the reference's integer sums, 32 weights a step.
-// Built with -mavx2 -mfma for this file only; dispatch.cpp calls it only on a CPU that has
+// AVX2 kernels (x86-64 with AVX2, FMA and F16C): the reference's integer sums, 32 weights a step.
+// Built with -mavx2 -mfma -mf16c for this file only; dispatch.cpp calls it only on a CPU that has
 // both, so the library still loads on any x86-64.
 #include <immintrin.h>
 
@@ -7,6 +7,9 @@
 
 namespace elk {
 namespace {
+
+// F16C's conversion: exact, like fp16_to_fp32, without its branches.
+inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
 inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -21,29 +24,41 @@ inline __m256i scaled_dot(__m256i w, __m256i a, __m256i scale16) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), scale16);
 }
 
+// The 8 six-bit scales and mins of a Q4_K/Q5_K super-block, unpacked once.
+inline void unpack_scales(const uint8_t *packed, uint8_t scales[8], uint8_t mins[8]) {
+  for (int sub = 0; sub < 8; ++sub) scale_min_k4(sub, packed, &scales[sub], &mins[sub]);
+}
+
+// sum over sub-blocks of min * (sum of its 32 activations), from the 16 block sums.
+inline int32_t mins_dot(const uint8_t mins[8], const int16_t *bsums) {
+  const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(bsums));
+  // Adjacent pairs of 16-activation sums: the 8 sub-block sums, as int32.
+  const __m256i pairs = _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+  const __m256i m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(mins)));
+  return hsum_epi32(_mm256_mullo_epi32(pairs, m));
+}
+
 float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
   const auto *x = static_cast<const BlockQ4_K *>(vx);
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
+    uint8_t sc[8], m[8];
+    unpack_scales(x[i].scales, sc, m);
     __m256i acc = _mm256_setzero_si256();
     const uint8_t *q = x[i].qs;
     const int8_t *a = y[i].qs;
-    _mm_prefetch(reinterpret_cast<const char *>(x + i + 1), _MM_HINT_T0);
     for (int sub = 0; sub < 8; sub += 2, q += 32, a += 64) {
-      uint8_t sc1, m1, sc2, m2;
-      scale_min_k4(sub, x[i].scales, &sc1, &m1);
-      scale_min_k4(sub + 1, x[i].scales, &sc2, &m2);
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(q));
       const __m256i lo = _mm256_and_si256(bytes, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
       acc = _mm256_add_epi32(acc, scaled_dot(lo, _mm256_loadu_si256(
-          reinterpret_cast<const __m256i *>(a)), _mm256_set1_epi16(sc1)));
+          reinterpret_cast<const __m256i *>(a)), _mm256_set1_epi16(sc[sub])));
       acc = _mm256_add_epi32(acc, scaled_dot(hi, _mm256_loadu_si256(
-          reinterpret_cast<const __m256i *>(a + 32)), _mm256_set1_epi16(sc2)));
+          reinterpret_cast<const __m256i *>(a + 32)), _mm256_set1_epi16(sc[sub + 1])));
     }
-    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, hsum_epi32(acc),
-                   k_mins(x[i].scales, y[i].bsums));
+    sum += k_block(half(x[i].d), half(x[i].dmin), y[i].d, hsum_epi32(acc),
+                   mins_dot(m, y[i].bsums));
   }
   return sum;
 }
@@ -77,7 +92,7 @@ float dot_q5_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
       acc = _mm256_add_epi32(acc, scaled_dot(hi, _mm256_loadu_si256(
           reinterpret_cast<const __m256i *>(a + 32)), _mm256_set1_epi16(sc2)));
     }
-    sum += k_block(fp16_to_fp32(x[i].d), fp16_to_fp32(x[i].dmin), y[i].d, hsum_epi32(acc),
+    sum += k_block(half(x[i].d), half(x[i].dmin), y[i].d, hsum_epi32(acc),
                    k_mins(x[i].scales, y[i].bsums));
   }
   return sum;
@@ -119,7 +134,7 @@ float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
     // The -32 offset of every weight: 32 * scale * (sum of its 16 activations).
     int32_t offset = 0;
     for (int g = 0; g < 16; ++g) offset += x[i].scales[g] * y[i].bsums[g];
-    sum += k_block(fp16_to_fp32(x[i].d), 0.0f, y[i].d, hsum_epi32(acc) - 32 * offset, 0);
+    sum += k_block(half(x[i].d), 0.0f, y[i].d, hsum_epi32(acc) - 32 * offset, 0);
   }
   return sum;
 }

@@ -27,7 +27,8 @@ namespace {
 bool cpu_has_avx2_fma() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
 #else
   return false;
 #endif
@@ -73,7 +74,7 @@ extern "C" const char *elk_cpu_features(void) {
 #if defined(__aarch64__)
   static const std::string features = cpu_has_dotprod() ? "neon dotprod" : "neon";
 #else
-  static const std::string features = cpu_has_avx2_fma() ? "avx2 fma" : "";
+  static const std::string features = cpu_has_avx2_fma() ? "avx2 fma f16c" : "";
 #endif
   return features.c_str();
 }
