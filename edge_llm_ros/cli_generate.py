@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError
+from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
@@ -24,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--max-context', type=int, default=2048)
     parser.add_argument('--json-schema', default='', metavar='FILE',
                         help='constrain the output to JSON valid against this schema file')
+    parser.add_argument('--kernel', default='auto', choices=KERNEL_CHOICES,
+                        help='CPU kernels of a kquant model (default: the best this CPU has)')
+    parser.add_argument('--verbose', action='store_true',
+                        help='print the model, its weight format and the kernels that run')
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +43,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
-                                     max_context=args.max_context))
+                                     max_context=args.max_context, kernel=args.kernel))
+        if args.verbose:
+            info = engine.model_info()
+            print(f'[{engine.model_name}] {engine.model_dir}: {info["quantization"]}; kernel '
+                  f'{engine.kernel}; providers {", ".join(engine.providers)}', file=sys.stderr)
         request = GenerationRequest(
             prompt=args.prompt, system_prompt=args.system, max_tokens=args.max_tokens,
             stop=tuple(args.stop), json_schema=schema,

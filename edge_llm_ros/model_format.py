@@ -23,13 +23,18 @@ TOKENIZER_FILE = 'tokenizer.json'
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
 MODEL_YAML = 'model.yaml'
 # Bumped whenever a folder written before cannot run as it is (the runtime then asks for a
-# reconversion). 4: symbolic batch dimension (parallel sequence slots).
-CONVERTER_VERSION = '4'
+# reconversion). 4: symbolic batch dimension (parallel sequence slots). 5: GGUF blocks kept
+# for the edge_llm_ros ops (weights: kquant, model.yaml op_domains).
+CONVERTER_VERSION = '5'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
 # Weight precisions of a conversion: 'source' keeps GGUF's own types, 'int4' requantizes.
 PRECISIONS = ('source', 'int4')
+# How a folder holds its matrices: 'kquant' keeps GGUF blocks byte for byte for the project's
+# op library (native/, the edge_llm_ros op domain), 'matmulnbits' repacks them for ONNX
+# Runtime's MatMulNBits. model.yaml's `op_domains` lists the custom domains a folder needs.
+WEIGHT_FORMATS = ('kquant', 'matmulnbits')
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
@@ -55,6 +60,7 @@ class ModelInfo:
     add_bos_token: bool
     activation_dtype: str = 'float32'
     kv_max_context: Optional[int] = None
+    op_domains: Tuple[str, ...] = ()  # custom op domains beyond ONNX and com.microsoft
     extra: Dict = field(default_factory=dict)  # every other key, kept for reports
 
 
@@ -94,6 +100,7 @@ def load_model_info(model_dir: str) -> ModelInfo:
             add_bos_token=bool(raw.get('add_bos_token', False)),
             activation_dtype=str(raw.get('activation_dtype', 'float32')),
             kv_max_context=None if kv_max is None else int(kv_max),
+            op_domains=tuple(str(d) for d in raw.get('op_domains') or ()),
             extra={k: v for k, v in raw.items() if k not in _REQUIRED_INT},
             **ints)
     except (TypeError, ValueError) as e:

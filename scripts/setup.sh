@@ -129,6 +129,26 @@ if [ "$(cat "$STAMPS/package" 2>/dev/null)" != "$pkg_hash" ]; then
   echo "$pkg_hash" > "$STAMPS/package"
 fi
 
+# --- the op library (native/): GGUF-block matmul kernels for ONNX Runtime --------------------
+# Models convert to kquant (GGUF blocks read as they are) only where it is built.
+# EDGE_LLM_NATIVE=0 skips it on purpose: models then convert to matmulnbits.
+if [ "${EDGE_LLM_NATIVE:-1}" = 1 ]; then
+  native_hash="$(hash_of $(find native -type f | sort)) $(uname -m)"
+  if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$native_hash" ] || [ ! -f "$ROOT/build/native/libedge_llm_ort_ops.so" ]; then
+    echo "setup: building the op library (native/, cmake)"
+    ORT_INC=$(bash "$ROOT/scripts/ort_headers.sh") \
+      || die "no ONNX Runtime headers for native/ (see above): install libonnxruntime-dev, set ORT_INCLUDE_DIR to ONNX Runtime's include folder, or EDGE_LLM_NATIVE=0 to run on MatMulNBits only"
+    mkdir -p "$ROOT/build"
+    cmake -S native -B "$ROOT/build/native" -DCMAKE_BUILD_TYPE=Release -DORT_INCLUDE_DIR="$ORT_INC" > "$ROOT/build/native-configure.log" 2>&1 \
+      || { tail -30 "$ROOT/build/native-configure.log"; die "cmake configure of native/ failed (log: build/native-configure.log)"; }
+    cmake --build "$ROOT/build/native" -j"$(nproc)" > "$ROOT/build/native-build.log" 2>&1 \
+      || { tail -30 "$ROOT/build/native-build.log"; die "building native/ failed (log: build/native-build.log)"; }
+    echo "$native_hash" > "$STAMPS/native"
+  fi
+else
+  echo "setup: EDGE_LLM_NATIVE=0: the op library is not built; models convert to matmulnbits"
+fi
+
 # --- embedded model ----------------------------------------------------------------------
 if [ "${EDGE_LLM_SKIP_MODEL:-0}" != "1" ]; then
   "$VENV/bin/python" -m edge_llm_ros.convert.default_model --ensure

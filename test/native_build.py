@@ -1,10 +1,14 @@
-"""Build native/ once per test session (cmake, the ORT headers from scripts/ort_headers.sh)."""
+"""Build native/ once per test session (cmake, the ORT headers from scripts/ort_headers.sh).
+
+The same folder and flags as scripts/setup.sh (build/native), so after the setup this is
+cmake's up-to-date check, and the converter and runtime find the library the tests built.
+"""
 import functools
 import pathlib
 import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-BUILD = ROOT / 'build' / 'native-test'
+BUILD = ROOT / 'build' / 'native'
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,8 +31,8 @@ def test_profile_loads_strictly_and_sets_board_essentials(board):
     for key in ('engine.providers', 'engine.intra_op_threads', 'engine.cpu_affinity',
                 'kv.max_context', 'kv.dtype', 'kv.prefix_reuse', 'model.default_size',
                 'model.quantization', 'feedback.period_tokens', 'feedback.period_ms',
-                'cuda.kernel_set', 'cuda.sm_arch', 'thermal.limit_c', 'thermal.resume_c',
-                'thermal.zones'):
+                'cpu.kernel', 'cuda.kernel_set', 'cuda.sm_arch', 'thermal.limit_c',
+                'thermal.resume_c', 'thermal.zones'):
         assert key in llm, '%s does not set %s' % (board, key)
     assert set(profile) == {'llm_node', 'perception'}
     values = dict(parameters.schema('llm_node').defaults(), **llm)

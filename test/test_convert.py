@@ -36,7 +36,8 @@ YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 
              'rms_norm_eps', 'activation_dtype', 'bos_token_id', 'eos_token_ids',
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
              'kv_max_context', 'rope_scaling', 'qk_norm', 'post_norms', 'activation',
-             'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap'}
+             'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap',
+             'op_domains'}
 
 
 @pytest.fixture(scope='module')
@@ -278,7 +279,7 @@ def test_bf16_safetensors_are_widened_exactly(tmp_path):
 
 
 def test_model_folder_contents(root):
-    model = tiny_model_dir(root, arch='llama')
+    model = tiny_model_dir(root, arch='llama', weights='matmulnbits')
     assert sorted(p.name for p in model.iterdir()) == [
         'chat_template.jinja', 'model.onnx', 'model.onnx.data', 'model.yaml', 'tokenizer.json']
     meta = yaml.safe_load((model / 'model.yaml').read_text())
@@ -289,7 +290,8 @@ def test_model_folder_contents(root):
     assert meta['architecture'] == 'llama' and meta['bos_token_id'] == 1
     assert 2 in meta['eos_token_ids'] and meta['add_bos_token'] is False
     q = meta['quantization']
-    assert q['bits'] == 4 and q['block_size'] == 32
+    assert q['bits'] == 4 and q['block_size'] == 32 and q['weights'] == 'matmulnbits'
+    assert meta['op_domains'] == [] and q['ops']['MatMulNBits'] >= 7
     assert q['source_types'] == ['Q4_0', 'Q4_1', 'Q8_0']
     assert q['accuracy_level'] == 4 and q['offset_levels'] == 2
     exact = yaml.safe_load((tiny_model_dir(root, arch='llama', accuracy_level=0) /

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 from edge_llm_ros.bringup import preflight, profiles
 from edge_llm_ros.bringup.detect import detect_board
 from edge_llm_ros.bringup.errors import BringupError
+from edge_llm_ros.runtime import native_ops
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = print) -> int:
@@ -46,6 +47,9 @@ def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = prin
             report = preflight.preflight(resolved.llm_params(), root=args.root)
             out('providers: %s' % ', '.join(report.providers))
             out('toolchain: %s' % (report.toolchain or 'none needed'))
+            out('cpu kernels: %s' % ('kquant %s (cpu: %s)' % (
+                report.cpu_kernel, native_ops.cpu_features() or 'no SIMD it uses')
+                if report.cpu_kernel else 'matmulnbits only (op library not built)'))
             out('thermal zones: %s' % (', '.join(report.thermal_zones) or 'none'))
             for warning in report.warnings:
                 out('warning: %s' % warning)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 from edge_llm_ros.bringup.errors import (ParameterRangeError, ParameterTypeError,
                                          UnknownParameterError)
 from edge_llm_ros.ipc.allocators import allocator_names
+from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES as CPU_KERNELS
 
 
 class ParamType(enum.Enum):
@@ -334,6 +335,10 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'Cores kept busy while throttled; 0 = half of them', range=_THREADS),
     ParamSpec('thermal.token_pause_ms', ParamType.DOUBLE, 20.0,
               'Pause between generated tokens while throttled', range=Range(0.0, 1000.0)),
+    ParamSpec('cpu.kernel', ParamType.STRING, 'auto',
+              'CPU kernels of the GGUF-block ops (kquant models): auto = the best this CPU '
+              'has; a pin this CPU lacks is a configure error naming its features',
+              choices=CPU_KERNELS),
     ParamSpec('cuda.kernel_set', ParamType.STRING, 'none',
               'CUDA kernel set built and checked at configure (kernels/*.cu)',
               choices=KERNEL_SETS),
@@ -574,6 +579,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'prefill_chunk': values['engine.prefill_chunk'],
         'parallel_sequences': values['engine.parallel_sequences'],
         'kv_memory_limit': values['kv.memory_limit'],
+        'kernel': values['cpu.kernel'],
     }
 
 

@@ -17,9 +17,10 @@ import yaml
 
 from edge_llm_ros.bringup import parameters
 from edge_llm_ros.bringup.affinity import check_cpus, parse_cpu_list, usable_cpus
-from edge_llm_ros.bringup.errors import ProviderError
+from edge_llm_ros.bringup.errors import KernelSupportError, ProviderError
 from edge_llm_ros.bringup.kernels import check_kernel_support, Toolchain
 from edge_llm_ros.bringup.thermal import list_zones, watched_zones
+from edge_llm_ros.runtime import native_ops
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class PreflightReport:
     providers: Tuple[str, ...]
     cpus: Tuple[int, ...]                 # cores the process may use after pinning
     toolchain: Optional[Toolchain]        # None for kernel set 'none'
+    cpu_kernel: str                       # the GGUF-block ops' kernels ('' = not built)
     thermal_zones: Tuple[str, ...]        # zone types the governor will watch
     warnings: Tuple[str, ...]
 
@@ -107,6 +109,7 @@ def preflight(values: Mapping[str, Any], *, root: str = '/',
     check_cpus(pinned, usable)
     toolchain = check_kernel_support(values['cuda.kernel_set'], values['cuda.sm_arch']) \
         if check_kernels else None
+    cpu_kernel = check_cpu_kernel(values['cpu.kernel'])
     warnings = []
     zones: Tuple[str, ...] = ()
     if values['thermal.enabled']:
@@ -118,4 +121,21 @@ def preflight(values: Mapping[str, Any], *, root: str = '/',
                                 sorted({k for _, k in present})) or 'none'))
     warnings.extend(model_warnings(values['model.path'], values['model.default_size'],
                                    values['model.quantization']))
-    return PreflightReport(providers, pinned or usable, toolchain, zones, tuple(warnings))
+    return PreflightReport(providers, pinned or usable, toolchain, cpu_kernel, zones,
+                           tuple(warnings))
+
+
+def check_cpu_kernel(kernel: str) -> str:
+    """Return the op library's kernels under `kernel`; raise KernelSupportError if unusable.
+
+    'auto' without the library is fine (matmulnbits models need none; a kquant model names
+    the missing library when it loads); a pin needs the library and a CPU that has the ISA.
+    """
+    if kernel == 'auto' and native_ops.library_path() is None:
+        return ''
+    try:
+        return native_ops.pin_kernel(kernel)
+    except native_ops.NativeLibraryMissingError as exc:
+        raise KernelSupportError('cpu.kernel %r: %s' % (kernel, exc)) from None
+    except native_ops.KernelPinError as exc:
+        raise KernelSupportError('cpu.kernel: %s' % exc) from None

@@ -1,12 +1,14 @@
 """Convert a GGUF file or an HF safetensors folder into the engine's ONNX model folder.
 
-    edge-llm-convert model.gguf out_dir [--block-size 32] [--dtype float32]
+    edge-llm-convert model.gguf out_dir [--weights kquant|matmulnbits] [--dtype float32]
 
 The folder (model.onnx + model.onnx.data, tokenizer.json, chat_template.jinja, model.yaml) is
 written into a temporary sibling folder and renamed into place only when complete, so a
 failure (bad input, disk full, Ctrl-C) never leaves a half-written model behind.
 """
 import argparse
+import collections
+import dataclasses
 from dataclasses import dataclass
 import errno
 import hashlib
@@ -20,11 +22,14 @@ from typing import List, Optional
 import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
-from edge_llm_ros.convert.onnx_graph import DecoderGraph, GraphOptions, LayerWeights, OPSET
-from edge_llm_ros.convert.quant import BlockWeights, concat_rows, to_blocks
+from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights
+from edge_llm_ros.convert.onnx_graph import (DecoderGraph, GraphOptions, LayerWeights, OPSET,
+                                             Weight)
+from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML,
-                                       PRECISIONS)
+                                       PRECISIONS, WEIGHT_FORMATS)
+from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
 # A write that failed while less than this was free is taken for a full disk: numpy's short
@@ -45,6 +50,16 @@ class ConvertOptions:
     # Q4_1 offsets (see GraphOptions.offset_levels); None: folded into 2 extra 4-bit levels
     # when activations are rounded to int8 anyway (accuracy_level 4), exact otherwise.
     offset_levels: Optional[int] = None
+    # 'kquant' (GGUF blocks for the project's ops), 'matmulnbits', or None: kquant when the
+    # op library is built and the options are ones it computes (int8 activations at
+    # accuracy level 4, float32, source precision), else matmulnbits (default_weights).
+    weights: Optional[str] = None
+
+    @property
+    def weight_format(self) -> str:
+        """Return the weight format the folder is written in."""
+        return self.weights or default_weights(self.accuracy_level, self.activation_dtype,
+                                               self.precision)
 
     @property
     def graph_offset_levels(self) -> int:
@@ -85,13 +100,42 @@ class ConvertOptions:
             raise ConversionError(f'precision {self.precision!r} is not one of {PRECISIONS}')
         if self.offset_levels is not None and self.offset_levels not in range(4):
             raise ConversionError(f'offset levels {self.offset_levels} is not 0..3 (0 = exact)')
+        if self.weights is not None and self.weights not in WEIGHT_FORMATS:
+            raise ConversionError(f'weights {self.weights!r} is not one of {WEIGHT_FORMATS}')
+        if self.weights == 'kquant':
+            wrong = kquant_conflicts(self.accuracy_level, self.activation_dtype, self.precision)
+            if wrong:
+                raise ConversionError(f'--weights kquant cannot be used with {wrong}: the op '
+                                      'quantizes activations to 8 bits per block as llama.cpp '
+                                      'does; use --weights matmulnbits for that')
+            try:
+                native_ops.require_library('--weights kquant')
+            except native_ops.NativeLibraryMissingError as exc:
+                raise ConversionError(str(exc)) from None
+
+
+def kquant_conflicts(accuracy_level: int, activation_dtype: str, precision: str) -> str:
+    """Name the options the kquant op cannot compute ('' when there is none)."""
+    wrong = [f'accuracy level {accuracy_level}' if accuracy_level != 4 else '',
+             f'--dtype {activation_dtype}' if activation_dtype != 'float32' else '',
+             f'--precision {precision}' if precision != 'source' else '']
+    return ', '.join(w for w in wrong if w)
+
+
+def default_weights(accuracy_level: int = 4, activation_dtype: str = 'float32',
+                    precision: str = 'source') -> str:
+    """Return kquant when the op library is built and can compute these options."""
+    if kquant_conflicts(accuracy_level, activation_dtype, precision):
+        return 'matmulnbits'
+    return 'kquant' if native_ops.library_path() is not None else 'matmulnbits'
 
 
 def convert(source: str, out_dir: str, *, block_size: int = 32,
             activation_dtype: str = 'float32', max_context: Optional[int] = None,
             progress: bool = True, accuracy_level: int = 4, exact_q4_1: bool = True,
             precision: str = 'source', overwrite: bool = False,
-            verify: bool = True, offset_levels: Optional[int] = None) -> pathlib.Path:
+            verify: bool = True, offset_levels: Optional[int] = None,
+            weights: Optional[str] = None) -> pathlib.Path:
     """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
 
     Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
@@ -101,10 +145,13 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     'int4' makes every matrix 4-bit (docs/quantization.md). An existing `out_dir` is replaced
     only with overwrite=True. verify=True opens the result with onnxruntime before it is moved
     into place. offset_levels: how Q4_1 / Q4_K / Q2_K offsets are computed (None: folded into
-    the matmul at accuracy_level 4, exact otherwise; see GraphOptions).
+    the matmul at accuracy_level 4, exact otherwise; see GraphOptions). weights: 'kquant'
+    keeps the matrices of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K in their GGUF blocks for
+    the project's op library (other types stay MatMulNBits), 'matmulnbits' repacks them all;
+    None picks kquant where the library is built (ConvertOptions.weights).
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
-                          precision, offset_levels)
+                          precision, offset_levels, weights)
     out = pathlib.Path(out_dir).expanduser().resolve()
     if out.parent.is_dir():
         _remove_stale_temps(out)
@@ -113,6 +160,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
                               '(--force)')
     ckpt = load_checkpoint(source)
     opts.check(ckpt)
+    opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -122,7 +170,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
         tmp.mkdir()
         _write_folder(ckpt, tmp, opts, progress)
         if verify:
-            _verify(tmp)
+            _verify(tmp, opts.weight_format)
         _replace(tmp, out)
     except BaseException as exc:
         # Measured before the cleanup, which gives the space back.
@@ -178,6 +226,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         model = graph.finish(ckpt.tensor('final_norm').dequantize(), lm_head)
         del lm_head
         ckpt.release()
+    ops = collections.Counter(n.op_type for n in model.graph.node
+                              if n.op_type in ('KQuantMatMul', 'MatMulNBits', 'KQuantGather',
+                                               'GatherBlockQuantized'))
     bar.set_description('writing model.onnx')
     onnx.save_model(model, str(tmp / MODEL_FILE))
     bar.update()
@@ -211,7 +262,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'accuracy_level': opts.accuracy_level,
                          'exact_q4_1': opts.exact_q4_1, 'precision': opts.precision,
                          'offset_levels': opts.graph_offset_levels,
-                         'weight_bytes_per_token': int(graph.weight_bytes)},
+                         'weight_bytes_per_token': int(graph.weight_bytes),
+                         'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))},
+        'op_domains': sorted(graph.ops_used),
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
@@ -223,8 +276,22 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
             os.fsync(fh.fileno())
 
 
-def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> BlockWeights:
-    return to_blocks(ckpt.tensor(key), opts.block_size, opts.precision, opts.exact_q4_1)
+def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> Weight:
+    t = ckpt.tensor(key)
+    if opts.weight_format == 'kquant':
+        kept = gguf_weights(t)
+        if kept is not None:
+            return kept
+    return to_blocks(t, opts.block_size, opts.precision, opts.exact_q4_1)
+
+
+def _fused(parts: List[Weight]) -> List[Weight]:
+    """Fuse Q/K/V or gate/up into one matmul where their formats agree."""
+    if all(isinstance(p, GgufWeights) for p in parts):
+        return fuse_rows(parts)
+    if any(isinstance(p, GgufWeights) for p in parts):
+        return list(parts)
+    return list(concat_rows(parts))
 
 
 def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
@@ -236,10 +303,10 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
     return LayerWeights(
         attn_norm=ckpt.tensor(p + 'attn_norm').dequantize(),
         ffn_norm=ckpt.tensor(p + 'ffn_norm').dequantize(),
-        qkv=concat_rows([_blocks(ckpt, p + r, opts) for r in ('q', 'k', 'v')]),
+        qkv=_fused([_blocks(ckpt, p + r, opts) for r in ('q', 'k', 'v')]),
         qkv_bias=bias,
         o=_blocks(ckpt, p + 'o', opts),
-        gate_up=concat_rows([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
         down=_blocks(ckpt, p + 'down', opts),
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
@@ -251,7 +318,7 @@ def _vector(ckpt: Checkpoint, key: str, wanted: bool) -> Optional[np.ndarray]:
     return ckpt.tensor(key).dequantize() if wanted else None
 
 
-def _verify(folder: pathlib.Path) -> None:
+def _verify(folder: pathlib.Path, weights: str) -> None:
     """Open the graph with onnxruntime: every node must have a kernel that takes its inputs.
 
     Without graph optimizations and weight pre-packing, onnxruntime maps model.onnx.data and
@@ -263,6 +330,8 @@ def _verify(folder: pathlib.Path) -> None:
     so.intra_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.add_session_config_entry('session.disable_prepacking', '1')
+    if weights == 'kquant':
+        native_ops.register(so, f'verifying {folder.name}')
     try:
         ort.InferenceSession(str(folder / MODEL_FILE), so,
                              providers=['CPUExecutionProvider'])
@@ -354,6 +423,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help='exact Q4_1 offsets: 0 = a separate exact float term; 1-3 = folded '
                         'into the matmul as that many 4-bit levels (default: 2 at accuracy '
                         'level 4, where activations are rounded to int8 anyway; else 0)')
+    p.add_argument('--weights', default=None, choices=WEIGHT_FORMATS,
+                   help='kquant: keep Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K matrices in '
+                        'their GGUF blocks for the edge_llm_ros ops (native/, built by '
+                        'scripts/setup.sh); matmulnbits: repack every matrix for ONNX '
+                        "Runtime's MatMulNBits (default: kquant when the op library is built "
+                        'and the options allow it, else matmulnbits)')
     p.add_argument('--force', action='store_true', help='replace an existing out_dir')
     p.add_argument('--no-verify', action='store_true',
                    help='skip opening the result with onnxruntime')
@@ -370,7 +445,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       progress=not args.quiet, accuracy_level=args.accuracy_level,
                       exact_q4_1=not args.requantize_q4_1, precision=args.precision,
                       overwrite=args.force,
-                      verify=not args.no_verify, offset_levels=args.offset_levels)
+                      verify=not args.no_verify, offset_levels=args.offset_levels,
+                      weights=args.weights)
     except EngineError as exc:
         print(f'edge-llm-convert: error: {exc}', file=sys.stderr)
         return 1

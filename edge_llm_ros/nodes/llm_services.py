@@ -53,7 +53,7 @@ def model_info(engine: Any, response: GetModelInfo.Response,
     info = engine.model_info()
     caps = info.get('capabilities', {})
     for name in ('model_name', 'model_dir', 'architecture', 'quantization', 'family',
-                 'chat_template', 'tool_call_format'):
+                 'chat_template', 'tool_call_format', 'kernel'):
         setattr(response, name, str(info.get(name) or ''))
     response.context_length = int(info.get('context_length') or 0)
     response.vocab_size = int(info.get('vocab_size') or 0)

@@ -27,6 +27,7 @@ import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import MODEL_FILE, ModelInfo, REGENERATE_HINT
+from edge_llm_ros.runtime import native_ops
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 
 
@@ -40,6 +41,9 @@ class SessionConfig:
     intra_op_affinity: str = ''              # 'session.intra_op_thread_affinities'
     max_context: int = 2048                  # KV positions to allocate
     slots: int = 1                           # sequence slots (rows of the KV buffers)
+    # The native op library's kernels (native_ops.KERNEL_CHOICES): 'auto' = the best this
+    # CPU has; a board profile may pin one (an unsupported pin is a KernelPinError).
+    kernel: str = 'auto'
 
 
 def check_providers(providers: Sequence[str], provider_options: Sequence[dict]) -> None:
@@ -112,6 +116,16 @@ class OnnxDecoder:
                 f'{spec.kv_max_context} the graph was built for: lower max_context or reconvert')
         check_providers(config.providers, config.provider_options)
         opts = _session_options(config)
+        unknown = [d for d in spec.op_domains if d != native_ops.DOMAIN]
+        if unknown:
+            raise UnsupportedModelError(f'{model_dir} needs op domains {", ".join(unknown)}, '
+                                        f'which this runtime lacks: {REGENERATE_HINT}')
+        # Which matmul kernels run: the library's CPU kernels for GGUF blocks, else MLAS.
+        self.kernel = 'matmulnbits (MLAS)'
+        if native_ops.DOMAIN in spec.op_domains:
+            path = native_ops.register(opts, f'model {model_dir} (weights: kquant)',
+                                       config.kernel)
+            self.kernel = f'kquant ({native_ops.kernel_name(path)})'
         providers = list(config.providers)
         if config.provider_options:
             providers = list(zip(config.providers, config.provider_options))

@@ -72,6 +72,8 @@ class EngineConfig:
     parallel_sequences: int = 1
     # Bytes the KV buffers may take; 0 = KV_MEMORY_FRACTION of the memory available at load.
     kv_memory_limit: int = 0
+    # CPU kernels of a kquant model's ops (runtime/native_ops.KERNEL_CHOICES; 'auto' = best).
+    kernel: str = 'auto'
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -144,7 +146,7 @@ class Engine:
             intra_op_threads=config.intra_op_threads,
             intra_op_affinity=config.intra_op_affinity,
             max_context=config.max_context,
-            slots=config.parallel_sequences))
+            slots=config.parallel_sequences, kernel=config.kernel))
         # Before any cache holds positions: the probe writes into every slot.
         self.rows: RowPolicy = probe_rows(self._decoder)
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
@@ -167,6 +169,7 @@ class Engine:
         self.context_length = self._decoder.capacity
         self.vocab_size = self.info.vocab_size
         self.providers = self._decoder.providers
+        self.kernel = self._decoder.kernel  # the matmul kernels that run, e.g. 'kquant (avx2)'
 
     # --- requests ----------------------------------------------------------------------------
     def _compile(self, schema_text: str) -> object:
@@ -316,6 +319,7 @@ class Engine:
             'max_position_embeddings': int(self.info.max_position_embeddings),
             'vocab_size': int(self.vocab_size),
             'providers': list(self.providers),
+            'kernel': self.kernel,
             'chat_template': template,
             'family': family.family if family is not None else '',
             'family_error': self.family_error,
@@ -514,9 +518,11 @@ def quantization_text(quant: Any) -> str:
     if not isinstance(quant, dict):
         return str(quant or '')
     parts = []
-    if quant.get('bits'):
+    if quant.get('weights') == 'kquant':  # GGUF blocks as they are: no bits or block size
+        parts.append('kquant (GGUF blocks)')
+    elif quant.get('bits'):
         parts.append(f'int{quant["bits"]}')
-    if quant.get('block_size'):
+    if quant.get('block_size') and quant.get('weights') != 'kquant':
         parts.append(f'block {quant["block_size"]}')
     if quant.get('source_types'):
         parts.append('from ' + '+'.join(map(str, quant['source_types'])))
