@@ -35,37 +35,72 @@ def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
                                 providers=['CPUExecutionProvider'])
 
 
-def reference(elk, type_id: int, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+# Activation block bytes per weight type: Q8_0 (34 per 32), Q8_1 (36 per 32), Q8_K (292 per 256).
+ACTIVATIONS = {'Q4_0': (8, 34), 'Q4_1': (9, 36), 'Q5_0': (8, 34), 'Q5_1': (9, 36),
+               'Q8_0': (8, 34), 'Q4_K': (15, Q8_K_BYTES), 'Q5_K': (15, Q8_K_BYTES),
+               'Q6_K': (15, Q8_K_BYTES)}
+
+
+def quantize_activations(elk, name: str, a: np.ndarray) -> np.ndarray:
+    """Each row of a in the activation blocks its weight type pairs with (the reference)."""
+    activation, size = ACTIVATIONS[name]
     k = a.shape[1]
+    out = np.zeros((a.shape[0], k // block(name) * size), np.uint8)
+    for m, row in enumerate(np.ascontiguousarray(a, np.float32)):
+        assert elk.elk_quantize_row_ref(activation, row.ctypes.data_as(P),
+                                        out[m].ctypes.data_as(P), ctypes.c_int64(k)) == 0
+    return out
+
+
+def block(name: str) -> int:
+    """Weights per activation block: 32, or 256 for the K types' Q8_K."""
+    return 256 if name in K_TYPES else 32
+
+
+def reference(elk, name: str, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Y[m, n] = elk_vec_dot_ref(W row n, quantized A row m): the scalar reference."""
+    type_id, k = TYPES[name][0], a.shape[1]
+    q = quantize_activations(elk, name, a)
     out = np.zeros((a.shape[0], weights.shape[0]), np.float32)
-    for m, row in enumerate(a):
-        q = np.zeros(k // 256 * Q8_K_BYTES, np.uint8)
-        elk.elk_quantize_row_q8_K_ref(row.ctypes.data_as(P), q.ctypes.data_as(P),
-                                      ctypes.c_int64(k))
-        for n, w in enumerate(weights):
-            value = ctypes.c_float()
-            elk.elk_vec_dot_q8_K_ref(type_id, ctypes.c_int64(k), w.ctypes.data_as(P),
-                                     q.ctypes.data_as(P), ctypes.byref(value))
+    value = ctypes.c_float()
+    for n, w in enumerate(weights):
+        for m in range(a.shape[0]):
+            assert elk.elk_vec_dot_ref(type_id, ctypes.c_int64(k), w.ctypes.data,
+                                       q[m].ctypes.data, ctypes.byref(value)) == 0
             out[m, n] = value.value
     return out
 
 
+def dequantized(elk, name: str, weights: np.ndarray, k: int) -> np.ndarray:
+    dense = np.zeros((weights.shape[0], k), np.float32)
+    for row in range(weights.shape[0]):
+        elk.elk_dequantize_row_ref(TYPES[name][0], weights[row].ctypes.data_as(P),
+                                   dense[row].ctypes.data_as(P), ctypes.c_int64(k))
+    return dense
+
+
 @pytest.fixture(scope='module')
 def elk():
-    return ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
+    lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
+    lib.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
+    lib.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
+                                    ctypes.POINTER(ctypes.c_float)]
+    return lib
 
 
-@pytest.mark.parametrize('name', K_TYPES)
-@pytest.mark.parametrize('k, n', [(256, 8), (768, 37)])
+@pytest.mark.parametrize('name, k, n', [
+    ('Q4_K', 256, 8), ('Q5_K', 768, 37), ('Q6_K', 512, 16),
+    ('Q4_0', 96, 7), ('Q4_1', 800, 33), ('Q5_0', 224, 16), ('Q5_1', 32, 1), ('Q8_0', 1120, 9),
+])
 def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, name, k, n):
     type_id = TYPES[name][0]
     rng = np.random.default_rng(k + n + type_id)
-    weights = random_blocks(rng, name, n * k // 256).reshape(n, -1)
+    weights = random_blocks(rng, name, n * k // TYPES[name][2]).reshape(n, -1)
     a = rng.standard_normal((37, k)).astype(np.float32)
     run = session(type_id, weights, k, n)
     batched = run.run(None, {'A': a})[0]
     assert batched.shape == (37, n)
-    assert np.array_equal(batched, reference(elk, type_id, weights, a))
+    assert np.array_equal(batched, reference(elk, name, weights, a))
     for m in (0, 5, 36):
         alone = run.run(None, {'A': a[m:m + 1]})[0]
         assert alone.tobytes() == batched[m:m + 1].tobytes()
@@ -73,10 +108,7 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
     assert np.array_equal(session(type_id, weights, k, n, threads=1).run(None, {'A': a})[0],
                           batched)
     # Within quantization error of the dense product.
-    dense = np.zeros((n, k), np.float32)
-    for row in range(n):
-        elk.elk_dequantize_row_ref(type_id, weights[row].ctypes.data_as(P),
-                                   dense[row].ctypes.data_as(P), ctypes.c_int64(k))
+    dense = dequantized(elk, name, weights, k)
     exact = a.astype(np.float64) @ dense.T.astype(np.float64)
     scale = np.abs(a).astype(np.float64) @ np.abs(dense.T).astype(np.float64)
     assert np.all(np.abs(batched - exact) <= 0.02 * scale)
@@ -84,9 +116,14 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
 
 def test_bad_attributes_and_shapes_are_errors_that_say_what_is_wrong():
     weights = np.zeros((8, 144), np.uint8)
-    with pytest.raises(Exception, match='quant_type 2 is not Q4_K'):
-        session(2, weights, 256, 8).run(None, {'A': np.zeros((1, 256), np.float32)})
-    with pytest.raises(Exception, match='not a positive multiple of the block size'):
+    with pytest.raises(Exception, match='quant_type 1 is not a GGUF block type'):
+        session(1, weights, 256, 8).run(None, {'A': np.zeros((1, 256), np.float32)})
+    with pytest.raises(Exception, match="K 100 is not a positive multiple of Q4_K's block "
+                                        'size 256: reconvert the model'):
         session(12, weights, 100, 8).run(None, {'A': np.zeros((1, 100), np.float32)})
+    with pytest.raises(Exception, match="K 48 is not a positive multiple of Q4_0's block "
+                                        'size 32'):
+        session(2, np.zeros((8, 36), np.uint8), 48, 8).run(
+            None, {'A': np.zeros((1, 48), np.float32)})
     with pytest.raises(Exception, match=r'W is not \[N, row bytes\] = \[9, 144\]'):
         session(12, weights, 256, 9).run(None, {'A': np.zeros((1, 256), np.float32)})

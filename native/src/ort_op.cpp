@@ -1,7 +1,9 @@
 // ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T, with W the
-// [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]).
-// Activations are quantized per row to Q8_K once; each output element is one dot product
-// of the kernels dispatch.cpp chose, so a row's result does not depend on the batch.
+// [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]) of
+// any of the 8 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Activations are
+// quantized per row once per Compute in the type ggml pairs with the weight's (Q8_0, Q8_1
+// or Q8_K); each output element is one dot product of the kernels dispatch.cpp chose, so a
+// row's result does not depend on the batch.
 // Threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), never a pool of ours.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -34,10 +36,43 @@ void columns(void *data, size_t task) {
     const uint8_t *row = w.weights + col * w.weight_row_bytes;
     for (int64_t m = 0; m < w.rows; ++m) {
       float value;
-      elk_vec_dot_q8_K(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
+      elk_vec_dot(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
       w.out[m * w.n + col] = value;
     }
   }
+}
+
+const char *type_name(int type) {
+  switch (type) {
+    case ELK_Q4_0: return "Q4_0";
+    case ELK_Q4_1: return "Q4_1";
+    case ELK_Q5_0: return "Q5_0";
+    case ELK_Q5_1: return "Q5_1";
+    case ELK_Q8_0: return "Q8_0";
+    case ELK_Q4_K: return "Q4_K";
+    case ELK_Q5_K: return "Q5_K";
+    case ELK_Q6_K: return "Q6_K";
+    default: return nullptr;
+  }
+}
+
+// The weight type and K of an op's attributes, checked: one of the 8 weight types, K a
+// positive multiple of its block size. Returns the bytes of one weight row.
+size_t checked_row_bytes(const char *op, int type, int64_t k) {
+  if (type_name(type) == nullptr) {
+    throw Ort::Exception(std::string(op) + ": quant_type " + std::to_string(type) +
+                         " is not a GGUF block type this op knows (Q4_0 2, Q4_1 3, Q5_0 6, "
+                         "Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14): reconvert the model",
+                         ORT_INVALID_ARGUMENT);
+  }
+  const int per = elk_block_weights(type);
+  if (k <= 0 || k % per != 0) {
+    throw Ort::Exception(std::string(op) + ": K " + std::to_string(k) + " is not a positive "
+                         "multiple of " + type_name(type) + "'s block size " +
+                         std::to_string(per) + ": reconvert the model (another quant type, "
+                         "or pad K)", ORT_INVALID_ARGUMENT);
+  }
+  return static_cast<size_t>(k / per) * elk_block_bytes(type);
 }
 
 struct KQuantMatMulKernel {
@@ -46,16 +81,14 @@ struct KQuantMatMulKernel {
     type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("quant_type"));
     k_ = kernel_info.GetAttribute<int64_t>("K");
     n_ = kernel_info.GetAttribute<int64_t>("N");
-    if (type_ != ELK_Q4_K && type_ != ELK_Q5_K && type_ != ELK_Q6_K) {
-      throw Ort::Exception("KQuantMatMul: quant_type " + std::to_string(type_) +
-                           " is not Q4_K (12), Q5_K (13) or Q6_K (14): reconvert the model",
+    row_bytes_ = checked_row_bytes("KQuantMatMul", type_, k_);
+    if (n_ <= 0) {
+      throw Ort::Exception("KQuantMatMul: N " + std::to_string(n_) + " is not positive",
                            ORT_INVALID_ARGUMENT);
     }
-    if (k_ <= 0 || n_ <= 0 || k_ % elk_block_weights(type_) != 0) {
-      throw Ort::Exception("KQuantMatMul: K " + std::to_string(k_) + " is not a positive "
-                           "multiple of the block size: reconvert the model", ORT_INVALID_ARGUMENT);
-    }
-    row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(type_)) * elk_block_bytes(type_);
+    activation_type_ = elk_activation_type(type_);
+    activation_row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(activation_type_)) *
+                            elk_block_bytes(activation_type_);
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext *context) {
@@ -88,23 +121,21 @@ struct KQuantMatMulKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (rows == 0) return;
     const float *input = a.GetTensorData<float>();
-    const size_t activation_row_bytes =
-        static_cast<size_t>(k_ / 256) * elk_block_bytes(ELK_Q8_K);
-    activations_.resize(static_cast<size_t>(rows) * activation_row_bytes);
+    activations_.resize(static_cast<size_t>(rows) * activation_row_bytes_);
     for (int64_t m = 0; m < rows; ++m) {
-      elk_quantize_row_q8_K_ref(input + m * k_, activations_.data() + m * activation_row_bytes,
-                                k_);
+      elk_quantize_row_ref(activation_type_, input + m * k_,
+                           activations_.data() + m * activation_row_bytes_, k_);
     }
     Work work{w.GetTensorData<uint8_t>(), activations_.data(), y.GetTensorMutableData<float>(),
-              rows, n_, k_, row_bytes_, activation_row_bytes, type_};
+              rows, n_, k_, row_bytes_, activation_row_bytes_, type_};
     const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
     ctx.ParallelFor(columns, tasks, 0, &work);
   }
 
  private:
-  int type_ = 0;
+  int type_ = 0, activation_type_ = 0;
   int64_t k_ = 0, n_ = 0;
-  size_t row_bytes_ = 0;
+  size_t row_bytes_ = 0, activation_row_bytes_ = 0;
   std::vector<uint8_t> activations_;  // per-kernel scratch: ORT runs one Compute at a time
 };
 
