@@ -19,13 +19,26 @@ P = ctypes.c_void_p
 
 
 def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
-            **attributes) -> ort.InferenceSession:
-    node = helper.make_node('KQuantMatMul', ['A', 'W'], ['Y'], domain='edge_llm_ros',
+            bias=None, **attributes) -> ort.InferenceSession:
+    """Build a one-node session: Y = KQuantMatMul(A, W[, B]), W (and an array B) initializers.
+
+    bias: None (two inputs), an array (an initializer B) or 'input' (a graph input B of any
+    shape, so that the op itself checks it).
+    """
+    inputs, initializers = [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])], [
+        numpy_helper.from_array(weights, 'W')]
+    names = ['A', 'W']
+    if isinstance(bias, str):
+        inputs.append(helper.make_tensor_value_info('B', TensorProto.FLOAT, None))
+        names.append('B')
+    elif bias is not None:
+        initializers.append(numpy_helper.from_array(bias, 'B'))
+        names.append('B')
+    node = helper.make_node('KQuantMatMul', names, ['Y'], domain='edge_llm_ros',
                             quant_type=type_id, K=k, N=n, **attributes)
     graph = helper.make_graph(
-        [node], 'kquant', [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
-        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])],
-        [numpy_helper.from_array(weights, 'W')])
+        [node], 'kquant', inputs,
+        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
                                                     helper.make_opsetid('edge_llm_ros', 1)])
     options = ort.SessionOptions()
@@ -127,3 +140,23 @@ def test_bad_attributes_and_shapes_are_errors_that_say_what_is_wrong():
             None, {'A': np.zeros((1, 48), np.float32)})
     with pytest.raises(Exception, match=r'W is not \[N, row bytes\] = \[9, 144\]'):
         session(12, weights, 256, 9).run(None, {'A': np.zeros((1, 256), np.float32)})
+
+
+@pytest.mark.parametrize('name', ['Q4_0', 'Q6_K'])
+def test_bias_is_added_to_every_row(elk, name):
+    type_id, _, per, _ = TYPES[name]
+    k, n = 2 * 256, 7
+    rng = np.random.default_rng(type_id + 5)
+    weights = random_blocks(rng, name, n * k // per).reshape(n, -1)
+    a = rng.standard_normal((5, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    plain = session(type_id, weights, k, n).run(None, {'A': a})[0]
+    expected = reference(elk, name, weights, a) + bias  # float32 + float32, per element
+    assert np.array_equal(plain + bias, expected)
+    assert np.array_equal(session(type_id, weights, k, n, bias=bias).run(None, {'A': a})[0],
+                          expected)
+    fed = session(type_id, weights, k, n, bias='input')
+    assert np.array_equal(fed.run(None, {'A': a, 'B': bias})[0], expected)
+    for bad in (bias[:-1], np.zeros((1, n), np.float32), np.zeros(n + 1, np.float32)):
+        with pytest.raises(Exception, match=r'bias is not \[N\] = \[7\]'):
+            fed.run(None, {'A': a, 'B': bad})

@@ -1,5 +1,5 @@
-// ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T, with W the
-// [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]) of
+// ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T (+ bias[N]
+// when the optional third input is given), with W the [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]) of
 // any of the 8 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Activations are
 // quantized per row once per Compute in the type ggml pairs with the weight's (Q8_0, Q8_1
 // or Q8_K); each output element is one dot product of the kernels dispatch.cpp chose, so a
@@ -22,6 +22,7 @@ constexpr int64_t kColumnsPerTask = 16;
 struct Work {
   const uint8_t *weights;
   const uint8_t *activations;
+  const float *bias;  // [n], or nullptr
   float *out;
   int64_t rows, n, k;
   size_t weight_row_bytes, activation_row_bytes;
@@ -37,7 +38,7 @@ void columns(void *data, size_t task) {
     for (int64_t m = 0; m < w.rows; ++m) {
       float value;
       elk_vec_dot(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
-      w.out[m * w.n + col] = value;
+      w.out[m * w.n + col] = w.bias != nullptr ? value + w.bias[col] : value;
     }
   }
 }
@@ -115,6 +116,18 @@ struct KQuantMatMulKernel {
                            ", " + std::to_string(row_bytes_) + "] of GGUF blocks",
                            ORT_INVALID_ARGUMENT);
     }
+    const float *bias = nullptr;
+    if (ctx.GetInputCount() > 2) {
+      const Ort::ConstValue b = ctx.GetInput(2);
+      if (static_cast<const OrtValue *>(b) != nullptr) {
+        const std::vector<int64_t> b_shape = b.GetTensorTypeAndShapeInfo().GetShape();
+        if (b_shape.size() != 1 || b_shape[0] != n_) {
+          throw Ort::Exception("KQuantMatMul: bias is not [N] = [" + std::to_string(n_) + "]",
+                               ORT_INVALID_ARGUMENT);
+        }
+        bias = b.GetTensorData<float>();
+      }
+    }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
     shape.back() = n_;
@@ -126,7 +139,8 @@ struct KQuantMatMulKernel {
       elk_quantize_row_ref(activation_type_, input + m * k_,
                            activations_.data() + m * activation_row_bytes_, k_);
     }
-    Work work{w.GetTensorData<uint8_t>(), activations_.data(), y.GetTensorMutableData<float>(),
+    Work work{w.GetTensorData<uint8_t>(), activations_.data(), bias,
+              y.GetTensorMutableData<float>(),
               rows, n_, k_, row_bytes_, activation_row_bytes_, type_};
     const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
     ctx.ParallelFor(columns, tasks, 0, &work);
@@ -150,9 +164,13 @@ struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, tr
     }
   }
   const char *GetName() const { return "KQuantMatMul"; }
-  size_t GetInputTypeCount() const { return 2; }
+  // A fp32 [..., K], W uint8 [N, row bytes], and an optional bias fp32 [N].
+  size_t GetInputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
