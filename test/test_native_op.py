@@ -6,6 +6,7 @@ bit, whatever the batch (a row alone equals the same row among 37, on ORT's intr
 threads), and the dense float product within quantization error. Bad attributes or shapes
 are ORT errors that say what is wrong.
 """
+import concurrent.futures
 import ctypes
 
 from native_build import native_build
@@ -160,3 +161,22 @@ def test_bias_is_added_to_every_row(elk, name):
     for bad in (bias[:-1], np.zeros((1, n), np.float32), np.zeros(n + 1, np.float32)):
         with pytest.raises(Exception, match=r'bias is not \[N\] = \[7\]'):
             fed.run(None, {'A': a, 'B': bad})
+
+
+def test_one_session_run_from_several_threads_at_once_gives_each_its_own_result():
+    """The activation scratch is per Compute call: concurrent runs do not share it."""
+    name, k, n = 'Q8_0', 1024, 16
+    type_id = TYPES[name][0]
+    rng = np.random.default_rng(3)
+    weights = random_blocks(rng, name, n * k // 32).reshape(n, -1)
+    run = session(type_id, weights, k, n, threads=1)
+    inputs = [rng.standard_normal((int(rng.integers(1, 200)), k)).astype(np.float32)
+              for _ in range(8)]
+    expected = [run.run(None, {'A': a})[0] for a in inputs]
+
+    def worker(index: int) -> bool:
+        return all(np.array_equal(run.run(None, {'A': inputs[(index + i) % 8]})[0],
+                                  expected[(index + i) % 8]) for i in range(24))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))

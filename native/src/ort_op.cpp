@@ -98,6 +98,8 @@ struct KQuantMatMulKernel {
       return nullptr;
     } catch (const Ort::Exception &e) {
       return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+    } catch (const std::exception &e) {  // bad_alloc: an error, never an abort
+      return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
     }
   }
 
@@ -134,12 +136,14 @@ struct KQuantMatMulKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (rows == 0) return;
     const float *input = a.GetTensorData<float>();
-    activations_.resize(static_cast<size_t>(rows) * activation_row_bytes_);
+    // This call's own scratch: ORT may run one session (one kernel object) from several
+    // threads at once, so nothing a Compute writes lives in the kernel.
+    std::vector<uint8_t> activations(static_cast<size_t>(rows) * activation_row_bytes_);
     for (int64_t m = 0; m < rows; ++m) {
       elk_quantize_row_ref(activation_type_, input + m * k_,
-                           activations_.data() + m * activation_row_bytes_, k_);
+                           activations.data() + m * activation_row_bytes_, k_);
     }
-    Work work{w.GetTensorData<uint8_t>(), activations_.data(), bias,
+    Work work{w.GetTensorData<uint8_t>(), activations.data(), bias,
               y.GetTensorMutableData<float>(),
               rows, n_, k_, row_bytes_, activation_row_bytes_, type_};
     const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
@@ -149,8 +153,7 @@ struct KQuantMatMulKernel {
  private:
   int type_ = 0, activation_type_ = 0;
   int64_t k_ = 0, n_ = 0;
-  size_t row_bytes_ = 0, activation_row_bytes_ = 0;
-  std::vector<uint8_t> activations_;  // per-kernel scratch: ORT runs one Compute at a time
+  size_t row_bytes_ = 0, activation_row_bytes_ = 0;  // the kernel holds attributes only
 };
 
 struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, true> {
