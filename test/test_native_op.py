@@ -1,14 +1,17 @@
-"""ONNX Runtime's edge_llm_ros.KQuantMatMul op (native/src/ort_op.cpp) in a real session.
+"""ONNX Runtime's edge_llm_ros.KQuantMatMul and KQuantGather ops (native/src/ort_op.cpp).
 
-The op multiplies fp32 activations by a weight held in its GGUF blocks. Each output must
-equal the scalar reference's dot product of that weight row and that activation row bit for
-bit, whatever the batch (a row alone equals the same row among 37, on ORT's intra-op
-threads), and the dense float product within quantization error. Bad attributes or shapes
-are ORT errors that say what is wrong.
+KQuantMatMul multiplies fp32 activations by a weight held in its GGUF blocks (any of the 8
+types), plus an optional bias. Each output must equal the scalar reference's dot product of
+that weight row and that activation row bit for bit, whatever the batch (a row alone equals
+the same row among 37, on ORT's intra-op threads, or one session run from several threads),
+and the dense float product within quantization error. KQuantGather dequantizes the rows of
+such a table bit for bit (the reference and gguf's numpy dequantizer). Bad attributes, shapes
+or ids are ORT errors that say what is wrong. All in real onnxruntime sessions.
 """
 import concurrent.futures
 import ctypes
 
+from gguf import GGMLQuantizationType, quants
 from native_build import native_build
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
@@ -180,3 +183,73 @@ def test_one_session_run_from_several_threads_at_once_gives_each_its_own_result(
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(pool.map(worker, range(4)))
+
+
+def gather_session(type_id: int, weights: np.ndarray, k: int, tied_n: int = 0,
+                   **attributes) -> ort.InferenceSession:
+    """E = KQuantGather(W, ids); with tied_n, also Y = KQuantMatMul(E, W) from the same W."""
+    nodes = [helper.make_node('KQuantGather', ['W', 'ids'], ['E'], domain='edge_llm_ros',
+                              quant_type=type_id, K=k, **attributes)]
+    outputs = [helper.make_tensor_value_info('E', TensorProto.FLOAT, None)]
+    if tied_n:
+        nodes.append(helper.make_node('KQuantMatMul', ['E', 'W'], ['Y'], domain='edge_llm_ros',
+                                      quant_type=type_id, K=k, N=tied_n))
+        outputs.append(helper.make_tensor_value_info('Y', TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, 'kquant_gather', [helper.make_tensor_value_info('ids', TensorProto.INT64, None)],
+        outputs, [numpy_helper.from_array(weights, 'W')])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
+                                                    helper.make_opsetid('edge_llm_ros', 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=['CPUExecutionProvider'])
+
+
+@pytest.mark.parametrize('name', sorted(TYPES))
+def test_gather_dequantizes_the_rows_bit_for_bit(elk, name):
+    type_id, _, per, _ = TYPES[name]
+    k = per * (3 if name in K_TYPES else 5)
+    v = 11
+    rng = np.random.default_rng(type_id + 40)
+    weights = random_blocks(rng, name, v * k // per).reshape(v, -1)
+    run = gather_session(type_id, weights, k)
+    ids = np.array([[3, 0, 10], [3, 7, 1]], np.int64)  # a repeat, the first and last rows
+    out = run.run(None, {'ids': ids})[0]
+    assert out.shape == (2, 3, k) and out.dtype == np.float32
+    dense = dequantized(elk, name, weights, k)
+    assert out.reshape(-1, k).tobytes() == dense[ids.reshape(-1)].tobytes()
+    gguf_rows = quants.dequantize(weights, GGMLQuantizationType[name]).astype(np.float32)
+    assert gguf_rows.shape == (v, k)
+    assert np.array_equal(out, gguf_rows[ids])
+    # Any id shape: a scalar, a vector, none at all.
+    assert run.run(None, {'ids': np.array(4, np.int64)})[0].tobytes() == dense[4].tobytes()
+    assert run.run(None, {'ids': np.arange(v, dtype=np.int64)})[0].tobytes() == dense.tobytes()
+    assert run.run(None, {'ids': np.zeros((2, 0), np.int64)})[0].shape == (2, 0, k)
+
+
+def test_gather_refuses_an_id_outside_the_table_and_bad_attributes():
+    weights = random_blocks(np.random.default_rng(1), 'Q8_0', 5 * 2).reshape(5, -1)
+    run = gather_session(8, weights, 64)
+    for bad in (5, -1, 1 << 40):
+        with pytest.raises(Exception, match=rf'id {bad} is outside \[0, V\) = \[0, 5\)'):
+            run.run(None, {'ids': np.array([0, bad, 1], np.int64)})
+    with pytest.raises(Exception, match='KQuantGather: K 48 is not a positive multiple of '
+                                        "Q8_0's block size 32"):
+        gather_session(8, weights, 48)
+    with pytest.raises(Exception, match=r'KQuantGather: W is not \[V, row bytes\] = \[V, 102\]'):
+        gather_session(8, weights, 96).run(None, {'ids': np.array([0], np.int64)})
+
+
+def test_a_tied_embedding_and_lm_head_read_one_table(elk):
+    """Token embeddings (KQuantGather) and logits (KQuantMatMul) from the same W initializer."""
+    name, k, v = 'Q6_K', 512, 9
+    type_id = TYPES[name][0]
+    weights = random_blocks(np.random.default_rng(8), name, v * k // 256).reshape(v, -1)
+    ids = np.array([[2, 8, 2, 0]], np.int64)
+    embeddings, logits = gather_session(type_id, weights, k, tied_n=v).run(None, {'ids': ids})
+    dense = dequantized(elk, name, weights, k)
+    assert embeddings.tobytes() == dense[ids[0]][None].tobytes()
+    assert logits.shape == (1, 4, v)
+    assert np.array_equal(logits[0], reference(elk, name, weights, dense[ids[0]]))

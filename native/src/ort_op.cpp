@@ -4,6 +4,8 @@
 // quantized per row once per Compute in the type ggml pairs with the weight's (Q8_0, Q8_1
 // or Q8_K); each output element is one dot product of the kernels dispatch.cpp chose, so a
 // row's result does not depend on the batch.
+// edge_llm_ros.KQuantGather: Y[..., K] = the rows ids[...] of the same kind of W [V, row bytes],
+// dequantized (token embeddings read from the bytes a tied lm_head's KQuantMatMul reads).
 // Threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), never a pool of ours.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -76,6 +78,31 @@ size_t checked_row_bytes(const char *op, int type, int64_t k) {
   return static_cast<size_t>(k / per) * elk_block_bytes(type);
 }
 
+// An op's Compute as an ORT status: its exceptions become errors, never an abort.
+template <typename Kernel>
+OrtStatusPtr guarded(Kernel &kernel, OrtKernelContext *context) {
+  try {
+    kernel.Compute(context);
+    return nullptr;
+  } catch (const Ort::Exception &e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception &e) {  // bad_alloc
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+template <typename Kernel>
+OrtStatusPtr create(const OrtApi &api, const OrtKernelInfo *info, void **kernel) {
+  try {
+    *kernel = new Kernel(api, info);
+    return nullptr;
+  } catch (const Ort::Exception &e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception &e) {
+    return api.CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
 struct KQuantMatMulKernel {
   KQuantMatMulKernel(const OrtApi &, const OrtKernelInfo *info) {
     Ort::ConstKernelInfo kernel_info(info);
@@ -92,16 +119,7 @@ struct KQuantMatMulKernel {
                             elk_block_bytes(activation_type_);
   }
 
-  OrtStatusPtr ComputeV2(OrtKernelContext *context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const Ort::Exception &e) {
-      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-    } catch (const std::exception &e) {  // bad_alloc: an error, never an abort
-      return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
-    }
-  }
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
 
   void Compute(OrtKernelContext *context) {
     Ort::KernelContext ctx(context);
@@ -159,12 +177,7 @@ struct KQuantMatMulKernel {
 struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
                               void **kernel) const {
-    try {
-      *kernel = new KQuantMatMulKernel(api, info);
-      return nullptr;
-    } catch (const Ort::Exception &e) {
-      return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-    }
+    return create<KQuantMatMulKernel>(api, info, kernel);
   }
   const char *GetName() const { return "KQuantMatMul"; }
   // A fp32 [..., K], W uint8 [N, row bytes], and an optional bias fp32 [N].
@@ -181,18 +194,102 @@ struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, tr
   }
 };
 
+struct GatherWork {
+  const uint8_t *weights;
+  const int64_t *ids;
+  float *out;
+  int64_t count, k;
+  size_t row_bytes;
+  int type;
+};
+
+constexpr int64_t kIdsPerTask = 8;
+
+void gather_rows(void *data, size_t task) {
+  const GatherWork &w = *static_cast<const GatherWork *>(data);
+  const int64_t first = static_cast<int64_t>(task) * kIdsPerTask;
+  const int64_t last = first + kIdsPerTask < w.count ? first + kIdsPerTask : w.count;
+  for (int64_t i = first; i < last; ++i) {
+    elk_dequantize_row_ref(w.type, w.weights + w.ids[i] * w.row_bytes, w.out + i * w.k, w.k);
+  }
+}
+
+struct KQuantGatherKernel {
+  KQuantGatherKernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("quant_type"));
+    k_ = kernel_info.GetAttribute<int64_t>("K");
+    row_bytes_ = checked_row_bytes("KQuantGather", type_, k_);
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue w = ctx.GetInput(0), ids = ctx.GetInput(1);
+    const std::vector<int64_t> w_shape = w.GetTensorTypeAndShapeInfo().GetShape();
+    if (w_shape.size() != 2 || w_shape[1] != static_cast<int64_t>(row_bytes_)) {
+      throw Ort::Exception("KQuantGather: W is not [V, row bytes] = [V, " +
+                           std::to_string(row_bytes_) + "] of GGUF blocks",
+                           ORT_INVALID_ARGUMENT);
+    }
+    const int64_t v = w_shape[0];
+    const Ort::TensorTypeAndShapeInfo id_info = ids.GetTensorTypeAndShapeInfo();
+    std::vector<int64_t> shape = id_info.GetShape();
+    const int64_t count = static_cast<int64_t>(id_info.GetElementCount());
+    const int64_t *id = ids.GetTensorData<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {  // every id checked before any row is read
+      if (id[i] < 0 || id[i] >= v) {
+        throw Ort::Exception("KQuantGather: id " + std::to_string(id[i]) +
+                             " is outside [0, V) = [0, " + std::to_string(v) + ")",
+                             ORT_INVALID_ARGUMENT);
+      }
+    }
+    shape.push_back(k_);
+    Ort::UnownedValue y = ctx.GetOutput(0, shape);
+    if (count == 0) return;
+    GatherWork work{w.GetTensorData<uint8_t>(), id, y.GetTensorMutableData<float>(), count, k_,
+                    row_bytes_, type_};
+    ctx.ParallelFor(gather_rows, static_cast<size_t>((count + kIdsPerTask - 1) / kIdsPerTask),
+                    0, &work);
+  }
+
+ private:
+  int type_ = 0;
+  int64_t k_ = 0;
+  size_t row_bytes_ = 0;
+};
+
+struct KQuantGatherOp : Ort::CustomOpBase<KQuantGatherOp, KQuantGatherKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<KQuantGatherKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "KQuantGather"; }
+  // W uint8 [V, row bytes], ids int64 of any shape.
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this.
 extern "C" OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
                                                       const OrtApiBase *api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
-  static KQuantMatMulOp op;
+  static KQuantMatMulOp matmul;
+  static KQuantGatherOp gather;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
       domain = new Ort::CustomOpDomain(kDomain);
-      domain->Add(&op);
+      domain->Add(&matmul);
+      domain->Add(&gather);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {
