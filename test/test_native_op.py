@@ -1,13 +1,17 @@
-"""ONNX Runtime's edge_llm_ros.KQuantMatMul op (native/src/ort_op.cpp) in a real session.
+"""ONNX Runtime's edge_llm_ros.KQuantMatMul and KQuantGather ops (native/src/ort_op.cpp).
 
-The op multiplies fp32 activations by a weight held in its GGUF blocks. Each output must
-equal the scalar reference's dot product of that weight row and that activation row bit for
-bit, whatever the batch (a row alone equals the same row among 37, on ORT's intra-op
-threads), and the dense float product within quantization error. Bad attributes or shapes
-are ORT errors that say what is wrong.
+KQuantMatMul multiplies fp32 activations by a weight held in its GGUF blocks (any of the 8
+types), plus an optional bias. Each output must equal the scalar reference's dot product of
+that weight row and that activation row bit for bit, whatever the batch (a row alone equals
+the same row among 37, on ORT's intra-op threads, or one session run from several threads),
+and the dense float product within quantization error. KQuantGather dequantizes the rows of
+such a table bit for bit (the reference and gguf's numpy dequantizer). Bad attributes, shapes
+or ids are ORT errors that say what is wrong. All in real onnxruntime sessions.
 """
+import concurrent.futures
 import ctypes
 
+from gguf import GGMLQuantizationType, quants
 from native_build import native_build
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
@@ -19,13 +23,26 @@ P = ctypes.c_void_p
 
 
 def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
-            **attributes) -> ort.InferenceSession:
-    node = helper.make_node('KQuantMatMul', ['A', 'W'], ['Y'], domain='edge_llm_ros',
+            bias=None, **attributes) -> ort.InferenceSession:
+    """Build a one-node session: Y = KQuantMatMul(A, W[, B]), W (and an array B) initializers.
+
+    bias: None (two inputs), an array (an initializer B) or 'input' (a graph input B of any
+    shape, so that the op itself checks it).
+    """
+    inputs, initializers = [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])], [
+        numpy_helper.from_array(weights, 'W')]
+    names = ['A', 'W']
+    if isinstance(bias, str):
+        inputs.append(helper.make_tensor_value_info('B', TensorProto.FLOAT, None))
+        names.append('B')
+    elif bias is not None:
+        initializers.append(numpy_helper.from_array(bias, 'B'))
+        names.append('B')
+    node = helper.make_node('KQuantMatMul', names, ['Y'], domain='edge_llm_ros',
                             quant_type=type_id, K=k, N=n, **attributes)
     graph = helper.make_graph(
-        [node], 'kquant', [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
-        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])],
-        [numpy_helper.from_array(weights, 'W')])
+        [node], 'kquant', inputs,
+        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
                                                     helper.make_opsetid('edge_llm_ros', 1)])
     options = ort.SessionOptions()
@@ -35,37 +52,72 @@ def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
                                 providers=['CPUExecutionProvider'])
 
 
-def reference(elk, type_id: int, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+# Activation block bytes per weight type: Q8_0 (34 per 32), Q8_1 (36 per 32), Q8_K (292 per 256).
+ACTIVATIONS = {'Q4_0': (8, 34), 'Q4_1': (9, 36), 'Q5_0': (8, 34), 'Q5_1': (9, 36),
+               'Q8_0': (8, 34), 'Q4_K': (15, Q8_K_BYTES), 'Q5_K': (15, Q8_K_BYTES),
+               'Q6_K': (15, Q8_K_BYTES)}
+
+
+def quantize_activations(elk, name: str, a: np.ndarray) -> np.ndarray:
+    """Each row of a in the activation blocks its weight type pairs with (the reference)."""
+    activation, size = ACTIVATIONS[name]
     k = a.shape[1]
+    out = np.zeros((a.shape[0], k // block(name) * size), np.uint8)
+    for m, row in enumerate(np.ascontiguousarray(a, np.float32)):
+        assert elk.elk_quantize_row_ref(activation, row.ctypes.data_as(P),
+                                        out[m].ctypes.data_as(P), ctypes.c_int64(k)) == 0
+    return out
+
+
+def block(name: str) -> int:
+    """Weights per activation block: 32, or 256 for the K types' Q8_K."""
+    return 256 if name in K_TYPES else 32
+
+
+def reference(elk, name: str, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Y[m, n] = elk_vec_dot_ref(W row n, quantized A row m): the scalar reference."""
+    type_id, k = TYPES[name][0], a.shape[1]
+    q = quantize_activations(elk, name, a)
     out = np.zeros((a.shape[0], weights.shape[0]), np.float32)
-    for m, row in enumerate(a):
-        q = np.zeros(k // 256 * Q8_K_BYTES, np.uint8)
-        elk.elk_quantize_row_q8_K_ref(row.ctypes.data_as(P), q.ctypes.data_as(P),
-                                      ctypes.c_int64(k))
-        for n, w in enumerate(weights):
-            value = ctypes.c_float()
-            elk.elk_vec_dot_q8_K_ref(type_id, ctypes.c_int64(k), w.ctypes.data_as(P),
-                                     q.ctypes.data_as(P), ctypes.byref(value))
+    value = ctypes.c_float()
+    for n, w in enumerate(weights):
+        for m in range(a.shape[0]):
+            assert elk.elk_vec_dot_ref(type_id, ctypes.c_int64(k), w.ctypes.data,
+                                       q[m].ctypes.data, ctypes.byref(value)) == 0
             out[m, n] = value.value
     return out
 
 
+def dequantized(elk, name: str, weights: np.ndarray, k: int) -> np.ndarray:
+    dense = np.zeros((weights.shape[0], k), np.float32)
+    for row in range(weights.shape[0]):
+        elk.elk_dequantize_row_ref(TYPES[name][0], weights[row].ctypes.data_as(P),
+                                   dense[row].ctypes.data_as(P), ctypes.c_int64(k))
+    return dense
+
+
 @pytest.fixture(scope='module')
 def elk():
-    return ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
+    lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
+    lib.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
+    lib.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
+                                    ctypes.POINTER(ctypes.c_float)]
+    return lib
 
 
-@pytest.mark.parametrize('name', K_TYPES)
-@pytest.mark.parametrize('k, n', [(256, 8), (768, 37)])
+@pytest.mark.parametrize('name, k, n', [
+    ('Q4_K', 256, 8), ('Q5_K', 768, 37), ('Q6_K', 512, 16),
+    ('Q4_0', 96, 7), ('Q4_1', 800, 33), ('Q5_0', 224, 16), ('Q5_1', 32, 1), ('Q8_0', 1120, 9),
+])
 def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, name, k, n):
     type_id = TYPES[name][0]
     rng = np.random.default_rng(k + n + type_id)
-    weights = random_blocks(rng, name, n * k // 256).reshape(n, -1)
+    weights = random_blocks(rng, name, n * k // TYPES[name][2]).reshape(n, -1)
     a = rng.standard_normal((37, k)).astype(np.float32)
     run = session(type_id, weights, k, n)
     batched = run.run(None, {'A': a})[0]
     assert batched.shape == (37, n)
-    assert np.array_equal(batched, reference(elk, type_id, weights, a))
+    assert np.array_equal(batched, reference(elk, name, weights, a))
     for m in (0, 5, 36):
         alone = run.run(None, {'A': a[m:m + 1]})[0]
         assert alone.tobytes() == batched[m:m + 1].tobytes()
@@ -73,10 +125,7 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
     assert np.array_equal(session(type_id, weights, k, n, threads=1).run(None, {'A': a})[0],
                           batched)
     # Within quantization error of the dense product.
-    dense = np.zeros((n, k), np.float32)
-    for row in range(n):
-        elk.elk_dequantize_row_ref(type_id, weights[row].ctypes.data_as(P),
-                                   dense[row].ctypes.data_as(P), ctypes.c_int64(k))
+    dense = dequantized(elk, name, weights, k)
     exact = a.astype(np.float64) @ dense.T.astype(np.float64)
     scale = np.abs(a).astype(np.float64) @ np.abs(dense.T).astype(np.float64)
     assert np.all(np.abs(batched - exact) <= 0.02 * scale)
@@ -84,9 +133,123 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
 
 def test_bad_attributes_and_shapes_are_errors_that_say_what_is_wrong():
     weights = np.zeros((8, 144), np.uint8)
-    with pytest.raises(Exception, match='quant_type 2 is not Q4_K'):
-        session(2, weights, 256, 8).run(None, {'A': np.zeros((1, 256), np.float32)})
-    with pytest.raises(Exception, match='not a positive multiple of the block size'):
+    with pytest.raises(Exception, match='quant_type 1 is not a GGUF block type'):
+        session(1, weights, 256, 8).run(None, {'A': np.zeros((1, 256), np.float32)})
+    with pytest.raises(Exception, match="K 100 is not a positive multiple of Q4_K's block "
+                                        'size 256: reconvert the model'):
         session(12, weights, 100, 8).run(None, {'A': np.zeros((1, 100), np.float32)})
+    with pytest.raises(Exception, match="K 48 is not a positive multiple of Q4_0's block "
+                                        'size 32'):
+        session(2, np.zeros((8, 36), np.uint8), 48, 8).run(
+            None, {'A': np.zeros((1, 48), np.float32)})
     with pytest.raises(Exception, match=r'W is not \[N, row bytes\] = \[9, 144\]'):
         session(12, weights, 256, 9).run(None, {'A': np.zeros((1, 256), np.float32)})
+
+
+@pytest.mark.parametrize('name', ['Q4_0', 'Q6_K'])
+def test_bias_is_added_to_every_row(elk, name):
+    type_id, _, per, _ = TYPES[name]
+    k, n = 2 * 256, 7
+    rng = np.random.default_rng(type_id + 5)
+    weights = random_blocks(rng, name, n * k // per).reshape(n, -1)
+    a = rng.standard_normal((5, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    plain = session(type_id, weights, k, n).run(None, {'A': a})[0]
+    expected = reference(elk, name, weights, a) + bias  # float32 + float32, per element
+    assert np.array_equal(plain + bias, expected)
+    assert np.array_equal(session(type_id, weights, k, n, bias=bias).run(None, {'A': a})[0],
+                          expected)
+    fed = session(type_id, weights, k, n, bias='input')
+    assert np.array_equal(fed.run(None, {'A': a, 'B': bias})[0], expected)
+    for bad in (bias[:-1], np.zeros((1, n), np.float32), np.zeros(n + 1, np.float32)):
+        with pytest.raises(Exception, match=r'bias is not \[N\] = \[7\]'):
+            fed.run(None, {'A': a, 'B': bad})
+
+
+def test_one_session_run_from_several_threads_at_once_gives_each_its_own_result():
+    """The activation scratch is per Compute call: concurrent runs do not share it."""
+    name, k, n = 'Q8_0', 1024, 16
+    type_id = TYPES[name][0]
+    rng = np.random.default_rng(3)
+    weights = random_blocks(rng, name, n * k // 32).reshape(n, -1)
+    run = session(type_id, weights, k, n, threads=1)
+    inputs = [rng.standard_normal((int(rng.integers(1, 200)), k)).astype(np.float32)
+              for _ in range(8)]
+    expected = [run.run(None, {'A': a})[0] for a in inputs]
+
+    def worker(index: int) -> bool:
+        return all(np.array_equal(run.run(None, {'A': inputs[(index + i) % 8]})[0],
+                                  expected[(index + i) % 8]) for i in range(24))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(worker, range(4)))
+
+
+def gather_session(type_id: int, weights: np.ndarray, k: int, tied_n: int = 0,
+                   **attributes) -> ort.InferenceSession:
+    """E = KQuantGather(W, ids); with tied_n, also Y = KQuantMatMul(E, W) from the same W."""
+    nodes = [helper.make_node('KQuantGather', ['W', 'ids'], ['E'], domain='edge_llm_ros',
+                              quant_type=type_id, K=k, **attributes)]
+    outputs = [helper.make_tensor_value_info('E', TensorProto.FLOAT, None)]
+    if tied_n:
+        nodes.append(helper.make_node('KQuantMatMul', ['E', 'W'], ['Y'], domain='edge_llm_ros',
+                                      quant_type=type_id, K=k, N=tied_n))
+        outputs.append(helper.make_tensor_value_info('Y', TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, 'kquant_gather', [helper.make_tensor_value_info('ids', TensorProto.INT64, None)],
+        outputs, [numpy_helper.from_array(weights, 'W')])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
+                                                    helper.make_opsetid('edge_llm_ros', 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=['CPUExecutionProvider'])
+
+
+@pytest.mark.parametrize('name', sorted(TYPES))
+def test_gather_dequantizes_the_rows_bit_for_bit(elk, name):
+    type_id, _, per, _ = TYPES[name]
+    k = per * (3 if name in K_TYPES else 5)
+    v = 11
+    rng = np.random.default_rng(type_id + 40)
+    weights = random_blocks(rng, name, v * k // per).reshape(v, -1)
+    run = gather_session(type_id, weights, k)
+    ids = np.array([[3, 0, 10], [3, 7, 1]], np.int64)  # a repeat, the first and last rows
+    out = run.run(None, {'ids': ids})[0]
+    assert out.shape == (2, 3, k) and out.dtype == np.float32
+    dense = dequantized(elk, name, weights, k)
+    assert out.reshape(-1, k).tobytes() == dense[ids.reshape(-1)].tobytes()
+    gguf_rows = quants.dequantize(weights, GGMLQuantizationType[name]).astype(np.float32)
+    assert gguf_rows.shape == (v, k)
+    assert np.array_equal(out, gguf_rows[ids])
+    # Any id shape: a scalar, a vector, none at all.
+    assert run.run(None, {'ids': np.array(4, np.int64)})[0].tobytes() == dense[4].tobytes()
+    assert run.run(None, {'ids': np.arange(v, dtype=np.int64)})[0].tobytes() == dense.tobytes()
+    assert run.run(None, {'ids': np.zeros((2, 0), np.int64)})[0].shape == (2, 0, k)
+
+
+def test_gather_refuses_an_id_outside_the_table_and_bad_attributes():
+    weights = random_blocks(np.random.default_rng(1), 'Q8_0', 5 * 2).reshape(5, -1)
+    run = gather_session(8, weights, 64)
+    for bad in (5, -1, 1 << 40):
+        with pytest.raises(Exception, match=rf'id {bad} is outside \[0, V\) = \[0, 5\)'):
+            run.run(None, {'ids': np.array([0, bad, 1], np.int64)})
+    with pytest.raises(Exception, match='KQuantGather: K 48 is not a positive multiple of '
+                                        "Q8_0's block size 32"):
+        gather_session(8, weights, 48)
+    with pytest.raises(Exception, match=r'KQuantGather: W is not \[V, row bytes\] = \[V, 102\]'):
+        gather_session(8, weights, 96).run(None, {'ids': np.array([0], np.int64)})
+
+
+def test_a_tied_embedding_and_lm_head_read_one_table(elk):
+    """Token embeddings (KQuantGather) and logits (KQuantMatMul) from the same W initializer."""
+    name, k, v = 'Q6_K', 512, 9
+    type_id = TYPES[name][0]
+    weights = random_blocks(np.random.default_rng(8), name, v * k // 256).reshape(v, -1)
+    ids = np.array([[2, 8, 2, 0]], np.int64)
+    embeddings, logits = gather_session(type_id, weights, k, tied_n=v).run(None, {'ids': ids})
+    dense = dequantized(elk, name, weights, k)
+    assert embeddings.tobytes() == dense[ids[0]][None].tobytes()
+    assert logits.shape == (1, 4, v)
+    assert np.array_equal(logits[0], reference(elk, name, weights, dense[ids[0]]))

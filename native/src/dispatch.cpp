@@ -1,5 +1,6 @@
 // Which kernels run: chosen once from the CPU's features at run time (never the build
 // machine's), or pinned by name; an unsupported pin is refused, naming what the CPU has.
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -58,8 +59,10 @@ const DotKernels *best() {
   return &scalar_kernels();
 }
 
-const DotKernels *&selected() {
-  static const DotKernels *kernels = best();
+// Atomic: a pin from one thread while a session computes on others reads one table or the
+// other, never a torn pointer (each table gives the same bits anyway).
+std::atomic<const DotKernels *> &selected() {
+  static std::atomic<const DotKernels *> kernels{best()};
   return kernels;
 }
 
@@ -68,7 +71,7 @@ const DotKernels *&selected() {
 
 using namespace elk;
 
-extern "C" const char *elk_kernel_name(void) { return selected()->isa; }
+extern "C" const char *elk_kernel_name(void) { return selected().load()->isa; }
 
 extern "C" const char *elk_cpu_features(void) {
 #if defined(__aarch64__)
@@ -82,18 +85,17 @@ extern "C" const char *elk_cpu_features(void) {
 extern "C" int elk_select_kernel(const char *isa) {
   const DotKernels *k = std::strcmp(isa, "auto") == 0 ? best() : usable(isa);
   if (k == nullptr) return -1;
-  selected() = k;
+  selected().store(k);
   return 0;
 }
 
 extern "C" int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out) {
-  if (n % QK_K != 0) return -1;
-  const auto *a = static_cast<const BlockQ8_K *>(y);
-  const DotKernels *k = selected();
-  switch (type) {
-    case ELK_Q4_K: *out = k->q4_K(x, a, n / QK_K); return 0;
-    case ELK_Q5_K: *out = k->q5_K(x, a, n / QK_K); return 0;
-    case ELK_Q6_K: *out = k->q6_K(x, a, n / QK_K); return 0;
-    default: return -1;
-  }
+  if (elk_activation_type(type) != ELK_Q8_K) return -1;
+  return elk_vec_dot_with(*selected().load(std::memory_order_relaxed), type, n, x, y, out);
+}
+
+extern "C" int elk_vec_dot(int weight_type, int64_t n, const void *x, const void *y,
+                           float *out) {
+  return elk_vec_dot_with(*selected().load(std::memory_order_relaxed), weight_type, n, x, y,
+                          out);
 }

@@ -1,6 +1,7 @@
 // One dot-product kernel per weight type and instruction set: a row of GGUF blocks times
-// Q8_K activations. Every kernel computes the reference's integer sums exactly and then the
-// same float expression per super-block, so all ISA paths give the reference's bits.
+// the activations ggml pairs it with (Q8_K for the K types, Q8_0 / Q8_1 for the legacy ones).
+// Every kernel computes the reference's integer sums exactly and then the same float
+// expression per (super-)block, so all ISA paths give the reference's bits.
 #pragma once
 
 #include <cstdint>
@@ -10,10 +11,15 @@
 namespace elk {
 
 using DotFn = float (*)(const void *x, const BlockQ8_K *y, int64_t blocks);
+// Legacy types: x a row of 32-weight blocks, y its Q8_0 (Q4_0/Q5_0/Q8_0) or Q8_1 (Q4_1/Q5_1)
+// activation blocks.
+using LegacyDotFn = float (*)(const void *x, const void *y, int64_t blocks);
 
 struct DotKernels {
   const char *isa;
   DotFn q4_K, q5_K, q6_K;
+  // A null entry runs the scalar reference's (same bits).
+  LegacyDotFn q4_0 = nullptr, q4_1 = nullptr, q5_0 = nullptr, q5_1 = nullptr, q8_0 = nullptr;
 };
 
 const DotKernels &scalar_kernels();
@@ -22,9 +28,29 @@ const DotKernels *avx2_kernels();
 const DotKernels *neon_kernels();
 const DotKernels *neon_dotprod_kernels();
 
+// *out = dot of n weights of `type` (row x) and its activations y with the kernels k (a null
+// legacy entry runs the reference's). Returns 0, or -1 for another type or partial blocks.
+int elk_vec_dot_with(const DotKernels &k, int type, int64_t n, const void *x, const void *y,
+                     float *out);
+
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {
   return d * dy * static_cast<float>(dots) - dmin * dy * static_cast<float>(mins);
+}
+
+// The float part of a legacy block of 32: (dx * dy) * sum, with dx, dy its fp16 scales as
+// floats and sum the block's exact integer dot. A template so that a SIMD path runs this very
+// expression on a vector of blocks (GCC/Clang vector types have * and +, lane by lane, IEEE
+// like the scalar ops; -ffp-contract=off keeps it unfused); blocks are then added in order.
+template <typename F>
+inline F legacy_block(F dx, F dy, F sum) {
+  return dx * dy * sum;
+}
+
+// Q4_1/Q5_1 x Q8_1: plus the weight's min times the activations' s (= d * sum of their qs).
+template <typename F>
+inline F legacy_block_min(F dx, F dy, F sum, F m, F s) {
+  return dx * dy * sum + m * s;
 }
 
 // Sum of min * (activation sums of its 32 weights) over the 8 sub-blocks of a Q4_K/Q5_K block.

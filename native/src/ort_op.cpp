@@ -1,7 +1,11 @@
-// ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T, with W the
-// [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]).
-// Activations are quantized per row to Q8_K once; each output element is one dot product
-// of the kernels dispatch.cpp chose, so a row's result does not depend on the batch.
+// ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T (+ bias[N]
+// when the optional third input is given), with W the [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]) of
+// any of the 8 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Activations are
+// quantized per row once per Compute in the type ggml pairs with the weight's (Q8_0, Q8_1
+// or Q8_K); each output element is one dot product of the kernels dispatch.cpp chose, so a
+// row's result does not depend on the batch.
+// edge_llm_ros.KQuantGather: Y[..., K] = the rows ids[...] of the same kind of W [V, row bytes],
+// dequantized (token embeddings read from the bytes a tied lm_head's KQuantMatMul reads).
 // Threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), never a pool of ours.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -20,6 +24,7 @@ constexpr int64_t kColumnsPerTask = 16;
 struct Work {
   const uint8_t *weights;
   const uint8_t *activations;
+  const float *bias;  // [n], or nullptr
   float *out;
   int64_t rows, n, k;
   size_t weight_row_bytes, activation_row_bytes;
@@ -34,9 +39,67 @@ void columns(void *data, size_t task) {
     const uint8_t *row = w.weights + col * w.weight_row_bytes;
     for (int64_t m = 0; m < w.rows; ++m) {
       float value;
-      elk_vec_dot_q8_K(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
-      w.out[m * w.n + col] = value;
+      elk_vec_dot(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
+      w.out[m * w.n + col] = w.bias != nullptr ? value + w.bias[col] : value;
     }
+  }
+}
+
+const char *type_name(int type) {
+  switch (type) {
+    case ELK_Q4_0: return "Q4_0";
+    case ELK_Q4_1: return "Q4_1";
+    case ELK_Q5_0: return "Q5_0";
+    case ELK_Q5_1: return "Q5_1";
+    case ELK_Q8_0: return "Q8_0";
+    case ELK_Q4_K: return "Q4_K";
+    case ELK_Q5_K: return "Q5_K";
+    case ELK_Q6_K: return "Q6_K";
+    default: return nullptr;
+  }
+}
+
+// The weight type and K of an op's attributes, checked: one of the 8 weight types, K a
+// positive multiple of its block size. Returns the bytes of one weight row.
+size_t checked_row_bytes(const char *op, int type, int64_t k) {
+  if (type_name(type) == nullptr) {
+    throw Ort::Exception(std::string(op) + ": quant_type " + std::to_string(type) +
+                         " is not a GGUF block type this op knows (Q4_0 2, Q4_1 3, Q5_0 6, "
+                         "Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14): reconvert the model",
+                         ORT_INVALID_ARGUMENT);
+  }
+  const int per = elk_block_weights(type);
+  if (k <= 0 || k % per != 0) {
+    throw Ort::Exception(std::string(op) + ": K " + std::to_string(k) + " is not a positive "
+                         "multiple of " + type_name(type) + "'s block size " +
+                         std::to_string(per) + ": reconvert the model (another quant type, "
+                         "or pad K)", ORT_INVALID_ARGUMENT);
+  }
+  return static_cast<size_t>(k / per) * elk_block_bytes(type);
+}
+
+// An op's Compute as an ORT status: its exceptions become errors, never an abort.
+template <typename Kernel>
+OrtStatusPtr guarded(Kernel &kernel, OrtKernelContext *context) {
+  try {
+    kernel.Compute(context);
+    return nullptr;
+  } catch (const Ort::Exception &e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception &e) {  // bad_alloc
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+}
+
+template <typename Kernel>
+OrtStatusPtr create(const OrtApi &api, const OrtKernelInfo *info, void **kernel) {
+  try {
+    *kernel = new Kernel(api, info);
+    return nullptr;
+  } catch (const Ort::Exception &e) {
+    return api.CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception &e) {
+    return api.CreateStatus(ORT_FAIL, e.what());
   }
 }
 
@@ -46,26 +109,17 @@ struct KQuantMatMulKernel {
     type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("quant_type"));
     k_ = kernel_info.GetAttribute<int64_t>("K");
     n_ = kernel_info.GetAttribute<int64_t>("N");
-    if (type_ != ELK_Q4_K && type_ != ELK_Q5_K && type_ != ELK_Q6_K) {
-      throw Ort::Exception("KQuantMatMul: quant_type " + std::to_string(type_) +
-                           " is not Q4_K (12), Q5_K (13) or Q6_K (14): reconvert the model",
+    row_bytes_ = checked_row_bytes("KQuantMatMul", type_, k_);
+    if (n_ <= 0) {
+      throw Ort::Exception("KQuantMatMul: N " + std::to_string(n_) + " is not positive",
                            ORT_INVALID_ARGUMENT);
     }
-    if (k_ <= 0 || n_ <= 0 || k_ % elk_block_weights(type_) != 0) {
-      throw Ort::Exception("KQuantMatMul: K " + std::to_string(k_) + " is not a positive "
-                           "multiple of the block size: reconvert the model", ORT_INVALID_ARGUMENT);
-    }
-    row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(type_)) * elk_block_bytes(type_);
+    activation_type_ = elk_activation_type(type_);
+    activation_row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(activation_type_)) *
+                            elk_block_bytes(activation_type_);
   }
 
-  OrtStatusPtr ComputeV2(OrtKernelContext *context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const Ort::Exception &e) {
-      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
-    }
-  }
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
 
   void Compute(OrtKernelContext *context) {
     Ort::KernelContext ctx(context);
@@ -82,46 +136,57 @@ struct KQuantMatMulKernel {
                            ", " + std::to_string(row_bytes_) + "] of GGUF blocks",
                            ORT_INVALID_ARGUMENT);
     }
+    const float *bias = nullptr;
+    if (ctx.GetInputCount() > 2) {
+      const Ort::ConstValue b = ctx.GetInput(2);
+      if (static_cast<const OrtValue *>(b) != nullptr) {
+        const std::vector<int64_t> b_shape = b.GetTensorTypeAndShapeInfo().GetShape();
+        if (b_shape.size() != 1 || b_shape[0] != n_) {
+          throw Ort::Exception("KQuantMatMul: bias is not [N] = [" + std::to_string(n_) + "]",
+                               ORT_INVALID_ARGUMENT);
+        }
+        bias = b.GetTensorData<float>();
+      }
+    }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
     shape.back() = n_;
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (rows == 0) return;
     const float *input = a.GetTensorData<float>();
-    const size_t activation_row_bytes =
-        static_cast<size_t>(k_ / 256) * elk_block_bytes(ELK_Q8_K);
-    activations_.resize(static_cast<size_t>(rows) * activation_row_bytes);
+    // This call's own scratch: ORT may run one session (one kernel object) from several
+    // threads at once, so nothing a Compute writes lives in the kernel.
+    std::vector<uint8_t> activations(static_cast<size_t>(rows) * activation_row_bytes_);
     for (int64_t m = 0; m < rows; ++m) {
-      elk_quantize_row_q8_K_ref(input + m * k_, activations_.data() + m * activation_row_bytes,
-                                k_);
+      elk_quantize_row_ref(activation_type_, input + m * k_,
+                           activations.data() + m * activation_row_bytes_, k_);
     }
-    Work work{w.GetTensorData<uint8_t>(), activations_.data(), y.GetTensorMutableData<float>(),
-              rows, n_, k_, row_bytes_, activation_row_bytes, type_};
+    Work work{w.GetTensorData<uint8_t>(), activations.data(), bias,
+              y.GetTensorMutableData<float>(),
+              rows, n_, k_, row_bytes_, activation_row_bytes_, type_};
     const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
     ctx.ParallelFor(columns, tasks, 0, &work);
   }
 
  private:
-  int type_ = 0;
+  int type_ = 0, activation_type_ = 0;
   int64_t k_ = 0, n_ = 0;
-  size_t row_bytes_ = 0;
-  std::vector<uint8_t> activations_;  // per-kernel scratch: ORT runs one Compute at a time
+  size_t row_bytes_ = 0, activation_row_bytes_ = 0;  // the kernel holds attributes only
 };
 
 struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
                               void **kernel) const {
-    try {
-      *kernel = new KQuantMatMulKernel(api, info);
-      return nullptr;
-    } catch (const Ort::Exception &e) {
-      return api.CreateStatus(e.GetOrtErrorCode(), e.what());
-    }
+    return create<KQuantMatMulKernel>(api, info, kernel);
   }
   const char *GetName() const { return "KQuantMatMul"; }
-  size_t GetInputTypeCount() const { return 2; }
+  // A fp32 [..., K], W uint8 [N, row bytes], and an optional bias fp32 [N].
+  size_t GetInputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
@@ -129,18 +194,102 @@ struct KQuantMatMulOp : Ort::CustomOpBase<KQuantMatMulOp, KQuantMatMulKernel, tr
   }
 };
 
+struct GatherWork {
+  const uint8_t *weights;
+  const int64_t *ids;
+  float *out;
+  int64_t count, k;
+  size_t row_bytes;
+  int type;
+};
+
+constexpr int64_t kIdsPerTask = 8;
+
+void gather_rows(void *data, size_t task) {
+  const GatherWork &w = *static_cast<const GatherWork *>(data);
+  const int64_t first = static_cast<int64_t>(task) * kIdsPerTask;
+  const int64_t last = first + kIdsPerTask < w.count ? first + kIdsPerTask : w.count;
+  for (int64_t i = first; i < last; ++i) {
+    elk_dequantize_row_ref(w.type, w.weights + w.ids[i] * w.row_bytes, w.out + i * w.k, w.k);
+  }
+}
+
+struct KQuantGatherKernel {
+  KQuantGatherKernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    type_ = static_cast<int>(kernel_info.GetAttribute<int64_t>("quant_type"));
+    k_ = kernel_info.GetAttribute<int64_t>("K");
+    row_bytes_ = checked_row_bytes("KQuantGather", type_, k_);
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue w = ctx.GetInput(0), ids = ctx.GetInput(1);
+    const std::vector<int64_t> w_shape = w.GetTensorTypeAndShapeInfo().GetShape();
+    if (w_shape.size() != 2 || w_shape[1] != static_cast<int64_t>(row_bytes_)) {
+      throw Ort::Exception("KQuantGather: W is not [V, row bytes] = [V, " +
+                           std::to_string(row_bytes_) + "] of GGUF blocks",
+                           ORT_INVALID_ARGUMENT);
+    }
+    const int64_t v = w_shape[0];
+    const Ort::TensorTypeAndShapeInfo id_info = ids.GetTensorTypeAndShapeInfo();
+    std::vector<int64_t> shape = id_info.GetShape();
+    const int64_t count = static_cast<int64_t>(id_info.GetElementCount());
+    const int64_t *id = ids.GetTensorData<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {  // every id checked before any row is read
+      if (id[i] < 0 || id[i] >= v) {
+        throw Ort::Exception("KQuantGather: id " + std::to_string(id[i]) +
+                             " is outside [0, V) = [0, " + std::to_string(v) + ")",
+                             ORT_INVALID_ARGUMENT);
+      }
+    }
+    shape.push_back(k_);
+    Ort::UnownedValue y = ctx.GetOutput(0, shape);
+    if (count == 0) return;
+    GatherWork work{w.GetTensorData<uint8_t>(), id, y.GetTensorMutableData<float>(), count, k_,
+                    row_bytes_, type_};
+    ctx.ParallelFor(gather_rows, static_cast<size_t>((count + kIdsPerTask - 1) / kIdsPerTask),
+                    0, &work);
+  }
+
+ private:
+  int type_ = 0;
+  int64_t k_ = 0;
+  size_t row_bytes_ = 0;
+};
+
+struct KQuantGatherOp : Ort::CustomOpBase<KQuantGatherOp, KQuantGatherKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<KQuantGatherKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "KQuantGather"; }
+  // W uint8 [V, row bytes], ids int64 of any shape.
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this.
 extern "C" OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
                                                       const OrtApiBase *api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
-  static KQuantMatMulOp op;
+  static KQuantMatMulOp matmul;
+  static KQuantGatherOp gather;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
       domain = new Ort::CustomOpDomain(kDomain);
-      domain->Add(&op);
+      domain->Add(&matmul);
+      domain->Add(&gather);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {

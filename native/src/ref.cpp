@@ -120,36 +120,48 @@ void dequant_q6_K(const BlockQ6_K *x, float *y, int64_t nb) {
 }
 
 // Legacy blocks of 32 against Q8_0 / Q8_1 activations: one integer sum per block, then
-// (dx * dy) * sum, plus the weight's min times the activations' d * sum for Q4_1/Q5_1.
-inline float legacy_block(uint16_t dx, uint16_t dy, int32_t sum) {
-  return (fp16_to_fp32(dx) * fp16_to_fp32(dy)) * static_cast<float>(sum);
+// kernels.h's legacy_block (dx * dy) * sum, plus the weight's min times the activations'
+// d * sum for Q4_1/Q5_1 (legacy_block_min); the blocks' terms are added in order.
+inline float block_term(const BlockQ8_0 &y, uint16_t dx, int32_t sum) {
+  return legacy_block(fp16_to_fp32(dx), fp16_to_fp32(y.d), static_cast<float>(sum));
 }
 
-float dot_q4_0(const BlockQ4_0 *x, const BlockQ8_0 *y, int64_t nb) {
+inline float block_term(const BlockQ8_1 &y, uint16_t dx, uint16_t m, int32_t sum) {
+  return legacy_block_min(fp16_to_fp32(dx), fp16_to_fp32(y.d), static_cast<float>(sum),
+                          fp16_to_fp32(m), fp16_to_fp32(y.s));
+}
+
+float dot_q4_0(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const BlockQ4_0 *>(vx);
+  const auto *y = static_cast<const BlockQ8_0 *>(vy);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
     for (int j = 0; j < QK / 2; ++j) {
       s += ((x[i].qs[j] & 0xf) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
     }
-    sum += legacy_block(x[i].d, y[i].d, s);
+    sum += block_term(y[i], x[i].d, s);
   }
   return sum;
 }
 
-float dot_q4_1(const BlockQ4_1 *x, const BlockQ8_1 *y, int64_t nb) {
+float dot_q4_1(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const BlockQ4_1 *>(vx);
+  const auto *y = static_cast<const BlockQ8_1 *>(vy);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
     for (int j = 0; j < QK / 2; ++j) {
       s += (x[i].qs[j] & 0xf) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK / 2];
     }
-    sum += legacy_block(x[i].d, y[i].d, s) + fp16_to_fp32(x[i].m) * fp16_to_fp32(y[i].s);
+    sum += block_term(y[i], x[i].d, x[i].m, s);
   }
   return sum;
 }
 
-float dot_q5_0(const BlockQ5_0 *x, const BlockQ8_0 *y, int64_t nb) {
+float dot_q5_0(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const BlockQ5_0 *>(vx);
+  const auto *y = static_cast<const BlockQ8_0 *>(vy);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
@@ -157,12 +169,14 @@ float dot_q5_0(const BlockQ5_0 *x, const BlockQ8_0 *y, int64_t nb) {
       s += (((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) - 16) * y[i].qs[j] +
            (((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) - 16) * y[i].qs[j + QK / 2];
     }
-    sum += legacy_block(x[i].d, y[i].d, s);
+    sum += block_term(y[i], x[i].d, s);
   }
   return sum;
 }
 
-float dot_q5_1(const BlockQ5_1 *x, const BlockQ8_1 *y, int64_t nb) {
+float dot_q5_1(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const BlockQ5_1 *>(vx);
+  const auto *y = static_cast<const BlockQ8_1 *>(vy);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
@@ -170,17 +184,19 @@ float dot_q5_1(const BlockQ5_1 *x, const BlockQ8_1 *y, int64_t nb) {
       s += ((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) * y[i].qs[j] +
            ((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) * y[i].qs[j + QK / 2];
     }
-    sum += legacy_block(x[i].d, y[i].d, s) + fp16_to_fp32(x[i].m) * fp16_to_fp32(y[i].s);
+    sum += block_term(y[i], x[i].d, x[i].m, s);
   }
   return sum;
 }
 
-float dot_q8_0(const BlockQ8_0 *x, const BlockQ8_0 *y, int64_t nb) {
+float dot_q8_0(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const BlockQ8_0 *>(vx);
+  const auto *y = static_cast<const BlockQ8_0 *>(vy);
   float sum = 0.0f;
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
     for (int j = 0; j < QK; ++j) s += x[i].qs[j] * y[i].qs[j];
-    sum += legacy_block(x[i].d, y[i].d, s);
+    sum += block_term(y[i], x[i].d, s);
   }
   return sum;
 }
@@ -283,8 +299,29 @@ float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
 }  // namespace
 
 const DotKernels &scalar_kernels() {
-  static const DotKernels kernels{"scalar", dot_q4_K, dot_q5_K, dot_q6_K};
+  static const DotKernels kernels{"scalar", dot_q4_K, dot_q5_K, dot_q6_K,
+                                  dot_q4_0, dot_q4_1, dot_q5_0, dot_q5_1, dot_q8_0};
   return kernels;
+}
+
+int elk_vec_dot_with(const DotKernels &k, int type, int64_t n, const void *x, const void *y,
+                     float *out) {
+  const int per = elk_block_weights(type);
+  if (per == 0 || n < 0 || n % per != 0 || elk_activation_type(type) < 0) return -1;
+  const int64_t nb = n / per;
+  const DotKernels &s = scalar_kernels();
+  const auto *a = static_cast<const BlockQ8_K *>(y);
+  switch (type) {
+    case ELK_Q4_K: *out = k.q4_K(x, a, nb); return 0;
+    case ELK_Q5_K: *out = k.q5_K(x, a, nb); return 0;
+    case ELK_Q6_K: *out = k.q6_K(x, a, nb); return 0;
+    case ELK_Q4_0: *out = (k.q4_0 ? k.q4_0 : s.q4_0)(x, y, nb); return 0;
+    case ELK_Q4_1: *out = (k.q4_1 ? k.q4_1 : s.q4_1)(x, y, nb); return 0;
+    case ELK_Q5_0: *out = (k.q5_0 ? k.q5_0 : s.q5_0)(x, y, nb); return 0;
+    case ELK_Q5_1: *out = (k.q5_1 ? k.q5_1 : s.q5_1)(x, y, nb); return 0;
+    case ELK_Q8_0: *out = (k.q8_0 ? k.q8_0 : s.q8_0)(x, y, nb); return 0;
+    default: return -1;
+  }
 }
 
 }  // namespace elk
@@ -361,15 +398,8 @@ extern "C" void elk_quantize_row_q8_K_ref(const float *x, void *out, int64_t k) 
 
 extern "C" int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y,
                                     float *out) {
-  if (n % QK_K != 0) return -1;
-  const auto *a = static_cast<const BlockQ8_K *>(y);
-  const DotKernels &k = scalar_kernels();
-  switch (type) {
-    case ELK_Q4_K: *out = k.q4_K(x, a, n / QK_K); return 0;
-    case ELK_Q5_K: *out = k.q5_K(x, a, n / QK_K); return 0;
-    case ELK_Q6_K: *out = k.q6_K(x, a, n / QK_K); return 0;
-    default: return -1;
-  }
+  if (elk_activation_type(type) != ELK_Q8_K) return -1;
+  return elk_vec_dot_with(scalar_kernels(), type, n, x, y, out);
 }
 
 extern "C" int elk_activation_type(int weight_type) {
@@ -402,19 +432,5 @@ extern "C" int elk_quantize_row_ref(int activation_type, const float *x, void *y
 
 extern "C" int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y,
                                float *out) {
-  if (elk_activation_type(weight_type) == ELK_Q8_K) {
-    return elk_vec_dot_q8_K_ref(weight_type, n, x, y, out);
-  }
-  if (n % QK != 0) return -1;
-  const int64_t nb = n / QK;
-  const auto *a0 = static_cast<const BlockQ8_0 *>(y);
-  const auto *a1 = static_cast<const BlockQ8_1 *>(y);
-  switch (weight_type) {
-    case ELK_Q4_0: *out = dot_q4_0(static_cast<const BlockQ4_0 *>(x), a0, nb); return 0;
-    case ELK_Q4_1: *out = dot_q4_1(static_cast<const BlockQ4_1 *>(x), a1, nb); return 0;
-    case ELK_Q5_0: *out = dot_q5_0(static_cast<const BlockQ5_0 *>(x), a0, nb); return 0;
-    case ELK_Q5_1: *out = dot_q5_1(static_cast<const BlockQ5_1 *>(x), a1, nb); return 0;
-    case ELK_Q8_0: *out = dot_q8_0(static_cast<const BlockQ8_0 *>(x), a0, nb); return 0;
-    default: return -1;
-  }
+  return elk_vec_dot_with(scalar_kernels(), weight_type, n, x, y, out);
 }

@@ -36,8 +36,9 @@ int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y, floa
 // the reference bit for bit on every path.
 int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out);
 
-// The running kernels' ISA ("scalar", "avx2"), the features found, and a pin: "auto",
-// "scalar" or "avx2". Returns 0, or -1 when this CPU or build lacks that ISA.
+// The running kernels' ISA ("scalar", "avx2", "neon", "neon_dotprod"), the features found,
+// and a pin: "auto" or one of those names. Returns 0, or -1 when this CPU or build lacks that
+// ISA. The choice is one per loaded library (each .so that links the kernels has its own).
 const char *elk_kernel_name(void);
 const char *elk_cpu_features(void);
 int elk_select_kernel(const char *isa);
@@ -49,6 +50,9 @@ int elk_activation_type(int weight_type);
 int elk_quantize_row_ref(int activation_type, const float *x, void *y, int64_t k);
 // *out = dot(row x of weight_type, y in its activation type), n weights. Returns 0, or -1.
 int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y, float *out);
+// The same with the kernels chosen for this CPU (or pinned): every weight type, the K types
+// through the same table as elk_vec_dot_q8_K; equal to elk_vec_dot_ref bit for bit.
+int elk_vec_dot(int weight_type, int64_t n, const void *x, const void *y, float *out);
 
 #ifdef __cplusplus
 }
