@@ -41,3 +41,13 @@ def ros():
     for made in nodes:
         made.destroy_node()
     rclpy.try_shutdown(context=context)
+
+
+@pytest.fixture(scope='session')
+def native_library() -> pathlib.Path:
+    """Build native/ (cmake, once; setup.sh has usually built it) and give the op library.
+
+    The converter and runtime find it at build/native, so kquant is then the default.
+    """
+    from native_build import native_build
+    return native_build() / 'libedge_llm_ort_ops.so'

@@ -11,6 +11,8 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
+from edge_llm_ros.runtime import native_ops
+
 
 class OrtDriver:
     """Feed tokens (and optional embeddings) step by step; returns last-position logits."""
@@ -20,6 +22,8 @@ class OrtDriver:
         self.meta = yaml.safe_load((model_dir / 'model.yaml').read_text())
         so = ort.SessionOptions()
         so.intra_op_num_threads = threads
+        if native_ops.DOMAIN in (self.meta.get('op_domains') or ()):
+            native_ops.register(so, f'the test driver of {model_dir.name}')
         self.sess = ort.InferenceSession(str(model_dir / 'model.onnx'), so,
                                          providers=['CPUExecutionProvider'])
         self.dtype = np.float16 if self.meta['activation_dtype'] == 'float16' else np.float32

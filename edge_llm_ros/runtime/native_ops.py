@@ -7,7 +7,8 @@ needs it; loading such a folder without it is a NativeLibraryMissingError that s
 build it (there is no fallback: the graph cannot run without its ops).
 
 The kernel choice lives in the library's globals. ctypes opens the same file ONNX Runtime
-registered (dlopen returns the loaded object), so a pin set here is the one the op runs.
+registered (dlopen returns the loaded object), so a pin set here is the one the op runs; it
+holds for the whole process (one engine per process is the product's shape).
 """
 from __future__ import annotations
 
