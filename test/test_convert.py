@@ -99,7 +99,7 @@ def test_tied_q4_1_embedding_keeps_its_offsets(tmp_path, accuracy_level, toleran
     # where the layers' offsets are folded (accuracy level 4).
     src = build_tiny_gguf(tmp_path / 'q41.gguf', tied=True, overrides={'embed': 'Q4_1'})
     model = convert(str(src), str(tmp_path / 'q41'), accuracy_level=accuracy_level,
-                    progress=False)
+                    progress=False, weights='matmulnbits')
     diff, peak = compare(model, source_of(model), steps=6)
     assert diff <= tolerance * (peak if accuracy_level else 1.0)
     graph = onnx.load(str(model / 'model.onnx'), load_external_data=False).graph
