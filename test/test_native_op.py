@@ -10,6 +10,7 @@ or ids are ORT errors that say what is wrong. All in real onnxruntime sessions.
 """
 import concurrent.futures
 import ctypes
+import subprocess
 
 from gguf import GGMLQuantizationType, quants
 from native_build import native_build
@@ -253,3 +254,52 @@ def test_a_tied_embedding_and_lm_head_read_one_table(elk):
     assert embeddings.tobytes() == dense[ids[0]][None].tobytes()
     assert logits.shape == (1, 4, v)
     assert np.array_equal(logits[0], reference(elk, name, weights, dense[ids[0]]))
+
+
+def op_library() -> ctypes.CDLL:
+    """Load the op library ORT loads, by its path: the same handle, the same kernel choice."""
+    lib = ctypes.CDLL(str(native_build() / 'libedge_llm_ort_ops.so'))
+    lib.elk_kernel_name.restype = ctypes.c_char_p
+    lib.elk_cpu_features.restype = ctypes.c_char_p
+    lib.elk_select_kernel.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+def test_the_op_librarys_kernels_are_pinned_and_read_through_ctypes(elk):
+    ops = op_library()
+    elk.elk_kernel_name.restype = ctypes.c_char_p
+    assert ops.elk_select_kernel(b'auto') == 0
+    auto = ops.elk_kernel_name()
+    assert auto == (b'avx2' if b'avx2' in ops.elk_cpu_features() else b'scalar')
+    name, k, n = 'Q4_K', 512, 5
+    weights = random_blocks(np.random.default_rng(2), name, n * k // 256).reshape(n, -1)
+    a = np.random.default_rng(3).standard_normal((3, k)).astype(np.float32)
+    try:
+        assert ops.elk_select_kernel(b'scalar') == 0
+        run = session(TYPES[name][0], weights, k, n)  # ORT loads the library: the pin holds
+        assert np.array_equal(run.run(None, {'A': a})[0], reference(elk, name, weights, a))
+        assert ops.elk_kernel_name() == b'scalar'
+        # The plain C library is another copy with its own choice.
+        assert elk.elk_kernel_name() == auto
+        assert ops.elk_select_kernel(b'no_such_isa') == -1
+        assert ops.elk_kernel_name() == b'scalar'
+    finally:
+        ops.elk_select_kernel(b'auto')
+    assert ops.elk_kernel_name() == auto
+
+
+def test_each_library_binds_its_calls_to_its_own_kernels():
+    """Leave no elk_ symbol to the dynamic linker (-Bsymbolic), and export the kernel API.
+
+    So a library loaded RTLD_GLOBAL first cannot take over the op library's calls (and so
+    its pin).
+    """
+    for library in ('libedge_llm_ort_ops.so', 'libedge_llm_kquant.so'):
+        path = str(native_build() / library)
+        exported = subprocess.run(['nm', '-D', '--defined-only', path], check=True,
+                                  capture_output=True, text=True).stdout.split()
+        assert {'elk_kernel_name', 'elk_cpu_features', 'elk_select_kernel',
+                'elk_vec_dot'} <= set(exported), library
+        relocations = subprocess.run(['readelf', '-rW', path], check=True,
+                                     capture_output=True, text=True).stdout
+        assert ' elk_' not in relocations, library

@@ -3,6 +3,8 @@
 // both, so the library still loads on any x86-64.
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels.h"
 
 namespace elk {
@@ -141,8 +143,135 @@ float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
 
 }  // namespace
 
+namespace {
+
+// =============================================================================================
+// Legacy types: Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1, blocks of 32 weights.
+// (A section of its own: the K-type kernels above are tuned separately.) Each block's exact
+// integer sum lands in one int32 lane, 8 blocks a step; kernels.h's legacy_block /
+// legacy_block_min then run on __m256 (the scalar expression lane by lane), and the 8 terms
+// are added in block order as ref.cpp adds them; a tail of < 8 blocks takes legacy_term.
+// =============================================================================================
+namespace legacy {
+
+// The 32 weights of a block's 16 nibble bytes: weight j (< 16) is the low nibble of byte j,
+// weight j + 16 its high nibble.
+inline __m256i nibbles(const uint8_t *qs) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                          _mm_and_si128(bytes, low4));
+}
+
+// Bit j of a Q5 block's 32 high bits as 0x10 in byte j.
+inline __m256i high_bits(const uint8_t qh[4]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  // Byte j takes byte j / 8 of the word (the word sits in both 128-bit lanes).
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(0x10));
+}
+
+// 8 int32 partial sums of w * a over 32 lanes. Signed: any int8 w, a never -128 (neither our
+// nor ggml's Q8_0 quantizer makes it): |w| * (a * sign w), pairs <= 2 * 128 * 127 in int16.
+inline __m256i dot_signed(__m256i w, __m256i a) {
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w)),
+      _mm256_set1_epi16(1));
+}
+
+// Unsigned w <= 31, any int8 a.
+inline __m256i dot_unsigned(__m256i w, __m256i a) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+}
+
+inline __m256i activations(const int8_t *qs) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs));
+}
+
+inline __m256i block_dot(const BlockQ4_0 &x, const BlockQ8_0 &y) {
+  return dot_signed(_mm256_sub_epi8(nibbles(x.qs), _mm256_set1_epi8(8)), activations(y.qs));
+}
+inline __m256i block_dot(const BlockQ4_1 &x, const BlockQ8_1 &y) {
+  return dot_unsigned(nibbles(x.qs), activations(y.qs));
+}
+inline __m256i block_dot(const BlockQ5_0 &x, const BlockQ8_0 &y) {
+  const __m256i w = _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
+  return dot_signed(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), activations(y.qs));
+}
+inline __m256i block_dot(const BlockQ5_1 &x, const BlockQ8_1 &y) {
+  return dot_unsigned(_mm256_or_si256(nibbles(x.qs), high_bits(x.qh)), activations(y.qs));
+}
+inline __m256i block_dot(const BlockQ8_0 &x, const BlockQ8_0 &y) {
+  return dot_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x.qs)),
+                    activations(y.qs));
+}
+
+// The totals of 8 vectors of 8 int32, lane j = the sum of v[j]'s lanes.
+inline __m256i totals(const __m256i v[8]) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                      _mm256_hadd_epi32(v[2], v[3]));  // v0..v3 | v0..v3
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                      _mm256_hadd_epi32(v[6], v[7]));  // v4..v7 | v4..v7
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// 8 fp16 fields, one per block, as floats (F16C: exact, like fp16_to_fp32).
+template <typename Block, typename Field>
+inline __m256 halves(const Block *b, Field field) {
+  return _mm256_cvtph_ps(_mm_setr_epi16(
+      static_cast<short>(field(b[0])), static_cast<short>(field(b[1])),
+      static_cast<short>(field(b[2])), static_cast<short>(field(b[3])),
+      static_cast<short>(field(b[4])), static_cast<short>(field(b[5])),
+      static_cast<short>(field(b[6])), static_cast<short>(field(b[7]))));
+}
+
+template <typename W>
+inline __m256 terms(const W *x, const BlockQ8_0 *y, __m256 sums) {
+  return legacy_block(halves(x, [](const W &b) { return b.d; }),
+                      halves(y, [](const BlockQ8_0 &b) { return b.d; }), sums);
+}
+
+template <typename W>
+inline __m256 terms(const W *x, const BlockQ8_1 *y, __m256 sums) {
+  return legacy_block_min(halves(x, [](const W &b) { return b.d; }),
+                          halves(y, [](const BlockQ8_1 &b) { return b.d; }), sums,
+                          halves(x, [](const W &b) { return b.m; }),
+                          halves(y, [](const BlockQ8_1 &b) { return b.s; }));
+}
+
+template <typename W, typename A>
+float dot(const void *vx, const void *vy, int64_t nb) {
+  const auto *x = static_cast<const W *>(vx);
+  const auto *y = static_cast<const A *>(vy);
+  float sum = 0.0f;
+  int64_t i = 0;
+  for (; i + 8 <= nb; i += 8) {
+    __m256i sums[8];
+    for (int j = 0; j < 8; ++j) sums[j] = block_dot(x[i + j], y[i + j]);
+    alignas(32) float t[8];
+    _mm256_store_ps(t, terms(x + i, y + i, _mm256_cvtepi32_ps(totals(sums))));
+    for (int j = 0; j < 8; ++j) sum += t[j];
+  }
+  for (; i < nb; ++i) sum += legacy_term(x[i], y[i], hsum_epi32(block_dot(x[i], y[i])));
+  return sum;
+}
+
+}  // namespace legacy
+}  // namespace
+
 const DotKernels *avx2_kernels() {
-  static const DotKernels kernels{"avx2", dot_q4_K, dot_q5_K, dot_q6_K};
+  static const DotKernels kernels{
+      "avx2", dot_q4_K, dot_q5_K, dot_q6_K,
+      legacy::dot<BlockQ4_0, BlockQ8_0>, legacy::dot<BlockQ4_1, BlockQ8_1>,
+      legacy::dot<BlockQ5_0, BlockQ8_0>, legacy::dot<BlockQ5_1, BlockQ8_1>,
+      legacy::dot<BlockQ8_0, BlockQ8_0>};
   return &kernels;
 }
 

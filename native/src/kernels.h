@@ -53,6 +53,19 @@ inline F legacy_block_min(F dx, F dy, F sum, F m, F s) {
   return dx * dy * sum + m * s;
 }
 
+// One legacy block's term from its exact integer sum, in the scalar form (ref.cpp's, and any
+// SIMD path's for blocks it does not vectorize): Q8_0 activations, or Q8_1 with the min.
+template <typename W>
+inline float legacy_term(const W &x, const BlockQ8_0 &y, int32_t sum) {
+  return legacy_block(fp16_to_fp32(x.d), fp16_to_fp32(y.d), static_cast<float>(sum));
+}
+
+template <typename W>
+inline float legacy_term(const W &x, const BlockQ8_1 &y, int32_t sum) {
+  return legacy_block_min(fp16_to_fp32(x.d), fp16_to_fp32(y.d), static_cast<float>(sum),
+                          fp16_to_fp32(x.m), fp16_to_fp32(y.s));
+}
+
 // Sum of min * (activation sums of its 32 weights) over the 8 sub-blocks of a Q4_K/Q5_K block.
 inline int32_t k_mins(const uint8_t *scales, const int16_t *bsums) {
   int32_t mins = 0;

@@ -4,9 +4,7 @@
 namespace elk {
 
 const DotKernels *neon_kernels() {
-  // Q5_K has no NEON kernel yet: the reference runs it (same bits, slower).
-  static const DotKernels kernels{"neon", neon::dot_q4_K<neon::MullDot>, scalar_kernels().q5_K,
-                                  neon::dot_q6_K<neon::MullDot>};
+  static const DotKernels kernels = neon::table<neon::MullDot>("neon");
   return &kernels;
 }
 

@@ -14,8 +14,7 @@ struct DotProd {
 }  // namespace
 
 const DotKernels *neon_dotprod_kernels() {
-  static const DotKernels kernels{"neon_dotprod", neon::dot_q4_K<DotProd>,
-                                  scalar_kernels().q5_K, neon::dot_q6_K<DotProd>};
+  static const DotKernels kernels = neon::table<DotProd>("neon_dotprod");
   return &kernels;
 }
 

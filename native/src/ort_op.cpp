@@ -278,9 +278,10 @@ struct KQuantGatherOp : Ort::CustomOpBase<KQuantGatherOp, KQuantGatherKernel, tr
 };
 }  // namespace
 
-// SessionOptions.register_custom_ops_library calls this.
-extern "C" OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
-                                                      const OrtApiBase *api_base) {
+// SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
+// functions (elk_select_kernel, elk_kernel_name, ...): they act on the kernels its ops run.
+extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
+                                                              const OrtApiBase *api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   static KQuantMatMulOp matmul;
   static KQuantGatherOp gather;

@@ -120,17 +120,8 @@ void dequant_q6_K(const BlockQ6_K *x, float *y, int64_t nb) {
 }
 
 // Legacy blocks of 32 against Q8_0 / Q8_1 activations: one integer sum per block, then
-// kernels.h's legacy_block (dx * dy) * sum, plus the weight's min times the activations'
-// d * sum for Q4_1/Q5_1 (legacy_block_min); the blocks' terms are added in order.
-inline float block_term(const BlockQ8_0 &y, uint16_t dx, int32_t sum) {
-  return legacy_block(fp16_to_fp32(dx), fp16_to_fp32(y.d), static_cast<float>(sum));
-}
-
-inline float block_term(const BlockQ8_1 &y, uint16_t dx, uint16_t m, int32_t sum) {
-  return legacy_block_min(fp16_to_fp32(dx), fp16_to_fp32(y.d), static_cast<float>(sum),
-                          fp16_to_fp32(m), fp16_to_fp32(y.s));
-}
-
+// kernels.h's legacy_term: (dx * dy) * sum, plus the weight's min times the activations'
+// d * sum for Q4_1/Q5_1; the blocks' terms are added in order.
 float dot_q4_0(const void *vx, const void *vy, int64_t nb) {
   const auto *x = static_cast<const BlockQ4_0 *>(vx);
   const auto *y = static_cast<const BlockQ8_0 *>(vy);
@@ -140,7 +131,7 @@ float dot_q4_0(const void *vx, const void *vy, int64_t nb) {
     for (int j = 0; j < QK / 2; ++j) {
       s += ((x[i].qs[j] & 0xf) - 8) * y[i].qs[j] + ((x[i].qs[j] >> 4) - 8) * y[i].qs[j + QK / 2];
     }
-    sum += block_term(y[i], x[i].d, s);
+    sum += legacy_term(x[i], y[i], s);
   }
   return sum;
 }
@@ -154,7 +145,7 @@ float dot_q4_1(const void *vx, const void *vy, int64_t nb) {
     for (int j = 0; j < QK / 2; ++j) {
       s += (x[i].qs[j] & 0xf) * y[i].qs[j] + (x[i].qs[j] >> 4) * y[i].qs[j + QK / 2];
     }
-    sum += block_term(y[i], x[i].d, x[i].m, s);
+    sum += legacy_term(x[i], y[i], s);
   }
   return sum;
 }
@@ -169,7 +160,7 @@ float dot_q5_0(const void *vx, const void *vy, int64_t nb) {
       s += (((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) - 16) * y[i].qs[j] +
            (((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) - 16) * y[i].qs[j + QK / 2];
     }
-    sum += block_term(y[i], x[i].d, s);
+    sum += legacy_term(x[i], y[i], s);
   }
   return sum;
 }
@@ -184,7 +175,7 @@ float dot_q5_1(const void *vx, const void *vy, int64_t nb) {
       s += ((x[i].qs[j] & 0xf) | high_bit(x[i].qh, j)) * y[i].qs[j] +
            ((x[i].qs[j] >> 4) | high_bit(x[i].qh, j + QK / 2)) * y[i].qs[j + QK / 2];
     }
-    sum += block_term(y[i], x[i].d, x[i].m, s);
+    sum += legacy_term(x[i], y[i], s);
   }
   return sum;
 }
@@ -196,7 +187,7 @@ float dot_q8_0(const void *vx, const void *vy, int64_t nb) {
   for (int64_t i = 0; i < nb; ++i) {
     int32_t s = 0;
     for (int j = 0; j < QK; ++j) s += x[i].qs[j] * y[i].qs[j];
-    sum += block_term(y[i], x[i].d, s);
+    sum += legacy_term(x[i], y[i], s);
   }
   return sum;
 }

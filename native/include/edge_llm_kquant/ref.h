@@ -6,6 +6,16 @@
 #include <stddef.h>
 #include <stdint.h>
 
+// Every function here is exported with default visibility from each library that links the
+// kernels (libedge_llm_kquant.so, and libedge_llm_ort_ops.so: Python can ctypes.CDLL the path
+// ONNX Runtime loaded and pin or read the kernels that library's ops run), whatever
+// -fvisibility a build uses.
+#if defined(__GNUC__) || defined(__clang__)
+#define ELK_API __attribute__((visibility("default")))
+#else
+#define ELK_API
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -17,42 +27,46 @@ enum elk_type {
 };
 
 // Weights per block and bytes per block of `type`; 0 for a type this library lacks.
-int elk_block_weights(int type);
-size_t elk_block_bytes(int type);
+ELK_API int elk_block_weights(int type);
+ELK_API size_t elk_block_bytes(int type);
 
 // y[0..k) = the weights of row x (k a multiple of the block size). Returns 0, or -1 for a
 // type this library lacks.
-int elk_dequantize_row_ref(int type, const void *x, float *y, int64_t k);
+ELK_API int elk_dequantize_row_ref(int type, const void *x, float *y, int64_t k);
 
 // Activations to Q8_K blocks (fp32 scale, 256 int8, 16 int16 block sums), as ggml does, so
 // the K types' min terms are one multiply per 16 weights.
-void elk_quantize_row_q8_K_ref(const float *x, void *y, int64_t k);
+ELK_API void elk_quantize_row_q8_K_ref(const float *x, void *y, int64_t k);
 
 // *out = dot(row x of `type`, activations y in Q8_K), n weights. Q4_K, Q5_K and Q6_K.
 // Returns 0, or -1 for another type.
-int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y, float *out);
+ELK_API int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y,
+                                 float *out);
 
 // The same with the kernels chosen for this CPU (or pinned by elk_select_kernel): equal to
 // the reference bit for bit on every path.
-int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out);
+ELK_API int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y,
+                             float *out);
 
 // The running kernels' ISA ("scalar", "avx2", "neon", "neon_dotprod"), the features found,
 // and a pin: "auto" or one of those names. Returns 0, or -1 when this CPU or build lacks that
 // ISA. The choice is one per loaded library (each .so that links the kernels has its own).
-const char *elk_kernel_name(void);
-const char *elk_cpu_features(void);
-int elk_select_kernel(const char *isa);
+ELK_API const char *elk_kernel_name(void);
+ELK_API const char *elk_cpu_features(void);
+ELK_API int elk_select_kernel(const char *isa);
 
 // Every weight type against the activation blocks it pairs with, as ggml pairs them:
 // Q4_0/Q5_0/Q8_0 with Q8_0, Q4_1/Q5_1 with Q8_1, the K types with Q8_K.
-int elk_activation_type(int weight_type);
+ELK_API int elk_activation_type(int weight_type);
 // Activations of k floats into blocks of `activation_type`. Returns 0, or -1.
-int elk_quantize_row_ref(int activation_type, const float *x, void *y, int64_t k);
+ELK_API int elk_quantize_row_ref(int activation_type, const float *x, void *y, int64_t k);
 // *out = dot(row x of weight_type, y in its activation type), n weights. Returns 0, or -1.
-int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y, float *out);
+ELK_API int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const void *y,
+                            float *out);
 // The same with the kernels chosen for this CPU (or pinned): every weight type, the K types
 // through the same table as elk_vec_dot_q8_K; equal to elk_vec_dot_ref bit for bit.
-int elk_vec_dot(int weight_type, int64_t n, const void *x, const void *y, float *out);
+ELK_API int elk_vec_dot(int weight_type, int64_t n, const void *x, const void *y,
+                        float *out);
 
 #ifdef __cplusplus
 }
