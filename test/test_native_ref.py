@@ -258,3 +258,42 @@ def test_legacy_dots_agree_with_ggml(elk, ggml, name):
             fn(n, ctypes.byref(theirs), 0, weights.ctypes.data_as(P), 0,
                activations.ctypes.data_as(P), 0, 1)
             assert abs(mine.value - theirs.value) <= DOT_RTOL * magnitude, (suffix, blocks)
+
+
+@pytest.mark.parametrize('name', sorted(TYPES))
+def test_the_dispatched_dot_of_every_type_gives_the_references_bits(elk, name):
+    """elk_vec_dot (all 8 types, the kernels chosen or pinned) against elk_vec_dot_ref."""
+    for fn in (elk.elk_vec_dot, elk.elk_vec_dot_ref):
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, P, P, ctypes.POINTER(ctypes.c_float)]
+    elk.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
+    elk.elk_block_weights.restype = ctypes.c_int
+    type_id, _, per, _ = TYPES[name]
+    activation = {'q8_0': 8, 'q8_1': 9}.get(LEGACY.get(name), 15)
+    size = {8: 34, 9: 36, 15: Q8_K_BYTES}[activation]
+    rng = np.random.default_rng(type_id + 300)
+    isas = [isa for isa in (b'scalar', b'avx2') if elk.elk_select_kernel(isa) == 0]
+    out, reference = ctypes.c_float(), ctypes.c_float()
+    try:
+        for blocks in (1, 7, 8, 17):  # the legacy SIMD kernels take 8 blocks a step
+            n = blocks * per
+            weights = random_blocks(rng, name, blocks)
+            x = rng.standard_normal(n).astype(np.float32)
+            if blocks == 7:
+                x = np.sign(x).astype(np.float32)  # all +-127
+            activations = np.zeros(n // elk.elk_block_weights(activation) * size, np.uint8)
+            assert elk.elk_quantize_row_ref(activation, x.ctypes.data, activations.ctypes.data,
+                                            n) == 0
+            assert elk.elk_vec_dot_ref(type_id, n, weights.ctypes.data, activations.ctypes.data,
+                                       ctypes.byref(reference)) == 0
+            for isa in isas:
+                assert elk.elk_select_kernel(isa) == 0
+                assert elk.elk_vec_dot(type_id, n, weights.ctypes.data, activations.ctypes.data,
+                                       ctypes.byref(out)) == 0
+                assert np.float32(out.value).tobytes() == np.float32(reference.value).tobytes(), (
+                    isa, blocks)
+            # Partial blocks, an activation-only type (Q8_1, Q8_K) or F16: refused.
+            for bad_type, bad_n in ((type_id, n - 16), (9, n), (15, n), (1, n)):
+                assert elk.elk_vec_dot(bad_type, bad_n, weights.ctypes.data,
+                                       activations.ctypes.data, ctypes.byref(out)) == -1
+    finally:
+        elk.elk_select_kernel(b'auto')
