@@ -9,11 +9,10 @@ import pathlib
 import shutil
 import subprocess
 
-from native_build import native_build
+from native_build import aarch64_build, native_build
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CROSS_BUILD = ROOT / 'build' / 'native-aarch64-test'
 
 
 def test_host_kernels_equal_the_reference():
@@ -27,20 +26,7 @@ def test_host_kernels_equal_the_reference():
 
 @pytest.fixture(scope='module')
 def aarch64_kernel_check() -> pathlib.Path:
-    for tool in ('aarch64-linux-gnu-g++', 'qemu-aarch64-static'):
-        if shutil.which(tool) is None:
-            pytest.fail(f'{tool} is missing: scripts/arm64_rootfs.sh installs it '
-                        '(apt-get install g++-aarch64-linux-gnu qemu-user-static)')
-    include = subprocess.run(['bash', str(ROOT / 'scripts' / 'ort_headers.sh')], check=True,
-                             capture_output=True, text=True).stdout.strip()
-    toolchain = ROOT / 'native' / 'cmake' / 'aarch64-linux-gnu.cmake'
-    for command in (['cmake', '-S', str(ROOT / 'native'), '-B', str(CROSS_BUILD),
-                     f'-DCMAKE_TOOLCHAIN_FILE={toolchain}',
-                     f'-DORT_INCLUDE_DIR={include}', '-DCMAKE_BUILD_TYPE=Release'],
-                    ['cmake', '--build', str(CROSS_BUILD), '-j2', '--target', 'kernel_check']):
-        proc = subprocess.run(command, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return CROSS_BUILD / 'kernel_check'
+    return aarch64_build('kernel_check') / 'kernel_check'
 
 
 @pytest.mark.parametrize('cpu, kernels', [
