@@ -22,9 +22,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from edge_llm_ros.model_format import embedded_model_dir, load_model_info
-from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.regression.compare import cross_cpu_drift, similarity
 from edge_llm_ros.regression.thresholds import OutputThresholds
+from edge_llm_ros.runtime import native_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STAGE = pathlib.Path(os.environ.get('EDGE_LLM_ARM64_DIR', ROOT / '.cache' / 'arm64'))

@@ -6,7 +6,6 @@ Debian's g++-aarch64-linux-gnu and runs under qemu-aarch64: cortex-a53 has no do
 NEON fallback, and no SIGILL), cortex-a76 and max have it. qemu timings mean nothing.
 """
 import pathlib
-import shutil
 import subprocess
 
 from native_build import aarch64_build, native_build
