@@ -13,12 +13,17 @@ from onnx import helper, numpy_helper
 import onnxruntime as ort
 import pytest
 
-from edge_llm_ros.bringup import cuda_runner, kernel_reference as ref, kernels
+from edge_llm_ros.bringup import cuda_runner, kernel_reference as ref, kernels, parameters
 from edge_llm_ros.bringup.errors import KernelSupportError
 
 NVCC = kernels.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason='nvcc (CUDA toolkit) is not installed')
-SOURCES = kernels.kernel_sources('int4_decode')
+# Every kernel file of every set ('kquant' and 'int4_decode' share rmsnorm, rope, kv_int8).
+SOURCES = tuple(sorted({path for name in kernels.KERNEL_SETS
+                        for path in kernels.kernel_sources(name)}))
+# What cuda_runner checks on a GPU against NumPy (kquant.cu: test_native_cuda.py, against the
+# CPU op, and kquant_emulate, its source run on the CPU).
+RUNNER_SOURCES = kernels.kernel_sources('int4_decode')
 
 
 def run_op(op, inputs, outputs, initializers=(), domain='com.microsoft', **attrs):
@@ -60,8 +65,9 @@ def test_each_file_opens_with_its_compile_command(source):
 
 @needs_nvcc
 def test_support_check_accepts_orin_and_refuses_what_cuda_cannot_target():
-    chain = kernels.check_kernel_support('int4_decode', 'sm_87', nvcc=NVCC, device_arch=None)
-    assert chain.compiler == 'nvcc' and 'sm_87' in chain.archs and 'sm_90' in chain.archs
+    for kernel_set in ('kquant', 'int4_decode'):
+        chain = kernels.check_kernel_support(kernel_set, 'sm_87', nvcc=NVCC, device_arch=None)
+        assert chain.compiler == 'nvcc' and 'sm_87' in chain.archs and 'sm_90' in chain.archs
     # CUDA 12.x+ cannot target Xavier's sm_72 any more; CUDA 13 also drops sm_70/sm_72.
     if 'sm_72' not in kernels.nvcc_archs(NVCC):
         with pytest.raises(KernelSupportError) as err:
@@ -90,6 +96,15 @@ def test_support_check_without_any_compiler(tmp_path):
 def test_missing_kernel_file_is_reported(tmp_path):
     with pytest.raises(KernelSupportError, match='rmsnorm.cu'):
         kernels.kernel_sources('int4_decode', tmp_path)
+    with pytest.raises(KernelSupportError, match='kquant.cu'):
+        kernels.kernel_sources('kquant', tmp_path)
+
+
+def test_every_source_has_its_entry_points_and_the_sets_are_the_parameters_choices():
+    assert {p.stem for p in SOURCES} == set(kernels.ENTRY_POINTS)
+    assert set(kernels.KERNEL_SETS) == set(parameters.KERNEL_SETS)
+    assert [p.stem for p in kernels.kernel_sources('kquant')] == [
+        'kquant', 'rmsnorm', 'rope', 'kv_int8']
 
 
 # ---- references vs onnxruntime ------------------------------------------------------------
@@ -210,7 +225,7 @@ POINTER_DTYPES = {'float': np.float32, '__half': np.float16, 'uint8_t': np.uint8
 
 def c_signatures():
     out = {}
-    for source in SOURCES:
+    for source in RUNNER_SOURCES:
         text = source.read_text()
         for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', text):
             out[name] = [p.split() for p in ' '.join(params.split()).split(', ')]
@@ -221,7 +236,7 @@ def test_runner_cases_match_kernel_signatures():
     signatures = c_signatures()
     cases = cuda_runner.cases()
     entries = {c.entry for c in cases}
-    assert entries == {e for es in kernels.ENTRY_POINTS.values() for e in es}
+    assert entries == {e for source in RUNNER_SOURCES for e in kernels.ENTRY_POINTS[source.stem]}
     for case in cases:
         params = signatures[case.entry]
         assert len(params) == len(case.args), case.label

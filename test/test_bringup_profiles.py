@@ -39,6 +39,8 @@ def test_profile_loads_strictly_and_sets_board_essentials(board):
     parameters.check_consistency(values)
     gpu = 'CUDAExecutionProvider' in llm['engine.providers']
     assert (llm['cuda.kernel_set'] != 'none') == gpu
+    if gpu:   # the GGUF-block kernels (kernels/kquant.cu) on every CUDA board
+        assert llm['cuda.kernel_set'] == 'kquant'
     if board.startswith('orin'):
         assert llm['cuda.sm_arch'] == 'sm_87'
 

@@ -18,15 +18,22 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from edge_llm_ros.bringup.errors import KernelSupportError
 
-# kernel set -> kernel source files (kernels/<name>.cu)
+# kernel set -> kernel source files (kernels/<name>.cu). 'kquant' (the CUDA boards' set):
+# GEMV/GEMM on GGUF blocks as they are (Q4_K, Q6_K, Q8_0; what the CUDA execution provider's
+# edge_llm_ros.KQuantMatMul in native/ runs). 'int4_decode': MatMulNBits layouts (folders
+# converted with --weights matmulnbits).
 KERNEL_SETS: Dict[str, Tuple[str, ...]] = {
     'none': (),
     'int4_decode': ('int4_gemv', 'rmsnorm', 'rope', 'kv_int8'),
+    'kquant': ('kquant', 'rmsnorm', 'rope', 'kv_int8'),
 }
 
 # source -> extern "C" entry points it must define
 ENTRY_POINTS: Dict[str, Tuple[str, ...]] = {
     'int4_gemv': ('int4_gemv_f32', 'int4_gemv_f16'),
+    'kquant': ('kquant_quantize_q8_0', 'kquant_quantize_q8_K',
+               'kquant_gemv_q4_K', 'kquant_gemv_q6_K', 'kquant_gemv_q8_0',
+               'kquant_gemm_q4_K', 'kquant_gemm_q6_K', 'kquant_gemm_q8_0'),
     'rmsnorm': ('rmsnorm_f32', 'rmsnorm_f16', 'add_rmsnorm_f32', 'add_rmsnorm_f16'),
     'rope': ('rope_f32', 'rope_f16'),
     'kv_int8': ('kv_quantize_f32', 'kv_quantize_f16', 'kv_dequantize_f32', 'kv_dequantize_f16'),

@@ -150,7 +150,7 @@ def _check_provider_options(items: list) -> None:
 
 PROVIDERS = ('CPUExecutionProvider', 'CUDAExecutionProvider', 'TensorrtExecutionProvider',
              'XnnpackExecutionProvider')
-KERNEL_SETS = ('none', 'int4_decode')
+KERNEL_SETS = ('none', 'int4_decode', 'kquant')
 _THREADS = Range(0, 256)
 _TEMPERATURE_C = Range(20.0, 125.0)
 
