@@ -13,8 +13,8 @@ make_random_gguf shapes run when named in --shapes.
 
 Everything is measured in one run, so the ratios compare runs taken minutes apart at most:
 1. the machine's streaming bandwidth on --threads threads: native/tests/bandwidth.cpp's STREAM
-   triad (build/native/bandwidth, or --bandwidth-bin), before the first shape and after the
-   last; the higher triad median is the machine's figure. Not built: the JSON says so and the
+   triad (build/native/bandwidth, or --bandwidth-bin), before every shape and after the last;
+   the highest triad median is the machine's figure. Not built: the JSON says so and the
    bandwidth target is left unmarked (no stand-in number);
 2. per shape, the GGUF converted twice, `--weights kquant` and `--weights matmulnbits`, each in
    its own process with its peak RSS recorded (make_random_gguf.convert_peak_rss). The folders
@@ -22,7 +22,8 @@ Everything is measured in one run, so the ratios compare runs taken minutes apar
    weight format and the converter version are the same (--fresh-convert: convert anyway);
 3. per shape, bench_models.py --interleave in a child process: both folders' decoders and
    llama.cpp (same GGUF, same threads, same prompt ids) take turns, one row per folder (prefill
-   and decode tok/s, bytes read per token, KL, RSS);
+   and decode tok/s, bytes read per token, KL, RSS). Both folders are loaded at once: the
+   qwen2-7b shape needs ~19 GB (two folders and llama.cpp's process);
 4. per shape, unless --no-node, the kquant folder served by a real llm_node
    (bench_models.py --through-node auto): the node process's RSS vs llama.cpp's with the same
    n_ctx. Without it, RSS is the bench process's growth from loading the decoder (stated so).
@@ -396,6 +397,9 @@ def table(result: Dict) -> str:
         lines.append(f"\nStreaming bandwidth, {result['config']['threads']} threads: triad "
                      f'{triad:.1f} GB/s (read-only {max(reads):.1f} GB/s), best of '
                      f'{len(reads)} runs in this run.')
+    kernels = sorted({s['kernel'] for s in result['shapes'] if s.get('kernel')})
+    if kernels:
+        lines.append(f"kquant kernels: {', '.join(kernels)}.")
     conv = result.get('conversion')
     if conv:
         mnb = conv.get('matmulnbits_rss_over_gguf')
@@ -412,8 +416,7 @@ def run(shapes: Sequence[str], config, node: bool, fresh: bool, bandwidth_bin: p
         json_out: pathlib.Path) -> Dict:
     """Measure every shape in one run; write the JSON after each; return the result."""
     result = {'config': {**asdict(config), 'node': node}, 'targets': TARGETS,
-              'started': time.strftime('%Y-%m-%dT%H:%M:%S'), 'shapes': [],
-              'bandwidth': [stream_bandwidth(config.threads, bandwidth_bin)]}
+              'started': time.strftime('%Y-%m-%dT%H:%M:%S'), 'shapes': [], 'bandwidth': []}
     json_out.parent.mkdir(parents=True, exist_ok=True)
     for shape in shapes:
         gguf = gguf_for(shape)
@@ -421,6 +424,8 @@ def run(shapes: Sequence[str], config, node: bool, fresh: bool, bandwidth_bin: p
         conv = {w: converted(shape, gguf, ident, w, fresh) for w in WEIGHTS}
         dirs = {w: c['dir'] for w, c in conv.items()}
         print(f'bench_kquant: measuring {shape}', file=sys.stderr, flush=True)
+        result['bandwidth'].append({**stream_bandwidth(config.threads, bandwidth_bin),
+                                    'before': shape})
         measured = measure_shape(dirs, str(gguf), config, node)
         records = {w: {**c['convert'], 'converted_now': c['converted_now'], 'dir': c['dir']}
                    for w, c in conv.items()}
@@ -430,7 +435,8 @@ def run(shapes: Sequence[str], config, node: bool, fresh: bool, bandwidth_bin: p
         summary['raw'] = measured
         result['shapes'].append(summary)
         json_out.write_text(json.dumps(result, indent=1))
-    result['bandwidth'].append(stream_bandwidth(config.threads, bandwidth_bin))
+    result['bandwidth'].append({**stream_bandwidth(config.threads, bandwidth_bin),
+                                'before': 'the end'})
     triad = best_bandwidth(result['bandwidth'])
     for s in result['shapes']:  # the fraction against the best triad of the whole run
         redo = summarize(s['shape'], s['raw'], s['bytes'], triad, s['conversions'])
