@@ -100,8 +100,20 @@ def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
     return best
 
 
+# Inputs an op reads a row of (by id or position), not whole: the token table, and the rotary
+# caches GroupQueryAttention / RotaryEmbedding index by position.
+GATHERED_INPUTS = {'Gather': (0,), 'GatherBlockQuantized': (0, 2, 3), 'KQuantGather': (0,),
+                   'GroupQueryAttention': (7, 8), 'RotaryEmbedding': (2, 3)}
+KQUANT_SUFFIX = '.gguf_blocks'  # the converter's name of a matrix kept in its GGUF blocks
+
+
 def weight_bytes_per_token(model_path: str) -> Dict[str, int]:
-    """Bytes of initializers one decode step reads: everything but gathered tables (one row)."""
+    """Bytes of initializers one decode step reads: everything but gathered tables (one row).
+
+    `gguf_blocks`: of those, the bytes of matrices kept in their GGUF blocks (weights: kquant),
+    which KQuantMatMul reads whole; the KQuantGather table counts only when a tied lm_head
+    reads it too.
+    """
     import onnx
     model = onnx.load(model_path, load_external_data=False)
     sizes = {}
@@ -116,16 +128,17 @@ def weight_bytes_per_token(model_path: str) -> Dict[str, int]:
         if node.op_type == 'Reshape' and node.input[0] in sizes:
             continue
         inputs = [source.get(i, i) for i in node.input]
-        if node.op_type in ('Gather', 'GatherBlockQuantized') and inputs[0] in sizes:
-            gathered.update(i for i in inputs[:1] if i in sizes)
-            if node.op_type == 'GatherBlockQuantized':
-                gathered.update(i for i in inputs[2:] if i in sizes)
-        else:
-            read.update(i for i in inputs if i in sizes)
+        rows = GATHERED_INPUTS.get(node.op_type, ())
+        if node.op_type in ('Gather', 'GatherBlockQuantized', 'KQuantGather') and \
+                inputs[0] not in sizes:
+            rows = ()  # a gather of a computed tensor: its initializer inputs are read
+        gathered.update(i for j, i in enumerate(inputs) if j in rows and i in sizes)
+        read.update(i for j, i in enumerate(inputs) if j not in rows and i in sizes)
     # A table both gathered and used by a MatMul (tied lm_head) is read in full.
     per_token = sum(sizes[n] for n in read)
     return {'per_token': per_token, 'total': sum(sizes.values()),
-            'gather_only': sum(sizes[n] for n in gathered - read)}
+            'gather_only': sum(sizes[n] for n in gathered - read),
+            'gguf_blocks': sum(sizes[n] for n in read if n.endswith(KQUANT_SUFFIX))}
 
 
 def peak_rss_mb() -> float:

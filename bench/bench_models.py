@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_models.py --model DIR [--gguf FILE] [--model DIR2 ...]
         [--threads 2] [--prompt-tokens 64] [--new-tokens 32] [--repeats 2] [--json-out F]
+        [--interleave]   (the models are conversions of one GGUF: measured side by side)
     .venv/bin/python bench/bench_engine.py --rows --model DIR ...   (the same, from there)
 
 `--model default` is the embedded SmolLM2-135M; a model without `--gguf` uses the GGUF its
@@ -9,13 +10,15 @@ model.yaml records. For each model, in one run so the ratios compare like with l
 shared machine: our decoder (edge_llm_ros.runtime.decoder.OnnxDecoder, loaded as the Engine
 loads it) measures a prefill of the prompt and greedy decode steps, then llama-cpp-python (the
 portable build of bench/llama_peer.py, in its own process) does the same on the same ids with
-the same threads; repeated `--repeats` times, alternating. The prompt is the tokenized text of
-bench_engine's prompt (repeated as needed), cut to `--prompt-tokens`, after BOS where the model
-adds one. Each row has:
+the same threads; repeated `--repeats` times, alternating (with --interleave, each repeat runs
+every folder, then llama.cpp once: their rows share llama.cpp's runs). The prompt is the
+tokenized text of bench_engine's prompt (repeated as needed), cut to `--prompt-tokens`, after
+BOS where the model adds one. Each row has:
 - prefill and decode tok/s, both engines, and the ratio of medians and of interleaved pairs;
 - weight bytes read per decode step: ours from the ONNX initializers a step reads (gathered
-  tables excluded), llama.cpp's from the GGUF tensor sizes, the token embedding excluded
-  unless it is also the head (a tied head reads it whole);
+  tables and rotary caches excluded: a row per token; a kquant folder's `*.gguf_blocks`
+  matrices whole, its KQuantGather table too when a tied head reads it), llama.cpp's from the
+  GGUF tensor sizes, the token embedding excluded unless it is also the head;
 - KL(llama.cpp || ours) on llama.cpp's greedy path: the prompt's last position and the next
   `--kl-steps` steps, ours teacher-forced with llama.cpp's ids;
 - resident memory of each engine, and met / missed against TARGETS.
@@ -116,12 +119,13 @@ class OursRunner:
             intra_op_threads=config.threads, max_context=config.max_context))
         self.load_s = time.perf_counter() - t
         self.rss_loaded_mb = (self._proc.memory_info().rss - rss0) / 2 ** 20
-        self._rss0 = rss0
+        self._growth = 0  # bytes the runs added (this runner's own: others may run between)
         self.config = config
 
     def run(self, ids: Sequence[int]) -> Dict:
         """Prefill `ids`, then new_tokens - 1 greedy decode steps (as the peer does)."""
         import numpy as np
+        rss_before = self._proc.memory_info().rss
         t0 = time.perf_counter()
         tok = int(self.decoder.forward(np.asarray(ids, np.int64), None, 0).argmax())
         t1 = time.perf_counter()
@@ -131,9 +135,10 @@ class OursRunner:
             pos += 1
             out.append(tok)
         t2 = time.perf_counter()
+        self._growth += max(0, self._proc.memory_info().rss - rss_before)
         return {'prefill_tok_s': len(ids) / (t1 - t0),
                 'decode_tok_s': (len(out) - 1) / (t2 - t1), 'ids': out,
-                'rss_mb': (self._proc.memory_info().rss - self._rss0) / 2 ** 20}
+                'rss_mb': self.rss_loaded_mb + self._growth / 2 ** 20}
 
     def logits_on(self, ids: Sequence[int], follow: Sequence[int]):
         """Logits after the prompt, then after each id of `follow` (teacher-forced)."""
@@ -243,36 +248,65 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def measure_row(model_dir: str, gguf: str, python: str, config: RowConfig) -> Dict:
     """Interleave our runs and llama.cpp's on one model; return its row."""
+    return measure_rows([model_dir], gguf, python, config)[0]
+
+
+def measure_rows(model_dirs: Sequence[str], gguf: str, python: str,
+                 config: RowConfig) -> List[Dict]:
+    """One row per folder converted from `gguf` (e.g. two weight formats), in one run.
+
+    Each repeat runs every folder's decoder (in turn, the order reversed every other repeat)
+    and then llama.cpp once, so the folders' rows share llama.cpp's runs and every ratio,
+    ours / ours included, compares runs taken next to each other.
+    """
     import numpy as np
     sys.path.insert(0, str(ROOT / 'test'))
     from llama_cpp_parity import kl_divergence
     load0 = os.getloadavg()
-    ids = prompt_ids(model_dir, config.prompt_tokens)
-    ours_runner = OursRunner(model_dir, config)
-    ours_runner.run(ids[:8])  # warm-up
-    ours, peer = [], []
+    ids = prompt_ids(model_dirs[0], config.prompt_tokens)
+    runners = []
+    for model_dir in model_dirs:
+        runners.append(OursRunner(model_dir, config))
+        runners[-1].run(ids[:8])  # warm-up
+    ours: List[List[Dict]] = [[] for _ in runners]
+    peer = []
     with tempfile.TemporaryDirectory() as tmp:
         logits_path = os.path.join(tmp, 'llama_logits.npy')
         for i in range(config.repeats):
-            ours.append(ours_runner.run(ids))
+            order = range(len(runners)) if i % 2 == 0 else reversed(range(len(runners)))
+            for j in order:
+                ours[j].append(runners[j].run(ids))
             peer.append(run_peer(python, gguf, ids, config, logits_path if i == 0 else ''))
         ref = np.load(logits_path)
     follow = peer[0]['ids'][:len(ref) - 1]
-    kl = kl_divergence(ref, ours_runner.logits_on(ids, follow))
-    ours_bytes, llama_bytes = onnx_bytes_per_token(model_dir), gguf_bytes_per_token(gguf)
+    llama_bytes = gguf_bytes_per_token(gguf)
+    rows = []
+    for model_dir, runner, runs in zip(model_dirs, runners, ours):
+        kl = kl_divergence(ref, runner.logits_on(ids, follow))
+        rows.append(_row(model_dir, gguf, config, ids, runner, runs, peer, kl,
+                         onnx_bytes_per_token(model_dir), llama_bytes, load0))
+    del runners
+    return rows
+
+
+def _row(model_dir: str, gguf: str, config: RowConfig, ids: Sequence[int], runner: OursRunner,
+         ours: List[Dict], peer: List[Dict], kl, ours_bytes: Dict, llama_bytes: Dict,
+         load0) -> Dict:
     row = {
-        'model': ours_runner.info.name, 'architecture': ours_runner.info.architecture,
+        'model': runner.info.name, 'architecture': runner.info.architecture,
         'model_dir': model_dir, 'gguf': gguf, 'gguf_bytes': os.path.getsize(gguf),
         'threads': config.threads, 'prompt_tokens': len(ids),
         'new_tokens': config.new_tokens, 'repeats': config.repeats,
+        'kernel': runner.decoder.kernel,
         'ours': {'prefill_tok_s': [r['prefill_tok_s'] for r in ours],
                  'decode_tok_s': [r['decode_tok_s'] for r in ours],
-                 'load_s': ours_runner.load_s, 'rss_mb': ours[-1]['rss_mb']},
+                 'load_s': runner.load_s, 'rss_mb': ours[-1]['rss_mb']},
         'llama_cpp': {'engine': peer[0]['engine'],
                       'prefill_tok_s': [r['prefill_tok_s'] for r in peer],
                       'decode_tok_s': [r['decode_tok_s'] for r in peer],
                       'rss_mb': statistics.median(r['rss_mb'] for r in peer)},
         'bytes_per_token': {'ours': ours_bytes['per_token'], 'llama_cpp': llama_bytes['per_token'],
+                            'ours_gguf_blocks': ours_bytes.get('gguf_blocks', 0),
                             'tied_head': llama_bytes['tied_head']},
         'greedy_prefix_equal': common_prefix(ours[0]['ids'], peer[0]['ids']),
         'kl_steps': len(kl), 'max_kl': float(kl.max()), 'mean_kl': float(kl.mean()),
@@ -285,7 +319,6 @@ def measure_row(model_dir: str, gguf: str, python: str, config: RowConfig) -> Di
     row['ratios']['bytes_vs_llama_cpp'] = ours_bytes['per_token'] / llama_bytes['per_token']
     row['ratios']['rss_vs_llama_cpp'] = row['ours']['rss_mb'] / row['llama_cpp']['rss_mb']
     row['targets_met'] = targets_met({**row['ratios'], 'max_kl': row['max_kl']})
-    del ours_runner
     return row
 
 
@@ -443,20 +476,30 @@ def resolve(models: Sequence[str], ggufs: Sequence[str]) -> List[tuple]:
 
 
 def run_rows(models: Sequence[str], ggufs: Sequence[str], config: RowConfig,
-             json_out: str = '') -> int:
-    """Measure every model; print the JSON rows and the table. Exit 3 when llama.cpp failed."""
+             json_out: str = '', interleave: bool = False) -> int:
+    """Measure every model; print the JSON rows and the table. Exit 3 when llama.cpp failed.
+
+    interleave: the models are conversions of one GGUF, measured together (measure_rows).
+    """
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / 'bench'))
     import llama_peer
     python = llama_peer.ensure_peer(install=True)['python']
     rows = []
-    for model, gguf in resolve(models, ggufs):
+    pairs = resolve(models, ggufs)
+    if interleave and len({g for _, g in pairs}) > 1:
+        raise SystemExit('--interleave measures conversions of one GGUF: '
+                         f'got {sorted({g for _, g in pairs})}')
+    groups = [pairs] if interleave else [[p] for p in pairs]
+    for group in groups:
         try:
-            rows.append(measure_row(model, gguf, python, config))
+            got = measure_rows([m for m, _ in group], group[0][1], python, config)
         except PeerFailed as exc:
-            print(f'bench_models: FAILED on {model}: {exc}', file=sys.stderr)
+            print(f'bench_models: FAILED on {group[0][0]}: {exc}', file=sys.stderr)
             return PEER_FAILED
-        print(json.dumps(rows[-1]), flush=True)
+        rows.extend(got)
+        for row in got:
+            print(json.dumps(row), flush=True)
         if json_out:  # written after every row: a long run keeps what it measured
             pathlib.Path(json_out).write_text(json.dumps(
                 {'config': asdict(config), 'targets': TARGETS, 'rows': rows}, indent=1))
@@ -502,9 +545,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument('--max-context', type=int, default=RowConfig.max_context)
     p.add_argument('--json-out', default='')
     add_row_arguments(p)
+    p.add_argument('--interleave', action='store_true',
+                   help='the models are conversions of one GGUF: run them side by side '
+                        "sharing llama.cpp's runs (one row each)")
     p.add_argument('--through-node', metavar='FAMILY', default='',
-                   help='serve the (first) model through llm_node with this model.family and '
-                        'time the action against llama.cpp (prefill, decode, RSS)')
+                   help='serve the (first) model through llm_node with this model.family '
+                        "('auto': matched from its model.yaml) and time the action against "
+                        'llama.cpp (prefill, decode, RSS)')
     p.add_argument('--peer', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--prompt-ids', default='[]', help=argparse.SUPPRESS)
     p.add_argument('--logits-out', default='', help=argparse.SUPPRESS)
@@ -517,9 +564,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        new_tokens=args.new_tokens, repeats=args.repeats,
                        kl_steps=args.kl_steps, max_context=args.max_context)
     if args.through_node:
-        return run_node(args.model or ['default'], args.gguf, args.through_node, config,
-                        args.json_out)
-    return run_rows(args.model or ['default'], args.gguf, config, args.json_out)
+        family = '' if args.through_node == 'auto' else args.through_node
+        return run_node(args.model or ['default'], args.gguf, family, config, args.json_out)
+    return run_rows(args.model or ['default'], args.gguf, config, args.json_out,
+                    args.interleave)
 
 
 if __name__ == '__main__':

@@ -7,16 +7,19 @@
 The speed of a matmul does not depend on the values, so these files benchmark the engine and
 llama.cpp on models nobody can download here (no complete DeepSeek-R1-Distill weights are in
 the registries). Shapes, metadata keys and tensor names are the real ones; the type mix is
-llama.cpp's Q4_K_M recipe (Q6_K for the head and for attn_v / ffn_down of the layers
-llama-quantize gives more bits; Q4_K elsewhere; F32 vectors); the vocabulary is a byte-level
-BPE one of the real size whose first ids are the 256 byte symbols.
+llama.cpp's Q4_K_M recipe (llama-quant.cpp's llama_tensor_get_type: Q6_K for the head and
+for attn_v / ffn_down of the layers llama-quantize gives more bits, Q5_K for a fused attn_qkv,
+Q4_K elsewhere, F32 vectors; a matrix whose rows are not a whole number of 256-wide
+super-blocks falls back as llama-quantize does: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and
+F16 if not even 32-wide blocks fit); the vocabulary is a byte-level BPE one of the real size
+whose first ids are the 256 byte symbols.
 
 Blocks are random bytes with their fp16 scales set so that each matrix's rows dequantize to
 about 1/sqrt(fan_in) spread (gguf-py cannot encode K-quants): valid blocks, written tensor by
 tensor (the writer holds one tensor at a time; the 7B file is ~4.7 GB).
 
 --convert runs edge-llm-convert on the result in a child process and prints its peak RSS next
-to the file size (the converter must stay within 1.3x).
+to the file size (the converter must stay within 1.3x); --weights picks its weight format.
 """
 from __future__ import annotations
 
@@ -26,7 +29,6 @@ import json
 import math
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -42,7 +44,7 @@ _SCALE_FIELDS: Dict[str, Tuple[int, Optional[int], float]] = {
     'Q5_1': (0, 2, -15.5),
 }
 # llama-quantize's fallback when a row is not a whole number of 256-wide K-quant super-blocks
-# (Qwen2.5-0.5B's 896, Gemma 3 1B's 1152).
+# (Qwen2.5-0.5B's 896, Gemma 3 1B's 1152); F16 when not even the fallback's 32 fit.
 _NOT_256 = {'Q4_K': 'Q5_0', 'Q5_K': 'Q5_1', 'Q6_K': 'Q8_0'}
 
 
@@ -74,6 +76,9 @@ SHAPES: Dict[str, Shape] = {
                       {'r1_specials': True}),
     'qwen2-0.5b': Shape('qwen2', 896, 24, 14, 2, 64, 4864, 151936, 32768, 1e6, 1e-6, True,
                         'qwen2', 'Qwen2.5-0.5B-Instruct'),
+    # 1536 = 6 x 256: every matrix keeps its K-quant type (no fallback, unlike 0.5B's 896).
+    'qwen2-1.5b': Shape('qwen2', 1536, 28, 12, 2, 128, 8960, 151936, 32768, 1e6, 1e-6, True,
+                        'qwen2', 'Qwen2.5-1.5B-Instruct'),
     'llama3-1b': Shape('llama', 2048, 16, 32, 8, 64, 8192, 128256, 131072, 500000.0, 1e-5,
                        True, 'llama-bpe', 'Llama-3.2-1B-Instruct',
                        {'llama3_rope': (32.0, 1.0, 4.0, 8192)}),
@@ -103,6 +108,8 @@ def quant_type(role: str, layer: int, layers: int) -> str:
         (layer - layers // 8) % 3 == 2
     if role == 'output':
         return 'Q6_K'
+    if role == 'attn_qkv':  # fused: Q4_K_M gives it Q5_K in every layer
+        return 'Q5_K'
     if role in ('attn_v', 'ffn_down') and more_bits:
         return 'Q6_K'
     return 'Q4_K'
@@ -146,8 +153,7 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
         p = f'blk.{i}.'
         yield p + 'attn_norm.weight', (s.hidden,), 'F32'
         if s.arch == 'phi3':
-            qkv_type = quant_type('attn_v', i, s.layers)
-            yield p + 'attn_qkv.weight', (q + 2 * kv, s.hidden), qkv_type
+            yield p + 'attn_qkv.weight', (q + 2 * kv, s.hidden), 'Q5_K'
         else:
             yield p + 'attn_q.weight', (q, s.hidden), 'Q4_K'
             yield p + 'attn_k.weight', (kv, s.hidden), 'Q4_K'
@@ -170,6 +176,21 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
         yield p + 'ffn_down.weight', (s.hidden, s.ff), quant_type('ffn_down', i, s.layers)
         if s.arch == 'gemma3':
             yield p + 'post_ffw_norm.weight', (s.hidden,), 'F32'
+
+
+def fallback_type(qtype: str, row: int) -> str:
+    """Return the type llama-quantize writes for `qtype` rows of `row` values (its fallback)."""
+    if qtype in _NOT_256 and row % 256:
+        qtype = _NOT_256[qtype]
+        if row % 32:
+            qtype = 'F16'
+    return qtype
+
+
+def gguf_plan(shape: Shape) -> List[Tuple[str, Tuple[int, ...], str]]:
+    """tensor_plan with the fallback applied to matrices: what the file holds."""
+    return [(n, sh, fallback_type(t, sh[1]) if len(sh) == 2 else t)
+            for n, sh, t in tensor_plan(shape)]
 
 
 class BlockMaker:
@@ -205,6 +226,9 @@ class BlockMaker:
     def matrix(self, rows: int, cols: int, qtype: str) -> np.ndarray:
         """uint8 [rows, row_bytes] of `qtype` blocks, rows dequantizing to ~1/sqrt(cols)."""
         import gguf
+        if qtype == 'F16':
+            w = self.rng.standard_normal((rows, cols), np.float32) / math.sqrt(cols)
+            return w.astype(np.float16)
         block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
         d = (1 / math.sqrt(cols)) / self._spread(qtype)
         signs = self.rng.choice(np.array([-d, d], np.float32), size=(rows, cols // block))
@@ -263,11 +287,12 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
     w.add_eos_token_id(ids['eos'])
     w.add_add_bos_token(bool(x.get('r1_specials')))
     w.add_chat_template(R1_TEMPLATE if x.get('r1_specials') else CHATML)
-    plan = [(n, sh, _NOT_256.get(t, t) if len(sh) == 2 and sh[1] % 256 else t)
-            for n, sh, t in tensor_plan(s)]
+    plan = gguf_plan(s)
     for tname, tshape, qtype in plan:
         if qtype == 'F32':
             w.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * tshape[0])
+        elif qtype == 'F16':
+            w.add_tensor_info(tname, tshape, np.dtype(np.float16), 2 * tshape[0] * tshape[1])
         else:
             qt = gguf.GGMLQuantizationType[qtype]
             block, size = gguf.GGML_QUANT_SIZES[qt]
@@ -289,22 +314,29 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
     return path
 
 
-def convert_peak_rss(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> dict:
-    """Convert in a child process; return its peak RSS, wall time and the sizes."""
+def convert_peak_rss(gguf_path: pathlib.Path, out_dir: pathlib.Path,
+                     weights: Optional[str] = None) -> dict:
+    """Convert in a child process; return its peak RSS, wall time and the sizes.
+
+    The peak is that child's own (wait4's rusage), not the largest of every child so far.
+    """
+    import tempfile
     cmd = [sys.executable, '-m', 'edge_llm_ros.convert.converter', str(gguf_path), str(out_dir),
-           '--force', '--quiet']
+           '--force', '--quiet'] + (['--weights', weights] if weights else [])
     t0 = time.monotonic()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if proc.returncode != 0:
-        raise RuntimeError(f'conversion failed: {proc.stderr[-2000:]}')
+    with tempfile.TemporaryFile('w+') as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f'conversion failed ({proc.returncode}): {err.read()[-2000:]}')
     size = gguf_path.stat().st_size
     out_size = sum(f.stat().st_size for f in out_dir.iterdir())
+    peak = usage.ru_maxrss * 1024  # KiB on Linux
     return {'gguf': str(gguf_path), 'gguf_bytes': size, 'onnx_folder_bytes': out_size,
-            'peak_rss_bytes': peak_kib * 1024, 'rss_over_gguf': peak_kib * 1024 / size,
-            'seconds': round(time.monotonic() - t0, 1),
-            'note': None if peak_kib > before else 'an earlier child had a larger peak'}
+            'weights': weights or 'default', 'peak_rss_bytes': peak,
+            'rss_over_gguf': peak / size, 'seconds': round(time.monotonic() - t0, 1)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -317,6 +349,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--convert', metavar='OUT_DIR', default=None,
                    help='convert the file and print peak RSS vs file size (JSON)')
+    p.add_argument('--weights', default=None, choices=('kquant', 'matmulnbits'),
+                   help="--convert's weight format (default: the converter's)")
     args = p.parse_args(argv)
     if args.list or not args.shape:
         for k, v in SHAPES.items():
@@ -329,7 +363,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         write_random_gguf(out, args.shape, args.seed, args.layers)
     print(json.dumps({'gguf': str(out), 'bytes': out.stat().st_size}))
     if args.convert:
-        print(json.dumps(convert_peak_rss(out, pathlib.Path(args.convert))))
+        print(json.dumps(convert_peak_rss(out, pathlib.Path(args.convert), args.weights)))
     return 0
 
 
