@@ -82,6 +82,67 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
     assert np.all(np.abs(batched - exact) <= 0.02 * scale)
 
 
+def quantized(elk, a: np.ndarray) -> np.ndarray:
+    k = a.shape[1]
+    q = np.zeros((a.shape[0], k // 256 * Q8_K_BYTES), np.uint8)
+    for m, row in enumerate(np.ascontiguousarray(a)):
+        elk.elk_quantize_row_q8_K_ref(row.ctypes.data_as(P), q[m].ctypes.data_as(P),
+                                      ctypes.c_int64(k))
+    return q
+
+
+def reference_gemm(elk, type_id: int, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Return the reference through elk_gemm_q8_K pinned to the scalar kernels (a dot each)."""
+    q = quantized(elk, a)
+    out = np.full((a.shape[0], weights.shape[0]), np.nan, np.float32)
+    assert elk.elk_select_kernel(b'scalar') == 0
+    try:
+        assert elk.elk_gemm_q8_K(
+            type_id, ctypes.c_int64(a.shape[1]), weights.ctypes.data_as(P),
+            ctypes.c_size_t(weights.shape[1]), ctypes.c_int64(weights.shape[0]),
+            q.ctypes.data_as(P), ctypes.c_size_t(q.shape[1]), ctypes.c_int64(a.shape[0]),
+            out.ctypes.data_as(P), ctypes.c_int64(weights.shape[0])) == 0
+    finally:
+        elk.elk_select_kernel(b'auto')
+    return out
+
+
+@pytest.mark.parametrize('name', K_TYPES)
+def test_every_batch_size_to_600_gives_each_row_the_reference_bits(elk, name):
+    # N = 99: column tasks of 64 and 32 with remainders 35 and 3, so weight tiles of 4 and 2
+    # with remainders 3 and 1; M up to 600: activation tiles of 4 with every remainder, and
+    # tasks of 64 rows.
+    type_id, k, n = TYPES[name][0], 512, 99
+    rng = np.random.default_rng(type_id)
+    weights = random_blocks(rng, name, n * k // 256).reshape(n, -1)
+    a = rng.standard_normal((600, k)).astype(np.float32)
+    expected = reference_gemm(elk, type_id, weights, a)
+    # The scalar gemm is the reference dot element by element.
+    q = quantized(elk, a[[0, 599]])
+    for m, row in ((0, 0), (1, 599)):
+        for col in (0, 50, 98):
+            value = ctypes.c_float()
+            elk.elk_vec_dot_q8_K_ref(type_id, ctypes.c_int64(k), weights[col].ctypes.data_as(P),
+                                     q[m].ctypes.data_as(P), ctypes.byref(value))
+            assert value.value == expected[row, col] or (np.isnan(value.value) and
+                                                         np.isnan(expected[row, col]))
+    run = session(type_id, weights, k, n)
+    full = run.run(None, {'A': a})[0]
+    assert full.tobytes() == expected.tobytes()
+    for m in list(range(1, 10)) + [63, 64, 65, 127, 128, 129, 257, 511, 512, 513, 599]:
+        start = (m * 37) % (600 - m + 1)
+        got = run.run(None, {'A': a[start:start + m]})[0]
+        assert got.tobytes() == expected[start:start + m].tobytes(), m
+    # The library's own kernels (the tiles this CPU runs) give the same bits through the C API.
+    out = np.zeros((600, n), np.float32)
+    assert elk.elk_gemm_q8_K(
+        type_id, ctypes.c_int64(k), weights.ctypes.data_as(P), ctypes.c_size_t(weights.shape[1]),
+        ctypes.c_int64(n), quantized(elk, a).ctypes.data_as(P),
+        ctypes.c_size_t(k // 256 * Q8_K_BYTES), ctypes.c_int64(600), out.ctypes.data_as(P),
+        ctypes.c_int64(n)) == 0
+    assert out.tobytes() == expected.tobytes()
+
+
 def test_bad_attributes_and_shapes_are_errors_that_say_what_is_wrong():
     weights = np.zeros((8, 144), np.uint8)
     with pytest.raises(Exception, match='quant_type 2 is not Q4_K'):

@@ -16,6 +16,7 @@
 namespace elk {
 #ifndef ELK_HAVE_AVX2
 const DotKernels *avx2_kernels() { return nullptr; }
+const GemmKernels *avx2_gemm_kernels() { return nullptr; }
 #endif
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
@@ -63,6 +64,25 @@ const DotKernels *&selected() {
   return kernels;
 }
 
+// The tiled kernels that go with the selected dots, or nullptr: run those dots per element.
+const GemmKernels *selected_gemm() {
+  const DotKernels *k = selected();
+  if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
+  return nullptr;
+}
+
+// Where an ISA has no tiled kernels: one dot per element, the same bits.
+void gemm_by_dots(DotFn dot, const void *w, size_t ws, int64_t n, const void *a, size_t as,
+                  int64_t m, int64_t nb, float *out, int64_t ldo) {
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[i * ldo + j] = dot(wb + j * ws, reinterpret_cast<const BlockQ8_K *>(ab + i * as), nb);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace elk
 
@@ -96,4 +116,28 @@ extern "C" int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *
     case ELK_Q6_K: *out = k->q6_K(x, a, n / QK_K); return 0;
     default: return -1;
   }
+}
+
+extern "C" int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                             const void *a, size_t a_stride, int64_t m, float *out,
+                             int64_t ldo) {
+  if (k % QK_K != 0 || n < 0 || m < 0 || ldo < n) return -1;
+  const int64_t nb = k / QK_K;
+  const DotKernels *dots = selected();
+  const GemmKernels *tiles = selected_gemm();
+  DotFn dot;
+  GemmFn gemm;
+  switch (type) {
+    case ELK_Q4_K: dot = dots->q4_K; gemm = tiles ? tiles->q4_K : nullptr; break;
+    case ELK_Q5_K: dot = dots->q5_K; gemm = tiles ? tiles->q5_K : nullptr; break;
+    case ELK_Q6_K: dot = dots->q6_K; gemm = tiles ? tiles->q6_K : nullptr; break;
+    default: return -1;
+  }
+  if (m == 0 || n == 0) return 0;
+  if (gemm != nullptr) {
+    gemm(w, w_stride, n, a, a_stride, m, nb, out, ldo);
+  } else {
+    gemm_by_dots(dot, w, w_stride, n, a, a_stride, m, nb, out, ldo);
+  }
+  return 0;
 }

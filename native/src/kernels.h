@@ -3,6 +3,7 @@
 // same float expression per super-block, so all ISA paths give the reference's bits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "blocks.h"
@@ -21,6 +22,22 @@ const DotKernels &scalar_kernels();
 const DotKernels *avx2_kernels();
 const DotKernels *neon_kernels();
 const DotKernels *neon_dotprod_kernels();
+
+// Many weight rows times many activation rows: out[i * ldo + j] = the DotFn of weight row j
+// (w + j * w_stride) and activation row i (a + i * a_stride bytes of Q8_K blocks), i < m,
+// j < n. Each element is the DotFn's float expression over the same super-blocks in the same
+// order, so its bits do not depend on m, n, the tile a kernel picks or the threads.
+using GemmFn = void (*)(const void *w, size_t w_stride, int64_t n, const void *a,
+                        size_t a_stride, int64_t m, int64_t blocks, float *out, int64_t ldo);
+
+struct GemmKernels {
+  const char *isa;
+  GemmFn q4_K, q5_K, q6_K;
+};
+
+// The tiled kernels of an ISA, or nullptr where it has none (dispatch.cpp then runs its
+// DotKernels element by element: the same bits, without the shared loads).
+const GemmKernels *avx2_gemm_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {

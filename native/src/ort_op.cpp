@@ -15,7 +15,12 @@
 namespace {
 
 constexpr const char *kDomain = "edge_llm_ros";
-constexpr int64_t kColumnsPerTask = 16;
+// A task: a block of weight rows (output columns) times a block of activation rows, handed
+// whole to elk_gemm_q8_K, which tiles it so each weight block is unpacked once for several
+// activation rows. Consecutive tasks share a column block (its weights stay in cache while
+// the threads take its row blocks); fewer columns per task when there are many rows.
+constexpr int64_t kColumnsPerTask = 64;
+constexpr int64_t kRowsPerTask = 64;
 
 struct Work {
   const uint8_t *weights;
@@ -24,20 +29,18 @@ struct Work {
   int64_t rows, n, k;
   size_t weight_row_bytes, activation_row_bytes;
   int type;
+  int64_t columns_per_task, rows_per_task, row_tasks;
 };
 
 void columns(void *data, size_t task) {
   const Work &w = *static_cast<const Work *>(data);
-  const int64_t first = static_cast<int64_t>(task) * kColumnsPerTask;
-  const int64_t last = first + kColumnsPerTask < w.n ? first + kColumnsPerTask : w.n;
-  for (int64_t col = first; col < last; ++col) {
-    const uint8_t *row = w.weights + col * w.weight_row_bytes;
-    for (int64_t m = 0; m < w.rows; ++m) {
-      float value;
-      elk_vec_dot_q8_K(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
-      w.out[m * w.n + col] = value;
-    }
-  }
+  const int64_t first = static_cast<int64_t>(task) / w.row_tasks * w.columns_per_task;
+  const int64_t row = static_cast<int64_t>(task) % w.row_tasks * w.rows_per_task;
+  const int64_t cols = first + w.columns_per_task < w.n ? w.columns_per_task : w.n - first;
+  const int64_t rows = row + w.rows_per_task < w.rows ? w.rows_per_task : w.rows - row;
+  elk_gemm_q8_K(w.type, w.k, w.weights + first * w.weight_row_bytes, w.weight_row_bytes, cols,
+                w.activations + row * w.activation_row_bytes, w.activation_row_bytes, rows,
+                w.out + row * w.n + first, w.n);
 }
 
 struct KQuantMatMulKernel {
@@ -95,9 +98,14 @@ struct KQuantMatMulKernel {
       elk_quantize_row_q8_K_ref(input + m * k_, activations_.data() + m * activation_row_bytes,
                                 k_);
     }
+    const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
+    const int64_t columns_per_task = rows_per_task > 4 ? 32 : kColumnsPerTask;
+    const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
     Work work{w.GetTensorData<uint8_t>(), activations_.data(), y.GetTensorMutableData<float>(),
-              rows, n_, k_, row_bytes_, activation_row_bytes, type_};
-    const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
+              rows, n_, k_, row_bytes_, activation_row_bytes, type_, columns_per_task,
+              rows_per_task, row_tasks};
+    const size_t tasks =
+        static_cast<size_t>(row_tasks * ((n_ + columns_per_task - 1) / columns_per_task));
     ctx.ParallelFor(columns, tasks, 0, &work);
   }
 

@@ -25,6 +25,52 @@ std::vector<uint8_t> random_blocks(std::mt19937 &rng, size_t bytes, int blocks,
   return out;
 }
 
+// elk_gemm_q8_K over m activation rows x n weight rows (both odd sizes around every tile
+// edge): each element, and nothing else of out, must be the reference's dot bit for bit.
+bool check_gemm(std::mt19937 &rng, const char *isa, int type, size_t bytes,
+                std::initializer_list<size_t> scales, const char *name, int m, int n,
+                int blocks, bool extreme) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int k = blocks * 256;
+  const size_t row = bytes * blocks, arow = blocks * elk_block_bytes(ELK_Q8_K) + 8;
+  std::vector<uint8_t> w = random_blocks(rng, bytes, blocks * n, scales);
+  if (extreme) {  // every weight at its largest code: the sums' bounds (no int16 saturation)
+    for (size_t i = 0; i < w.size(); ++i) {
+      bool scale_byte = false;
+      for (size_t offset : scales) {
+        scale_byte |= i % bytes == offset || i % bytes == offset + 1;
+      }
+      if (!scale_byte) w[i] = type == ELK_Q6_K && i % bytes >= 192 ? 0x80 : 0xff;
+    }
+  }
+  std::vector<uint8_t> a(arow * m, 0xcd);  // rows padded: a_stride is not the row length
+  std::vector<float> x(k);
+  for (int i = 0; i < m; ++i) {
+    for (auto &v : x) v = extreme ? (rng() & 1 ? 1.0f : -1.0f) : normal(rng);
+    elk_quantize_row_q8_K_ref(x.data(), a.data() + i * arow, k);
+  }
+  const int ldo = n + 3;
+  const float guard = -12345.0f;
+  std::vector<float> out(static_cast<size_t>(ldo) * m, guard);
+  if (elk_gemm_q8_K(type, k, w.data(), row, n, a.data(), arow, m, out.data(), ldo) != 0) {
+    std::printf("FAILED %s %s gemm m=%d n=%d\n", isa, name, m, n);
+    return false;
+  }
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < ldo; ++j) {
+      float ref = guard;
+      if (j < n) elk_vec_dot_q8_K_ref(type, k, w.data() + j * row, a.data() + i * arow, &ref);
+      if (std::memcmp(&ref, &out[i * ldo + j], sizeof(float)) != 0) {
+        std::printf("MISMATCH %s %s gemm m=%d n=%d blocks=%d extreme=%d at (%d, %d): %.9g vs "
+                    "reference %.9g\n", isa, name, m, n, blocks, extreme, i, j,
+                    out[i * ldo + j], ref);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
@@ -56,6 +102,17 @@ int main() {
         }
         ++checked;
       }
+      for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13}) {
+        for (int n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17}) {
+          if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n, 1 + (m + n) % 3,
+                          false)) {
+            return 1;
+          }
+          ++checked;
+        }
+      }
+      if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, 2, true)) return 1;
+      ++checked;
     }
     std::printf("ok %s (cpu: %s)\n", elk_kernel_name(), elk_cpu_features());
   }

@@ -36,6 +36,14 @@ int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void *y, floa
 // the reference bit for bit on every path.
 int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *out);
 
+// out[i * ldo + j] = dot(weight row j, activation row i) for i < m, j < n, with the
+// selected kernels: weight row j at w + j * w_stride (bytes), activation row i of Q8_K
+// blocks at a + i * a_stride. Every element has the bits elk_vec_dot_q8_K gives it alone,
+// whatever m and n (the kernels tile several rows of each per pass). Q4_K, Q5_K and Q6_K;
+// k a multiple of 256. Returns 0, or -1.
+int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                  const void *a, size_t a_stride, int64_t m, float *out, int64_t ldo);
+
 // The running kernels' ISA ("scalar", "avx2"), the features found, and a pin: "auto",
 // "scalar" or "avx2". Returns 0, or -1 when this CPU or build lacks that ISA.
 const char *elk_kernel_name(void);
