@@ -389,10 +389,69 @@ float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
   return dot<Q6Tile, BlockQ6_K>(vx, y, nb);
 }
 
+// elk_quantize_row_q8_K_ref, 8 floats a step and byte for byte: the same largest magnitude
+// (NaN never wins, the first of equal ones does), the same IEEE division and product, the
+// same rounding (nearbyint: the current mode), truncating to int8 as the casts do.
+void quantize_q8_K(const float *x, void *out, int64_t k) {
+  auto *y = static_cast<BlockQ8_K *>(out);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < k / QK_K; ++i, x += QK_K) {
+    __m256 m = _mm256_setzero_ps();
+    // max(|x|, m) keeps m where |x| is NaN, as `ax > amax` does.
+    for (int j = 0; j < QK_K; j += 8) {
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    std::memset(&y[i], 0, sizeof(y[i]));
+    if (amax == 0.0f) continue;
+    float max = 0.0f;  // the first element of that magnitude, with its sign
+    for (int j = 0; j < QK_K; j += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(
+          _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+      if (hit != 0) { max = x[j + __builtin_ctz(hit)]; break; }
+    }
+    const float iscale = -127.0f / max;
+    const __m256 vs = _mm256_set1_ps(iscale);
+    const __m256i cap = _mm256_set1_epi32(127), byte = _mm256_set1_epi32(0xff);
+    __m256i sums[8];
+    for (int j = 0; j < QK_K; j += 32) {
+      __m256i v[4];
+      for (int u = 0; u < 4; ++u) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(vs, _mm256_loadu_ps(x + j + 8 * u)),
+                                         _MM_FROUND_CUR_DIRECTION);
+        // (int8_t)min(int(r), 127): the low byte, as the cast keeps it.
+        v[u] = _mm256_and_si256(_mm256_min_epi32(_mm256_cvttps_epi32(r), cap), byte);
+      }
+      // Unsigned packs of values 0..255 saturate nothing; then undo their lane interleave.
+      const __m256i q = _mm256_permutevar8x32_epi32(
+          _mm256_packus_epi16(_mm256_packus_epi32(v[0], v[1]), _mm256_packus_epi32(v[2], v[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(y[i].qs + j), q);
+      // Sums of 4 as int32: lanes 0-3 the first 16 weights, 4-7 the next 16.
+      sums[j / 32] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+                                       _mm256_set1_epi16(1));
+    }
+    // Groups of 16: [g0 g2 g4 g6 | g1 g3 g5 g7] and [g8 .. g14 | g9 .. g15], as int32.
+    const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[0], sums[1]),
+                                         _mm256_hadd_epi32(sums[2], sums[3]));
+    const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(sums[4], sums[5]),
+                                         _mm256_hadd_epi32(sums[6], sums[7]));
+    const __m256i packed = _mm256_packs_epi32(lo, hi);  // |sum| <= 16 * 127: exact
+    const __m128i even = _mm256_castsi256_si128(packed), odd = _mm256_extracti128_si256(packed, 1);
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(y[i].bsums), _mm_unpacklo_epi16(even, odd));
+    _mm_storeu_si128(reinterpret_cast<__m128i *>(y[i].bsums + 8), _mm_unpackhi_epi16(even, odd));
+    y[i].d = 1.0f / iscale;
+  }
+}
+
 }  // namespace
 
 const GemmKernels *avx2_gemm_kernels() {
-  static const GemmKernels kernels{"avx2", gemm<Q4Tile>, gemm<Q5Tile>, gemm<Q6Tile>};
+  static const GemmKernels kernels{"avx2", gemm<Q4Tile>, gemm<Q5Tile>, gemm<Q6Tile>,
+                                   quantize_q8_K};
   return &kernels;
 }
 

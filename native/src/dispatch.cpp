@@ -141,3 +141,12 @@ extern "C" int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride
   }
   return 0;
 }
+
+extern "C" void elk_quantize_row_q8_K(const float *x, void *y, int64_t k) {
+  const GemmKernels *tiles = selected_gemm();
+  if (tiles != nullptr && tiles->quantize_q8_K != nullptr) {
+    tiles->quantize_q8_K(x, y, k);
+  } else {
+    elk_quantize_row_q8_K_ref(x, y, k);
+  }
+}

@@ -30,9 +30,13 @@ const DotKernels *neon_dotprod_kernels();
 using GemmFn = void (*)(const void *w, size_t w_stride, int64_t n, const void *a,
                         size_t a_stride, int64_t m, int64_t blocks, float *out, int64_t ldo);
 
+// Activations to Q8_K blocks, byte for byte elk_quantize_row_q8_K_ref.
+using QuantizeFn = void (*)(const float *x, void *y, int64_t k);
+
 struct GemmKernels {
   const char *isa;
   GemmFn q4_K, q5_K, q6_K;
+  QuantizeFn quantize_q8_K;
 };
 
 // The tiled kernels of an ISA, or nullptr where it has none (dispatch.cpp then runs its

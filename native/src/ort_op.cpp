@@ -95,8 +95,8 @@ struct KQuantMatMulKernel {
         static_cast<size_t>(k_ / 256) * elk_block_bytes(ELK_Q8_K);
     activations_.resize(static_cast<size_t>(rows) * activation_row_bytes);
     for (int64_t m = 0; m < rows; ++m) {
-      elk_quantize_row_q8_K_ref(input + m * k_, activations_.data() + m * activation_row_bytes,
-                                k_);
+      elk_quantize_row_q8_K(input + m * k_, activations_.data() + m * activation_row_bytes,
+                            k_);
     }
     const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
     const int64_t columns_per_task = rows_per_task > 4 ? 32 : kColumnsPerTask;

@@ -3,7 +3,9 @@
 // models): the test that the ISA files agree with ref.cpp where Python cannot load them.
 // Prints the kernels it checked; exit 1 on the first difference.
 #include <cstdio>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -71,6 +73,30 @@ bool check_gemm(std::mt19937 &rng, const char *isa, int type, size_t bytes,
   return true;
 }
 
+// elk_quantize_row_q8_K against the reference, byte for byte: normal rows, ties of the
+// largest magnitude with both signs, zeros, one-element blocks, infinities and NaNs.
+bool check_quantize(std::mt19937 &rng, const char *isa) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int k = 4 * 256;
+  std::vector<float> x(k);
+  for (int trial = 0; trial < 40; ++trial) {
+    for (auto &v : x) v = normal(rng) * (trial % 5 == 0 ? 1e-30f : trial % 7 == 0 ? 1e4f : 1.0f);
+    if (trial % 3 == 1) for (auto &v : x) v = std::round(v * 2.0f);        // many ties
+    if (trial % 4 == 2) for (int j = 0; j < 256; ++j) x[j] = 0.0f;         // a zero block
+    if (trial % 6 == 3) x[rng() % k] = -std::numeric_limits<float>::infinity();
+    if (trial % 8 == 5) x[rng() % k] = std::numeric_limits<float>::quiet_NaN();
+    if (trial == 9) for (int j = 256; j < 512; ++j) x[j] = j == 300 ? -0.5f : -0.0f;
+    std::vector<uint8_t> ref(4 * elk_block_bytes(ELK_Q8_K)), got(ref.size(), 0xcd);
+    elk_quantize_row_q8_K_ref(x.data(), ref.data(), k);
+    elk_quantize_row_q8_K(x.data(), got.data(), k);
+    if (ref != got) {
+      std::printf("MISMATCH %s quantize_row_q8_K trial %d\n", isa, trial);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
@@ -114,6 +140,8 @@ int main() {
       if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, 2, true)) return 1;
       ++checked;
     }
+    if (!check_quantize(rng, isa)) return 1;
+    ++checked;
     std::printf("ok %s (cpu: %s)\n", elk_kernel_name(), elk_cpu_features());
   }
   std::printf("checked %d\n", checked);

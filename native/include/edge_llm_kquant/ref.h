@@ -44,6 +44,9 @@ int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y, float *o
 int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
                   const void *a, size_t a_stride, int64_t m, float *out, int64_t ldo);
 
+// elk_quantize_row_q8_K_ref with the selected kernels: the same bytes.
+void elk_quantize_row_q8_K(const float *x, void *y, int64_t k);
+
 // The running kernels' ISA ("scalar", "avx2"), the features found, and a pin: "auto",
 // "scalar" or "avx2". Returns 0, or -1 when this CPU or build lacks that ISA.
 const char *elk_kernel_name(void);
