@@ -192,6 +192,7 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
     __m256i acc[MR][NR];
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles)
       for (int j = 0; j < NR; ++j) {
         const __m256i bits = load256(x[j]->qs + 32 * p);
@@ -270,6 +271,7 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
             _mm256_madd_epi16(s16, load256(y[i]->bsums)), 5));
       }
     }
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // 128 weights: four quarters of 32
       for (int j = 0; j < NR; ++j) {
         const __m256i l0 = load256(x[j]->ql + 64 * h), l1 = load256(x[j]->ql + 64 * h + 32);
@@ -338,34 +340,69 @@ struct Q6Tile {
 using TileFn = void (*)(const uint8_t *, size_t, const uint8_t *, size_t, int64_t, float *,
                         int64_t, const uint8_t *);
 
-// Weight rows per tile for MR activation rows (MR x NR accumulators stay in registers).
-constexpr int kTileRows[5] = {0, 4, 4, 2, 2};
+#ifndef ELK_NR1
+#define ELK_NR1 4
+#endif
+#ifndef ELK_MRB
+#define ELK_MRB 4
+#endif
+#ifndef ELK_NRB
+#define ELK_NRB 2
+#endif
+// Tile shapes: a GEMV row against kGemvRows weight rows; batches in tiles of kBatchRows
+// activation rows x kBatchCols weight rows (the accumulators fill the 16 ymm registers
+// with the operands), the remaining 1..kBatchRows-1 rows in tiles of 2 and 1.
+constexpr int kGemvRows = ELK_NR1;
+constexpr int kBatchRows = ELK_MRB, kBatchCols = ELK_NRB;
 
-// Activation rows in tiles of 4 (the rest 1..3), each against every weight row in tiles of
-// kTileRows (the rest smaller): the tiles only share loads, never a float operation.
+template <int MR>
+constexpr int tile_cols() {
+  return MR == 1 ? kGemvRows : MR == 2 ? 4 : kBatchCols;
+}
+
+// An MR x nr tile, nr <= tile_cols<MR>().
+template <template <int, int> class Tile, int MR>
+void run_tile(int nr, const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
+              float *out, int64_t ldo, const uint8_t *prefetch) {
+  constexpr int C = tile_cols<MR>();
+  switch (nr) {
+    case 1: Tile<MR, 1>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 2: Tile<MR, (C < 2 ? C : 2)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 3: Tile<MR, (C < 3 ? C : 3)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 4: Tile<MR, (C < 4 ? C : 4)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 5: Tile<MR, (C < 5 ? C : 5)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 6: Tile<MR, (C < 6 ? C : 6)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 7: Tile<MR, (C < 7 ? C : 7)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    default: Tile<MR, (C < 8 ? C : 8)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+  }
+}
+
+// Every activation row of a tile against every weight row, tile by tile: the tiles only
+// share loads, never a float operation.
+template <template <int, int> class Tile, int MR>
+void tile_rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t as,
+               int64_t nb, float *out, int64_t ldo) {
+  constexpr int C = tile_cols<MR>();
+  for (int64_t j = 0; j < n;) {
+    const int nr = n - j < C ? static_cast<int>(n - j) : C;
+    // The next tile's rows follow these (past n: the next call's, likely; a prefetch never
+    // faults).
+    run_tile<Tile, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
+    j += nr;
+  }
+}
+
 template <template <int, int> class Tile>
 void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
           int64_t nb, float *out, int64_t ldo) {
-  static constexpr TileFn tiles[4][4] = {
-      {Tile<1, 1>::run, Tile<1, 2>::run, Tile<1, 3>::run, Tile<1, 4>::run},
-      {Tile<2, 1>::run, Tile<2, 2>::run, Tile<2, 3>::run, Tile<2, 4>::run},
-      {Tile<3, 1>::run, Tile<3, 2>::run, Tile<3, 3>::run, Tile<3, 4>::run},
-      {Tile<4, 1>::run, Tile<4, 2>::run, Tile<4, 3>::run, Tile<4, 4>::run},
-  };
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  for (int64_t i = 0; i < m;) {
-    const int mr = m - i < 4 ? static_cast<int>(m - i) : 4;
-    for (int64_t j = 0; j < n;) {
-      const int nr = n - j < kTileRows[mr] ? static_cast<int>(n - j) : kTileRows[mr];
-      // The next tile's rows follow these (past n: the next call's, likely; a prefetch
-      // never faults).
-      tiles[mr - 1][nr - 1](wb + j * ws, ws, ab + i * as, as, nb, out + i * ldo + j, ldo,
-                            wb + (j + nr) * ws);
-      j += nr;
-    }
-    i += mr;
+  int64_t i = 0;
+  for (; i + kBatchRows <= m; i += kBatchRows) {
+    tile_rows<Tile, kBatchRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   }
+  for (; i + 2 <= m; i += 2) tile_rows<Tile, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  if (i < m) tile_rows<Tile, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
 }
 
 // The single-row dots are the 1 x 1 tiles: one code path for every shape. They prefetch the
