@@ -80,6 +80,12 @@ inline __m256i scales_mins_k4(const uint8_t *packed0, const uint8_t *packed1) {
   return _mm256_or_si256(_mm256_or_si256(low, nibble), top);
 }
 
+// Bit `bit` (0..7) of each byte moved to bit 4, by a 16-bit shift (other bits move too: mask
+// with 0x10; bit 4 of each byte then comes from its own byte, as the shift is at most 4).
+inline __m256i bit_to_4(__m256i v, int bit) {
+  return bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
+}
+
 // The lanes of a tile: element e = 4g + l (lane l of group g) is activation row e / NR times
 // weight row e % NR. Lanes past the tile repeat its last element and are never stored.
 template <int MR, int NR>
@@ -166,6 +172,7 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
   const __m128i widen_mins = _mm_setr_epi8(8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14,
                                            -1, 15, -1);
   __m128 sum[L::G];
+#pragma GCC unroll 8
   for (int g = 0; g < L::G; ++g) sum[g] = _mm_setzero_ps();
   const size_t slice = prefetch_slice(NR * (ws ? ws : nb * sizeof(Block)), nb);
   for (int64_t b = 0; b < nb; ++b) {
@@ -174,11 +181,11 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
     const BlockQ8_K *y[MR];
     alignas(32) int32_t scale[NR][8];  // sub-block scales as int16 pairs (s | s << 16)
     __m128i mins[NR];                  // the 8 mins, int16
-    __m256i qh[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       x[j] = reinterpret_cast<const Block *>(w + j * ws) + b;
-      if (kQ5) qh[j] = load256(reinterpret_cast<const BlockQ5_K *>(x[j])->qh);
     }
+#pragma GCC unroll 8
     for (int j = 0; j < NR; j += 2) {  // two rows' scales per unpack
       const __m256i sm = scales_mins_k4(x[j]->scales, x[j + 1 < NR ? j + 1 : j]->scales);
       for (int r = 0; r < 2 && j + r < NR; ++r) {
@@ -188,26 +195,31 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
         mins[j + r] = _mm_shuffle_epi8(_mm256_castsi256_si128(row), widen_mins);
       }
     }
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
     __m256i acc[MR][NR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int p = 0; p < 4; ++p) {  // sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles)
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m256i bits = load256(x[j]->qs + 32 * p);
         __m256i lo = _mm256_and_si256(bits, low4);
         __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
         if (kQ5) {
-          // qh[j] was shifted right 2p: bit 0 of each byte is bit 4 of the low nibble's
-          // weight, bit 1 that of the high nibble's (16-bit shifts, masked to the own byte).
-          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh[j], 4), bit4));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh[j], 3), bit4));
-          qh[j] = _mm256_srli_epi16(qh[j], 2);
+          // Bit 2p of each qh byte is bit 4 of the low nibble's weight, bit 2p + 1 that of
+          // the high nibble's.
+          const __m256i qh = load256(reinterpret_cast<const BlockQ5_K *>(x[j])->qh);
+          lo = _mm256_or_si256(lo, _mm256_and_si256(bit_to_4(qh, 2 * p), bit4));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(bit_to_4(qh, 2 * p + 1), bit4));
         }
         const __m256i s_lo = broadcast32(&scale[j][2 * p]);
         const __m256i s_hi = broadcast32(&scale[j][2 * p + 1]);
         // maddubs adds pairs into int16 (at most 2 * 31 * 127: no saturation); madd scales.
+#pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) {
           const __m256i dlo = _mm256_madd_epi16(
               _mm256_maddubs_epi16(lo, load256(y[i]->qs + 64 * p)), s_lo);
@@ -220,10 +232,13 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
     }
     // Sums of 32 activations per sub-block (int16: at most 32 * 127), for the min terms.
     __m128i pairs[MR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i)
       pairs[i] = _mm_hadd_epi16(load128(y[i]->bsums), load128(y[i]->bsums + 8));
     const uint8_t *xb[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) xb[j] = reinterpret_cast<const uint8_t *>(x[j]);
+#pragma GCC unroll 8
     for (int g = 0; g < L::G; ++g) {
       // d and dmin of each lane's weight row (the same for every group when NR divides 4).
       const __m256 dd = lane_half_pair<MR, NR>(xb, 4 % NR == 0 ? 0 : g);
@@ -249,6 +264,7 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   const __m256i top2 = _mm256_set1_epi8(0x30);
   __m128 sum[L::G];
+#pragma GCC unroll 8
   for (int g = 0; g < L::G; ++g) sum[g] = _mm_setzero_ps();
   const size_t slice = prefetch_slice(NR * (ws ? ws : nb * sizeof(BlockQ6_K)), nb);
   for (int64_t b = 0; b < nb; ++b) {
@@ -257,7 +273,9 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
     const BlockQ8_K *y[MR];
     __m256i scales[NR];  // int16: lane 0 the even 16-weight groups' scales, lane 1 the odd
     __m256i acc[MR][NR];
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) {
       x[j] = reinterpret_cast<const BlockQ6_K *>(w + j * ws) + b;
       const __m128i raw = load128(x[j]->scales);
@@ -266,6 +284,7 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
       // Weights are read unsigned (0..63): the -32 of each is -32 * scale * (sum of its 16
       // activations), which starts the sum (int32 arithmetic wraps, the total is exact).
       const __m256i s16 = _mm256_cvtepi8_epi16(raw);
+#pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         acc[i][j] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
             _mm256_madd_epi16(s16, load256(y[i]->bsums)), 5));
@@ -273,6 +292,7 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
     }
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {  // 128 weights: four quarters of 32
+#pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
         const __m256i l0 = load256(x[j]->ql + 64 * h), l1 = load256(x[j]->ql + 64 * h + 32);
         const __m256i hb = load256(x[j]->qh + 32 * h);
@@ -287,12 +307,14 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                             _mm256_and_si256(_mm256_srli_epi16(hb, 2), top2)),
         };
+#pragma GCC unroll 8
         for (int q = 0; q < 4; ++q) {
           // Weights 0..15 of the quarter have scale 8h + 2q, weights 16..31 scale 8h + 2q + 1:
           // word 4h + q of each lane of scales[j].
           const int word = 4 * h + q;
           const __m256i scale = _mm256_shuffle_epi8(
               scales[j], _mm256_set1_epi16(static_cast<int16_t>((2 * word + 1) << 8 | 2 * word)));
+#pragma GCC unroll 8
           for (int i = 0; i < MR; ++i) {
             acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(
                 wq[q], load256(y[i]->qs + 128 * h + 32 * q)), scale));
@@ -302,7 +324,9 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
       }
     }
     const uint8_t *xb[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) xb[j] = reinterpret_cast<const uint8_t *>(x[j]);
+#pragma GCC unroll 8
     for (int g = 0; g < L::G; ++g) {
       const __m128 d = lane_half<MR, NR>(xb, 4 % NR == 0 ? 0 : g, offsetof(BlockQ6_K, d));
       const __m128i dots = hsum4(acc[L::i(g, 0)][L::j(g, 0)], acc[L::i(g, 1)][L::j(g, 1)],
