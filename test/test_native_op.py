@@ -109,9 +109,9 @@ def reference_gemm(elk, type_id: int, weights: np.ndarray, a: np.ndarray) -> np.
 
 @pytest.mark.parametrize('name', K_TYPES)
 def test_every_batch_size_to_600_gives_each_row_the_reference_bits(elk, name):
-    # N = 99: column tasks of 64 and 32 with remainders 35 and 3, so weight tiles of 4 and 2
-    # with remainders 3 and 1; M up to 600: activation tiles of 4 with every remainder, and
-    # tasks of 64 rows.
+    # N = 99: column tasks of 16 (M <= 4) and 32 with a remainder of 3, so weight tiles of 4
+    # and 2 with remainders 3 and 1; M up to 600: activation tiles of 4 with every remainder,
+    # and tasks of 64 rows.
     type_id, k, n = TYPES[name][0], 512, 99
     rng = np.random.default_rng(type_id)
     weights = random_blocks(rng, name, n * k // 256).reshape(n, -1)

@@ -18,8 +18,9 @@ constexpr const char *kDomain = "edge_llm_ros";
 // A task: a block of weight rows (output columns) times a block of activation rows, handed
 // whole to elk_gemm_q8_K, which tiles it so each weight block is unpacked once for several
 // activation rows. Consecutive tasks share a column block (its weights stay in cache while
-// the threads take its row blocks); fewer columns per task when there are many rows.
-constexpr int64_t kColumnsPerTask = 64;
+// the threads take its row blocks). A GEMV (up to 4 rows) takes 16..64 columns a task, at
+// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns.
+constexpr int64_t kColumnsPerTask = 64, kMinColumnsPerTask = 16, kBatchColumnsPerTask = 32;
 constexpr int64_t kRowsPerTask = 64;
 
 struct Work {
@@ -30,7 +31,24 @@ struct Work {
   size_t weight_row_bytes, activation_row_bytes;
   int type;
   int64_t columns_per_task, rows_per_task, row_tasks;
+  size_t tasks;
 };
+
+// The tasks for rows x n outputs.
+Work plan(const uint8_t *weights, const uint8_t *activations, float *out, int64_t rows,
+          int64_t n, int64_t k, size_t weight_row_bytes, size_t activation_row_bytes, int type) {
+  const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
+  const int64_t gemv_columns = n / 64 / 4 * 4;
+  const int64_t columns_per_task =
+      rows_per_task > 4 ? kBatchColumnsPerTask
+      : gemv_columns < kMinColumnsPerTask ? kMinColumnsPerTask
+      : gemv_columns > kColumnsPerTask ? kColumnsPerTask : gemv_columns;
+  const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
+  const size_t tasks =
+      static_cast<size_t>(row_tasks * ((n + columns_per_task - 1) / columns_per_task));
+  return Work{weights, activations, out, rows, n, k, weight_row_bytes, activation_row_bytes,
+              type, columns_per_task, rows_per_task, row_tasks, tasks};
+}
 
 void columns(void *data, size_t task) {
   const Work &w = *static_cast<const Work *>(data);
@@ -98,15 +116,10 @@ struct KQuantMatMulKernel {
       elk_quantize_row_q8_K(input + m * k_, activations_.data() + m * activation_row_bytes,
                             k_);
     }
-    const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
-    const int64_t columns_per_task = rows_per_task > 4 ? 32 : kColumnsPerTask;
-    const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
-    Work work{w.GetTensorData<uint8_t>(), activations_.data(), y.GetTensorMutableData<float>(),
-              rows, n_, k_, row_bytes_, activation_row_bytes, type_, columns_per_task,
-              rows_per_task, row_tasks};
-    const size_t tasks =
-        static_cast<size_t>(row_tasks * ((n_ + columns_per_task - 1) / columns_per_task));
-    ctx.ParallelFor(columns, tasks, 0, &work);
+    Work work = plan(w.GetTensorData<uint8_t>(), activations_.data(),
+                     y.GetTensorMutableData<float>(), rows, n_, k_, row_bytes_,
+                     activation_row_bytes, type_);
+    ctx.ParallelFor(columns, work.tasks, 0, &work);
   }
 
  private:
