@@ -132,6 +132,84 @@ def test_op_equals_the_reference_and_a_row_does_not_depend_on_the_batch(elk, nam
     assert np.all(np.abs(batched - exact) <= 0.02 * scale)
 
 
+def quantized(elk, name: str, a: np.ndarray) -> np.ndarray:
+    """Return the rows of `a` as the activation blocks `name` pairs with (the reference's)."""
+    activation, block_bytes = ACTIVATIONS[name]
+    k, per = a.shape[1], 256 if activation == 15 else 32
+    q = np.zeros((a.shape[0], k // per * block_bytes), np.uint8)
+    for m, row in enumerate(np.ascontiguousarray(a)):
+        assert elk.elk_quantize_row_ref(activation, row.ctypes.data_as(P),
+                                        q[m].ctypes.data_as(P), ctypes.c_int64(k)) == 0
+    return q
+
+
+def gemm(elk, type_id: int, weights: np.ndarray, q: np.ndarray, entry='elk_gemm'):
+    """Return every weight row x every activation row through the C entry `entry`."""
+    out = np.full((q.shape[0], weights.shape[0]), np.nan, np.float32)
+    k = weights.shape[1] // TYPES_BY_ID[type_id][1] * TYPES_BY_ID[type_id][2]
+    assert getattr(elk, entry)(
+        type_id, ctypes.c_int64(k), weights.ctypes.data_as(P),
+        ctypes.c_size_t(weights.shape[1]), ctypes.c_int64(weights.shape[0]),
+        q.ctypes.data_as(P), ctypes.c_size_t(q.shape[1]), ctypes.c_int64(q.shape[0]),
+        out.ctypes.data_as(P), ctypes.c_int64(weights.shape[0])) == 0
+    return out
+
+
+TYPES_BY_ID = {v[0]: v for v in TYPES.values()}
+
+
+def reference_gemm(elk, name: str, weights: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """Return the reference through elk_gemm pinned to the scalar kernels (a dot each)."""
+    q = quantized(elk, name, a)
+    assert elk.elk_select_kernel(b'scalar') == 0
+    try:
+        return gemm(elk, TYPES[name][0], weights, q)
+    finally:
+        elk.elk_select_kernel(b'auto')
+
+
+@pytest.mark.parametrize('name', list(TYPES))
+def test_every_batch_size_to_600_gives_each_row_the_reference_bits(elk, name):
+    # N = 99: column tasks of 16 (M <= 4) and 32 with a remainder of 3, so weight tiles of 4
+    # and 2 with remainders 3 and 1; M up to 600: activation tiles of 4 with every remainder,
+    # and tasks of 64 rows. Legacy K = 32 x 19: whole steps of 8 blocks and a tail of 3.
+    type_id, per = TYPES[name][0], TYPES[name][2]
+    k, n = (512 if per == 256 else 32 * 19), 99
+    rng = np.random.default_rng(type_id)
+    weights = random_blocks(rng, name, n * k // per).reshape(n, -1)
+    a = rng.standard_normal((600, k)).astype(np.float32)
+    expected = reference_gemm(elk, name, weights, a)
+    # The scalar gemm is the reference dot element by element.
+    q = quantized(elk, name, a[[0, 599]])
+    for m, row in ((0, 0), (1, 599)):
+        for col in (0, 50, 98):
+            value = ctypes.c_float()
+            elk.elk_vec_dot_ref(type_id, ctypes.c_int64(k), weights[col].ctypes.data_as(P),
+                                q[m].ctypes.data_as(P), ctypes.byref(value))
+            assert value.value == expected[row, col] or (np.isnan(value.value) and
+                                                         np.isnan(expected[row, col]))
+    run = session(type_id, weights, k, n)
+    full = run.run(None, {'A': a})[0]
+    assert full.tobytes() == expected.tobytes()
+    for m in list(range(1, 10)) + [63, 64, 65, 127, 128, 129, 257, 511, 512, 513, 599]:
+        start = (m * 37) % (600 - m + 1)
+        got = run.run(None, {'A': a[start:start + m]})[0]
+        assert got.tobytes() == expected[start:start + m].tobytes(), m
+    # The library's own kernels (the tiles this CPU runs) give the same bits through the C API,
+    # elk_gemm_q8_K too for the K types (and refuses the others).
+    q = quantized(elk, name, a)
+    assert gemm(elk, type_id, weights, q).tobytes() == expected.tobytes()
+    if name in K_TYPES:
+        assert gemm(elk, type_id, weights, q, 'elk_gemm_q8_K').tobytes() == expected.tobytes()
+    else:
+        out = np.zeros((1, n), np.float32)
+        assert elk.elk_gemm_q8_K(
+            type_id, ctypes.c_int64(k), weights.ctypes.data_as(P),
+            ctypes.c_size_t(weights.shape[1]), ctypes.c_int64(n), q.ctypes.data_as(P),
+            ctypes.c_size_t(q.shape[1]), ctypes.c_int64(1), out.ctypes.data_as(P),
+            ctypes.c_int64(n)) == -1
+
+
 def test_bad_attributes_and_shapes_are_errors_that_say_what_is_wrong():
     weights = np.zeros((8, 144), np.uint8)
     with pytest.raises(Exception, match='quant_type 1 is not a GGUF block type'):

@@ -17,6 +17,7 @@
 namespace elk {
 #ifndef ELK_HAVE_AVX2
 const DotKernels *avx2_kernels() { return nullptr; }
+const GemmKernels *avx2_gemm_kernels() { return nullptr; }
 #endif
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
@@ -66,6 +67,26 @@ std::atomic<const DotKernels *> &selected() {
   return kernels;
 }
 
+// The tiled kernels that go with the selected dots, or nullptr: run those dots per element.
+const GemmKernels *selected_gemm() {
+  const DotKernels *k = selected();
+  if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
+  return nullptr;
+}
+
+// Where an ISA has no tiled kernels: one dot per element, the same bits.
+template <typename Dot, typename Act>
+void gemm_by_dots(Dot dot, const void *w, size_t ws, int64_t n, const void *a, size_t as,
+                  int64_t m, int64_t nb, float *out, int64_t ldo) {
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      out[i * ldo + j] = dot(wb + j * ws, reinterpret_cast<const Act *>(ab + i * as), nb);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace elk
 
@@ -98,4 +119,66 @@ extern "C" int elk_vec_dot(int weight_type, int64_t n, const void *x, const void
                            float *out) {
   return elk_vec_dot_with(*selected().load(std::memory_order_relaxed), weight_type, n, x, y,
                           out);
+}
+
+extern "C" int elk_gemm(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                        const void *a, size_t a_stride, int64_t m, float *out, int64_t ldo) {
+  const int per = elk_block_weights(type);
+  if (per == 0 || elk_activation_type(type) < 0 || k < 0 || k % per != 0 || n < 0 || m < 0 ||
+      ldo < n) {
+    return -1;
+  }
+  const int64_t nb = k / per;
+  const DotKernels *dots = selected();
+  const DotKernels &scalar = scalar_kernels();
+  const GemmKernels *tiles = selected_gemm();
+  DotFn dot = nullptr;
+  LegacyDotFn legacy = nullptr;
+  GemmFn gemm = nullptr;
+  switch (type) {
+    case ELK_Q4_K: dot = dots->q4_K; gemm = tiles ? tiles->q4_K : nullptr; break;
+    case ELK_Q5_K: dot = dots->q5_K; gemm = tiles ? tiles->q5_K : nullptr; break;
+    case ELK_Q6_K: dot = dots->q6_K; gemm = tiles ? tiles->q6_K : nullptr; break;
+    case ELK_Q4_0:
+      legacy = dots->q4_0 ? dots->q4_0 : scalar.q4_0; gemm = tiles ? tiles->q4_0 : nullptr;
+      break;
+    case ELK_Q4_1:
+      legacy = dots->q4_1 ? dots->q4_1 : scalar.q4_1; gemm = tiles ? tiles->q4_1 : nullptr;
+      break;
+    case ELK_Q5_0:
+      legacy = dots->q5_0 ? dots->q5_0 : scalar.q5_0; gemm = tiles ? tiles->q5_0 : nullptr;
+      break;
+    case ELK_Q5_1:
+      legacy = dots->q5_1 ? dots->q5_1 : scalar.q5_1; gemm = tiles ? tiles->q5_1 : nullptr;
+      break;
+    case ELK_Q8_0:
+      legacy = dots->q8_0 ? dots->q8_0 : scalar.q8_0; gemm = tiles ? tiles->q8_0 : nullptr;
+      break;
+    default: return -1;
+  }
+  if (m == 0 || n == 0) return 0;
+  if (gemm != nullptr) {
+    gemm(w, w_stride, n, a, a_stride, m, nb, out, ldo);
+  } else if (dot != nullptr) {
+    gemm_by_dots<DotFn, BlockQ8_K>(dot, w, w_stride, n, a, a_stride, m, nb, out, ldo);
+  } else {
+    gemm_by_dots<LegacyDotFn, void>(legacy, w, w_stride, n, a, a_stride, m, nb, out, ldo);
+  }
+  return 0;
+}
+
+extern "C" int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                             const void *a, size_t a_stride, int64_t m, float *out,
+                             int64_t ldo) {
+  if (elk_activation_type(type) != ELK_Q8_K) return -1;
+  return elk_gemm(type, k, w, w_stride, n, a, a_stride, m, out, ldo);
+}
+
+extern "C" void elk_quantize_row_q8_K(const float *x, void *y, int64_t k) {
+  const GemmKernels *tiles = selected_gemm();
+  if (tiles != nullptr && tiles->quantize_q8_K != nullptr) {
+    tiles->quantize_q8_K(x, y, k);
+  } else {
+    elk_quantize_row_q8_K_ref(x, y, k);
+  }
 }

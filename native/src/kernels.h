@@ -4,6 +4,7 @@
 // expression per (super-)block, so all ISA paths give the reference's bits.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "blocks.h"
@@ -32,6 +33,29 @@ const DotKernels *neon_dotprod_kernels();
 // legacy entry runs the reference's). Returns 0, or -1 for another type or partial blocks.
 int elk_vec_dot_with(const DotKernels &k, int type, int64_t n, const void *x, const void *y,
                      float *out);
+
+// Many weight rows times many activation rows: out[i * ldo + j] = the DotFn of weight row j
+// (w + j * w_stride) and activation row i (a + i * a_stride bytes of Q8_K blocks), i < m,
+// j < n. Each element is the DotFn's float expression over the same super-blocks in the same
+// order, so its bits do not depend on m, n, the tile a kernel picks or the threads.
+using GemmFn = void (*)(const void *w, size_t w_stride, int64_t n, const void *a,
+                        size_t a_stride, int64_t m, int64_t blocks, float *out, int64_t ldo);
+
+// Activations to Q8_K blocks, byte for byte elk_quantize_row_q8_K_ref.
+using QuantizeFn = void (*)(const float *x, void *y, int64_t k);
+
+// The legacy entries take rows of 32-weight blocks and their Q8_0 / Q8_1 activation rows
+// (blocks = K / 32); a null entry runs the ISA's LegacyDotFn element by element.
+struct GemmKernels {
+  const char *isa;
+  GemmFn q4_K, q5_K, q6_K;
+  QuantizeFn quantize_q8_K;
+  GemmFn q4_0 = nullptr, q4_1 = nullptr, q5_0 = nullptr, q5_1 = nullptr, q8_0 = nullptr;
+};
+
+// The tiled kernels of an ISA, or nullptr where it has none (dispatch.cpp then runs its
+// DotKernels element by element: the same bits, without the shared loads).
+const GemmKernels *avx2_gemm_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {

@@ -19,7 +19,13 @@
 namespace {
 
 constexpr const char *kDomain = "edge_llm_ros";
-constexpr int64_t kColumnsPerTask = 16;
+// A task: a block of weight rows (output columns) times a block of activation rows, handed
+// whole to elk_gemm, which tiles it so each weight block is unpacked once for several
+// activation rows. Consecutive tasks share a column block (its weights stay in cache while
+// the threads take its row blocks). A GEMV (up to 4 rows) takes 16..64 columns a task, at
+// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns.
+constexpr int64_t kColumnsPerTask = 64, kMinColumnsPerTask = 16, kBatchColumnsPerTask = 32;
+constexpr int64_t kRowsPerTask = 64;
 
 struct Work {
   const uint8_t *weights;
@@ -29,18 +35,41 @@ struct Work {
   int64_t rows, n, k;
   size_t weight_row_bytes, activation_row_bytes;
   int type;
+  int64_t columns_per_task, rows_per_task, row_tasks;
+  size_t tasks;
 };
+
+// The tasks for rows x n outputs.
+Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias, float *out,
+          int64_t rows, int64_t n, int64_t k, size_t weight_row_bytes,
+          size_t activation_row_bytes, int type) {
+  const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
+  const int64_t gemv_columns = n / 64 / 4 * 4;
+  const int64_t columns_per_task =
+      rows_per_task > 4 ? kBatchColumnsPerTask
+      : gemv_columns < kMinColumnsPerTask ? kMinColumnsPerTask
+      : gemv_columns > kColumnsPerTask ? kColumnsPerTask : gemv_columns;
+  const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
+  const size_t tasks =
+      static_cast<size_t>(row_tasks * ((n + columns_per_task - 1) / columns_per_task));
+  return Work{weights, activations, bias, out, rows, n, k, weight_row_bytes,
+              activation_row_bytes, type, columns_per_task, rows_per_task, row_tasks, tasks};
+}
 
 void columns(void *data, size_t task) {
   const Work &w = *static_cast<const Work *>(data);
-  const int64_t first = static_cast<int64_t>(task) * kColumnsPerTask;
-  const int64_t last = first + kColumnsPerTask < w.n ? first + kColumnsPerTask : w.n;
-  for (int64_t col = first; col < last; ++col) {
-    const uint8_t *row = w.weights + col * w.weight_row_bytes;
-    for (int64_t m = 0; m < w.rows; ++m) {
-      float value;
-      elk_vec_dot(w.type, w.k, row, w.activations + m * w.activation_row_bytes, &value);
-      w.out[m * w.n + col] = w.bias != nullptr ? value + w.bias[col] : value;
+  const int64_t first = static_cast<int64_t>(task) / w.row_tasks * w.columns_per_task;
+  const int64_t row = static_cast<int64_t>(task) % w.row_tasks * w.rows_per_task;
+  const int64_t cols = first + w.columns_per_task < w.n ? w.columns_per_task : w.n - first;
+  const int64_t rows = row + w.rows_per_task < w.rows ? w.rows_per_task : w.rows - row;
+  float *out = w.out + row * w.n + first;
+  elk_gemm(w.type, w.k, w.weights + first * w.weight_row_bytes, w.weight_row_bytes, cols,
+           w.activations + row * w.activation_row_bytes, w.activation_row_bytes, rows, out,
+           w.n);
+  if (w.bias != nullptr) {
+    const float *bias = w.bias + first;
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < cols; ++j) out[m * w.n + j] += bias[j];
     }
   }
 }
@@ -158,14 +187,18 @@ struct KQuantMatMulKernel {
     // threads at once, so nothing a Compute writes lives in the kernel.
     std::vector<uint8_t> activations(static_cast<size_t>(rows) * activation_row_bytes_);
     for (int64_t m = 0; m < rows; ++m) {
-      elk_quantize_row_ref(activation_type_, input + m * k_,
-                           activations.data() + m * activation_row_bytes_, k_);
+      if (activation_type_ == ELK_Q8_K) {
+        elk_quantize_row_q8_K(input + m * k_, activations.data() + m * activation_row_bytes_,
+                              k_);
+      } else {
+        elk_quantize_row_ref(activation_type_, input + m * k_,
+                             activations.data() + m * activation_row_bytes_, k_);
+      }
     }
-    Work work{w.GetTensorData<uint8_t>(), activations.data(), bias,
-              y.GetTensorMutableData<float>(),
-              rows, n_, k_, row_bytes_, activation_row_bytes_, type_};
-    const size_t tasks = static_cast<size_t>((n_ + kColumnsPerTask - 1) / kColumnsPerTask);
-    ctx.ParallelFor(columns, tasks, 0, &work);
+    Work work = plan(w.GetTensorData<uint8_t>(), activations.data(), bias,
+                     y.GetTensorMutableData<float>(), rows, n_, k_, row_bytes_,
+                     activation_row_bytes_, type_);
+    ctx.ParallelFor(columns, work.tasks, 0, &work);
   }
 
  private:

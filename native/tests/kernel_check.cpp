@@ -4,7 +4,9 @@
 // qemu-aarch64 with several -cpu models): the test that the ISA files agree with ref.cpp where
 // Python cannot load them. Prints the kernels it checked; exit 1 on the first difference.
 #include <cstdio>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -28,6 +30,88 @@ std::vector<uint8_t> random_blocks(std::mt19937 &rng, size_t bytes, int blocks,
 }
 
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+
+// elk_gemm over m activation rows x n weight rows (both odd sizes around every tile edge),
+// and elk_gemm_q8_K for the K types: each element, and nothing else of out, must be the
+// reference's dot bit for bit.
+bool check_gemm(std::mt19937 &rng, const char *isa, int type, size_t bytes,
+                std::initializer_list<size_t> scales, const char *name, int m, int n,
+                int blocks, bool extreme) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int per = elk_block_weights(type), activation = elk_activation_type(type);
+  const int k = blocks * per;
+  const size_t row = bytes * blocks, arow = blocks * elk_block_bytes(activation) + 8;
+  std::vector<uint8_t> w = random_blocks(rng, bytes, blocks * n, scales);
+  if (extreme) {  // every weight at its largest code: the sums' bounds (no int16 saturation)
+    for (size_t i = 0; i < w.size(); ++i) {
+      bool scale_byte = false;
+      for (size_t offset : scales) {
+        scale_byte |= i % bytes == offset || i % bytes == offset + 1;
+      }
+      if (!scale_byte) {
+        w[i] = (type == ELK_Q6_K && i % bytes >= 192) || type == ELK_Q8_0 ? 0x80 : 0xff;
+      }
+    }
+  }
+  std::vector<uint8_t> a(arow * m, 0xcd);  // rows padded: a_stride is not the row length
+  std::vector<float> x(k);
+  for (int i = 0; i < m; ++i) {
+    for (auto &v : x) v = extreme ? (rng() & 1 ? 1.0f : -1.0f) : normal(rng);
+    elk_quantize_row_ref(activation, x.data(), a.data() + i * arow, k);
+  }
+  const int ldo = n + 3;
+  const float guard = -12345.0f;
+  std::vector<float> out(static_cast<size_t>(ldo) * m, guard);
+  if (elk_gemm(type, k, w.data(), row, n, a.data(), arow, m, out.data(), ldo) != 0) {
+    std::printf("FAILED %s %s gemm m=%d n=%d\n", isa, name, m, n);
+    return false;
+  }
+  if (per == 256) {  // the K types' own entry: the same bits
+    std::vector<float> out_k(out.size(), guard);
+    if (elk_gemm_q8_K(type, k, w.data(), row, n, a.data(), arow, m, out_k.data(), ldo) != 0 ||
+        std::memcmp(out.data(), out_k.data(), out.size() * sizeof(float)) != 0) {
+      std::printf("MISMATCH %s %s gemm_q8_K m=%d n=%d\n", isa, name, m, n);
+      return false;
+    }
+  }
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < ldo; ++j) {
+      float ref = guard;
+      if (j < n) elk_vec_dot_ref(type, k, w.data() + j * row, a.data() + i * arow, &ref);
+      if (std::memcmp(&ref, &out[i * ldo + j], sizeof(float)) != 0) {
+        std::printf("MISMATCH %s %s gemm m=%d n=%d blocks=%d extreme=%d at (%d, %d): %.9g vs "
+                    "reference %.9g\n", isa, name, m, n, blocks, extreme, i, j,
+                    out[i * ldo + j], ref);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// elk_quantize_row_q8_K against the reference, byte for byte: normal rows, ties of the
+// largest magnitude with both signs, zeros, one-element blocks, infinities and NaNs.
+bool check_quantize(std::mt19937 &rng, const char *isa) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int k = 4 * 256;
+  std::vector<float> x(k);
+  for (int trial = 0; trial < 40; ++trial) {
+    for (auto &v : x) v = normal(rng) * (trial % 5 == 0 ? 1e-30f : trial % 7 == 0 ? 1e4f : 1.0f);
+    if (trial % 3 == 1) for (auto &v : x) v = std::round(v * 2.0f);        // many ties
+    if (trial % 4 == 2) for (int j = 0; j < 256; ++j) x[j] = 0.0f;         // a zero block
+    if (trial % 6 == 3) x[rng() % k] = -std::numeric_limits<float>::infinity();
+    if (trial % 8 == 5) x[rng() % k] = std::numeric_limits<float>::quiet_NaN();
+    if (trial == 9) for (int j = 256; j < 512; ++j) x[j] = j == 300 ? -0.5f : -0.0f;
+    std::vector<uint8_t> ref(4 * elk_block_bytes(ELK_Q8_K)), got(ref.size(), 0xcd);
+    elk_quantize_row_q8_K_ref(x.data(), ref.data(), k);
+    elk_quantize_row_q8_K(x.data(), got.data(), k);
+    if (ref != got) {
+      std::printf("MISMATCH %s quantize_row_q8_K trial %d\n", isa, trial);
+      return false;
+    }
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -73,7 +157,25 @@ int main() {
         }
         ++checked;
       }
+      for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13}) {
+        for (int n : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 17}) {
+          // Legacy kernels take 8 blocks a step: tails and whole steps.
+          static const int legacy_blocks[] = {1, 3, 9, 17};
+          const int blocks = per == 256 ? 1 + (m + n) % 3 : legacy_blocks[(m + n) % 4];
+          if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n, blocks, false)) {
+            return 1;
+          }
+          ++checked;
+        }
+      }
+      if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, per == 256 ? 2 : 9,
+                      true)) {
+        return 1;
+      }
+      ++checked;
     }
+    if (!check_quantize(rng, isa)) return 1;
+    ++checked;
     std::printf("ok %s (cpu: %s)\n", elk_kernel_name(), elk_cpu_features());
   }
   std::printf("checked %d\n", checked);

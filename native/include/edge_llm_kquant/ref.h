@@ -48,6 +48,23 @@ ELK_API int elk_vec_dot_q8_K_ref(int type, int64_t n, const void *x, const void 
 ELK_API int elk_vec_dot_q8_K(int type, int64_t n, const void *x, const void *y,
                              float *out);
 
+// out[i * ldo + j] = dot(weight row j, activation row i) for i < m, j < n, with the
+// selected kernels: weight row j at w + j * w_stride (bytes), activation row i of Q8_K
+// blocks at a + i * a_stride. Every element has the bits elk_vec_dot_q8_K gives it alone,
+// whatever m and n (the kernels tile several rows of each per pass). Q4_K, Q5_K and Q6_K;
+// k a multiple of 256. Returns 0, or -1.
+ELK_API int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                          const void *a, size_t a_stride, int64_t m, float *out,
+                          int64_t ldo);
+
+// The same for every weight type (the 8 of elk_vec_dot): activation rows of the blocks
+// elk_activation_type(type) names, k a multiple of the type's block size. Returns 0, or -1.
+ELK_API int elk_gemm(int type, int64_t k, const void *w, size_t w_stride, int64_t n,
+                     const void *a, size_t a_stride, int64_t m, float *out, int64_t ldo);
+
+// elk_quantize_row_q8_K_ref with the selected kernels: the same bytes.
+ELK_API void elk_quantize_row_q8_K(const float *x, void *y, int64_t k);
+
 // The running kernels' ISA ("scalar", "avx2", "neon", "neon_dotprod"), the features found,
 // and a pin: "auto" or one of those names. Returns 0, or -1 when this CPU or build lacks that
 // ISA. The choice is one per loaded library (each .so that links the kernels has its own).
