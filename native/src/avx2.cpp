@@ -637,12 +637,213 @@ float dot(const void *vx, const void *vy, int64_t nb) {
   return sum;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tiled legacy kernels: MR activation rows x NR weight rows a pass (1 x 8 for a GEMV row, 4 x 2
+// for batches, remainders 2 x 4 and 1 x 8, any narrower NR at the right edge). Per block, each
+// weight row is unpacked once for the MR rows and each activation block loaded once for the NR
+// rows. Element e = i * NR + j of the tile owns lane e % 8 of float sum[e / 8]: its block's
+// exact integer sum (8 int32 partials reduced by totals), then legacy_block(_min) on __m256
+// lane by lane and one add per block, in block order: the scalar expression and order, so the
+// reference's bits whatever the tile.
+// ---------------------------------------------------------------------------------------------
+
+// Per weight type: its activation blocks, whether its codes are signed (|w| x a sign w) or
+// unsigned (w x a), whether it has a min, and its 32 codes as bytes.
+template <typename W>
+struct Traits;
+template <>
+struct Traits<BlockQ4_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ4_0 &x) {
+    return _mm256_sub_epi8(nibbles(x.qs), _mm256_set1_epi8(8));
+  }
+};
+template <>
+struct Traits<BlockQ4_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kSigned = false, kMin = true;
+  static __m256i codes(const BlockQ4_1 &x) { return nibbles(x.qs); }
+};
+template <>
+struct Traits<BlockQ5_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ5_0 &x) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs), high_bits(x.qh)),
+                           _mm256_set1_epi8(16));
+  }
+};
+template <>
+struct Traits<BlockQ5_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kSigned = false, kMin = true;
+  static __m256i codes(const BlockQ5_1 &x) {
+    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
+  }
+};
+template <>
+struct Traits<BlockQ8_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ8_0 &x) { return load256(x.qs); }
+};
+
+template <int MR, int NR>
+struct Tile8 {
+  static constexpr int T = MR * NR, G = (T + 7) / 8;
+  // Lanes past the tile repeat its last element (computed on zero sums, never stored).
+  static constexpr int e(int g, int l) { return 8 * g + l < T ? 8 * g + l : T - 1; }
+  static constexpr int i(int g, int l) { return e(g, l) / NR; }
+  static constexpr int j(int g, int l) { return e(g, l) % NR; }
+};
+
+// Up to 8 fp16 values (lanes past `count` zero), as a vector of 8 x 16 bits.
+inline __m128i halves8(const uint16_t *h, int count) {
+  auto at = [&](int l) { return static_cast<short>(l < count ? h[l] : 0); };
+  return _mm_setr_epi16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
+}
+
+// Lane l of group g takes value index(g, l) of v (8 x 16 bits), as floats (F16C: exact, like
+// fp16_to_fp32).
+template <typename Index>
+inline __m256 spread(__m128i v, Index index) {
+  auto lo = [&](int l) { return static_cast<char>(2 * index(l)); };
+  auto hi = [&](int l) { return static_cast<char>(2 * index(l) + 1); };
+  const __m128i pattern = _mm_setr_epi8(lo(0), hi(0), lo(1), hi(1), lo(2), hi(2), lo(3), hi(3),
+                                        lo(4), hi(4), lo(5), hi(5), lo(6), hi(6), lo(7), hi(7));
+  return _mm256_cvtph_ps(_mm_shuffle_epi8(v, pattern));
+}
+
+template <typename W, int MR, int NR>
+void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, float *out,
+          int64_t ldo, const uint8_t *prefetch) {
+  using Tr = Traits<W>;
+  using A = typename Tr::A;
+  using L = Tile8<MR, NR>;
+  const W *x[NR];
+  const A *y[MR];
+  for (int j = 0; j < NR; ++j) x[j] = reinterpret_cast<const W *>(w + j * ws);
+  for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const A *>(a + i * as);
+  __m256 sum[L::G];
+  for (int g = 0; g < L::G; ++g) sum[g] = _mm256_setzero_ps();
+  const size_t slice = prefetch_slice(NR * ws, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_lines(prefetch + b * slice, slice);
+    __m256i code[NR], magnitude[NR], act[MR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      code[j] = Tr::codes(x[j][b]);
+      magnitude[j] = Tr::kSigned ? _mm256_sign_epi8(code[j], code[j]) : code[j];
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) act[i] = load256(y[i][b].qs);
+    uint16_t xd[8], yd[8], xm[8], ys[8];
+    for (int j = 0; j < NR; ++j) xd[j] = x[j][b].d;
+    for (int i = 0; i < MR; ++i) yd[i] = y[i][b].d;
+    if constexpr (Tr::kMin) {
+      for (int j = 0; j < NR; ++j) xm[j] = x[j][b].m;
+      for (int i = 0; i < MR; ++i) ys[i] = y[i][b].s;
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < L::G; ++g) {
+      __m256i p[8];
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) {
+        if (8 * g + l >= L::T) {
+          p[l] = _mm256_setzero_si256();
+          continue;
+        }
+        const int i = L::i(g, l), j = L::j(g, l);
+        const __m256i pairs = Tr::kSigned
+            ? _mm256_maddubs_epi16(magnitude[j], _mm256_sign_epi8(act[i], code[j]))
+            : _mm256_maddubs_epi16(code[j], act[i]);
+        p[l] = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+      }
+      const __m256 sums = _mm256_cvtepi32_ps(totals(p));
+      auto by_j = [&](int l) { return L::j(g, l); };
+      auto by_i = [&](int l) { return L::i(g, l); };
+      const __m256 dx = spread(halves8(xd, NR), by_j), dy = spread(halves8(yd, MR), by_i);
+      __m256 term;
+      if constexpr (Tr::kMin) {
+        term = legacy_block_min(dx, dy, sums, spread(halves8(xm, NR), by_j),
+                                spread(halves8(ys, MR), by_i));
+      } else {
+        term = legacy_block(dx, dy, sums);
+      }
+      sum[g] = _mm256_add_ps(sum[g], term);
+    }
+  }
+  alignas(32) float lanes[L::G * 8];
+  for (int g = 0; g < L::G; ++g) _mm256_store_ps(lanes + 8 * g, sum[g]);
+  for (int e = 0; e < L::T; ++e) out[(e / NR) * ldo + e % NR] = lanes[e];
+}
+
+#ifndef ELK_LEGACY_NR1
+#define ELK_LEGACY_NR1 8
+#endif
+#ifndef ELK_LEGACY_MRB
+#define ELK_LEGACY_MRB 4
+#endif
+#ifndef ELK_LEGACY_NRB
+#define ELK_LEGACY_NRB 2
+#endif
+constexpr int kRows = ELK_LEGACY_MRB;
+
+template <int MR>
+constexpr int cols() {
+  return MR == 1 ? ELK_LEGACY_NR1 : MR == 2 ? 4 : ELK_LEGACY_NRB;
+}
+
+template <typename W, int MR>
+void run(int nr, const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
+         float *out, int64_t ldo, const uint8_t *prefetch) {
+  constexpr int C = cols<MR>();
+  switch (nr) {
+    case 1: tile<W, MR, 1>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 2: tile<W, MR, (C < 2 ? C : 2)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 3: tile<W, MR, (C < 3 ? C : 3)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 4: tile<W, MR, (C < 4 ? C : 4)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 5: tile<W, MR, (C < 5 ? C : 5)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 6: tile<W, MR, (C < 6 ? C : 6)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    case 7: tile<W, MR, (C < 7 ? C : 7)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+    default: tile<W, MR, (C < 8 ? C : 8)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+  }
+}
+
+template <typename W, int MR>
+void rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t as, int64_t nb,
+          float *out, int64_t ldo) {
+  constexpr int C = cols<MR>();
+  for (int64_t j = 0; j < n;) {
+    const int nr = n - j < C ? static_cast<int>(n - j) : C;
+    run<W, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
+    j += nr;
+  }
+}
+
+template <typename W>
+void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+          int64_t nb, float *out, int64_t ldo) {
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  int64_t i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    rows<W, kRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  }
+  for (; i + 2 <= m; i += 2) rows<W, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  if (i < m) rows<W, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+}
+
 }  // namespace legacy
 }  // namespace
 
 const GemmKernels *avx2_gemm_kernels() {
   static const GemmKernels kernels{"avx2", gemm<Q4Tile>, gemm<Q5Tile>, gemm<Q6Tile>,
-                                   quantize_q8_K};
+                                   quantize_q8_K,
+                                   legacy::gemm<BlockQ4_0>, legacy::gemm<BlockQ4_1>,
+                                   legacy::gemm<BlockQ5_0>, legacy::gemm<BlockQ5_1>,
+                                   legacy::gemm<BlockQ8_0>};
   return &kernels;
 }
 

@@ -172,6 +172,14 @@ int main() {
                       true)) {
         return 1;
       }
+      // Many rows: every tile shape in one call (4-row tiles, then 2 and 1), up to M 600.
+      for (int m : {37, 64, 600}) {
+        if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, 19, per == 256 ? 1 : 11,
+                        false)) {
+          return 1;
+        }
+        ++checked;
+      }
       ++checked;
     }
     if (!check_quantize(rng, isa)) return 1;
