@@ -638,7 +638,7 @@ float dot(const void *vx, const void *vy, int64_t nb) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tiled legacy kernels: MR activation rows x NR weight rows a pass (1 x 8 for a GEMV row, 4 x 2
+// Tiled legacy kernels: MR activation rows x NR weight rows a pass (1 x 8 for a GEMV row, 8 x 2
 // for batches, remainders 2 x 4 and 1 x 8, any narrower NR at the right edge). Per block, each
 // weight row is unpacked once for the MR rows and each activation block loaded once for the NR
 // rows. Element e = i * NR + j of the tile owns lane e % 8 of float sum[e / 8]: its block's
@@ -783,7 +783,7 @@ void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, 
 #define ELK_LEGACY_NR1 8
 #endif
 #ifndef ELK_LEGACY_MRB
-#define ELK_LEGACY_MRB 4
+#define ELK_LEGACY_MRB 8
 #endif
 #ifndef ELK_LEGACY_NRB
 #define ELK_LEGACY_NRB 2
