@@ -34,7 +34,8 @@ _ref = importlib.import_module('test_native_ref')
 random_blocks, TYPES = _ref.random_blocks, _ref.TYPES
 
 # The MatMulNBits layout the converter emits for each GGUF type (bits, block size).
-NBITS_FOR = {'Q4_K': (4, 32), 'Q5_K': (8, 32), 'Q6_K': (8, 32)}
+NBITS_FOR = {'Q4_K': (4, 32), 'Q5_K': (8, 32), 'Q6_K': (8, 32), 'Q4_0': (4, 32),
+             'Q4_1': (4, 32), 'Q5_0': (8, 32), 'Q5_1': (8, 32), 'Q8_0': (8, 32)}
 
 
 def session(node, initializers, k, n, threads, custom=False):
@@ -55,7 +56,7 @@ def session(node, initializers, k, n, threads, custom=False):
 
 def kquant(rng, name, k, n, threads):
     """Return (session, weight bytes) of KQuantMatMul on random `name` blocks."""
-    weights = random_blocks(rng, name, n * k // 256).reshape(n, -1)
+    weights = random_blocks(rng, name, n * k // TYPES[name][2]).reshape(n, -1)
     node = helper.make_node('KQuantMatMul', ['A', 'W'], ['Y'], domain='edge_llm_ros',
                             quant_type=TYPES[name][0], K=k, N=n)
     return (session(node, [numpy_helper.from_array(weights, 'W')], k, n, threads, custom=True),
