@@ -10,7 +10,9 @@ weights once, so its GB/s is set against the read stream.
 
 The machine is shared and noisy: every round times every op once (in a shuffled order) and
 the bandwidth once, and the report gives medians over the rounds and ratios taken within the
-same run. JSON on stdout (--json PATH writes it too), then a Markdown table.
+same run. Before each timed call a 96 MB array is read (--flush-mb), so no call finds the
+last call's weights in the L3 (as in a model's decode, where every layer's weights come from
+DRAM). JSON on stdout (--json PATH writes it too), then a Markdown table.
     python bench/bench_kquant_op.py [--threads 2] [--rounds 9] [--m 1,128,512]
 """
 import argparse
@@ -82,11 +84,19 @@ def bandwidth(threads):
     return json.loads(proc.stdout)
 
 
-def call_seconds(run, a, calls):
-    """Return the median seconds of `calls` calls (after one warm-up call)."""
-    run.run(None, {'A': a})
+def call_seconds(run, a, calls, warmup, flush=None):
+    """Return the median seconds of `calls` calls after `warmup` calls.
+
+    The warm-up also outlasts the previous session's spinning pool threads. `flush`, an
+    array larger than the L3, is read before each timed call (untimed): every call then reads
+    its weights from DRAM, as a model's decode does, not partly from the last call's L3 lines.
+    """
+    for _ in range(warmup):
+        run.run(None, {'A': a})
     times = []
     for _ in range(calls):
+        if flush is not None:
+            flush.sum()
         start = time.perf_counter()
         run.run(None, {'A': a})
         times.append(time.perf_counter() - start)
@@ -103,6 +113,8 @@ def main(argv=None) -> int:
     parser.add_argument('--m', default='1,128,512', help='activation rows, comma-separated')
     parser.add_argument('--types', default='Q4_K,Q6_K')
     parser.add_argument('--json', type=pathlib.Path)
+    parser.add_argument('--flush-mb', type=int, default=96,
+                        help='read this much memory before each timed call (0: none)')
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     k, n = args.k, args.n
@@ -115,14 +127,15 @@ def main(argv=None) -> int:
             ops[base] = (*nbits(rng, bits, block, k, n, args.threads), None)
         ops[f'KQuantMatMul {name}'] = (*kquant(rng, name, k, n, args.threads), base)
     inputs = {m: rng.standard_normal((m, k)).astype(np.float32) for m in ms}
+    flush = np.ones(args.flush_mb << 18, np.float32) if args.flush_mb else None
     times = {(op, m): [] for op in ops for m in ms}
     reads, triads = [], []
     order = list(times)
     for _ in range(args.rounds):
         random.shuffle(order)
         for op, m in order:
-            calls = 5 if m == 1 else 2
-            times[op, m].append(call_seconds(ops[op][0], inputs[m], calls))
+            calls, warmup = (15, 5) if m == 1 else (3, 1)
+            times[op, m].append(call_seconds(ops[op][0], inputs[m], calls, warmup, flush))
         bw = bandwidth(args.threads)
         reads.append(bw['read_gb_s'])
         triads.append(bw['triad_gb_s'])
@@ -143,6 +156,7 @@ def main(argv=None) -> int:
         rows.append(row)
     rows.sort(key=lambda r: (r['m'], r['op']))
     report = {'k': k, 'n': n, 'threads': args.threads, 'rounds': args.rounds,
+              'flush_mb': args.flush_mb,
               'read_gb_s': read, 'triad_gb_s': triad, 'read_gb_s_rounds': reads, 'rows': rows}
     text = json.dumps(report, indent=1)
     print(text)

@@ -3,7 +3,7 @@
 // both, so the library still loads on any x86-64.
 //
 // The K types run as register tiles of MR activation rows x NR weight rows (gemm below picks
-// 1 x 4 for a GEMV, 4 x 2 for a batch): a weight super-block is unpacked once for MR rows, an
+// 1 x 4 for a GEMV, 4 x 2 for batches): a weight super-block is unpacked once for MR rows, an
 // activation block's loads and block sums serve NR rows. Each element keeps its own exact
 // integer sums per super-block, then the reference's float expression (k_block, lane by lane:
 // the same IEEE operations, no FMA) is added to its sum in super-block order, so every tile
@@ -146,8 +146,8 @@ inline size_t prefetch_slice(size_t tile_bytes, int64_t nb) {
   return ((tile_bytes + blocks - 1) / blocks + 63) / 64 * 64;
 }
 
-// Element e of an MR x NR tile is activation row e / NR times weight row e % NR. Its float
-// sums live in lane e % 4 of sum[e / 4]; lanes past the tile compute on zeros, never stored.
+// Element e of an MR x NR tile (activation row e / NR times weight row e % NR) has its float
+// sum in lane e % 4 of sum[e / 4]; the lanes past the tile (see Lanes) are not stored.
 template <int MR, int NR>
 inline void store_tile(const __m128 *sum, float *out, int64_t ldo) {
   alignas(16) float lanes[(MR * NR + 3) / 4 * 4];
@@ -361,43 +361,29 @@ struct Q6Tile {
   }
 };
 
-using TileFn = void (*)(const uint8_t *, size_t, const uint8_t *, size_t, int64_t, float *,
-                        int64_t, const uint8_t *);
-
-#ifndef ELK_NR1
-#define ELK_NR1 4
-#endif
-#ifndef ELK_MRB
-#define ELK_MRB 4
-#endif
-#ifndef ELK_NRB
-#define ELK_NRB 2
-#endif
 // Tile shapes: a GEMV row against kGemvRows weight rows; batches in tiles of kBatchRows
-// activation rows x kBatchCols weight rows (the accumulators fill the 16 ymm registers
-// with the operands), the remaining 1..kBatchRows-1 rows in tiles of 2 and 1.
-constexpr int kGemvRows = ELK_NR1;
-constexpr int kBatchRows = ELK_MRB, kBatchCols = ELK_NRB;
+// activation rows x kBatchCols weight rows (their accumulators and operands fill the 16 ymm
+// registers), the remaining rows in tiles of 2 x 4 and 1 x kGemvRows; narrower at the end of
+// n. (Measured here: 1 x 8 and 4 x 3, 6 x 2, 3 x 4 tiles were no faster.)
+constexpr int kGemvRows = 4;
+constexpr int kBatchRows = 4, kBatchCols = 2;
 
 template <int MR>
 constexpr int tile_cols() {
   return MR == 1 ? kGemvRows : MR == 2 ? 4 : kBatchCols;
 }
 
-// An MR x nr tile, nr <= tile_cols<MR>().
+// An MR x nr tile, nr <= tile_cols<MR>() <= 4.
 template <template <int, int> class Tile, int MR>
 void run_tile(int nr, const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
               float *out, int64_t ldo, const uint8_t *prefetch) {
   constexpr int C = tile_cols<MR>();
+  static_assert(C >= 1 && C <= 4, "tiles of 1..4 weight rows");
   switch (nr) {
     case 1: Tile<MR, 1>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
     case 2: Tile<MR, (C < 2 ? C : 2)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
     case 3: Tile<MR, (C < 3 ? C : 3)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 4: Tile<MR, (C < 4 ? C : 4)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 5: Tile<MR, (C < 5 ? C : 5)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 6: Tile<MR, (C < 6 ? C : 6)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 7: Tile<MR, (C < 7 ? C : 7)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    default: Tile<MR, (C < 8 ? C : 8)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
+    default: Tile<MR, C>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
   }
 }
 
@@ -425,7 +411,9 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   for (; i + kBatchRows <= m; i += kBatchRows) {
     tile_rows<Tile, kBatchRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   }
-  for (; i + 2 <= m; i += 2) tile_rows<Tile, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  for (; i + 2 <= m; i += 2) {
+    tile_rows<Tile, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  }
   if (i < m) tile_rows<Tile, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
 }
 
