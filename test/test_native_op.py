@@ -97,13 +97,18 @@ def dequantized(elk, name: str, weights: np.ndarray, k: int) -> np.ndarray:
     return dense
 
 
-@pytest.fixture(scope='module')
-def elk():
+def kquant_library() -> ctypes.CDLL:
+    """Load libedge_llm_kquant.so with the reference calls' argument types."""
     lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
     lib.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
     lib.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
                                     ctypes.POINTER(ctypes.c_float)]
     return lib
+
+
+@pytest.fixture(scope='module')
+def elk():
+    return kquant_library()
 
 
 @pytest.mark.parametrize('name, k, n', [

@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType, quants
 from native_build import native_build
 import numpy as np
 import pytest
-from test_native_op import (ACTIVATIONS, block, dequantized, op_library, quantize_activations,
-                            reference, session)
+from test_native_op import (ACTIVATIONS, block, dequantized, kquant_library, op_library,
+                            quantize_activations, reference, session)
 import test_native_ref
 from test_native_ref import DOT_RTOL, random_blocks, TYPES
 
@@ -38,11 +38,7 @@ SHAPES = {
 
 @pytest.fixture(scope='module')
 def elk():
-    lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
-    lib.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
-    lib.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
-                                    ctypes.POINTER(ctypes.c_float)]
-    return lib
+    return kquant_library()
 
 
 @pytest.fixture(scope='module')
