@@ -17,7 +17,6 @@ quantization error, bounded per element from each activation block's step d = am
 import ctypes
 
 from gguf import GGMLQuantizationType, quants
-from native_build import native_build
 import numpy as np
 import pytest
 from test_native_op import (ACTIVATIONS, block, dequantized, kquant_library, op_library,
