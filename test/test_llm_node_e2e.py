@@ -1,7 +1,9 @@
 """The README's main job end to end, on the embedded SmolLM2-135M.
 
 `python -m edge_llm_ros.nodes.demo` starts llm_node as a real process, sends the prompt
-through the action, streams the answer with timings and stops the node with SIGINT.
+through the action, streams the answer with timings and stops the node with SIGINT. The
+embedded model is served by the op library's kernels (the demo prints them from
+~/get_model_info).
 """
 import os
 import subprocess
@@ -21,3 +23,6 @@ def test_demo_answers_through_the_action_and_stops_cleanly():
     assert 'blue' in proc.stdout.lower(), proc.stdout
     assert 'TTFT' in proc.stderr and 'decode' in proc.stderr
     assert 'stopped (exit code 0)' in proc.stderr
+    # setup.sh built the op library, so the embedded model runs on GGUF blocks.
+    assert 'kquant (GGUF blocks)' in proc.stderr and 'kernel kquant (' in proc.stderr, \
+        proc.stderr

@@ -79,6 +79,10 @@ def _ask(client: LLMClient, process: NodeProcess, args: argparse.Namespace,
     if not client.wait_for_server(timeout=10.0):
         print('demo: the action server did not appear', file=sys.stderr)
         return EXIT_FAILED
+    info = client.model_info(timeout=10.0)
+    if info.success and info.loaded:  # which weights and kernels serve the answer
+        print(f'demo: {info.model_name}: {info.quantization}; kernel {info.kernel or "n/a"}',
+              file=sys.stderr, flush=True)
     return stream_answer(client, args)
 
 
