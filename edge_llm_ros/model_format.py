@@ -24,8 +24,10 @@ CHAT_TEMPLATE_FILE = 'chat_template.jinja'
 MODEL_YAML = 'model.yaml'
 # Bumped whenever a folder written before cannot run as it is (the runtime then asks for a
 # reconversion). 4: symbolic batch dimension (parallel sequence slots). 5: GGUF blocks kept
-# for the edge_llm_ros ops (weights: kquant, model.yaml op_domains).
-CONVERTER_VERSION = '5'
+# for the edge_llm_ros ops (weights: kquant, model.yaml op_domains). 6: a `logits_count` input
+# (logits for the last n positions: speculative verify passes) and, in kquant folders, the
+# op library's row-exact CausalAttention (model.yaml `attention`).
+CONVERTER_VERSION = '6'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
@@ -61,6 +63,9 @@ class ModelInfo:
     activation_dtype: str = 'float32'
     kv_max_context: Optional[int] = None
     op_domains: Tuple[str, ...] = ()  # custom op domains beyond ONNX and com.microsoft
+    # 'causal': the op library's CausalAttention (each position computed alone, so a verify
+    # pass over k+1 positions gives the bits of k+1 decode steps); 'gqa': onnxruntime's.
+    attention: str = 'gqa'
     extra: Dict = field(default_factory=dict)  # every other key, kept for reports
 
 
@@ -101,6 +106,7 @@ def load_model_info(model_dir: str) -> ModelInfo:
             activation_dtype=str(raw.get('activation_dtype', 'float32')),
             kv_max_context=None if kv_max is None else int(kv_max),
             op_domains=tuple(str(d) for d in raw.get('op_domains') or ()),
+            attention=str(raw.get('attention', 'gqa')),
             extra={k: v for k, v in raw.items() if k not in _REQUIRED_INT},
             **ints)
     except (TypeError, ValueError) as e:

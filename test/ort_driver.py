@@ -47,6 +47,7 @@ class OrtDriver:
         io.bind_cpu_input('inputs_embeds', np.asarray(embeds, self.dtype)[None])
         io.bind_cpu_input('seqlens_k', np.array([total - 1], np.int32))
         io.bind_cpu_input('total_sequence_length', np.array(total, np.int32))
+        io.bind_cpu_input('logits_count', np.array([1], np.int64))
         io.bind_output('logits')
         for i in range(self.meta['num_layers']):
             for j, kind in enumerate(('key', 'value')):

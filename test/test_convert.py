@@ -310,7 +310,8 @@ def test_model_folder_contents(root):
     assert list(matmuls['lm_head'].input)[3:] == []
     assert matmuls['layers.0.attn.o_proj'].input[3]  # Q4_1: zero points per block
     names = [i.name for i in m.graph.input]
-    assert names[:4] == ['input_ids', 'inputs_embeds', 'seqlens_k', 'total_sequence_length']
+    assert names[:5] == ['input_ids', 'inputs_embeds', 'seqlens_k', 'total_sequence_length',
+                         'logits_count']
     assert [o.name for o in m.graph.output][:3] == ['logits', 'present.0.key',
                                                     'present.0.value']
     # Weights live in the external data file, not in model.onnx.

@@ -211,7 +211,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     # Weights stream into model.onnx.data as each layer is converted.
     with open(tmp / DATA_FILE, 'wb') as data:
         graph = DecoderGraph(s, GraphOptions(opts.activation_dtype, opts.max_context,
-                                             opts.accuracy_level, opts.graph_offset_levels),
+                                             opts.accuracy_level, opts.graph_offset_levels,
+                                             attention=_attention(opts)),
                              data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
         bar.update()
@@ -265,6 +266,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'weight_bytes_per_token': int(graph.weight_bytes),
                          'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))},
         'op_domains': sorted(graph.ops_used),
+        'attention': _attention(opts),
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
@@ -274,6 +276,11 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         os.chmod(f, 0o644)  # onnx writes the data file 0600; the model is meant to be shared
         with open(f, 'rb') as fh:
             os.fsync(fh.fileno())
+
+
+def _attention(opts: ConvertOptions) -> str:
+    """Return the attention op: the library's row-exact one wherever the library is used."""
+    return 'causal' if opts.weight_format == 'kquant' else 'gqa'
 
 
 def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> Weight:

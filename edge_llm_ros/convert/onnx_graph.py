@@ -3,13 +3,15 @@
 Per layer: RMSNorm (SkipSimplifiedLayerNormalization fuses the residual add) -> fused QKV
 MatMulNBits -> GroupQueryAttention (RoPE inside, KV past/present share-buffer layout) ->
 MatMulNBits -> RMSNorm -> fused gate/up MatMulNBits -> SiLU * up -> MatMulNBits. The embedding
-is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Only the
-last position's logits are computed. I/O names and shapes follow ENGINE_API.md.
+is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Logits are
+computed for the last `logits_count` positions only (1, or k + 1 in a speculative verify pass).
+I/O names and shapes follow ENGINE_API.md.
 
 With weights='kquant' (GraphOptions.kquant) every matrix whose GGUF type the project's op
 library holds (convert/gguf_weights.py) is an edge_llm_ros.KQuantMatMul over its GGUF bytes
 instead, and a token table of such a type an edge_llm_ros.KQuantGather over the same bytes a
-tied lm_head reads; other types stay MatMulNBits.
+tied lm_head reads; other types stay MatMulNBits. Such graphs also take the library's
+CausalAttention instead of GroupQueryAttention (GraphOptions.attention).
 
 Exact GGUF Q4_1 weights carry a per-block offset; each such MatMulNBits either gets the offsets
 folded into extra 4-bit blocks, fed the input's block means appended to it (ReduceMean +
@@ -52,6 +54,11 @@ class GraphOptions:
     # n > 0 folds them into n 4-bit levels of extra blocks of the same MatMulNBits, fed the
     # block means appended to x (quant.fold_offsets: ~0.1% error per offset at n=2).
     offset_levels: int = 0
+    # The attention op: 'gqa' (onnxruntime's GroupQueryAttention) or 'causal' (the op
+    # library's CausalAttention, which computes each position alone: one position's logits
+    # are the same bits in a verify pass over several, as speculative decoding needs; kquant
+    # graphs, float32 only).
+    attention: str = 'gqa'
 
 
 Weight = Union[BlockWeights, GgufWeights]
@@ -147,9 +154,13 @@ class DecoderGraph:
                                           [BATCH_DIM, 's_emb', spec.hidden_size]),
             helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [BATCH_DIM]),
             helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
+            # How many of the last positions get logits: 1 for prefill and decode, k + 1
+            # for a speculative verify pass.
+            helper.make_tensor_value_info('logits_count', TensorProto.INT64, [1]),
         ]
         self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
-                                                      [BATCH_DIM, 1, spec.vocab_size])]
+                                                      [BATCH_DIM, 'n_logits',
+                                                       spec.vocab_size])]
         for i in range(spec.num_layers):
             for kind in ('key', 'value'):
                 self.inputs.append(helper.make_tensor_value_info(
@@ -358,16 +369,23 @@ class DecoderGraph:
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
-        window = {'local_window_size': s.sliding_window} if local else {}
-        attn, _, _ = self._node(
-            'GroupQueryAttention',
-            q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
-                     'seqlens_k', 'total_sequence_length', *rope],
-            outputs=[self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value'],
-            domain=MS_DOMAIN, name=f'{p}/attn', num_heads=s.num_heads,
-            kv_num_heads=s.num_kv_heads,
-            scale=s.attention_scale or 1.0 / math.sqrt(s.head_dim), do_rotary=1,
-            rotary_interleaved=0, **window)
+        scale = s.attention_scale or 1.0 / math.sqrt(s.head_dim)
+        inputs = q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
+                          'seqlens_k', 'total_sequence_length', *rope]
+        outputs = [self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value']
+        if self.opts.attention == 'causal':
+            self.ops_used.add(KQUANT_DOMAIN)
+            attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
+                                    domain=KQUANT_DOMAIN, name=f'{p}/attn',
+                                    num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
+                                    scale=float(scale),
+                                    window=s.sliding_window if local else 0)
+        else:
+            window = {'local_window_size': s.sliding_window} if local else {}
+            attn, _, _ = self._node(
+                'GroupQueryAttention', inputs, outputs=outputs, domain=MS_DOMAIN,
+                name=f'{p}/attn', num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
+                scale=scale, do_rotary=1, rotary_interleaved=0, **window)
         o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
         if lw.post_attn_norm is not None:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
@@ -438,9 +456,9 @@ class DecoderGraph:
         return y
 
     def finish(self, final_norm: np.ndarray, lm_head: Optional[Weight]) -> onnx.ModelProto:
-        """Add the final norm on the last position and lm_head (tied when None)."""
+        """Add the final norm on the last logits_count positions and lm_head (tied if None)."""
         s = self.spec
-        starts = self._const_i64('slice_last_start', [-1])
+        (starts,) = self._node('Neg', ['logits_count'])
         ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
         axes = self._const_i64('slice_axis_seq', [1])
         (x_last,) = self._node('Slice', [self._x, starts, ends, axes])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 import weakref
 
 import llguidance
@@ -217,6 +217,12 @@ class ConstraintState:
         if not self._m.consume_token(int(token_id)):
             raise EngineError(f'token {token_id} violates {self._what}: '
                               f'{self._m.get_error()}')
+
+    def forced_tokens(self) -> List[int]:
+        """Return the tokens the grammar forces next, whatever the model says (may be [])."""
+        tokens = self._m.compute_ff_tokens()
+        self._check()
+        return list(tokens)
 
     def is_finished(self) -> bool:
         """Tell whether the output is complete (only an end-of-generation token may follow)."""

@@ -2,8 +2,10 @@
 
 One graph serves prefill and decode (see the engine contract): inputs ``input_ids [B, s]``,
 ``inputs_embeds [B, e, hidden]`` (fed ahead of the ids), ``seqlens_k [B]`` (total - 1),
-``total_sequence_length []`` and ``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``;
-outputs ``logits [B, 1, vocab]`` (last position) and ``present.{i}.key/value``.
+``total_sequence_length []``, ``logits_count [1]`` and
+``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``; outputs
+``logits [B, logits_count, vocab]`` (the last positions; 1 except in a verify pass) and
+``present.{i}.key/value``.
 
 The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
 writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
@@ -15,6 +17,10 @@ one slot (batch 1, over that slot's views); ``decode_rows`` runs rows 0..b-1 in 
 per-row lengths in ``seqlens_k`` (GroupQueryAttention's per-sequence lengths). Every binding is
 built at init, so a step only writes ints and runs. With N = 1, decode() feeds one row through
 the binding of slot 0.
+
+``verify`` runs several ids of one slot and returns the logits of every one of them (a
+speculative verify pass). Only a graph with ``attention: causal`` (model.yaml) promises that
+those are the bits the same ids fed one decode step at a time would give (``row_exact``).
 """
 from __future__ import annotations
 
@@ -148,6 +154,12 @@ class OnnxDecoder:
         self.kv_buffers: List[np.ndarray] = [
             np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * spec.num_layers)]
         self._logits = np.zeros((self.slots, 1, spec.vocab_size), dtype=np.float32)
+        self._one_logit = np.ones((1,), dtype=np.int64)      # logits_count of every call ...
+        self._verify_count = np.ones((1,), dtype=np.int64)   # ... but a verify pass
+        self._verify_logits = np.zeros((1, 0, spec.vocab_size), dtype=np.float32)
+        self._verify_bindings: Dict[int, ort.IOBinding] = {}
+        # Whether a verify pass gives a position the bits a decode step gives it.
+        self.row_exact = spec.attention == 'causal' and native_ops.DOMAIN in spec.op_domains
         self.logits = self._logits[0].reshape(-1)  # the view a single-row call returns
         self._keep: list = []   # numpy views the OrtValues below point into
         # One binding per slot (prefill, and decode of slot 0) ...
@@ -163,7 +175,8 @@ class OnnxDecoder:
                 ids = np.zeros((b, 1), dtype=np.int64)
                 seqlens = np.zeros((b,), dtype=np.int32)
                 inputs = {'input_ids': self._value(ids), 'seqlens_k': self._value(seqlens),
-                          'total_sequence_length': total}
+                          'total_sequence_length': total,
+                          'logits_count': self._value(self._one_logit)}
                 if self.accepts_embeds:
                     inputs['inputs_embeds'] = self._value(
                         np.zeros((b, 0, spec.hidden_size), dtype=self.act_dtype))
@@ -179,6 +192,7 @@ class OnnxDecoder:
             'input_ids': ort.OrtValue.ortvalue_from_numpy(self._ids1),
             'seqlens_k': ort.OrtValue.ortvalue_from_numpy(self._seqlens),
             'total_sequence_length': ort.OrtValue.ortvalue_from_numpy(self._total),
+            'logits_count': ort.OrtValue.ortvalue_from_numpy(self._one_logit),
         }
         if self.accepts_embeds:
             self._decode_inputs['inputs_embeds'] = ort.OrtValue.ortvalue_from_numpy(
@@ -193,7 +207,7 @@ class OnnxDecoder:
         spec = self.info
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
-        want_in = ['input_ids', 'seqlens_k', 'total_sequence_length']
+        want_in = ['input_ids', 'seqlens_k', 'total_sequence_length', 'logits_count']
         want_out = ['logits']
         for i in range(spec.num_layers):
             want_in += [f'past_key_values.{i}.key', f'past_key_values.{i}.value']
@@ -304,7 +318,7 @@ class OnnxDecoder:
                              f'{self.capacity}')
         ids2 = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
         arrays = {'input_ids': ids2, 'seqlens_k': self._seqlens,
-                  'total_sequence_length': self._total}
+                  'total_sequence_length': self._total, 'logits_count': self._one_logit}
         if self.accepts_embeds:
             arrays['inputs_embeds'] = embeds if embeds is not None else self._no_embeds
         values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
@@ -318,3 +332,36 @@ class OnnxDecoder:
         self._total[()] = past_len + n
         self._session.run_with_iobinding(binding)
         return self.logits
+
+    def verify(self, ids: Sequence[int], past_len: int, slot: int = 0) -> np.ndarray:
+        """Feed ids at positions past_len.. of a slot; return the logits of each [n, vocab].
+
+        Row i holds the next-token logits after ids[i]. The view is valid until the next
+        verify call. The caller keeps past_len + n within the capacity.
+        """
+        n = len(ids)
+        if n < 1 or past_len < 0 or past_len + n > self.capacity:
+            raise ValueError(f'verify of {n} ids at {past_len} is outside the KV capacity '
+                             f'{self.capacity}')
+        binding = self._verify_bindings.get(slot)
+        if binding is None:
+            binding = self._verify_bindings[slot] = self._rows_binding(slice(slot, slot + 1))
+        if self._verify_logits.shape[1] < n:
+            self._verify_logits = np.zeros((1, max(n, 8), self.info.vocab_size), np.float32)
+        logits = self._verify_logits[:, :n]
+        ids2 = np.asarray(ids, dtype=np.int64).reshape(1, n)
+        seqlens = np.array([past_len + n - 1], dtype=np.int32)
+        total = np.array(past_len + n, dtype=np.int32)
+        self._verify_count[0] = n
+        arrays = {'input_ids': ids2, 'seqlens_k': seqlens, 'total_sequence_length': total,
+                  'logits_count': self._verify_count}
+        if self.accepts_embeds:
+            arrays['inputs_embeds'] = self._no_embeds
+        values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
+        out = ort.OrtValue.ortvalue_from_numpy(logits)
+        self._verify_keep = [arrays, values, out]   # the binding points into them
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output('logits', out)
+        self._session.run_with_iobinding(binding)
+        return logits[0]

@@ -67,6 +67,7 @@ class PreparedRequest:
     # continued (the prompt ids above are then the whole conversation's).
     chat: Optional[conv.ChatTurns] = None
     session: Optional[conv.Bound] = None
+    speculative: bool = True   # False: decode plainly (GenerationRequest.speculative)
 
     @property
     def prompt_tokens(self) -> int:
@@ -254,7 +255,8 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                sampling=request.sampling, stop=stop, constraint=constraint,
                                session_id=request.session_id, act_dtype=np.dtype(act_dtype),
                                embeddings=declared, keys=() if declared else tuple(ids),
-                               output=output, chat=chat if session else None)
+                               output=output, chat=chat if session else None,
+                               speculative=bool(getattr(request, 'speculative', True)))
     return prepared.bind(array) if array is not None else prepared
 
 

@@ -24,13 +24,17 @@ Event/result conventions:
   ``start``: the per-token path of a plain request has no branch for the features it lacks.
 * Timings: TTFT counts from ``t0`` (when the sequence got its slot); prefill tok/s counts only
   the positions actually computed (``cached_prompt_tokens`` were reused); decode tok/s is
-  decode steps per second of the model calls' own time.
+  tokens decoded per second of the model calls' own time.
+* Speculation (runtime/speculative.py): with a Speculator, ``draft`` proposes tokens after
+  ``token`` and ``advance_verified`` takes the logits of a verify pass over them: each
+  position's token is picked exactly as ``advance`` would pick it, and the drafts are kept
+  only while they equal the picks. The output is the output of plain decoding.
 """
 from __future__ import annotations
 
 from collections import deque
 import time
-from typing import Callable, Deque, Iterable, List, Optional, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Sequence as Seq, Tuple
 
 import numpy as np
 
@@ -66,7 +70,7 @@ class Sequence:
         self._t0 = time.perf_counter() if t0 is None else t0
         self._reason = StopReason.LENGTH
         self._timing = {'prefill_tokens': 0, 'cached': 0, 'ttft': 0.0, 'prefill_s': 0.0,
-                        'decode_steps': 0, 'decode_s': 0.0}
+                        'decode_steps': 0, 'decode_tokens': 0, 'decode_s': 0.0}
         # The model's EOS ids and the family's other end-of-turn tokens (see Engine).
         self._eos = frozenset(eos or tokenizer.eos_token_ids)
         self._stream = None
@@ -82,6 +86,7 @@ class Sequence:
         self._budget = 0
         self._pick: Optional[Picker] = None
         self._emit = self._emit_plain
+        self.speculator = None   # runtime/speculative.Speculator, when the engine speculates
 
     @property
     def request(self) -> PreparedRequest:
@@ -144,11 +149,50 @@ class Sequence:
         tm = self._timing
         tm['decode_s'] += time.perf_counter() - started
         tm['decode_steps'] += 1
+        tm['decode_tokens'] += 1
         return self._emit_token()
+
+    def draft(self, room: int) -> List[int]:
+        """Tokens to verify after `token` (none without a speculator or room).
+
+        room: positions the slot and the token budget allow beyond `token`'s.
+        """
+        spec = self.speculator
+        if spec is None or spec.off:
+            return []
+        room = min(room, self._budget - len(self.output) - 1)
+        state = self._constraint_state
+        forced = state.forced_tokens() if state is not None else []
+        return spec.propose(forced, room)
+
+    def advance_verified(self, logits: np.ndarray, draft: Seq[int],
+                         started: float) -> int:
+        """Take a verify pass's logits [len(draft) + 1, vocab]; return the drafts kept.
+
+        Row i holds the logits after feeding `token` then draft[:i]. Tokens are picked row by
+        row until a pick differs from its draft (that pick is kept: it is the next token), the
+        last row is used, or the sequence ends.
+        """
+        accepted = 0
+        for i in range(len(draft) + 1):
+            self.pos += 1
+            self.token = self._pick(logits[i])
+            self._emit_token()
+            if self.done or i == len(draft) or self.token != draft[i]:
+                break
+            accepted += 1
+        tm = self._timing
+        tm['decode_s'] += time.perf_counter() - started
+        tm['decode_steps'] += 1
+        tm['decode_tokens'] += accepted + 1
+        self.speculator.observe(len(draft), accepted)
+        return accepted
 
     def _emit_token(self) -> TokenEvent:
         index = len(self.output)
         event, reason = self._emit(self.token, index, index + 1 == self._budget)
+        if self.speculator is not None:
+            self.speculator.add((self.token,))
         self.output.add(event)
         if reason is not None:
             self._reason = reason
@@ -277,13 +321,18 @@ class Sequence:
             return self.result
         tm = self._timing
         prefill_tps = tm['prefill_tokens'] / tm['prefill_s'] if tm['prefill_s'] > 0 else 0.0
-        decode_tps = tm['decode_steps'] / tm['decode_s'] if tm['decode_s'] > 0 else 0.0
+        decode_tps = tm['decode_tokens'] / tm['decode_s'] if tm['decode_s'] > 0 else 0.0
+        spec = self.speculator.stats if self.speculator is not None else None
         timings = Timings(time_to_first_token_s=tm['ttft'],
                           prefill_tokens=tm['prefill_tokens'],
                           cached_prompt_tokens=tm['cached'],
                           prefill_tokens_per_second=prefill_tps,
                           decode_tokens_per_second=decode_tps,
-                          total_s=time.perf_counter() - self._t0)
+                          total_s=time.perf_counter() - self._t0,
+                          draft_passes=spec.passes if spec else 0,
+                          draft_tokens=spec.drafted if spec else 0,
+                          accepted_draft_tokens=spec.accepted if spec else 0,
+                          decode_steps=tm['decode_steps'])
         if error:
             reason = StopReason.ERROR
         elif reason is None:

@@ -114,6 +114,8 @@ class GenerationRequest:
     reasoning: bool = True
     # Tokens of reasoning after which the close tag is forced (None: unlimited).
     reasoning_budget: Optional[int] = None
+    # False: this request decodes plainly even where the engine speculates.
+    speculative: bool = True
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,12 @@ class Timings:
     prefill_tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
     total_s: float = 0.0
+    # Speculative decoding (runtime/speculative.py): verify passes, the draft tokens fed to
+    # them and those kept; decode steps = plain steps + verify passes.
+    draft_passes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    decode_steps: int = 0
 
 
 @dataclass(frozen=True)

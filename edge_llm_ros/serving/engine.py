@@ -18,7 +18,7 @@ tool calls and no reasoning tags (model_info() says why no family was found).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import functools
 import operator
 import os
@@ -37,6 +37,7 @@ from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family
                                                ModelFamilyConfig)
 from edge_llm_ros.runtime.request import bind_conversation, prepare, PreparedRequest
 from edge_llm_ros.runtime.sequence import Sequence as TokenSequence
+from edge_llm_ros.runtime.speculative import build_speculation, SpeculativeConfig
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, GenerationResult,
                                         StopReason, TokenEvent)
@@ -74,6 +75,8 @@ class EngineConfig:
     kv_memory_limit: int = 0
     # CPU kernels of a kquant model's ops (runtime/native_ops.KERNEL_CHOICES; 'auto' = best).
     kernel: str = 'auto'
+    # Speculative decoding and grammar fast-forward (runtime/speculative.py).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -140,15 +143,12 @@ class Engine:
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.family, self.family_error = _family(model_dir, config.model_family)
         self._eos = _end_ids(self.tokenizer, self.family)
-        self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info, SessionConfig(
-            providers=tuple(config.providers),
-            provider_options=tuple(config.provider_options),
-            intra_op_threads=config.intra_op_threads,
-            intra_op_affinity=config.intra_op_affinity,
-            max_context=config.max_context,
-            slots=config.parallel_sequences, kernel=config.kernel))
+        self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info,
+                                                           self._session_config(config))
         # Before any cache holds positions: the probe writes into every slot.
         self.rows: RowPolicy = probe_rows(self._decoder)
+        self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
+                                             model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
         store = open_sessions(config, model_dir, self._decoder.slot_buffers(0),
                               self._decoder.capacity)
@@ -170,6 +170,14 @@ class Engine:
         self.vocab_size = self.info.vocab_size
         self.providers = self._decoder.providers
         self.kernel = self._decoder.kernel  # the matmul kernels that run, e.g. 'kquant (avx2)'
+
+    @staticmethod
+    def _session_config(config: EngineConfig) -> SessionConfig:
+        return SessionConfig(
+            providers=tuple(config.providers), provider_options=tuple(config.provider_options),
+            intra_op_threads=config.intra_op_threads,
+            intra_op_affinity=config.intra_op_affinity, max_context=config.max_context,
+            slots=config.parallel_sequences, kernel=config.kernel)
 
     # --- requests ----------------------------------------------------------------------------
     def _compile(self, schema_text: str) -> object:
@@ -205,7 +213,10 @@ class Engine:
         if request.awaits_conversation:
             stored = self._store.conversation(request.session_id) or Conversation()
             request = bind_conversation(request, stored, self.tokenizer, self.context_length)
-        return TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
+        seq = TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
+        if request.speculative:
+            seq.speculator = self.speculation.start(request.prompt_ids)
+        return seq
 
     def _end_ops(self, goal: Goal, slot: int) -> list:
         """After a goal's end in `slot`: commit its session's turn, else checkpoint the slot.

@@ -26,7 +26,7 @@ import numpy as np
 from edge_llm_ros.runtime.decoder import OnnxDecoder
 from edge_llm_ros.runtime.kv_cache import KVCache
 from edge_llm_ros.serving.scheduler import (Admit, Checkpoint, Commit, Decode, Move, Outputs,
-                                            Park, Plan, Prefill, Unpark)
+                                            Park, Plan, Prefill, Rewind, Unpark)
 
 # Prompt of the row probe: any few tokens; every row gets the same ones.
 _PROBE_IDS = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int64)
@@ -108,6 +108,8 @@ class Executor:
         caches = self._caches
         if isinstance(op, Checkpoint):
             caches[op.slot].checkpoint()
+        elif isinstance(op, Rewind):
+            caches[op.slot].rewind_to(op.length)
         elif isinstance(op, Commit):
             caches[op.slot].commit(op.session_id, op.conversation)
         elif isinstance(op, Admit):
@@ -145,6 +147,11 @@ class Executor:
     def _decode(self, step: Decode, out: Outputs) -> None:
         out.decode_started = time.perf_counter()
         try:
+            if step.draft:   # a verify pass of row 0's goal (slot 0)
+                fed = (step.tokens[0],) + step.draft
+                out.decode_logits = self._decoder.verify(fed, step.positions[0], 0)
+                self._caches[0].append(fed)
+                return
             if self._single:
                 out.decode_logits = self._decoder.decode(step.tokens[0],
                                                          step.positions[0])[None, :]

@@ -17,7 +17,11 @@ thread) repeats
    most urgent prefilling goal;
 2. decode: one token of every decoding goal in one model call over rows 0..k-1. Occupied slots
    are kept contiguous (a goal whose slot is above a freed one moves down, KV and all), so no
-   row of the call belongs to an idle slot.
+   row of the call belongs to an idle slot. When one goal decodes alone and its sequence
+   speculates (runtime/speculative.py), the call is a verify pass over its token and its
+   draft; the positions of rejected drafts are forgotten by a Rewind before the next call.
+   Speculation runs only at batch size 1: beside other rows a verify pass would make every
+   row of the call wait for k + 1 positions (docs/speculative.md).
 
 A new goal reuses the longest prefix of its prompt found in any slot's live KV or in a saved
 session snapshot (runtime/kv_cache.py); a paused goal's KV is parked whole and restored into
@@ -45,7 +49,7 @@ from edge_llm_ros.serving.goal import (CancelReason, error_result, Goal, GoalSta
 from edge_llm_ros.serving.queue import GoalQueue, WaitQueue
 
 __all__ = ['Admit', 'Checkpoint', 'Commit', 'Decode', 'Move', 'Outputs', 'Park', 'Plan',
-           'Prefill', 'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Scheduler', 'Unpark']
+           'Prefill', 'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Rewind', 'Scheduler', 'Unpark']
 
 
 # --- what a plan asks the executor to do -------------------------------------------------------
@@ -85,6 +89,14 @@ class Move:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    """Forget the slot's positions from `length` on (drafts a verify pass rejected)."""
+
+    slot: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """Persist the slot's session now (a goal ended there; no-op without sessions.store)."""
 
@@ -100,7 +112,7 @@ class Commit:
     conversation: Any       # runtime.conversation.Conversation
 
 
-KVOp = Union[Admit, Park, Unpark, Move, Checkpoint, Commit]
+KVOp = Union[Admit, Park, Unpark, Move, Rewind, Checkpoint, Commit]
 
 
 @dataclass(frozen=True)
@@ -118,11 +130,15 @@ class Prefill:
 
 @dataclass(frozen=True)
 class Decode:
-    """One token for rows 0..len(goals)-1: row i feeds goals[i] (None: no goal decodes there)."""
+    """One token for rows 0..len(goals)-1: row i feeds goals[i] (None: no goal decodes there).
+
+    With a draft (one row only), a verify pass: the row's token, then the drafted tokens.
+    """
 
     goals: Tuple[Optional[Goal], ...]
     tokens: Tuple[int, ...]
     positions: Tuple[int, ...]
+    draft: Tuple[int, ...] = ()
 
 
 @dataclass
@@ -378,9 +394,13 @@ class Scheduler:
             rows.pop()
         if not rows:
             return
+        draft: Tuple[int, ...] = ()
+        if len(rows) == 1:
+            seq = rows[0].sequence
+            draft = tuple(seq.draft(self._caches[0].capacity - seq.pos - 1))
         plan.decode = Decode(
             tuple(rows), tuple(g.sequence.token if g is not None else 0 for g in rows),
-            tuple(g.sequence.pos if g is not None else -1 for g in rows))
+            tuple(g.sequence.pos if g is not None else -1 for g in rows), draft)
 
     # --- owner thread: advancing ---------------------------------------------------------------
     def update(self, plan: Plan, outputs: Outputs) -> Report:
@@ -427,6 +447,9 @@ class Scheduler:
                 self._end(goal, report.ended, exc=outputs.decode_error)
             return
         logits, started = outputs.decode_logits, outputs.decode_started
+        if step.draft:
+            self._verified(step, logits, started, report)
+            return
         for row, goal in enumerate(step.goals):
             if goal is None or goal.done:
                 continue
@@ -438,6 +461,25 @@ class Scheduler:
             report.tokens.append(goal)
             if goal.sequence.done:
                 self._end(goal, report.ended)
+
+    def _verified(self, step: Decode, logits: np.ndarray, started: float,
+                  report: Report) -> None:
+        """Advance the one goal of a verify pass; forget the positions of rejected drafts."""
+        goal = step.goals[0]
+        if goal is None or goal.done:
+            return
+        seq = goal.sequence
+        try:
+            seq.advance_verified(logits, step.draft, started)
+        except Exception as exc:  # noqa: B902 - ends this goal only
+            self._deferred.append(Rewind(goal.slot, step.positions[0]))
+            self._end(goal, report.ended, exc=exc)
+            return
+        if seq.pos < step.positions[0] + len(step.draft) + 1:
+            self._deferred.append(Rewind(goal.slot, seq.pos))
+        report.tokens.append(goal)
+        if seq.done:
+            self._end(goal, report.ended)
 
     def _end(self, goal: Goal, ended: List[Goal], reason: Optional[StopReason] = None,
              exc: Optional[BaseException] = None, error: str = '') -> None:

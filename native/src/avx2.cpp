@@ -411,6 +411,11 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   for (; i + kBatchRows <= m; i += kBatchRows) {
     tile_rows<Tile, kBatchRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   }
+  // 3 rows in one pass (a speculative verify of 2 drafts), not 2 + 1.
+  if (m - i == 3) {
+    tile_rows<Tile, 3>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+    i += 3;
+  }
   for (; i + 2 <= m; i += 2) {
     tile_rows<Tile, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   }
@@ -818,6 +823,15 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   int64_t i = 0;
   for (; i + kRows <= m; i += kRows) {
     rows<W, kRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  }
+  // The few rows of a speculative verify pass in one pass over the weights where possible.
+  if (m - i >= 4) {
+    rows<W, 4>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+    i += 4;
+  }
+  if (m - i == 3) {
+    rows<W, 3>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+    i += 3;
   }
   for (; i + 2 <= m; i += 2) rows<W, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   if (i < m) rows<W, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);

@@ -11,9 +11,12 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "edge_llm_kquant/attention.h"
 #include "edge_llm_kquant/ref.h"
 
 namespace {
@@ -309,6 +312,170 @@ struct KQuantGatherOp : Ort::CustomOpBase<KQuantGatherOp, KQuantGatherKernel, tr
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// edge_llm_ros.CausalAttention: GroupQueryAttention's job for this library's graphs (rotary,
+// the new keys and values written into the KV buffers bound as both past and present, causal
+// and windowed softmax), with each query row computed alone (attention.h): a position's
+// logits are the same bits in a one-position call and in a verify pass over several.
+constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
+
+struct AttentionWork {
+  elk_attention_shape shape;
+  const float *q, *k, *v, *cos, *sin;
+  int64_t q_stride, kv_stride;
+  const int64_t *past;
+  float *keys, *values, *out;
+  int64_t row_blocks;
+};
+
+void store_keys(void *data, size_t task) {
+  const AttentionWork &w = *static_cast<const AttentionWork *>(data);
+  const int64_t b = static_cast<int64_t>(task) / w.shape.kv_heads;
+  const int64_t h = static_cast<int64_t>(task) % w.shape.kv_heads;
+  elk_attention_store(&w.shape, b, h, w.k, w.v, w.kv_stride, w.past, w.cos, w.sin, w.keys,
+                      w.values);
+}
+
+void query_rows(void *data, size_t task) {
+  const AttentionWork &w = *static_cast<const AttentionWork *>(data);
+  const int64_t block = static_cast<int64_t>(task) % w.row_blocks;
+  const int64_t bh = static_cast<int64_t>(task) / w.row_blocks;
+  const int64_t b = bh / w.shape.num_heads, h = bh % w.shape.num_heads;
+  std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
+  const int64_t last = std::min(w.shape.seq, (block + 1) * kQueryRowsPerTask);
+  for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
+    elk_attention_row(&w.shape, b, s, h, w.q, w.q_stride, w.past, w.cos, w.sin, w.keys,
+                      w.values, scratch.data(), w.out);
+  }
+}
+
+struct CausalAttentionKernel {
+  CausalAttentionKernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    heads_ = kernel_info.GetAttribute<int64_t>("num_heads");
+    kv_heads_ = kernel_info.GetAttribute<int64_t>("kv_num_heads");
+    scale_ = kernel_info.GetAttribute<float>("scale");
+    window_ = kernel_info.GetAttribute<int64_t>("window");
+    if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0 || window_ < 0) {
+      throw Ort::Exception("CausalAttention: num_heads " + std::to_string(heads_) +
+                           " must be a positive multiple of kv_num_heads " +
+                           std::to_string(kv_heads_) + ", window >= 0: reconvert the model",
+                           ORT_INVALID_ARGUMENT);
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  static void fail(const std::string &what) {
+    throw Ort::Exception("CausalAttention: " + what, ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1),
+                          value = ctx.GetInput(2), past_key = ctx.GetInput(3),
+                          past_value = ctx.GetInput(4), seqlens = ctx.GetInput(5),
+                          cos = ctx.GetInput(7), sin = ctx.GetInput(8);
+    const std::vector<int64_t> q_shape = query.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> kv_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> rope_shape = cos.GetTensorTypeAndShapeInfo().GetShape();
+    if (q_shape.size() != 3 || kv_shape.size() != 4) fail("query is not [B, S, W] or the "
+                                                          "KV buffers not [B, kv, L, D]");
+    const int64_t batch = q_shape[0], seq = q_shape[1], d = kv_shape[3];
+    const bool packed = static_cast<const OrtValue *>(key) == nullptr;
+    const int64_t width = packed ? (heads_ + 2 * kv_heads_) * d : heads_ * d;
+    if (kv_shape[0] != batch || kv_shape[1] != kv_heads_ || q_shape[2] != width ||
+        d % 2 != 0 || d > kMaxHeadDim) {
+      fail("query [" + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
+           std::to_string(q_shape[2]) + "] does not fit KV buffers of " +
+           std::to_string(kv_heads_) + " heads x " + std::to_string(d) + " (even, <= 512)");
+    }
+    if (rope_shape.size() != 2 || rope_shape[1] != d / 2) fail("cos/sin are not [P, D/2]");
+    if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
+      fail("seqlens_k does not hold one length per batch row");
+    }
+    const int64_t capacity = kv_shape[2];
+    const int32_t *lengths = seqlens.GetTensorData<int32_t>();
+    std::vector<int64_t> past(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) {
+      past[b] = static_cast<int64_t>(lengths[b]) + 1 - seq;
+      if (past[b] < 0 || past[b] + seq > capacity || past[b] + seq > rope_shape[0]) {
+        fail("row " + std::to_string(b) + " writes positions " + std::to_string(past[b]) +
+             ".." + std::to_string(past[b] + seq - 1) + " outside the KV capacity " +
+             std::to_string(capacity) + " or the rotary table");
+      }
+    }
+    Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
+    Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
+    float *keys = present_key.GetTensorMutableData<float>();
+    float *values = present_value.GetTensorMutableData<float>();
+    const size_t buffer_bytes = static_cast<size_t>(batch * kv_heads_ * capacity * d) *
+                                sizeof(float);
+    // The engine binds present to past's memory (nothing to copy); otherwise start from past.
+    if (keys != past_key.GetTensorData<float>()) {
+      std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
+    }
+    if (values != past_value.GetTensorData<float>()) {
+      std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
+    }
+    Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, heads_ * d});
+    if (batch == 0 || seq == 0) return;
+    const float *q = query.GetTensorData<float>();
+    AttentionWork work{};
+    work.shape = elk_attention_shape{batch, seq, heads_, kv_heads_, d, capacity, scale_, window_};
+    work.q = q;
+    work.q_stride = width;
+    if (packed) {
+      work.k = q + heads_ * d;
+      work.v = q + (heads_ + kv_heads_) * d;
+      work.kv_stride = width;
+    } else {
+      work.k = key.GetTensorData<float>();
+      work.v = value.GetTensorData<float>();
+      work.kv_stride = kv_heads_ * d;
+    }
+    work.cos = cos.GetTensorData<float>();
+    work.sin = sin.GetTensorData<float>();
+    work.past = past.data();
+    work.keys = keys;
+    work.values = values;
+    work.out = out.GetTensorMutableData<float>();
+    work.row_blocks = (seq + kQueryRowsPerTask - 1) / kQueryRowsPerTask;
+    // A decode step's few new positions are cheaper written here than handed to the pool.
+    if (batch * seq <= kQueryRowsPerTask) {
+      for (size_t t = 0; t < static_cast<size_t>(batch * kv_heads_); ++t) store_keys(&work, t);
+    } else {
+      ctx.ParallelFor(store_keys, static_cast<size_t>(batch * kv_heads_), 0, &work);
+    }
+    ctx.ParallelFor(query_rows, static_cast<size_t>(batch * heads_ * work.row_blocks), 0,
+                    &work);
+  }
+
+ private:
+  int64_t heads_ = 0, kv_heads_ = 0, window_ = 0;
+  float scale_ = 1.0f;
+};
+
+struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<CausalAttentionKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "CausalAttention"; }
+  // query (or packed QKV), key, value (both absent when packed), past key, past value,
+  // seqlens_k, total_sequence_length, cos, sin.
+  size_t GetInputTypeCount() const { return 9; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 5 || index == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 1 || index == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
@@ -318,12 +485,14 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
   static KQuantMatMulOp matmul;
   static KQuantGatherOp gather;
+  static CausalAttentionOp attention;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
       domain = new Ort::CustomOpDomain(kDomain);
       domain->Add(&matmul);
       domain->Add(&gather);
+      domain->Add(&attention);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {

@@ -1,0 +1,330 @@
+"""Speculative decoding: draft tokens, checked by the target model in one verify pass.
+
+Decode reads every weight once per token. A verify pass feeds the token to decode plus k
+drafted tokens at once (OnnxDecoder.verify) and gets the logits of all k + 1 positions for
+about the bytes of one step; the sequence then picks each next token from those logits with
+its own sampler, exactly as plain decoding would, and keeps the drafts only while they equal
+what it picked (runtime/sequence.py, Sequence.advance_verified). So:
+
+* greedy output is plain greedy output, token for token;
+* sampled output has plain sampling's distribution: a draft is a point mass q = delta(d), for
+  which the standard accept/resample rule (accept d with min(1, p(d) / q(d)) = p(d), else
+  draw from the residual p without d) gives exactly p; drawing x ~ p and keeping the draft
+  while x == d is that rule. With the same seed it even draws the same tokens, because each
+  position gets the same logits and the same random draw as without speculation.
+
+Both need a verify pass to give each position the bits a one-token decode step gives it:
+the folder must be row-exact (OnnxDecoder.row_exact: the op library's CausalAttention and
+KQuantMatMul compute every position alone). onnxruntime's GroupQueryAttention and MLAS
+matmuls take other kernels for one row than for several, so a MatMulNBits folder cannot
+speculate exactly; configure refuses it (auto mode stays off and says why).
+
+Drafters, chosen once per engine (SpeculativeConfig.mode):
+
+* grammar fast-forward (every mode): the tokens a constraint forces next (llguidance's
+  compute_ff_tokens) come first in every draft;
+* prompt lookup: the continuation of the latest earlier occurrence of the context's last
+  n-gram (prompt plus output so far), n from ngram_max down to ngram_min;
+* draft model: a second, smaller converted folder with the same tokenizer, decoding its
+  greedy continuation with its own KV cache.
+
+The draft length adapts to recent acceptance and to what a pass costs: the engine measures
+at load cost[k], the time of a (k + 1)-position verify pass over a 1-position step, and each
+sequence keeps a running acceptance rate a of its drafted tokens; a draft is cut to the k
+that maximizes the expected tokens per pass over its cost, (1 + a + ... + a^k) / cost[k].
+Auto mode also turns speculation off for a sequence whose tokens per pass, over its passes so
+far, fall below what those passes cost (break-even).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.runtime.decoder import OnnxDecoder
+from edge_llm_ros.runtime.tokenizer import TextTokenizer
+
+SPECULATIVE_MODES = ('off', 'prompt_lookup', 'draft', 'auto')
+
+
+class SpeculativeConfigError(ModelLoadError):
+    """The speculative settings cannot run with this model (configure fails with it)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How the engine speculates (node parameters speculative.*)."""
+
+    mode: str = 'off'
+    max_draft: int = 6          # drafted tokens per verify pass, at most
+    draft_model: str = ''       # a converted folder (mode draft, or auto with one)
+    ngram_max: int = 3          # prompt lookup: longest context suffix matched
+    ngram_min: int = 1
+    # auto: passes a sequence speculates before its rate is judged against break-even
+    auto_probe: int = 4
+
+    def check(self) -> None:
+        """Raise SpeculativeConfigError for settings that cannot mean anything."""
+        if self.mode not in SPECULATIVE_MODES:
+            raise SpeculativeConfigError(f'speculative.mode {self.mode!r} is not one of '
+                                         f'{", ".join(SPECULATIVE_MODES)}')
+        if not 1 <= self.max_draft <= 32:
+            raise SpeculativeConfigError(f'speculative.max_draft {self.max_draft} must be '
+                                         '1..32')
+        if self.mode == 'draft' and not self.draft_model:
+            raise SpeculativeConfigError('speculative.mode draft needs speculative.draft_model '
+                                         '(a converted model folder with the same tokenizer)')
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise SpeculativeConfigError(f'speculative n-gram sizes {self.ngram_min}..'
+                                         f'{self.ngram_max} must satisfy 1 <= min <= max')
+
+
+class NgramIndex:
+    """The latest continuation of every n-gram of a growing token list (prompt lookup)."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.tokens: List[int] = []
+        self._sizes = tuple(range(n_max, n_min - 1, -1))
+        # n -> n-gram -> index of the token that followed its latest occurrence
+        self._next: Dict[int, Dict[Tuple[int, ...], int]] = {n: {} for n in self._sizes}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        toks = self.tokens
+        for t in tokens:
+            j = len(toks)          # t's index: it continues the n-grams ending at j - 1
+            for n in self._sizes:
+                if j >= n:
+                    self._next[n][tuple(toks[j - n:j])] = j
+            toks.append(int(t))
+
+    def draft(self, k: int, after: Sequence[int] = ()) -> List[int]:
+        """Up to k tokens that followed the list's last n-gram earlier ([] if none).
+
+        after: tokens about to follow the list (forced ones): the n-gram ends with them.
+        """
+        toks = self.tokens
+        suffix = toks[max(len(toks) - self._sizes[0], 0):] + list(after)
+        for n in self._sizes:
+            if len(suffix) < n:
+                continue
+            start = self._next[n].get(tuple(suffix[len(suffix) - n:]))
+            if start is not None:
+                return toks[start:start + k]
+        return []
+
+
+class DraftModel:
+    """A second decoder (slot 0 only) that drafts its greedy continuation of a context.
+
+    Its KV holds the tokens in `_fed`; a new context reuses their common prefix, so after a
+    verify pass only the accepted tokens are fed, and a rejection is a shorter prefix.
+    """
+
+    def __init__(self, decoder) -> None:
+        self._decoder = decoder
+        self._fed: List[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return self._decoder.capacity
+
+    def draft(self, context: Sequence[int], k: int) -> List[int]:
+        dec = self._decoder
+        if len(context) + k > dec.capacity:
+            return []
+        fed = self._fed
+        n = 0
+        limit = min(len(fed), len(context) - 1)   # the last context token is fed below
+        while n < limit and fed[n] == context[n]:
+            n += 1
+        del fed[n:]
+        logits = dec.forward(np.asarray(context[n:], dtype=np.int64), None, n)
+        fed.extend(int(t) for t in context[n:])
+        out: List[int] = []
+        for _ in range(k):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if len(out) == k:
+                break
+            logits = dec.decode(token, len(fed))
+            fed.append(token)
+        return out
+
+
+def check_same_tokenizer(target, draft, draft_dir: str) -> None:
+    """Raise SpeculativeConfigError naming the first ids whose tokens differ."""
+    a = target.hf_tokenizer.get_vocab()
+    b = draft.hf_tokenizer.get_vocab()
+    by_id_a = {i: t for t, i in a.items()}
+    by_id_b = {i: t for t, i in b.items()}
+    differ = [i for i in sorted(set(by_id_a) | set(by_id_b))
+              if by_id_a.get(i) != by_id_b.get(i)]
+    if differ:
+        shown = ', '.join(f'{i}: {by_id_a.get(i)!r} vs {by_id_b.get(i)!r}' for i in differ[:5])
+        raise SpeculativeConfigError(
+            f'speculative.draft_model {draft_dir} has another tokenizer than the model '
+            f'({len(differ)} ids differ; first: {shown}): a draft model must share the '
+            "target's vocabulary")
+
+
+def measure_break_even(decoder, max_draft: int, repeats: int = 3) -> List[float]:
+    """Return cost[k] = time of a (k + 1)-position verify pass / a 1-position decode step.
+
+    Measured at load on positions 1.. of slot 0 (before any request: they are overwritten).
+    """
+    ids = [1] * (max_draft + 1)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    decoder.forward(np.array([1], dtype=np.int64), None, 0)
+    one = best(lambda: decoder.decode(1, 1))
+    cost = [1.0]
+    for k in range(1, max_draft + 1):
+        cost.append(best(lambda: decoder.verify(ids[:k + 1], 1)) / one)
+    return cost
+
+
+@dataclass
+class SpeculationStats:
+    """Totals of one sequence (Timings) or of the engine (metrics, diagnostics)."""
+
+    passes: int = 0      # verify passes
+    drafted: int = 0     # draft tokens fed to them
+    accepted: int = 0    # draft tokens kept
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return (self.accepted + self.passes) / self.passes if self.passes else 0.0
+
+
+class Speculation:
+    """The engine's drafting setup (made once at load) and its totals."""
+
+    def __init__(self, config: SpeculativeConfig, row_exact: bool,
+                 draft_model: Optional[DraftModel] = None,
+                 cost: Optional[List[float]] = None, why_off: str = '') -> None:
+        self.config = config
+        self.draft_model = draft_model
+        self.cost = cost or []
+        self.stats = SpeculationStats()
+        self.why_off = why_off
+        self.enabled = config.mode != 'off' and row_exact and not why_off
+
+    def start(self, prompt_ids: Sequence[int]) -> Optional['Speculator']:
+        """Return the drafting state of a new sequence (None: it decodes plainly)."""
+        if not self.enabled:
+            return None
+        return Speculator(self, prompt_ids)
+
+
+class Speculator:
+    """One sequence's drafts: its context index, draft length and auto-mode judgement."""
+
+    def __init__(self, owner: Speculation, prompt_ids: Sequence[int]) -> None:
+        cfg = owner.config
+        self._owner = owner
+        self._cfg = cfg
+        self._index = NgramIndex(cfg.ngram_min, cfg.ngram_max)
+        self._index.extend(prompt_ids)
+        self._rate = 0.6       # running acceptance of drafted tokens
+        self._auto = cfg.mode == 'auto'
+        self.stats = SpeculationStats()
+        self._gain = 0.0       # auto: tokens made and pass cost of this sequence's passes
+        self._spent = 0.0
+        self.off = False
+
+    def _length(self) -> int:
+        """Draft length with the best expected tokens per cost of a pass (>= 1)."""
+        cost, top = self._owner.cost, self._cfg.max_draft
+        if len(cost) <= top:
+            return top
+        a, best, best_k, made = self._rate, 0.0, 1, 1.0
+        for k in range(1, top + 1):
+            made += a ** k
+            if made / cost[k] > best:
+                best, best_k = made / cost[k], k
+        return best_k
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Append tokens the sequence emitted (its context grows)."""
+        self._index.extend(tokens)
+
+    def propose(self, forced: Sequence[int], room: int) -> List[int]:
+        """Return the next draft: forced tokens first, then the drafter's (<= room tokens)."""
+        if self.off or room < 1:
+            return []
+        k = min(self._length(), room)
+        draft = list(forced[:k])
+        if len(draft) < k:
+            rest = k - len(draft)
+            model = self._owner.draft_model
+            if model is not None:
+                draft += model.draft(self._index.tokens + draft, rest)
+            else:
+                draft += self._index.draft(rest, after=draft)
+        return draft
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Take a verify pass's outcome: adapt the draft length, judge auto mode."""
+        for stats in (self.stats, self._owner.stats):
+            stats.passes += 1
+            stats.drafted += drafted
+            stats.accepted += accepted
+        if drafted:
+            self._rate = 0.7 * self._rate + 0.3 * accepted / drafted
+        if self._auto:
+            cost = self._owner.cost
+            self._gain += accepted + 1
+            self._spent += cost[min(drafted, len(cost) - 1)] if cost else 1.0
+            if self.stats.passes >= self._cfg.auto_probe and self._gain < self._spent:
+                self.off = True   # below break-even: plain decoding for the rest
+
+
+def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: str,
+                      session) -> Speculation:
+    """Set up speculation for an engine's decoder (configure errors are typed and explain).
+
+    session: the target's SessionConfig; a draft model runs with the same providers, threads
+    and kernels, one slot of the same capacity.
+    """
+    config.check()
+    if config.mode == 'off':
+        return Speculation(config, decoder.row_exact)
+    if not decoder.row_exact:
+        why = (f'{model_dir} is not row-exact (model.yaml attention '
+               f'{decoder.info.attention!r}, op domains {list(decoder.info.op_domains)}): its '
+               'verify pass would not give a position the bits a decode step gives it, so '
+               'speculation could change the output; reconvert it with `edge-llm-convert '
+               '--weights kquant` (needs the op library) to speculate')
+        if config.mode == 'auto':
+            return Speculation(config, False, why_off=why)
+        raise SpeculativeConfigError(f'speculative.mode {config.mode}: {why}')
+    draft = None
+    if config.draft_model and config.mode in ('draft', 'auto'):
+        draft = DraftModel(_load_draft(config.draft_model, decoder, tokenizer, session))
+    return Speculation(config, True, draft, measure_break_even(decoder, config.max_draft))
+
+
+def _load_draft(folder: str, target: OnnxDecoder, tokenizer: TextTokenizer,
+                session) -> OnnxDecoder:
+    info = load_model_info(folder)
+    check_same_tokenizer(tokenizer, TextTokenizer.from_dir(folder), folder)
+    if info.vocab_size != target.info.vocab_size:
+        raise SpeculativeConfigError(
+            f'speculative.draft_model {folder} has {info.vocab_size} logits, the model '
+            f'{target.info.vocab_size}: a draft model must share the vocabulary')
+    return OnnxDecoder(folder, info, replace(session, slots=1))

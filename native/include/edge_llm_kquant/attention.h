@@ -1,0 +1,50 @@
+// Causal attention over a KV buffer, one query row at a time (the library's CausalAttention
+// op). Each query row is computed by the same code in the same order whatever the number of
+// rows beside it, so a position's result does not depend on how many positions one call
+// runs: a verify pass over k+1 positions gives each the bits k+1 single-position calls give
+// (speculative decoding checks drafts on that promise). Compiled without fused
+// multiply-adds, for the CPU's baseline ISA.
+#ifndef EDGE_LLM_KQUANT_ATTENTION_H
+#define EDGE_LLM_KQUANT_ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "edge_llm_kquant/ref.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// The shape of one call: rows [batch, seq] of num_heads query heads sharing kv_heads KV heads
+// of head_dim values, over KV buffers of capacity positions per (batch, kv head).
+typedef struct {
+  int64_t batch, seq, num_heads, kv_heads, head_dim, capacity;
+  float scale;        // multiplies q.k
+  int64_t window;     // > 0: a query sees the last `window` keys, itself included; 0: all
+} elk_attention_shape;
+
+// Rotate the new keys (half-split rotary from cos/sin rows [position, head_dim / 2]) and
+// write them and the values into the buffers at positions past[b] .. past[b] + seq - 1,
+// for batch row b and kv head h (one task: kv_heads x batch of them).
+// k, v: [batch, seq, kv_heads * head_dim] with row stride kv_stride floats between
+// positions (packed QKV passes its own); buffers [batch, kv_heads, capacity, head_dim].
+ELK_API void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
+                                 const float *k, const float *v, int64_t kv_stride,
+                                 const int64_t *past, const float *cos, const float *sin,
+                                 float *key_buffer, float *value_buffer);
+
+// out[b, s, h * head_dim ..] for query row (b, s) and head h: rotary on q, softmax(q.K^T x
+// scale) over the positions the row sees (causal, windowed) times V, in position order.
+// q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
+ELK_API void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
+                               int64_t h, const float *q, int64_t q_stride,
+                               const int64_t *past, const float *cos, const float *sin,
+                               const float *key_buffer, const float *value_buffer,
+                               float *scratch, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // EDGE_LLM_KQUANT_ATTENTION_H

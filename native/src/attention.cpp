@@ -1,0 +1,97 @@
+// Causal attention, one query row at a time (see attention.h). Every sum has one fixed
+// order: a dot product keeps 8 partial sums (lane d % 8) joined in a fixed tree, softmax
+// and the weighted values add positions in ascending order. The compiler may vectorize the
+// independent lanes; it may not reorder a sum or fuse a multiply-add (-ffp-contract=off).
+#include "edge_llm_kquant/attention.h"
+
+#include <cmath>
+#include <cstring>
+
+// x86-64: an AVX2 clone of each function next to the baseline one, picked at load time
+// (ifunc). Both compute the same lane-wise IEEE operations in the same order (no FMA), so
+// they give the same bits; AVX2 only does 8 lanes at once.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ELK_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ELK_CLONES
+#endif
+
+namespace {
+
+constexpr int kLanes = 8;
+
+inline float dot(const float *a, const float *b, int64_t n) {
+  float acc[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[d + l] * b[d + l];
+  }
+  for (int l = 0; d < n; ++d, ++l) acc[l] += a[d] * b[d];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Half-split rotary (GPT-NeoX / llama.cpp's NEOX mode, GQA's rotary_interleaved 0).
+inline void rotate(const float *x, const float *cos, const float *sin, int64_t head_dim, float *y) {
+  const int64_t half = head_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    y[i] = x1 * cos[i] - x2 * sin[i];
+    y[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+ELK_CLONES void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
+                         const float *k, const float *v, int64_t kv_stride,
+                         const int64_t *past, const float *cos, const float *sin,
+                         float *key_buffer, float *value_buffer) {
+  const int64_t d = shape->head_dim, half = d / 2;
+  const int64_t base = (b * shape->kv_heads + h) * shape->capacity * d;
+  for (int64_t s = 0; s < shape->seq; ++s) {
+    const int64_t pos = past[b] + s;
+    const int64_t row = (b * shape->seq + s) * kv_stride + h * d;
+    rotate(k + row, cos + pos * half, sin + pos * half, d, key_buffer + base + pos * d);
+    std::memcpy(value_buffer + base + pos * d, v + row, static_cast<size_t>(d) * sizeof(float));
+  }
+}
+
+ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s, int64_t h,
+                       const float *q, int64_t q_stride, const int64_t *past, const float *cos,
+                       const float *sin, const float *key_buffer, const float *value_buffer,
+                       float *scratch, float *out) {
+  const int64_t d = shape->head_dim, half = d / 2;
+  const int64_t kv = h / (shape->num_heads / shape->kv_heads);
+  const int64_t pos = past[b] + s;
+  const int64_t first =
+      shape->window > 0 && pos + 1 > shape->window ? pos + 1 - shape->window : 0;
+  const float *keys = key_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
+  const float *values = value_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
+  float rotated[512];  // head_dim <= 512, checked by the op
+  rotate(q + (b * shape->seq + s) * q_stride + h * d, cos + pos * half, sin + pos * half, d,
+         rotated);
+  const int64_t n = pos + 1 - first;
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; ++j) {
+    scratch[j] = dot(rotated, keys + (first + j) * d, d) * shape->scale;
+    if (scratch[j] > top) top = scratch[j];
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    scratch[j] = std::exp(scratch[j] - top);
+    total += scratch[j];
+  }
+  float *y = out + (b * shape->seq + s) * shape->num_heads * d + h * d;
+  for (int64_t i = 0; i < d; ++i) y[i] = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = scratch[j];
+    const float *value = values + (first + j) * d;
+    for (int64_t i = 0; i < d; ++i) y[i] += p * value[i];
+  }
+  const float inv = 1.0f / total;
+  for (int64_t i = 0; i < d; ++i) y[i] *= inv;
+}
+
+}  // extern "C"
