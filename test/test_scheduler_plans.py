@@ -35,6 +35,9 @@ class FakeRequest:
 class FakeSequence:
     """The runtime side of a goal: token i+1 follows token i, max_tokens of them."""
 
+    def draft(self, room):
+        return []   # no speculation here (test_speculative.py drives verify passes)
+
     def __init__(self, request, output):
         self.request = request
         self.output = output

@@ -3,7 +3,8 @@
 // rows beside it, so a position's result does not depend on how many positions one call
 // runs: a verify pass over k+1 positions gives each the bits k+1 single-position calls give
 // (speculative decoding checks drafts on that promise). Compiled without fused
-// multiply-adds, for the CPU's baseline ISA.
+// multiply-adds; on x86-64 an AVX2 clone, chosen at load, gives the same bits.
+// Internal to the op library (hidden): its calls bind inside it, never to another copy.
 #ifndef EDGE_LLM_KQUANT_ATTENTION_H
 #define EDGE_LLM_KQUANT_ATTENTION_H
 
@@ -29,7 +30,7 @@ typedef struct {
 // for batch row b and kv head h (one task: kv_heads x batch of them).
 // k, v: [batch, seq, kv_heads * head_dim] with row stride kv_stride floats between
 // positions (packed QKV passes its own); buffers [batch, kv_heads, capacity, head_dim].
-ELK_API void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
+__attribute__((visibility("hidden"))) void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
                                  const float *k, const float *v, int64_t kv_stride,
                                  const int64_t *past, const float *cos, const float *sin,
                                  float *key_buffer, float *value_buffer);
@@ -37,7 +38,7 @@ ELK_API void elk_attention_store(const elk_attention_shape *shape, int64_t b, in
 // out[b, s, h * head_dim ..] for query row (b, s) and head h: rotary on q, softmax(q.K^T x
 // scale) over the positions the row sees (causal, windowed) times V, in position order.
 // q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
-ELK_API void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
+__attribute__((visibility("hidden"))) void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
                                int64_t h, const float *q, int64_t q_stride,
                                const int64_t *past, const float *cos, const float *sin,
                                const float *key_buffer, const float *value_buffer,
