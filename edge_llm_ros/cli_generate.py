@@ -6,6 +6,7 @@ import sys
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
+from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
@@ -27,6 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='constrain the output to JSON valid against this schema file')
     parser.add_argument('--kernel', default='auto', choices=KERNEL_CHOICES,
                         help='CPU kernels of a kquant model (default: the best this CPU has)')
+    parser.add_argument('--speculative', default='off', choices=SPECULATIVE_MODES,
+                        help='speculative decoding (exact; docs/speculative.md): prompt_lookup, '
+                             'draft (--draft-model), auto')
+    parser.add_argument('--max-draft', type=int, default=6,
+                        help='tokens drafted per pass, at most')
+    parser.add_argument('--draft-model', default='', metavar='FOLDER',
+                        help='converted model with the same tokenizer that drafts')
     parser.add_argument('--verbose', action='store_true',
                         help='print the model, its weight format and the kernels that run')
 
@@ -43,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
-                                     max_context=args.max_context, kernel=args.kernel))
+                                     max_context=args.max_context, kernel=args.kernel,
+                                     speculative=SpeculativeConfig(
+                                         mode=args.speculative, max_draft=args.max_draft,
+                                         draft_model=args.draft_model)))
         if args.verbose:
             info = engine.model_info()
             print(f'[{engine.model_name}] {engine.model_dir}: {info["quantization"]}; kernel '
@@ -76,6 +87,11 @@ def run(args: argparse.Namespace) -> int:
           f'TTFT {t.time_to_first_token_s * 1000:.0f} ms, prefill '
           f'{t.prefill_tokens_per_second:.0f} tok/s, decode {t.decode_tokens_per_second:.1f} '
           f'tok/s', file=sys.stderr)
+    if t.draft_passes:
+        print(f'[{engine.model_name}] speculative: {t.accepted_draft_tokens}/{t.draft_tokens} '
+              f'drafted tokens accepted in {t.draft_passes} verify passes; '
+              f'{result.completion_tokens / max(t.decode_steps + 1, 1):.2f} tokens per model '
+              'call', file=sys.stderr)
     if result.error:
         print(f'edge-llm generate: generation failed: {result.error}', file=sys.stderr)
         return 1

@@ -566,7 +566,7 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               choices: Sequence[str] = (), reasoning: Optional[bool] = None,
               reasoning_budget: Optional[int] = None, priority: int = 0,
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
-              **sampling) -> Any:
+              no_speculation: bool = False, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -579,6 +579,7 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     `priority` (higher is served first; the node accepts Generate.Goal.PRIORITY_MIN..MAX) and
     `preempt` (pause a lower-priority running goal) exist only on Generate goals: ~/complete
     requests run at priority 0, so asking one for anything else raises TypeError.
+    `no_speculation` (Generate only) decodes this goal plainly where the node speculates.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -588,7 +589,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     if hasattr(goal, 'priority'):
         goal.priority = int(priority)
         goal.preempt = bool(preempt)
-    elif priority or preempt:
+        goal.no_speculation = bool(no_speculation)
+    elif priority or preempt or no_speculation:
         raise TypeError(f'{request_type.__name__} has no priority/preempt: send a Generate '
                         'goal (LLMClient.generate) to queue by priority')
     goal.prompt = prompt

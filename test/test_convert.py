@@ -36,8 +36,8 @@ YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 
              'rms_norm_eps', 'activation_dtype', 'bos_token_id', 'eos_token_ids',
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
              'kv_max_context', 'rope_scaling', 'qk_norm', 'post_norms', 'activation',
-             'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap', 'attention',
-             'op_domains'}
+             'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap',
+             'attention', 'op_domains'}
 
 
 @pytest.fixture(scope='module')

@@ -51,8 +51,10 @@ def family_models(native_library, tmp_path_factory):
 
 
 def quoting(model) -> list:
-    """Raw prompts whose continuation (the tiny models count up: id t + 1 follows id t) is
-    earlier in the prompt, as an answer quoting its context is."""
+    """Return raw prompts whose continuation is earlier in them, as in a quoting answer.
+
+    The tiny models count up (id t + 1 follows id t): the prompt holds that run earlier.
+    """
     tok = TextTokenizer.from_dir(str(model))
     return [tok.decode(list(range(a, b)) + list(range(c, d)))
             for a, b, c, d in ((40, 90, 30, 45), (100, 130, 60, 101), (20, 60, 15, 22))]
@@ -107,9 +109,9 @@ def test_bad_settings_are_refused_with_what_to_change():
 
 # --- the attention op ---------------------------------------------------------------------------
 def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, window: int):
-    attrs = dict(num_heads=heads, kv_num_heads=kv_heads, scale=0.3)
+    attrs = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': 0.3}
     if op == 'CausalAttention':
-        domain, attrs = native_ops.DOMAIN, dict(attrs, window=window)
+        domain, attrs = native_ops.DOMAIN, {**attrs, 'window': window}
     else:
         domain = 'com.microsoft'
         attrs.update(do_rotary=1, rotary_interleaved=0)
@@ -142,8 +144,8 @@ def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, wind
 
 
 @pytest.mark.parametrize('window', [0, 5])
-def test_causal_attention_matches_group_query_attention_and_is_row_exact(native_library,
-                                                                        window):
+def test_causal_attention_matches_group_query_attention_and_is_row_exact(
+        native_library, window):
     heads, kv_heads, d, cap, n0, n = 6, 2, 32, 48, 9, 7
     rng = np.random.default_rng(window)
     q, k, v = (rng.standard_normal((1, n0 + n, h * d)).astype(np.float32)
@@ -153,9 +155,9 @@ def test_causal_attention_matches_group_query_attention_and_is_row_exact(native_
     zeros = np.zeros((1, kv_heads, cap, d), np.float32)
 
     def step(sess, a, b, pk, pv):
-        return sess.run(None, dict(q=q[:, a:b], k=k[:, a:b], v=v[:, a:b], pk=pk, pv=pv,
-                                   sl=np.array([b - 1], np.int32), tot=np.array(b, np.int32),
-                                   cos=cos, sin=sin))
+        return sess.run(None, {'q': q[:, a:b], 'k': k[:, a:b], 'v': v[:, a:b], 'pk': pk,
+                               'pv': pv, 'sl': np.array([b - 1], np.int32),
+                               'tot': np.array(b, np.int32), 'cos': cos, 'sin': sin})
 
     ours = attention_session('CausalAttention', heads, kv_heads, d, cap, window)
     gqa = attention_session('GroupQueryAttention', heads, kv_heads, d, cap, window)
@@ -195,7 +197,7 @@ def test_a_verify_pass_gives_each_position_the_bits_of_a_decode_step(family_mode
     assert len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
 
 
-# --- whole generations: speculation on == off -----------------------------------------------------
+# --- whole generations: speculation on == off ---------------------------------------------
 @pytest.mark.parametrize('arch', list(FAMILIES))
 def test_greedy_output_is_plain_greedy_output_for_every_family(family_models, arch):
     prompts = PROMPTS + [RawPrompt(p) for p in quoting(family_models[arch])]
@@ -209,8 +211,8 @@ def test_greedy_output_is_plain_greedy_output_for_every_family(family_models, ar
     assert timed and all(t.accepted_draft_tokens <= t.draft_tokens for t in timed)
 
 
-def test_a_draft_model_gives_plain_output_and_is_checked_for_its_tokenizer(family_models,
-                                                                         tmp_path):
+def test_a_draft_model_gives_plain_output_and_is_checked_for_its_tokenizer(
+        family_models, tmp_path):
     target = family_models['llama']
     prompts = PROMPTS[:2] + [RawPrompt(p) for p in quoting(target)]
     plain, _ = run(target, 'off', prompts)
@@ -287,7 +289,7 @@ def test_sampled_distribution_is_unchanged(family_models):
     assert tv < 0.2, tv
 
 
-# --- grammar fast-forward -------------------------------------------------------------------------
+# --- grammar fast-forward ------------------------------------------------------------------
 TOOL = {'type': 'function', 'function': {
     'name': 'move_to', 'description': 'Drive the robot to a named place',
     'parameters': {'type': 'object', 'properties': {
@@ -299,11 +301,11 @@ SCHEMA = ('{"type": "object", "properties": {"robot_name": {"type": "string"}, '
           '"enum": ["dock", "hall", "lab"]}}, "required": ["robot_name", "battery_percent", '
           '"location"]}')
 CONSTRAINED = [
-    dict(prompt='Describe the robot as JSON.', json_schema=SCHEMA),
-    dict(prompt='Go to the kitchen slowly.', tools=[TOOL], tool_choice='required'),
-    dict(prompt='Say a status line.',
-         grammar='start: "status: " WORD " battery=" NUM "%"\nWORD: /[a-z]+/\nNUM: /[0-9]+/'),
-    dict(prompt='Give a robot id.', regex=r'robot-(alpha|beta)-[0-9]{3}-ready'),
+    {'prompt': 'Describe the robot as JSON.', 'json_schema': SCHEMA},
+    {'prompt': 'Go to the kitchen slowly.', 'tools': [TOOL], 'tool_choice': 'required'},
+    {'prompt': 'Say a status line.',
+     'grammar': 'start: "status: " WORD " battery=" NUM "%"\nWORD: /[a-z]+/\nNUM: /[0-9]+/'},
+    {'prompt': 'Give a robot id.', 'regex': r'robot-(alpha|beta)-[0-9]{3}-ready'},
 ]
 
 

@@ -22,6 +22,7 @@ from edge_llm_ros.bringup.errors import (ParameterRangeError, ParameterTypeError
                                          UnknownParameterError)
 from edge_llm_ros.ipc.allocators import allocator_names
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES as CPU_KERNELS
+from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
 
 
 class ParamType(enum.Enum):
@@ -339,6 +340,17 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'CPU kernels of the GGUF-block ops (kquant models): auto = the best this CPU '
               'has; a pin this CPU lacks is a configure error naming its features',
               choices=CPU_KERNELS),
+    ParamSpec('speculative.mode', ParamType.STRING, 'off',
+              'Speculative decoding (docs/speculative.md): off; prompt_lookup (n-grams of the '
+              'context); draft (speculative.draft_model); auto (prompt lookup, or the draft '
+              'model when given, off per sequence below break-even). Exact: the output is '
+              "plain decoding's; needs a kquant folder", choices=SPECULATIVE_MODES),
+    ParamSpec('speculative.max_draft', ParamType.INTEGER, 6,
+              'Most tokens drafted per verify pass (the length adapts below it)',
+              range=Range(1, 32)),
+    ParamSpec('speculative.draft_model', ParamType.STRING, '',
+              "A converted model folder with the model's tokenizer that drafts for it "
+              "(mode draft or auto); '' = none"),
     ParamSpec('cuda.kernel_set', ParamType.STRING, 'none',
               'CUDA kernel set built and checked at configure (kernels/*.cu)',
               choices=KERNEL_SETS),
@@ -580,6 +592,9 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'parallel_sequences': values['engine.parallel_sequences'],
         'kv_memory_limit': values['kv.memory_limit'],
         'kernel': values['cpu.kernel'],
+        'speculative': SpeculativeConfig(mode=values['speculative.mode'],
+                                         max_draft=values['speculative.max_draft'],
+                                         draft_model=values['speculative.draft_model']),
     }
 
 

@@ -76,6 +76,23 @@ class FiguresCollector:
         yield CounterMetricFamily(
             PREFIX + 'invalid_requests', 'Requests of any interface refused for what they '
             'asked (diagnostics: invalid_requests)', value=figures.invalid_requests)
+        for name, doc, value in (
+                ('speculative_verify_passes', 'Verify passes of speculative decoding',
+                 figures.draft_passes),
+                ('speculative_drafted_tokens', 'Drafted tokens fed to verify passes',
+                 figures.draft_tokens),
+                ('speculative_accepted_tokens', 'Drafted tokens kept',
+                 figures.accepted_draft_tokens),
+                ('decode_steps', 'Model calls after the prompt (plain steps and verify passes)',
+                 figures.decode_steps),
+                ('decode_tokens', 'Tokens those model calls produced', figures.decode_tokens)):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        yield GaugeMetricFamily(PREFIX + 'speculative_acceptance_ratio', 'Accepted / drafted '
+                                'tokens over ended goals (0 before any draft)',
+                                value=figures.acceptance_rate)
+        yield GaugeMetricFamily(PREFIX + 'tokens_per_decode_step', 'Decode tokens per model '
+                                'call over ended goals (1 without speculation)',
+                                value=figures.tokens_per_pass)
         yield _histogram('ttft_seconds', 'Time to first token inside the engine (prefill), '
                          'per request that produced a token', figures.ttft_s)
         yield _histogram('decode_tokens_per_second', 'Decode rate per request with two or '

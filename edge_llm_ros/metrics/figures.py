@@ -106,6 +106,22 @@ class Figures:
     duration_s: HistogramSnapshot
     last_ttft_s: float = 0.0
     last_decode_tps: float = 0.0
+    # Speculative decoding totals over ended goals (docs/speculative.md).
+    draft_passes: int = 0        # verify passes
+    draft_tokens: int = 0        # drafted tokens fed to them
+    accepted_draft_tokens: int = 0
+    decode_steps: int = 0        # model calls after the prompts (plain steps + verify passes)
+    decode_tokens: int = 0       # tokens those calls produced
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Return accepted / drafted tokens (0 before any draft)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Return tokens per decode model call (1.0 without speculation; 0 before any)."""
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
 
     def outcome_count(self, outcome: str, reason: str = '') -> int:
         """Goals that ended with `outcome` (and `reason` when given)."""
@@ -126,6 +142,7 @@ class FigureRecorder:
         self._duration = _Histogram(DURATION_BUCKETS_S)
         self._last_ttft = 0.0
         self._last_decode = 0.0
+        self._spec = [0, 0, 0, 0, 0]   # Figures.draft_passes .. decode_tokens
 
     def goal_ended(self, outcome: str, reason: str, result: GenerationResult,
                    duration_s: float, queued: bool) -> None:
@@ -149,6 +166,11 @@ class FigureRecorder:
             self._duration.observe(duration_s)
             if queued:
                 self._queue_wait.observe(timings.queue_wait_s)
+            if timings.decode_steps:
+                for i, v in enumerate((timings.draft_passes, timings.draft_tokens,
+                                       timings.accepted_draft_tokens, timings.decode_steps,
+                                       result.completion_tokens - 1)):
+                    self._spec[i] += v
             if produced:
                 self._ttft.observe(timings.time_to_first_token_s)
                 self._last_ttft = timings.time_to_first_token_s
@@ -173,7 +195,9 @@ class FigureRecorder:
                            ttft_s=self._ttft.snapshot(), decode_tps=self._decode.snapshot(),
                            queue_wait_s=self._queue_wait.snapshot(),
                            duration_s=self._duration.snapshot(), last_ttft_s=self._last_ttft,
-                           last_decode_tps=self._last_decode)
+                           last_decode_tps=self._last_decode, draft_passes=self._spec[0],
+                           draft_tokens=self._spec[1], accepted_draft_tokens=self._spec[2],
+                           decode_steps=self._spec[3], decode_tokens=self._spec[4])
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,11 @@ class Health:
         kernel = getattr(engine, 'kernel', '')
         if kernel:
             extra += (('kernel', kernel),)
+        speculation = getattr(engine, 'speculation', None)
+        if speculation is not None:
+            mode = speculation.config.mode
+            extra += (('speculative', mode if speculation.enabled or mode == 'off'
+                       else f'{mode}: off ({speculation.why_off})'),)
         rows: Optional[Any] = getattr(engine, 'rows', None)
         if rows is not None:
             extra += (('decode_rows_min', str(rows.min_rows)),

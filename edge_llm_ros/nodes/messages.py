@@ -150,7 +150,9 @@ def to_request(goal, defaults: RequestDefaults,
         choices=tuple(goal.choices),
         reasoning=reasoning_switch(goal.reasoning_mode),
         reasoning_budget=(None if goal.reasoning_budget == Goal.REASONING_BUDGET_NONE
-                          else int(goal.reasoning_budget)))
+                          else int(goal.reasoning_budget)),
+        # Generate goals only (a Complete request has no such field: it may speculate).
+        speculative=not getattr(goal, 'no_speculation', False))
 
 
 def timings_to_msg(timings: Timings) -> TimingsMsg:
@@ -161,7 +163,10 @@ def timings_to_msg(timings: Timings) -> TimingsMsg:
         cached_prompt_tokens=int(timings.cached_prompt_tokens),
         prefill_tokens_per_second=float(timings.prefill_tokens_per_second),
         decode_tokens_per_second=float(timings.decode_tokens_per_second),
-        total_s=float(timings.total_s))
+        total_s=float(timings.total_s),
+        draft_passes=int(timings.draft_passes), draft_tokens=int(timings.draft_tokens),
+        accepted_draft_tokens=int(timings.accepted_draft_tokens),
+        decode_steps=int(timings.decode_steps))
 
 
 def tool_call_msgs(calls) -> List[ToolCallMsg]:
@@ -238,7 +243,7 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex', 'choices',
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
-GOAL_ONLY_FIELDS = ('priority', 'preempt')
+GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 

@@ -24,6 +24,10 @@ KV prefix to keep (each goal carried its whole conversation); now the node remem
 session's turns and puts them before the goal's. A record of an older version is therefore
 replayed without its session_id: prefix reuse needs no name, so the goal sees exactly the
 prompt it saw then.
+
+Interface version 5 (issue 23) only added fields: Generate.Goal/Transcript `no_speculation`
+and Timings' speculation counts. Speculation never changes an output, so an older record
+(read as false: the node's own mode) needs no translation.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 4
+INTERFACE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,7 @@ class TranscriptRecord:
     preempt: bool = False              # version 3; older records: false
     history_mode: int = 0              # version 4: Generate.Goal.HISTORY_*
     session_turns: list = field(default_factory=list)   # version 4: ChatRecord, see replay
+    no_speculation: bool = False       # version 5: Generate.Goal.no_speculation
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -262,6 +263,7 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         reasoning_budget=int(getattr(msg, 'reasoning_budget', -1)),
         priority=int(getattr(msg, 'priority', 0)),
         preempt=bool(getattr(msg, 'preempt', False)),
+        no_speculation=bool(getattr(msg, 'no_speculation', False)),
         history_mode=int(getattr(msg, 'history_mode', 0)),
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),

@@ -157,7 +157,8 @@ def goal_fields(record: TranscriptRecord) -> dict:
                            Generate.Goal.REASONING_OFF: False}.get(record.reasoning_mode),
                 reasoning_budget=(None if record.reasoning_budget < 0
                                   else record.reasoning_budget),
-                priority=record.priority, preempt=record.preempt, **sampling)
+                priority=record.priority, preempt=record.preempt,
+                no_speculation=record.no_speculation, **sampling)
 
 
 def session_messages(record: TranscriptRecord) -> tuple:
