@@ -114,6 +114,11 @@ def eos_ids(model_dir: str) -> List[int]:
 
 
 # --- ours: a real node, real action clients --------------------------------------------------
+# Node parameters every Served node gets on top of its own (--speculative sets
+# speculative.mode: bench_speculative's batching check runs this bench with it off and on).
+EXTRA_PARAMS: Dict[str, object] = {}
+
+
 class Served:
     """One llm_node process and an LLMClient spinning on a background executor."""
 
@@ -129,7 +134,7 @@ class Served:
         self.node = NodeProcess('llm_node', name=name, params={
             'autostart': True, 'model.path': model_dir, 'engine.parallel_sequences': parallel,
             'engine.intra_op_threads': threads, 'kv.max_context': MAX_CONTEXT,
-            'kv.prefix_reuse': False, 'queue.depth': 16})
+            'kv.prefix_reuse': False, 'queue.depth': 16, **EXTRA_PARAMS})
         if not rclpy.ok():
             spin.init()
         self.ros = rclpy.create_node(f'bench_batching_client_{tag}_{os.getpid()}',
@@ -498,12 +503,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument('--no-extras', action='store_true',
                    help='skip the priority TTFT and RSS measurements')
     p.add_argument('--json-out', default='')
+    p.add_argument('--speculative', default='off',
+                   help="the nodes' speculative.mode (off, prompt_lookup, auto)")
     p.add_argument('--peer', default='', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer:
         print(json.dumps(peer_main(json.loads(args.peer))))
         return 0
     args.clients = [int(c) for c in args.clients.split(',')]
+    EXTRA_PARAMS['speculative.mode'] = args.speculative
     from llama_peer import ensure_peer
     peer = ensure_peer(install=True)
     load_before = os.getloadavg()[0]
@@ -519,6 +527,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     report = {'models': models, 'targets': judged,
               'all_targets_met': all(v['met'] for v in judged.values()),
               'threads': args.threads, 'cpus': os.cpu_count(), 'peer': peer['version'],
+              'speculative_mode': args.speculative,
               'machine_load_1min_before': load_before,
               'machine_load_1min_after': os.getloadavg()[0]}
     text = json.dumps(report, indent=2)

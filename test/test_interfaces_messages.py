@@ -75,6 +75,19 @@ def test_default_goal_means_what_a_version_1_goal_meant():
     assert request.tools == () and request.tool_choice == '' and request.parallel_tool_calls
     assert request.reasoning is True and request.reasoning_budget is None
     assert request.grammar == request.regex == '' and request.choices == ()
+    assert request.speculative   # version 5: the node's speculative.mode applies
+
+
+def test_no_speculation_and_speculation_timings_travel():
+    goal = make_goal(prompt='hi', no_speculation=True)
+    assert goal.no_speculation and not messages.to_request(goal, DEFAULTS).speculative
+    assert messages.to_request(Complete.Request(prompt='hi'), DEFAULTS).speculative
+    with pytest.raises(TypeError, match='priority/preempt'):
+        make_goal(prompt='hi', no_speculation=True, request_type=Complete.Request)
+    msg = messages.timings_to_msg(Timings(draft_passes=3, draft_tokens=9,
+                                          accepted_draft_tokens=5, decode_steps=7))
+    assert (msg.draft_passes, msg.draft_tokens, msg.accepted_draft_tokens,
+            msg.decode_steps) == (3, 9, 5, 7)
 
 
 def test_unknown_reasoning_mode_is_refused():

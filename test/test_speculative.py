@@ -392,6 +392,34 @@ def test_per_request_off_batching_cancel_and_sessions_behave_as_without(family_m
     assert plain[4] == spec[4]
 
 
+def test_preemption_parks_a_speculating_goal_exactly(family_models):
+    """One slot: a priority goal pauses a speculating one, which resumes where it was."""
+    outs = []
+    for mode in ('off', 'prompt_lookup'):
+        engine = Engine(EngineConfig(model_dir=str(family_models['llama']), intra_op_threads=2,
+                                     max_context=256,
+                                     speculative=SpeculativeConfig(mode=mode)))
+        try:
+            sched = engine.scheduler()
+            long = sched.submit(Goal(engine.prepare(request(
+                RawPrompt(quoting(family_models['llama'])[0]), max_tokens=50))))
+            for _ in range(8):
+                engine.step()
+            urgent = sched.submit(Goal(engine.prepare(request(PROMPTS[1], max_tokens=10)),
+                                       priority=50, preempt=True))
+            for _ in range(2000):
+                if long.done and urgent.done:
+                    break
+                engine.step()
+            outs.append((long.result.token_ids, urgent.result.token_ids,
+                         long.result.timings.draft_passes))
+        finally:
+            engine.close()
+    (a_long, a_urgent, _), (b_long, b_urgent, passes) = outs
+    assert a_long == b_long and a_urgent == b_urgent
+    assert passes > 0
+
+
 def test_a_folder_that_is_not_row_exact_cannot_speculate(tmp_path, family_models):
     src = tmp_path / 'llama.gguf'
     write_gguf(src, ParityCase('llama', 'Q4_K'))

@@ -154,10 +154,9 @@ class OnnxDecoder:
         self.kv_buffers: List[np.ndarray] = [
             np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * spec.num_layers)]
         self._logits = np.zeros((self.slots, 1, spec.vocab_size), dtype=np.float32)
-        self._one_logit = np.ones((1,), dtype=np.int64)      # logits_count of every call ...
-        self._verify_count = np.ones((1,), dtype=np.int64)   # ... but a verify pass
+        self._one_logit = np.ones((1,), dtype=np.int64)   # logits_count but in verify passes
         self._verify_logits = np.zeros((1, 0, spec.vocab_size), dtype=np.float32)
-        self._verify_bindings: Dict[int, ort.IOBinding] = {}
+        self._verify_bindings: Dict[Tuple[int, int], tuple] = {}   # (slot, n) -> binding
         # Whether a verify pass gives a position the bits a decode step gives it.
         self.row_exact = spec.attention == 'causal' and native_ops.DOMAIN in spec.op_domains
         self.logits = self._logits[0].reshape(-1)  # the view a single-row call returns
@@ -337,31 +336,36 @@ class OnnxDecoder:
         """Feed ids at positions past_len.. of a slot; return the logits of each [n, vocab].
 
         Row i holds the next-token logits after ids[i]. The view is valid until the next
-        verify call. The caller keeps past_len + n within the capacity.
+        verify call. The caller keeps past_len + n within the capacity. Each (slot, n) gets a
+        binding on first use, so a pass only writes ints and runs, like a decode step.
         """
         n = len(ids)
         if n < 1 or past_len < 0 or past_len + n > self.capacity:
             raise ValueError(f'verify of {n} ids at {past_len} is outside the KV capacity '
                              f'{self.capacity}')
-        binding = self._verify_bindings.get(slot)
-        if binding is None:
-            binding = self._verify_bindings[slot] = self._rows_binding(slice(slot, slot + 1))
-        if self._verify_logits.shape[1] < n:
+        if self._verify_logits.shape[1] < n:   # one logits buffer; its views are bound
             self._verify_logits = np.zeros((1, max(n, 8), self.info.vocab_size), np.float32)
-        logits = self._verify_logits[:, :n]
-        ids2 = np.asarray(ids, dtype=np.int64).reshape(1, n)
-        seqlens = np.array([past_len + n - 1], dtype=np.int32)
-        total = np.array(past_len + n, dtype=np.int32)
-        self._verify_count[0] = n
-        arrays = {'input_ids': ids2, 'seqlens_k': seqlens, 'total_sequence_length': total,
-                  'logits_count': self._verify_count}
-        if self.accepts_embeds:
-            arrays['inputs_embeds'] = self._no_embeds
-        values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
-        out = ort.OrtValue.ortvalue_from_numpy(logits)
-        self._verify_keep = [arrays, values, out]   # the binding points into them
-        for name, value in values.items():
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_ortvalue_output('logits', out)
+            self._verify_bindings.clear()
+        entry = self._verify_bindings.get((slot, n))
+        if entry is None:
+            entry = self._verify_bindings[(slot, n)] = self._verify_binding(slot, n)
+        binding, fed, seqlens, total = entry
+        fed[0, :] = ids
+        seqlens[0] = past_len + n - 1
+        total[()] = past_len + n
         self._session.run_with_iobinding(binding)
-        return logits[0]
+        return self._verify_logits[0, :n]
+
+    def _verify_binding(self, slot: int, n: int) -> tuple:
+        binding = self._rows_binding(slice(slot, slot + 1))
+        fed = np.zeros((1, n), dtype=np.int64)
+        seqlens = np.zeros((1,), dtype=np.int32)
+        total = np.zeros((), dtype=np.int32)
+        inputs = {'input_ids': fed, 'seqlens_k': seqlens, 'total_sequence_length': total,
+                  'logits_count': np.array([n], dtype=np.int64)}
+        if self.accepts_embeds:
+            inputs['inputs_embeds'] = self._no_embeds
+        for name, array in inputs.items():
+            binding.bind_ortvalue_input(name, self._value(array))
+        binding.bind_ortvalue_output('logits', self._value(self._verify_logits[:, :n]))
+        return binding, fed, seqlens, total
