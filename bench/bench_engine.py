@@ -103,7 +103,8 @@ def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 5) -> float:
 # Inputs an op reads a row of (by id or position), not whole: the token table, and the rotary
 # caches GroupQueryAttention / RotaryEmbedding index by position.
 GATHERED_INPUTS = {'Gather': (0,), 'GatherBlockQuantized': (0, 2, 3), 'KQuantGather': (0,),
-                   'GroupQueryAttention': (7, 8), 'RotaryEmbedding': (2, 3)}
+                   'GroupQueryAttention': (7, 8), 'CausalAttention': (7, 8),
+                   'RotaryEmbedding': (2, 3)}
 KQUANT_SUFFIX = '.gguf_blocks'  # the converter's name of a matrix kept in its GGUF blocks
 
 

@@ -53,15 +53,15 @@ SCHEMA = json.dumps({'type': 'object', 'properties': {
     'reason': {'type': 'string'}},
     'required': ['action', 'target', 'speed_mps', 'priority', 'confirm', 'reason']})
 WORKLOADS = {
-    'tool_call': [dict(prompt=p, json_schema=SCHEMA) for p in (
+    'tool_call': [{'prompt': p, 'json_schema': SCHEMA} for p in (
         'The operator says: take the red crate to station 2, quickly. Give the command.',
         'Plan the next action: pick up the blue crate from shelf 9.',
         'The robot must wait at the dock until the battery is full. Give the command.')],
-    'quoting': [dict(prompt=f'Mission log:\n{LOG}\n\n{q}') for q in (
+    'quoting': [{'prompt': f'Mission log:\n{LOG}\n\n{q}'} for q in (
         'Copy steps 3 to 9 of the log exactly as written.',
         'Quote every step that ends at station 2, word for word.',
         'Repeat the log from step 10 to the end without changing anything.')],
-    'chat': [dict(prompt=p) for p in (
+    'chat': [{'prompt': p} for p in (
         'Write a short poem about a warehouse robot.',
         'Why do mobile robots need a map? Answer in a few sentences.',
         'Give three tips for keeping a robot battery healthy.')],
@@ -121,7 +121,7 @@ def _messages(req: Dict):
     return [ChatMessage('user', req['prompt'])]
 
 
-PEER_CHILD = r'''
+PEER_CHILD = r"""
 import json, sys, time
 import llama_cpp
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -155,7 +155,7 @@ for label, draft in (('plain', None), ('prompt_lookup', 'lookup')):
                   'ids': ids_out}
     del llm
 print(json.dumps(out))
-'''
+"""
 
 
 def llama_cpp_lookup(prompts: List[List[int]], threads: int, repeats: int,
@@ -244,14 +244,14 @@ def table(result: Dict) -> str:
         lines.append(f"llama.cpp on (b): plain {peer['plain']['tok_s']:.1f} tok/s, prompt "
                      f"lookup {peer['prompt_lookup']['tok_s']:.1f} tok/s "
                      f"({peer['prompt_lookup']['tok_s'] / peer['plain']['tok_s']:.2f}x); ours "
-                     f"with prompt lookup {ours:.1f} tok/s = "
+                     f'with prompt lookup {ours:.1f} tok/s = '
                      f"{ours / peer['prompt_lookup']['tok_s']:.2f}x llama.cpp's (>= 1.0x)")
     lines.append('')
     lines.append('cost of a (k+1)-position verify pass / a 1-position step, k = 1..: ' +
-                 '; '.join(f"{n}: {' '.join(f'{c:.2f}' for c in cost[1:])}"
+                 '; '.join(n + ': ' + ' '.join(f'{c:.2f}' for c in cost[1:])
                            for n, cost in result['costs'].items()))
     for shape, cost in result['costs'].items():
-        lines.append(f'implied speedup at SmolLM2\'s acceptance, {shape}: ' + ', '.join(
+        lines.append(f"implied speedup at SmolLM2's acceptance, {shape}: " + ', '.join(
             f"{w} {implied(cost, eng[w]['prompt_lookup']):.2f}x" for w in WORKLOADS))
     if result.get('batching'):
         lines.append(f"batching (tok/s by clients): {json.dumps(result['batching'])}")

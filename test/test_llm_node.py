@@ -18,6 +18,7 @@ from rcl_interfaces.msg import Parameter as ParameterMsg
 from rcl_interfaces.msg import ParameterType, ParameterValue
 from rcl_interfaces.srv import SetParameters
 import rclpy
+from tiny_model import EOS_ID
 
 from edge_llm_msgs.msg import TensorHandle, Transcript
 from edge_llm_ros import client as client_module
@@ -349,7 +350,9 @@ def test_runtime_parameters_change_defaults_and_transcript_shows_them(
             type=ParameterType.PARAMETER_INTEGER, integer_value=5))
         assert not read_only.successful
         prompt = 'Hello sky with new defaults'
-        outcome = llm.generate(prompt, max_tokens=3, seed=7).result(timeout=60)
+        # <|endoftext|> (0) and EOS biased away: exactly max_tokens tokens whatever the draws.
+        outcome = llm.generate(prompt, max_tokens=3, seed=7,
+                               logit_bias={0: -100.0, EOS_ID: -100.0}).result(timeout=60)
         wait_for(lambda: any(t.prompt == prompt for t in transcripts), 30,
                  'the transcript of the goal')
         record = next(t for t in transcripts if t.prompt == prompt)

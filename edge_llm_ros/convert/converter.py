@@ -22,7 +22,7 @@ from typing import List, Optional
 import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
-from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights
+from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, KQUANT_TYPES
 from edge_llm_ros.convert.onnx_graph import (DecoderGraph, GraphOptions, LayerWeights, OPSET,
                                              Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
@@ -212,7 +212,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     with open(tmp / DATA_FILE, 'wb') as data:
         graph = DecoderGraph(s, GraphOptions(opts.activation_dtype, opts.max_context,
                                              opts.accuracy_level, opts.graph_offset_levels,
-                                             attention=_attention(opts)),
+                                             attention=_attention(ckpt, opts)),
                              data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
         bar.update()
@@ -266,7 +266,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'weight_bytes_per_token': int(graph.weight_bytes),
                          'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))},
         'op_domains': sorted(graph.ops_used),
-        'attention': _attention(opts),
+        'attention': _attention(ckpt, opts),
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
@@ -278,9 +278,18 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
             os.fsync(fh.fileno())
 
 
-def _attention(opts: ConvertOptions) -> str:
-    """Return the attention op: the library's row-exact one wherever the library is used."""
-    return 'causal' if opts.weight_format == 'kquant' else 'gqa'
+def _attention(ckpt: Checkpoint, opts: ConvertOptions) -> str:
+    """Return the attention op: the library's row-exact one where every matmul is the op's.
+
+    Only then is the whole graph row-exact (a verify pass gives a position decode's bits:
+    docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
+    and GroupQueryAttention, faster at prefill, is kept.
+    """
+    if opts.weight_format != 'kquant':
+        return 'gqa'
+    held = all(t.qtype in KQUANT_TYPES and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0
+               for t in ckpt.tensors.values() if len(t.shape) == 2)
+    return 'causal' if held else 'gqa'
 
 
 def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> Weight:

@@ -158,6 +158,7 @@ class OnnxDecoder:
         self._verify_logits = np.zeros((1, 0, spec.vocab_size), dtype=np.float32)
         self._verify_bindings: Dict[Tuple[int, int], tuple] = {}   # (slot, n) -> binding
         # Whether a verify pass gives a position the bits a decode step gives it.
+        # (the converter writes attention 'causal' only when every matmul is the op library's)
         self.row_exact = spec.attention == 'causal' and native_ops.DOMAIN in spec.op_domains
         self.logits = self._logits[0].reshape(-1)  # the view a single-row call returns
         self._keep: list = []   # numpy views the OrtValues below point into

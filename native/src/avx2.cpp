@@ -829,10 +829,6 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
     rows<W, 4>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
     i += 4;
   }
-  if (m - i == 3) {
-    rows<W, 3>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-    i += 3;
-  }
   for (; i + 2 <= m; i += 2) rows<W, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
   if (i < m) rows<W, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
 }
