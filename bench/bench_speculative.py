@@ -128,7 +128,10 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 spec = json.loads(sys.argv[1])
 out = {}
 for label, draft in (('plain', None), ('prompt_lookup', 'lookup')):
-    llm = llama_cpp.Llama(model_path=spec['gguf'], n_ctx=2048, n_threads=spec['threads'],
+    # n_batch >= the prompt: with a draft model (logits of every position) llama-cpp-python
+    # 0.3.36 fails to store a prompt evaluated in several batches.
+    llm = llama_cpp.Llama(model_path=spec['gguf'], n_ctx=2048, n_batch=2048,
+                          n_threads=spec['threads'],
                           n_threads_batch=spec['threads'], verbose=False,
                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10)
                           if draft else None)
@@ -166,8 +169,10 @@ def llama_cpp_lookup(prompts: List[List[int]], threads: int, repeats: int,
     peer = ensure_peer(install=True)
     spec = {'gguf': str(ensure_default_gguf()), 'threads': threads, 'repeats': repeats,
             'max_tokens': max_tokens, 'prompts': prompts}
-    done = subprocess.run([peer['python'], '-c', PEER_CHILD, json.dumps(spec)], check=True,
+    done = subprocess.run([peer['python'], '-c', PEER_CHILD, json.dumps(spec)],
                           capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        return {'error': done.stderr.strip().splitlines()[-1] if done.stderr else 'failed'}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -238,7 +243,9 @@ def table(result: Dict) -> str:
             f"{s['prompt_lookup']['tokens_per_step']:.2f} | "
             f"{all(s[m]['equal_to_off'] for m in MODES)} |")
     peer = result.get('llama_cpp')
-    if peer:
+    if peer and 'error' in peer:
+        lines += ['', f"llama.cpp's prompt lookup on (b): FAILED: {peer['error']}"]
+    elif peer:
         ours = eng['quoting']['prompt_lookup']['tok_s']
         lines.append('')
         lines.append(f"llama.cpp on (b): plain {peer['plain']['tok_s']:.1f} tok/s, prompt "
@@ -274,8 +281,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.repeats, args.max_tokens, args.shapes, args.no_peer = 1, 32, 'qwen2-1.5b', True
     result: Dict = {'started': time.strftime('%Y-%m-%dT%H:%M:%S'),
                     'load_before': os.getloadavg()[0], 'threads': args.threads}
+    out = pathlib.Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     result['engine'] = engine_runs(args.threads, args.repeats, args.max_tokens)
     result['costs'] = {'smollm2 (real)': result['engine']['cost']}
+    out.write_text(json.dumps(result, indent=1))   # kept if a later part fails
     if not args.no_peer:
         result['llama_cpp'] = llama_cpp_lookup(result['engine'].pop('quoting_ids'),
                                                args.threads, args.repeats, args.max_tokens)
@@ -286,8 +296,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result['batching'] = batching(args.threads)
     result['load_after'] = os.getloadavg()[0]
     result['table'] = table(result)
-    out = pathlib.Path(args.json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(result['table'])
     return 0

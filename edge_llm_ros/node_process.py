@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Callable, Deque, Mapping, Optional, TextIO, TYPE_CHECKING
 
+import yaml
+
 if TYPE_CHECKING:   # only for type hints: importing this module never loads rclpy
     from edge_llm_ros.client import LLMClient
 
@@ -46,12 +48,21 @@ class NodeStopError(NodeProcessError):
         self.returncode = returncode
 
 
+def _plain_yaml_string(text: str) -> bool:
+    try:
+        return yaml.safe_load(text) == text
+    except yaml.YAMLError:
+        return False
+
+
 def parameter_text(value: object) -> str:
     """Write a parameter value as `-p name:=VALUE` wants it (read as YAML by rcl)."""
     if isinstance(value, bool):
         return 'true' if value else 'false'
     if isinstance(value, str):
-        return value if value else "''"    # a bare `name:=` does not parse
+        # Quoted where YAML would read another type ('off' is false, '2-3' a date-ish
+        # number to some parsers) or nothing (a bare `name:=` does not parse).
+        return value if value and _plain_yaml_string(value) else "'" + value.replace("'", "''") + "'"
     if isinstance(value, (list, tuple)):
         return '[' + ','.join(repr(v) if isinstance(v, str) else parameter_text(v)
                               for v in value) + ']'

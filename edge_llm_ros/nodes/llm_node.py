@@ -212,8 +212,8 @@ def main(args=None) -> int:
             num_threads=max(4, os.cpu_count() or 1)),
         release_while_spinning=_stop_serving, release_after_spin=LLMNode.release,
         # A parameter override of the wrong type or out of range: say which, no traceback.
-        hint='a string that looks like a number needs quotes: '
-             '-p engine.cpu_affinity:="\'2-3\'"')
+        hint='a string that YAML reads as a number or a boolean (off, on, yes, no) needs '
+             'quotes: -p engine.cpu_affinity:="\'2-3\'" -p speculative.mode:="\'off\'"')
 
 
 if __name__ == '__main__':
