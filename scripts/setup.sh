@@ -134,7 +134,9 @@ fi
 # EDGE_LLM_NATIVE=0 skips it on purpose: models then convert to matmulnbits.
 if [ "${EDGE_LLM_NATIVE:-1}" = 1 ]; then
   native_hash="$(hash_of $(find native kernels/kquant.cu -type f | sort)) $(uname -m)"
-  if [ "$(cat "$STAMPS/native" 2>/dev/null)" != "$native_hash" ] || [ ! -f "$ROOT/build/native/libedge_llm_ort_ops.so" ]; then
+  # The stamp lives beside the library it describes (a venv may serve several checkouts).
+  native_stamp="$ROOT/build/native/.edge_llm_source_hash"
+  if [ "$(cat "$native_stamp" 2>/dev/null)" != "$native_hash" ] || [ ! -f "$ROOT/build/native/libedge_llm_ort_ops.so" ]; then
     echo "setup: building the op library (native/, cmake)"
     ORT_INC=$(bash "$ROOT/scripts/ort_headers.sh") \
       || die "no ONNX Runtime headers for native/ (see above): install libonnxruntime-dev, set ORT_INCLUDE_DIR to ONNX Runtime's include folder, or EDGE_LLM_NATIVE=0 to run on MatMulNBits only"
@@ -143,7 +145,7 @@ if [ "${EDGE_LLM_NATIVE:-1}" = 1 ]; then
       || { tail -30 "$ROOT/build/native-configure.log"; die "cmake configure of native/ failed (log: build/native-configure.log)"; }
     cmake --build "$ROOT/build/native" -j"$(nproc)" > "$ROOT/build/native-build.log" 2>&1 \
       || { tail -30 "$ROOT/build/native-build.log"; die "building native/ failed (log: build/native-build.log)"; }
-    echo "$native_hash" > "$STAMPS/native"
+    echo "$native_hash" > "$native_stamp"
   fi
 else
   echo "setup: EDGE_LLM_NATIVE=0: the op library is not built; models convert to matmulnbits"
