@@ -62,7 +62,9 @@ def parameter_text(value: object) -> str:
     if isinstance(value, str):
         # Quoted where YAML would read another type ('off' is false, '2-3' a date-ish
         # number to some parsers) or nothing (a bare `name:=` does not parse).
-        return value if value and _plain_yaml_string(value) else "'" + value.replace("'", "''") + "'"
+        if value and _plain_yaml_string(value):
+            return value
+        return "'" + value.replace("'", "''") + "'"
     if isinstance(value, (list, tuple)):
         return '[' + ','.join(repr(v) if isinstance(v, str) else parameter_text(v)
                               for v in value) + ']'
