@@ -49,8 +49,9 @@ class NodeStopError(NodeProcessError):
 
 
 def _plain_yaml_string(text: str) -> bool:
+    """Tell whether rcl reads text as a string (already quoted text included)."""
     try:
-        return yaml.safe_load(text) == text
+        return isinstance(yaml.safe_load(text), str)
     except yaml.YAMLError:
         return False
 

@@ -23,8 +23,8 @@ def test_parameters_are_written_as_ros_args_want_them():
     assert [parameter_text(v) for v in (True, False, '', 'x', 3, 0.5, ['a', 'b'], [1, 2])] == \
         ['true', 'false', "''", 'x', '3', '0.5', "['a','b']", '[1,2]']
     # Strings YAML would read as another type stay strings (speculative.mode off).
-    assert [parameter_text(v) for v in ('off', 'yes', '1.5', "it's", '2-3')] == \
-        ["'off'", "'yes'", "'1.5'", "it's", '2-3']
+    assert [parameter_text(v) for v in ('off', 'yes', '1.5', "it's", '2-3', "'1'")] == \
+        ["'off'", "'yes'", "'1.5'", "it's", '2-3', "'1'"]   # quoted text stays as given
     command = node_command('perception', 'cam', 'robot', {'pool.id': 'p', 'debug': True})
     assert command[1:] == ['-m', 'edge_llm_ros.nodes.perception', '--ros-args',
                            '-r', '__node:=cam', '-r', '__ns:=/robot',
