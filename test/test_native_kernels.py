@@ -19,8 +19,11 @@ def test_host_kernels_equal_the_reference():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert 'ok scalar' in proc.stdout
-    if 'avx2' in proc.stdout.split('cpu: ')[1]:
+    features = proc.stdout.split('cpu: ')[1].split(')')[0].split()
+    if 'avx2' in features:
         assert 'ok avx2' in proc.stdout
+    if 'avx512vnni' in features:
+        assert 'ok avx512_vnni' in proc.stdout
 
 
 @pytest.fixture(scope='module')

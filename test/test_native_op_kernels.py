@@ -1,6 +1,6 @@
 """KQuantMatMul on every kernel path this CPU runs, for all 8 GGUF types, in real sessions.
 
-Each kernel set the op library can run here (scalar, avx2 on x86-64; neon, neon_dotprod on
+Each kernel set the op library can run here (scalar, avx2, avx512_vnni on x86-64; neon, neon_dotprod on
 aarch64) is pinned in turn through ctypes on the very library ONNX Runtime loaded. For each:
 the op's output equals the scalar reference bit for bit, and a row computed alone equals the
 same row in the batch. Odd shapes: K = 32 x an odd block count for the legacy types, N of 1,
@@ -26,7 +26,7 @@ from test_native_ref import DOT_RTOL, random_blocks, TYPES
 
 P = ctypes.c_void_p
 ggml = test_native_ref.ggml  # the fixture loading ggml's own libraries
-ISAS = (b'scalar', b'avx2', b'neon', b'neon_dotprod')
+ISAS = (b'scalar', b'avx2', b'avx512_vnni', b'neon', b'neon_dotprod')
 # name: (K, N, M), K in odd block counts for the legacy types (41 = 5 steps of 8 + 1).
 SHAPES = {
     'Q4_0': (32 * 7, 33, 37), 'Q4_1': (32 * 25, 7, 2), 'Q5_0': (32 * 9, 1, 600),
@@ -53,6 +53,7 @@ def kernels(ops) -> list:
     features = ops.elk_cpu_features().split()
     assert b'scalar' in usable
     assert (b'avx2' in usable) == (b'avx2' in features)
+    assert (b'avx512_vnni' in usable) == (b'avx512vnni' in features)
     assert (b'neon_dotprod' in usable) == (b'dotprod' in features)
     return usable
 

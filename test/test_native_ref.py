@@ -152,15 +152,31 @@ def test_dot_products_agree_with_ggml(elk, ggml, name, blocks):
                                     activations.ctypes.data, ctypes.byref(mine)) == -1
 
 
+
+# The x86-64 kernel sets, each checked where the CPU runs it.
+X86_ISAS = (b'scalar', b'avx2', b'avx512_vnni')
+
+
+def best_kernel(features) -> str:
+    """Return the kernel set 'auto' picks for the CPU features the library reports."""
+    features = set(features)
+    for kernel, needs in (('avx512_vnni', {'avx512vnni'}), ('avx2', {'avx2', 'fma'}),
+                          ('neon_dotprod', {'dotprod'}), ('neon', {'neon'})):
+        if needs <= features:
+            return kernel
+    return 'scalar'
+
+
 def test_kernels_are_chosen_at_run_time_and_pins_are_checked(elk):
     elk.elk_kernel_name.restype = ctypes.c_char_p
     elk.elk_cpu_features.restype = ctypes.c_char_p
     features = elk.elk_cpu_features().decode().split()
-    expected = 'avx2' if {'avx2', 'fma'} <= set(features) else 'scalar'
+    expected = best_kernel(features)
     assert elk.elk_select_kernel(b'auto') == 0
     assert elk.elk_kernel_name().decode() == expected
     assert elk.elk_select_kernel(b'neon') == -1           # not this architecture
-    assert elk.elk_select_kernel(b'avx2') == (0 if expected == 'avx2' else -1)
+    assert elk.elk_select_kernel(b'avx2') == (0 if 'avx2' in features else -1)
+    assert elk.elk_select_kernel(b'avx512_vnni') == (0 if 'avx512vnni' in features else -1)
     assert elk.elk_select_kernel(b'scalar') == 0
     assert elk.elk_kernel_name() == b'scalar'
     assert elk.elk_select_kernel(b'auto') == 0
@@ -172,7 +188,7 @@ def test_every_kernel_gives_the_references_bits(elk, name):
     elk.elk_vec_dot_q8_K.argtypes = elk.elk_vec_dot_q8_K_ref.argtypes
     type_id = TYPES[name][0]
     rng = np.random.default_rng(type_id)
-    isas = [isa for isa in (b'scalar', b'avx2') if elk.elk_select_kernel(isa) == 0]
+    isas = [isa for isa in X86_ISAS if elk.elk_select_kernel(isa) == 0]
     try:
         for blocks in (1, 2, 5, 11):
             n = blocks * 256
@@ -196,6 +212,7 @@ def test_every_kernel_gives_the_references_bits(elk, name):
     finally:
         elk.elk_select_kernel(b'auto')
     assert b'avx2' in isas or b'avx2' not in elk.elk_cpu_features()
+    assert b'avx512_vnni' in isas or b'avx512vnni' not in elk.elk_cpu_features()
 
 
 LEGACY = {'Q4_0': 'q8_0', 'Q4_1': 'q8_1', 'Q5_0': 'q8_0', 'Q5_1': 'q8_1', 'Q8_0': 'q8_0'}
@@ -271,7 +288,7 @@ def test_the_dispatched_dot_of_every_type_gives_the_references_bits(elk, name):
     activation = {'q8_0': 8, 'q8_1': 9}.get(LEGACY.get(name), 15)
     size = {8: 34, 9: 36, 15: Q8_K_BYTES}[activation]
     rng = np.random.default_rng(type_id + 300)
-    isas = [isa for isa in (b'scalar', b'avx2') if elk.elk_select_kernel(isa) == 0]
+    isas = [isa for isa in X86_ISAS if elk.elk_select_kernel(isa) == 0]
     out, reference = ctypes.c_float(), ctypes.c_float()
     try:
         for blocks in (1, 7, 8, 17):  # the legacy SIMD kernels take 8 blocks a step

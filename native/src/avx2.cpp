@@ -15,146 +15,10 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "x86_common.h"
 
 namespace elk {
 namespace {
-
-template <typename T>
-inline __m256i load256(const T *p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
-}
-template <typename T>
-inline __m128i load128(const T *p) {
-  return _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-}
-
-// An empty asm the value passes through: the compiler keeps it in a register and adds each
-// product into it as it comes (else GCC collects all the tile's products before adding,
-// which spills them to the stack).
-inline void keep_in_register(__m256i &v) { asm("" : "+x"(v)); }
-
-// A 32-bit broadcast from memory: one load, no shuffle (GCC otherwise forwards the scale
-// from the register it was stored from, extracting it with shuffles).
-inline __m256i broadcast32(const int32_t *p) {
-  __m256i v;
-  asm("vpbroadcastd %1, %0" : "=x"(v) : "m"(*p));
-  return v;
-}
-
-// The lane sums of four vectors, exactly (integer adds): {sum a, sum b, sum c, sum d}.
-inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
-  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
-}
-inline __m128i hsum4(__m128i a, __m128i b, __m128i c, __m128i d) {
-  return _mm_hadd_epi32(_mm_hadd_epi32(a, b), _mm_hadd_epi32(c, d));
-}
-
-// k_block lane by lane: d * dy * float(dots) - dmin * dy * float(mins), the same IEEE
-// operations in the same order (the file is built with -ffp-contract=off: no FMA).
-inline __m128 k_block4(__m128 d, __m128 dmin, __m128 dy, __m128i dots, __m128i mins) {
-  return _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dy), _mm_cvtepi32_ps(dots)),
-                    _mm_mul_ps(_mm_mul_ps(dmin, dy), _mm_cvtepi32_ps(mins)));
-}
-
-// The 8 scales (bytes 0..7) and 8 mins (bytes 8..15) of a Q4_K/Q5_K super-block, 6 bits each:
-// scale_min_k4 for every sub-block at once, for two blocks (lane 0: packed0, lane 1: packed1).
-// Reads 16 bytes each: the 12 packed ones and 4 of the block's next field, which no lane keeps.
-inline __m256i scales_mins_k4(const uint8_t *packed0, const uint8_t *packed1) {
-  const __m256i q = _mm256_loadu2_m128i(reinterpret_cast<const __m128i *>(packed1),
-                                        reinterpret_cast<const __m128i *>(packed0));
-  // Lanes 0-3: q[0..3] (scales 0-3); 4-7: q[8..11] (their low nibbles are scales 4-7);
-  // 8-11: q[4..7] (mins 0-3); 12-15: q[8..11] (their high nibbles are mins 4-7).
-  const __m256i a = _mm256_shuffle_epi8(q, _mm256_broadcastsi128_si256(_mm_setr_epi8(
-      0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11)));
-  // The top two bits of scales 4-7 are those of q[0..3], of mins 4-7 those of q[4..7].
-  const __m256i b = _mm256_shuffle_epi8(q, _mm256_broadcastsi128_si256(_mm_setr_epi8(
-      0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7)));
-  const __m256i low = _mm256_and_si256(a, _mm256_broadcastsi128_si256(_mm_setr_epi8(
-      63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)));
-  // 16-bit shifts: the masks keep only bits that came from the lane's own byte.
-  const __m256i nibble = _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_broadcastsi128_si256(
-      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15)));
-  const __m256i top = _mm256_and_si256(_mm256_srli_epi16(b, 2), _mm256_broadcastsi128_si256(
-      _mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48)));
-  return _mm256_or_si256(_mm256_or_si256(low, nibble), top);
-}
-
-// Bit `bit` (0..7) of each byte moved to bit 4, by a 16-bit shift (other bits move too: mask
-// with 0x10; bit 4 of each byte then comes from its own byte, as the shift is at most 4).
-inline __m256i bit_to_4(__m256i v, int bit) {
-  return bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
-}
-
-// The lanes of a tile: element e = 4g + l (lane l of group g) is activation row e / NR times
-// weight row e % NR. Lanes past the tile repeat its last element and are never stored.
-template <int MR, int NR>
-struct Lanes {
-  static constexpr int T = MR * NR, G = (T + 3) / 4;
-  static constexpr int e(int g, int l) { return 4 * g + l < T ? 4 * g + l : T - 1; }
-  static constexpr int i(int g, int l) { return e(g, l) / NR; }
-  static constexpr int j(int g, int l) { return e(g, l) % NR; }
-};
-
-// Lane by lane: the activation scales of group g (dy of row i(g, l)).
-template <int MR, int NR>
-inline __m128 lane_dy(const BlockQ8_K *const *y, int g) {
-  using L = Lanes<MR, NR>;
-  if (NR == 4) return _mm_set1_ps(y[L::i(g, 0)]->d);
-  if (NR == 2) {
-    return _mm_shuffle_ps(_mm_set1_ps(y[L::i(g, 0)]->d), _mm_set1_ps(y[L::i(g, 2)]->d), 0);
-  }
-  return _mm_setr_ps(y[L::i(g, 0)]->d, y[L::i(g, 1)]->d, y[L::i(g, 2)]->d, y[L::i(g, 3)]->d);
-}
-
-// Lane by lane: the fp16 value at `offset` of each lane's weight block, as floats (F16C:
-// exact, like fp16_to_fp32).
-template <int MR, int NR>
-inline __m128 lane_half(const uint8_t *const *x, int g, size_t offset) {
-  using L = Lanes<MR, NR>;
-  uint16_t h[4];
-  for (int l = 0; l < 4; ++l) std::memcpy(&h[l], x[L::j(g, l)] + offset, sizeof(h[l]));
-  return _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
-}
-
-// The same for the two fp16 values at offsets 0 and 2 (d and dmin): in one conversion.
-template <int MR, int NR>
-inline __m256 lane_half_pair(const uint8_t *const *x, int g) {
-  using L = Lanes<MR, NR>;
-  uint16_t h[8];
-  for (int l = 0; l < 4; ++l) {
-    std::memcpy(&h[l], x[L::j(g, l)], sizeof(h[l]));
-    std::memcpy(&h[l + 4], x[L::j(g, l)] + 2, sizeof(h[l]));
-  }
-  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
-}
-
-// Software prefetch of the weight stream. A tile reads its NR rows side by side, NR streams a
-// row apart, which the hardware prefetchers follow poorly; so while it reads block b of its
-// rows, it prefetches the b-th of nb equal slices of the next tile's rows (contiguous in
-// memory: the same weight bytes, a tile further on), one sequential stream a tile ahead.
-inline void prefetch_lines(const uint8_t *p, size_t bytes) {
-  for (size_t line = 0; line < bytes; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char *>(p) + line, _MM_HINT_T0);
-  }
-}
-
-// Bytes of the next tile's rows to prefetch per super-block: all of them over nb blocks
-// (whole lines: a line a slice ends inside is the next slice's first).
-inline size_t prefetch_slice(size_t tile_bytes, int64_t nb) {
-  const size_t blocks = static_cast<size_t>(nb > 0 ? nb : 1);
-  return ((tile_bytes + blocks - 1) / blocks + 63) / 64 * 64;
-}
-
-// Element e of an MR x NR tile (activation row e / NR times weight row e % NR) has its float
-// sum in lane e % 4 of sum[e / 4]; the lanes past the tile (see Lanes) are not stored.
-template <int MR, int NR>
-inline void store_tile(const __m128 *sum, float *out, int64_t ldo) {
-  alignas(16) float lanes[(MR * NR + 3) / 4 * 4];
-  for (int g = 0; g < (MR * NR + 3) / 4; ++g) _mm_store_ps(lanes + 4 * g, sum[g]);
-  for (int e = 0; e < MR * NR; ++e) out[(e / NR) * ldo + e % NR] = lanes[e];
-}
-
 // One MR x NR tile of Q4_K (kQ5 false) or Q5_K (kQ5 true) weights times Q8_K activations:
 // weight row j at w + j * ws, activation row i at a + i * as, nb super-blocks; the result
 // of element (i, j) goes to out[i * ldo + j].
@@ -361,76 +225,21 @@ struct Q6Tile {
   }
 };
 
-// Tile shapes: a GEMV row against kGemvRows weight rows; batches in tiles of kBatchRows
-// activation rows x kBatchCols weight rows (their accumulators and operands fill the 16 ymm
-// registers), the remaining rows in tiles of 2 x 4 and 1 x kGemvRows; narrower at the end of
-// n. (Measured here: 1 x 8 and 4 x 3, 6 x 2, 3 x 4 tiles were no faster.)
-constexpr int kGemvRows = 4;
-constexpr int kBatchRows = 4, kBatchCols = 2;
-
-template <int MR>
-constexpr int tile_cols() {
-  return MR == 1 ? kGemvRows : MR == 2 ? 4 : kBatchCols;
-}
-
-// An MR x nr tile, nr <= tile_cols<MR>() <= 4.
-template <template <int, int> class Tile, int MR>
-void run_tile(int nr, const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
-              float *out, int64_t ldo, const uint8_t *prefetch) {
-  constexpr int C = tile_cols<MR>();
-  static_assert(C >= 1 && C <= 4, "tiles of 1..4 weight rows");
-  switch (nr) {
-    case 1: Tile<MR, 1>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 2: Tile<MR, (C < 2 ? C : 2)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 3: Tile<MR, (C < 3 ? C : 3)>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-    default: Tile<MR, C>::run(w, ws, a, as, nb, out, ldo, prefetch); break;
-  }
-}
-
-// Every activation row of a tile against every weight row, tile by tile: the tiles only
-// share loads, never a float operation.
-template <template <int, int> class Tile, int MR>
-void tile_rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t as,
-               int64_t nb, float *out, int64_t ldo) {
-  constexpr int C = tile_cols<MR>();
-  for (int64_t j = 0; j < n;) {
-    const int nr = n - j < C ? static_cast<int>(n - j) : C;
-    // The next tile's rows follow these (past n: the next call's, likely; a prefetch never
-    // faults).
-    run_tile<Tile, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
-    j += nr;
-  }
-}
+// Tile shapes: a GEMV row against 4 weight rows; batches in tiles of 4 activation rows x 2
+// weight rows (their accumulators and operands fill the 16 ymm registers), the remaining rows
+// in tiles of 2 x 4 and 1 x 4; narrower at the end of n. (Measured here: 1 x 8 and 4 x 3,
+// 6 x 2, 3 x 4 tiles were no faster.)
+using Shape = TileShape<4, 4, 2>;
 
 template <template <int, int> class Tile>
 void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
           int64_t nb, float *out, int64_t ldo) {
-  const auto *wb = static_cast<const uint8_t *>(w);
-  const auto *ab = static_cast<const uint8_t *>(a);
-  int64_t i = 0;
-  for (; i + kBatchRows <= m; i += kBatchRows) {
-    tile_rows<Tile, kBatchRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-  }
-  // 3 rows in one pass (a speculative verify of 2 drafts), not 2 + 1.
-  if (m - i == 3) {
-    tile_rows<Tile, 3>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-    i += 3;
-  }
-  for (; i + 2 <= m; i += 2) {
-    tile_rows<Tile, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-  }
-  if (i < m) tile_rows<Tile, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  tiled_gemm<Tile, Shape>(w, ws, n, a, as, m, nb, out, ldo);
 }
 
-// The single-row dots are the 1 x 1 tiles: one code path for every shape. They prefetch the
-// row after theirs, the next one a caller looping over rows reads.
 template <template <int, int> class Tile, typename Block>
 float dot(const void *vx, const BlockQ8_K *y, int64_t nb) {
-  const auto *w = static_cast<const uint8_t *>(vx);
-  float out;
-  Tile<1, 1>::run(w, 0, reinterpret_cast<const uint8_t *>(y), 0, nb, &out, 1,
-                  w + nb * sizeof(Block));
-  return out;
+  return tiled_dot<Tile, Block>(vx, y, nb);
 }
 
 float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
@@ -521,29 +330,6 @@ inline int32_t hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// The 32 weights of a block's 16 nibble bytes: weight j (< 16) is the low nibble of byte j,
-// weight j + 16 its high nibble.
-inline __m256i nibbles(const uint8_t *qs) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs));
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
-                          _mm_and_si128(bytes, low4));
-}
-
-// Bit j of a Q5 block's 32 high bits as 0x10 in byte j.
-inline __m256i high_bits(const uint8_t qh[4]) {
-  uint32_t bits;
-  std::memcpy(&bits, qh, sizeof(bits));
-  // Byte j takes byte j / 8 of the word (the word sits in both 128-bit lanes).
-  const __m256i spread = _mm256_shuffle_epi8(
-      _mm256_set1_epi32(static_cast<int>(bits)),
-      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
-                         0x0303030303030303));
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
-                          _mm256_set1_epi8(0x10));
-}
-
 // 8 int32 partial sums of w * a over 32 lanes. Signed: any int8 w, a never -128 (neither our
 // nor ggml's Q8_0 quantizer makes it): |w| * (a * sign w), pairs <= 2 * 128 * 127 in int16.
 inline __m256i dot_signed(__m256i w, __m256i a) {
@@ -577,16 +363,6 @@ inline __m256i block_dot(const BlockQ5_1 &x, const BlockQ8_1 &y) {
 inline __m256i block_dot(const BlockQ8_0 &x, const BlockQ8_0 &y) {
   return dot_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(x.qs)),
                     activations(y.qs));
-}
-
-// The totals of 8 vectors of 8 int32, lane j = the sum of v[j]'s lanes.
-inline __m256i totals(const __m256i v[8]) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
-                                      _mm256_hadd_epi32(v[2], v[3]));  // v0..v3 | v0..v3
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
-                                      _mm256_hadd_epi32(v[6], v[7]));  // v4..v7 | v4..v7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
-                          _mm256_permute2x128_si256(a, b, 0x31));
 }
 
 // 8 fp16 fields, one per block, as floats (F16C: exact, like fp16_to_fp32).
@@ -682,32 +458,6 @@ struct Traits<BlockQ8_0> {
   static __m256i codes(const BlockQ8_0 &x) { return load256(x.qs); }
 };
 
-template <int MR, int NR>
-struct Tile8 {
-  static constexpr int T = MR * NR, G = (T + 7) / 8;
-  // Lanes past the tile repeat its last element (computed on zero sums, never stored).
-  static constexpr int e(int g, int l) { return 8 * g + l < T ? 8 * g + l : T - 1; }
-  static constexpr int i(int g, int l) { return e(g, l) / NR; }
-  static constexpr int j(int g, int l) { return e(g, l) % NR; }
-};
-
-// Up to 8 fp16 values (lanes past `count` zero), as a vector of 8 x 16 bits.
-inline __m128i halves8(const uint16_t *h, int count) {
-  auto at = [&](int l) { return static_cast<short>(l < count ? h[l] : 0); };
-  return _mm_setr_epi16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7));
-}
-
-// Lane l of group g takes value index(g, l) of v (8 x 16 bits), as floats (F16C: exact, like
-// fp16_to_fp32).
-template <typename Index>
-inline __m256 spread(__m128i v, Index index) {
-  auto lo = [&](int l) { return static_cast<char>(2 * index(l)); };
-  auto hi = [&](int l) { return static_cast<char>(2 * index(l) + 1); };
-  const __m128i pattern = _mm_setr_epi8(lo(0), hi(0), lo(1), hi(1), lo(2), hi(2), lo(3), hi(3),
-                                        lo(4), hi(4), lo(5), hi(5), lo(6), hi(6), lo(7), hi(7));
-  return _mm256_cvtph_ps(_mm_shuffle_epi8(v, pattern));
-}
-
 template <typename W, int MR, int NR>
 void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, float *out,
           int64_t ldo, const uint8_t *prefetch) {
@@ -772,65 +522,21 @@ void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, 
   for (int e = 0; e < L::T; ++e) out[(e / NR) * ldo + e % NR] = lanes[e];
 }
 
-#ifndef ELK_LEGACY_NR1
-#define ELK_LEGACY_NR1 8
-#endif
-#ifndef ELK_LEGACY_MRB
-#define ELK_LEGACY_MRB 8
-#endif
-#ifndef ELK_LEGACY_NRB
-#define ELK_LEGACY_NRB 2
-#endif
-constexpr int kRows = ELK_LEGACY_MRB;
-
-template <int MR>
-constexpr int cols() {
-  return MR == 1 ? ELK_LEGACY_NR1 : MR == 2 ? 4 : ELK_LEGACY_NRB;
-}
-
-template <typename W, int MR>
-void run(int nr, const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
-         float *out, int64_t ldo, const uint8_t *prefetch) {
-  constexpr int C = cols<MR>();
-  switch (nr) {
-    case 1: tile<W, MR, 1>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 2: tile<W, MR, (C < 2 ? C : 2)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 3: tile<W, MR, (C < 3 ? C : 3)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 4: tile<W, MR, (C < 4 ? C : 4)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 5: tile<W, MR, (C < 5 ? C : 5)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 6: tile<W, MR, (C < 6 ? C : 6)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    case 7: tile<W, MR, (C < 7 ? C : 7)>(w, ws, a, as, nb, out, ldo, prefetch); break;
-    default: tile<W, MR, (C < 8 ? C : 8)>(w, ws, a, as, nb, out, ldo, prefetch); break;
+template <typename W, int MR, int NR>
+struct Tile {
+  static void run(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
+                  float *out, int64_t ldo, const uint8_t *prefetch) {
+    tile<W, MR, NR>(w, ws, a, as, nb, out, ldo, prefetch);
   }
-}
+};
 
-template <typename W, int MR>
-void rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t as, int64_t nb,
-          float *out, int64_t ldo) {
-  constexpr int C = cols<MR>();
-  for (int64_t j = 0; j < n;) {
-    const int nr = n - j < C ? static_cast<int>(n - j) : C;
-    run<W, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
-    j += nr;
-  }
-}
+// 1 x 8 for a GEMV row, 8 x 2 for batches.
+using LegacyShape = Shape<8, 8, 2>;
 
 template <typename W>
 void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
           int64_t nb, float *out, int64_t ldo) {
-  const auto *wb = static_cast<const uint8_t *>(w);
-  const auto *ab = static_cast<const uint8_t *>(a);
-  int64_t i = 0;
-  for (; i + kRows <= m; i += kRows) {
-    rows<W, kRows>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-  }
-  // The few rows of a speculative verify pass in one pass over the weights where possible.
-  if (m - i >= 4) {
-    rows<W, 4>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-    i += 4;
-  }
-  for (; i + 2 <= m; i += 2) rows<W, 2>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
-  if (i < m) rows<W, 1>(wb, ws, n, ab + i * as, as, nb, out + i * ldo, ldo);
+  tiled_gemm<Tile, LegacyShape, W>(w, ws, n, a, as, m, nb, out, ldo);
 }
 
 }  // namespace legacy

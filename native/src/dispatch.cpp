@@ -19,6 +19,10 @@ namespace elk {
 const DotKernels *avx2_kernels() { return nullptr; }
 const GemmKernels *avx2_gemm_kernels() { return nullptr; }
 #endif
+#ifndef ELK_HAVE_AVX512
+const DotKernels *avx512_vnni_kernels() { return nullptr; }
+const GemmKernels *avx512_vnni_gemm_kernels() { return nullptr; }
+#endif
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
 const DotKernels *neon_dotprod_kernels() { return nullptr; }
@@ -36,6 +40,17 @@ bool cpu_has_avx2_fma() {
 #endif
 }
 
+// AVX-512 F, BW, VL, DQ with VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later), beside AVX2.
+bool cpu_has_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_dotprod() {
 #if defined(__aarch64__)
   return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
@@ -48,13 +63,16 @@ bool cpu_has_dotprod() {
 const DotKernels *usable(const char *isa) {
   if (std::strcmp(isa, "scalar") == 0) return &scalar_kernels();
   if (std::strcmp(isa, "avx2") == 0 && cpu_has_avx2_fma()) return avx2_kernels();
+  if (std::strcmp(isa, "avx512_vnni") == 0 && cpu_has_avx512_vnni()) {
+    return avx512_vnni_kernels();
+  }
   if (std::strcmp(isa, "neon") == 0) return neon_kernels();  // every aarch64 core has NEON
   if (std::strcmp(isa, "neon_dotprod") == 0 && cpu_has_dotprod()) return neon_dotprod_kernels();
   return nullptr;
 }
 
 const DotKernels *best() {
-  for (const char *isa : {"avx2", "neon_dotprod", "neon"}) {
+  for (const char *isa : {"avx512_vnni", "avx2", "neon_dotprod", "neon"}) {
     if (const DotKernels *k = usable(isa)) return k;
   }
   return &scalar_kernels();
@@ -71,6 +89,7 @@ std::atomic<const DotKernels *> &selected() {
 const GemmKernels *selected_gemm() {
   const DotKernels *k = selected();
   if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
+  if (k != nullptr && k == avx512_vnni_kernels()) return avx512_vnni_gemm_kernels();
   return nullptr;
 }
 
@@ -98,7 +117,9 @@ extern "C" const char *elk_cpu_features(void) {
 #if defined(__aarch64__)
   static const std::string features = cpu_has_dotprod() ? "neon dotprod" : "neon";
 #else
-  static const std::string features = cpu_has_avx2_fma() ? "avx2 fma f16c" : "";
+  static const std::string features =
+      std::string(cpu_has_avx2_fma() ? "avx2 fma f16c" : "") +
+      (cpu_has_avx512_vnni() ? " avx512f avx512bw avx512vl avx512dq avx512vnni" : "");
 #endif
   return features.c_str();
 }

@@ -26,6 +26,7 @@ struct DotKernels {
 const DotKernels &scalar_kernels();
 // nullptr when the library was built without that file (another architecture).
 const DotKernels *avx2_kernels();
+const DotKernels *avx512_vnni_kernels();
 const DotKernels *neon_kernels();
 const DotKernels *neon_dotprod_kernels();
 
@@ -56,6 +57,7 @@ struct GemmKernels {
 // The tiled kernels of an ISA, or nullptr where it has none (dispatch.cpp then runs its
 // DotKernels element by element: the same bits, without the shared loads).
 const GemmKernels *avx2_gemm_kernels();
+const GemmKernels *avx512_vnni_gemm_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {
