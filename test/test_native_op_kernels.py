@@ -1,8 +1,8 @@
 """KQuantMatMul on every kernel path this CPU runs, for all 8 GGUF types, in real sessions.
 
-Each kernel set the op library can run here (scalar, avx2, avx512_vnni on x86-64; neon, neon_dotprod on
-aarch64) is pinned in turn through ctypes on the very library ONNX Runtime loaded. For each:
-the op's output equals the scalar reference bit for bit, and a row computed alone equals the
+Each kernel set the op library can run here (scalar, avx2, avx512_vnni on x86-64; neon,
+neon_dotprod on aarch64) is pinned in turn through ctypes on the very library ONNX Runtime
+loaded. For each: the op's output equals the scalar reference bit for bit, and a row computed alone equals the
 same row in the batch. Odd shapes: K = 32 x an odd block count for the legacy types, N of 1,
 7, 33 (not a multiple of the 16-column tasks), M of 1, 2, 37 and 600.
 

@@ -11,6 +11,7 @@ import ctypes
 import importlib
 import pathlib
 import sys
+import warnings
 
 from gguf import GGMLQuantizationType, quants
 from native_build import native_build
@@ -152,7 +153,6 @@ def test_dot_products_agree_with_ggml(elk, ggml, name, blocks):
                                     activations.ctypes.data, ctypes.byref(mine)) == -1
 
 
-
 # The x86-64 kernel sets, each checked where the CPU runs it.
 X86_ISAS = (b'scalar', b'avx2', b'avx512_vnni')
 
@@ -267,13 +267,20 @@ def test_legacy_dots_agree_with_ggml(elk, ggml, name):
         # Q4_1/Q5_1: ggml's s is d * sum rounded to fp16, so the min term carries that error.
         tolerance = (DOT_RTOL if activation == 'q8_0' else 2e-3) * magnitude
         assert abs(mine.value - exact) <= tolerance, (blocks, mine.value, exact)
-        for suffix in ('_generic', ''):
+        for suffix in ('', '_generic'):
             fn = getattr(cpu, f'ggml_vec_dot_{name.lower()}_{activation}{suffix}')
             fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, P,
                            ctypes.c_size_t, P, ctypes.c_size_t, ctypes.c_int]
             theirs = ctypes.c_float()
             fn(n, ctypes.byref(theirs), 0, weights.ctypes.data_as(P), 0,
                activations.ctypes.data_as(P), 0, 1)
+            if suffix == '_generic' and abs(theirs.value - exact) > tolerance:
+                # ggml 0.3.36's own generic Q5_0 dot, built with GGML_AVX512 (the peer on an
+                # AVX-512 CPU), misses the exact dot by far, while the dot ggml dispatches to
+                # (checked above, strictly) agrees: a defect of that build, not of ours.
+                warnings.warn(f'ggml_vec_dot_{name.lower()}_{activation}_generic gives '
+                              f'{theirs.value}, the exact dot is {exact}: skipped')
+                continue
             assert abs(mine.value - theirs.value) <= DOT_RTOL * magnitude, (suffix, blocks)
 
 
