@@ -2,9 +2,9 @@
 
 Each kernel set the op library can run here (scalar, avx2, avx512_vnni on x86-64; neon,
 neon_dotprod on aarch64) is pinned in turn through ctypes on the very library ONNX Runtime
-loaded. For each: the op's output equals the scalar reference bit for bit, and a row computed alone equals the
-same row in the batch. Odd shapes: K = 32 x an odd block count for the legacy types, N of 1,
-7, 33 (not a multiple of the 16-column tasks), M of 1, 2, 37 and 600.
+loaded. For each: the op's output equals the scalar reference bit for bit, and a row computed
+alone equals the same row in the batch. Odd shapes: K = 32 x an odd block count for the legacy
+types, N of 1, 7, 33 (not a multiple of the 16-column tasks), M of 1, 2, 37 and 600.
 
 Against others: ggml's own dot products (its SIMD build, on its own activation blocks, which
 equal ours byte for byte) within DOT_RTOL of the magnitude sum |w| |a|, as the two sum in
