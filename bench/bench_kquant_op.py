@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from edge_llm_ros.runtime import native_ops
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
@@ -76,6 +77,12 @@ def nbits(rng, bits, block, k, n, threads):
     return run, codes.nbytes + scales.nbytes
 
 
+def kernel_pin():
+    """Return a function pinning the kernels of the op library the sessions loaded."""
+    library = native_build() / 'libedge_llm_ort_ops.so'
+    return lambda kernel: native_ops.pin_kernel(kernel, library)
+
+
 def bandwidth(threads):
     """Return the bandwidth tool's JSON: median read and triad GB/s over a few passes."""
     tool = native_build() / 'bandwidth'
@@ -112,6 +119,9 @@ def main(argv=None) -> int:
     parser.add_argument('--n', type=int, default=18944)
     parser.add_argument('--m', default='1,128,512', help='activation rows, comma-separated')
     parser.add_argument('--types', default='Q4_K,Q6_K')
+    parser.add_argument('--kernels', default='auto',
+                        help='kernel sets to time in turn, comma-separated (e.g. avx2,avx512_vnni;'
+                             ' auto: the best this CPU has); the first is the baseline')
     parser.add_argument('--json', type=pathlib.Path)
     parser.add_argument('--flush-mb', type=int, default=96,
                         help='read this much memory before each timed call (0: none)')
@@ -119,13 +129,20 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     k, n = args.k, args.n
     ms = [int(m) for m in args.m.split(',')]
-    ops = {}  # name -> (session, weight bytes, the name it is compared with)
+    kernels = args.kernels.split(',')
+    pin = kernel_pin()
+    ops = {}  # name -> (session, weight bytes, the names it is compared with, kernel set)
     for name in args.types.split(','):
         bits, block = NBITS_FOR[name]
         base = f'MatMulNBits {bits}-bit/{block}'
         if base not in ops:
-            ops[base] = (*nbits(rng, bits, block, k, n, args.threads), None)
-        ops[f'KQuantMatMul {name}'] = (*kquant(rng, name, k, n, args.threads), base)
+            ops[base] = (*nbits(rng, bits, block, k, n, args.threads), (), None)
+        run, held = kquant(rng, name, k, n, args.threads)
+        first = f'KQuantMatMul {name} ({kernels[0]})'
+        for kernel in kernels:
+            pin(kernel)  # refuses, naming the CPU's features, a set this CPU lacks
+            ops[f'KQuantMatMul {name} ({kernel})'] = (
+                run, held, (base,) if kernel == kernels[0] else (base, first), kernel)
     inputs = {m: rng.standard_normal((m, k)).astype(np.float32) for m in ms}
     flush = np.ones(args.flush_mb << 18, np.float32) if args.flush_mb else None
     times = {(op, m): [] for op in ops for m in ms}
@@ -135,6 +152,8 @@ def main(argv=None) -> int:
         random.shuffle(order)
         for op, m in order:
             calls, warmup = (15, 5) if m == 1 else (3, 1)
+            if ops[op][3] is not None:
+                pin(ops[op][3])
             times[op, m].append(call_seconds(ops[op][0], inputs[m], calls, warmup, flush))
         bw = bandwidth(args.threads)
         reads.append(bw['read_gb_s'])
@@ -142,20 +161,23 @@ def main(argv=None) -> int:
     read, triad = float(np.median(reads)), float(np.median(triads))
     rows = []
     for (op, m), seconds in times.items():
-        run, held, base = ops[op]
+        run, held, bases, _ = ops[op]
         ms_call = float(np.median(seconds)) * 1e3
         row = {'op': op, 'm': m, 'ms': ms_call, 'ms_min': min(seconds) * 1e3,
                'weight_mb': held / 1e6, 'gb_s': held / ms_call / 1e6,
                'gflops': 2.0 * m * k * n / ms_call / 1e6}
         if m == 1:
             row['of_read_bandwidth'] = row['gb_s'] / read
-        if base is not None:
+        for base in bases:
             # The same round's ratio, then its median: the noise of the two cancels.
             ratios = [b / s for b, s in zip(times[base, m], seconds)]
             row['speedup_vs_' + base.replace(' ', '_')] = float(np.median(ratios))
         rows.append(row)
     rows.sort(key=lambda r: (r['m'], r['op']))
+    pin('auto')
     report = {'k': k, 'n': n, 'threads': args.threads, 'rounds': args.rounds,
+              'cpu_features': native_ops.cpu_features(native_build() / 'libedge_llm_ort_ops.so'),
+              'kernels': kernels,
               'flush_mb': args.flush_mb,
               'read_gb_s': read, 'triad_gb_s': triad, 'read_gb_s_rounds': reads, 'rows': rows}
     text = json.dumps(report, indent=1)
@@ -169,6 +191,7 @@ def main(argv=None) -> int:
     for r in rows:
         bw = f"{r['of_read_bandwidth']:.0%}" if 'of_read_bandwidth' in r else ''
         speed = [f'{v:.2f}x' for key, v in r.items() if key.startswith('speedup_vs_')]
+        speed = speed[:1] + [f' ({v} vs the first kernel set)' for v in speed[1:]]
         print(f"| {r['op']} | {r['m']} | {r['ms']:.2f} | {r['weight_mb']:.1f} | "
               f"{r['gb_s']:.1f} | {bw} | {r['gflops']:.0f} | {''.join(speed)} |")
     return 0
