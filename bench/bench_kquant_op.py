@@ -24,10 +24,11 @@ import subprocess
 import sys
 import time
 
-from edge_llm_ros.runtime import native_ops
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
+
+from edge_llm_ros.runtime import native_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'test'))
