@@ -359,13 +359,7 @@ void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, 
                                   : _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(
                                         _mm256_setzero_si256(), offset, act[i]));
     }
-    uint16_t xd[8], yd[8], xm[8], ys[8];
-    for (int j = 0; j < NR; ++j) xd[j] = x[j][b].d;
-    for (int i = 0; i < MR; ++i) yd[i] = y[i][b].d;
-    if constexpr (Tr::kMin) {
-      for (int j = 0; j < NR; ++j) xm[j] = x[j][b].m;
-      for (int i = 0; i < MR; ++i) ys[i] = y[i][b].s;
-    }
+    const BlockScales<Tr::kMin, MR, NR> scales(x, y, b);
 #pragma GCC unroll 2
     for (int g = 0; g < L::G; ++g) {
       __m256i p[8];
@@ -375,18 +369,7 @@ void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, 
                                  : _mm256_dpbusd_epi32(start[L::i(g, l)], code[L::j(g, l)],
                                                        act[L::i(g, l)]);
       }
-      const __m256 sums = _mm256_cvtepi32_ps(totals(p));
-      auto by_j = [&](int l) { return L::j(g, l); };
-      auto by_i = [&](int l) { return L::i(g, l); };
-      const __m256 dx = spread(halves8(xd, NR), by_j), dy = spread(halves8(yd, MR), by_i);
-      __m256 term;
-      if constexpr (Tr::kMin) {
-        term = legacy_block_min(dx, dy, sums, spread(halves8(xm, NR), by_j),
-                                spread(halves8(ys, MR), by_i));
-      } else {
-        term = legacy_block(dx, dy, sums);
-      }
-      sum[g] = _mm256_add_ps(sum[g], term);
+      sum[g] = _mm256_add_ps(sum[g], scales.terms(g, _mm256_cvtepi32_ps(totals(p))));
     }
   }
   alignas(32) float lanes[L::G * 8];

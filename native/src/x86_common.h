@@ -276,6 +276,38 @@ inline __m256 spread(__m128i v, Index index) {
   return _mm256_cvtph_ps(_mm_shuffle_epi8(v, pattern));
 }
 
+// The fp16 scales of block b of a tile's MR activation rows and NR weight rows (with the
+// mins' terms where kMin), and the float term of a group of 8 elements from their exact
+// integer sums: kernels.h's legacy_block(_min) lane by lane, shared by every x86 legacy tile.
+template <bool kMin, int MR, int NR>
+struct BlockScales {
+  uint16_t xd[8], yd[8], xm[8], ys[8];
+
+  template <typename W, typename A>
+  BlockScales(const W *const *x, const A *const *y, int64_t b) {
+    for (int j = 0; j < NR; ++j) xd[j] = x[j][b].d;
+    for (int i = 0; i < MR; ++i) yd[i] = y[i][b].d;
+    if constexpr (kMin) {
+      for (int j = 0; j < NR; ++j) xm[j] = x[j][b].m;
+      for (int i = 0; i < MR; ++i) ys[i] = y[i][b].s;
+    }
+  }
+
+  // Group g's 8 terms (lanes past the tile compute on zero sums and are never stored).
+  __m256 terms(int g, __m256 sums) const {
+    using L = Tile8<MR, NR>;
+    auto by_j = [&](int l) { return L::j(g, l); };
+    auto by_i = [&](int l) { return L::i(g, l); };
+    const __m256 dx = spread(halves8(xd, NR), by_j), dy = spread(halves8(yd, MR), by_i);
+    if constexpr (kMin) {
+      return legacy_block_min(dx, dy, sums, spread(halves8(xm, NR), by_j),
+                              spread(halves8(ys, MR), by_i));
+    } else {
+      return legacy_block(dx, dy, sums);
+    }
+  }
+};
+
 // The totals of 8 vectors of 8 int32, lane j = the sum of v[j]'s lanes.
 inline __m256i totals(const __m256i v[8]) {
   const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
