@@ -24,6 +24,8 @@ def test_host_kernels_equal_the_reference():
         assert 'ok avx2' in proc.stdout
     if 'avx512vnni' in features:
         assert 'ok avx512_vnni' in proc.stdout
+    if 'amx_int8' in features:
+        assert 'ok amx' in proc.stdout
 
 
 @pytest.fixture(scope='module')

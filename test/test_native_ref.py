@@ -154,13 +154,14 @@ def test_dot_products_agree_with_ggml(elk, ggml, name, blocks):
 
 
 # The x86-64 kernel sets, each checked where the CPU runs it.
-X86_ISAS = (b'scalar', b'avx2', b'avx512_vnni')
+X86_ISAS = (b'scalar', b'avx2', b'avx512_vnni', b'amx')
 
 
 def best_kernel(features) -> str:
     """Return the kernel set 'auto' picks for the CPU features the library reports."""
     features = set(features)
-    for kernel, needs in (('avx512_vnni', {'avx512vnni'}), ('avx2', {'avx2', 'fma'}),
+    for kernel, needs in (('amx', {'amx_tile', 'amx_int8'}), ('avx512_vnni', {'avx512vnni'}),
+                          ('avx2', {'avx2', 'fma'}),
                           ('neon_dotprod', {'dotprod'}), ('neon', {'neon'})):
         if needs <= features:
             return kernel
@@ -177,6 +178,7 @@ def test_kernels_are_chosen_at_run_time_and_pins_are_checked(elk):
     assert elk.elk_select_kernel(b'neon') == -1           # not this architecture
     assert elk.elk_select_kernel(b'avx2') == (0 if 'avx2' in features else -1)
     assert elk.elk_select_kernel(b'avx512_vnni') == (0 if 'avx512vnni' in features else -1)
+    assert elk.elk_select_kernel(b'amx') == (0 if 'amx_int8' in features else -1)
     assert elk.elk_select_kernel(b'scalar') == 0
     assert elk.elk_kernel_name() == b'scalar'
     assert elk.elk_select_kernel(b'auto') == 0
@@ -213,6 +215,7 @@ def test_every_kernel_gives_the_references_bits(elk, name):
         elk.elk_select_kernel(b'auto')
     assert b'avx2' in isas or b'avx2' not in elk.elk_cpu_features()
     assert b'avx512_vnni' in isas or b'avx512vnni' not in elk.elk_cpu_features()
+    assert b'amx' in isas or b'amx_int8' not in elk.elk_cpu_features()
 
 
 LEGACY = {'Q4_0': 'q8_0', 'Q4_1': 'q8_1', 'Q5_0': 'q8_0', 'Q5_1': 'q8_1', 'Q8_0': 'q8_0'}

@@ -4,6 +4,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__aarch64__)
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMDDP
@@ -22,6 +26,10 @@ const GemmKernels *avx2_gemm_kernels() { return nullptr; }
 #ifndef ELK_HAVE_AVX512
 const DotKernels *avx512_vnni_kernels() { return nullptr; }
 const GemmKernels *avx512_vnni_gemm_kernels() { return nullptr; }
+#endif
+#ifndef ELK_HAVE_AMX
+const DotKernels *amx_kernels() { return nullptr; }
+const GemmKernels *amx_gemm_kernels() { return nullptr; }
 #endif
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
@@ -51,6 +59,25 @@ bool cpu_has_avx512_vnni() {
 #endif
 }
 
+// AMX-TILE and AMX-INT8 (Sapphire Rapids and later) beside AVX-512 VNNI, and Linux's leave to
+// use the tile state: a process must ask for it (arch_prctl ARCH_REQ_XCOMP_PERM, once, for
+// every thread); where the kernel refuses (too old, or a VM without the state), no AMX.
+bool cpu_has_amx() {
+#if defined(__x86_64__)
+  static const bool usable = [] {
+    if (!cpu_has_avx512_vnni() || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("amx-int8")) {
+      return false;
+    }
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has_dotprod() {
 #if defined(__aarch64__)
   return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
@@ -66,13 +93,14 @@ const DotKernels *usable(const char *isa) {
   if (std::strcmp(isa, "avx512_vnni") == 0 && cpu_has_avx512_vnni()) {
     return avx512_vnni_kernels();
   }
+  if (std::strcmp(isa, "amx") == 0 && cpu_has_amx()) return amx_kernels();
   if (std::strcmp(isa, "neon") == 0) return neon_kernels();  // every aarch64 core has NEON
   if (std::strcmp(isa, "neon_dotprod") == 0 && cpu_has_dotprod()) return neon_dotprod_kernels();
   return nullptr;
 }
 
 const DotKernels *best() {
-  for (const char *isa : {"avx512_vnni", "avx2", "neon_dotprod", "neon"}) {
+  for (const char *isa : {"amx", "avx512_vnni", "avx2", "neon_dotprod", "neon"}) {
     if (const DotKernels *k = usable(isa)) return k;
   }
   return &scalar_kernels();
@@ -90,6 +118,7 @@ const GemmKernels *selected_gemm() {
   const DotKernels *k = selected();
   if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
   if (k != nullptr && k == avx512_vnni_kernels()) return avx512_vnni_gemm_kernels();
+  if (k != nullptr && k == amx_kernels()) return amx_gemm_kernels();
   return nullptr;
 }
 
@@ -119,7 +148,8 @@ extern "C" const char *elk_cpu_features(void) {
 #else
   static const std::string features =
       std::string(cpu_has_avx2_fma() ? "avx2 fma f16c" : "") +
-      (cpu_has_avx512_vnni() ? " avx512f avx512bw avx512vl avx512dq avx512vnni" : "");
+      (cpu_has_avx512_vnni() ? " avx512f avx512bw avx512vl avx512dq avx512vnni" : "") +
+      (cpu_has_amx() ? " amx_tile amx_int8" : "");
 #endif
   return features.c_str();
 }

@@ -27,6 +27,7 @@ const DotKernels &scalar_kernels();
 // nullptr when the library was built without that file (another architecture).
 const DotKernels *avx2_kernels();
 const DotKernels *avx512_vnni_kernels();
+const DotKernels *amx_kernels();  // avx512_vnni's dots under AMX's name: AMX adds batches only
 const DotKernels *neon_kernels();
 const DotKernels *neon_dotprod_kernels();
 
@@ -58,6 +59,7 @@ struct GemmKernels {
 // DotKernels element by element: the same bits, without the shared loads).
 const GemmKernels *avx2_gemm_kernels();
 const GemmKernels *avx512_vnni_gemm_kernels();
+const GemmKernels *amx_gemm_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {

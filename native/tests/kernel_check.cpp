@@ -124,7 +124,7 @@ int main() {
       {ELK_Q6_K, 210, {208}, "Q6_K"},  {ELK_Q4_0, 18, {0}, "Q4_0"},
       {ELK_Q4_1, 20, {0, 2}, "Q4_1"},  {ELK_Q5_0, 22, {0}, "Q5_0"},
       {ELK_Q5_1, 24, {0, 2}, "Q5_1"},  {ELK_Q8_0, 34, {0}, "Q8_0"}};
-  const char *isas[] = {"scalar", "avx2", "avx512_vnni", "neon", "neon_dotprod"};
+  const char *isas[] = {"scalar", "avx2", "avx512_vnni", "amx", "neon", "neon_dotprod"};
   int checked = 0;
   for (const char *isa : isas) {
     if (elk_select_kernel(isa) != 0) continue;
@@ -169,6 +169,21 @@ int main() {
         }
       }
       if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, per == 256 ? 2 : 9,
+                      true)) {
+        return 1;
+      }
+      // AMX's batches: full and partial 16-row tiles, pairs and a single, 64-row blocks,
+      // partial 16-row weight tiles; and its bounds at every largest code.
+      for (int m : {8, 15, 16, 17, 31, 32, 33, 48, 65, 100}) {
+        for (int n : {1, 15, 16, 17, 33}) {
+          if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n,
+                          per == 256 ? 1 + (m + n) % 3 : 3, false)) {
+            return 1;
+          }
+          ++checked;
+        }
+      }
+      if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 40, 21, per == 256 ? 2 : 9,
                       true)) {
         return 1;
       }
