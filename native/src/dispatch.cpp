@@ -59,14 +59,15 @@ bool cpu_has_avx512_vnni() {
 #endif
 }
 
-// AMX-TILE and AMX-INT8 (Sapphire Rapids and later) beside AVX-512 VNNI, and Linux's leave to
-// use the tile state: a process must ask for it (arch_prctl ARCH_REQ_XCOMP_PERM, once, for
-// every thread); where the kernel refuses (too old, or a VM without the state), no AMX.
+// AMX-TILE and AMX-INT8 (Sapphire Rapids and later) beside AVX-512 VNNI and VBMI (every AMX
+// CPU has both), and Linux's leave to use the tile state: a process must ask for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM, once, for every thread); where the kernel refuses (too old,
+// or a VM without the state), no AMX.
 bool cpu_has_amx() {
 #if defined(__x86_64__)
   static const bool usable = [] {
-    if (!cpu_has_avx512_vnni() || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("amx-int8")) {
+    if (!cpu_has_avx512_vnni() || !__builtin_cpu_supports("avx512vbmi") ||
+        !__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) {
       return false;
     }
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
