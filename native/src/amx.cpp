@@ -603,13 +603,227 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   _tile_release();
 }
 
+// ---- legacy types (blocks of 32 weights) ---------------------------------------------------
+// Each block has its own scales, so each block's integer sums leave the tiles before its float
+// term: a step takes kGroup blocks of one activation tile into tiles 0-3 (tile 4 the block's
+// activation codes, 16 rows x 32; tile 5 its weights, 8 dword rows x 16 weight rows). The
+// weights go in as the AVX2 tiles read them (x86_common.h's Codes: signed code - offset, or
+// Q4_1/Q5_1's unsigned codes with the min a float term), and each block's term is kernels.h's
+// legacy_block(_min) lane by lane, blocks in order.
+namespace legacy32 {
+
+using legacy::Codes;
+
+constexpr int kGroup = 4;
+constexpr int64_t kMinRows = 8;
+
+void configure_tiles() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < kGroup; ++t) {
+    cfg.rows[t] = kRows;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[4] = kRows;  // activations: 16 rows x 32 codes
+  cfg.colsb[4] = 32;
+  cfg.rows[5] = 8;  // weights: 8 rows of 4-code dwords x 16 weight rows
+  cfg.colsb[5] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+// kGroup blocks of 16 weight rows as B tiles, with their scales (and mins) as floats.
+struct Weights {
+  alignas(64) int8_t b[kGroup][8][64];
+  alignas(64) float dx[kGroup][kRows];
+  alignas(64) float m[kGroup][kRows];
+};
+
+// kGroup blocks of an activation tile: codes [block][row][32], and each row's d (and s).
+struct PackedTile {
+  alignas(64) int8_t codes[kGroup][kRows][32];
+  alignas(64) float dy[kGroup][kRows];
+  alignas(64) float s[kGroup][kRows];
+};
+
+struct Sums {
+  alignas(64) int32_t c[kGroup][kRows][kRows];
+  const PackedTile *tile;
+  const Weights *weights;
+  int count, blocks;
+  float (*acc)[kRows];
+};
+
+inline float half(uint16_t h) { return _cvtsh_ss(h); }  // F16C: exact, as fp16_to_fp32
+
+// Blocks first..first + blocks of weight rows w[0..nr) (rows nr..15 repeat row nr - 1).
+template <typename W>
+void prepare(const uint8_t *w, size_t ws, int nr, int64_t first, int blocks, Weights &out) {
+  const W *rows[kRows];
+  for (int j = 0; j < kRows; ++j) {
+    rows[j] = reinterpret_cast<const W *>(w + (j < nr ? j : nr - 1) * ws) + first;
+  }
+  for (int u = 0; u < blocks; ++u) {
+    __m512i x[8];
+    for (int i = 0; i < 8; ++i) {
+      x[i] = _mm512_inserti64x4(_mm512_castsi256_si512(Codes<W>::codes(rows[i][u])),
+                                Codes<W>::codes(rows[i + 8][u]), 1);
+    }
+    transpose_halves(x);
+    for (int k = 0; k < 8; ++k) _mm512_store_si512(out.b[u][k], x[k]);
+    for (int j = 0; j < kRows; ++j) {
+      out.dx[u][j] = half(rows[j][u].d);
+      if constexpr (Codes<W>::kMin) out.m[u][j] = half(rows[j][u].m);
+    }
+  }
+}
+
+// Blocks first..first + blocks of activation rows a[0..rows) into tiles (rows past them zero).
+template <typename A>
+void pack(const uint8_t *a, size_t as, int64_t rows, int64_t first, int blocks,
+          PackedTile *tiles) {
+  const int64_t padded = (rows + kRows - 1) / kRows * kRows;
+  for (int64_t i = 0; i < padded; ++i) {
+    PackedTile &t = tiles[i / kRows];
+    const int r = static_cast<int>(i % kRows);
+    for (int u = 0; u < blocks; ++u) {
+      if (i >= rows) {
+        _mm256_store_si256(reinterpret_cast<__m256i *>(t.codes[u][r]), _mm256_setzero_si256());
+        continue;
+      }
+      const A &y = reinterpret_cast<const A *>(a + i * as)[first + u];
+      _mm256_store_si256(reinterpret_cast<__m256i *>(t.codes[u][r]), load256(y.qs));
+      t.dy[u][r] = half(y.d);
+      if constexpr (std::is_same<A, BlockQ8_1>::value) t.s[u][r] = half(y.s);
+    }
+  }
+}
+
+// The blocks' products of one activation tile (GCC's tile intrinsics take literal numbers).
+template <bool kSigned>
+void step(const PackedTile &t, int blocks, const Weights &wb) {
+#define ELK_AMX_BLOCK(u)                              \
+  _tile_zero(u);                                      \
+  _tile_loadd(4, t.codes[u], 32);                     \
+  _tile_loadd(5, wb.b[u], 64);                        \
+  if (kSigned) {                                      \
+    _tile_dpbssd(u, 4, 5);                            \
+  } else {                                            \
+    _tile_dpbsud(u, 4, 5);                            \
+  }
+  ELK_AMX_BLOCK(0)
+  if (blocks > 1) { ELK_AMX_BLOCK(1) }
+  if (blocks > 2) { ELK_AMX_BLOCK(2) }
+  if (blocks > 3) { ELK_AMX_BLOCK(3) }
+#undef ELK_AMX_BLOCK
+}
+
+void store(Sums &c) {
+  _tile_stored(0, c.c[0], 64);
+  if (c.blocks > 1) _tile_stored(1, c.c[1], 64);
+  if (c.blocks > 2) _tile_stored(2, c.c[2], 64);
+  if (c.blocks > 3) _tile_stored(3, c.c[3], 64);
+}
+
+// legacy_block(dx, dy, sum) (+ m * s with the min) per block, added in block order.
+template <bool kMin>
+void finish(const Sums &c) {
+  for (int u = 0; u < c.blocks; ++u) {
+    const __m512 dx = _mm512_load_ps(c.weights->dx[u]), m = _mm512_load_ps(c.weights->m[u]);
+    for (int i = 0; i < c.count; ++i) {
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(c.c[u][i]));
+      __m512 term = _mm512_mul_ps(_mm512_mul_ps(dx, _mm512_set1_ps(c.tile->dy[u][i])), sum);
+      if (kMin) term = _mm512_add_ps(term, _mm512_mul_ps(m, _mm512_set1_ps(c.tile->s[u][i])));
+      _mm512_store_ps(c.acc[i], _mm512_add_ps(_mm512_load_ps(c.acc[i]), term));
+    }
+  }
+}
+
+// As the K types' driver, in groups of kGroup blocks (both the packed activations and the
+// weights double-buffered: a step's sums are finished after the next step's products).
+template <typename W>
+void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+          int64_t nb, float *out, int64_t ldo) {
+  using C = Codes<W>;
+  using A = typename C::A;
+  if (m < kMinRows) {
+    const GemmKernels &vnni = *avx512_vnni_gemm_kernels();
+    const GemmFn few = std::is_same<W, BlockQ4_0>::value   ? vnni.q4_0
+                       : std::is_same<W, BlockQ4_1>::value ? vnni.q4_1
+                       : std::is_same<W, BlockQ5_0>::value ? vnni.q5_0
+                       : std::is_same<W, BlockQ5_1>::value ? vnni.q5_1
+                                                           : vnni.q8_0;
+    few(w, ws, n, a, as, m, nb, out, ldo);
+    return;
+  }
+  constexpr int kChunk = 2;
+  const auto *wb8 = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  configure_tiles();
+  Weights weights[2];
+  Sums sums[2];
+  PackedTile packed[2][kBlockRows / kRows];
+  alignas(64) float acc[kChunk][kBlockRows][kRows];
+  for (int64_t i0 = 0; i0 < m; i0 += kBlockRows) {
+    const int64_t rows = m - i0 < kBlockRows ? m - i0 : kBlockRows;
+    const int count = static_cast<int>((rows + kRows - 1) / kRows);
+    const uint8_t *block = ab + i0 * as;
+    for (int64_t n0 = 0; n0 < n; n0 += kChunk * kRows) {
+      const int chunk = n - n0 > kRows ? kChunk : 1;
+      std::memset(acc, 0, sizeof(acc));
+      Sums *ready = nullptr;
+      int step_count = 0, parity = 0, group = 0;
+      for (int64_t g = 0; g < nb; g += kGroup, ++group) {
+        const int blocks = static_cast<int>(nb - g < kGroup ? nb - g : kGroup);
+        PackedTile *tiles = packed[group & 1];
+        pack<A>(block, as, rows, g, blocks, tiles);
+        for (int j = 0; j < chunk; ++j) {
+          const int64_t first = n0 + j * kRows;
+          const int nr = static_cast<int>(n - first < kRows ? n - first : kRows);
+          if (g + kGroup < nb) {
+            prefetch_block(wb8 + first * ws, ws, nr, (g + kGroup) * sizeof(W), kGroup * sizeof(W));
+          }
+          Weights &wb = weights[parity];
+          parity ^= 1;
+          prepare<W>(wb8 + first * ws, ws, nr, g, blocks, wb);
+          for (int t = 0; t < count; ++t) {
+            Sums &now = sums[step_count++ % 2];
+            now.tile = &tiles[t];
+            now.weights = &wb;
+            now.count = static_cast<int>(rows - t * kRows < kRows ? rows - t * kRows : kRows);
+            now.blocks = blocks;
+            now.acc = acc[j] + t * kRows;
+            step<!C::kMin>(tiles[t], blocks, wb);
+            if (ready != nullptr) finish<C::kMin>(*ready);
+            store(now);
+            ready = &now;
+          }
+        }
+      }
+      if (ready != nullptr) finish<C::kMin>(*ready);
+      for (int j = 0; j < chunk; ++j) {
+        const int64_t first = n0 + j * kRows;
+        const int nr = static_cast<int>(n - first < kRows ? n - first : kRows);
+        const __mmask16 mask = static_cast<__mmask16>((1u << nr) - 1);
+        for (int64_t i = 0; i < rows; ++i) {
+          _mm512_mask_storeu_ps(out + (i0 + i) * ldo + first, mask, _mm512_load_ps(acc[j][i]));
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace legacy32
+
 }  // namespace
 
 const GemmKernels *amx_gemm_kernels() {
   const GemmKernels &vnni = *avx512_vnni_gemm_kernels();
-  static const GemmKernels kernels{"amx", gemm<Q45<false>>, gemm<Q45<true>>, gemm<Q6>,
-                                   vnni.quantize_q8_K, vnni.q4_0, vnni.q4_1, vnni.q5_0,
-                                   vnni.q5_1, vnni.q8_0};
+  static const GemmKernels kernels{
+      "amx", gemm<Q45<false>>, gemm<Q45<true>>, gemm<Q6>, vnni.quantize_q8_K,
+      legacy32::gemm<BlockQ4_0>, legacy32::gemm<BlockQ4_1>, legacy32::gemm<BlockQ5_0>,
+      legacy32::gemm<BlockQ5_1>, legacy32::gemm<BlockQ8_0>};
   return &kernels;
 }
 

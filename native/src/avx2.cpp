@@ -416,52 +416,10 @@ float dot(const void *vx, const void *vy, int64_t nb) {
 // reference's bits whatever the tile.
 // ---------------------------------------------------------------------------------------------
 
-// Per weight type: its activation blocks, whether its codes are signed (|w| x a sign w) or
-// unsigned (w x a), whether it has a min, and its 32 codes as bytes.
-template <typename W>
-struct Traits;
-template <>
-struct Traits<BlockQ4_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kSigned = true, kMin = false;
-  static __m256i codes(const BlockQ4_0 &x) {
-    return _mm256_sub_epi8(nibbles(x.qs), _mm256_set1_epi8(8));
-  }
-};
-template <>
-struct Traits<BlockQ4_1> {
-  using A = BlockQ8_1;
-  static constexpr bool kSigned = false, kMin = true;
-  static __m256i codes(const BlockQ4_1 &x) { return nibbles(x.qs); }
-};
-template <>
-struct Traits<BlockQ5_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kSigned = true, kMin = false;
-  static __m256i codes(const BlockQ5_0 &x) {
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs), high_bits(x.qh)),
-                           _mm256_set1_epi8(16));
-  }
-};
-template <>
-struct Traits<BlockQ5_1> {
-  using A = BlockQ8_1;
-  static constexpr bool kSigned = false, kMin = true;
-  static __m256i codes(const BlockQ5_1 &x) {
-    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
-  }
-};
-template <>
-struct Traits<BlockQ8_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kSigned = true, kMin = false;
-  static __m256i codes(const BlockQ8_0 &x) { return load256(x.qs); }
-};
-
 template <typename W, int MR, int NR>
 void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, float *out,
           int64_t ldo, const uint8_t *prefetch) {
-  using Tr = Traits<W>;
+  using Tr = Codes<W>;
   using A = typename Tr::A;
   using L = Tile8<MR, NR>;
   const W *x[NR];

@@ -250,6 +250,49 @@ inline __m256i high_bits(const uint8_t qh[4]) {
                           _mm256_set1_epi8(0x10));
 }
 
+// Per weight type: its activation blocks, whether its weights are signed (code - offset) or
+// unsigned (Q4_1/Q5_1, whose min is a float term), whether it has a min, and its 32 weights as
+// bytes (avx2.cpp's legacy tiles, amx.cpp's B tiles).
+template <typename W>
+struct Codes;
+template <>
+struct Codes<BlockQ4_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ4_0 &x) {
+    return _mm256_sub_epi8(nibbles(x.qs), _mm256_set1_epi8(8));
+  }
+};
+template <>
+struct Codes<BlockQ4_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kSigned = false, kMin = true;
+  static __m256i codes(const BlockQ4_1 &x) { return nibbles(x.qs); }
+};
+template <>
+struct Codes<BlockQ5_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ5_0 &x) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles(x.qs), high_bits(x.qh)),
+                           _mm256_set1_epi8(16));
+  }
+};
+template <>
+struct Codes<BlockQ5_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kSigned = false, kMin = true;
+  static __m256i codes(const BlockQ5_1 &x) {
+    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
+  }
+};
+template <>
+struct Codes<BlockQ8_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kSigned = true, kMin = false;
+  static __m256i codes(const BlockQ8_0 &x) { return load256(x.qs); }
+};
+
 template <int MR, int NR>
 struct Tile8 {
   static constexpr int T = MR * NR, G = (T + 7) / 8;
