@@ -382,7 +382,10 @@ def test_a_transcript_subscriber_that_starts_late_gets_the_last_records(llm, ros
     finally:
         ros.node.destroy_subscription(subscription)
     assert [t.prompt for t in received][-len(prompts):] == prompts
-    assert all(t.accepted and t.finish_reason == 'length' for t in received[-len(prompts):])
+    # Two tokens end at the length limit, or earlier at an end token (the prompt holds the pid,
+    # so the text differs from run to run).
+    assert all(t.accepted and t.finish_reason in ('length', 'stop')
+               for t in received[-len(prompts):])
     assert len(received) <= TRANSCRIPT_DEPTH
 
 

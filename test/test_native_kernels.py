@@ -36,7 +36,7 @@ def aarch64_kernel_check() -> pathlib.Path:
 @pytest.mark.parametrize('cpu, kernels', [
     ('cortex-a53', ['scalar', 'neon']),                    # no dotprod: refused, no SIGILL
     ('cortex-a76', ['scalar', 'neon', 'neon_dotprod']),
-    ('max', ['scalar', 'neon', 'neon_dotprod']),
+    ('max', ['scalar', 'neon', 'neon_dotprod', 'neon_i8mm']),  # i8mm: SMMLA batches
 ])
 def test_aarch64_kernels_equal_the_reference_under_qemu(aarch64_kernel_check, cpu, kernels):
     proc = subprocess.run(['qemu-aarch64-static', '-cpu', cpu, '-L', '/usr/aarch64-linux-gnu',

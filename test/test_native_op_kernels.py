@@ -1,11 +1,11 @@
 """KQuantMatMul on every kernel path this CPU runs, for all 8 GGUF types, in real sessions.
 
 Each kernel set the op library can run here (scalar, avx2, avx512_vnni, amx on x86-64; neon,
-neon_dotprod on aarch64) is pinned in turn through ctypes on the very library ONNX Runtime
-loaded. For each: the op's output equals the scalar reference bit for bit, and a row computed
-alone equals the same row in the batch. Odd shapes: K = 32 x an odd block count for the legacy
-types, N of 1, 7, 33 (not a multiple of the 16-column tasks), M of 1, 2, 37 and 600 (AMX's
-16-row tiles: whole, partial and in pairs).
+neon_dotprod, neon_i8mm on aarch64) is pinned in turn through ctypes on the very library ONNX
+Runtime loaded. For each: the op's output equals the scalar reference bit for bit, and a row
+computed alone equals the same row in the batch. Odd shapes: K = 32 x an odd block count for
+the legacy types, N of 1, 7, 33 (not a multiple of the 16-column tasks), M of 1, 2, 37 and 600
+(AMX's 16-row tiles: whole, partial and in pairs).
 
 Against others: ggml's own dot products (its SIMD build, on its own activation blocks, which
 equal ours byte for byte) within DOT_RTOL of the magnitude sum |w| |a|, as the two sum in
@@ -27,7 +27,7 @@ from test_native_ref import DOT_RTOL, random_blocks, TYPES
 
 P = ctypes.c_void_p
 ggml = test_native_ref.ggml  # the fixture loading ggml's own libraries
-ISAS = (b'scalar', b'avx2', b'avx512_vnni', b'amx', b'neon', b'neon_dotprod')
+ISAS = (b'scalar', b'avx2', b'avx512_vnni', b'amx', b'neon', b'neon_dotprod', b'neon_i8mm')
 # name: (K, N, M), K in odd block counts for the legacy types (41 = 5 steps of 8 + 1).
 SHAPES = {
     'Q4_0': (32 * 7, 33, 37), 'Q4_1': (32 * 25, 7, 2), 'Q5_0': (32 * 9, 1, 600),
@@ -57,6 +57,7 @@ def kernels(ops) -> list:
     assert (b'avx512_vnni' in usable) == (b'avx512vnni' in features)
     assert (b'amx' in usable) == (b'amx_int8' in features)
     assert (b'neon_dotprod' in usable) == (b'dotprod' in features)
+    assert (b'neon_i8mm' in usable) == (b'i8mm' in features)
     return usable
 
 

@@ -162,7 +162,8 @@ def best_kernel(features) -> str:
     features = set(features)
     for kernel, needs in (('amx', {'amx_tile', 'amx_int8'}), ('avx512_vnni', {'avx512vnni'}),
                           ('avx2', {'avx2', 'fma'}),
-                          ('neon_dotprod', {'dotprod'}), ('neon', {'neon'})):
+                          ('neon_i8mm', {'dotprod', 'i8mm'}), ('neon_dotprod', {'dotprod'}),
+                          ('neon', {'neon'})):
         if needs <= features:
             return kernel
     return 'scalar'

@@ -178,7 +178,10 @@ def test_top_p_keeps_smallest_nucleus(seed, p, scale):
     kept = _kept(TopP(p), logits)
     # float32 vs float64 rounding may move the edge by one token at most.
     assert abs(len(kept) - n) <= 1
-    assert set(order[:min(n, len(kept))].tolist()) <= kept
+    # The top tokens are kept, up to which of equal logits at the edge goes first.
+    m = min(n, len(kept))
+    ties = set(np.flatnonzero(probs == probs[order[m - 1]]).tolist())
+    assert set(order[:m].tolist()) - ties <= kept
 
 
 @settings(max_examples=80, deadline=None)

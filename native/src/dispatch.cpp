@@ -13,6 +13,9 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
 #endif
 
 #include "edge_llm_kquant/ref.h"
@@ -34,6 +37,10 @@ const GemmKernels *amx_gemm_kernels() { return nullptr; }
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
 const DotKernels *neon_dotprod_kernels() { return nullptr; }
+const GemmKernels *neon_gemm_kernels() { return nullptr; }
+const GemmKernels *neon_dotprod_gemm_kernels() { return nullptr; }
+const DotKernels *neon_i8mm_kernels() { return nullptr; }
+const GemmKernels *neon_i8mm_gemm_kernels() { return nullptr; }
 #endif
 
 namespace {
@@ -87,6 +94,15 @@ bool cpu_has_dotprod() {
 #endif
 }
 
+// The int8 matrix multiply (SMMLA, Armv8.6), beside dotprod.
+bool cpu_has_i8mm() {
+#if defined(__aarch64__)
+  return cpu_has_dotprod() && (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#else
+  return false;
+#endif
+}
+
 // A kernel set by name, if this build has it and this CPU can run it.
 const DotKernels *usable(const char *isa) {
   if (std::strcmp(isa, "scalar") == 0) return &scalar_kernels();
@@ -97,11 +113,12 @@ const DotKernels *usable(const char *isa) {
   if (std::strcmp(isa, "amx") == 0 && cpu_has_amx()) return amx_kernels();
   if (std::strcmp(isa, "neon") == 0) return neon_kernels();  // every aarch64 core has NEON
   if (std::strcmp(isa, "neon_dotprod") == 0 && cpu_has_dotprod()) return neon_dotprod_kernels();
+  if (std::strcmp(isa, "neon_i8mm") == 0 && cpu_has_i8mm()) return neon_i8mm_kernels();
   return nullptr;
 }
 
 const DotKernels *best() {
-  for (const char *isa : {"amx", "avx512_vnni", "avx2", "neon_dotprod", "neon"}) {
+  for (const char *isa : {"amx", "avx512_vnni", "avx2", "neon_i8mm", "neon_dotprod", "neon"}) {
     if (const DotKernels *k = usable(isa)) return k;
   }
   return &scalar_kernels();
@@ -120,6 +137,9 @@ const GemmKernels *selected_gemm() {
   if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
   if (k != nullptr && k == avx512_vnni_kernels()) return avx512_vnni_gemm_kernels();
   if (k != nullptr && k == amx_kernels()) return amx_gemm_kernels();
+  if (k != nullptr && k == neon_kernels()) return neon_gemm_kernels();
+  if (k != nullptr && k == neon_dotprod_kernels()) return neon_dotprod_gemm_kernels();
+  if (k != nullptr && k == neon_i8mm_kernels()) return neon_i8mm_gemm_kernels();
   return nullptr;
 }
 
@@ -145,7 +165,8 @@ extern "C" const char *elk_kernel_name(void) { return selected().load()->isa; }
 
 extern "C" const char *elk_cpu_features(void) {
 #if defined(__aarch64__)
-  static const std::string features = cpu_has_dotprod() ? "neon dotprod" : "neon";
+  static const std::string features = std::string(cpu_has_dotprod() ? "neon dotprod" : "neon") +
+                                       (cpu_has_i8mm() ? " i8mm" : "");
 #else
   static const std::string features =
       std::string(cpu_has_avx2_fma() ? "avx2 fma f16c" : "") +

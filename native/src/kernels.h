@@ -30,6 +30,7 @@ const DotKernels *avx512_vnni_kernels();
 const DotKernels *amx_kernels();  // avx512_vnni's dots under AMX's name: AMX adds batches only
 const DotKernels *neon_kernels();
 const DotKernels *neon_dotprod_kernels();
+const DotKernels *neon_i8mm_kernels();
 
 // *out = dot of n weights of `type` (row x) and its activations y with the kernels k (a null
 // legacy entry runs the reference's). Returns 0, or -1 for another type or partial blocks.
@@ -60,6 +61,9 @@ struct GemmKernels {
 const GemmKernels *avx2_gemm_kernels();
 const GemmKernels *avx512_vnni_gemm_kernels();
 const GemmKernels *amx_gemm_kernels();
+const GemmKernels *neon_gemm_kernels();
+const GemmKernels *neon_dotprod_gemm_kernels();
+const GemmKernels *neon_i8mm_gemm_kernels();
 
 // The float part every kernel shares: one super-block's integer sums to its contribution.
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {

@@ -8,4 +8,9 @@ const DotKernels *neon_kernels() {
   return &kernels;
 }
 
+const GemmKernels *neon_gemm_kernels() {
+  static const GemmKernels kernels = neon::gemm_table<neon::MullDot>("neon");
+  return &kernels;
+}
+
 }  // namespace elk

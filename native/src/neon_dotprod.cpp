@@ -3,18 +3,16 @@
 #include "neon_impl.h"
 
 namespace elk {
-namespace {
 
-struct DotProd {
-  static int32x4_t dot(int32x4_t acc, uint8x16_t w, int8x16_t a) {
-    return vdotq_s32(acc, vreinterpretq_s8_u8(w), a);
-  }
-};
-
-}  // namespace
+using neon::DotProd;
 
 const DotKernels *neon_dotprod_kernels() {
   static const DotKernels kernels = neon::table<DotProd>("neon_dotprod");
+  return &kernels;
+}
+
+const GemmKernels *neon_dotprod_gemm_kernels() {
+  static const GemmKernels kernels = neon::gemm_table<DotProd>("neon_dotprod");
   return &kernels;
 }
 

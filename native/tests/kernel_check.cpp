@@ -124,7 +124,7 @@ int main() {
       {ELK_Q6_K, 210, {208}, "Q6_K"},  {ELK_Q4_0, 18, {0}, "Q4_0"},
       {ELK_Q4_1, 20, {0, 2}, "Q4_1"},  {ELK_Q5_0, 22, {0}, "Q5_0"},
       {ELK_Q5_1, 24, {0, 2}, "Q5_1"},  {ELK_Q8_0, 34, {0}, "Q8_0"}};
-  const char *isas[] = {"scalar", "avx2", "avx512_vnni", "amx", "neon", "neon_dotprod"};
+  const char *isas[] = {"scalar", "avx2", "avx512_vnni", "amx", "neon", "neon_dotprod", "neon_i8mm"};
   int checked = 0;
   for (const char *isa : isas) {
     if (elk_select_kernel(isa) != 0) continue;
