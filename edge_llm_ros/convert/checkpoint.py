@@ -199,7 +199,7 @@ class _ShortRead(ValueError):
     """The file ends before a header field or tensor it declares."""
 
 
-def _open_gguf(path: pathlib.Path):
+def open_gguf(path: pathlib.Path):
     """Open a GGUF with gguf's reader; errors name the byte where the file stops making sense."""
     import gguf
     size = path.stat().st_size
@@ -232,7 +232,8 @@ def _open_gguf(path: pathlib.Path):
             'the file is truncated or corrupt, download it again') from exc
 
 
-def _field(reader, key: str, default=None, required: bool = False):
+def gguf_field(reader, key: str, default=None, required: bool = False):
+    """Return metadata `key` of an open GGUF (`default` when absent, or an error if required)."""
     f = reader.fields.get(key)
     if f is None:
         if required:
@@ -244,12 +245,12 @@ def _field(reader, key: str, default=None, required: bool = False):
 
 
 def _load_gguf(path: pathlib.Path) -> Checkpoint:
-    reader = _open_gguf(path)
-    arch = _field(reader, 'general.architecture', required=True)
+    reader = open_gguf(path)
+    arch = gguf_field(reader, 'general.architecture', required=True)
     family = architecture(arch, str(path))
 
     def key(k: str, default=None, required: bool = False):
-        return _field(reader, f'{arch}.{k}', default, required)
+        return gguf_field(reader, f'{arch}.{k}', default, required)
 
     scaling = key('rope.scaling.type', 'none') or 'none'
     if scaling not in ROPE_SCALING_TYPES:
@@ -276,7 +277,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     for i in range(layers):
         for role, suffix in _GGUF_LAYER.items():
             wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
-    tensors = {ckey: _gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
+    tensors = {ckey: gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
                if gname in names}
     if family.gguf_permuted_qk:
         # llama.cpp stored Q/K with interleaved RoPE pairs; read them back as NEOX halves.
@@ -302,7 +303,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         local_theta = _f32(key('rope.freq_base_swa', family.swa_rope_base))
     spec = ModelSpec(
         architecture=arch,
-        name=str(_field(reader, 'general.name', path.stem)),
+        name=str(gguf_field(reader, 'general.name', path.stem)),
         num_layers=layers, hidden_size=hidden, intermediate_size=n_ff,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         vocab_size=tensors['embed'].shape[0], max_position_embeddings=ctx,
@@ -390,7 +391,7 @@ def _rope_factors(path: pathlib.Path, key, names: dict, rope_dims: int,
 
 def _rope_freqs(path: pathlib.Path, t, rope_dims: int) -> Tuple[float, ...]:
     """Read a per-frequency RoPE divisor tensor (rope_freqs / rope_factors_*)."""
-    factors = _gguf_tensor(path, t).dequantize().reshape(-1)
+    factors = gguf_tensor(path, t).dequantize().reshape(-1)
     if factors.shape[0] != rope_dims // 2 or not (np.isfinite(factors).all() and
                                                   (factors > 0).all()):
         raise ModelLoadError(f'{path}: tensor {t.name} has {factors.shape[0]} '
@@ -404,7 +405,8 @@ def _f32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _gguf_tensor(path: pathlib.Path, t) -> SourceTensor:
+def gguf_tensor(path: pathlib.Path, t) -> SourceTensor:
+    """Return a GGUF reader tensor as a SourceTensor (its bytes mapped, not copied)."""
     qname = t.tensor_type.name
     if qname not in SUPPORTED_GGML_TYPES:
         raise UnsupportedModelError(
@@ -426,14 +428,15 @@ def _gguf_tensor(path: pathlib.Path, t) -> SourceTensor:
 def _write_gguf_tokenizer(reader, out_dir: pathlib.Path) -> dict:
     from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
     specials = write_tokenizer_files(reader, out_dir) or {}
-    bos = specials.get('bos_token_id', _field(reader, 'tokenizer.ggml.bos_token_id'))
+    bos = specials.get('bos_token_id', gguf_field(reader, 'tokenizer.ggml.bos_token_id'))
     eos_ids: List[int] = list(specials.get('eos_token_ids', []))
     for k in ('tokenizer.ggml.eos_token_id', 'tokenizer.ggml.eot_token_id',
               'tokenizer.ggml.eom_token_id'):
-        v = _field(reader, k)
+        v = gguf_field(reader, k)
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
-    add_bos = specials.get('add_bos_token', _field(reader, 'tokenizer.ggml.add_bos_token', False))
+    add_bos = specials.get('add_bos_token',
+                           gguf_field(reader, 'tokenizer.ggml.add_bos_token', False))
     return {'bos_token_id': None if bos is None else int(bos),
             'eos_token_ids': [int(e) for e in eos_ids], 'add_bos_token': bool(add_bos)}
 

@@ -1,0 +1,217 @@
+"""llama.cpp's multimodal projector files (mmproj GGUFs, `clip` architecture), read and checked.
+
+A vision-language model comes as two GGUFs: the language model, and an mmproj holding the
+vision encoder and the projector into the language model's embeddings. `read_mmproj` reads
+one the way llama.cpp's clip loader does (the same required keys, defaults and tensor names,
+and its swap of legacy fc1/fc2 names) and checks that the tensors of its projector family are
+there with consistent shapes; `check_pair` refuses an mmproj whose projector width is not the
+language model's hidden size. Both run before anything is written.
+
+Families (`clip.projector_type`), with the language models they come with:
+- idefics3 (SmolVLM, Idefics3): SigLIP, pixel unshuffle by `scale_factor`, one linear layer;
+- gemma3: SigLIP, average pooling by `scale_factor` (default 4), an RMSNorm, a projection;
+- internvl (InternVL 2.5/3): InternViT with a CLS token, pixel unshuffle, LayerNorm + MLP;
+- mlp (LLaVA-1.5 style): CLIP ViT with a CLS token, a two-layer MLP.
+The key and tensor layout is docs/design/issue22_mmproj_research.md, sections 1 and 5.
+"""
+from dataclasses import dataclass
+import os
+import pathlib
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
+from edge_llm_ros.errors import UnsupportedModelError
+
+PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp')
+# The families whose loader swaps ffn_up / ffn_down when ffn_down reads n_embd wide (legacy
+# fc1 / fc2 names), as clip.cpp does.
+_FFN_SWAP = ('idefics3', 'gemma3', 'mlp')
+_GEMMA3_POOL = 4  # clip.cpp's n_merge default for gemma3
+
+
+class MmprojError(UnsupportedModelError):
+    """An mmproj file this converter cannot use (or not the pair of the language model)."""
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The encoder and projector an mmproj describes (keys as llama.cpp's clip loader reads)."""
+
+    projector: str
+    image_size: int      # the tile side the encoder takes
+    patch_size: int
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    eps: float
+    image_mean: Tuple[float, float, float]
+    image_std: Tuple[float, float, float]
+    scale_factor: int    # pixel unshuffle (idefics3, internvl) or pooling (gemma3) factor
+    activation: str      # 'gelu_tanh' (clip.use_gelu), 'silu' (clip.use_silu) or 'quick_gelu'
+    longest_edge: int    # idefics3's preproc_image_size (0: none)
+    n_out: int           # the projector's output width: the language model's hidden size
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Embeddings one tile of image_size x image_size becomes (clip_n_output_tokens)."""
+        n = self.patches_per_side ** 2
+        if self.projector in ('idefics3', 'internvl', 'gemma3'):
+            return n // self.scale_factor ** 2
+        return n
+
+
+@dataclass
+class Mmproj:
+    """An mmproj file: its configuration and its tensors by GGUF name (not yet dequantized)."""
+
+    path: str
+    config: VisionConfig
+    tensors: Dict[str, SourceTensor]
+
+    def array(self, name: str) -> np.ndarray:
+        """Return tensor `name` as float32 in its numpy ([out, in]) shape."""
+        return self.tensors[name].dequantize()
+
+
+def _required(path: str, reader, key: str):
+    value = gguf_field(reader, key)
+    if value is None:
+        raise MmprojError(f'{path}: mmproj key {key!r} is missing; llama.cpp cannot load this '
+                          "file either: use an mmproj written by llama.cpp's converter")
+    return value
+
+
+def _config(path: str, reader, projector: str) -> VisionConfig:
+    def u32(name: str, default: Optional[int] = None) -> int:
+        key = f'clip.vision.{name}'
+        value = gguf_field(reader, key) if default is not None else _required(path, reader, key)
+        return int(default if value is None else value)
+
+    mean = _required(path, reader, 'clip.vision.image_mean')
+    std = _required(path, reader, 'clip.vision.image_std')
+    if len(mean) < 3 or len(std) < 3:
+        raise MmprojError(f'{path}: clip.vision.image_mean / image_std need 3 values (got '
+                          f'{len(mean)} and {len(std)})')
+    gelu, silu = bool(gguf_field(reader, 'clip.use_gelu', False)), bool(
+        gguf_field(reader, 'clip.use_silu', False))
+    if gelu and silu:
+        raise MmprojError(f'{path}: clip.use_gelu and clip.use_silu are both set')
+    cfg = VisionConfig(
+        projector=projector, image_size=u32('image_size'), patch_size=u32('patch_size'),
+        n_embd=u32('embedding_length'), n_ff=u32('feed_forward_length'),
+        n_layer=u32('block_count'), n_head=u32('attention.head_count'),
+        eps=float(_required(path, reader, 'clip.vision.attention.layer_norm_epsilon')),
+        image_mean=tuple(float(v) for v in mean[:3]), image_std=tuple(float(v) for v in std[:3]),
+        scale_factor=u32('projector.scale_factor', _GEMMA3_POOL if projector == 'gemma3' else 1),
+        activation='gelu_tanh' if gelu else 'silu' if silu else 'quick_gelu',
+        longest_edge=u32('preproc_image_size', 0), n_out=0)
+    if not (0 < cfg.patch_size <= cfg.image_size <= 8192) or cfg.image_size % cfg.patch_size:
+        raise MmprojError(f'{path}: image_size {cfg.image_size} is not a whole number of '
+                          f'{cfg.patch_size}-pixel patches')
+    if cfg.n_embd <= 0 or cfg.n_head <= 0 or cfg.n_embd % cfg.n_head:
+        raise MmprojError(f'{path}: embedding_length {cfg.n_embd} does not split into '
+                          f'{cfg.n_head} heads')
+    if cfg.scale_factor <= 0 or cfg.patches_per_side % cfg.scale_factor:
+        raise MmprojError(f'{path}: {cfg.patches_per_side} patches a side do not merge by '
+                          f'scale_factor {cfg.scale_factor}')
+    return cfg
+
+
+# The projector's tensors per family, and which of them gives the output width (and on which
+# axis of its numpy shape).
+_PROJECTOR_TENSORS = {
+    'idefics3': (('mm.model.fc.weight',), ('mm.model.fc.weight', 0)),
+    'gemma3': (('mm.input_projection.weight', 'mm.soft_emb_norm.weight'),
+               ('mm.input_projection.weight', 1)),
+    'internvl': (('mm.model.mlp.0.weight', 'mm.model.mlp.0.bias', 'mm.model.mlp.1.weight',
+                  'mm.model.mlp.1.bias', 'mm.model.mlp.3.weight', 'mm.model.mlp.3.bias',
+                  'v.class_embd'), ('mm.model.mlp.3.weight', 0)),
+    'mlp': (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.class_embd'),
+            ('mm.2.weight', 0)),
+}
+
+
+def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]) -> None:
+    """Raise MmprojError where a tensor the family needs is missing or of the wrong shape."""
+    c, ff, p, s = cfg.n_embd, cfg.n_ff, cfg.patch_size, cfg.scale_factor
+    expected = {'v.patch_embd.weight': (c, 3, p, p), 'v.position_embd.weight': None}
+    for i in range(cfg.n_layer):
+        b = f'v.blk.{i}'
+        for name in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
+            expected[f'{b}.{name}.weight'] = (c, c)
+        expected[f'{b}.ffn_up.weight'] = (ff, c)
+        expected[f'{b}.ffn_down.weight'] = (c, ff)
+    names, _ = _PROJECTOR_TENSORS[cfg.projector]
+    for name in names:
+        expected.setdefault(name, None)
+    merged = c * s * s
+    if cfg.projector == 'idefics3':
+        expected['mm.model.fc.weight'] = (None, merged)
+    elif cfg.projector == 'gemma3':
+        expected['mm.input_projection.weight'] = (c, None)
+    elif cfg.projector == 'internvl':
+        expected['mm.model.mlp.1.weight'] = (None, merged)
+    else:
+        expected['mm.0.weight'] = (None, c)
+    missing = sorted(n for n in expected if n not in tensors)
+    if missing:
+        raise MmprojError(f'{path}: the {cfg.projector} mmproj lacks {", ".join(missing[:6])}'
+                          f'{" ..." if len(missing) > 6 else ""}; the file is incomplete or of '
+                          'another layout')
+    for name, shape in expected.items():
+        got = tuple(tensors[name].shape)
+        if shape is not None and (len(got) != len(shape) or any(
+                want is not None and want != have for want, have in zip(shape, got))):
+            want = ', '.join('*' if w is None else str(w) for w in shape)
+            raise MmprojError(f'{path}: tensor {name} is {got}, the {cfg.projector} layout with '
+                              f'these keys needs ({want})')
+
+
+def read_mmproj(path: os.PathLike) -> Mmproj:
+    """Read and check an mmproj GGUF; raise MmprojError (or ModelLoadError) on a bad file."""
+    path = str(path)
+    if not pathlib.Path(path).is_file():
+        raise MmprojError(f'{path}: no such mmproj file')
+    reader = open_gguf(pathlib.Path(path))
+    if not gguf_field(reader, 'clip.has_vision_encoder', False):
+        raise MmprojError(f'{path}: not a vision mmproj (clip.has_vision_encoder is not set); '
+                          f'architecture {gguf_field(reader, "general.architecture")!r}')
+    projector = gguf_field(reader, 'clip.projector_type') or gguf_field(
+        reader, 'clip.vision.projector_type')
+    if projector not in PROJECTORS:
+        raise MmprojError(f'{path}: projector type {projector!r} is not supported (supported: '
+                          f'{", ".join(PROJECTORS)})')
+    cfg = _config(path, reader, projector)
+    tensors = {t.name: gguf_tensor(pathlib.Path(path), t) for t in reader.tensors}
+    if projector in _FFN_SWAP:
+        for i in range(cfg.n_layer):
+            up, down = f'v.blk.{i}.ffn_up', f'v.blk.{i}.ffn_down'
+            t = tensors.get(f'{down}.weight')
+            if t is not None and len(t.shape) == 2 and t.shape[1] == cfg.n_embd:
+                for suffix in ('weight', 'bias'):
+                    a = tensors.pop(f'{up}.{suffix}', None)
+                    b = tensors.pop(f'{down}.{suffix}', None)
+                    if a is not None:
+                        tensors[f'{down}.{suffix}'] = a
+                    if b is not None:
+                        tensors[f'{up}.{suffix}'] = b
+    _check_shapes(path, cfg, tensors)
+    name, axis = _PROJECTOR_TENSORS[projector][1]
+    n_out = int(tensors[name].shape[axis])
+    return Mmproj(path, VisionConfig(**{**cfg.__dict__, 'n_out': n_out}), tensors)
+
+
+def check_pair(mmproj: Mmproj, llm_hidden: int, llm_path: str) -> None:
+    """Raise MmprojError unless the projector feeds embeddings as wide as the language model's."""
+    if mmproj.config.n_out != llm_hidden:
+        raise MmprojError(
+            f'{mmproj.path}: its {mmproj.config.projector} projector makes '
+            f'{mmproj.config.n_out}-wide embeddings, but the language model {llm_path} is '
+            f'{llm_hidden} wide: they are not a pair; use the mmproj published with this model')

@@ -1,0 +1,99 @@
+"""Tiny random mmproj GGUFs (llama.cpp's `clip` layout), one per projector family.
+
+Written with gguf as llama.cpp's converters write them: every integer a uint32, mean/std float
+lists, F32 weights, HF tensor shapes ([out, in], conv [C_out, 3, p, p]). n_ff differs from
+n_embd, so the loader's legacy fc1/fc2 swap never fires by accident. See
+docs/design/issue22_mmproj_research.md, section 5.
+"""
+import pathlib
+from typing import Optional
+
+import gguf
+import numpy as np
+
+FAMILIES = ('idefics3', 'gemma3', 'internvl', 'mlp')
+
+
+def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: int = 32,
+                 n_ff: int = 48, n_layer: int = 2, n_head: int = 4, image_size: int = 32,
+                 patch: int = 4, scale: Optional[int] = 2, seed: int = 0,
+                 legacy_ffn_names: bool = False, skip: tuple = (),
+                 tensor_scale: Optional[int] = None) -> pathlib.Path:
+    """Write a tiny `projector` mmproj to `path`.
+
+    `skip` leaves those tensors out; `tensor_scale` sizes the projector for another merge
+    factor than the one the keys say (a file that does not fit together).
+    """
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale_).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), 'clip')
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(projector)
+    w.add_vision_projection_dim(n_text)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    if projector != 'mlp':
+        w.add_vision_use_gelu(True)
+    if scale is not None and projector != 'mlp':
+        w.add_vision_projector_scale_factor(scale)
+    if projector == 'idefics3':
+        w.add_vision_preproc_image_size(2 * image_size)
+    n_patch = (image_size // patch) ** 2
+    tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch), 'v.patch_embd.bias': r(n_embd)}
+    with_cls = projector in ('internvl', 'mlp')
+    tensors['v.position_embd.weight'] = r(n_patch + with_cls, n_embd)
+    if with_cls:
+        tensors['v.class_embd'] = r(n_embd)
+    for i in range(n_layer):
+        b = f'v.blk.{i}'
+        for n in ('ln1', 'ln2'):
+            tensors[f'{b}.{n}.weight'] = 1 + r(n_embd)
+            tensors[f'{b}.{n}.bias'] = r(n_embd)
+        for n in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
+            tensors[f'{b}.{n}.weight'] = r(n_embd, n_embd)
+            tensors[f'{b}.{n}.bias'] = r(n_embd)
+        up, down = ('ffn_down', 'ffn_up') if legacy_ffn_names else ('ffn_up', 'ffn_down')
+        tensors[f'{b}.{up}.weight'] = r(n_ff, n_embd)
+        tensors[f'{b}.{up}.bias'] = r(n_ff)
+        tensors[f'{b}.{down}.weight'] = r(n_embd, n_ff)
+        tensors[f'{b}.{down}.bias'] = r(n_embd)
+    s = tensor_scale or scale or 1
+    if projector in ('idefics3', 'gemma3'):
+        tensors['v.post_ln.weight'] = 1 + r(n_embd)
+        tensors['v.post_ln.bias'] = r(n_embd)
+    if projector == 'idefics3':
+        tensors['mm.model.fc.weight'] = r(n_text, n_embd * s * s)
+    elif projector == 'gemma3':
+        tensors['mm.soft_emb_norm.weight'] = 1 + r(n_embd)
+        tensors['mm.input_projection.weight'] = r(n_embd, n_text)
+    elif projector == 'internvl':
+        tensors['mm.model.mlp.0.weight'] = 1 + r(n_embd * s * s)
+        tensors['mm.model.mlp.0.bias'] = r(n_embd * s * s)
+        tensors['mm.model.mlp.1.weight'] = r(n_text, n_embd * s * s)
+        tensors['mm.model.mlp.1.bias'] = r(n_text)
+        tensors['mm.model.mlp.3.weight'] = r(n_text, n_text)
+        tensors['mm.model.mlp.3.bias'] = r(n_text)
+    else:
+        tensors['mm.0.weight'] = r(n_text, n_embd)
+        tensors['mm.0.bias'] = r(n_text)
+        tensors['mm.2.weight'] = r(n_text, n_text)
+        tensors['mm.2.bias'] = r(n_text)
+    for name, value in tensors.items():
+        if name not in skip:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
