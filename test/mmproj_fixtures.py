@@ -18,11 +18,13 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
                  n_ff: int = 48, n_layer: int = 2, n_head: int = 4, image_size: int = 32,
                  patch: int = 4, scale: Optional[int] = 2, seed: int = 0,
                  legacy_ffn_names: bool = False, skip: tuple = (),
-                 tensor_scale: Optional[int] = None) -> pathlib.Path:
+                 tensor_scale: Optional[int] = None,
+                 longest_edge: Optional[int] = None) -> pathlib.Path:
     """Write a tiny `projector` mmproj to `path`.
 
     `skip` leaves those tensors out; `tensor_scale` sizes the projector for another merge
-    factor than the one the keys say (a file that does not fit together).
+    factor than the one the keys say (a file that does not fit together); `longest_edge` is
+    idefics3's preproc_image_size (default twice the tile).
     """
     rng = np.random.default_rng(seed)
 
@@ -48,7 +50,7 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
     if scale is not None and projector != 'mlp':
         w.add_vision_projector_scale_factor(scale)
     if projector == 'idefics3':
-        w.add_vision_preproc_image_size(2 * image_size)
+        w.add_vision_preproc_image_size(longest_edge or 2 * image_size)
     n_patch = (image_size // patch) ** 2
     tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch), 'v.patch_embd.bias': r(n_embd)}
     with_cls = projector in ('internvl', 'mlp')

@@ -1,0 +1,79 @@
+"""The mmproj encoders as ONNX graphs (convert/vision_graph.py) against llama.cpp's libmtmd.
+
+Tiny random mmproj files (test/mmproj_fixtures.py) paired with a tiny 256-wide text model;
+llama.cpp's own multimodal library (llama-cpp-python's mtmd bindings in the peer venv,
+test/mtmd_runner.py) preprocesses and encodes the same image. The images are one tile exactly
+(S x S; for idefics3 also its longest edge), so llama.cpp's resizes are copies and both sides
+see the same normalized pixels; every image chunk mtmd makes must match our embeddings. Stated
+tolerance: cosine >= 0.9999 per token and max |difference| <= 1 % of the embeddings' RMS
+(llama.cpp's CPU GELU is an fp16 table, ours exact).
+"""
+import pathlib
+import subprocess
+
+from gguf_fixtures import ParityCase, write_gguf
+from llama_cpp_parity import peer_python
+from mmproj_fixtures import write_mmproj
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
+from edge_llm_ros.convert.vision_graph import build_encoder, normalize
+
+RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
+TEXT_WIDTH = ParityCase().dims.hidden
+
+
+@pytest.fixture(scope='module')
+def text_model(tmp_path_factory) -> pathlib.Path:
+    return write_gguf(tmp_path_factory.mktemp('vlm') / 'text.gguf',
+                      ParityCase(arch='llama', wtype='F32'))
+
+
+def mtmd_embeddings(text: pathlib.Path, mmproj: pathlib.Path, image: np.ndarray,
+                    work: pathlib.Path) -> list:
+    np.save(work / 'image.npy', image)
+    out = work / 'mtmd.npz'
+    proc = subprocess.run([peer_python(), str(RUNNER), str(text), str(mmproj),
+                           str(work / 'image.npy'), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = np.load(out)
+    return [data[f'embeds_{i}'] for i in range(int(data['n_chunks']))]
+
+
+def our_embeddings(mmproj: pathlib.Path, image: np.ndarray) -> np.ndarray:
+    mm = read_mmproj(mmproj)
+    session = ort.InferenceSession(build_encoder(mm).SerializeToString(),
+                                   providers=['CPUExecutionProvider'])
+    pixels = normalize(image, mm.config.image_mean, mm.config.image_std)[None]
+    (out,) = session.run(None, {'pixel_values': pixels})
+    assert out.shape == (1, mm.config.tokens_per_tile, mm.config.n_out)
+    return out[0]
+
+
+@pytest.mark.parametrize('projector, scale, chunks', [
+    ('gemma3', 4, 1),    # one image, 8 x 8 patches pooled 4 x 4: 4 tokens
+    ('idefics3', 2, 2),  # a 1 x 1 grid tile and the overview, 16 tokens each
+])
+def test_image_embeddings_match_llamacpps_mtmd(tmp_path, text_model, projector, scale, chunks):
+    mmproj = write_mmproj(tmp_path / f'{projector}.gguf', projector, n_text=TEXT_WIDTH,
+                          scale=scale, longest_edge=32, seed=5)
+    image = np.random.default_rng(7).integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    ours = our_embeddings(mmproj, image)
+    theirs = mtmd_embeddings(text_model, mmproj, image, tmp_path)
+    assert len(theirs) == chunks
+    for chunk in theirs:
+        assert chunk.shape == ours.shape
+        cosine = (ours * chunk).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
+            chunk, axis=-1)
+        assert cosine.min() >= 0.9999, cosine
+        rms = float(np.sqrt((chunk ** 2).mean()))
+        assert np.abs(ours - chunk).max() <= 0.01 * rms
+
+
+def test_families_not_built_yet_are_refused_by_name(tmp_path):
+    mm = read_mmproj(write_mmproj(tmp_path / 'i.gguf', 'internvl'))
+    with pytest.raises(MmprojError, match='internvl encoder is not built yet'):
+        build_encoder(mm)
