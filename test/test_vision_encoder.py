@@ -2,11 +2,13 @@
 
 Tiny random mmproj files (test/mmproj_fixtures.py) paired with a tiny 256-wide text model;
 llama.cpp's own multimodal library (llama-cpp-python's mtmd bindings in the peer venv,
-test/mtmd_runner.py) preprocesses and encodes the same image. The images are one tile exactly
-(S x S; for idefics3 also its longest edge), so llama.cpp's resizes are copies and both sides
-see the same normalized pixels; every image chunk mtmd makes must match our embeddings. Stated
-tolerance: cosine >= 0.9999 per token and max |difference| <= 1 % of the embeddings' RMS
-(llama.cpp's CPU GELU is an fp16 table, ours exact).
+test/mtmd_runner.py) preprocesses and encodes the same image. First images of one tile exactly
+(llama.cpp's resizes are then copies: the encoders alone), then images of other sizes through
+vision/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview): every image
+chunk mtmd makes must match ours. Stated tolerance: cosine >= 0.9999 per token and max
+|difference| <= 1 % of the embeddings' RMS (llama.cpp's CPU GELU is an fp16 table, ours exact).
+Measured: cosine 1.0000 on every chunk; resizing the height before the width (Pillow's own
+order for a tall image) already fails it at 0.9994.
 """
 import pathlib
 import subprocess
@@ -20,6 +22,7 @@ import pytest
 
 from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
 from edge_llm_ros.convert.vision_graph import build_encoder, normalize
+from edge_llm_ros.vision.mmproj_preprocess import gemma3_tiles, idefics3_tiles, ImageShapeError
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
 TEXT_WIDTH = ParityCase().dims.hidden
@@ -77,3 +80,40 @@ def test_families_not_built_yet_are_refused_by_name(tmp_path):
     mm = read_mmproj(write_mmproj(tmp_path / 'i.gguf', 'internvl'))
     with pytest.raises(MmprojError, match='internvl encoder is not built yet'):
         build_encoder(mm)
+
+
+def _tiles_match(mmproj: pathlib.Path, tiles: list, theirs: list) -> None:
+    assert len(theirs) == len(tiles)
+    for tile, chunk in zip(tiles, theirs):
+        ours = our_embeddings(mmproj, tile)
+        cosine = (ours * chunk).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
+            chunk, axis=-1)
+        assert cosine.min() >= 0.9999, cosine
+        assert np.abs(ours - chunk).max() <= 0.01 * float(np.sqrt((chunk ** 2).mean()))
+
+
+@pytest.mark.parametrize('height, width', [(30, 45), (50, 20), (7, 9)])
+def test_gemma3_letterboxes_any_image_as_llamacpp_does(tmp_path, text_model, height, width):
+    mmproj = write_mmproj(tmp_path / 'g.gguf', 'gemma3', n_text=TEXT_WIDTH, scale=4, seed=2)
+    image = np.random.default_rng(height).integers(0, 256, (height, width, 3), np.uint8)
+    tiles = gemma3_tiles(image, 32)
+    assert tiles.tiles[0].shape == (32, 32, 3)
+    _tiles_match(mmproj, tiles.tiles, mtmd_embeddings(text_model, mmproj, image, tmp_path))
+
+
+@pytest.mark.parametrize('height, width, grid', [(30, 45, (2, 2)), (40, 100, (2, 1)),
+                                                 (90, 20, (1, 2))])
+def test_idefics3_tiles_like_llamacpp(tmp_path, text_model, height, width, grid):
+    mmproj = write_mmproj(tmp_path / 'i.gguf', 'idefics3', n_text=TEXT_WIDTH, scale=2,
+                          longest_edge=64, seed=4)
+    image = np.random.default_rng(width).integers(0, 256, (height, width, 3), np.uint8)
+    tiles = idefics3_tiles(image, 32, 64)
+    assert tiles.grid == grid and len(tiles.tiles) == grid[0] * grid[1] + 1
+    _tiles_match(mmproj, tiles.tiles, mtmd_embeddings(text_model, mmproj, image, tmp_path))
+
+
+def test_bad_images_are_refused_before_any_work():
+    for bad in (np.zeros((0, 4, 3), np.uint8), np.zeros((4, 4), np.uint8),
+                np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 4), np.uint8)):
+        with pytest.raises(ImageShapeError, match=r'\[H, W, 3\] uint8'):
+            gemma3_tiles(bad, 32)
