@@ -117,3 +117,31 @@ def test_bad_images_are_refused_before_any_work():
                 np.zeros((4, 4, 3), np.float32), np.zeros((4, 4, 4), np.uint8)):
         with pytest.raises(ImageShapeError, match=r'\[H, W, 3\] uint8'):
             gemma3_tiles(bad, 32)
+
+
+def test_convert_writes_the_vision_graph_and_refuses_a_bad_pair(tmp_path, text_model):
+    from edge_llm_ros.convert.converter import convert
+    from edge_llm_ros.model_format import load_model_info
+    mmproj = write_mmproj(tmp_path / 'g.gguf', 'gemma3', n_text=TEXT_WIDTH, scale=4, seed=6)
+    out = convert(str(text_model), str(tmp_path / 'vlm'), mmproj=str(mmproj), progress=False)
+    vision = load_model_info(str(out)).extra['vision']
+    assert (vision['file'], vision['projector'], vision['tokens_per_tile']) == (
+        'vision.onnx', 'gemma3', 4)
+    assert vision['embedding_size'] == TEXT_WIDTH and vision['attention'] == 'bidirectional'
+    session = ort.InferenceSession(str(out / 'vision.onnx'), providers=['CPUExecutionProvider'])
+    image = np.random.default_rng(3).integers(0, 256, (32, 32, 3), np.uint8)
+    pixels = normalize(image, vision['image_mean'], vision['image_std'])[None]
+    ours = session.run(None, {'pixel_values': pixels})[0][0]
+    (theirs,) = mtmd_embeddings(text_model, mmproj, image, tmp_path)
+    cosine = (ours * theirs).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
+        theirs, axis=-1)
+    assert cosine.min() >= 0.9999
+    # A projector of another width, or a family not converted yet: refused, nothing written.
+    narrow = write_mmproj(tmp_path / 'n.gguf', 'gemma3', n_text=64, scale=4)
+    with pytest.raises(MmprojError, match=f'64-wide .* is {TEXT_WIDTH} wide'):
+        convert(str(text_model), str(tmp_path / 'bad'), mmproj=str(narrow), progress=False)
+    internvl = write_mmproj(tmp_path / 'v.gguf', 'internvl', n_text=TEXT_WIDTH)
+    with pytest.raises(MmprojError, match='internvl mmproj files are not converted yet'):
+        convert(str(text_model), str(tmp_path / 'bad'), mmproj=str(internvl), progress=False)
+    assert not (tmp_path / 'bad').exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith('.bad')]

@@ -32,6 +32,7 @@ from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, MODEL_FILE,
 from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
+VISION_FILE = 'vision.onnx'  # an mmproj's encoder and projector (--mmproj)
 # A write that failed while less than this was free is taken for a full disk: numpy's short
 # writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.
 _FULL_BELOW = 1 << 20
@@ -135,7 +136,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
             progress: bool = True, accuracy_level: int = 4, exact_q4_1: bool = True,
             precision: str = 'source', overwrite: bool = False,
             verify: bool = True, offset_levels: Optional[int] = None,
-            weights: Optional[str] = None) -> pathlib.Path:
+            weights: Optional[str] = None, mmproj: Optional[str] = None) -> pathlib.Path:
     """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
 
     Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
@@ -148,7 +149,10 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     the matmul at accuracy_level 4, exact otherwise; see GraphOptions). weights: 'kquant'
     keeps the matrices of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K in their GGUF blocks for
     the project's op library (other types stay MatMulNBits), 'matmulnbits' repacks them all;
-    None picks kquant where the library is built (ConvertOptions.weights).
+    None picks kquant where the library is built (ConvertOptions.weights). mmproj: a
+    llama.cpp mmproj GGUF of the same model; its vision encoder and projector go into the
+    folder as vision.onnx (model.yaml `vision`). A projector that is not the language model's
+    width, or a family not built, is refused before anything is written.
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
                           precision, offset_levels, weights)
@@ -160,6 +164,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
                               '(--force)')
     ckpt = load_checkpoint(source)
     opts.check(ckpt)
+    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
     opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -168,9 +173,9 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     tmp = out.parent / f'.{out.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}'
     try:
         tmp.mkdir()
-        _write_folder(ckpt, tmp, opts, progress)
+        _write_folder(ckpt, tmp, opts, progress, vision)
         if verify:
-            _verify(tmp, opts.weight_format)
+            _verify(tmp, opts.weight_format, vision is not None)
         _replace(tmp, out)
     except BaseException as exc:
         # Measured before the cleanup, which gives the space back.
@@ -199,8 +204,20 @@ def _free_bytes(folder: pathlib.Path) -> Optional[int]:
         return None
 
 
+def _read_vision(path: str, ckpt: Checkpoint, source: str):
+    """Read and check the mmproj against the language model; nothing is written yet."""
+    from edge_llm_ros.convert.mmproj import check_pair, MmprojError, read_mmproj
+    from edge_llm_ros.convert.vision_graph import BUILT
+    mm = read_mmproj(path)
+    check_pair(mm, ckpt.spec.hidden_size, source)
+    if mm.config.projector not in BUILT:
+        raise MmprojError(f'{path}: {mm.config.projector} mmproj files are not converted yet '
+                          f'(converted: {", ".join(BUILT)})')
+    return mm
+
+
 def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
-                  progress: bool) -> None:
+                  progress: bool, vision=None) -> None:
     from tqdm import tqdm
     import onnx
     import yaml
@@ -271,6 +288,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
     }
+    if vision is not None:
+        from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
+        onnx.save_model(build_encoder(vision), str(tmp / VISION_FILE))
+        meta['vision'] = model_yaml_section(vision, VISION_FILE)
     (tmp / MODEL_YAML).write_text(yaml.safe_dump(meta, sort_keys=False))
     for f in tmp.iterdir():
         os.chmod(f, 0o644)  # onnx writes the data file 0600; the model is meant to be shared
@@ -334,7 +355,7 @@ def _vector(ckpt: Checkpoint, key: str, wanted: bool) -> Optional[np.ndarray]:
     return ckpt.tensor(key).dequantize() if wanted else None
 
 
-def _verify(folder: pathlib.Path, weights: str) -> None:
+def _verify(folder: pathlib.Path, weights: str, vision: bool = False) -> None:
     """Open the graph with onnxruntime: every node must have a kernel that takes its inputs.
 
     Without graph optimizations and weight pre-packing, onnxruntime maps model.onnx.data and
@@ -351,6 +372,9 @@ def _verify(folder: pathlib.Path, weights: str) -> None:
     try:
         ort.InferenceSession(str(folder / MODEL_FILE), so,
                              providers=['CPUExecutionProvider'])
+        if vision:
+            ort.InferenceSession(str(folder / VISION_FILE), so,
+                                 providers=['CPUExecutionProvider'])
     except Exception as exc:  # onnxruntime raises its own exception types
         raise ConversionError(f'onnxruntime rejected the converted graph: {exc}') from exc
 
@@ -445,6 +469,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         'scripts/setup.sh); matmulnbits: repack every matrix for ONNX '
                         "Runtime's MatMulNBits (default: kquant when the op library is built "
                         'and the options allow it, else matmulnbits)')
+    p.add_argument('--mmproj', default=None,
+                   help="the model's llama.cpp mmproj GGUF: its vision encoder goes in as "
+                        'vision.onnx (gemma3, idefics3)')
     p.add_argument('--force', action='store_true', help='replace an existing out_dir')
     p.add_argument('--no-verify', action='store_true',
                    help='skip opening the result with onnxruntime')
@@ -462,7 +489,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       exact_q4_1=not args.requantize_q4_1, precision=args.precision,
                       overwrite=args.force,
                       verify=not args.no_verify, offset_levels=args.offset_levels,
-                      weights=args.weights)
+                      weights=args.weights, mmproj=args.mmproj)
     except EngineError as exc:
         print(f'edge-llm-convert: error: {exc}', file=sys.stderr)
         return 1

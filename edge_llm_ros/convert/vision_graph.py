@@ -153,6 +153,26 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None) -> onnx.ModelProto:
     return model
 
 
+# Where the image goes in the prompt, as llama.cpp's mtmd places it (research section 3.2), and
+# whether its tokens see each other (gemma3: bidirectional within the image).
+_LAYOUT = {
+    'gemma3': {'preprocess': 'letterbox_bilinear', 'attention': 'bidirectional',
+               'wrapper': ['<start_of_image>', '<end_of_image>']},
+    'idefics3': {'preprocess': 'idefics3_tiles', 'attention': 'causal',
+                 'wrapper': ['<fake_token_around_image>', '<row_{r}_col_{c}>', '<global-img>']},
+}
+
+
+def model_yaml_section(mm: Mmproj, file: str) -> dict:
+    """Return model.yaml's `vision` mapping for a converted mmproj."""
+    cfg = mm.config
+    return {'file': file, 'projector': cfg.projector, 'image_size': cfg.image_size,
+            'patch_size': cfg.patch_size, 'tokens_per_tile': cfg.tokens_per_tile,
+            'embedding_size': cfg.n_out, 'image_mean': list(cfg.image_mean),
+            'image_std': list(cfg.image_std), 'longest_edge': cfg.longest_edge,
+            **_LAYOUT[cfg.projector], 'source': mm.path}
+
+
 def normalize(tile_u8: np.ndarray, mean, std) -> np.ndarray:
     """Return an [S, S, 3] uint8 tile normalized as llama.cpp does it, planar [3, S, S].
 
