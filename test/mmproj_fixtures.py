@@ -70,6 +70,9 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
         tensors[f'{b}.{up}.bias'] = r(n_ff)
         tensors[f'{b}.{down}.weight'] = r(n_embd, n_ff)
         tensors[f'{b}.{down}.bias'] = r(n_embd)
+        if projector == 'internvl':  # InternViT's layer scale
+            tensors[f'{b}.ls1.weight'] = 0.1 + r(n_embd)
+            tensors[f'{b}.ls2.weight'] = 0.1 + r(n_embd)
     s = tensor_scale or scale or 1
     if projector in ('idefics3', 'gemma3'):
         tensors['v.post_ln.weight'] = 1 + r(n_embd)

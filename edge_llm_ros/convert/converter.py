@@ -152,7 +152,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     None picks kquant where the library is built (ConvertOptions.weights). mmproj: a
     llama.cpp mmproj GGUF of the same model; its vision encoder and projector go into the
     folder as vision.onnx (model.yaml `vision`). A projector that is not the language model's
-    width, or a family not built, is refused before anything is written.
+    width, or an unknown projector type, is refused before anything is written.
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
                           precision, offset_levels, weights)
@@ -206,13 +206,9 @@ def _free_bytes(folder: pathlib.Path) -> Optional[int]:
 
 def _read_vision(path: str, ckpt: Checkpoint, source: str):
     """Read and check the mmproj against the language model; nothing is written yet."""
-    from edge_llm_ros.convert.mmproj import check_pair, MmprojError, read_mmproj
-    from edge_llm_ros.convert.vision_graph import BUILT
+    from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
     mm = read_mmproj(path)
     check_pair(mm, ckpt.spec.hidden_size, source)
-    if mm.config.projector not in BUILT:
-        raise MmprojError(f'{path}: {mm.config.projector} mmproj files are not converted yet '
-                          f'(converted: {", ".join(BUILT)})')
     return mm
 
 
@@ -471,7 +467,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         'and the options allow it, else matmulnbits)')
     p.add_argument('--mmproj', default=None,
                    help="the model's llama.cpp mmproj GGUF: its vision encoder goes in as "
-                        'vision.onnx (gemma3, idefics3)')
+                        'vision.onnx (gemma3, idefics3, internvl, mlp)')
     p.add_argument('--force', action='store_true', help='replace an existing out_dir')
     p.add_argument('--no-verify', action='store_true',
                    help='skip opening the result with onnxruntime')

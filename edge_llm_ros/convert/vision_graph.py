@@ -9,8 +9,15 @@ attention without a mask, LayerNorm, GELU MLP), a final LayerNorm; then the proj
   weight), x @ mm.input_projection (stored [n_embd, n_out]: not transposed);
 - idefics3: pixel unshuffle by s (feature (dy * s + dx) * C + c of token Y * (P / s) + X), then
   mm.model.fc (no bias).
-Weights are float32 (the F16 / quantized mmproj tensors dequantized exactly). internvl and mlp
-are read by convert/mmproj.py but not built here yet.
+- internvl: the CLS token, layer scale where present, then the patches unshuffled by s,
+  LayerNorm (eps 1e-5), Linear, GELU, Linear;
+- mlp (LLaVA-1.5): the CLS token, the pre-LayerNorm, then rows 1..N through Linear, GELU, Linear.
+For internvl and mlp this is llama.cpp's graph, defects included, because llama.cpp is what the
+embeddings are checked against: the CLS token is appended after the patches before the
+position embeddings are added (so each patch takes its neighbour's, ggml-org/llama.cpp#25814),
+and mlp runs one layer fewer than stored (#25817), keeping CLS and dropping patch 0 (CLS_LAST,
+MLP_SKIPS_LAST_LAYER; a libmtmd with the fixes needs them flipped, and the parity tests will
+say so). Weights are float32 (the F16 / quantized mmproj tensors dequantized exactly).
 """
 from typing import Dict, List, Optional
 
@@ -21,7 +28,12 @@ from onnx import helper, numpy_helper, TensorProto
 from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
-BUILT = ('gemma3', 'idefics3')
+BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp')
+# As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
+# CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
+# `mlp` graph runs (n_layer - 1: the last stored layer is skipped).
+CLS_LAST = {'internvl': True, 'mlp': True}
+MLP_SKIPS_LAST_LAYER = True
 
 
 class _Graph:
@@ -79,7 +91,10 @@ def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     attn = g.node('MatMul', [g.node('Softmax', [scores], axis=-1), v])
     merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
                                 g.const([0, -1, cfg.n_embd])])
-    x = g.node('Add', [x, _linear(g, mm, merged, f'{b}.attn_out')])
+    o = _linear(g, mm, merged, f'{b}.attn_out')
+    if f'{b}.ls1.weight' in mm.tensors:  # InternViT's layer scale
+        o = g.node('Mul', [o, g.init(f'{b}.ls1.weight', mm.array(f'{b}.ls1.weight').reshape(-1))])
+    x = g.node('Add', [x, o])
     h = _layer_norm(g, mm, x, f'{b}.ln2')
     up = _linear(g, mm, h, f'{b}.ffn_up')
     if cfg.activation == 'gelu_tanh':
@@ -89,7 +104,11 @@ def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     else:  # quick GELU: x * sigmoid(1.702 x)
         scaled = g.node('Mul', [up, g.const(1.702, np.float32)])
         act = g.node('Mul', [up, g.node('Sigmoid', [scaled])])
-    return g.node('Add', [x, _linear(g, mm, act, f'{b}.ffn_down')])
+    down = _linear(g, mm, act, f'{b}.ffn_down')
+    if f'{b}.ls2.weight' in mm.tensors:
+        down = g.node('Mul', [down, g.init(f'{b}.ls2.weight',
+                                           mm.array(f'{b}.ls2.weight').reshape(-1))])
+    return g.node('Add', [x, down])
 
 
 def _gemma3_projector(g: _Graph, mm: Mmproj, x: str) -> str:
@@ -111,19 +130,46 @@ def _gemma3_projector(g: _Graph, mm: Mmproj, x: str) -> str:
 def _idefics3_projector(g: _Graph, mm: Mmproj, x: str) -> str:
     cfg = mm.config
     side, s, c = cfg.patches_per_side, cfg.scale_factor, cfg.n_embd
-    # [B, Y, dy, X, dx, C] -> [B, Y, X, dy, dx, C]: token Y * (P / s) + X, feature
-    # (dy s + dx) C + c.
+    return _linear(g, mm, _unshuffle(g, x, side, s, c), 'mm.model.fc')
+
+
+def _unshuffle(g: _Graph, x: str, side: int, s: int, c: int) -> str:
+    """Return pixel unshuffle by s: token Y * (P / s) + X, feature (dy s + dx) C + c."""
     grid = g.node('Reshape', [x, g.const([0, side // s, s, side // s, s, c])])
-    merged = g.node('Reshape', [g.node('Transpose', [grid], perm=[0, 1, 3, 2, 4, 5]),
-                                g.const([0, (side // s) ** 2, s * s * c])])
-    return _linear(g, mm, merged, 'mm.model.fc')
+    return g.node('Reshape', [g.node('Transpose', [grid], perm=[0, 1, 3, 2, 4, 5]),
+                              g.const([0, (side // s) ** 2, s * s * c])])
+
+
+def _patch_rows(g: _Graph, x: str, first: int, count: int) -> str:
+    """Return rows first..first + count of [B, rows, C] (the patches, without the CLS row)."""
+    return g.node('Slice', [x, g.const([first]), g.const([first + count]), g.const([1])])
+
+
+def _internvl_projector(g: _Graph, mm: Mmproj, x: str) -> str:
+    cfg = mm.config
+    n = cfg.patches_per_side ** 2
+    patches = _patch_rows(g, x, 0 if CLS_LAST['internvl'] else 1, n)
+    y = _unshuffle(g, patches, cfg.patches_per_side, cfg.scale_factor, cfg.n_embd)
+    weight = g.init('mm.model.mlp.0.weight', mm.array('mm.model.mlp.0.weight'))
+    bias = g.init('mm.model.mlp.0.bias', mm.array('mm.model.mlp.0.bias'))
+    # eps 1e-5: llama.cpp's (PyTorch's default), not the encoder's.
+    y = g.node('LayerNormalization', [y, weight, bias], axis=-1, epsilon=1e-5)
+    y = g.node('Gelu', [_linear(g, mm, y, 'mm.model.mlp.1')], approximate='tanh')
+    return _linear(g, mm, y, 'mm.model.mlp.3')
+
+
+def _mlp_projector(g: _Graph, mm: Mmproj, x: str) -> str:
+    # Rows 1..N: with the CLS token last (llama.cpp), patch 0 is dropped and CLS is kept.
+    rows = _patch_rows(g, x, 1, mm.config.patches_per_side ** 2)
+    y = g.node('Gelu', [_linear(g, mm, rows, 'mm.0')], approximate='tanh')
+    return _linear(g, mm, y, 'mm.2')
 
 
 def build_encoder(mm: Mmproj, name: Optional[str] = None) -> onnx.ModelProto:
     """Return the mmproj's encoder + projector as an ONNX model (pixel_values -> image_embeds)."""
     cfg = mm.config
-    if cfg.projector not in BUILT:
-        raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built yet (built: '
+    if cfg.projector not in BUILT:  # a projector convert/mmproj.py reads but not built here
+        raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built (built: '
                           f'{", ".join(BUILT)})')
     g = _Graph()
     p = cfg.patch_size
@@ -134,12 +180,23 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None) -> onnx.ModelProto:
                   kernel_shape=[p, p], strides=[p, p])  # [B, C, P, P]
     x = g.node('Transpose', [g.node('Reshape', [conv, g.const([0, cfg.n_embd, -1])])],
                perm=[0, 2, 1])  # [B, N, C], patch y * P + x
-    x = g.node('Add', [x, g.init('v.position_embd.weight', mm.array('v.position_embd.weight'))])
-    for i in range(cfg.n_layer):
+    if 'v.class_embd' in mm.tensors:
+        cls = g.init('v.class_embd', mm.array('v.class_embd').reshape(1, 1, cfg.n_embd))
+        batch = g.node('Slice', [g.node('Shape', [x]), g.const([0]), g.const([1])])
+        shape = g.node('Concat', [batch, g.const([1, cfg.n_embd])], axis=0)
+        cls = g.node('Expand', [cls, shape])
+        x = g.node('Concat', [x, cls] if CLS_LAST[cfg.projector] else [cls, x], axis=1)
+    pos = mm.array('v.position_embd.weight')
+    x = g.node('Add', [x, g.init('v.position_embd.weight', pos.reshape(-1, cfg.n_embd))])
+    if 'v.pre_ln.weight' in mm.tensors:
+        x = _layer_norm(g, mm, x, 'v.pre_ln')
+    layers = cfg.n_layer - 1 if cfg.projector == 'mlp' and MLP_SKIPS_LAST_LAYER else cfg.n_layer
+    for i in range(layers):
         x = _block(g, mm, x, i)
     if 'v.post_ln.weight' in mm.tensors:
         x = _layer_norm(g, mm, x, 'v.post_ln')
-    out = (_gemma3_projector if cfg.projector == 'gemma3' else _idefics3_projector)(g, mm, x)
+    out = {'gemma3': _gemma3_projector, 'idefics3': _idefics3_projector,
+           'internvl': _internvl_projector, 'mlp': _mlp_projector}[cfg.projector](g, mm, x)
     g.nodes.append(helper.make_node('Identity', [out], ['image_embeds'], name='image_embeds'))
     s = cfg.image_size
     graph = helper.make_graph(
@@ -160,6 +217,9 @@ _LAYOUT = {
                'wrapper': ['<start_of_image>', '<end_of_image>']},
     'idefics3': {'preprocess': 'idefics3_tiles', 'attention': 'causal',
                  'wrapper': ['<fake_token_around_image>', '<row_{r}_col_{c}>', '<global-img>']},
+    'internvl': {'preprocess': 'internvl_tiles', 'attention': 'causal',
+                 'wrapper': ['<img>', '</img>']},
+    'mlp': {'preprocess': 'letterbox_bicubic', 'attention': 'causal', 'wrapper': []},
 }
 
 
