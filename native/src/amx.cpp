@@ -493,6 +493,22 @@ inline void prefetch_block(const uint8_t *w, size_t ws, int nr, size_t offset, s
   }
 }
 
+constexpr int kChunk = 2;  // B tiles (of 16 weight rows) a pass over the super-blocks
+
+// The float sums of `chunk` B tiles (columns n0.., the last one possibly partial) for `rows`
+// activation rows into out (row stride ldo).
+inline void store_sums(const float (*acc)[kBlockRows][kRows], int chunk, int64_t rows,
+                       int64_t n0, int64_t n, float *out, int64_t ldo) {
+  for (int j = 0; j < chunk; ++j) {
+    const int64_t first = n0 + j * kRows;
+    const int nr = static_cast<int>(n - first < kRows ? n - first : kRows);
+    const __mmask16 mask = static_cast<__mmask16>((1u << nr) - 1);
+    for (int64_t i = 0; i < rows; ++i) {
+      _mm512_mask_storeu_ps(out + i * ldo + first, mask, _mm512_load_ps(acc[j][i]));
+    }
+  }
+}
+
 // Super-block b's codes of activation rows a[0..rows) (stride as) into tiles[0..].
 inline void pack(const uint8_t *a, size_t as, int64_t rows, int64_t b, PackedTile *tiles) {
   const int64_t padded = (rows + kRows - 1) / kRows * kRows;
@@ -525,7 +541,6 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
     K::few_rows()(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
-  constexpr int kChunk = 2;  // B tiles (of 16 weight rows) a pass over the super-blocks
   const auto *wb8 = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
   row_terms.resize(static_cast<size_t>(kBlockRows * nb));
@@ -590,14 +605,7 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
         }
       }
       for (int u = 0; u < pending; ++u) K::finish(ready[u]);
-      for (int j = 0; j < chunk; ++j) {
-        const int64_t first = n0 + j * kRows;
-        const int nr = static_cast<int>(n - first < kRows ? n - first : kRows);
-        const __mmask16 mask = static_cast<__mmask16>((1u << nr) - 1);
-        for (int64_t i = 0; i < rows; ++i) {
-          _mm512_mask_storeu_ps(out + (i0 + i) * ldo + first, mask, _mm512_load_ps(acc[j][i]));
-        }
-      }
+      store_sums(acc, chunk, rows, n0, n, out + i0 * ldo, ldo);
     }
   }
   _tile_release();
@@ -756,7 +764,6 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
     few(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
-  constexpr int kChunk = 2;
   const auto *wb8 = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
   configure_tiles();
@@ -801,14 +808,7 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
         }
       }
       if (ready != nullptr) finish<C::kMin>(*ready);
-      for (int j = 0; j < chunk; ++j) {
-        const int64_t first = n0 + j * kRows;
-        const int nr = static_cast<int>(n - first < kRows ? n - first : kRows);
-        const __mmask16 mask = static_cast<__mmask16>((1u << nr) - 1);
-        for (int64_t i = 0; i < rows; ++i) {
-          _mm512_mask_storeu_ps(out + (i0 + i) * ldo + first, mask, _mm512_load_ps(acc[j][i]));
-        }
-      }
+      store_sums(acc, chunk, rows, n0, n, out + i0 * ldo, ldo);
     }
   }
   _tile_release();
