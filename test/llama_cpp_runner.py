@@ -25,6 +25,15 @@ def _quiet(level, text, user_data):  # llama.cpp logs every load to stderr other
         sys.stderr.write(text.decode(errors='replace'))
 
 
+def load_model(path: str):
+    """Quiet llama.cpp's logging and load a GGUF on the CPU; None when it cannot."""
+    llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    return llama_cpp.llama_model_load_from_file(path.encode(), mparams)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('model')
@@ -34,11 +43,7 @@ def main(argv=None) -> int:
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--ctx', type=int, default=256)
     args = p.parse_args(argv)
-    llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = 0
-    model = llama_cpp.llama_model_load_from_file(args.model.encode(), mparams)
+    model = load_model(args.model)
     if not model:
         print(f'llama.cpp could not load {args.model}', file=sys.stderr)
         return 2

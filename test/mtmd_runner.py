@@ -14,13 +14,8 @@ import sys
 
 import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
+from llama_cpp_runner import load_model
 import numpy as np
-
-
-@llama_cpp.llama_log_callback
-def _quiet(level, text, user_data):
-    if level == 4:  # GGML_LOG_LEVEL_ERROR only
-        sys.stderr.write(text.decode(errors='replace'))
 
 
 def main(argv=None) -> int:
@@ -28,11 +23,7 @@ def main(argv=None) -> int:
     for name in ('text_model', 'mmproj', 'image', 'out'):
         p.add_argument(name)
     args = p.parse_args(argv)
-    llama_cpp.llama_log_set(_quiet, ctypes.c_void_p())
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = 0
-    model = llama_cpp.llama_model_load_from_file(args.text_model.encode(), mparams)
+    model = load_model(args.text_model)  # the sibling runner's: quiet logs, CPU only
     if not model:
         print(f'llama.cpp could not load {args.text_model}', file=sys.stderr)
         return 2
