@@ -566,7 +566,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               choices: Sequence[str] = (), reasoning: Optional[bool] = None,
               reasoning_budget: Optional[int] = None, priority: int = 0,
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
-              no_speculation: bool = False, **sampling) -> Any:
+              no_speculation: bool = False, images: Sequence[Any] = (),
+              raw_prompt: bool = False, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -580,6 +581,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     `preempt` (pause a lower-priority running goal) exist only on Generate goals: ~/complete
     requests run at priority 0, so asking one for anything else raises TypeError.
     `no_speculation` (Generate only) decodes this goal plainly where the node speculates.
+    `images` (Generate only): TensorHandle messages of RGB [H, W, 3] uint8 frames in a pool,
+    one per `<__media__>` marker of the prompt; `raw_prompt` (Generate only): the prompt is
+    fed as is, without the chat template.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -590,9 +594,11 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.priority = int(priority)
         goal.preempt = bool(preempt)
         goal.no_speculation = bool(no_speculation)
-    elif priority or preempt or no_speculation:
-        raise TypeError(f'{request_type.__name__} has no priority/preempt: send a Generate '
-                        'goal (LLMClient.generate) to queue by priority')
+        goal.images = list(images)
+        goal.raw_prompt = bool(raw_prompt)
+    elif priority or preempt or no_speculation or images or raw_prompt:
+        raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt: '
+                        'send a Generate goal (LLMClient.generate) for those')
     goal.prompt = prompt
     goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
                      for m in messages]

@@ -96,7 +96,7 @@ def test_version_3_queue_fields_parse_with_humble_types():
     constants = {c.name: (c.type, c.value) for c in goal.constants}
     assert constants['PRIORITY_MIN'] == ('int16', -100)
     assert constants['PRIORITY_MAX'] == ('int16', 100)
-    assert constants['INTERFACE_VERSION'] == ('uint16', 5)
+    assert constants['INTERFACE_VERSION'] == ('uint16', 6)
     transcript = {item.name: item.type.type
                   for item in _messages('msg/Transcript.msg')[0].fields}
     assert transcript['priority'] == 'int16' and transcript['preempt'] == 'bool'
@@ -120,3 +120,15 @@ def test_version_4_conversation_fields_parse_with_humble_types():
     _, listed = _messages('srv/ListSessions.srv')
     assert {i.name for i in listed.fields} >= {
         'session_ids', 'turn_counts', 'token_counts', 'kv_bytes'}
+
+
+def test_version_6_image_fields_parse_with_humble_types():
+    """Issue 22's fields: our own TensorHandle array and a bool, nothing newer."""
+    goal, _, _ = _messages('action/Generate.action')
+    fields = {i.name: i.type for i in goal.fields}
+    assert fields['images'].pkg_name == PACKAGE and fields['images'].type == 'TensorHandle'
+    assert fields['images'].is_array and not fields['images'].is_upper_bound
+    assert fields['raw_prompt'].type == 'bool'
+    transcript = {i.name: i.type for i in _messages('msg/Transcript.msg')[0].fields}
+    assert transcript['images'].type == 'TensorHandle' and transcript['images'].is_array
+    assert transcript['raw_prompt'].type == 'bool'

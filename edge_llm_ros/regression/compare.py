@@ -372,8 +372,8 @@ def compare_goal(index: int, old: TranscriptRecord, outcome: ReplayOutcome,
 
     if not new_ok:
         reason = _new_error(outcome)
-        if old.prefix_embeddings:
-            handles = '; '.join(h.describe() for h in old.prefix_embeddings)
+        if old.tensor_handles:
+            handles = '; '.join(h.describe() for h in old.tensor_handles)
             add('stale_tensor_handle', INPUT,
                 f'the goal references tensor handles that no longer exist ({handles}); the '
                 f'node answered: {reason}. Replay it while the producer of those buffers '
@@ -506,7 +506,7 @@ def _compare_tool_calls(old: TranscriptRecord, new: TranscriptRecord,
 
 _REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'json_schema', 'stop', 'session_id',
                    'tools', 'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex',
-                   'choices', 'reasoning_mode', 'reasoning_budget')
+                   'choices', 'reasoning_mode', 'reasoning_budget', 'raw_prompt')
 
 
 def _same_request(a: TranscriptRecord, b: TranscriptRecord) -> bool:

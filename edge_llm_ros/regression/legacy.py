@@ -28,6 +28,11 @@ prompt it saw then.
 Interface version 5 (issue 23) only added fields: Generate.Goal/Transcript `no_speculation`
 and Timings' speculation counts. Speculation never changes an output, so an older record
 (read as false: the node's own mode) needs no translation.
+
+Interface version 6 (issue 22) only added fields: Generate.Goal/Transcript `images` (tensor
+handles of frames for a vision model) and `raw_prompt`. An older record reads them as no
+images and false (the chat template applies), which is how every older goal was served: it
+needs no translation.
 """
 from __future__ import annotations
 

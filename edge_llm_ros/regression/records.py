@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 5
+INTERFACE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,8 @@ class TranscriptRecord:
     history_mode: int = 0              # version 4: Generate.Goal.HISTORY_*
     session_turns: list = field(default_factory=list)   # version 4: ChatRecord, see replay
     no_speculation: bool = False       # version 5: Generate.Goal.no_speculation
+    images: list = field(default_factory=list)   # version 6: TensorHandleRecord per image
+    raw_prompt: bool = False           # version 6: prompt fed without the chat template
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -146,6 +148,11 @@ class TranscriptRecord:
         if self.sampling.temperature >= 0.0:
             return float(self.sampling.temperature)
         return None
+
+    @property
+    def tensor_handles(self) -> list:
+        """Every tensor handle the request carried (prefix embeddings, then images)."""
+        return list(self.prefix_embeddings) + list(self.images)
 
     def label(self, width: int = 48) -> str:
         """Return a one-line excerpt of the request for tables."""
@@ -265,6 +272,8 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         preempt=bool(getattr(msg, 'preempt', False)),
         no_speculation=bool(getattr(msg, 'no_speculation', False)),
         history_mode=int(getattr(msg, 'history_mode', 0)),
+        images=[tensor_handle_from_msg(h) for h in getattr(msg, 'images', ())],
+        raw_prompt=bool(getattr(msg, 'raw_prompt', False)),
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),
         text=str(msg.text),

@@ -133,12 +133,6 @@ def goal_fields(record: TranscriptRecord) -> dict:
     Every sampling field goes as recorded, UNSET ones included, so the node applies its
     current defaults exactly where the recorded goal left them to it.
     """
-    handles = []
-    for h in record.prefix_embeddings:
-        msg = TensorHandle(**{name: getattr(h, name) for name in _HANDLE_FIELDS})
-        msg.header.frame_id = h.frame_id
-        msg.header.stamp = RosTime(nanoseconds=h.stamp_ns).to_msg()
-        handles.append(msg)
     sampling = asdict(record.sampling)
     for name in ('logit_bias_token_ids', 'logit_bias_values'):
         sampling[name] = list(sampling[name])
@@ -147,7 +141,8 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 system_prompt=record.system_prompt, max_tokens=record.max_tokens,
                 stop=list(record.stop), json_schema=record.json_schema,
                 session_id=record.session_id, history_mode=history_mode,
-                prefix_embeddings=handles,
+                prefix_embeddings=handle_msgs(record.prefix_embeddings),
+                images=handle_msgs(record.images), raw_prompt=record.raw_prompt,
                 tools=[ToolSpec(name=t.name, description=t.description,
                                 parameters=t.parameters) for t in record.tools],
                 tool_choice=record.tool_choice,
@@ -159,6 +154,17 @@ def goal_fields(record: TranscriptRecord) -> dict:
                                   else record.reasoning_budget),
                 priority=record.priority, preempt=record.preempt,
                 no_speculation=record.no_speculation, **sampling)
+
+
+def handle_msgs(records) -> list:
+    """Return the TensorHandle messages of recorded handles (header included)."""
+    handles = []
+    for h in records:
+        msg = TensorHandle(**{name: getattr(h, name) for name in _HANDLE_FIELDS})
+        msg.header.frame_id = h.frame_id
+        msg.header.stamp = RosTime(nanoseconds=h.stamp_ns).to_msg()
+        handles.append(msg)
+    return handles
 
 
 def session_messages(record: TranscriptRecord) -> tuple:
@@ -419,7 +425,7 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
     try:
         for index, old in enumerate(olds):
             ctrl_c.check()
-            if options.skip_tensor_goals and old.prefix_embeddings:
+            if options.skip_tensor_goals and old.tensor_handles:
                 outcomes[index] = ReplayOutcome(
                     SKIPPED, None, '--skip-tensor-goals: the goal carries tensor handles')
                 continue
