@@ -5,14 +5,22 @@ import argparse
 import sys
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError
+from edge_llm_ros.runtime.media import MEDIA_MARKER
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
+from edge_llm_ros.vision.image_file import decode_image
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument('prompt', help='the user message')
+    parser.add_argument('prompt', help='the user message (with --raw: the whole prompt)')
+    parser.add_argument('--image', action='append', default=[], metavar='FILE',
+                        help='an image (PNG/JPEG) for a converted VLM (repeatable); it goes '
+                             f'where the prompt has {MEDIA_MARKER}, else ahead of the text')
+    parser.add_argument('--raw', action='store_true',
+                        help='feed the prompt as is: no chat template, special tokens parsed, '
+                             f'{MEDIA_MARKER} where each image goes (as llama.cpp takes it)')
     parser.add_argument('--model', default='',
                         help='converted model folder (default: the embedded SmolLM2)')
     parser.add_argument('--system', default='', help='system prompt')
@@ -59,8 +67,13 @@ def run(args: argparse.Namespace) -> int:
             info = engine.model_info()
             print(f'[{engine.model_name}] {engine.model_dir}: {info["quantization"]}; kernel '
                   f'{engine.kernel}; providers {", ".join(engine.providers)}', file=sys.stderr)
+        images = [decode_image(path, f'--image {path}') for path in args.image]
+        prompt = args.prompt
+        if images and not args.raw and MEDIA_MARKER not in prompt:
+            prompt = MEDIA_MARKER * len(images) + '\n' + prompt
         request = GenerationRequest(
-            prompt=args.prompt, system_prompt=args.system, max_tokens=args.max_tokens,
+            prompt=prompt, system_prompt=args.system, max_tokens=args.max_tokens,
+            images=images, use_chat_template=not args.raw,
             stop=tuple(args.stop), json_schema=schema,
             sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p,
                                     top_k=args.top_k, seed=args.seed))

@@ -55,6 +55,7 @@ class ParityCase:
     longrope: bool = False
     rotary: float = 1.0
     softcap: float = 0.0  # gemma3 final_logit_softcapping key (llama.cpp uses it without SWA)
+    vision: bool = False  # the vocabulary has the image wrapper tokens (tiny_vocab(vision))
 
     @property
     def tag(self) -> str:
@@ -67,7 +68,7 @@ class ParityCase:
             f'-swab{self.swa_base:g}' if self.swa_base else '') + (
             '-longrope' if self.longrope else '') + (
             f'-rot{self.rotary:g}' if self.rotary != 1.0 else '') + (
-            f'-cap{self.softcap:g}' if self.softcap else '')
+            f'-cap{self.softcap:g}' if self.softcap else '') + ('-vlm' if self.vision else '')
         return f'{self.arch}-{self.wtype.lower()}-s{self.seed}{extra}'
 
     @property
@@ -78,7 +79,7 @@ class ParityCase:
 def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
     """Float32 weights in HF layout (NEOX Q/K rows), scaled 1/sqrt(fan_in)."""
     rng = np.random.default_rng(case.seed)
-    vocab = len(tiny_vocab())
+    vocab = len(tiny_vocab(case.vision))
     c, d = case, case.dims
     hd = d.head_dim
 
@@ -161,7 +162,7 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     c, d = case, case.dims
     w = random_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
-    vocab = tiny_vocab()
+    vocab = tiny_vocab(c.vision)
     writer = gguf.GGUFWriter(str(path), c.arch)
     meta = {'block_count': d.layers, 'context_length': d.context,
             'embedding_length': d.hidden, 'feed_forward_length': d.intermediate,

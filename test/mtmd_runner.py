@@ -1,27 +1,90 @@
-"""Image embeddings from llama.cpp's own multimodal library (runs in the peer venv).
+"""Run llama.cpp's own multimodal library on a prompt with images (runs in the peer venv).
 
-    <peer python> test/mtmd_runner.py text.gguf mmproj.gguf image.npy out.npz
+    <peer python> test/mtmd_runner.py text.gguf mmproj.gguf a.npy[,b.npy...] out.npz
+        [--prompt TEXT] [--tokens N] [--add-special] [--threads N] [--timings]
 
-Run by test/test_vision_encoder.py with the python of bench/llama_peer.py's venv
-(llama-cpp-python's mtmd bindings over libmtmd), so it imports only llama_cpp and numpy. The
-image is an [H, W, 3] uint8 array; it goes through mtmd's own preprocessing and encoder (CPU,
-flash attention off), and every image chunk's embeddings are saved in order: `embeds_<i>`
-[n_tokens, n_embd], plus `n_chunks`.
+Run by the vision tests with the python of bench/llama_peer.py's venv (llama-cpp-python's
+mtmd bindings over libmtmd), so it imports only llama_cpp and numpy. Each image is an
+[H, W, 3] uint8 array; the prompt (default: one media marker per image) is split by mtmd at
+its `<__media__>` markers, with special tokens parsed, and every image goes through mtmd's own
+preprocessing and encoder (CPU, flash attention off). Saved:
+- `n_chunks` and `embeds_<i>` [n_tokens, n_embd]: every image chunk's embeddings, in order;
+- `chunk_types` (0 text, 1 image), and per chunk `chunk_<j>`: a text chunk's token ids, or
+  an image chunk's token count as a one-element array;
+- with --tokens N: `tokens`, N greedy ids after mtmd_helper_eval_chunks evaluated the prompt
+  (float32 KV cache, flash attention off, the whole prompt in one batch), and `logits`;
+- with --timings (bench/bench_vision.py --vlm): `preprocess_s` (mtmd_tokenize: decoding the
+  bitmaps' layout, resizing and tiling), `encode_s` (every image chunk through the encoder)
+  and `first_token_s` (a fresh mtmd_helper_eval_chunks, which encodes again and prefills,
+  plus the first greedy pick), in seconds.
 """
 import argparse
 import ctypes
 import sys
+import time
 
 import llama_cpp
 from llama_cpp import mtmd_cpp as mtmd
-from llama_cpp_runner import load_model
+from llama_cpp_runner import GGML_TYPE_F32, load_model
 import numpy as np
+
+CTX = 1024
+
+
+def _context(model, threads: int, ctx: int = CTX):
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = ctx
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.type_k = cparams.type_v = GGML_TYPE_F32
+    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return llama_cpp.llama_init_from_model(model, cparams)
+
+
+def _chunk_record(chunk) -> np.ndarray:
+    if mtmd.mtmd_input_chunk_get_type(chunk) != 0:
+        return np.array([mtmd.mtmd_input_chunk_get_n_tokens(chunk)], np.int64)
+    n = ctypes.c_size_t(0)
+    ptr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
+    return np.array([ptr[i] for i in range(n.value)], np.int64)
+
+
+def _greedy(model, ctx, chunks, lctx, n_tokens: int, out: dict, batch: int = CTX) -> int:
+    new_past = llama_cpp.llama_pos(0)
+    t0 = time.perf_counter()
+    rc = mtmd.mtmd_helper_eval_chunks(ctx, lctx, chunks, 0, 0, batch, True,
+                                      ctypes.byref(new_past))
+    if rc != 0:
+        print(f'mtmd_helper_eval_chunks failed ({rc})', file=sys.stderr)
+        return 3
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rows, ids = [], []
+    while True:
+        ptr = llama_cpp.llama_get_logits_ith(lctx, -1)
+        rows.append(np.ctypeslib.as_array(ptr, shape=(vocab,)).copy())
+        if len(ids) == n_tokens:
+            break
+        ids.append(int(np.argmax(rows[-1])))
+        if len(ids) == 1:
+            out['first_token_s'] = time.perf_counter() - t0
+        arr = (llama_cpp.llama_token * 1)(ids[-1])
+        if llama_cpp.llama_decode(lctx, llama_cpp.llama_batch_get_one(arr, 1)) != 0:
+            print('llama_decode failed', file=sys.stderr)
+            return 3
+    out['tokens'] = np.array(ids, np.int64)
+    out['logits'] = np.stack(rows)
+    return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name in ('text_model', 'mmproj', 'image', 'out'):
+    for name in ('text_model', 'mmproj', 'images', 'out'):
         p.add_argument(name)
+    p.add_argument('--prompt', default=None)
+    p.add_argument('--tokens', type=int, default=0)
+    p.add_argument('--add-special', action='store_true')
+    p.add_argument('--threads', type=int, default=1)
+    p.add_argument('--timings', action='store_true')
     args = p.parse_args(argv)
     model = load_model(args.text_model)  # the sibling runner's: quiet logs, CPU only
     if not model:
@@ -29,7 +92,7 @@ def main(argv=None) -> int:
         return 2
     params = mtmd.mtmd_context_params_default()
     params.use_gpu = False
-    params.n_threads = 1
+    params.n_threads = args.threads
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     params.warmup = False
     params.print_timings = False
@@ -37,40 +100,58 @@ def main(argv=None) -> int:
     if not ctx:
         print(f'mtmd could not load {args.mmproj}', file=sys.stderr)
         return 2
-    image = np.ascontiguousarray(np.load(args.image), dtype=np.uint8)
-    h, w = image.shape[:2]
-    bitmap = mtmd.mtmd_bitmap_init(w, h, image.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+    images = [np.ascontiguousarray(np.load(f), dtype=np.uint8) for f in args.images.split(',')]
+    bitmaps = [mtmd.mtmd_bitmap_init(im.shape[1], im.shape[0],
+                                     im.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+               for im in images]
     marker = mtmd.mtmd_default_marker()
+    marker = marker.decode() if isinstance(marker, bytes) else marker
+    prompt = (args.prompt if args.prompt is not None else marker * len(images)).encode()
     text = mtmd.mtmd_input_text()
-    prompt = marker if isinstance(marker, bytes) else marker.encode()
     text.text = prompt
     text.text_len = len(prompt)
-    text.add_special = False
+    text.add_special = args.add_special
     text.parse_special = True
     chunks = mtmd.mtmd_input_chunks_init()
-    bitmaps = (mtmd.mtmd_bitmap_p_ctypes * 1)(bitmap)
-    rc = mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), bitmaps, 1)
+    array = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+    t0 = time.perf_counter()
+    rc = mtmd.mtmd_tokenize(ctx, chunks, ctypes.byref(text), array, len(bitmaps))
+    preprocess_s = time.perf_counter() - t0
     if rc != 0:
         print(f'mtmd_tokenize failed ({rc})', file=sys.stderr)
         return 2
     n_embd = llama_cpp.llama_model_n_embd(model)
-    out = {}
+    out, types, embeds, encode_s = {}, [], 0, 0.0
     for i in range(mtmd.mtmd_input_chunks_size(chunks)):
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
-        if mtmd.mtmd_input_chunk_get_type(chunk) != 1:  # image
+        types.append(int(mtmd.mtmd_input_chunk_get_type(chunk)))
+        out[f'chunk_{i}'] = _chunk_record(chunk)
+        if types[-1] != 1:  # an image
             continue
+        t0 = time.perf_counter()
         if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:
             print(f'mtmd_encode_chunk failed on chunk {i}', file=sys.stderr)
             return 2
+        encode_s += time.perf_counter() - t0
         n_tokens = mtmd.mtmd_input_chunk_get_n_tokens(chunk)
         embd = mtmd.mtmd_get_output_embd(ctx)
-        out[f'embeds_{len(out)}'] = np.ctypeslib.as_array(
+        out[f'embeds_{embeds}'] = np.ctypeslib.as_array(
             embd, shape=(n_tokens * n_embd,)).reshape(n_tokens, n_embd).copy()
-    np.savez(args.out, n_chunks=len(out), **out)
+        embeds += 1
+    rc = 0
+    if args.timings:
+        out.update(preprocess_s=preprocess_s, encode_s=encode_s)
+    if args.tokens:
+        n_pos = mtmd.mtmd_helper_get_n_pos(chunks) + args.tokens + 1
+        lctx = _context(model, args.threads, max(CTX, n_pos))
+        rc = _greedy(model, ctx, chunks, lctx, args.tokens, out, max(CTX, n_pos))
+        llama_cpp.llama_free(lctx)
+    np.savez(args.out, n_chunks=embeds, chunk_types=np.array(types, np.int64), **out)
     mtmd.mtmd_input_chunks_free(chunks)
-    mtmd.mtmd_bitmap_free(bitmap)
+    for b in bitmaps:
+        mtmd.mtmd_bitmap_free(b)
     mtmd.mtmd_free(ctx)
-    return 0
+    return rc
 
 
 if __name__ == '__main__':

@@ -606,7 +606,8 @@ def test_model_info(engine):
     assert info['context_length'] == 128 and info['chat_template'].startswith('{%')
     assert info['family'] == 'llama3' and info['family_error'] == ''  # llama's fallback
     assert info['capabilities'] == {'tools': True, 'reasoning': False,
-                                    'reasoning_can_disable': False, 'embeddings_input': True}
+                                    'reasoning_can_disable': False, 'embeddings_input': True,
+                                    'vision': False}
     assert set(info) >= {'quantization', 'model_name', 'tool_call_format'}
 
 

@@ -21,8 +21,9 @@ import onnxruntime as ort
 import pytest
 
 from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
-from edge_llm_ros.convert.vision_graph import build_encoder, normalize
-from edge_llm_ros.vision.mmproj_preprocess import gemma3_tiles, idefics3_tiles, ImageShapeError
+from edge_llm_ros.convert.vision_graph import build_encoder
+from edge_llm_ros.vision.mmproj_preprocess import (gemma3_tiles, idefics3_tiles, ImageShapeError,
+                                                   normalize)
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
 TEXT_WIDTH = ParityCase().dims.hidden

@@ -30,6 +30,11 @@ MERGES = (
     'Ġ o', 'Ġ w', 'Ġ b', 'l u', 'Ġb lu', 'Ġblu e', 'Ġ c', 'o l', 'o r', 'Ġc ol', 'Ġcol or',
     'Ġs k', 'Ġsk y', 'Ġi s', 'H e', 'l l', 'He ll', 'Hell o',
 )
+# A VLM's vocabulary also has '\n\n' (idefics3's overview wrapper) and the image tokens.
+VISION_MERGES = ('Ċ Ċ',)
+VISION_TOKENS = (('<start_of_image>', '<end_of_image>', '<fake_token_around_image>',
+                  '<global-img>', '<img>', '</img>')
+                 + tuple(f'<row_{r}_col_{c}>' for r in range(1, 7) for c in range(1, 7)))
 # GGUF tensor types per role ('mixed' is the default fixture; 'f32' keeps weights exact).
 QUANT_MIXES: Dict[str, Dict[str, str]] = {
     'mixed': {'embed': 'Q8_0', 'lm_head': 'Q8_0', 'q': 'Q4_0', 'k': 'Q4_1', 'v': 'Q4_0',
@@ -79,9 +84,15 @@ def byte_level_alphabet() -> List[str]:
     return [chars[b] for b in range(256)]
 
 
-def tiny_vocab() -> List[str]:
-    """List the special tokens, the 256 byte symbols, then one token per merge."""
-    return list(SPECIAL_TOKENS) + byte_level_alphabet() + [m.replace(' ', '') for m in MERGES]
+def tiny_vocab(vision: bool = False) -> List[str]:
+    """List the special tokens, the 256 byte symbols, then one token per merge.
+
+    vision: then also the double newline as one token and the image wrapper tokens of the mmproj
+    families (VISION_TOKENS, control tokens), as a VLM's vocabulary has them.
+    """
+    merges = MERGES + (VISION_MERGES if vision else ())
+    return (list(SPECIAL_TOKENS) + byte_level_alphabet() + [m.replace(' ', '') for m in merges]
+            + (list(VISION_TOKENS) if vision else []))
 
 
 def tiny_weights(arch: str = 'llama', seed: int = 0, dims: TinyDims = TinyDims(),
@@ -202,14 +213,18 @@ def build_tiny_gguf(path, arch: str = 'llama', seed: int = 0, *, dims: TinyDims 
 
 def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str,
                   pre: Optional[str] = None, template: str = CHAT_TEMPLATE) -> None:
-    """Write the byte-level BPE vocabulary, special ids and chat template (ChatML)."""
+    """Write the byte-level BPE vocabulary, special ids and chat template (ChatML).
+
+    A vocabulary with the vision tokens (tiny_vocab(vision=True)) gets their merge too.
+    """
     writer.add_tokenizer_model('gpt2')
     writer.add_tokenizer_pre(pre or ('qwen2' if arch in ('qwen2', 'qwen3') else 'smollm'))
     writer.add_token_list(list(vocab))
-    types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL
-             for t in vocab]
+    control = set(SPECIAL_TOKENS) | set(VISION_TOKENS)
+    types = [gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in vocab]
     writer.add_token_types(types)
-    writer.add_token_merges(list(MERGES))
+    vision = VISION_TOKENS[0] in vocab
+    writer.add_token_merges(list(MERGES + (VISION_MERGES if vision else ())))
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(EOS_ID)

@@ -53,6 +53,8 @@ class VisionConfig:
     activation: str      # 'gelu_tanh' (clip.use_gelu), 'silu' (clip.use_silu) or 'quick_gelu'
     longest_edge: int    # idefics3's preproc_image_size (0: none)
     n_out: int           # the projector's output width: the language model's hidden size
+    min_tiles: int = 1   # internvl's preproc_min_tiles / preproc_max_tiles (clip.cpp's defaults)
+    max_tiles: int = 12
 
     @property
     def patches_per_side(self) -> int:
@@ -111,13 +113,23 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         image_mean=tuple(float(v) for v in mean[:3]), image_std=tuple(float(v) for v in std[:3]),
         scale_factor=u32('projector.scale_factor', _GEMMA3_POOL if projector == 'gemma3' else 1),
         activation='gelu_tanh' if gelu else 'silu' if silu else 'quick_gelu',
-        longest_edge=u32('preproc_image_size', 0), n_out=0)
+        longest_edge=u32('preproc_image_size', 0), n_out=0,
+        min_tiles=u32('preproc_min_tiles', 1), max_tiles=u32('preproc_max_tiles', 12))
     if not (0 < cfg.patch_size <= cfg.image_size <= 8192) or cfg.image_size % cfg.patch_size:
         raise MmprojError(f'{path}: image_size {cfg.image_size} is not a whole number of '
                           f'{cfg.patch_size}-pixel patches')
     if cfg.n_embd <= 0 or cfg.n_head <= 0 or cfg.n_embd % cfg.n_head:
         raise MmprojError(f'{path}: embedding_length {cfg.n_embd} does not split into '
                           f'{cfg.n_head} heads')
+    if projector == 'internvl' and not 1 <= cfg.min_tiles <= cfg.max_tiles:
+        raise MmprojError(f'{path}: clip.vision.preproc_min_tiles {cfg.min_tiles} and '
+                          f'preproc_max_tiles {cfg.max_tiles} need 1 <= min <= max (llama.cpp '
+                          'cannot tile an image otherwise)')
+    if projector in ('internvl', 'mlp') and gguf_field(reader, 'clip.vision.image_grid_pinpoints'):
+        # llama.cpp then tiles as LLaVA-1.6's anyres (or adds grids to InternVL's): not built.
+        raise MmprojError(f'{path}: clip.vision.image_grid_pinpoints is set: that {projector} '
+                          'tiling (LLaVA-1.6 anyres) is not supported; LLaVA-1.5 style mlp and '
+                          'InternVL 2.5/3 mmproj files are')
     if cfg.scale_factor <= 0 or cfg.patches_per_side % cfg.scale_factor:
         raise MmprojError(f'{path}: {cfg.patches_per_side} patches a side do not merge by '
                           f'scale_factor {cfg.scale_factor}')

@@ -210,8 +210,9 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None) -> onnx.ModelProto:
     return model
 
 
-# Where the image goes in the prompt, as llama.cpp's mtmd places it (research section 3.2), and
-# whether its tokens see each other (gemma3: bidirectional within the image).
+# Where the image goes in the prompt, as llama.cpp's mtmd places it (research section 3.2),
+# whether its tokens see each other (gemma3: bidirectional within the image), and the recipe
+# vision/mmproj_preprocess.preprocess follows for the image (mlp: letterboxed on libmtmd's grey).
 _LAYOUT = {
     'gemma3': {'preprocess': 'letterbox_bilinear', 'attention': 'bidirectional',
                'wrapper': ['<start_of_image>', '<end_of_image>']},
@@ -230,14 +231,5 @@ def model_yaml_section(mm: Mmproj, file: str) -> dict:
             'patch_size': cfg.patch_size, 'tokens_per_tile': cfg.tokens_per_tile,
             'embedding_size': cfg.n_out, 'image_mean': list(cfg.image_mean),
             'image_std': list(cfg.image_std), 'longest_edge': cfg.longest_edge,
+            'min_tiles': cfg.min_tiles, 'max_tiles': cfg.max_tiles,
             **_LAYOUT[cfg.projector], 'source': mm.path}
-
-
-def normalize(tile_u8: np.ndarray, mean, std) -> np.ndarray:
-    """Return an [S, S, 3] uint8 tile normalized as llama.cpp does it, planar [3, S, S].
-
-    (u8 / 255 - mean) / std in float32: a division by std, not a multiplication by 1 / std.
-    """
-    f = tile_u8.astype(np.float32) / np.float32(255.0)
-    f = (f - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(f.transpose(2, 0, 1))

@@ -9,6 +9,10 @@ constraint among tools / json_schema / grammar / regex / choices, reasoning swit
 prompts take a json_schema, grammar, regex or choices, but no tools and no reasoning
 options, and their output is returned as the model wrote it.
 
+Images (runtime/media.py) go where the prompt's `<__media__>` markers are: prepare() checks
+them and lays the prompt out (token ids, and the embedding span of every image chunk); their
+embeddings are bound with bind_images() when the goal starts.
+
 Prefix embeddings may be declared by shape only (DeclaredEmbeddings, e.g. from tensor handles
 that are mapped later): their count, width and dtype are checked here, and the array is bound
 with PreparedRequest.bind() just before generating, which checks only its values.
@@ -29,6 +33,7 @@ import numpy as np
 
 from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
 from edge_llm_ros.runtime import conversation as conv
+from edge_llm_ros.runtime import media
 from edge_llm_ros.runtime import sampling
 from edge_llm_ros.runtime.constraint import compile_request_constraint
 from edge_llm_ros.runtime.kv_cache import block_hashes, check_fits
@@ -59,7 +64,13 @@ class PreparedRequest:
     act_dtype: np.dtype             # the model's activation dtype (embeddings are cast to it)
     embeddings: Optional[DeclaredEmbeddings] = None   # checked shape of the prefix embeddings
     embeds: Optional[np.ndarray] = None   # the bound [rows, hidden] array, act_dtype
-    # Cache key of every prompt position, embeddings first (see kv_cache); complete once bound.
+    # Where embedding rows sit among the prompt ids: (position, rows) per span, in order
+    # (prefix embeddings: one span at 0; an image: one per tile). embeds holds their rows.
+    spans: Tuple[Tuple[int, int], ...] = ()
+    # The request's images (arrays or DeclaredImage) and each one's rows, until bound.
+    images: Tuple[media.ImageInput, ...] = ()
+    image_rows: Tuple[int, ...] = ()
+    # Cache key of every prompt position (see kv_cache); complete once bound.
     keys: Tuple[Hashable, ...] = ()
     # How to split the output into text, reasoning and tool calls (empty: all of it is text).
     output: OutputPlan = OutputPlan()
@@ -71,9 +82,8 @@ class PreparedRequest:
 
     @property
     def prompt_tokens(self) -> int:
-        """Prompt positions: prefix-embedding rows plus prompt token ids."""
-        rows = self.embeddings.rows if self.embeddings is not None else 0
-        return rows + len(self.prompt_ids)
+        """Prompt positions: embedding rows plus prompt token ids."""
+        return sum(rows for _, rows in self.spans) + len(self.prompt_ids)
 
     @functools.cached_property
     def key_hashes(self) -> List[bytes]:
@@ -82,8 +92,13 @@ class PreparedRequest:
 
     @property
     def bound(self) -> bool:
-        """Whether generate() can run it: no declared embeddings wait for their array."""
-        return self.embeddings is None or self.embeds is not None
+        """Tell whether it can start: no embeddings or images wait for their arrays.
+
+        (Images given as arrays are encoded when the goal starts: bind_images.)
+        """
+        if self.embeddings is not None and self.embeds is None:
+            return False
+        return not any(isinstance(im, media.DeclaredImage) for im in self.images)
 
     @property
     def awaits_conversation(self) -> bool:
@@ -109,8 +124,42 @@ class PreparedRequest:
         if not np.isfinite(array).all():
             raise InvalidEmbeddingsError('prefix_embeddings contain NaN or infinite values')
         embeds = np.ascontiguousarray(array, dtype=self.act_dtype)
-        return replace(self, embeds=embeds,
-                       keys=tuple(embedding_keys(embeds)) + self.prompt_ids)
+        return replace(self, embeds=embeds, keys=media.position_keys(
+            self.prompt_ids, self.spans, embedding_keys(embeds)))
+
+    def with_frames(self, frames: Sequence[np.ndarray]) -> 'PreparedRequest':
+        """Return this request with the pixels of its DeclaredImages (mapped frames, in order).
+
+        Each frame must be the size prepare() checked: RGB [height, width, 3] uint8.
+        """
+        if len(frames) != len(self.images):
+            raise media.ImageInputError(f'{len(frames)} frames for {len(self.images)} images')
+        for i, (frame, declared) in enumerate(zip(frames, self.images)):
+            want = (declared.height, declared.width, 3) if isinstance(
+                declared, media.DeclaredImage) else declared.shape
+            if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or \
+                    frame.shape != want:
+                got = (f'{frame.dtype} {list(frame.shape)}' if isinstance(frame, np.ndarray)
+                       else type(frame).__name__)
+                raise media.ImageInputError(f'images[{i}] mapped as {got}, not the declared '
+                                            f'uint8 {list(want)}')
+        return replace(self, images=tuple(frames))
+
+    def bind_images(self, embeds: Sequence[np.ndarray], digests: Sequence[str]
+                    ) -> 'PreparedRequest':
+        """Return this request with its images' embeddings ([rows, hidden] each, in order).
+
+        digests: each image's content digest, which keys its rows in the prefix cache.
+        """
+        if len(embeds) != len(self.image_rows) or any(
+                e.shape[0] != rows for e, rows in zip(embeds, self.image_rows)):
+            raise media.ImageInputError(
+                f'the encoder gave {[e.shape[0] for e in embeds]} rows for images that take '
+                f'{list(self.image_rows)}')
+        keys = [('img', d, i) for d, e in zip(digests, embeds) for i in range(e.shape[0])]
+        array = np.ascontiguousarray(np.concatenate(embeds), dtype=self.act_dtype)
+        return replace(self, embeds=array, images=(),
+                       keys=media.position_keys(self.prompt_ids, self.spans, keys))
 
 
 def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
@@ -169,13 +218,15 @@ def _embeddings(value, hidden_size: int
 def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: int,
             capacity: int, compile_schema: Callable[[str], object],
             act_dtype=np.float32, family: Optional[ModelFamilyConfig] = None,
-            vocab_size: Optional[int] = None) -> PreparedRequest:
+            vocab_size: Optional[int] = None,
+            layout: Optional[media.ImageLayout] = None) -> PreparedRequest:
     """Validate the request and build the prompt; raises InvalidRequestError subclasses.
 
     compile_schema(text) returns a compiled JSON-schema constraint (InvalidSchemaError if bad).
     family: the model's family config (reasoning tags, tool-call format; None: generic JSON
     tool calls, no reasoning tags). vocab_size: the model's logits width, for logit_bias ids.
     An array in prefix_embeddings is bound at once; DeclaredEmbeddings wait for bind().
+    layout: the model's image layout (None: a text-only model, which refuses images).
     """
     if not isinstance(request, GenerationRequest):
         raise InvalidRequestError(f'expected a GenerationRequest, got {type(request).__name__}')
@@ -201,6 +252,10 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
             raise InvalidRequestError('prefix_embeddings start the context, so they cannot '
                                       'join a stored conversation: send them without a '
                                       'session_id')
+        if request.images:
+            raise media.ImageInputError('images cannot join a stored conversation yet: send '
+                                        'the conversation with its images without a '
+                                        'session_id')
     # How to answer: sampling, stopping, format, embeddings.
     if isinstance(request.max_tokens, bool) or \
             not isinstance(request.max_tokens, (int, np.integer)):
@@ -218,7 +273,16 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         raise ContextOverflowError(f'max_tokens {max_tokens} leaves no room for the '
                                    f'prompt in the context of {capacity} tokens: lower it')
     declared, array = _embeddings(request.prefix_embeddings, hidden_size)
-    rows = declared.rows if declared is not None else 0
+    placements = media.check_images(request.images, layout)
+    if placements and declared is not None:
+        raise InvalidRequestError('a request takes images or prefix_embeddings, not both')
+    rows = sum(p.rows for p in placements) if placements else (
+        declared.rows if declared is not None else 0)
+    if placements and rows + max_tokens > capacity:
+        raise ContextOverflowError(
+            f'the {len(placements)} images take {rows} positions; with max_tokens '
+            f'{max_tokens} that exceeds the context of {capacity}: send fewer or smaller '
+            'images, or lower max_tokens')
     # Before tokenizing (or scanning and hashing an array): the row count is the sender's word.
     if rows + max_tokens > capacity:
         raise ContextOverflowError(
@@ -233,6 +297,9 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
             reasoning=request.reasoning, reasoning_budget=request.reasoning_budget,
             compile_schema=compile_schema)
         ids, constraint, output = list(plan.prompt_ids), plan.constraint, plan.output
+        if placements:
+            laid = media.lay_out(media.split_at_markers(plan.prompt_text, len(placements)),
+                                 placements, tokenizer.encode_prompt, tokenizer.encode)
         if session:
             chat, ids = _session_turns(request, messages, plan, tokenizer, capacity - max_tokens)
     else:
@@ -242,22 +309,41 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                       compile_request_constraint(tokenizer, grammar=request.grammar,
                                                  regex=request.regex, choices=request.choices))
         output = OutputPlan()
-        ids = tokenizer.encode(request.prompt)
-        bos = tokenizer.bos_token_id
-        if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
+        if placements:
+            laid = media.lay_out(media.split_at_markers(request.prompt, len(placements)),
+                                 placements, functools.partial(_encode_raw, tokenizer),
+                                 tokenizer.encode)
+        else:
+            ids = _encode_raw(tokenizer, request.prompt)
+    if placements:
+        ids = list(laid.ids)
     if not rows + len(ids):
         raise InvalidRequestError('the prompt encodes to no tokens: give some text')
     problem = check_fits(rows + len(ids), max_tokens, capacity)
     if problem:
         raise ContextOverflowError(problem)
+    if placements:
+        spans, images, image_rows = laid.spans, tuple(request.images), laid.image_rows
+    else:
+        spans, images, image_rows = ((0, rows),) if rows else (), (), ()
+    waits = declared is not None or bool(images)
     prepared = PreparedRequest(prompt_ids=tuple(ids), max_tokens=max_tokens,
                                sampling=request.sampling, stop=stop, constraint=constraint,
                                session_id=request.session_id, act_dtype=np.dtype(act_dtype),
-                               embeddings=declared, keys=() if declared else tuple(ids),
+                               embeddings=declared, keys=() if waits else tuple(ids),
+                               spans=spans, images=images, image_rows=image_rows,
                                output=output, chat=chat if session else None,
                                speculative=bool(getattr(request, 'speculative', True)))
     return prepared.bind(array) if array is not None else prepared
+
+
+def _encode_raw(tokenizer: TextTokenizer, text: str) -> List[int]:
+    """Token ids of raw prompt text (special tokens parsed), BOS first where the model wants it."""
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)
+    return ids
 
 
 def _session_turns(request: GenerationRequest, messages: List[ChatMessage], plan,

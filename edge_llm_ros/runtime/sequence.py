@@ -38,6 +38,7 @@ from typing import Callable, Deque, Iterable, List, Optional, Sequence as Seq, T
 
 import numpy as np
 
+from edge_llm_ros.runtime import media
 from edge_llm_ros.runtime.output import Output
 from edge_llm_ros.runtime.request import PreparedRequest, split_chunks
 from edge_llm_ros.runtime.sampling import build_sampler, LogprobSampler, Sampler, TokenLogprobs
@@ -61,7 +62,7 @@ class Sequence:
 
     def __init__(self, tokenizer: TextTokenizer, prepared: PreparedRequest, output: Output,
                  eos: Iterable[int] = (), t0: Optional[float] = None) -> None:
-        if not prepared.bound or prepared.awaits_conversation:
+        if not prepared.bound or prepared.images or prepared.awaits_conversation:
             raise ValueError('the request was not bound before running: its prefix '
                              'embeddings or its session conversation are missing')
         self._tokenizer = tokenizer
@@ -94,17 +95,24 @@ class Sequence:
 
     # --- the prompt --------------------------------------------------------------------------
     def chunks(self, reused: int, chunk: int) -> List[Tuple[int, int]]:
-        """Return the prompt pieces (a, b) to prefill after `reused` positions already in KV."""
+        """Return the prompt pieces (a, b) to prefill after `reused` positions already in KV.
+
+        Pieces start at every embedding span (media.span_starts): rows go ahead of ids.
+        """
         self._timing['cached'] = reused
-        return list(split_chunks(len(self._req.keys), reused, chunk))
+        total = len(self._req.keys)
+        cuts = [reused] + media.span_starts(self._req.spans, reused, total) + [total]
+        return [piece for a, b in zip(cuts[:-1], cuts[1:])
+                for piece in split_chunks(b, a, chunk)]
 
     def prefill_inputs(self, a: int, b: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
-        """Token ids and prefix-embedding rows of prompt positions a..b-1 (embeddings first)."""
+        """Token ids and embedding rows of prompt positions a..b-1 (embeddings first)."""
         req = self._req
-        n_emb = 0 if req.embeds is None else req.embeds.shape[0]
-        embeds = req.embeds[a:min(b, n_emb)] if a < n_emb else None
-        ids = np.asarray(req.prompt_ids[max(a - n_emb, 0):max(b - n_emb, 0)], dtype=np.int64)
-        return ids, embeds
+        if not req.spans:
+            return np.asarray(req.prompt_ids[a:b], dtype=np.int64), None
+        ra, rb = media.rows_before(req.spans, a), media.rows_before(req.spans, b)
+        ids = np.asarray(req.prompt_ids[a - ra:b - rb], dtype=np.int64)
+        return ids, (req.embeds[ra:rb] if rb > ra else None)
 
     def prefilled(self, a: int, b: int, seconds: float) -> None:
         """Count a prefill chunk the model computed (positions a..b-1 in `seconds`)."""

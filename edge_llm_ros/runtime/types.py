@@ -95,6 +95,9 @@ class GenerationRequest:
     # float32/float16 [n, hidden] embeddings fed through inputs_embeds ahead of the prompt,
     # or only their declared shape (bound later, see PreparedRequest.bind).
     prefix_embeddings: Optional[Union[np.ndarray, DeclaredEmbeddings]] = None
+    # Images (RGB [H, W, 3] uint8 arrays, or runtime.media.DeclaredImage until mapped), each
+    # placed where the prompt or a message has a `<__media__>` marker, in order.
+    images: Sequence = ()
     # The session (conversation) this request continues ('' = none): its stored turns come
     # first and this request's new turns after them (runtime/conversation.py).
     session_id: str = ''

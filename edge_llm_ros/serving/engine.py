@@ -46,6 +46,7 @@ from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
 from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
+from edge_llm_ros.vision.mmproj_encoder import open_vision
 
 
 @dataclass
@@ -147,6 +148,10 @@ class Engine:
                                                            self._session_config(config))
         # Before any cache holds positions: the probe writes into every slot.
         self.rows: RowPolicy = probe_rows(self._decoder)
+        # A VLM folder's vision encoder and how its images sit in the prompt (else None).
+        self.vision, self._layout = open_vision(
+            model_dir, self.info.extra, self.tokenizer, providers=tuple(config.providers),
+            provider_options=tuple(config.provider_options), threads=config.intra_op_threads)
         self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
                                              model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
@@ -202,7 +207,7 @@ class Engine:
                 'send the whole conversation without a session_id, or enable them')
         return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
                        self._compile_schema, decoder.act_dtype, family=self.family,
-                       vocab_size=self.vocab_size)
+                       vocab_size=self.vocab_size, layout=self._layout)
 
     def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
         """Build the runtime state of a goal that got a slot (the scheduler calls this).
@@ -213,10 +218,17 @@ class Engine:
         if request.awaits_conversation:
             stored = self._store.conversation(request.session_id) or Conversation()
             request = bind_conversation(request, stored, self.tokenizer, self.context_length)
+        if request.images:
+            request = self._encode_images(request)
         seq = TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
         if request.speculative:
             seq.speculator = self.speculation.start(request.prompt_ids)
         return seq
+
+    def _encode_images(self, request: PreparedRequest) -> PreparedRequest:
+        """Run the vision encoder on the request's images and bind their rows (engine thread)."""
+        encoded = [self.vision.encode(image) for image in request.images]
+        return request.bind_images([e.rows for e in encoded], [e.digest for e in encoded])
 
     def _end_ops(self, goal: Goal, slot: int) -> list:
         """After a goal's end in `slot`: commit its session's turn, else checkpoint the slot.
@@ -253,8 +265,9 @@ class Engine:
         t0 = time.perf_counter()
         prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
         if not prepared.bound:
-            raise EngineError('the request declares prefix_embeddings that were never bound: '
-                              'call prepared.bind(array) before generate()')
+            raise EngineError('the request declares prefix_embeddings or images that were never '
+                              'bound: call prepared.bind(array) / with_frames(frames) before '
+                              'generate()')
         with self._lock:
             self._open_decoder()
             if self._solo is not None:
@@ -340,6 +353,7 @@ class Engine:
                 'reasoning': reasoning is not None,
                 'reasoning_can_disable': family is not None and family.can_disable_reasoning,
                 'embeddings_input': True,
+                'vision': self.vision is not None,
             },
         }
 

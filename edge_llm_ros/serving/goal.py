@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import enum
 import itertools
 import time
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import numpy as np
 
@@ -104,6 +104,9 @@ class Goal:
     # Entered on the engine's thread when the goal gets a slot, left when it ends; yields the
     # prefix-embedding array to bind into the request (llm_node maps tensor handles then).
     embeddings: Optional[Callable[[], ContextManager[np.ndarray]]] = None
+    # The same for the request's DeclaredImages: yields their frames (RGB [H, W, 3] uint8
+    # arrays, in order) while the goal runs; the engine encodes them when it starts.
+    images: Optional[Callable[[], ContextManager[Sequence[np.ndarray]]]] = None
     on_feedback: Optional[Callable[[Feedback], None]] = None
     on_done: Optional[Callable[['Goal'], None]] = None
     # Set by serving ---------------------------------------------------------------------------
@@ -149,12 +152,19 @@ class Goal:
         return self.state is GoalState.DONE
 
     def enter_embeddings(self) -> Any:
-        """Bind the prefix embeddings (mapped now, released at the end); return the request."""
-        if self.embeddings is None:
+        """Bind the prefix embeddings and images (mapped now, released at the end).
+
+        Returns the request with them.
+        """
+        if self.embeddings is None and self.images is None:
             return self.request
         stack = contextlib.ExitStack()
         try:
-            request = self.request.bind(stack.enter_context(self.embeddings()))
+            request = self.request
+            if self.embeddings is not None:
+                request = request.bind(stack.enter_context(self.embeddings()))
+            if self.images is not None:
+                request = request.with_frames(list(stack.enter_context(self.images())))
         except BaseException:
             stack.close()
             raise

@@ -492,7 +492,8 @@ class RemoteEngine:
                 'providers': list(self.providers), 'chat_template': '', 'family': '',
                 'tool_call_format': 'openai',
                 'capabilities': {'tools': True, 'reasoning': True,
-                                 'reasoning_can_disable': True, 'embeddings_input': False}}
+                                 'reasoning_can_disable': True, 'embeddings_input': False,
+                                 'vision': False}}
 
     def reset_sessions(self, session_id: str = '') -> int:
         """Drop nothing: the remote server keeps no per-session state for us (0 dropped)."""

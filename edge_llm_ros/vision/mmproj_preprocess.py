@@ -1,25 +1,42 @@
 """Image preprocessing of the mmproj families as llama.cpp's multimodal library does it.
 
 The encoder's embeddings depend on the exact pixels, so each family resizes as the libmtmd this
-project is checked against (llama-cpp-python 0.3.36's) does. Its resamplers match Pillow's
-antialiased filters, so Pillow does the resampling here (test/test_vision_encoder.py compares
-the embeddings of every chunk with libmtmd's):
+project is checked against (llama-cpp-python 0.3.36's, tools/mtmd/mtmd-image.cpp) does. Its
+resamplers match Pillow's antialiased filters (bicubic with a = -0.5), one pass per axis, the
+width first, so Pillow does the resampling here (test/test_vision_encoder.py compares the
+embeddings of every chunk with libmtmd's):
 - gemma3: one tile, the image letterboxed on black (scaled to fit, rounded up, centred at floor
   offsets) with Pillow's BILINEAR;
 - idefics3: as HF's Idefics3 processor, with LANCZOS: the longest edge scaled to
   `longest_edge` (the other edge truncated, then made even), then both edges up to whole
-  tiles; the tiles row by row, then the overview (that image resized to one tile).
-Tiles are then normalized by convert/vision_graph.normalize. (The recipes in
-docs/design/issue22_mmproj_research.md section 2 describe an older libmtmd: its own bilinear
-and bicubic kernels. The installed library gave different pixels; this module follows it.)
+  tiles; the tiles row by row, then the overview (that image resized to one tile);
+- internvl: an image no larger than one tile is stretched to it (BICUBIC), the only chunk. A
+  larger one takes the grid of a x b tiles (libmtmd's candidates: a * b <= max_tiles, not HF's
+  closest aspect ratio) that keeps most of its pixels, the least wasted area breaking ties; it
+  is letterboxed on black into that grid (BICUBIC) and cut row by row, and the whole image
+  stretched to one tile (BICUBIC) follows as the thumbnail;
+- mlp (LLaVA-1.5): one tile, letterboxed as gemma3's but BICUBIC and on libmtmd's fixed grey
+  (122, 116, 104), whatever the mmproj's image_mean (no mean colour of the image is taken).
+`preprocess` picks the recipe from model.yaml's `vision` mapping, `grid_for` gives the tile
+count of an image size without its pixels, and `normalize` makes the encoder's input of a tile.
+(The recipes in docs/design/issue22_mmproj_research.md section 2 describe an older libmtmd:
+its own bilinear and bicubic kernels. The installed library gave different pixels; this module
+follows it.)
 """
 from dataclasses import dataclass
+from functools import lru_cache
 import math
-from typing import List, Tuple
+from typing import List, Mapping, Tuple
 
 import numpy as np
 
 BLACK = (0, 0, 0)
+# libmtmd's pad colour of the mlp (LLaVA) family: CLIP's mean x 255, truncated; fixed.
+LLAVA_GREY = (122, 116, 104)
+# clip.cpp's defaults for an InternVL mmproj without clip.vision.preproc_min/max_tiles.
+INTERNVL_MIN_TILES, INTERNVL_MAX_TILES = 1, 12
+# model.yaml's vision.preprocess values (convert/vision_graph.py writes them).
+PREPROCESS = ('letterbox_bilinear', 'idefics3_tiles', 'internvl_tiles', 'letterbox_bicubic')
 
 
 class ImageShapeError(ValueError):
@@ -42,7 +59,8 @@ def _resample(img: np.ndarray, width: int, height: int, name: str) -> np.ndarray
     the passes then differs.)
     """
     from PIL import Image
-    filt = {'bilinear': Image.BILINEAR, 'lanczos': Image.LANCZOS}[name]
+    filt = {'bilinear': Image.BILINEAR, 'bicubic': Image.BICUBIC,
+            'lanczos': Image.LANCZOS}[name]
     out = Image.fromarray(img)
     if out.width != width:
         out = out.resize((width, out.height), filt)
@@ -105,3 +123,129 @@ def idefics3_tiles(img: np.ndarray, size: int, longest_edge: int) -> Tiles:
              for y in range(0, h_bar, size) for x in range(0, w_bar, size)]
     tiles.append(_resample(refined, size, size, 'lanczos'))
     return Tiles(tiles, (w_bar // size, h_bar // size))
+
+
+@lru_cache(maxsize=32)
+def _internvl_candidates(size: int, min_tiles: int, max_tiles: int
+                         ) -> Tuple[Tuple[int, int], ...]:
+    """Return clip.cpp's InternVL grids (width, height) in pixels, in its order.
+
+    a tiles across from min to max, b down from max(ceil(min / a), min) to max // a: for the
+    default 1..12 every grid of at most 12 tiles, 1 x 1 included.
+    """
+    out = []
+    for a in range(min_tiles, max_tiles + 1):
+        for b in range(max(-(-min_tiles // a), min_tiles), min(max_tiles // a, max_tiles) + 1):
+            out.append((a * size, b * size))
+    return tuple(out)
+
+
+def _best_resolution(w: int, h: int, candidates) -> Tuple[int, int]:
+    """Return the candidate keeping most of the image's pixels, then wasting the least area.
+
+    As libmtmd's select_best_resolution: the image scaled to fit each (float32, truncated);
+    the first candidate wins a tie.
+    """
+    f32 = np.float32
+    best, most, least = candidates[0], 0, math.inf
+    for cw, ch in candidates:
+        scale = min(f32(cw) / f32(w), f32(ch) / f32(h))
+        kept = min(int(f32(w) * scale) * int(f32(h) * scale), w * h)
+        waste = cw * ch - kept
+        if kept > most or (kept == most and waste < least):
+            best, most, least = (cw, ch), kept, waste
+    return best
+
+
+def _internvl_grid(h: int, w: int, size: int, min_tiles: int, max_tiles: int
+                   ) -> Tuple[int, int]:
+    """Return the tile grid's (width, height) in pixels; (0, 0) for an image of one tile."""
+    if w <= size and h <= size:
+        return 0, 0
+    if not 1 <= min_tiles <= max_tiles:
+        raise ValueError(f'InternVL tiles {min_tiles}..{max_tiles}: need 1 <= min <= max')
+    return _best_resolution(w, h, _internvl_candidates(size, min_tiles, max_tiles))
+
+
+def internvl_tiles(img: np.ndarray, size: int, min_tiles: int = INTERNVL_MIN_TILES,
+                   max_tiles: int = INTERNVL_MAX_TILES) -> Tiles:
+    """Return InternVL's tiles: the grid (letterboxed on black, BICUBIC), then the thumbnail.
+
+    An image no larger than one tile is only stretched to it: one chunk, grid (0, 0).
+    """
+    h, w = _check(img).shape[:2]
+    gw, gh = _internvl_grid(h, w, size, min_tiles, max_tiles)
+    thumbnail = _resample(img, size, size, 'bicubic')  # the whole image, stretched
+    if not gw:
+        return Tiles([thumbnail], (0, 0))
+    refined = letterbox(img, gw, gh, 'bicubic')
+    tiles = [refined[y:y + size, x:x + size].copy()
+             for y in range(0, gh, size) for x in range(0, gw, size)]
+    tiles.append(thumbnail)
+    return Tiles(tiles, (gw // size, gh // size))
+
+
+def mlp_tiles(img: np.ndarray, size: int, color: Tuple[int, int, int] = LLAVA_GREY) -> Tiles:
+    """Return LLaVA-1.5's one tile: letterboxed on libmtmd's grey with the bicubic."""
+    return Tiles([letterbox(_check(img), size, size, 'bicubic', color)], (0, 0))
+
+
+def _recipe(vision: Mapping) -> str:
+    name = str(vision.get('preprocess', ''))
+    if name not in PREPROCESS:
+        from edge_llm_ros.errors import ModelLoadError
+        raise ModelLoadError(f'model.yaml vision.preprocess {name!r} is not one of '
+                             f'{", ".join(PREPROCESS)}: reconvert the model')
+    return name
+
+
+def _tile_range(vision: Mapping) -> Tuple[int, int]:
+    return (int(vision.get('min_tiles') or INTERNVL_MIN_TILES),
+            int(vision.get('max_tiles') or INTERNVL_MAX_TILES))
+
+
+def preprocess(img: np.ndarray, vision: Mapping) -> Tiles:
+    """Return an image's tiles as libmtmd makes them for model.yaml's `vision` mapping."""
+    name, size = _recipe(vision), int(vision['image_size'])
+    if name == 'letterbox_bilinear':
+        return gemma3_tiles(img, size)
+    if name == 'letterbox_bicubic':
+        return mlp_tiles(img, size)
+    if name == 'idefics3_tiles':
+        return idefics3_tiles(img, size, int(vision.get('longest_edge') or 0))
+    return internvl_tiles(img, size, *_tile_range(vision))
+
+
+def grid_for(height: int, width: int, vision: Mapping) -> Tuple[int, int, int]:
+    """Return the (columns, rows, tiles) `preprocess` makes of a height x width image.
+
+    From the size alone, no pixels; `tiles` counts every chunk, the overview or thumbnail
+    included: (0, 0, 1) for an image of one tile.
+    """
+    name, size = _recipe(vision), int(vision['image_size'])
+    h, w = int(height), int(width)
+    if h < 1 or w < 1:
+        raise ImageShapeError(f'an image must be at least 1 x 1 pixels, got {h} x {w}')
+    if name in ('letterbox_bilinear', 'letterbox_bicubic'):
+        return 0, 0, 1
+    if name == 'idefics3_tiles':
+        longest = int(vision.get('longest_edge') or 0)
+        if longest > 0:
+            w, h = _longest_edge_size(w, h, longest)
+        cols, rows = math.ceil(w / size), math.ceil(h / size)
+        return cols, rows, cols * rows + 1
+    gw, gh = _internvl_grid(h, w, size, *_tile_range(vision))
+    if not gw:
+        return 0, 0, 1
+    cols, rows = gw // size, gh // size
+    return cols, rows, cols * rows + 1
+
+
+def normalize(tile_u8: np.ndarray, mean, std) -> np.ndarray:
+    """Return an [S, S, 3] uint8 tile normalized as llama.cpp does it, planar [3, S, S].
+
+    (u8 / 255 - mean) / std in float32: a division by std, not a multiplication by 1 / std.
+    """
+    f = tile_u8.astype(np.float32) / np.float32(255.0)
+    f = (f - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(f.transpose(2, 0, 1))

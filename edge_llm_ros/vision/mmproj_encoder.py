@@ -1,0 +1,107 @@
+"""A converted VLM's vision encoder (vision.onnx): an RGB image -> its embedding rows.
+
+The llm_node runs it on the frames goals bring, and the perception node on its camera stream:
+both through this class. The image is preprocessed as llama.cpp's libmtmd does it
+(vision/mmproj_preprocess.py: the family's resize, tiles and normalization), every tile goes
+through the graph in one batch, and the rows come out in prompt order (tiles row by row, then
+the overview). The last few images' rows are kept by content digest, so the same frame asked
+about again is not encoded again.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+import os
+import pathlib
+import time
+from typing import Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import onnxruntime as ort
+
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.media import image_digest
+from edge_llm_ros.vision.mmproj_preprocess import normalize, preprocess
+
+CACHED_IMAGES = 8
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One image's embedding rows [rows, n_out], its digest and what it cost."""
+
+    rows: np.ndarray
+    digest: str
+    preprocess_s: float = 0.0
+    encode_s: float = 0.0
+    cached: bool = False
+
+
+class ImageEncoder:
+    """vision.onnx of a model folder, with its model.yaml `vision` section."""
+
+    def __init__(self, model_dir: os.PathLike, vision: Mapping,
+                 providers: Sequence[str] = ('CPUExecutionProvider',),
+                 provider_options: Sequence[dict] = (), threads: int = 0) -> None:
+        path = pathlib.Path(model_dir) / str(vision.get('file', 'vision.onnx'))
+        if not path.is_file():
+            raise ModelLoadError(f'{path} is missing, but model.yaml has a vision section: '
+                                 'reconvert the model with --mmproj')
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(threads)
+        available = set(ort.get_available_providers())
+        chosen = [p for p in providers if p in available] or ['CPUExecutionProvider']
+        opts = [dict(o) for o in provider_options][:len(chosen)] if provider_options else None
+        try:
+            self._session = ort.InferenceSession(str(path), options, providers=chosen,
+                                                 provider_options=opts)
+        except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
+            raise ModelLoadError(f'cannot load {path}: {exc}') from exc
+        self.vision = dict(vision)
+        self.providers = tuple(self._session.get_providers())
+        self.n_out = int(vision['embedding_size'])
+        self._mean, self._std = vision['image_mean'], vision['image_std']
+        self._cache: 'collections.OrderedDict[str, np.ndarray]' = collections.OrderedDict()
+
+    def encode(self, image: np.ndarray, digest: Optional[str] = None) -> Encoded:
+        """Return the image's rows ([H, W, 3] uint8 RGB, read in place: no copy of the frame)."""
+        digest = digest or image_digest(image)
+        hit = self._cache.get(digest)
+        if hit is not None:
+            self._cache.move_to_end(digest)
+            return Encoded(hit, digest, cached=True)
+        t0 = time.perf_counter()
+        tiles = preprocess(image, self.vision)
+        pixels = np.stack([normalize(t, self._mean, self._std) for t in tiles.tiles])
+        t1 = time.perf_counter()
+        (out,) = self._session.run(None, {'pixel_values': pixels})
+        rows = np.ascontiguousarray(out.reshape(-1, out.shape[-1]))
+        t2 = time.perf_counter()
+        self._cache[digest] = rows
+        while len(self._cache) > CACHED_IMAGES:
+            self._cache.popitem(last=False)
+        return Encoded(rows, digest, t1 - t0, t2 - t1)
+
+    def clear(self) -> None:
+        """Forget the cached rows."""
+        self._cache.clear()
+
+
+def single_token(encode, decode) -> 'callable':
+    """Return token_id(piece): the id when `piece` is exactly one token, else None."""
+    def token_id(piece: str) -> Optional[int]:
+        ids = encode(piece)
+        return ids[0] if len(ids) == 1 and decode(ids) == piece else None
+    return token_id
+
+
+def open_vision(model_dir: os.PathLike, extra: Mapping, tokenizer, **session
+                ) -> Tuple[Optional[ImageEncoder], Optional[object]]:
+    """Return the folder's (ImageEncoder, PromptLayout), or (None, None) without `vision`."""
+    vision = extra.get('vision')
+    if not vision:
+        return None, None
+    from edge_llm_ros.vision.mmproj_layout import PromptLayout
+    layout = PromptLayout(vision, single_token(tokenizer.encode, tokenizer.decode),
+                          tokenizer.encode)
+    return ImageEncoder(model_dir, vision, **session), layout

@@ -1,0 +1,103 @@
+"""Where an image's embeddings go in the prompt, with the family's wrapper tokens, as mtmd does.
+
+llama.cpp's multimodal library replaces each media marker of the prompt by the image's chunks:
+- gemma3: `<start_of_image>` [the image] `<end_of_image>`;
+- idefics3: per tile, row by row, `<fake_token_around_image><row_R_col_C>` [tile], a newline
+  token between rows; then the double-newline token,
+  `<fake_token_around_image><global-img>` [overview] `<fake_token_around_image>`;
+- internvl: `<img>` [tiles, then the overview] `</img>`;
+- mlp (LLaVA-1.5): the image alone.
+The wrapper pieces are single tokens of the language model's vocabulary; a model that lacks
+one is refused when it loads (llama.cpp would silently put token -1 there).
+(test/test_vision_llm_parity.py compares the token ids and chunk sizes with mtmd's.)
+"""
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.media import ImageInputError
+from edge_llm_ros.vision.mmproj_preprocess import grid_for
+
+# One prompt item: token ids, or the number of embedding rows of one tile / image chunk.
+Item = Union[Tuple[int, ...], int]
+_PIECES: Dict[str, Tuple[str, ...]] = {
+    'gemma3': ('<start_of_image>', '<end_of_image>'),
+    'idefics3': ('<fake_token_around_image>', '<global-img>', '\n', '\n\n'),
+    'internvl': ('<img>', '</img>'),
+    'mlp': (),
+}
+
+
+@dataclass(frozen=True)
+class ImagePlacement:
+    """One image's items in prompt order, and its embedding rows in all."""
+
+    items: Tuple[Item, ...]
+    rows: int
+    tiles: int
+
+
+class PromptLayout:
+    """The prompt items of an image of a given size, for one converted VLM (model.yaml)."""
+
+    def __init__(self, vision: Mapping, token_id: Callable[[str], Optional[int]],
+                 encode: Callable[[str], List[int]]) -> None:
+        """Look the wrapper tokens up now; ModelLoadError names any the vocabulary lacks."""
+        self._vision = dict(vision)
+        self.projector = str(vision['projector'])
+        if self.projector not in _PIECES:
+            raise ModelLoadError(f'model.yaml vision.projector {self.projector!r} is not one '
+                                 f'of {", ".join(sorted(_PIECES))}: reconvert the model')
+        self.tokens_per_tile = int(vision['tokens_per_tile'])
+        self._encode = encode
+        ids = {}
+        for piece in _PIECES[self.projector]:
+            tid = token_id(piece)
+            if tid is None:
+                raise ModelLoadError(
+                    f'the language model has no single token {piece!r}, which a '
+                    f'{self.projector} image is wrapped in: pair the mmproj with its own '
+                    'language model')
+            ids[piece] = tid
+        self._ids = ids
+        # gemma3's image tokens see each other both ways (llama.cpp and HF); the decoder's
+        # attention op is causal only, so such images are refused rather than run wrongly.
+        self.refusal = ('' if vision.get('attention', 'causal') == 'causal' else
+                        f'{self.projector} images need bidirectional attention over the image '
+                        "tokens, which this engine's decoder does not do yet: this model "
+                        'takes text only here')
+
+    def place(self, height: int, width: int) -> ImagePlacement:
+        """Return the items of an image of height x width (pixels not needed)."""
+        if self.refusal:
+            raise ImageInputError(self.refusal)
+        cols, rows, tiles = grid_for(height, width, self._vision)
+        t, ids = self.tokens_per_tile, self._ids
+        items: List[Item] = []
+        if self.projector == 'gemma3':
+            items = [(ids['<start_of_image>'],), t, (ids['<end_of_image>'],)]
+        elif self.projector == 'idefics3':
+            fake = ids['<fake_token_around_image>']
+            for r in range(rows):
+                if r:
+                    items.append((ids['\n'],))
+                for c in range(cols):
+                    items += [tuple(self._encode(
+                        f'<fake_token_around_image><row_{r + 1}_col_{c + 1}>')), t]
+            items += [(ids['\n\n'], fake, ids['<global-img>']), t, (fake,)]
+        elif self.projector == 'internvl':
+            items = [(ids['<img>'],), *([t] * tiles), (ids['</img>'],)]
+        else:
+            items = [t] * tiles
+        return ImagePlacement(tuple(merge_items(items)), t * tiles, tiles)
+
+
+def merge_items(items: Sequence[Item]) -> List[Item]:
+    """Join neighbouring token runs (an image's rows stay one item per tile)."""
+    out: List[Item] = []
+    for item in items:
+        if isinstance(item, tuple) and out and isinstance(out[-1], tuple):
+            out[-1] = out[-1] + item
+        else:
+            out.append(item)
+    return out

@@ -1,0 +1,200 @@
+"""Images through the engine against llama.cpp's libmtmd: prompt layout and greedy ids.
+
+Tiny VLM pairs (a random mmproj of each family, test/mmproj_fixtures.py, and a 256-wide text
+GGUF whose vocabulary has the image wrapper tokens) are converted with --mmproj. For the same
+raw prompt with `<__media__>` markers and the same images, llama.cpp's multimodal library
+(test/mtmd_runner.py in the peer venv) tokenizes, encodes, evaluates the prompt with
+mtmd_helper_eval_chunks and decodes greedily. The engine must lay the prompt out exactly as
+mtmd's chunks (token ids of every text chunk, the size of every image chunk, in order) and
+give the same first 32 greedy ids.
+"""
+import pathlib
+import subprocess
+
+from gguf_fixtures import ParityCase, write_gguf
+from llama_cpp_parity import peer_python
+from mmproj_fixtures import write_mmproj
+import numpy as np
+import pytest
+
+from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.errors import ContextOverflowError
+from edge_llm_ros.runtime.media import ImageInputError
+from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+
+RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
+TOKENS = 32
+TOP = 8
+SCALES = {'gemma3': 4, 'idefics3': 2, 'internvl': 2, 'mlp': None}
+
+
+@pytest.fixture(scope='module')
+def pair(tmp_path_factory):
+    """Return make(projector) -> (text.gguf, mmproj.gguf, engine), one per family."""
+    work = tmp_path_factory.mktemp('vlm_pair')
+    text = write_gguf(work / 'text.gguf', ParityCase(arch='llama', wtype='F32', vision=True))
+    made = {}
+
+    def make(projector: str):
+        if projector not in made:
+            mmproj = write_mmproj(work / f'{projector}.gguf', projector, n_text=256,
+                                  scale=SCALES[projector], longest_edge=64, seed=11)
+            folder = convert(str(text), str(work / projector), mmproj=str(mmproj),
+                             progress=False)
+            engine = Engine(EngineConfig(model_dir=str(folder), max_context=256,
+                                         intra_op_threads=1, prefix_reuse=False))
+            made[projector] = (text, mmproj, engine)
+        return made[projector]
+    yield make
+    for _, _, engine in made.values():
+        engine.close()
+
+
+def mtmd_run(text, mmproj, images, prompt: str, work: pathlib.Path, tokens: int = TOKENS):
+    files = []
+    for i, image in enumerate(images):
+        files.append(str(work / f'image{i}.npy'))
+        np.save(files[-1], image)
+    out = work / 'mtmd.npz'
+    proc = subprocess.run([peer_python(), str(RUNNER), str(text), str(mmproj), ','.join(files),
+                           str(out), '--prompt', prompt, '--tokens', str(tokens)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return np.load(out)
+
+
+def mtmd_layout(data):
+    """Return mtmd's chunks as (ids, spans) in the engine's terms."""
+    ids, spans, pos = [], [], 0
+    for j, kind in enumerate(data['chunk_types']):
+        record = [int(x) for x in data[f'chunk_{j}']]
+        if kind == 0:
+            ids += record
+            pos += len(record)
+        else:
+            spans.append((pos, record[0]))
+            pos += record[0]
+    return ids, spans
+
+
+def image(seed: int, height: int, width: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), np.uint8)
+
+
+CASES = [
+    # projector, image sizes, prompt
+    ('idefics3', [(30, 45)], 'Hi <__media__> the sky is'),        # 2 x 2 tiles + overview
+    ('idefics3', [(40, 100), (90, 20)], '<__media__>Hello<__media__> blue'),  # two images
+    ('internvl', [(30, 45)], 'Hi <__media__> the sky is'),        # tiles + thumbnail
+    ('internvl', [(32, 32)], 'the <__media__>'),                  # one tile
+    ('internvl', [(20, 100), (90, 40)], '<__media__> and <__media__>'),  # wide and tall grids
+    ('internvl', [(70, 100)], 'a <__media__>'),                   # 4 x 3 tiles + thumbnail
+    ('mlp', [(32, 32)], 'Hello <__media__>\nthe color'),
+    ('mlp', [(20, 45)], '<__media__> sky'),                        # letterboxed on grey
+    ('mlp', [(32, 32), (32, 32)], '<__media__><__media__> is'),  # the same image twice
+]
+
+
+def logprob_gap(result, logits: np.ndarray) -> float:
+    """Largest |our log prob - mtmd's| over every step's top tokens (the same greedy path)."""
+    x = logits.astype(np.float64)
+    lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+    return max(abs(lp - (x[i, tid] - lse[i]))
+               for i, step in enumerate(result.logprobs) for tid, lp in step.top)
+
+
+def generate(engine, prompt: str, images, **kw):
+    return engine.generate(GenerationRequest(
+        prompt=prompt, use_chat_template=False, images=images, max_tokens=TOKENS,
+        sampling=SamplingConfig(logprobs=True, top_logprobs=TOP), **kw)).run_to_end()
+
+
+@pytest.mark.parametrize('projector, sizes, prompt', CASES)
+def test_images_lay_out_and_decode_as_llamacpps_mtmd(tmp_path, pair, projector, sizes, prompt):
+    text, mmproj, engine = pair(projector)
+    images = [image(7 + i, h, w) for i, (h, w) in enumerate(sizes)]
+    if projector == 'mlp' and len(images) == 2:
+        images[1] = images[0]
+    data = mtmd_run(text, mmproj, images, prompt, tmp_path)
+    prepared = engine.prepare(GenerationRequest(prompt=prompt, use_chat_template=False,
+                                                images=images, max_tokens=TOKENS))
+    ids, spans = mtmd_layout(data)
+    assert (list(prepared.prompt_ids), list(prepared.spans)) == (ids, spans)
+    result = generate(engine, prompt, images)
+    assert result.error == ''
+    assert result.token_ids == [int(t) for t in data['tokens']]
+    assert result.prompt_tokens == len(ids) + sum(rows for _, rows in spans)
+    # The image's embeddings reach the logits as llama.cpp's do: within 1 % of the peak
+    # logit (measured 0.5-0.7 %: llama.cpp's own activation rounding), while another image
+    # moves them beyond it (1.4-8 times as far; least for a letterboxed, mostly grey tile).
+    tolerance = 0.01 * float(np.abs(data['logits']).max())
+    assert logprob_gap(result, data['logits']) <= tolerance
+    other = generate(engine, prompt, [image(99, h, w) for h, w in sizes])
+    assert logprob_gap(other, data['logits']) > tolerance
+
+
+def test_images_in_a_chat_turn_go_where_the_marker_is(tmp_path, pair):
+    text, mmproj, engine = pair('idefics3')
+    img = image(3, 30, 45)
+    messages_prompt = engine.tokenizer.apply_chat_template(
+        [{'role': 'user', 'content': 'What is in <__media__> this?'}], True)
+    data = mtmd_run(text, mmproj, [img], messages_prompt, tmp_path)
+    result = engine.generate(GenerationRequest(prompt='What is in <__media__> this?',
+                                               images=[img], max_tokens=TOKENS)).run_to_end()
+    assert result.token_ids == [int(t) for t in data['tokens']]
+
+
+def test_bad_images_are_refused_before_any_model_work(pair):
+    _, _, engine = pair('mlp')
+    good = image(1, 32, 32)
+    for bad, match in [(np.zeros((0, 4, 3), np.uint8), 'at least one pixel'),
+                       (np.zeros((4, 4), np.uint8), r'RGB \[height, width, 3\] uint8'),
+                       (np.zeros((4, 4, 4), np.uint8), 'RGB'),
+                       (np.zeros((4, 4, 3), np.float32), 'uint8'),
+                       ('photo.jpg', 'RGB uint8 array')]:
+        with pytest.raises(ImageInputError, match=match):
+            engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                             images=[bad], max_tokens=8))
+    with pytest.raises(ImageInputError, match='megapixels'):
+        from edge_llm_ros.runtime.media import DeclaredImage
+        engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                         images=[DeclaredImage(10000, 10000)],
+                                         max_tokens=8))
+    with pytest.raises(ImageInputError, match='1 <__media__> markers for 2 images'):
+        engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                         images=[good, good], max_tokens=8))
+    with pytest.raises(ContextOverflowError, match='images take'):
+        engine.prepare(GenerationRequest(prompt='<__media__>' * 4, use_chat_template=False,
+                                         images=[good] * 4, max_tokens=8))
+    # The engine still serves after every refusal.
+    result = engine.generate(GenerationRequest(prompt='<__media__> the', images=[good],
+                                               use_chat_template=False, max_tokens=3)
+                             ).run_to_end()
+    assert result.error == '' and result.completion_tokens == 3
+
+
+def test_a_text_only_model_refuses_images(tmp_path, pair):
+    text, _, _ = pair('mlp')
+    folder = convert(str(text), str(tmp_path / 'text_only'), progress=False)
+    engine = Engine(EngineConfig(model_dir=str(folder), max_context=256))
+    try:
+        with pytest.raises(ImageInputError, match='no vision encoder'):
+            engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                             images=[image(1, 8, 8)], max_tokens=8))
+    finally:
+        engine.close()
+
+
+def test_gemma3_images_are_refused_until_their_attention_is_bidirectional(tmp_path, pair):
+    text, _, _ = pair('mlp')
+    mmproj = write_mmproj(tmp_path / 'g.gguf', 'gemma3', n_text=256, scale=4, seed=2)
+    folder = convert(str(text), str(tmp_path / 'gemma3'), mmproj=str(mmproj), progress=False)
+    engine = Engine(EngineConfig(model_dir=str(folder), max_context=256))
+    try:
+        assert engine.model_info()['capabilities']['vision']
+        with pytest.raises(ImageInputError, match='bidirectional attention'):
+            engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                             images=[image(1, 32, 32)], max_tokens=8))
+    finally:
+        engine.close()
