@@ -198,3 +198,31 @@ def test_gemma3_images_are_refused_until_their_attention_is_bidirectional(tmp_pa
                                              images=[image(1, 32, 32)], max_tokens=8))
     finally:
         engine.close()
+
+
+def test_cli_generate_takes_image_files_and_raw_prompts(tmp_path, pair):
+    import os
+    import sys
+    from PIL import Image
+    _, _, engine = pair('mlp')
+    img = image(4, 32, 32)
+    Image.fromarray(img).save(tmp_path / 'photo.png')
+    (tmp_path / 'broken.jpg').write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
+    root = pathlib.Path(__file__).resolve().parents[1]
+
+    def cli(*args):
+        return subprocess.run([sys.executable, '-m', 'edge_llm_ros.cli', 'generate', *args,
+                               '--model', engine.model_dir, '--max-context', '256',
+                               '--max-tokens', '6'], capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(root)), timeout=300)
+    proc = cli('--raw', '--image', str(tmp_path / 'photo.png'), 'Hi <__media__> the')
+    assert proc.returncode == 0, proc.stderr
+    expected = engine.generate(GenerationRequest(prompt='Hi <__media__> the', images=[img],
+                                                 use_chat_template=False, max_tokens=6)
+                               ).run_to_end()
+    assert proc.stdout.strip() == expected.text.strip()
+    proc = cli('--image', str(tmp_path / 'broken.jpg'), 'What is this?')
+    assert proc.returncode == 2 and 'cannot be decoded' in proc.stderr
+    assert 'Traceback' not in proc.stderr
+    proc = cli('--image', str(tmp_path / 'missing.png'), 'What is this?')
+    assert proc.returncode == 2 and 'no such file' in proc.stderr
