@@ -1,4 +1,5 @@
 """edge_llm_ros.convert.mmproj on tiny mmproj GGUFs of every family, and on bad ones."""
+import gguf
 from mmproj_fixtures import FAMILIES, write_mmproj
 import numpy as np
 import pytest
@@ -74,3 +75,41 @@ def test_not_an_mmproj_and_broken_files_are_refused(tmp_path):
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ModelLoadError, match='not a readable GGUF file'):
         read_mmproj(path)
+
+
+_WRITE_HEADER = gguf.GGUFWriter.write_header_to_file
+
+
+def with_keys(monkeypatch, **keys) -> None:
+    """Make write_mmproj also write clip.vision.<key> (an int as uint32, a list as an array).
+
+    A later call replaces the keys of an earlier one.
+    """
+    def patched(self, *args, **kwargs):
+        for key, value in keys.items():
+            if isinstance(value, list):
+                self.add_array(f'clip.vision.{key}', value)
+            else:
+                self.add_uint32(f'clip.vision.{key}', value)
+        return _WRITE_HEADER(self, *args, **kwargs)
+    monkeypatch.setattr(gguf.GGUFWriter, 'write_header_to_file', patched)
+
+
+def test_internvl_tile_limits_are_read_as_llamacpp_does(tmp_path, monkeypatch):
+    cfg = read_mmproj(write_mmproj(tmp_path / 'a.gguf', 'internvl')).config
+    assert (cfg.min_tiles, cfg.max_tiles) == (1, 12)  # clip.cpp's defaults when absent
+    with_keys(monkeypatch, preproc_min_tiles=2, preproc_max_tiles=6)
+    cfg = read_mmproj(write_mmproj(tmp_path / 'b.gguf', 'internvl')).config
+    assert (cfg.min_tiles, cfg.max_tiles) == (2, 6)
+    for i, (lo, hi) in enumerate([(0, 6), (7, 6)]):  # clip.cpp would abort on these
+        with_keys(monkeypatch, preproc_min_tiles=lo, preproc_max_tiles=hi)
+        with pytest.raises(MmprojError, match=f'preproc_min_tiles {lo} and preproc_max_tiles '
+                                              f'{hi} need 1 <= min <= max'):
+            read_mmproj(write_mmproj(tmp_path / f'c{i}.gguf', 'internvl'))
+
+
+@pytest.mark.parametrize('projector', ['mlp', 'internvl'])
+def test_anyres_pinpoints_are_refused(tmp_path, monkeypatch, projector):
+    with_keys(monkeypatch, image_grid_pinpoints=[64, 32, 32, 64])
+    with pytest.raises(MmprojError, match=r'image_grid_pinpoints is set: .*LLaVA-1\.6 anyres'):
+        read_mmproj(write_mmproj(tmp_path / 'p.gguf', projector))

@@ -4,11 +4,13 @@ Tiny random mmproj files (test/mmproj_fixtures.py) paired with a tiny 256-wide t
 llama.cpp's own multimodal library (llama-cpp-python's mtmd bindings in the peer venv,
 test/mtmd_runner.py) preprocesses and encodes the same image. First images of one tile exactly
 (llama.cpp's resizes are then copies: the encoders alone), then images of other sizes through
-vision/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview): every image
-chunk mtmd makes must match ours. Stated tolerance: cosine >= 0.9999 per token and max
-|difference| <= 1 % of the embeddings' RMS (llama.cpp's CPU GELU is an fp16 table, ours exact).
-Measured: cosine 1.0000 on every chunk; resizing the height before the width (Pillow's own
-order for a tall image) already fails it at 0.9994.
+vision/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview, internvl's tiles
+and thumbnail, mlp's grey letterbox), read from model.yaml's vision section: every image chunk
+mtmd makes must match ours, and grid_for must count them from the size alone. Stated
+tolerance: cosine >= 0.9999 per token and max |difference| <= 1 % of the embeddings' RMS
+(llama.cpp's CPU GELU is an fp16 table, ours exact). Measured: cosine 1.0000 on every chunk;
+resizing the height before the width (Pillow's own order for a tall image) already fails it at
+0.9994.
 """
 import pathlib
 import subprocess
@@ -19,11 +21,14 @@ from mmproj_fixtures import write_mmproj
 import numpy as np
 import onnxruntime as ort
 import pytest
+from test_mmproj import with_keys
 
 from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
-from edge_llm_ros.convert.vision_graph import build_encoder
-from edge_llm_ros.vision.mmproj_preprocess import (gemma3_tiles, idefics3_tiles, ImageShapeError,
-                                                   normalize)
+from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
+from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.vision.mmproj_preprocess import (gemma3_tiles, grid_for, idefics3_tiles,
+                                                   ImageShapeError, LLAVA_GREY, normalize,
+                                                   preprocess)
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
 TEXT_WIDTH = ParityCase().dims.hidden
@@ -107,6 +112,81 @@ def test_idefics3_tiles_like_llamacpp(tmp_path, text_model, height, width, grid)
     tiles = idefics3_tiles(image, 32, 64)
     assert tiles.grid == grid and len(tiles.tiles) == grid[0] * grid[1] + 1
     _tiles_match(mmproj, tiles.tiles, mtmd_embeddings(text_model, mmproj, image, tmp_path))
+
+
+@pytest.mark.parametrize('shape, tiles, grid', [
+    ((20, 30), (1, 12), (0, 0)),   # no larger than a tile: stretched, the only chunk
+    ((32, 32), (1, 12), (0, 0)),   # exactly one tile: a copy
+    ((30, 50), (1, 12), (2, 1)),   # 2 x 1 and the thumbnail
+    ((50, 30), (1, 12), (1, 2)),
+    ((45, 60), (1, 12), (2, 2)),   # letterboxed into 64 x 64: black bands in the tiles
+    ((100, 170), (1, 12), (4, 3)),  # needs 6 x 4 tiles: the best of at most 12
+    ((45, 60), (1, 1), (1, 1)),    # max_tiles 1 from the mmproj: one tile and the thumbnail
+    ((30, 50), (2, 6), (2, 2)),    # min_tiles 2: libmtmd's candidates are b >= min, not 2 x 1
+], ids=lambda v: 'x'.join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_internvl_tiles_like_llamacpp(tmp_path, text_model, monkeypatch, shape, tiles, grid):
+    """Measured: cosine 1.0000 on every chunk, tiles row by row then the thumbnail.
+
+    The alternatives fail: the grid stretched instead of letterboxed (HF's way) 0.08 or less,
+    the thumbnail first 0.05 or less, the bilinear instead of the bicubic 0.98.
+    """
+    height, width = shape
+    if tiles != (1, 12):
+        with_keys(monkeypatch, preproc_min_tiles=tiles[0], preproc_max_tiles=tiles[1])
+    mmproj = write_mmproj(tmp_path / 'v.gguf', 'internvl', n_text=TEXT_WIDTH, scale=2, seed=8)
+    monkeypatch.undo()
+    vision = model_yaml_section(read_mmproj(mmproj), 'vision.onnx')
+    assert (vision['min_tiles'], vision['max_tiles']) == tiles
+    image = np.random.default_rng(height * width).integers(0, 256, (height, width, 3), np.uint8)
+    got = preprocess(image, vision)
+    n = grid[0] * grid[1] + 1 if grid[0] else 1
+    assert got.grid == grid and len(got.tiles) == n
+    assert grid_for(height, width, vision) == (*grid, n)
+    _tiles_match(mmproj, got.tiles, mtmd_embeddings(text_model, mmproj, image, tmp_path))
+
+
+@pytest.mark.parametrize('height, width', [(30, 45), (50, 20), (7, 9), (3, 70), (64, 64)])
+def test_mlp_letterboxes_on_grey_as_llamacpp_does(tmp_path, text_model, height, width):
+    """Measured: cosine 1.0000 (64 x 64: a resize alone).
+
+    The alternatives fail on every padded shape: on black 0.93, on the image's mean colour
+    0.987..0.996, the bilinear 0.9956..0.9998, stretched without bands 0.88..0.93.
+    """
+    mmproj = write_mmproj(tmp_path / 'm.gguf', 'mlp', n_text=TEXT_WIDTH, seed=9)
+    vision = model_yaml_section(read_mmproj(mmproj), 'vision.onnx')
+    image = np.random.default_rng(width).integers(0, 256, (height, width, 3), np.uint8)
+    got = preprocess(image, vision)
+    assert got.grid == (0, 0) and len(got.tiles) == 1 and grid_for(height, width, vision) == (
+        0, 0, 1)
+    tile = got.tiles[0]
+    if height != width:  # the bands are libmtmd's grey, not the image's mean colour
+        assert (tile[0, 0] == LLAVA_GREY).all() or (tile[-1, -1] == LLAVA_GREY).all()
+    _tiles_match(mmproj, got.tiles, mtmd_embeddings(text_model, mmproj, image, tmp_path))
+
+
+VISIONS = [
+    {'preprocess': 'letterbox_bilinear', 'image_size': 32},
+    {'preprocess': 'letterbox_bicubic', 'image_size': 32},
+    {'preprocess': 'idefics3_tiles', 'image_size': 32, 'longest_edge': 64},
+    {'preprocess': 'idefics3_tiles', 'image_size': 32, 'longest_edge': 0},
+    {'preprocess': 'internvl_tiles', 'image_size': 32, 'min_tiles': 1, 'max_tiles': 12},
+    {'preprocess': 'internvl_tiles', 'image_size': 16, 'min_tiles': 2, 'max_tiles': 6},
+    {'preprocess': 'internvl_tiles', 'image_size': 16, 'min_tiles': 1, 'max_tiles': 3},
+]
+
+
+@pytest.mark.parametrize('vision', VISIONS, ids=lambda v: f'{v["preprocess"]}-{v["image_size"]}')
+def test_grid_for_counts_the_tiles_preprocess_makes_without_the_pixels(vision):
+    rng = np.random.default_rng(1)
+    shapes = [(1, 1), (1, 300), (300, 1), (16, 16), (17, 16), (32, 33), (64, 64), (65, 64)]
+    shapes += [tuple(int(v) for v in rng.integers(1, 200, 2)) for _ in range(40)]
+    for h, w in shapes:
+        tiles = preprocess(np.zeros((h, w, 3), np.uint8), vision)
+        cols, rows, n = grid_for(h, w, vision)
+        assert (cols, rows) == tiles.grid and n == len(tiles.tiles), (h, w)
+        assert all(t.shape == (vision['image_size'],) * 2 + (3,) for t in tiles.tiles)
+    with pytest.raises(ModelLoadError, match='vision.preprocess .* reconvert'):
+        grid_for(10, 10, {**vision, 'preprocess': 'anyres'})
 
 
 def test_bad_images_are_refused_before_any_work():
