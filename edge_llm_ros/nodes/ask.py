@@ -2,18 +2,29 @@
 
 Prints the answer as it streams, then one line of timings on stderr. Ctrl-C cancels the goal
 and prints the partial answer. Exit status: 0 answered, 1 refused or failed, 130 cancelled.
+
+`--image FILE` (repeatable) sends images to a vision model: they are decoded here into one
+slot of a pool this command owns (its socket in the same EDGE_LLM_IPC_DIR as the node's), and
+the goal carries only their handles; llm_node maps the slot while the goal runs. The pool
+closes when the answer is in.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import List, Optional, TextIO
+from typing import List, Optional, Sequence, TextIO
 
+import numpy as np
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 
 from edge_llm_ros.client import GenerationOutcome, LLMClient, LLMClientError, NodeNotActiveError
+from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.ipc.errors import IpcError
 from edge_llm_ros.nodes import spin
+from edge_llm_ros.nodes.handles import image_pool
+from edge_llm_ros.runtime.media import MEDIA_MARKER
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 130
 
@@ -32,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='continue this conversation: the node remembers its turns')
     parser.add_argument('--json-schema', default='',
                         help='constrain the answer to JSON of this schema (schema as JSON text)')
+    parser.add_argument('--image', action='append', default=[], metavar='FILE',
+                        help='an image (PNG/JPEG/...) for a vision model (repeatable); it goes '
+                             f'where the prompt has {MEDIA_MARKER}, else ahead of the text')
+    parser.add_argument('--raw', action='store_true',
+                        help='feed the prompt as is: no chat template, special tokens parsed, '
+                             f'{MEDIA_MARKER} where each image goes')
     parser.add_argument('--wait', type=float, default=30.0,
                         help='seconds to wait for the node to be active (default 30)')
     parser.add_argument('--timeout', type=float, default=600.0,
@@ -48,17 +65,41 @@ def format_timings(outcome: GenerationOutcome) -> str:
             f'total {t.total_s:.2f} s]')
 
 
+def decode_images(paths: Sequence[str]) -> List[np.ndarray]:
+    """RGB [H, W, 3] uint8 of each image file (ImageInputError names a bad one)."""
+    if not paths:
+        return []
+    from edge_llm_ros.vision.image_file import decode_image
+    return [decode_image(path, f'--image {path}') for path in paths]
+
+
+def prompt_with_markers(prompt: str, n_images: int, raw: bool) -> str:
+    """Put one media marker per image ahead of a chat prompt that has none (as generate does).
+
+    A raw prompt is sent as written: it must place its markers itself.
+    """
+    if n_images and not raw and MEDIA_MARKER not in prompt:
+        return MEDIA_MARKER * n_images + '\n' + prompt
+    return prompt
+
+
 def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys.stdout,
-                  err: TextIO = sys.stderr) -> int:
-    """Send the goal, print deltas as they come; Ctrl-C cancels. Returns the exit status."""
+                  err: TextIO = sys.stderr, images: Sequence = ()) -> int:
+    """Send the goal, print deltas as they come; Ctrl-C cancels. Returns the exit status.
+
+    images: TensorHandle messages of the goal's images (see image_pool).
+    """
     sampling = {}
     if args.temperature is not None:
         sampling['temperature'] = args.temperature
     if args.seed is not None:
         sampling['seed'] = args.seed
-    handle = client.generate(args.prompt, system_prompt=args.system,
-                             max_tokens=args.max_tokens, session_id=args.session,
-                             json_schema=getattr(args, 'json_schema', ''), **sampling)
+    raw = bool(getattr(args, 'raw', False))
+    handle = client.generate(prompt_with_markers(args.prompt, len(images), raw),
+                             system_prompt=args.system, max_tokens=args.max_tokens,
+                             session_id=args.session,
+                             json_schema=getattr(args, 'json_schema', ''),
+                             images=list(images), raw_prompt=raw, **sampling)
     cancelled = False
     try:
         for delta in handle.stream(timeout=args.timeout):
@@ -103,6 +144,11 @@ def wait_for_node(client: LLMClient, wait_s: float, err: TextIO = sys.stderr) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    try:   # before anything connects: a bad file is the first thing to say
+        pixels = decode_images(getattr(args, 'image', ()))
+    except InvalidRequestError as exc:
+        print(f'ask: {exc}', file=sys.stderr)
+        return EXIT_FAILED
     # Our own Ctrl-C handling (nodes/spin.py): KeyboardInterrupt reaches the main thread, the
     # context stays up so the cancel request can still be sent.
     spin.init()
@@ -115,7 +161,11 @@ def run(args: argparse.Namespace) -> int:
         client = LLMClient(node, args.server)
         if not wait_for_node(client, args.wait):
             return EXIT_FAILED
-        return stream_answer(client, args)
+        with image_pool(pixels, f'edge_llm_ask_{os.getpid()}') as images:
+            return stream_answer(client, args, images=images)
+    except IpcError as exc:   # the images' pool could not be opened
+        print(f'ask: cannot share the images with {args.server}: {exc}', file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_CANCELLED
     finally:

@@ -1,12 +1,20 @@
-"""A goal's prefix_embeddings: TensorHandles described at admission, mapped while generating.
+"""A goal's tensor handles (prefix_embeddings, images): described at admission, mapped later.
 
-At admission the handles are only described: each is a valid TensorDescriptor of [n, hidden]
-rows, all share dtype and width, and their producer's pool is reachable. The joined shape is
-declared to the engine (DeclaredEmbeddings), whose prepare() checks it against the model (hidden
-size, dtype, room in the context) without allocating anything. The frames are held (mapped
-read-only, no copy for a single handle) only while the job runs on the engine worker, which
-binds the array into the prepared request, then released: a queued goal holds no slot of the
-producer's ring, so a deep queue never starves a camera pipeline.
+At admission the handles are only described: each is a valid TensorDescriptor of the right
+kind, and its producer's pool is reachable. prefix_embeddings are [n, hidden] rows that all
+share dtype and width; their joined shape is declared to the engine (DeclaredEmbeddings).
+images are uint8 frames, RGB [height, width, 3] (a handle carries no encoding: BGR cameras
+convert first) or mono [height, width] / [height, width, 1]; each is declared by its size
+(runtime.media.DeclaredImage). The engine's prepare() checks what was declared against the
+model (hidden size, dtype, a vision encoder, pixel counts, room in the context) without
+allocating anything. The frames are held (mapped read-only, no copy: a mono frame becomes a
+broadcast RGB view) only while the job runs on the engine worker, which binds them into the
+prepared request, then released: a queued goal holds no slot of the producer's ring, so a deep
+queue never starves a camera pipeline.
+
+Several handles may point into one published slot (different byte_offsets): they count as one
+held frame of the producer. llm_node holds at most MAX_INFLIGHT frames of one pool at a time,
+so a goal whose handles name more frames of one pool than that is refused at admission.
 """
 from __future__ import annotations
 
@@ -17,11 +25,20 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.media import DeclaredImage, ImageInputError
 from edge_llm_ros.runtime.types import DeclaredEmbeddings
+
+# Frames of one pool llm_node holds at once (its max_inflight with every producer).
+MAX_INFLIGHT = 2
+IMAGE_FORMATS = 'uint8 RGB [height, width, 3], or mono [height, width] / [height, width, 1]'
 
 
 class EmbeddingResolveError(InvalidRequestError):
     """A prefix_embeddings handle is malformed or its producer cannot serve it."""
+
+
+class ImageResolveError(ImageInputError):
+    """An images handle is malformed, not an image, or its producer cannot serve it."""
 
 
 def _rows(array_shape: Sequence[int], index: int) -> Tuple[int, int]:
@@ -35,6 +52,24 @@ def _rows(array_shape: Sequence[int], index: int) -> Tuple[int, int]:
     return shape[0], shape[1]
 
 
+def _image_size(array_shape: Sequence[int], dtype: str, index: int) -> Tuple[int, int]:
+    """(height, width) of one images handle's tensor; ImageResolveError names the formats."""
+    shape = tuple(int(d) for d in array_shape)
+    if dtype != 'uint8' or not (len(shape) == 2 or (len(shape) == 3 and shape[2] in (1, 3))):
+        raise ImageResolveError(f'images[{index}] is {dtype} {list(shape)}: an image handle '
+                                f'must be {IMAGE_FORMATS} (convert BGR or other pixel '
+                                'formats to RGB before publishing)')
+    return shape[0], shape[1]
+
+
+def as_rgb(view: np.ndarray) -> np.ndarray:
+    """RGB [h, w, 3] of a mapped image frame, without copying (mono: a broadcast view)."""
+    if view.ndim == 3 and view.shape[2] == 3:
+        return view
+    mono = view if view.ndim == 3 else view[:, :, None]
+    return np.broadcast_to(mono, mono.shape[:2] + (3,))
+
+
 @dataclass(frozen=True)
 class DescribedEmbeddings:
     """A goal's handles, parsed once: their joined declared shape and their descriptors."""
@@ -43,22 +78,53 @@ class DescribedEmbeddings:
     descriptors: Tuple[Any, ...]   # ipc TensorDescriptor per handle, in order
 
 
+@dataclass(frozen=True)
+class DescribedImages:
+    """A goal's images handles, parsed once: each image's declared size, the descriptors."""
+
+    declared: Tuple[DeclaredImage, ...]
+    descriptors: Tuple[Any, ...]   # ipc TensorDescriptor per handle, in order
+
+
 class EmbeddingResolver:
-    """Maps TensorHandles through edge_llm_ros.ipc; one per configured node."""
+    """Maps TensorHandles (prefix_embeddings, images) through edge_llm_ros.ipc; one per node."""
 
     def __init__(self) -> None:
         self._resolver: Any = None
 
-    def _ipc(self) -> Any:
+    def _ipc(self, what: str, error: type) -> Any:
         if self._resolver is None:
             try:
                 from edge_llm_ros.ipc.resolver import TensorResolver
             except ImportError as exc:
-                raise EmbeddingResolveError(
-                    f'prefix_embeddings need edge_llm_ros.ipc (cannot be imported here: {exc})'
-                    f'; send the prompt without embeddings') from None
-            self._resolver = TensorResolver(name='llm_node')
+                raise error(f'{what} need edge_llm_ros.ipc (cannot be imported here: {exc})'
+                            f'; send the prompt without {what}') from None
+            self._resolver = TensorResolver(name='llm_node', max_inflight=MAX_INFLIGHT)
         return self._resolver
+
+    def _descriptors(self, handles: Sequence[Any], what: str, error: type) -> list:
+        """Parse and check each handle (valid, pool reachable, frames per pool held at once)."""
+        resolver = self._ipc(what, error)
+        from edge_llm_ros.ipc.errors import DescriptorError
+        from edge_llm_ros.nodes.handles import from_handle
+        descriptors, frames = [], {}
+        for index, handle in enumerate(handles):
+            try:
+                desc = from_handle(handle)
+            except DescriptorError as exc:
+                raise error(f'{what}[{index}] is not a valid handle: {exc}') from None
+            if not resolver.reachable(desc.pool_id):
+                raise error(f'{what}[{index}]: no producer serves pool {desc.pool_id!r} on '
+                            f'this host (is it running, with the same EDGE_LLM_IPC_DIR?)')
+            held = frames.setdefault(desc.pool_id, set())
+            held.add((desc.slot, desc.generation, desc.sequence))
+            if len(held) > MAX_INFLIGHT:
+                raise error(f'{what} name {len(held)} frames of pool {desc.pool_id!r}, but '
+                            f'{MAX_INFLIGHT} at most are held at once: put them into fewer '
+                            'published slots (handles may point into one slot at different '
+                            'byte_offsets) or send fewer')
+            descriptors.append(desc)
+        return descriptors
 
     def describe(self, handles: Sequence[Any]) -> Optional[DescribedEmbeddings]:
         """Check the handles without holding frames; return their shape and descriptors.
@@ -67,30 +133,56 @@ class EmbeddingResolver:
         """
         if not handles:
             return None
-        resolver = self._ipc()
-        from edge_llm_ros.ipc.errors import DescriptorError
-        from edge_llm_ros.nodes.handles import from_handle
+        descriptors = self._descriptors(handles, 'prefix_embeddings', EmbeddingResolveError)
         rows, hidden, dtype = 0, None, None
-        descriptors = []
-        for index, handle in enumerate(handles):
-            try:
-                desc = from_handle(handle)
-            except DescriptorError as exc:
-                raise EmbeddingResolveError(f'prefix_embeddings[{index}] is not a valid '
-                                            f'handle: {exc}') from None
+        for index, desc in enumerate(descriptors):
             n, width = _rows(desc.shape, index)
             if hidden not in (None, width) or dtype not in (None, desc.dtype):
                 raise EmbeddingResolveError(
                     f'prefix_embeddings[{index}] is {desc.dtype} [{n}, {width}] but the first '
                     f'handle is {dtype} [.., {hidden}]: all must share dtype and hidden size')
-            if not resolver.reachable(desc.pool_id):
-                raise EmbeddingResolveError(
-                    f'prefix_embeddings[{index}]: no producer serves pool {desc.pool_id!r} on '
-                    f'this host (is it running, with the same EDGE_LLM_IPC_DIR?)')
             rows, hidden, dtype = rows + n, width, desc.dtype
-            descriptors.append(desc)
         return DescribedEmbeddings(DeclaredEmbeddings(rows=rows, hidden=hidden, dtype=dtype),
                                    tuple(descriptors))
+
+    def describe_images(self, handles: Sequence[Any]) -> Optional[DescribedImages]:
+        """Check images handles without holding frames; return their sizes and descriptors.
+
+        hold_images() takes the descriptors; the engine checks the sizes (prepare).
+        """
+        if not handles:
+            return None
+        descriptors = self._descriptors(handles, 'images', ImageResolveError)
+        sizes = [DeclaredImage(*_image_size(d.shape, d.dtype, i))
+                 for i, d in enumerate(descriptors)]
+        return DescribedImages(tuple(sizes), tuple(descriptors))
+
+    @contextlib.contextmanager
+    def _mapped(self, handles: Sequence[Any], what: str, error: type
+                ) -> Iterator[List[np.ndarray]]:
+        """Hold every handle's frame for a with-block: read-only views, in order."""
+        resolver = self._ipc(what, error)
+        from edge_llm_ros.ipc.errors import IpcError, PoolClosedError
+        releases: List[Callable[[], None]] = []
+        try:
+            views = []
+            for index, handle in enumerate(handles):
+                try:
+                    try:
+                        views.append(resolver.resolve(handle))
+                    except PoolClosedError:   # the producer restarted since: connect anew
+                        views.append(resolver.resolve(handle))
+                except (IpcError, OSError) as exc:   # every ipc failure is the goal's error
+                    raise error(f'{what}[{index}] (pool {handle.pool_id!r}, slot '
+                                f'{handle.slot}) cannot be mapped: {exc}') from None
+                releases.append(lambda h=handle: resolver.release(h))
+            yield views
+        finally:
+            for release in releases:
+                try:
+                    release()
+                except IpcError:
+                    pass   # the producer is gone or revoked the lease: nothing left to give back
 
     @contextlib.contextmanager
     def hold(self, handles: Sequence[Any]) -> Iterator[Optional[np.ndarray]]:
@@ -98,27 +190,15 @@ class EmbeddingResolver:
         if not handles:
             yield None
             return
-        resolver = self._ipc()
-        from edge_llm_ros.ipc.errors import IpcError
-        releases: List[Callable[[], None]] = []
-        try:
-            views = []
-            for index, handle in enumerate(handles):
-                try:
-                    view = resolver.resolve(handle)
-                except (IpcError, OSError) as exc:   # every ipc failure is the goal's error
-                    raise EmbeddingResolveError(
-                        f'prefix_embeddings[{index}] (pool {handle.pool_id!r}, slot '
-                        f'{handle.slot}) cannot be mapped: {exc}') from None
-                releases.append(lambda h=handle: resolver.release(h))
-                views.append(view.reshape(-1, view.shape[-1]))   # [1, n, h] -> [n, h]
+        with self._mapped(handles, 'prefix_embeddings', EmbeddingResolveError) as views:
+            views = [view.reshape(-1, view.shape[-1]) for view in views]   # [1, n, h] -> [n, h]
             yield views[0] if len(views) == 1 else np.concatenate(views, axis=0)
-        finally:
-            for release in releases:
-                try:
-                    release()
-                except IpcError:
-                    pass   # the producer is gone or revoked the lease: nothing left to give back
+
+    @contextlib.contextmanager
+    def hold_images(self, handles: Sequence[Any]) -> Iterator[List[np.ndarray]]:
+        """Map the image frames (descriptors from describe_images): RGB views, no copy."""
+        with self._mapped(handles, 'images', ImageResolveError) as views:
+            yield [as_rgb(view) for view in views]
 
     def close(self) -> None:
         resolver, self._resolver = self._resolver, None

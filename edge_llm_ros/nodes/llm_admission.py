@@ -6,8 +6,10 @@ How a request is refused:
   /diagnostics and published on ~/transcript.
 - Anything wrong with the request itself (empty prompt, unknown role, bad sampling value,
   invalid JSON schema, a priority out of range, too long for the context, unresolvable tensor
-  handle): it is accepted and ended at once with finish_reason 'error' and an error_message
-  saying what to fix, so the client gets the reason. It gives its reserved queue slot back.
+  handle, an image the model cannot take): it is accepted and ended at once with
+  finish_reason 'error' and an error_message saying what to fix, so the client gets the
+  reason. It gives its reserved queue slot back. A handle only its producer can find stale
+  (its slot rewritten since) ends the goal the same way when it starts (invalid_request).
 Defaults: SamplingParams fields at UNSET take ~/sampling.*, max_tokens 0 takes ~/max_tokens,
 an empty system_prompt takes ~/system_prompt. A max_tokens that does not fit in the context
 after the prompt is an error, not clamped: the caller asked for more than can be delivered.
@@ -109,14 +111,18 @@ class Admission:
             priority, preempt = queue_order(msg)
             goal.priority, goal.preempt = check_priority(priority), preempt
             described = resolver.describe(handles)
+            images = resolver.describe_images(list(getattr(msg, 'images', ())))  # Generate only
             goal.request = engine.prepare(to_request(
-                msg, node.runtime.defaults, described.declared if described else None))
+                msg, node.runtime.defaults, described.declared if described else None,
+                images.declared if images else ()))
         except BaseException:
             worker.unreserve()
             raise
         # The frames are mapped on the worker, only while the goal runs (see embeddings.py).
         if goal.request.embeddings is not None:
             goal.embeddings = functools.partial(resolver.hold, described.descriptors)
+        if images is not None:
+            goal.images = functools.partial(resolver.hold_images, images.descriptors)
         goal.on_done = self.resolve
         return worker
 

@@ -18,6 +18,7 @@ from edge_llm_msgs.msg import (ChatMessage as ChatMessageMsg, SamplingParams,
                                ToolCall as ToolCallMsg, ToolCallDelta as ToolCallDeltaMsg,
                                Transcript)
 from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime.media import DeclaredImage
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                         GenerationResult, SamplingConfig, StopReason, Timings)
@@ -129,12 +130,21 @@ def queue_order(request) -> Tuple[int, bool]:
 
 
 def to_request(goal, defaults: RequestDefaults,
-               prefix_embeddings: Optional[DeclaredEmbeddings] = None) -> GenerationRequest:
-    """Build the engine request of a Generate goal or a Complete request (no checks)."""
+               prefix_embeddings: Optional[DeclaredEmbeddings] = None,
+               images: Sequence[DeclaredImage] = ()) -> GenerationRequest:
+    """Build the engine request of a Generate goal or a Complete request (no checks).
+
+    `images`: the goal's images handles described (nodes/embeddings.py). A raw_prompt goal
+    takes no system prompt from the node's default (only its own, which the engine refuses).
+    """
+    raw = bool(getattr(goal, 'raw_prompt', False))   # Generate goals only
     return GenerationRequest(
         prompt=goal.prompt,
         messages=chat_messages(goal.messages),
-        system_prompt=goal.system_prompt or defaults.system_prompt,
+        system_prompt=goal.system_prompt if raw else (goal.system_prompt or
+                                                      defaults.system_prompt),
+        use_chat_template=not raw,
+        images=tuple(images),
         sampling=effective_sampling(goal.sampling, defaults.sampling),
         max_tokens=int(goal.max_tokens) or defaults.max_tokens,
         stop=tuple(goal.stop),
@@ -243,7 +253,7 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex', 'choices',
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
-GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation')
+GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 
