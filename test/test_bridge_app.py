@@ -310,8 +310,11 @@ BAD_CHAT = [
     ('logit_bias key', chat_body(logit_bias={'abc': 1}), 'logit_bias'),
     ('logit_bias value', chat_body(logit_bias={'5': 500}), 'logit_bias'),
     ('top_logprobs alone', chat_body(top_logprobs=3), 'top_logprobs'),
-    ('image content', chat_body(messages=[{'role': 'user', 'content': [
+    ('image_url without an image', chat_body(messages=[{'role': 'user', 'content': [
         {'type': 'image_url', 'image_url': {'url': 'data:,'}}]}]),
+     'messages[0].content[0].image_url.url'),
+    ('audio content', chat_body(messages=[{'role': 'user', 'content': [
+        {'type': 'input_audio', 'input_audio': {'data': '', 'format': 'wav'}}]}]),
      'messages[0].content[0].type'),
     ('user without content', chat_body(messages=[{'role': 'user'}]), 'messages[0].content'),
     ('tool without id', chat_body(messages=[{'role': 'tool', 'content': 'x'}]),

@@ -6,16 +6,21 @@ real llm_node process. This process publishes frames into its own pool (memfd, s
 EDGE_LLM_IPC_DIR) and sends only their handles: the node must map them and give the token
 ids Engine.generate gives for the same arrays. Stale, closed and foreign handles are refused
 with invalid_request and the node keeps serving; `edge-llm ask --image` does the same from
-a PNG file.
+a PNG file, and the openai_bridge from an image_url data URL (openai SDK, langchain-openai).
 """
+import base64
+import io
 import os
 import subprocess
 import sys
 
 from gguf_fixtures import ParityCase, write_gguf
+from langchain_core.messages import HumanMessage
+from langchain_openai import ChatOpenAI
 from llm_node_harness import NodeProcess, RosClient
 from mmproj_fixtures import write_mmproj
 import numpy as np
+import openai
 from PIL import Image
 import pytest
 import rclpy
@@ -24,9 +29,11 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.node_process import NodeProcess as AnyNodeProcess
 from edge_llm_ros.nodes.handles import to_handle
+from edge_llm_ros.nodes.openai_bridge import wait_serving
 from edge_llm_ros.runtime.media import MEDIA_MARKER
-from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.timeout(600)
@@ -222,3 +229,49 @@ def test_ask_sends_an_image_file(node, engine, ipc_dir, tmp_path):
     bad.write_bytes(b'not a png')
     proc = ask(ipc_dir, 'x', '--image', str(bad), timeout=120)
     assert proc.returncode == 1 and b'bad.png' in proc.stderr, proc.stderr
+
+
+@pytest.fixture(scope='module')
+def bridge(node, ipc_dir):
+    proc = AnyNodeProcess('openai_bridge', name=f'{TAG}_bridge', stop_timeout=30.0,
+                          params={'port': 0, 'llm_node': '/' + LLM, 'model_id': 'vlm'},
+                          env={'EDGE_LLM_IPC_DIR': ipc_dir})
+    url = wait_serving(proc, timeout=60)
+    yield url
+    assert proc.stop() == 0, proc.log()
+    assert 'Traceback' not in proc.log(), proc.log()
+
+
+def data_url(pixels: np.ndarray) -> str:
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format='PNG')
+    return 'data:image/png;base64,' + base64.b64encode(out.getvalue()).decode()
+
+
+def test_bridge_image_url_parts_and_raw_completions(bridge, engine):
+    frame = image(13)
+    parts = [{'type': 'text', 'text': 'What is it?'},
+             {'type': 'image_url', 'image_url': {'url': data_url(frame)}}]
+    content = f'What is it?\n{MEDIA_MARKER}'
+    expected = direct(engine, '', [frame], raw=False,
+                      messages=(ChatMessage('user', content),))
+    with openai.OpenAI(base_url=bridge, api_key='unused', max_retries=0, timeout=120) as api:
+        reply = api.chat.completions.create(model='vlm', messages=[
+            {'role': 'user', 'content': parts}], max_tokens=TOKENS, temperature=0)
+        assert reply.choices[0].message.content == expected.text
+        assert reply.usage.prompt_tokens == expected.prompt_tokens
+        completion = api.completions.create(model='vlm', prompt='Hello the color',
+                                            max_tokens=TOKENS, temperature=0)
+        assert completion.choices[0].text == direct(engine, 'Hello the color', []).text
+        with pytest.raises(openai.BadRequestError, match='not fetched'):
+            api.chat.completions.create(model='vlm', messages=[{'role': 'user', 'content': [
+                {'type': 'image_url', 'image_url': {'url': 'https://example.com/a.png'}}]}])
+        # Images the model cannot take (4 x 64 rows leave no room in 256 positions) are the
+        # node's 400; the bridge keeps serving.
+        with pytest.raises(openai.BadRequestError, match='images take'):
+            api.chat.completions.create(model='vlm', max_tokens=TOKENS, messages=[
+                {'role': 'user', 'content': [parts[1]] * 4}])
+    llm = ChatOpenAI(model='vlm', base_url=bridge, api_key='unused', max_retries=0,
+                     timeout=120, temperature=0, max_tokens=TOKENS)
+    message = HumanMessage(content=parts)
+    assert llm.invoke([message]).content == expected.text

@@ -78,6 +78,9 @@ class BackendRequest:
     # client still sends the whole history, OpenAI style: the node continues after the turns
     # it already holds). '' = stateless, the default.
     session_id: str = ''
+    # Chat only: the image_url parts' pixels (RGB [H, W, 3] uint8 arrays, decoded by the
+    # bridge), in order; each part became a `<__media__>` marker in its message's content.
+    images: Tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def is_chat(self) -> bool:

@@ -5,6 +5,8 @@ OpenAI does (`messages[2].tool_calls[0].function.arguments`), so a client can po
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
@@ -17,11 +19,15 @@ from edge_llm_ros.bridge.errors import InvalidRequestError
 from edge_llm_ros.bridge.schemas import (ChatCompletionRequest, ChatMessageIn, CompletionRequest,
                                          ResponseFormat, ToolDef)
 from edge_llm_ros.errors import InvalidRequestError as EngineInvalidRequest
+from edge_llm_ros.runtime.media import MEDIA_MARKER
 from edge_llm_ros.runtime.tools.spec import (check_single_constraint, check_tool, check_tools,
                                              parse_tool_choice, ToolCall, ToolChoice, ToolSpec)
 
 Body = TypeVar('Body', bound=BaseModel)
 TEXT_PARTS = ('text', 'input_text')
+IMAGE_PART = 'image_url'
+# data: URLs of the image types served (the pixels are decoded by Pillow, whatever they are).
+DATA_URL = re.compile(r'data:image/(png|jpeg|jpg|webp|gif|bmp);base64,(.*)', re.I | re.S)
 FIELD_NAME = re.compile(r'^[a-z_][a-z0-9_]*$')
 UNION_TAGS = ('str', 'int', 'float', 'bool', 'dict', 'list', 'none')
 
@@ -85,22 +91,56 @@ def _sampling(body, request_id: str) -> Dict[str, Any]:
             'stream': bool(body.stream)}
 
 
-def _content(message: ChatMessageIn, where: str) -> str:
+def image_from_url(url: str, param: str) -> Any:
+    """Decode a data:image/...;base64 URL into RGB [H, W, 3] uint8 (400 naming `param`).
+
+    http(s) URLs are refused: the bridge fetches nothing on a client's behalf (a robot's
+    network is not the client's to reach through it).
+    """
+    if url[:8].lower().startswith(('http://', 'https://')):
+        raise InvalidRequestError(
+            'image URLs are not fetched by this server: send the image inline as a '
+            'data:image/png;base64,... (or image/jpeg) URL', param=param,
+            code='image_url_not_supported')
+    match = DATA_URL.fullmatch(url)
+    if match is None:
+        raise InvalidRequestError(
+            f'{url[:40]!r}... is not an image data URL: send '
+            'data:image/png;base64,... or data:image/jpeg;base64,...', param=param)
+    try:
+        data = base64.b64decode(''.join(match.group(2).split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError('the image data URL is not valid base64', param=param) \
+            from None
+    from edge_llm_ros.vision.image_file import decode_image
+    try:
+        return decode_image(data, f'the image of {param}')
+    except EngineInvalidRequest as exc:   # ImageInputError: corrupt, too large, no image
+        raise InvalidRequestError(str(exc), param=param) from None
+
+
+def _content(message: ChatMessageIn, where: str, images: List[Any]) -> str:
+    """Text of a message's content; each image part is decoded into `images` and marked."""
     if message.content is None:
         return ''
     if isinstance(message.content, str):
         return message.content
     texts = []
     for j, part in enumerate(message.content):
+        if part.type == IMAGE_PART and part.image_url is not None:
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            images.append(image_from_url(url, f'{where}.content[{j}].image_url.url'))
+            texts.append(MEDIA_MARKER)
+            continue
         if part.type not in TEXT_PARTS or part.text is None:
             raise InvalidRequestError(
-                f'content parts of type {part.type!r} are not served here, only text (images '
-                'go through the vision nodes)', param=f'{where}.content[{j}].type')
+                f'content parts of type {part.type!r} are not served here, only text and '
+                'image_url', param=f'{where}.content[{j}].type')
         texts.append(part.text)
     return '\n'.join(texts)
 
 
-def _message(message: ChatMessageIn, i: int) -> Message:
+def _message(message: ChatMessageIn, i: int, images: List[Any]) -> Message:
     where = f'messages[{i}]'
     role = 'system' if message.role == 'developer' else message.role
     if message.tool_calls and role != 'assistant':
@@ -122,7 +162,7 @@ def _message(message: ChatMessageIn, i: int) -> Message:
                 f'tool call arguments must be a JSON object as text ({exc})',
                 param=f'{where}.tool_calls[{j}].function.arguments') from None
         calls.append(made)
-    return Message(role=role, content=_content(message, where), tool_calls=tuple(calls),
+    return Message(role=role, content=_content(message, where, images), tool_calls=tuple(calls),
                    tool_call_id=message.tool_call_id or '', name=message.name or '')
 
 
@@ -201,9 +241,10 @@ def chat_request(body: ChatCompletionRequest, request_id: str,
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError('top_logprobs needs logprobs: true', param='top_logprobs')
     max_tokens = body.max_completion_tokens or body.max_tokens or 0
+    images: List[Any] = []
+    messages = tuple(_message(m, i, images) for i, m in enumerate(body.messages))
     return BackendRequest(
-        **_sampling(body, request_id),
-        messages=tuple(_message(m, i) for i, m in enumerate(body.messages)),
+        **_sampling(body, request_id), messages=messages, images=tuple(images),
         max_tokens=max_tokens, json_schema=json_schema, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs or 0,

@@ -20,10 +20,20 @@ How refusals map (bridge/errors.py answers them in OpenAI's shape):
   error event).
 - the action server not discovered within discovery_timeout_s -> 503 (a goal sent before
   discovery would be lost).
+
+Images (image_url parts, decoded by bridge/convert.py) never travel inside the goal: each
+request's images are copied into one slot of a pool of this process (nodes/handles.py
+image_pool, its socket in EDGE_LLM_IPC_DIR, which llm_node must share: same host) and the
+goal carries their handles. The pool lives until the goal's stream ends. Pool ids come from a
+fixed set of image_pools names, so llm_node keeps one connection per name however many
+requests come; a request finding all of them busy gets 429. /v1/completions prompts go as
+raw_prompt (no chat template), as OpenAI's completions take them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import threading
 import time
@@ -37,10 +47,14 @@ from edge_llm_ros.bridge.errors import BackendUnavailableError, InvalidRequestEr
 from edge_llm_ros.client import (FEEDBACK_GRACE_S, GenerationHandle, GenerationOutcome,
                                  GoalRejectedError, LLMClient, LLMClientError, make_goal,
                                  QueueFullError as QueueFullRejection)
+from edge_llm_ros.ipc.errors import IpcError
+from edge_llm_ros.nodes.handles import image_pool
 
 _DONE = object()
 # How long a cancelled goal may take to end before the stream gives up on its result.
 CANCEL_RESULT_TIMEOUT_S = 10.0
+# Requests with images that may run at once (one pool each, see the module docstring).
+IMAGE_POOLS = 8
 
 
 def message_msg(message: Message) -> ChatMessage:
@@ -52,8 +66,12 @@ def message_msg(message: Message) -> ChatMessage:
                        tool_call_id=message.tool_call_id, name=message.name)
 
 
-def build_goal(request: BackendRequest) -> Generate.Goal:
-    """Translate a bridge request into a Generate goal (unset values: the node's defaults)."""
+def build_goal(request: BackendRequest, images: Sequence[Any] = ()) -> Generate.Goal:
+    """Translate a bridge request into a Generate goal (unset values: the node's defaults).
+
+    images: TensorHandle messages of request.images (see LLMClientBackend); a completion's
+    prompt goes raw (no chat template).
+    """
     sampling: Dict[str, Any] = {name: value for name, value in (
         ('temperature', request.temperature), ('top_p', request.top_p),
         ('seed', request.seed), ('presence_penalty', request.presence_penalty),
@@ -72,7 +90,8 @@ def build_goal(request: BackendRequest) -> Generate.Goal:
         if request.tools else '',
         parallel_tool_calls=request.parallel_tool_calls, reasoning=request.reasoning,
         reasoning_budget=request.reasoning_budget or None, session_id=request.session_id,
-        history_mode=Generate.Goal.HISTORY_AUTO, **sampling)
+        history_mode=Generate.Goal.HISTORY_AUTO, images=list(images),
+        raw_prompt=not request.is_chat, **sampling)
 
 
 def rejection_error(exc: GoalRejectedError) -> Exception:
@@ -161,6 +180,7 @@ class LLMClientBackend:
         self._handles: Dict[str, GenerationHandle] = {}
         self._cancelled: set = set()
         self._lock = threading.Lock()
+        self._pool_ids = [f'edge_llm_bridge_{os.getpid()}_{k}' for k in range(IMAGE_POOLS)]
 
     def models(self) -> Sequence[str]:
         return [self.model_id]
@@ -172,8 +192,33 @@ class LLMClientBackend:
         if handle is not None:
             handle.cancel(timeout=self.cancel_timeout_s)
 
+    @contextlib.contextmanager
+    def _shared_images(self, images: Sequence[Any]) -> Iterator[list]:
+        """Publish a request's images in a pool of its own; yield their handles."""
+        if not images:
+            yield []
+            return
+        with self._lock:
+            if not self._pool_ids:
+                raise QueueFullError(f'{IMAGE_POOLS} requests with images are running: '
+                                     'retry later')
+            pool_id = self._pool_ids.pop()
+        try:
+            with image_pool(images, pool_id) as handles:
+                yield handles
+        except IpcError as exc:
+            raise BackendUnavailableError(f'the images cannot be shared with llm_node: {exc}'
+                                          ) from None
+        finally:
+            with self._lock:
+                self._pool_ids.append(pool_id)
+
     def generate(self, request: BackendRequest) -> Iterator[Event]:
-        goal = build_goal(request)       # a missing interface field raises 400 here
+        with self._shared_images(request.images) as images:
+            yield from self._generate(request, images)
+
+    def _generate(self, request: BackendRequest, images: Sequence[Any]) -> Iterator[Event]:
+        goal = build_goal(request, images)   # a missing interface field raises 400 here
         # A goal sent before the action server is discovered is lost: it would never end.
         if not self.client.wait_for_server(timeout=self.discovery_timeout_s):
             raise BackendUnavailableError(

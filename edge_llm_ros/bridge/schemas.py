@@ -42,10 +42,17 @@ class ToolCallIn(_Request):
     function: FunctionCallIn
 
 
+class ImageUrl(_Request):
+    url: str
+    detail: Optional[str] = None     # OpenAI's low/high/auto: the model's own tiling applies
+
+
 class ContentPart(_Request):
     model_config = ConfigDict(extra='allow')
     type: str  # noqa: A003 - OpenAI's field name
     text: Optional[str] = None
+    # type image_url: {"url": "data:image/png;base64,..."} (some clients send the URL alone).
+    image_url: Union[ImageUrl, str, None] = None
 
 
 class ChatMessageIn(_Request):
