@@ -139,6 +139,9 @@ def test_prepare_refuses_what_cannot_be_forwarded(engine):
     with pytest.raises(RemoteUnsupportedError, match='prefix_embeddings'):
         engine.prepare(GenerationRequest(prompt='x',
                                          prefix_embeddings=np.zeros((2, 8), np.float32)))
+    with pytest.raises(RemoteUnsupportedError, match='images cannot be sent'):
+        engine.prepare(GenerationRequest(prompt='<__media__>x',
+                                         images=[np.zeros((4, 4, 3), np.uint8)]))
     with pytest.raises(InvalidRequestError, match='json_schema'):
         engine.prepare(GenerationRequest(prompt='x', json_schema='{nope'))
     with pytest.raises(RemoteUnsupportedError, match='tokenizer'):

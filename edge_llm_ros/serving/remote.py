@@ -419,6 +419,9 @@ class RemoteEngine:
         if request.prefix_embeddings is not None:
             raise RemoteUnsupportedError('prefix_embeddings cannot be sent to a remote backend: '
                                          'run the vision pipeline with a local llm_node')
+        if getattr(request, 'images', ()):
+            raise RemoteUnsupportedError('images cannot be sent to a remote backend here: '
+                                         'serve a converted VLM with a local llm_node')
         max_tokens = request.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise InvalidRequestError(f'max_tokens must be an integer >= 1, got {max_tokens!r}')
