@@ -37,6 +37,9 @@ PRECISIONS = ('source', 'int4')
 # op library (native/, the edge_llm_ros op domain), 'matmulnbits' repacks them for ONNX
 # Runtime's MatMulNBits. model.yaml's `op_domains` lists the custom domains a folder needs.
 WEIGHT_FORMATS = ('kquant', 'matmulnbits')
+# The int32 [1] graph input of a VLM whose image tokens attend both ways (gemma3): 1 makes
+# every position of that forward see all of its keys (default 0, causal).
+BIDIRECTIONAL_INPUT = 'bidirectional'
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).

@@ -108,7 +108,9 @@ def test_bad_settings_are_refused_with_what_to_change():
 
 
 # --- the attention op ---------------------------------------------------------------------------
-def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, window: int):
+def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, window: int,
+                      flag: bool = False):
+    """One attention node; flag: CausalAttention's optional `bidirectional` input `bi`."""
     attrs = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': 0.3}
     if op == 'CausalAttention':
         domain, attrs = native_ops.DOMAIN, {**attrs, 'window': window}
@@ -117,8 +119,8 @@ def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, wind
         attrs.update(do_rotary=1, rotary_interleaved=0)
         if window:
             attrs['local_window_size'] = window
-    node = helper.make_node(op, ['q', 'k', 'v', 'pk', 'pv', 'sl', 'tot', 'cos', 'sin'],
-                            ['o', 'ok', 'ov'], domain=domain, **attrs)
+    names = ['q', 'k', 'v', 'pk', 'pv', 'sl', 'tot', 'cos', 'sin'] + (['bi'] if flag else [])
+    node = helper.make_node(op, names, ['o', 'ok', 'ov'], domain=domain, **attrs)
     f = TensorProto.FLOAT
     kv = ['b', kv_heads, cap, d]
     graph = helper.make_graph([node], 'g', [
@@ -129,7 +131,8 @@ def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, wind
         helper.make_tensor_value_info('sl', TensorProto.INT32, ['b']),
         helper.make_tensor_value_info('tot', TensorProto.INT32, []),
         helper.make_tensor_value_info('cos', f, [cap, d // 2]),
-        helper.make_tensor_value_info('sin', f, [cap, d // 2])],
+        helper.make_tensor_value_info('sin', f, [cap, d // 2])] +
+        ([helper.make_tensor_value_info('bi', TensorProto.INT32, [1])] if flag else []),
         [helper.make_tensor_value_info('o', f, ['b', 's', heads * d]),
          helper.make_tensor_value_info('ok', f, kv), helper.make_tensor_value_info('ov', f, kv)])
     model = helper.make_model(graph, opset_imports=[
@@ -176,6 +179,53 @@ def test_causal_attention_matches_group_query_attention_and_is_row_exact(
     np.testing.assert_array_equal(mk, sk)
     o_gqa_multi, _, _ = step(gqa, n0, n0 + n, gk, gv)
     np.testing.assert_allclose(multi, o_gqa_multi, atol=2e-5)
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Half-split rotary of x [positions, d] by the rows of cos/sin [positions, d/2]."""
+    half = x.shape[-1] // 2
+    a, b = x[:, :half], x[:, half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+@pytest.mark.parametrize('window', [0, 5])
+def test_a_bidirectional_call_lets_every_row_see_all_of_its_keys(native_library, window):
+    """gemma3's image rows: one call whose rows attend to each other both ways."""
+    heads, kv_heads, d, cap, n0, n = 4, 2, 16, 32, 6, 8
+    rng = np.random.default_rng(3 + window)
+    q, k, v = (rng.standard_normal((1, n0 + n, h * d)).astype(np.float32)
+               for h in (heads, kv_heads, kv_heads))
+    angle = np.arange(cap)[:, None] / (1e4 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    zeros = np.zeros((1, kv_heads, cap, d), np.float32)
+    sess = attention_session('CausalAttention', heads, kv_heads, d, cap, window, flag=True)
+
+    def step(a, b, pk, pv, flag):
+        return sess.run(None, {'q': q[:, a:b], 'k': k[:, a:b], 'v': v[:, a:b], 'pk': pk,
+                               'pv': pv, 'sl': np.array([b - 1], np.int32),
+                               'tot': np.array(b, np.int32), 'cos': cos, 'sin': sin,
+                               'bi': np.array([flag], np.int32)})
+
+    _, pk, pv = step(0, n0, zeros, zeros, 0)
+    both, _, _ = step(n0, n0 + n, pk.copy(), pv.copy(), 1)
+    causal, _, _ = step(n0, n0 + n, pk.copy(), pv.copy(), 0)
+    # float64 reference: row p sees keys first..n0+n-1 (its window counted back from p).
+    pos = np.arange(n0 + n)
+    want = np.zeros((n, heads * d))
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        keys = rotate(k[0, :, g * d:(g + 1) * d].astype(np.float64), cos[pos], sin[pos])
+        rq = rotate(q[0, n0:, h * d:(h + 1) * d].astype(np.float64), cos[pos[n0:]],
+                    sin[pos[n0:]])
+        for i, p in enumerate(range(n0, n0 + n)):
+            first = max(0, p + 1 - window) if window else 0
+            logits = keys[first:] @ rq[i] * 0.3
+            w = np.exp(logits - logits.max())
+            want[i, h * d:(h + 1) * d] = (w / w.sum()) @ v[0, first:, g * d:(g + 1) * d]
+    np.testing.assert_allclose(both[0], want, atol=2e-5)
+    # The last row sees the same keys either way; every earlier row sees more than causal.
+    np.testing.assert_allclose(both[0, -1], causal[0, -1], atol=1e-6)
+    assert all(np.abs(both[0, i] - causal[0, i]).max() > 1e-3 for i in range(n - 1))
 
 
 # --- verify passes are decode steps -----------------------------------------------------------

@@ -84,6 +84,8 @@ def image(seed: int, height: int, width: int) -> np.ndarray:
 
 CASES = [
     # projector, image sizes, prompt
+    ('gemma3', [(32, 32)], 'Hi <__media__> the sky is'),          # rows attend both ways
+    ('gemma3', [(30, 45), (50, 20)], '<__media__>Hello<__media__> blue'),  # letterboxed
     ('idefics3', [(30, 45)], 'Hi <__media__> the sky is'),        # 2 x 2 tiles + overview
     ('idefics3', [(40, 100), (90, 20)], '<__media__>Hello<__media__> blue'),  # two images
     ('internvl', [(30, 45)], 'Hi <__media__> the sky is'),        # tiles + thumbnail
@@ -186,43 +188,69 @@ def test_a_text_only_model_refuses_images(tmp_path, pair):
         engine.close()
 
 
-def test_gemma3_images_are_refused_until_their_attention_is_bidirectional(tmp_path, pair):
-    text, _, _ = pair('mlp')
-    mmproj = write_mmproj(tmp_path / 'g.gguf', 'gemma3', n_text=256, scale=4, seed=2)
-    folder = convert(str(text), str(tmp_path / 'gemma3'), mmproj=str(mmproj), progress=False)
-    engine = Engine(EngineConfig(model_dir=str(folder), max_context=256))
+def test_gemma3_with_its_own_language_model_decodes_as_llamacpps_mtmd(tmp_path):
+    """A gemma3 text model (sliding window shorter than an image) with a gemma3 mmproj."""
+    case = ParityCase(arch='gemma3', wtype='Q8_0', window=3, swa_pattern=2, vision=True)
+    text = write_gguf(tmp_path / 'gemma3.gguf', case)
+    mmproj = write_mmproj(tmp_path / 'mm.gguf', 'gemma3', n_text=256, scale=4, seed=5)
+    folder = convert(str(text), str(tmp_path / 'vlm'), mmproj=str(mmproj), progress=False)
+    images = [image(4, 32, 32), image(5, 24, 40)]
+    prompt = 'Look <__media__> and <__media__> then'
+    data = mtmd_run(text, mmproj, images, prompt, tmp_path)
+    engine = Engine(EngineConfig(model_dir=str(folder), max_context=256, intra_op_threads=1,
+                                 prefix_reuse=False))
     try:
-        assert engine.model_info()['capabilities']['vision']
-        with pytest.raises(ImageInputError, match='bidirectional attention'):
-            engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
-                                             images=[image(1, 32, 32)], max_tokens=8))
+        result = generate(engine, prompt, images)
+        assert result.error == ''
+        assert result.token_ids == [int(t) for t in data['tokens']]
     finally:
         engine.close()
 
 
-def test_cli_generate_takes_image_files_and_raw_prompts(tmp_path, pair):
-    import os
-    import sys
-    from PIL import Image
-    _, _, engine = pair('mlp')
-    img = image(4, 32, 32)
-    Image.fromarray(img).save(tmp_path / 'photo.png')
-    (tmp_path / 'broken.jpg').write_bytes(b'\xff\xd8\xff\xe0 not really a jpeg')
-    root = pathlib.Path(__file__).resolve().parents[1]
+def test_gemma3_images_are_one_bidirectional_forward_each(pair):
+    """Each image is one prefill piece, whatever the chunk size, and only it sees both ways."""
+    _, _, engine = pair('gemma3')
+    assert engine.model_info()['capabilities']['vision']
+    images = [image(1, 32, 32), image(2, 20, 40)]
+    prepared = engine.prepare(GenerationRequest(
+        prompt='Hi <__media__> the <__media__> sky', use_chat_template=False,
+        images=images, max_tokens=4))
+    assert prepared.whole_spans and len(prepared.spans) == 2
+    encoded = [engine.vision.encode(im) for im in images]
+    prepared = prepared.bind_images([e.rows for e in encoded], [e.digest for e in encoded])
+    from edge_llm_ros.runtime.sequence import Sequence
+    seq = Sequence(engine.tokenizer, prepared, None, (), t0=0.0)
+    pieces = seq.chunks(0, 1)   # one-position chunks split the text, never an image
+    for at, rows in prepared.spans:
+        assert (at, at + rows) in pieces and seq.whole_span(at, at + rows)
+    assert all(b - a == 1 for a, b in pieces if not seq.whole_span(a, b))
+    # A reused prefix that would end inside an image restarts at its first row.
+    from edge_llm_ros.runtime import media
+    at, rows = prepared.spans[0]
+    assert media.span_floor(prepared.spans, at + 1) == at
+    assert media.span_floor(prepared.spans, at + rows) == at + rows
 
-    def cli(*args):
-        return subprocess.run([sys.executable, '-m', 'edge_llm_ros.cli', 'generate', *args,
-                               '--model', engine.model_dir, '--max-context', '256',
-                               '--max-tokens', '6'], capture_output=True, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(root)), timeout=300)
-    proc = cli('--raw', '--image', str(tmp_path / 'photo.png'), 'Hi <__media__> the')
-    assert proc.returncode == 0, proc.stderr
-    expected = engine.generate(GenerationRequest(prompt='Hi <__media__> the', images=[img],
-                                                 use_chat_template=False, max_tokens=6)
-                               ).run_to_end()
-    assert proc.stdout.strip() == expected.text.strip()
-    proc = cli('--image', str(tmp_path / 'broken.jpg'), 'What is this?')
-    assert proc.returncode == 2 and 'cannot be decoded' in proc.stderr
-    assert 'Traceback' not in proc.stderr
-    proc = cli('--image', str(tmp_path / 'missing.png'), 'What is this?')
-    assert proc.returncode == 2 and 'no such file' in proc.stderr
+
+def test_a_gemma3_folder_without_the_bidirectional_input_refuses_images(tmp_path, pair):
+    """A model.onnx converted before the input existed: text works, images say reconvert."""
+    import shutil
+    import yaml
+    pair('gemma3')
+    _, _, mlp = pair('mlp')
+    old = tmp_path / 'old'
+    shutil.copytree(mlp.model_dir, old)        # a decoder graph without `bidirectional`
+    gemma3 = pathlib.Path(mlp.model_dir).parent / 'gemma3'
+    shutil.copy(gemma3 / 'vision.onnx', old / 'vision.onnx')
+    meta = yaml.safe_load((old / 'model.yaml').read_text())
+    meta['vision'] = yaml.safe_load((gemma3 / 'model.yaml').read_text())['vision']
+    (old / 'model.yaml').write_text(yaml.safe_dump(meta, sort_keys=False))
+    engine = Engine(EngineConfig(model_dir=str(old), max_context=256))
+    try:
+        with pytest.raises(ImageInputError, match='reconvert the model'):
+            engine.prepare(GenerationRequest(prompt='<__media__>', use_chat_template=False,
+                                             images=[image(1, 32, 32)], max_tokens=8))
+        result = engine.generate(GenerationRequest(prompt='the sky', use_chat_template=False,
+                                                   max_tokens=3)).run_to_end()
+        assert result.error == '' and result.completion_tokens == 3
+    finally:
+        engine.close()

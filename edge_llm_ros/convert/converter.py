@@ -165,6 +165,10 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     ckpt = load_checkpoint(source)
     opts.check(ckpt)
     vision = _read_vision(mmproj, ckpt, source) if mmproj else None
+    if _bidirectional(vision) and opts.activation_dtype != 'float32':
+        raise ConversionError(
+            f'a {vision.config.projector} VLM needs the op library attention over its '
+            'images, which runs in float32: convert it with --dtype float32')
     opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +229,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     with open(tmp / DATA_FILE, 'wb') as data:
         graph = DecoderGraph(s, GraphOptions(opts.activation_dtype, opts.max_context,
                                              opts.accuracy_level, opts.graph_offset_levels,
-                                             attention=_attention(ckpt, opts)),
+                                             attention=_attention(ckpt, opts, vision),
+                                             bidirectional_images=_bidirectional(vision)),
                              data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
         bar.update()
@@ -279,7 +284,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'weight_bytes_per_token': int(graph.weight_bytes),
                          'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))},
         'op_domains': sorted(graph.ops_used),
-        'attention': _attention(ckpt, opts),
+        'attention': _attention(ckpt, opts, vision),
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
@@ -295,13 +300,24 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
             os.fsync(fh.fileno())
 
 
-def _attention(ckpt: Checkpoint, opts: ConvertOptions) -> str:
+def _bidirectional(vision) -> bool:
+    """Whether the mmproj's image tokens attend to each other both ways (gemma3)."""
+    if vision is None:
+        return False
+    from edge_llm_ros.convert.vision_graph import image_attention
+    return image_attention(vision) == 'bidirectional'
+
+
+def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     """Return the attention op: the library's row-exact one where every matmul is the op's.
 
     Only then is the whole graph row-exact (a verify pass gives a position decode's bits:
     docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
-    and GroupQueryAttention, faster at prefill, is kept.
+    and GroupQueryAttention, faster at prefill, is kept. A VLM whose image tokens attend
+    both ways always gets the library's op: GroupQueryAttention is causal only.
     """
+    if _bidirectional(vision):
+        return 'causal'
     if opts.weight_format != 'kquant':
         return 'gqa'
     held = all(t.qtype in KQUANT_TYPES and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0

@@ -28,7 +28,7 @@ from onnx import helper, numpy_helper, TensorProto
 from edge_llm_ros.convert.checkpoint import ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
-from edge_llm_ros.model_format import DATA_FILE
+from edge_llm_ros.model_format import BIDIRECTIONAL_INPUT as BIDIRECTIONAL, DATA_FILE
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
@@ -59,6 +59,10 @@ class GraphOptions:
     # are the same bits in a verify pass over several, as speculative decoding needs; kquant
     # graphs, float32 only).
     attention: str = 'gqa'
+    # A VLM whose image tokens attend to each other both ways (gemma3): the graph gets an
+    # int32 input `bidirectional` (default 0) that CausalAttention reads; the engine sets it
+    # to 1 for a forward that holds exactly one image's rows. 'causal' attention only.
+    bidirectional_images: bool = False
 
 
 Weight = Union[BlockWeights, GgufWeights]
@@ -167,6 +171,14 @@ class DecoderGraph:
                     f'past_key_values.{i}.{kind}', t, kv_shape))
                 self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
                                                                   kv_shape))
+        if opts.bidirectional_images:
+            if opts.attention != 'causal':
+                raise ValueError('bidirectional_images needs the op library attention '
+                                 "(attention='causal')")
+            # A plain input (IOBinding cannot bind an overridable initializer): the decoder
+            # binds one shared flag in every binding.
+            self.inputs.append(helper.make_tensor_value_info(BIDIRECTIONAL, TensorProto.INT32,
+                                                             [1]))
         cache_len = opts.max_context or spec.max_position_embeddings
         local = [spec.is_local(i) for i in range(spec.num_layers)]
         if not all(local):
@@ -375,6 +387,8 @@ class DecoderGraph:
         outputs = [self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value']
         if self.opts.attention == 'causal':
             self.ops_used.add(KQUANT_DOMAIN)
+            if self.opts.bidirectional_images:
+                inputs.append(BIDIRECTIONAL)
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
                                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,

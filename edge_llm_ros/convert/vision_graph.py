@@ -224,6 +224,11 @@ _LAYOUT = {
 }
 
 
+def image_attention(mm: Mmproj) -> str:
+    """'bidirectional' when the image's tokens see each other both ways, else 'causal'."""
+    return _LAYOUT[mm.config.projector]['attention']
+
+
 def model_yaml_section(mm: Mmproj, file: str) -> dict:
     """Return model.yaml's `vision` mapping for a converted mmproj."""
     cfg = mm.config

@@ -5,7 +5,8 @@ One graph serves prefill and decode (see the engine contract): inputs ``input_id
 ``total_sequence_length []``, ``logits_count [1]`` and
 ``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``; outputs
 ``logits [B, logits_count, vocab]`` (the last positions; 1 except in a verify pass) and
-``present.{i}.key/value``.
+``present.{i}.key/value``. A VLM whose image tokens attend both ways (gemma3) also takes
+``bidirectional [1]`` (int32; 1 for a forward over one image's rows).
 
 The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
 writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
@@ -32,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
-from edge_llm_ros.model_format import MODEL_FILE, ModelInfo, REGENERATE_HINT
+from edge_llm_ros.model_format import BIDIRECTIONAL_INPUT, MODEL_FILE, ModelInfo, REGENERATE_HINT
 from edge_llm_ros.runtime import native_ops
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 
@@ -225,6 +226,11 @@ class OnnxDecoder:
                 f'{slots} parallel sequences: reconvert it with a current edge-llm-convert '
                 '(converter version 4 or later), or set parallel_sequences to 1')
         self.accepts_embeds = 'inputs_embeds' in inputs
+        # A VLM graph whose image rows may attend both ways: every binding reads one shared
+        # flag, 1 only while forward(bidirectional=True) runs.
+        self.bidirectional_images = BIDIRECTIONAL_INPUT in inputs
+        self._image_flag = np.zeros((1,), dtype=np.int32)
+        self._image_flag_value = ort.OrtValue.ortvalue_from_numpy(self._image_flag)
         kv_type = inputs['past_key_values.0.key'].type
         if kv_type not in _ORT_DTYPES:
             raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
@@ -245,6 +251,8 @@ class OnnxDecoder:
     def _rows_binding(self, rows: slice) -> ort.IOBinding:
         """Build a binding whose KV (past = present) and logits are these buffer rows."""
         binding = self._session.io_binding()
+        if self.bidirectional_images:
+            binding.bind_ortvalue_input(BIDIRECTIONAL_INPUT, self._image_flag_value)
         n = self.info.num_layers
         for i in range(n):
             for j, kind in enumerate(('key', 'value')):
@@ -293,13 +301,19 @@ class OnnxDecoder:
         return logits
 
     def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int,
-                slot: int = 0) -> np.ndarray:
+                slot: int = 0, bidirectional: bool = False) -> np.ndarray:
         """Run ``embeds`` (ahead) then ``ids`` at positions past_len.. of a slot: logits [vocab].
 
         ids: int [s] or [1, s] (s may be 0 when embeds are given); embeds: [e, hidden] or
         [1, e, hidden] or None. The caller keeps past_len + e + s within the capacity.
+        bidirectional: every position of this forward sees all of its keys (one image's rows
+        of a VLM whose image tokens attend both ways; needs bidirectional_images).
         """
         ids = np.asarray(ids).reshape(-1)
+        if bidirectional and not self.bidirectional_images:
+            raise ModelLoadError('this model.onnx has no bidirectional input for image '
+                                 'attention: reconvert it with --mmproj and a current '
+                                 'edge-llm-convert')
         if embeds is None and ids.shape[0] == 1 and slot == 0:
             return self.decode(int(ids[0]), past_len)
         n_emb = 0
@@ -330,7 +344,11 @@ class OnnxDecoder:
             self._decode_bound = False
         self._seqlens[0] = past_len + n - 1
         self._total[()] = past_len + n
-        self._session.run_with_iobinding(binding)
+        self._image_flag[0] = int(bidirectional)
+        try:
+            self._session.run_with_iobinding(binding)
+        finally:
+            self._image_flag[0] = 0
         return self.logits
 
     def verify(self, ids: Sequence[int], past_len: int, slot: int = 0) -> np.ndarray:

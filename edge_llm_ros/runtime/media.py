@@ -43,6 +43,7 @@ ImageInput = Union[np.ndarray, DeclaredImage]
 class Placement(Protocol):
     items: Tuple[Union[Tuple[int, ...], int], ...]
     rows: int
+    bidirectional: bool   # the image's rows see each other both ways (one forward per span)
 
 
 class ImageLayout(Protocol):
@@ -162,3 +163,16 @@ def span_starts(spans: Sequence[Tuple[int, int]], start: int, total: int) -> Lis
     rows: cutting at every span's start guarantees that.
     """
     return [at for at, _ in spans if start < at < total]
+
+
+def span_floor(spans: Sequence[Tuple[int, int]], pos: int) -> int:
+    """`pos`, or the start of the span it falls strictly inside (a span is never split)."""
+    for at, rows in spans:
+        if at < pos < at + rows:
+            return at
+    return pos
+
+
+def whole_span_cuts(spans: Sequence[Tuple[int, int]], start: int, total: int) -> List[int]:
+    """Positions in (start, total) where a span begins or ends (each span is one piece)."""
+    return sorted({p for at, rows in spans for p in (at, at + rows) if start < p < total})

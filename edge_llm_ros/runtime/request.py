@@ -70,6 +70,8 @@ class PreparedRequest:
     # The request's images (arrays or DeclaredImage) and each one's rows, until bound.
     images: Tuple[media.ImageInput, ...] = ()
     image_rows: Tuple[int, ...] = ()
+    # Each span is prefilled as one forward whose rows see all of it (gemma3's images).
+    whole_spans: bool = False
     # Cache key of every prompt position (see kv_cache); complete once bound.
     keys: Tuple[Hashable, ...] = ()
     # How to split the output into text, reasoning and tool calls (empty: all of it is text).
@@ -332,6 +334,7 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                session_id=request.session_id, act_dtype=np.dtype(act_dtype),
                                embeddings=declared, keys=() if waits else tuple(ids),
                                spans=spans, images=images, image_rows=image_rows,
+                               whole_spans=any(p.bidirectional for p in placements),
                                output=output, chat=chat if session else None,
                                speculative=bool(getattr(request, 'speculative', True)))
     return prepared.bind(array) if array is not None else prepared

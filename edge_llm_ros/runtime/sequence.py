@@ -98,12 +98,24 @@ class Sequence:
         """Return the prompt pieces (a, b) to prefill after `reused` positions already in KV.
 
         Pieces start at every embedding span (media.span_starts): rows go ahead of ids.
+        With whole spans (bidirectional images) each span is one piece of its own, whatever
+        `chunk` is, and `reused` never ends inside one (the scheduler's span_floor).
         """
         self._timing['cached'] = reused
-        total = len(self._req.keys)
-        cuts = [reused] + media.span_starts(self._req.spans, reused, total) + [total]
+        req = self._req
+        total = len(req.keys)
+        if req.whole_spans:
+            cuts = [reused] + media.whole_span_cuts(req.spans, reused, total) + [total]
+            return [piece for a, b in zip(cuts[:-1], cuts[1:])
+                    for piece in ([(a, b)] if self.whole_span(a, b) else
+                                  split_chunks(b, a, chunk))]
+        cuts = [reused] + media.span_starts(req.spans, reused, total) + [total]
         return [piece for a, b in zip(cuts[:-1], cuts[1:])
                 for piece in split_chunks(b, a, chunk)]
+
+    def whole_span(self, a: int, b: int) -> bool:
+        """Whether prompt positions a..b-1 are exactly one span prefilled bidirectionally."""
+        return self._req.whole_spans and (a, b - a) in self._req.spans
 
     def prefill_inputs(self, a: int, b: int) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """Token ids and embedding rows of prompt positions a..b-1 (embeddings first)."""

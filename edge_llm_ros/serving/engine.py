@@ -152,6 +152,12 @@ class Engine:
         self.vision, self._layout = open_vision(
             model_dir, self.info.extra, self.tokenizer, providers=tuple(config.providers),
             provider_options=tuple(config.provider_options), threads=config.intra_op_threads)
+        if self._layout is not None and self._layout.bidirectional and \
+                not self._decoder.bidirectional_images:
+            self._layout.refuse_images(
+                f'{self._layout.projector} images need bidirectional attention over their '
+                'tokens, and this model.onnx was converted without it: reconvert the model '
+                'with --mmproj and a current edge-llm-convert (text still works)')
         self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
                                              model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).

@@ -138,7 +138,7 @@ class Executor:
         t = time.perf_counter()
         try:
             out.prefill_logits = self._decoder.forward(step.ids, step.embeds, step.start,
-                                                       step.slot)
+                                                       step.slot, step.bidirectional)
             self._caches[step.slot].append(step.keys)
         except Exception as exc:  # noqa: B902 - ends that goal (Scheduler.update)
             out.prefill_error = exc

@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Un
 import numpy as np
 
 from edge_llm_ros.errors import InvalidRequestError
+from edge_llm_ros.runtime import media
 from edge_llm_ros.runtime.kv_cache import KVCache, Reuse
 from edge_llm_ros.runtime.sequence import RECOMPUTE
 from edge_llm_ros.runtime.types import GenerationResult, StopReason
@@ -126,6 +127,7 @@ class Prefill:
     ids: np.ndarray
     embeds: Optional[np.ndarray]
     keys: tuple
+    bidirectional: bool = False   # exactly one image whose rows see each other both ways
 
 
 @dataclass(frozen=True)
@@ -339,6 +341,11 @@ class Scheduler:
             limit = max(len(keys) - self._recompute, 0)
             reuse = self._caches[slot].find_reuse(keys, request.key_hashes, limit, others,
                                                   own=slot not in touched)
+            floor = media.span_floor(request.spans, reuse.length) if request.whole_spans \
+                else reuse.length
+            if floor != reuse.length:   # a bidirectional image is prefilled whole
+                reuse = self._caches[slot].find_reuse(keys, request.key_hashes, floor, others,
+                                                      own=slot not in touched)
         touched.add(slot)
         plan.kv.append(Admit(goal, slot, reuse, fresh=not self._prefix_reuse))
         goal.chunks = collections.deque(goal.sequence.chunks(reuse.length, self._chunk))
@@ -385,7 +392,8 @@ class Scheduler:
         a, b = goal.chunks.popleft()
         ids, embeds = goal.sequence.prefill_inputs(a, b)
         plan.prefill = Prefill(goal, goal.slot, a, b, ids, embeds,
-                               tuple(goal.sequence.request.keys[a:b]))
+                               tuple(goal.sequence.request.keys[a:b]),
+                               goal.sequence.whole_span(a, b))
 
     def _plan_decode(self, plan: Plan) -> None:
         rows = [g if g is not None and g.state is GoalState.DECODE else None

@@ -35,6 +35,7 @@ class ImagePlacement:
     items: Tuple[Item, ...]
     rows: int
     tiles: int
+    bidirectional: bool = False   # each span is one forward that sees all of itself
 
 
 class PromptLayout:
@@ -60,12 +61,15 @@ class PromptLayout:
                     'language model')
             ids[piece] = tid
         self._ids = ids
-        # gemma3's image tokens see each other both ways (llama.cpp and HF); the decoder's
-        # attention op is causal only, so such images are refused rather than run wrongly.
-        self.refusal = ('' if vision.get('attention', 'causal') == 'causal' else
-                        f'{self.projector} images need bidirectional attention over the image '
-                        "tokens, which this engine's decoder does not do yet: this model "
-                        'takes text only here')
+        # gemma3's image tokens see each other both ways (llama.cpp and HF): each image is
+        # then prefilled as one forward that sees all of itself (the decoder's bidirectional
+        # input). A decoder graph without that input refuses such images (refuse_images).
+        self.bidirectional = vision.get('attention', 'causal') == 'bidirectional'
+        self.refusal = ''
+
+    def refuse_images(self, why: str) -> None:
+        """Refuse every image from now on, saying why (the model still takes text)."""
+        self.refusal = why
 
     def place(self, height: int, width: int) -> ImagePlacement:
         """Return the items of an image of height x width (pixels not needed)."""
@@ -89,7 +93,7 @@ class PromptLayout:
             items = [(ids['<img>'],), *([t] * tiles), (ids['</img>'],)]
         else:
             items = [t] * tiles
-        return ImagePlacement(tuple(merge_items(items)), t * tiles, tiles)
+        return ImagePlacement(tuple(merge_items(items)), t * tiles, tiles, self.bidirectional)
 
 
 def merge_items(items: Sequence[Item]) -> List[Item]:

@@ -72,7 +72,9 @@ ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, int64_t b, i
   float rotated[512];  // head_dim <= 512, checked by the op
   rotate(q + (b * shape->seq + s) * q_stride + h * d, cos + pos * half, sin + pos * half, d,
          rotated);
-  const int64_t n = pos + 1 - first;
+  // The last key the row sees: itself, or the call's last position when bidirectional.
+  const int64_t last = shape->bidirectional ? past[b] + shape->seq - 1 : pos;
+  const int64_t n = last + 1 - first;
   float top = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
     scratch[j] = dot(rotated, keys + (first + j) * d, d) * shape->scale;

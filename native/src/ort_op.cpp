@@ -390,6 +390,17 @@ struct CausalAttentionKernel {
            std::to_string(kv_heads_) + " heads x " + std::to_string(d) + " (even, <= 512)");
     }
     if (rope_shape.size() != 2 || rope_shape[1] != d / 2) fail("cos/sin are not [P, D/2]");
+    // Optional input 9: one int32, nonzero when every row of this call sees all of its keys.
+    int64_t bidirectional = 0;
+    if (ctx.GetInputCount() > 9) {
+      const Ort::ConstValue flag = ctx.GetInput(9);
+      if (static_cast<const OrtValue *>(flag) != nullptr) {
+        if (flag.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+          fail("bidirectional is not one int32");
+        }
+        bidirectional = flag.GetTensorData<int32_t>()[0] != 0 ? 1 : 0;
+      }
+    }
     if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
       fail("seqlens_k does not hold one length per batch row");
     }
@@ -421,7 +432,8 @@ struct CausalAttentionKernel {
     if (batch == 0 || seq == 0) return;
     const float *q = query.GetTensorData<float>();
     AttentionWork work{};
-    work.shape = elk_attention_shape{batch, seq, heads_, kv_heads_, d, capacity, scale_, window_};
+    work.shape = elk_attention_shape{batch,  seq,    heads_,  kv_heads_, d,
+                                     capacity, scale_, window_, bidirectional};
     work.q = q;
     work.q_stride = width;
     if (packed) {
@@ -462,14 +474,16 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
   }
   const char *GetName() const { return "CausalAttention"; }
   // query (or packed QKV), key, value (both absent when packed), past key, past value,
-  // seqlens_k, total_sequence_length, cos, sin.
-  size_t GetInputTypeCount() const { return 9; }
+  // seqlens_k, total_sequence_length, cos, sin, bidirectional (optional: graphs of models
+  // whose image tokens attend both ways; absent means causal).
+  size_t GetInputTypeCount() const { return 10; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 5 || index == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
-                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index == 5 || index == 6 || index == 9 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+                                                  : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 1 || index == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return index == 1 || index == 2 || index == 9 ? INPUT_OUTPUT_OPTIONAL
+                                                  : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t) const {

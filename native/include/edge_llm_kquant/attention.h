@@ -23,6 +23,9 @@ typedef struct {
   int64_t batch, seq, num_heads, kv_heads, head_dim, capacity;
   float scale;        // multiplies q.k
   int64_t window;     // > 0: a query sees the last `window` keys, itself included; 0: all
+  // 1: every query row also sees the later keys of its own call (an image's tokens attend
+  // to each other both ways, as llama.cpp's non-causal image chunks); 0: causal.
+  int64_t bidirectional;
 } elk_attention_shape;
 
 // Rotate the new keys (half-split rotary from cos/sin rows [position, head_dim / 2]) and
@@ -36,7 +39,7 @@ __attribute__((visibility("hidden"))) void elk_attention_store(const elk_attenti
                                  float *key_buffer, float *value_buffer);
 
 // out[b, s, h * head_dim ..] for query row (b, s) and head h: rotary on q, softmax(q.K^T x
-// scale) over the positions the row sees (causal, windowed) times V, in position order.
+// scale) over the positions the row sees (causal or the whole call, windowed) times V, in position order.
 // q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
 __attribute__((visibility("hidden"))) void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
                                int64_t h, const float *q, int64_t q_stride,
