@@ -1,16 +1,20 @@
 """Image -> first token: this engine vs llama.cpp's libmtmd on the same VLM files and threads.
 
-    .venv/bin/python bench/bench_vlm.py [--shapes smolvlm-256m] [--sizes 640x480,1920x1080]
+    .venv/bin/python bench/bench_vlm.py [--shapes smolvlm-256m,gemma3-siglip400m]
+        [--sizes 640x480,1920x1080]
         [--threads 2] [--repeats 2] [--json-out bench/results/bench_vlm.json]
 
-(bench/bench_vision.py --vlm runs this.) Per shape, a random-weight VLM pair at the real shape
-is written once into .cache/bench_vlm/ (the speed of a matmul does not depend on its values):
+Per shape, a random-weight VLM pair at the real shape is written once into .cache/bench_vlm/
+(the speed of a matmul does not depend on its values):
 - smolvlm-256m: SmolVLM-256M's SigLIP-93M mmproj (idefics3, 512 px tiles of 16 px patches,
   12 layers 768 wide, pixel unshuffle 4, longest edge 2048) and a language model of
   SmolLM2-135M's shape (30 layers, 576 wide; its vocabulary is the tests' small one with the
   image tokens, so the head is cheaper than the real 49k one), Q8_0 layers, F32 encoder.
-Gemma 3's shape is not run: this engine refuses gemma3 images until its decoder attends to
-the image both ways (vision/mmproj_layout.py).
+- gemma3-siglip400m: Gemma 3 4B's SigLIP-400M mmproj (gemma3, 896 px of 14 px patches, 27
+  layers 1152 wide, 4x4 average pooling: 256 tokens, attended both ways) over a language model
+  of gemma-3-1b's shape (26 layers, 1152 wide, sliding window 512; the tests' small
+  vocabulary), Q8_0 layers, F32 encoder. (Gemma 3 4B's own 2560-wide text model only makes
+  the prefill longer for both.)
 
 Per image size, both run the same raw prompt `<__media__>Describe the image.` on a random
 RGB image with --threads threads, each best of --repeats:
@@ -59,6 +63,13 @@ SHAPES = {
         'text': TinyDims(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536,
                          context=2048),
     },
+    'gemma3-siglip400m': {
+        'mmproj': {'projector': 'gemma3', 'n_embd': 1152, 'n_ff': 4304, 'n_layer': 27,
+                   'n_head': 16, 'image_size': 896, 'patch': 14, 'scale': 4},
+        'text': TinyDims(hidden=1152, layers=26, heads=4, kv_heads=1, intermediate=6912,
+                         context=2048, rope_theta=1e6, rms_eps=1e-6, key_length=256),
+        'arch': 'gemma3', 'window': 512,
+    },
 }
 
 
@@ -68,7 +79,8 @@ def files(shape: str) -> Dict[str, pathlib.Path]:
     work.mkdir(parents=True, exist_ok=True)
     text, mmproj, folder = work / 'text.gguf', work / 'mmproj.gguf', work / 'model'
     if not text.exists():
-        write_gguf(text, ParityCase(arch='llama', wtype='Q8_0', vision=True, dims=spec['text']))
+        write_gguf(text, ParityCase(arch=spec.get('arch', 'llama'), wtype='Q8_0', vision=True,
+                                    dims=spec['text'], window=spec.get('window', 0)))
     if not mmproj.exists():
         write_mmproj(mmproj, n_text=spec['text'].hidden, seed=1, **spec['mmproj'])
     if not (folder / 'vision.onnx').exists():
@@ -122,7 +134,7 @@ def theirs(paths: Dict[str, pathlib.Path], image: np.ndarray, threads: int,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--shapes', default='smolvlm-256m')
+    p.add_argument('--shapes', default=','.join(SHAPES))
     p.add_argument('--sizes', default='640x480,1920x1080')
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--repeats', type=int, default=2)

@@ -13,7 +13,7 @@ preprocessing and encoder (CPU, flash attention off). Saved:
   an image chunk's token count as a one-element array;
 - with --tokens N: `tokens`, N greedy ids after mtmd_helper_eval_chunks evaluated the prompt
   (float32 KV cache, flash attention off, the whole prompt in one batch), and `logits`;
-- with --timings (bench/bench_vision.py --vlm): `preprocess_s` (mtmd_tokenize: decoding the
+- with --timings (bench/bench_vlm.py): `preprocess_s` (mtmd_tokenize: decoding the
   bitmaps' layout, resizing and tiling), `encode_s` (every image chunk through the encoder)
   and `first_token_s` (a fresh mtmd_helper_eval_chunks, which encodes again and prefills,
   plus the first greedy pick), in seconds.

@@ -1,14 +1,17 @@
 """image_url content parts through the bridge: the openai SDK and langchain-openai, no node.
 
 The bridge decodes data: URLs into RGB arrays (the backend gets them with a `<__media__>`
-marker where each part was), refuses http(s) URLs and corrupt images with OpenAI-shaped
-400s, and LLMClientBackend turns the arrays into pool handles (build_goal never carries
-pixels). test_vision_node.py runs the same through a real llm_node serving a tiny VLM.
+marker where each part was), refuses http(s) URLs (or fetches them, bounded, where
+fetch_image_urls allows it) and corrupt images with OpenAI-shaped 400s, and
+LLMClientBackend turns the arrays into pool handles (build_goal never carries pixels). test_vision_node.py runs the same through a real llm_node serving a tiny VLM.
 """
 import base64
+import http.server
 import io
+import threading
 
-from bridge_fakes import BACKEND_KINDS, KIND_IDS, MODEL, serving, text_script
+from bridge_fakes import BACKEND_KINDS, FakeBackend, KIND_IDS, MODEL, served, serving, \
+    text_script
 from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
 import numpy as np
@@ -17,6 +20,7 @@ from PIL import Image
 import pytest
 
 from edge_llm_ros.bridge.backend import BackendRequest, Message
+from edge_llm_ros.bridge.config import BridgeConfig
 from edge_llm_ros.bridge.errors import QueueFullError
 from edge_llm_ros.bridge.llm_client_backend import build_goal, IMAGE_POOLS, LLMClientBackend
 from edge_llm_ros.ipc.resolver import TensorResolver
@@ -159,3 +163,72 @@ def test_image_pools_are_a_fixed_set_of_names(tmp_path, monkeypatch):
         assert handles[0].pool_id in names
     with backend._shared_images([]) as handles:
         assert handles == []
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/cat.png: a PNG; /slow.png: answers after the client's timeout; others: 404."""
+
+    png = base64.b64decode(data_url().split(',', 1)[1])
+    release = threading.Event()
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        if self.path == '/slow.png':
+            self.release.wait(10)
+        if self.path not in ('/cat.png', '/slow.png'):
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header('Content-Type', 'image/png')
+        self.send_header('Content-Length', str(len(self.png)))
+        self.end_headers()
+        self.wfile.write(self.png)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope='module')
+def image_server():
+    server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f'http://127.0.0.1:{server.server_address[1]}'
+    _Images.release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def test_http_image_urls_are_fetched_only_where_the_bridge_allows_it(image_server):
+    backend = FakeBackend(responder)
+    config = BridgeConfig(port=0, fetch_image_urls=True, image_fetch_timeout_s=1.0,
+                          image_fetch_max_bytes=1 << 20)
+    with served(backend, config) as bridge, openai.OpenAI(
+            base_url=bridge.base_url, api_key='x', max_retries=0, timeout=20) as client:
+        reply = ask(client, text('What is this?'), image(f'{image_server}/cat.png'))
+        assert reply.choices[0].message.content == '1 images'
+        np.testing.assert_array_equal(backend.requests[-1].images[0], PIXELS)
+        for path, message, code in [('/missing.png', 'HTTP 404', 'image_url_unreachable'),
+                                    ('/slow.png', 'timed out', 'image_url_unreachable')]:
+            with pytest.raises(openai.BadRequestError) as err:
+                ask(client, image(f'{image_server}{path}'))
+            assert message in err.value.body['message'] and err.value.body['code'] == code
+            assert err.value.body['param'] == 'messages[0].content[0].image_url.url'
+    small = BridgeConfig(port=0, fetch_image_urls=True, image_fetch_max_bytes=16)
+    with served(FakeBackend(responder), small) as bridge, openai.OpenAI(
+            base_url=bridge.base_url, api_key='x', max_retries=0, timeout=20) as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(client, image(f'{image_server}/cat.png'))
+        assert err.value.body['code'] == 'image_too_large'
+    # The default bridge fetches nothing (test_bad_image_urls_are_openai_400s).
+    assert not BridgeConfig().fetch_image_urls
+
+
+def test_the_bridge_node_parameters_reach_the_fetch_settings():
+    from edge_llm_ros.nodes.openai_bridge import bridge_config, SCHEMA
+    values = {spec.name: spec.default for spec in SCHEMA.specs}
+    assert not bridge_config(values).fetch_image_urls
+    values.update({'images.fetch_urls': True, 'images.fetch_timeout_s': 2.5,
+                   'images.fetch_max_bytes': 1000})
+    config = bridge_config(values)
+    assert (config.fetch_image_urls, config.image_fetch_timeout_s,
+            config.image_fetch_max_bytes) == (True, 2.5, 1000)

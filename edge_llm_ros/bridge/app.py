@@ -26,6 +26,7 @@ from edge_llm_ros.bridge.convert import Body, chat_request, completion_request, 
 from edge_llm_ros.bridge.errors import (AuthenticationError, BodyTooLargeError, BridgeError,
                                         InvalidRequestError, MethodNotAllowedError,
                                         ModelNotFoundError, NotFoundError)
+from edge_llm_ros.bridge.image_fetch import ImageFetcher
 from edge_llm_ros.bridge.render import ChatRenderer, CompletionRenderer
 from edge_llm_ros.bridge.run import BackendRun
 from edge_llm_ros.bridge.schemas import (ChatCompletionRequest, CompletionRequest, ModelCard,
@@ -120,6 +121,8 @@ class _Handlers:
     def __init__(self, backend: Backend, config: BridgeConfig) -> None:
         self.backend = backend
         self.config = config
+        self.fetch = (ImageFetcher(config.image_fetch_timeout_s, config.image_fetch_max_bytes)
+                      if config.fetch_image_urls else None)
 
     def authorize(self, request: Request) -> None:
         if not self.config.api_key:
@@ -184,8 +187,10 @@ class _Handlers:
 
     async def chat(self, request: Request) -> Response:
         body = await self.body(request, ChatCompletionRequest)
-        backend_request = chat_request(body, f'chatcmpl-{uuid.uuid4().hex}',
-                                       request.headers.get('x-session-id', ''))
+        # Off the event loop: decoding (and fetching, where allowed) images takes a while.
+        backend_request = await anyio.to_thread.run_sync(
+            chat_request, body, f'chatcmpl-{uuid.uuid4().hex}',
+            request.headers.get('x-session-id', ''), self.fetch)
         return await self.serve(request, backend_request,
                                 ChatRenderer(backend_request, include_usage=_usage_on(body)))
 

@@ -18,6 +18,11 @@ class BridgeConfig:
     owned_by: str = 'edge_llm_ros'     # /v1/models' owned_by
     log_level: str = 'warning'     # uvicorn's
     shutdown_timeout_s: float = 5.0    # streams still open at stop() are cancelled after this
+    # http(s) image_url parts: refused (False) or fetched by the bridge (True), each within
+    # image_fetch_timeout_s and image_fetch_max_bytes. data: URLs are always taken.
+    fetch_image_urls: bool = False
+    image_fetch_timeout_s: float = 5.0
+    image_fetch_max_bytes: int = 20 << 20
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -29,6 +34,9 @@ class BridgeConfig:
             raise ValueError('BridgeConfig.max_body_bytes must be > 0')
         if self.shutdown_timeout_s < 0:
             raise ValueError('BridgeConfig.shutdown_timeout_s must be >= 0')
+        if self.image_fetch_timeout_s <= 0 or self.image_fetch_max_bytes <= 0:
+            raise ValueError('BridgeConfig.image_fetch_timeout_s and image_fetch_max_bytes '
+                             'must be > 0')
 
     @property
     def is_loopback(self) -> bool:

@@ -9,7 +9,7 @@ import base64
 import binascii
 import json
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import jsonschema
 from pydantic import BaseModel, ValidationError
@@ -91,27 +91,35 @@ def _sampling(body, request_id: str) -> Dict[str, Any]:
             'stream': bool(body.stream)}
 
 
-def image_from_url(url: str, param: str) -> Any:
-    """Decode a data:image/...;base64 URL into RGB [H, W, 3] uint8 (400 naming `param`).
+# fetch(url, param) -> the bytes of an http(s) image URL (bridge/image_fetch.ImageFetcher).
+Fetch = Callable[[str, str], bytes]
 
-    http(s) URLs are refused: the bridge fetches nothing on a client's behalf (a robot's
-    network is not the client's to reach through it).
+
+def image_from_url(url: str, param: str, fetch: Optional[Fetch] = None) -> Any:
+    """Decode an image URL into RGB [H, W, 3] uint8 (400 naming `param`).
+
+    data:image/...;base64 URLs always; http(s) URLs only with a `fetch` (the bridge's
+    fetch_image_urls): by default it fetches nothing on a client's behalf (a robot's network
+    is not the client's to reach through it).
     """
     if url[:8].lower().startswith(('http://', 'https://')):
-        raise InvalidRequestError(
-            'image URLs are not fetched by this server: send the image inline as a '
-            'data:image/png;base64,... (or image/jpeg) URL', param=param,
-            code='image_url_not_supported')
-    match = DATA_URL.fullmatch(url)
-    if match is None:
-        raise InvalidRequestError(
-            f'{url[:40]!r}... is not an image data URL: send '
-            'data:image/png;base64,... or data:image/jpeg;base64,...', param=param)
-    try:
-        data = base64.b64decode(''.join(match.group(2).split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequestError('the image data URL is not valid base64', param=param) \
-            from None
+        if fetch is None:
+            raise InvalidRequestError(
+                'image URLs are not fetched by this server: send the image inline as a '
+                'data:image/png;base64,... (or image/jpeg) URL', param=param,
+                code='image_url_not_supported')
+        data = fetch(url, param)
+    else:
+        match = DATA_URL.fullmatch(url)
+        if match is None:
+            raise InvalidRequestError(
+                f'{url[:40]!r}... is not an image data URL: send '
+                'data:image/png;base64,... or data:image/jpeg;base64,...', param=param)
+        try:
+            data = base64.b64decode(''.join(match.group(2).split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequestError('the image data URL is not valid base64', param=param) \
+                from None
     from edge_llm_ros.vision.image_file import decode_image
     try:
         return decode_image(data, f'the image of {param}')
@@ -119,7 +127,8 @@ def image_from_url(url: str, param: str) -> Any:
         raise InvalidRequestError(str(exc), param=param) from None
 
 
-def _content(message: ChatMessageIn, where: str, images: List[Any]) -> str:
+def _content(message: ChatMessageIn, where: str, images: List[Any],
+             fetch: Optional[Fetch]) -> str:
     """Text of a message's content; each image part is decoded into `images` and marked."""
     if message.content is None:
         return ''
@@ -129,7 +138,7 @@ def _content(message: ChatMessageIn, where: str, images: List[Any]) -> str:
     for j, part in enumerate(message.content):
         if part.type == IMAGE_PART and part.image_url is not None:
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            images.append(image_from_url(url, f'{where}.content[{j}].image_url.url'))
+            images.append(image_from_url(url, f'{where}.content[{j}].image_url.url', fetch))
             texts.append(MEDIA_MARKER)
             continue
         if part.type not in TEXT_PARTS or part.text is None:
@@ -140,7 +149,8 @@ def _content(message: ChatMessageIn, where: str, images: List[Any]) -> str:
     return '\n'.join(texts)
 
 
-def _message(message: ChatMessageIn, i: int, images: List[Any]) -> Message:
+def _message(message: ChatMessageIn, i: int, images: List[Any],
+             fetch: Optional[Fetch] = None) -> Message:
     where = f'messages[{i}]'
     role = 'system' if message.role == 'developer' else message.role
     if message.tool_calls and role != 'assistant':
@@ -162,7 +172,8 @@ def _message(message: ChatMessageIn, i: int, images: List[Any]) -> Message:
                 f'tool call arguments must be a JSON object as text ({exc})',
                 param=f'{where}.tool_calls[{j}].function.arguments') from None
         calls.append(made)
-    return Message(role=role, content=_content(message, where, images), tool_calls=tuple(calls),
+    return Message(role=role, content=_content(message, where, images, fetch),
+                   tool_calls=tuple(calls),
                    tool_call_id=message.tool_call_id or '', name=message.name or '')
 
 
@@ -228,8 +239,11 @@ def session_header(value: str) -> str:
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str,
-                 session_id: str = '') -> BackendRequest:
-    """Check a chat completion body and build the backend's request."""
+                 session_id: str = '', fetch: Optional[Fetch] = None) -> BackendRequest:
+    """Check a chat completion body and build the backend's request.
+
+    fetch: how http(s) image URLs are fetched (None: they are refused).
+    """
     tools = _tools(body.tools)
     tool_choice = _tool_choice(body, tools)
     json_schema = _json_schema(body.response_format)
@@ -242,7 +256,7 @@ def chat_request(body: ChatCompletionRequest, request_id: str,
         raise InvalidRequestError('top_logprobs needs logprobs: true', param='top_logprobs')
     max_tokens = body.max_completion_tokens or body.max_tokens or 0
     images: List[Any] = []
-    messages = tuple(_message(m, i, images) for i, m in enumerate(body.messages))
+    messages = tuple(_message(m, i, images, fetch) for i, m in enumerate(body.messages))
     return BackendRequest(
         **_sampling(body, request_id), messages=messages, images=tuple(images),
         max_tokens=max_tokens, json_schema=json_schema, tools=tools, tool_choice=tool_choice,

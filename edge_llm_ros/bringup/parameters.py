@@ -220,6 +220,14 @@ OPENAI_BRIDGE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('model_id', ParamType.STRING, 'edge-llm',
               'Model id the bridge serves (/v1/models; requests must name it)',
               pattern=r'[^\s]{1,256}'),
+    ParamSpec('images.fetch_urls', ParamType.BOOL, False,
+              'Fetch http(s) image_url parts (false: refused with a 400; data: URLs are '
+              'always taken). The bridge then reaches any address a client names'),
+    ParamSpec('images.fetch_timeout_s', ParamType.DOUBLE, 5.0,
+              'Socket timeout of one image fetch (images.fetch_urls)', range=Range(0.1, 120.0)),
+    ParamSpec('images.fetch_max_bytes', ParamType.INTEGER, 20 << 20,
+              'Largest image fetched (images.fetch_urls); larger ones get a 400',
+              range=Range(1, 1 << 30)),
 )
 
 

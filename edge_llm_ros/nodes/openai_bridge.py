@@ -53,7 +53,10 @@ def bridge_config(values: Dict[str, Any]) -> BridgeConfig:
     try:
         return BridgeConfig(host=values['host'], port=values['port'], api_key=key,
                             max_body_bytes=values['max_body_bytes'],
-                            shutdown_timeout_s=SHUTDOWN_GRACE_S)
+                            shutdown_timeout_s=SHUTDOWN_GRACE_S,
+                            fetch_image_urls=values['images.fetch_urls'],
+                            image_fetch_timeout_s=values['images.fetch_timeout_s'],
+                            image_fetch_max_bytes=values['images.fetch_max_bytes'])
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
