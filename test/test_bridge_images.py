@@ -3,7 +3,8 @@
 The bridge decodes data: URLs into RGB arrays (the backend gets them with a `<__media__>`
 marker where each part was), refuses http(s) URLs (or fetches them, bounded, where
 fetch_image_urls allows it) and corrupt images with OpenAI-shaped 400s, and
-LLMClientBackend turns the arrays into pool handles (build_goal never carries pixels). test_vision_node.py runs the same through a real llm_node serving a tiny VLM.
+LLMClientBackend turns the arrays into pool handles (build_goal never carries pixels).
+test_vision_node.py runs the same through a real llm_node serving a tiny VLM.
 """
 import base64
 import http.server
