@@ -56,6 +56,9 @@ def ipc_dir():
     loan = pool.loan()
     loan.ndarray('float32', (16, 64))[...] = 0.5
     pool.good = loan.publish()
+    loan = pool.loan()
+    loan.ndarray('uint8', (16, 16, 3))[...] = 7
+    pool.frame = loan.publish()   # an RGB frame, for a model that has no vision encoder
     yield types.SimpleNamespace(path=path, pool=pool)
     pool.close()
     if old is None:
@@ -139,6 +142,8 @@ HOSTILE_FIELDS = {
     'json_schema': schemas,
     'prefix_embeddings': st.lists(handles(), max_size=2),
     'session_id': st.text(max_size=12),
+    'images': st.lists(handles(), max_size=2),    # this model has no vision encoder
+    'raw_prompt': st.booleans(),
 }
 
 
@@ -212,6 +217,15 @@ def test_a_handle_larger_than_its_pool_is_refused_before_allocating(node, ipc_di
     grown = _peak_rss() - before
     assert grown < 64 << 20, f'validating the handle raised the peak RSS by {grown >> 20} MiB'
     assert str(POOL_SLOT_BYTES) in str(err.value) or 'context' in str(err.value)
+
+
+def test_an_image_for_a_text_only_model_is_refused(node, ipc_dir):
+    from edge_llm_ros.nodes.handles import to_handle
+    goal = Generate.Goal(prompt='<__media__> what is it?', raw_prompt=True,
+                         images=[to_handle(ipc_dir.pool.frame)])
+    with pytest.raises(InvalidRequestError, match='no vision encoder'):
+        node.admission.prepare(goal, NodeGoal(None))
+    _reservations_all_free(node)
 
 
 def _peak_rss() -> int:
