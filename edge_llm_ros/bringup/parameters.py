@@ -431,7 +431,8 @@ PERCEPTION_SPECS: Tuple[ParamSpec, ...] = (
               'At most this many inferences per second (the latest frame wins); 0 = as fast '
               'as frames arrive', range=Range(0.0, 1000.0)),
     ParamSpec('model.path', ParamType.STRING, '',
-              "ONNX image model (one input taking the frame); '' = the built-in random "
+              'ONNX image model (one input taking the frame), or a converted VLM folder (its '
+              "vision encoder; goals take the handles in images); '' = the built-in random "
               'patch-embedding stand-in (not a trained encoder)'),
     ParamSpec('model.input', ParamType.STRING, '', "Input name; '' = the model's only input"),
     ParamSpec('model.output', ParamType.STRING, '', "Output name; '' = the first output"),

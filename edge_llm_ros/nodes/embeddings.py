@@ -5,12 +5,14 @@ kind, and its producer's pool is reachable. prefix_embeddings are [n, hidden] ro
 share dtype and width; their joined shape is declared to the engine (DeclaredEmbeddings).
 images are uint8 frames, RGB [height, width, 3] (a handle carries no encoding: BGR cameras
 convert first) or mono [height, width] / [height, width, 1]; each is declared by its size
-(runtime.media.DeclaredImage). The engine's prepare() checks what was declared against the
-model (hidden size, dtype, a vision encoder, pixel counts, room in the context) without
-allocating anything. The frames are held (mapped read-only, no copy: a mono frame becomes a
-broadcast RGB view) only while the job runs on the engine worker, which binds them into the
-prepared request, then released: a queued goal holds no slot of the producer's ring, so a deep
-queue never starves a camera pipeline.
+(runtime.media.DeclaredImage). An image the perception node already encoded comes as its rows'
+wire form (float32/float16 [grid_rows + 1, grid_cols, tile_rows, hidden],
+runtime.media.DeclaredEncoded): the engine then does not run the encoder. The engine's
+prepare() checks what was declared against the model (hidden size, dtype, a vision encoder,
+pixel counts, room in the context) without allocating anything. The frames are held (mapped
+read-only, no copy: a mono frame becomes a broadcast RGB view) only while the job runs on the
+engine worker, which binds them into the prepared request, then released: a queued goal holds
+no slot of the producer's ring, so a deep queue never starves a camera pipeline.
 
 Several handles may point into one published slot (different byte_offsets): they count as one
 held frame of the producer. llm_node holds at most MAX_INFLIGHT frames of one pool at a time,
@@ -20,17 +22,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from edge_llm_ros.errors import InvalidRequestError
-from edge_llm_ros.runtime.media import DeclaredImage, ImageInputError
+from edge_llm_ros.runtime.media import (as_rgb, declared_encoding, DeclaredEncoded,
+                                        DeclaredImage, ENCODED_DTYPES, ImageInputError)
 from edge_llm_ros.runtime.types import DeclaredEmbeddings
 
 # Frames of one pool llm_node holds at once (its max_inflight with every producer).
 MAX_INFLIGHT = 2
-IMAGE_FORMATS = 'uint8 RGB [height, width, 3], or mono [height, width] / [height, width, 1]'
+IMAGE_FORMATS = ('uint8 RGB [height, width, 3], or mono [height, width] / [height, width, 1] '
+                 '(or float32/float16 [grid_rows + 1, grid_cols, tile_rows, hidden] encoded by '
+                 'the perception node)')
 
 
 class EmbeddingResolveError(InvalidRequestError):
@@ -62,12 +67,17 @@ def _image_size(array_shape: Sequence[int], dtype: str, index: int) -> Tuple[int
     return shape[0], shape[1]
 
 
-def as_rgb(view: np.ndarray) -> np.ndarray:
-    """RGB [h, w, 3] of a mapped image frame, without copying (mono: a broadcast view)."""
-    if view.ndim == 3 and view.shape[2] == 3:
-        return view
-    mono = view if view.ndim == 3 else view[:, :, None]
-    return np.broadcast_to(mono, mono.shape[:2] + (3,))
+def _declared_image(shape: Sequence[int], dtype: str, index: int
+                    ) -> Union[DeclaredImage, DeclaredEncoded]:
+    """Return a frame's size, or an encoded image's wire form (the perception node's)."""
+    if dtype in ENCODED_DTYPES and len(shape) == 4:
+        encoded = DeclaredEncoded(tuple(int(d) for d in shape), dtype)
+        try:
+            declared_encoding(encoded, f'images[{index}]')   # the grid is checked here
+        except ImageInputError as exc:
+            raise ImageResolveError(str(exc)) from None
+        return encoded
+    return DeclaredImage(*_image_size(shape, dtype, index))
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ class DescribedEmbeddings:
 class DescribedImages:
     """A goal's images handles, parsed once: each image's declared size, the descriptors."""
 
-    declared: Tuple[DeclaredImage, ...]
+    declared: Tuple[Union[DeclaredImage, DeclaredEncoded], ...]
     descriptors: Tuple[Any, ...]   # ipc TensorDescriptor per handle, in order
 
 
@@ -153,8 +163,7 @@ class EmbeddingResolver:
         if not handles:
             return None
         descriptors = self._descriptors(handles, 'images', ImageResolveError)
-        sizes = [DeclaredImage(*_image_size(d.shape, d.dtype, i))
-                 for i, d in enumerate(descriptors)]
+        sizes = [_declared_image(d.shape, d.dtype, i) for i, d in enumerate(descriptors)]
         return DescribedImages(tuple(sizes), tuple(descriptors))
 
     @contextlib.contextmanager
@@ -198,7 +207,9 @@ class EmbeddingResolver:
     def hold_images(self, handles: Sequence[Any]) -> Iterator[List[np.ndarray]]:
         """Map the image frames (descriptors from describe_images): RGB views, no copy."""
         with self._mapped(handles, 'images', ImageResolveError) as views:
-            yield [as_rgb(view) for view in views]
+            # An encoded image (its wire form) goes to the engine as it is.
+            yield [view if view.dtype.name in ENCODED_DTYPES else as_rgb(view)
+                   for view in views]
 
     def close(self) -> None:
         resolver, self._resolver = self._resolver, None

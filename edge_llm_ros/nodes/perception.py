@@ -11,7 +11,10 @@ that handle in ``prefix_embeddings``.
 Default model: the random patch-embedding stand-in of edge_llm_ros.vision.default_model
 (written by edge_llm_ros.convert.standin_encoder)
 (NOT a trained encoder) sized to the LLM's hidden size; ``model.path`` takes any
-single-input ONNX image model whose input accepts the frames as they are.
+single-input ONNX image model whose input accepts the frames as they are, or a converted VLM
+folder (edge-llm-convert --mmproj): then the frames go through its vision encoder, the code
+llm_node runs (vision/vlm_frames.py), and a goal brings the handle in ``images`` where its
+prompt says ``<__media__>``.
 Inference runs on a worker thread; the newest frame wins, older unread ones are dropped.
 """
 import os
@@ -36,6 +39,7 @@ from edge_llm_ros.nodes.tensor_output import CopyKind, TensorOutput
 from edge_llm_ros.vision.errors import ModelMismatchError, VisionError
 from edge_llm_ros.vision.params import perception_config
 from edge_llm_ros.vision.runner import VisionModel
+from edge_llm_ros.vision.vlm_frames import vlm_folder, VlmFrameEncoder
 
 LOG_THROTTLE_S = 5.0
 TAKE_TIMEOUT_S = 0.2
@@ -53,8 +57,12 @@ class PerceptionNode(Node):
         cfg = self.config
         if cfg.process_cpus:
             os.sched_setaffinity(0, cfg.process_cpus)
-        source = cfg.model_path or build_model(cfg.stand_in).SerializeToString()
-        self.model = VisionModel(source, cfg.runner)
+        vlm = vlm_folder(cfg.model_path)
+        if vlm is not None:   # a converted VLM: its own encoder, rows in their wire form
+            self.model = VlmFrameEncoder(vlm, cfg.runner)
+        else:
+            source = cfg.model_path or build_model(cfg.stand_in).SerializeToString()
+            self.model = VisionModel(source, cfg.runner)
         self.pool: Optional[TensorPool] = None
         self._layout: Optional[Tuple[str, Tuple[int, ...]]] = None
         self._stop = threading.Event()
@@ -73,8 +81,9 @@ class PerceptionNode(Node):
             if self.pool is not None:
                 self.pool.close()
             raise
-        model = cfg.model_path or (f'built-in stand-in (random weights, seed '
-                                   f'{cfg.stand_in.seed}, NOT a trained encoder)')
+        model = (f'VLM encoder of {cfg.model_path} (goals take its handles in images)' if vlm
+                 else cfg.model_path or (f'built-in stand-in (random weights, seed '
+                                         f'{cfg.stand_in.seed}, NOT a trained encoder)'))
         self.get_logger().info(
             f'{model}: input {self.model.input.describe()} -> output '
             f'{self.model.output.describe()} on {", ".join(self.model.providers)}; frames '
@@ -124,6 +133,11 @@ class PerceptionNode(Node):
         if self.pool is None:
             self._ensure_pool(*self.model.output_layout(frame))
         dtype, shape = self._layout
+        if isinstance(self.model, VlmFrameEncoder) and \
+                self.model.output_layout(frame)[1] != shape:
+            raise ModelMismatchError(f'a {list(frame.shape)} frame makes image rows of another '
+                                     f'shape than the pool holds ({list(shape)}): the camera '
+                                     'changed size; restart perception for the new size')
         loan = self.pool.loan()
         try:
             out = loan.ndarray(dtype, shape)

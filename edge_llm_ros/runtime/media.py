@@ -37,7 +37,28 @@ class DeclaredImage:
     width: int
 
 
-ImageInput = Union[np.ndarray, DeclaredImage]
+@dataclass(frozen=True)
+class DeclaredEncoded:
+    """An image already encoded (e.g. by the perception node), known by its array's shape.
+
+    The array is the wire form of one image's embedding rows (encoded_form): float32 or
+    float16 [grid_rows + 1, grid_cols, tile_rows, hidden] for a tiled image (its tiles row by
+    row, then the overview or thumbnail at [grid_rows, 0]; the rest of that last row unused),
+    [1, 1, tile_rows, hidden] for an image of one tile.
+    """
+
+    shape: Tuple[int, int, int, int]
+    dtype: str
+
+    @property
+    def grid(self) -> Tuple[int, int, int]:
+        """(columns, rows, tiles) as vision.mmproj_preprocess.grid_for says them."""
+        rows, cols = self.shape[0] - 1, self.shape[1]
+        return (0, 0, 1) if rows == 0 else (cols, rows, rows * cols + 1)
+
+
+ImageInput = Union[np.ndarray, DeclaredImage, DeclaredEncoded]
+ENCODED_DTYPES = ('float32', 'float16')
 
 
 class Placement(Protocol):
@@ -50,6 +71,8 @@ class ImageLayout(Protocol):
     """What a vision model says about an image of a given size (vision.PromptLayout)."""
 
     def place(self, height: int, width: int) -> Placement: ...
+
+    def place_encoded(self, encoded: DeclaredEncoded, name: str) -> Placement: ...
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,32 @@ def image_size(image: ImageInput, name: str) -> Tuple[int, int]:
     return int(h), int(w)
 
 
+def declared_encoding(image: ImageInput, name: str) -> Optional[DeclaredEncoded]:
+    """Return the DeclaredEncoded of an already encoded image (declared or array), else None."""
+    if isinstance(image, DeclaredEncoded):
+        encoded = image
+    elif isinstance(image, np.ndarray) and image.dtype.name in ENCODED_DTYPES and \
+            image.ndim == 4:   # other float arrays are no images (image_size says so)
+        encoded = DeclaredEncoded(tuple(int(d) for d in image.shape), image.dtype.name)
+    else:
+        return None
+    shape = encoded.shape
+    if len(shape) != 4 or min(shape) < 1 or (shape[0] == 1) != (shape[1] == 1):
+        raise ImageInputError(
+            f'{name} is an encoded image of shape {list(shape)}: send [grid_rows + 1, '
+            'grid_cols, tile_rows, hidden] (a tiled image) or [1, 1, tile_rows, hidden] (one '
+            'tile), as the perception node publishes it')
+    return encoded
+
+
+def as_rgb(view: np.ndarray) -> np.ndarray:
+    """RGB [h, w, 3] of a mapped image frame, without copying (mono: a broadcast view)."""
+    if view.ndim == 3 and view.shape[2] == 3:
+        return view
+    mono = view if view.ndim == 3 else view[:, :, None]
+    return np.broadcast_to(mono, mono.shape[:2] + (3,))
+
+
 def check_images(images: Sequence[ImageInput], layout: Optional[ImageLayout]
                  ) -> List[Placement]:
     """Check every image and return where each goes (before tokenizing anything)."""
@@ -90,7 +139,46 @@ def check_images(images: Sequence[ImageInput], layout: Optional[ImageLayout]
     if images and layout is None:
         raise ImageInputError('this model has no vision encoder: it takes no images (convert '
                               'the model with its mmproj: edge-llm-convert ... --mmproj)')
-    return [layout.place(*image_size(im, f'images[{i}]')) for i, im in enumerate(images)]
+    placements = []
+    for i, image in enumerate(images):
+        name = f'images[{i}]'
+        encoded = declared_encoding(image, name)
+        placements.append(layout.place_encoded(encoded, name) if encoded is not None else
+                          layout.place(*image_size(image, name)))
+    return placements
+
+
+def encoded_form(rows: np.ndarray, grid: Tuple[int, int, int], tile_rows: int,
+                 out: Optional[np.ndarray] = None) -> np.ndarray:
+    """Write one image's embedding rows [tiles * tile_rows, hidden] in its wire form.
+
+    grid: (columns, rows, tiles) of the image (grid_for); out: an array of that shape to
+    write into (a pool slot), else a new one. See DeclaredEncoded.
+    """
+    cols, grid_rows, tiles = grid
+    hidden = rows.shape[-1]
+    shape = (grid_rows + 1, max(cols, 1), tile_rows, hidden)
+    if rows.shape != (tiles * tile_rows, hidden):
+        raise ValueError(f'{list(rows.shape)} rows for a grid of {tiles} tiles of {tile_rows}')
+    if out is None:
+        out = np.zeros(shape, rows.dtype)
+    elif out.shape != shape:
+        raise ValueError(f'the output is {list(out.shape)}, not {list(shape)}')
+    tiles_first = tiles - 1 if grid_rows else 1
+    out.reshape(-1, tile_rows, hidden)[:tiles_first] = rows[:tiles_first * tile_rows].reshape(
+        tiles_first, tile_rows, hidden)
+    if grid_rows:
+        out[grid_rows, 0] = rows[tiles_first * tile_rows:]
+    return out
+
+
+def encoded_rows(array: np.ndarray) -> np.ndarray:
+    """Return the embedding rows [tiles * tile_rows, hidden] of an image in its wire form."""
+    grid_rows, cols, tile_rows, hidden = array.shape
+    if grid_rows == 1:
+        return array.reshape(-1, hidden)
+    tiles = array[:grid_rows - 1].reshape(-1, hidden)
+    return np.concatenate([tiles, array[grid_rows - 1, 0]])
 
 
 def lay_out(texts: Sequence[str], placements: Sequence[Placement], encode_first, encode

@@ -137,14 +137,18 @@ class PreparedRequest:
         if len(frames) != len(self.images):
             raise media.ImageInputError(f'{len(frames)} frames for {len(self.images)} images')
         for i, (frame, declared) in enumerate(zip(frames, self.images)):
-            want = (declared.height, declared.width, 3) if isinstance(
-                declared, media.DeclaredImage) else declared.shape
-            if not isinstance(frame, np.ndarray) or frame.dtype != np.uint8 or \
+            if isinstance(declared, media.DeclaredEncoded):
+                want, dtype = declared.shape, np.dtype(declared.dtype)
+            elif isinstance(declared, media.DeclaredImage):
+                want, dtype = (declared.height, declared.width, 3), np.dtype(np.uint8)
+            else:
+                want, dtype = declared.shape, declared.dtype
+            if not isinstance(frame, np.ndarray) or frame.dtype != dtype or \
                     frame.shape != want:
                 got = (f'{frame.dtype} {list(frame.shape)}' if isinstance(frame, np.ndarray)
                        else type(frame).__name__)
                 raise media.ImageInputError(f'images[{i}] mapped as {got}, not the declared '
-                                            f'uint8 {list(want)}')
+                                            f'{dtype} {list(want)}')
         return replace(self, images=tuple(frames))
 
     def bind_images(self, embeds: Sequence[np.ndarray], digests: Sequence[str]

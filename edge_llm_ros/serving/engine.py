@@ -233,7 +233,8 @@ class Engine:
 
     def _encode_images(self, request: PreparedRequest) -> PreparedRequest:
         """Run the vision encoder on the request's images and bind their rows (engine thread)."""
-        encoded = [self.vision.encode(image) for image in request.images]
+        encoded = [self.vision.rows_of(image, f'images[{i}]')
+                   for i, image in enumerate(request.images)]
         return request.bind_images([e.rows for e in encoded], [e.digest for e in encoded])
 
     def _end_ops(self, goal: Goal, slot: int) -> list:

@@ -1,11 +1,12 @@
 """A converted VLM's vision encoder (vision.onnx): an RGB image -> its embedding rows.
 
-The llm_node runs it on the frames goals bring, and the perception node on its camera stream:
-both through this class. The image is preprocessed as llama.cpp's libmtmd does it
-(vision/mmproj_preprocess.py: the family's resize, tiles and normalization), every tile goes
-through the graph in one batch, and the rows come out in prompt order (tiles row by row, then
-the overview). The last few images' rows are kept by content digest, so the same frame asked
-about again is not encoded again.
+The llm_node runs it on the frames goals bring, and the perception node on its camera stream
+(publishing each frame's rows in their wire form, media.DeclaredEncoded, which goals can
+bring instead of the frame): both through this class. The image is preprocessed as
+llama.cpp's libmtmd does it (vision/mmproj_preprocess.py: the family's resize, tiles and
+normalization), every tile goes through the graph in one batch, and the rows come out in
+prompt order (tiles row by row, then the overview). The last few images' rows are kept by
+content digest, so the same frame asked about again is not encoded again.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
-from edge_llm_ros.runtime.media import image_digest
-from edge_llm_ros.vision.mmproj_preprocess import normalize, preprocess
+from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
+                                        image_digest, ImageInputError)
+from edge_llm_ros.vision.mmproj_preprocess import grid_for, normalize, preprocess
 
 CACHED_IMAGES = 8
 
@@ -81,6 +83,30 @@ class ImageEncoder:
         while len(self._cache) > CACHED_IMAGES:
             self._cache.popitem(last=False)
         return Encoded(rows, digest, t1 - t0, t2 - t1)
+
+    def rows_of(self, image: np.ndarray, name: str = 'image') -> Encoded:
+        """Encode an RGB image, or take the rows of one already encoded.
+
+        An already encoded image is the perception node's wire form (media.DeclaredEncoded,
+        written by encode_into): its rows are used as they are, the encoder does not run.
+        """
+        if declared_encoding(image, name) is None:
+            return self.encode(image)
+        if not np.isfinite(image).all():
+            raise ImageInputError(f'{name} is an encoded image with NaN or infinite values')
+        return Encoded(encoded_rows(image), image_digest(image), cached=True)
+
+    def encoded_shape(self, height: int, width: int) -> Tuple[int, int, int, int]:
+        """Return the wire form's shape for a height x width image (media.DeclaredEncoded)."""
+        cols, rows, _ = grid_for(height, width, self.vision)
+        return (rows + 1, max(cols, 1), int(self.vision['tokens_per_tile']), self.n_out)
+
+    def encode_into(self, image: np.ndarray, out: np.ndarray) -> Encoded:
+        """Encode an RGB image and write its rows, in the wire form, into `out` (a pool slot)."""
+        encoded = self.encode(image)
+        encoded_form(encoded.rows, grid_for(image.shape[0], image.shape[1], self.vision),
+                     int(self.vision['tokens_per_tile']), out)
+        return encoded
 
     def clear(self) -> None:
         """Forget the cached rows."""

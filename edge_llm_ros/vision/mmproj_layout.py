@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from edge_llm_ros.errors import ModelLoadError
-from edge_llm_ros.runtime.media import ImageInputError
+from edge_llm_ros.runtime.media import DeclaredEncoded, ImageInputError
 from edge_llm_ros.vision.mmproj_preprocess import grid_for
 
 # One prompt item: token ids, or the number of embedding rows of one tile / image chunk.
@@ -75,7 +75,31 @@ class PromptLayout:
         """Return the items of an image of height x width (pixels not needed)."""
         if self.refusal:
             raise ImageInputError(self.refusal)
-        cols, rows, tiles = grid_for(height, width, self._vision)
+        return self._place_grid(*grid_for(height, width, self._vision))
+
+    def place_encoded(self, encoded: DeclaredEncoded, name: str) -> ImagePlacement:
+        """Return the items of an image already encoded (media.DeclaredEncoded).
+
+        Its rows per tile and width must be this model's, and its grid one the family makes.
+        """
+        if self.refusal:
+            raise ImageInputError(self.refusal)
+        _, _, tile_rows, hidden = encoded.shape
+        cols, rows, tiles = encoded.grid
+        width = int(self._vision['embedding_size'])
+        if (tile_rows, hidden) != (self.tokens_per_tile, width):
+            raise ImageInputError(
+                f'{name} is an encoded image of {tile_rows} x {hidden} per tile, but this '
+                f'model takes {self.tokens_per_tile} x {width}: encode it with the same '
+                'model folder (the perception node with its vision.onnx)')
+        tiled = self.projector in ('idefics3', 'internvl')
+        if (tiles > 1 and not tiled) or (tiles == 1 and self.projector == 'idefics3'):
+            raise ImageInputError(
+                f'{name} is an encoded image of {tiles} tile(s), which a {self.projector} '
+                'image never has: encode it with the same model folder (vision.onnx)')
+        return self._place_grid(cols, rows, tiles)
+
+    def _place_grid(self, cols: int, rows: int, tiles: int) -> ImagePlacement:
         t, ids = self.tokens_per_tile, self._ids
         items: List[Item] = []
         if self.projector == 'gemma3':
