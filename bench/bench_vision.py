@@ -1,7 +1,7 @@
 """End-to-end latency camera -> perception -> embedding handle (-> first LLM token).
 
     .venv/bin/python bench/bench_vision.py [--seconds 8] [--configs 640x480@30,1920x1080@30]
-                                           [--llm MODEL_DIR --goals 10]
+                                           [--llm MODEL_DIR | --vlm VLM_DIR] [--goals 10]
 
 Starts frame_source (synthetic pattern) and perception (stand-in model, one intra-op thread)
 as processes with their sockets in a private folder. This process subscribes to both handle
@@ -16,7 +16,10 @@ CPU of each node process over the window is reported too. With ``--llm`` an llm_
 serves a converted model and perception sizes its output from that model's model.yaml; for
 ``--goals`` fresh embedding handles (held by this process while the goal runs, so they stay
 valid) a Generate goal with one completion token is sent, and ``capture -> first token``
-is measured. Prints one JSON object and a table (milliseconds).
+is measured. With ``--vlm`` (a folder converted with --mmproj) perception runs that VLM's own
+vision encoder on every frame (the real path, not the stand-in) and the llm_node serves the
+same folder; the goals carry the rows' handle in ``images`` where the prompt says
+``<__media__>``. Prints one JSON object and a table (milliseconds).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from edge_llm_ros.client import LLMClient  # noqa: E402
 from edge_llm_ros.ipc.resolver import TensorResolver  # noqa: E402
 from edge_llm_ros.node_process import NodeProcess, NodeStopError  # noqa: E402
 from edge_llm_ros.nodes.tensor_output import SENSOR_QOS  # noqa: E402
+from edge_llm_ros.runtime.media import MEDIA_MARKER  # noqa: E402
 
 
 def stats_ms(values: List[float]) -> Dict[str, float]:
@@ -93,12 +97,15 @@ def cpu_seconds(proc: NodeProcess) -> float:
 
 
 def run_config(node, width: int, height: int, rate: float, seconds: float, warmup: float,
-               tmp: pathlib.Path, llm_dir: Optional[str], goals: int) -> dict:
+               tmp: pathlib.Path, llm_dir: Optional[str], goals: int, vlm: bool = False
+               ) -> dict:
     tag = f'b{os.getpid()}_{width}x{height}'
     env = {'EDGE_LLM_IPC_DIR': str(tmp / 'sockets')}
     perception_params = {'input.topic': f'/{tag}_frames/frames', 'pool.id': f'{tag}_emb',
                          'engine.intra_op_threads': 1}
-    if llm_dir:
+    if vlm:
+        perception_params['model.path'] = llm_dir     # the VLM's own encoder
+    elif llm_dir:
         perception_params['model.llm_path'] = llm_dir
     procs = {
         'frame_source': NodeProcess('frame_source', name=f'{tag}_frames', env=env, params={
@@ -133,7 +140,7 @@ def run_config(node, width: int, height: int, rate: float, seconds: float, warmu
             'cpu_percent': cpu,
         }
         if llm_dir:
-            result['llm'] = measure_goals(node, embeddings, procs['llm_node'], env, goals)
+            result['llm'] = measure_goals(node, embeddings, procs['llm_node'], env, goals, vlm)
         return result
     finally:
         _stop_all(procs.values())
@@ -152,8 +159,11 @@ def _stop_all(procs) -> None:
 
 
 def measure_goals(node, embeddings: Recorder, llm: NodeProcess, env: Dict[str, str],
-                  goals: int) -> dict:
-    """Measure capture -> first token for goals carrying a fresh embeddings handle."""
+                  goals: int, vlm: bool = False) -> dict:
+    """Measure capture -> first token for goals carrying a fresh embeddings handle.
+
+    vlm: the handle is a VLM image's rows, sent in `images` at a media marker.
+    """
     client = LLMClient(node, llm.fqn)
     first_token, goal_ms = [], []
     try:
@@ -171,9 +181,12 @@ def measure_goals(node, embeddings: Recorder, llm: NodeProcess, env: Dict[str, s
                         if not first:       # the first feedback carries the first token
                             first.append(node.get_clock().now().nanoseconds)
                     sent = node.get_clock().now().nanoseconds
-                    outcome = client.generate('What do you see?', prefix_embeddings=[handle],
-                                              max_tokens=1, temperature=0.0,
-                                              on_feedback=on_feedback).result(timeout=120)
+                    carried = ({'images': [handle]} if vlm else
+                               {'prefix_embeddings': [handle]})
+                    prompt = f'{MEDIA_MARKER}What do you see?' if vlm else 'What do you see?'
+                    outcome = client.generate(prompt, max_tokens=1, temperature=0.0,
+                                              on_feedback=on_feedback,
+                                              **carried).result(timeout=300)
                 if not outcome.ok:
                     raise RuntimeError(f'goal failed: {outcome.error_message}')
                 done = first[0] if first else node.get_clock().now().nanoseconds
@@ -193,8 +206,12 @@ def main() -> int:
     parser.add_argument('--seconds', type=float, default=8.0)
     parser.add_argument('--warmup', type=float, default=2.0)
     parser.add_argument('--llm', default='', help='converted LLM folder: also measure goals')
+    parser.add_argument('--vlm', default='', help='converted VLM folder: perception runs its '
+                        'encoder, goals carry the rows in images')
     parser.add_argument('--goals', type=int, default=10)
     args = parser.parse_args()
+    if args.llm and args.vlm:
+        parser.error('give --llm or --vlm, not both')
     os.environ.setdefault('ROS_DOMAIN_ID', str(50 + os.getpid() % 40))
     rclpy.init()
     node = rclpy.create_node(f'bench_vision_{os.getpid()}')
@@ -209,8 +226,8 @@ def main() -> int:
                 size, rate = item.split('@')
                 width, height = (int(v) for v in size.split('x'))
                 results.append(run_config(node, width, height, float(rate), args.seconds,
-                                          args.warmup, pathlib.Path(tmp), args.llm,
-                                          args.goals))
+                                          args.warmup, pathlib.Path(tmp),
+                                          args.vlm or args.llm, args.goals, bool(args.vlm)))
     finally:
         executor.shutdown(timeout_sec=2)
         spinner.join(timeout=5)
