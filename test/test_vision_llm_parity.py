@@ -188,11 +188,17 @@ def test_a_text_only_model_refuses_images(tmp_path, pair):
         engine.close()
 
 
-def test_gemma3_with_its_own_language_model_decodes_as_llamacpps_mtmd(tmp_path):
-    """A gemma3 text model (sliding window shorter than an image) with a gemma3 mmproj."""
-    case = ParityCase(arch='gemma3', wtype='Q8_0', window=3, swa_pattern=2, vision=True)
-    text = write_gguf(tmp_path / 'gemma3.gguf', case)
-    mmproj = write_mmproj(tmp_path / 'mm.gguf', 'gemma3', n_text=256, scale=4, seed=5)
+@pytest.mark.parametrize('projector, case', [
+    # gemma3 with a gemma3 text model whose sliding window is shorter than an image
+    ('gemma3', ParityCase(arch='gemma3', wtype='Q8_0', window=3, swa_pattern=2, vision=True)),
+    ('internvl', ParityCase(arch='qwen2', wtype='Q8_0', vision=True)),   # InternVL's LLM
+    ('mlp', ParityCase(arch='phi3', wtype='Q8_0', vision=True)),         # a LLaVA-style pair
+], ids=['gemma3', 'internvl-qwen2', 'mlp-phi3'])
+def test_each_family_with_its_own_language_model_decodes_as_llamacpps_mtmd(
+        tmp_path, projector, case):
+    text = write_gguf(tmp_path / 'text.gguf', case)
+    mmproj = write_mmproj(tmp_path / 'mm.gguf', projector, n_text=256,
+                          scale=SCALES[projector], longest_edge=64, seed=5)
     folder = convert(str(text), str(tmp_path / 'vlm'), mmproj=str(mmproj), progress=False)
     images = [image(4, 32, 32), image(5, 24, 40)]
     prompt = 'Look <__media__> and <__media__> then'
