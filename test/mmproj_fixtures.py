@@ -19,8 +19,14 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
                  patch: int = 4, scale: Optional[int] = 2, seed: int = 0,
                  legacy_ffn_names: bool = False, skip: tuple = (),
                  tensor_scale: Optional[int] = None,
-                 longest_edge: Optional[int] = None) -> pathlib.Path:
+                 longest_edge: Optional[int] = None,
+                 weight_type: str = 'F32') -> pathlib.Path:
     """Write a tiny `projector` mmproj to `path`.
+
+    weight_type: the type of the matrices, as the mmproj files people download have them:
+    'F32', 'F16' (every weight of two or more dimensions but the position embeddings) or
+    'Q8_0' (those of 2-D whose rows are whole blocks); the rest stay F32, as llama.cpp's
+    converter and quantizer leave them.
 
     `skip` leaves those tensors out; `tensor_scale` sizes the projector for another merge
     factor than the one the keys say (a file that does not fit together); `longest_edge` is
@@ -95,7 +101,18 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
         tensors['mm.2.weight'] = r(n_text, n_text)
         tensors['mm.2.bias'] = r(n_text)
     for name, value in tensors.items():
-        if name not in skip:
+        if name in skip:
+            continue
+        # Position embeddings are added, not multiplied: llama.cpp's converter keeps them F32.
+        matrix = name.endswith('.weight') and value.ndim >= 2 and 'position_embd' not in name
+        # gemma3's projection is used transposed: llama.cpp's converter forces it to F16.
+        if matrix and weight_type != 'F32' and (weight_type == 'F16' or
+                                                'input_projection' in name):
+            w.add_tensor(name, value.astype(np.float16))
+        elif weight_type == 'Q8_0' and matrix and value.ndim == 2 and value.shape[1] % 32 == 0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
+        else:
             w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
