@@ -33,6 +33,7 @@ from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
 VISION_FILE = 'vision.onnx'  # an mmproj's encoder and projector (--mmproj)
+VISION_DATA_FILE = 'vision.onnx.data'  # its weights
 # A write that failed while less than this was free is taken for a full disk: numpy's short
 # writes (ndarray.tofile) raise an OSError without errno, so ENOSPC alone misses them.
 _FULL_BELOW = 1 << 20
@@ -291,7 +292,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     }
     if vision is not None:
         from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
-        onnx.save_model(build_encoder(vision), str(tmp / VISION_FILE))
+        # The weights stream into vision.onnx.data as the graph is built (one tensor held).
+        with open(tmp / VISION_DATA_FILE, 'wb') as vision_data:
+            encoder = build_encoder(vision, data=vision_data, location=VISION_DATA_FILE)
+        onnx.save_model(encoder, str(tmp / VISION_FILE))
         meta['vision'] = model_yaml_section(vision, VISION_FILE)
     (tmp / MODEL_YAML).write_text(yaml.safe_dump(meta, sort_keys=False))
     for f in tmp.iterdir():

@@ -40,6 +40,29 @@ _FLOAT_TYPES = {'float32': (np.float32, TensorProto.FLOAT),
                 'float16': (np.float16, TensorProto.FLOAT16)}
 
 
+def initializer(name: str, array: np.ndarray, data: Optional[BinaryIO] = None,
+                location: str = DATA_FILE) -> onnx.TensorProto:
+    """Return the initializer `name` holding `array`.
+
+    With `data` (an open file named `location` next to the model), an array above 1 KiB is
+    appended to it now and the graph keeps only a reference to it.
+    """
+    array = np.ascontiguousarray(array)
+    if data is None or array.nbytes <= _INLINE_BYTES:
+        return numpy_helper.from_array(array, name)
+    # Page-align big tensors so onnxruntime can map them instead of copying.
+    align = 4096 if array.nbytes >= 1 << 20 else 64
+    offset = -(-data.tell() // align) * align
+    data.write(b'\0' * (offset - data.tell()))
+    array.tofile(data)
+    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                         dims=array.shape, data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (('location', location), ('offset', str(offset)),
+                       ('length', str(array.nbytes))):
+        t.external_data.add(key=key, value=value)
+    return t
+
+
 @dataclass(frozen=True)
 class GraphOptions:
     """How the graph is built: activation dtype, static KV length, MatMulNBits accuracy."""
@@ -196,21 +219,7 @@ class DecoderGraph:
         return f'{base}_{self._count}'
 
     def _init(self, name: str, array: np.ndarray) -> str:
-        array = np.ascontiguousarray(array)
-        if self._data is None or array.nbytes <= _INLINE_BYTES:
-            self.initializers.append(numpy_helper.from_array(array, name))
-            return name
-        # Page-align big tensors so onnxruntime can map them instead of copying.
-        align = 4096 if array.nbytes >= 1 << 20 else 64
-        offset = -(-self._data.tell() // align) * align
-        self._data.write(b'\0' * (offset - self._data.tell()))
-        array.tofile(self._data)
-        t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
-                             dims=array.shape, data_location=onnx.TensorProto.EXTERNAL)
-        for key, value in (('location', DATA_FILE), ('offset', str(offset)),
-                           ('length', str(array.nbytes))):
-            t.external_data.add(key=key, value=value)
-        self.initializers.append(t)
+        self.initializers.append(initializer(name, array, self._data, DATA_FILE))
         return name
 
     def _node(self, op: str, inputs: List[str], n_out: int = 1, domain: str = '',

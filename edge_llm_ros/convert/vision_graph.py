@@ -19,13 +19,14 @@ and mlp runs one layer fewer than stored (#25817), keeping CLS and dropping patc
 MLP_SKIPS_LAST_LAYER; a libmtmd with the fixes needs them flipped, and the parity tests will
 say so). Weights are float32 (the F16 / quantized mmproj tensors dequantized exactly).
 """
-from typing import Dict, List, Optional
+from typing import BinaryIO, Dict, List, Optional
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, TensorProto
+from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
+from edge_llm_ros.convert.onnx_graph import initializer
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp')
@@ -39,13 +40,15 @@ MLP_SKIPS_LAST_LAYER = True
 class _Graph:
     """A minimal node / initializer builder (names unique by a counter)."""
 
-    def __init__(self) -> None:
+    def __init__(self, data: Optional[BinaryIO] = None, location: str = '') -> None:
+        """Stream weights into `data`, an open file named `location` beside the model."""
         self.nodes: List[onnx.NodeProto] = []
         self.inits: Dict[str, onnx.TensorProto] = {}
         self._n = 0
+        self._data, self._location = data, location
 
     def init(self, name: str, value: np.ndarray) -> str:
-        self.inits[name] = numpy_helper.from_array(np.ascontiguousarray(value), name)
+        self.inits[name] = initializer(name, value, self._data, self._location)
         return name
 
     def const(self, value, dtype=np.int64) -> str:
@@ -165,13 +168,18 @@ def _mlp_projector(g: _Graph, mm: Mmproj, x: str) -> str:
     return _linear(g, mm, y, 'mm.2')
 
 
-def build_encoder(mm: Mmproj, name: Optional[str] = None) -> onnx.ModelProto:
-    """Return the mmproj's encoder + projector as an ONNX model (pixel_values -> image_embeds)."""
+def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryIO] = None,
+                  location: str = '') -> onnx.ModelProto:
+    """Return the mmproj's encoder + projector as an ONNX model (pixel_values -> image_embeds).
+
+    data: an open file named `location` beside where the model will be saved; the weights
+    are written into it one at a time (converting then holds one tensor, not the encoder).
+    """
     cfg = mm.config
     if cfg.projector not in BUILT:  # a projector convert/mmproj.py reads but not built here
         raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built (built: '
                           f'{", ".join(BUILT)})')
-    g = _Graph()
+    g = _Graph(data, location)
     p = cfg.patch_size
     conv = g.node('Conv', ['pixel_values', g.init('v.patch_embd.weight',
                                                   mm.array('v.patch_embd.weight'))]
