@@ -426,9 +426,9 @@ def test_cancel_during_chunked_prefill_keeps_the_cache_consistent(tiny_dir, ref)
     forward = eng._decoder.forward
     gen = eng.generate(req)
 
-    def cancelling_forward(ids, embeds, past_len, slot=0):
+    def cancelling_forward(ids, embeds, past_len, slot=0, bidirectional=False):
         gen.cancel()  # arrives while the first chunk runs
-        return forward(ids, embeds, past_len, slot)
+        return forward(ids, embeds, past_len, slot, bidirectional)
 
     eng._decoder.forward = cancelling_forward
     try:
