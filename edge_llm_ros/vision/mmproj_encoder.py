@@ -66,7 +66,7 @@ class ImageEncoder:
         self._cache: 'collections.OrderedDict[str, np.ndarray]' = collections.OrderedDict()
 
     def encode(self, image: np.ndarray, digest: Optional[str] = None) -> Encoded:
-        """Return the image's rows ([H, W, 3] uint8 RGB, read in place: no copy of the frame)."""
+        """Return the image's rows ([H, W, 3] uint8 RGB; Pillow's resampler unpacks it once)."""
         digest = digest or image_digest(image)
         hit = self._cache.get(digest)
         if hit is not None:
