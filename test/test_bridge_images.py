@@ -46,6 +46,23 @@ def truncated_png() -> str:
     return 'data:image/png;base64,' + base64.b64encode(data[:len(data) // 2]).decode()
 
 
+def huge_png() -> str:
+    """Return a data URL of a PNG whose header says 12000 x 9000 (108 megapixels).
+
+    Only the header is real: the size must be refused before any pixel is decoded.
+    """
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack('>I', len(body)) + kind + body +
+                struct.pack('>I', zlib.crc32(kind + body) & 0xffffffff))
+    header = struct.pack('>IIBBBBB', 12000, 9000, 8, 2, 0, 0, 0)
+    png = (b'\x89PNG\r\n\x1a\n' + chunk(b'IHDR', header) +
+           chunk(b'IDAT', zlib.compress(b'\0' * 64)) + chunk(b'IEND', b''))
+    return 'data:image/png;base64,' + base64.b64encode(png).decode()
+
+
 def responder(request):
     return text_script(f'{len(request.images)} images')
 
@@ -100,6 +117,7 @@ def test_data_urls_reach_the_backend_as_pixels_with_markers(client, server):
     ('data:text/plain;base64,aGk=', 'not an image data URL', None),
     ('data:image/png;base64,@@@not-base64@@@', 'not valid base64', None),
     (truncated_png(), 'cannot be decoded', None),
+    (huge_png(), 'megapixels', None),
     ('data:image/png;base64,' + base64.b64encode(b'just text').decode(), 'not an image',
      None),
 ])
