@@ -20,7 +20,7 @@ import pytest
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import ContextOverflowError
 from edge_llm_ros.runtime.media import ImageInputError
-from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
@@ -144,6 +144,25 @@ def test_images_in_a_chat_turn_go_where_the_marker_is(tmp_path, pair):
     data = mtmd_run(text, mmproj, [img], messages_prompt, tmp_path)
     result = engine.generate(GenerationRequest(prompt='What is in <__media__> this?',
                                                images=[img], max_tokens=TOKENS)).run_to_end()
+    assert result.token_ids == [int(t) for t in data['tokens']]
+
+
+def test_images_in_later_turns_go_where_their_markers_are(tmp_path, pair):
+    """An image in the first user turn and another in the third, after the assistant's."""
+    text, mmproj, engine = pair('internvl')
+    first, second = image(4, 30, 45), image(5, 32, 32)
+    turns = [{'role': 'user', 'content': 'What is in <__media__> this?'},
+             {'role': 'assistant', 'content': 'A box.'},
+             {'role': 'user', 'content': 'And here: <__media__> ?'}]
+    data = mtmd_run(text, mmproj, [first, second],
+                    engine.tokenizer.apply_chat_template(turns, True), tmp_path)
+    messages = [ChatMessage(role=t['role'], content=t['content']) for t in turns]
+    prepared = engine.prepare(GenerationRequest(messages=messages, images=[first, second],
+                                                max_tokens=TOKENS))
+    ids, spans = mtmd_layout(data)
+    assert (list(prepared.prompt_ids), list(prepared.spans)) == (ids, spans)
+    result = engine.generate(GenerationRequest(messages=messages, images=[first, second],
+                                               max_tokens=TOKENS)).run_to_end()
     assert result.token_ids == [int(t) for t in data['tokens']]
 
 
