@@ -4,15 +4,18 @@ Every fuzz test states the same contract: an input is either accepted or rejecte
 of the typed errors the code documents, whose message is not empty; any other exception, or
 a call that does not return within its time bound, is a finding.
 """
+import contextlib
 import os
 import pickle
 import resource
 import select
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
-from typing import Any, Callable, Tuple, Type
+from typing import Any, Callable, Iterator, Tuple, Type
 
 from forking import fork_clean
 from hypothesis import HealthCheck, settings, strategies as st
@@ -152,3 +155,20 @@ def accepted_or_typed(fn: Callable[[], Any], errors: Tuple[Type[BaseException], 
     except errors as exc:
         assert str(exc).strip(), f'{type(exc).__name__} without a message from {what}'
         return False, exc
+
+
+@contextlib.contextmanager
+def private_ipc_dir(prefix: str) -> Iterator[str]:
+    """Point EDGE_LLM_IPC_DIR at a fresh folder for a with-block (pools of an in-process node)."""
+    from edge_llm_ros.ipc.channel import ENV_DIR
+    path = tempfile.mkdtemp(prefix=prefix)
+    old = os.environ.get(ENV_DIR)
+    os.environ[ENV_DIR] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(ENV_DIR, None)
+        else:
+            os.environ[ENV_DIR] = old
+        shutil.rmtree(path, ignore_errors=True)

@@ -8,13 +8,11 @@ each with a message and keep serving.
 """
 import os
 import pathlib
-import shutil
 import struct
-import tempfile
 import threading
 import types
 
-from fuzz_support import bounded, fuzz, HOSTILE_TEXT
+from fuzz_support import bounded, fuzz, HOSTILE_TEXT, private_ipc_dir
 from hypothesis import event, example, given, strategies as st
 from llm_node_harness import NodeProcess, RosClient
 import pytest
@@ -27,7 +25,6 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, TensorHandle
 from edge_llm_msgs.srv import Complete, Tokenize
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.ipc.channel import ENV_DIR
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes.llm_admission import NodeGoal
 from edge_llm_ros.nodes.llm_node import LLMNode
@@ -48,24 +45,17 @@ def model_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope='module')
 def ipc_dir():
     """Serve a live pool the handles can name, in a private EDGE_LLM_IPC_DIR."""
-    path = tempfile.mkdtemp(prefix='fg')
-    old = os.environ.get(ENV_DIR)
-    os.environ[ENV_DIR] = path
-    pool = TensorPool(PoolConfig(pool_id=POOL, slot_nbytes=POOL_SLOT_BYTES, slots=4,
-                                 allocator='memfd', socket_dir=path))
-    loan = pool.loan()
-    loan.ndarray('float32', (16, 64))[...] = 0.5
-    pool.good = loan.publish()
-    loan = pool.loan()
-    loan.ndarray('uint8', (16, 16, 3))[...] = 7
-    pool.frame = loan.publish()   # an RGB frame, for a model that has no vision encoder
-    yield types.SimpleNamespace(path=path, pool=pool)
-    pool.close()
-    if old is None:
-        os.environ.pop(ENV_DIR, None)
-    else:
-        os.environ[ENV_DIR] = old
-    shutil.rmtree(path, ignore_errors=True)
+    with private_ipc_dir('fg') as path:
+        pool = TensorPool(PoolConfig(pool_id=POOL, slot_nbytes=POOL_SLOT_BYTES, slots=4,
+                                     allocator='memfd', socket_dir=path))
+        loan = pool.loan()
+        loan.ndarray('float32', (16, 64))[...] = 0.5
+        pool.good = loan.publish()
+        loan = pool.loan()
+        loan.ndarray('uint8', (16, 16, 3))[...] = 7
+        pool.frame = loan.publish()   # an RGB frame, for a model that has no vision encoder
+        yield types.SimpleNamespace(path=path, pool=pool)
+        pool.close()
 
 
 @pytest.fixture(scope='module')

@@ -8,12 +8,9 @@ pools, wrong dtypes and shapes, zero-size and 100-megapixel declarations, marker
 the image count, more images than the context holds, raw and chat prompts. The text-only
 node's fuzzing (test_fuzz_goals.py) sends images to a model without vision.
 """
-import os
-import shutil
-import tempfile
 import types
 
-from fuzz_support import bounded, fuzz, HOSTILE_TEXT
+from fuzz_support import bounded, fuzz, HOSTILE_TEXT, private_ipc_dir
 from gguf_fixtures import ParityCase, write_gguf
 from hypothesis import event, given, strategies as st
 from mmproj_fixtures import write_mmproj
@@ -28,7 +25,6 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, TensorHandle
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import InvalidRequestError
-from edge_llm_ros.ipc.channel import ENV_DIR
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
 from edge_llm_ros.nodes.handles import to_handle
 from edge_llm_ros.nodes.llm_admission import NodeGoal
@@ -51,24 +47,17 @@ def vlm(tmp_path_factory):
 @pytest.fixture(scope='module')
 def frames():
     """Serve a live pool (private EDGE_LLM_IPC_DIR) with published RGB and mono frames."""
-    path = tempfile.mkdtemp(prefix='fi')
-    old = os.environ.get(ENV_DIR)
-    os.environ[ENV_DIR] = path
-    pool = TensorPool(PoolConfig(pool_id=POOL, slot_nbytes=48 * 64 * 3, slots=4,
-                                 allocator='memfd', socket_dir=path))
-    good = []
-    for shape in [(32, 32, 3), (20, 30), (1, 1, 3)]:
-        loan = pool.loan()
-        loan.ndarray('uint8', shape)[...] = np.random.default_rng(len(good)).integers(
-            0, 256, shape, np.uint8)
-        good.append(to_handle(loan.publish()))
-    yield types.SimpleNamespace(pool=pool, good=good)
-    pool.close()
-    if old is None:
-        os.environ.pop(ENV_DIR, None)
-    else:
-        os.environ[ENV_DIR] = old
-    shutil.rmtree(path, ignore_errors=True)
+    with private_ipc_dir('fi') as path:
+        pool = TensorPool(PoolConfig(pool_id=POOL, slot_nbytes=48 * 64 * 3, slots=4,
+                                     allocator='memfd', socket_dir=path))
+        good = []
+        for shape in [(32, 32, 3), (20, 30), (1, 1, 3)]:
+            loan = pool.loan()
+            loan.ndarray('uint8', shape)[...] = np.random.default_rng(len(good)).integers(
+                0, 256, shape, np.uint8)
+            good.append(to_handle(loan.publish()))
+        yield types.SimpleNamespace(pool=pool, good=good)
+        pool.close()
 
 
 @pytest.fixture(scope='module')
