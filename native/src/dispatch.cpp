@@ -132,14 +132,19 @@ std::atomic<const DotKernels *> &selected() {
 }
 
 // The tiled kernels that go with the selected dots, or nullptr: run those dots per element.
+// Matched by name: calling another ISA's table function may run that ISA's instructions
+// (amx_kernels() builds its table in code compiled for AVX-512), which this CPU may lack:
+// with the scalar set pinned on an AVX2-only CPU, comparing against amx_kernels() was SIGILL.
 const GemmKernels *selected_gemm() {
   const DotKernels *k = selected();
-  if (k != nullptr && k == avx2_kernels()) return avx2_gemm_kernels();
-  if (k != nullptr && k == avx512_vnni_kernels()) return avx512_vnni_gemm_kernels();
-  if (k != nullptr && k == amx_kernels()) return amx_gemm_kernels();
-  if (k != nullptr && k == neon_kernels()) return neon_gemm_kernels();
-  if (k != nullptr && k == neon_dotprod_kernels()) return neon_dotprod_gemm_kernels();
-  if (k != nullptr && k == neon_i8mm_kernels()) return neon_i8mm_gemm_kernels();
+  if (k == nullptr) return nullptr;
+  const char *isa = k->isa;
+  if (std::strcmp(isa, "avx2") == 0) return avx2_gemm_kernels();
+  if (std::strcmp(isa, "avx512_vnni") == 0) return avx512_vnni_gemm_kernels();
+  if (std::strcmp(isa, "amx") == 0) return amx_gemm_kernels();
+  if (std::strcmp(isa, "neon") == 0) return neon_gemm_kernels();
+  if (std::strcmp(isa, "neon_dotprod") == 0) return neon_dotprod_gemm_kernels();
+  if (std::strcmp(isa, "neon_i8mm") == 0) return neon_i8mm_gemm_kernels();
   return nullptr;
 }
 
