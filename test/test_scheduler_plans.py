@@ -30,6 +30,8 @@ class FakeRequest:
         self.max_tokens = max_tokens
         self.session_id = session_id
         self.embeddings = None
+        self.spans = ()            # no images: no span is prefilled whole
+        self.whole_spans = False
 
 
 class FakeSequence:
@@ -53,6 +55,9 @@ class FakeSequence:
 
     def prefill_inputs(self, a, b):
         return np.asarray(self.request.keys[a:b]), None
+
+    def whole_span(self, a, b):
+        return False
 
     def prefilled(self, a, b, seconds):
         pass
