@@ -50,10 +50,8 @@ import psutil  # noqa: E402
 from tiny_model import TinyDims  # noqa: E402
 
 from edge_llm_ros.convert.converter import convert  # noqa: E402
-from edge_llm_ros.runtime.media import encoded_form  # noqa: E402
 from edge_llm_ros.runtime.types import GenerationRequest  # noqa: E402
 from edge_llm_ros.serving.engine import Engine, EngineConfig  # noqa: E402
-from edge_llm_ros.vision.mmproj_preprocess import grid_for  # noqa: E402
 
 RUNNER = ROOT / 'test' / 'mtmd_runner.py'
 CACHE = ROOT / '.cache' / 'bench_vlm'
@@ -105,9 +103,8 @@ def ours(engine: Engine, image: np.ndarray, repeats: int) -> dict:
     best = None
     for _ in range(repeats):
         engine.vision.clear()
-        enc = engine.vision.encode(image)
-        wire = encoded_form(enc.rows, grid_for(*image.shape[:2], engine.vision.vision),
-                            int(engine.vision.vision['tokens_per_tile']))
+        wire = np.zeros(engine.vision.encoded_shape(*image.shape[:2]), np.float32)
+        enc = engine.vision.encode_into(image, wire)   # as the perception node does it
         t0 = time.perf_counter()
         result = engine.generate(GenerationRequest(prompt=PROMPT, use_chat_template=False,
                                                    images=[wire], max_tokens=1)).run_to_end()
