@@ -2,7 +2,7 @@
 
 The mmproj has SmolVLM-256M's SigLIP: 512 px tiles of 16 px patches, 12 layers 768 wide,
 pixel unshuffle 4 into a 576-wide language model (64 rows per tile), written in F16 as
-people download it. It is converted in a child process (its peak RSS is measured there, so
+people download it. It is converted in a child process (its heap peak is measured there, so
 this process's own memory does not count), then a tile and its overview go through vision.onnx
 and through libmtmd: every chunk must match (the F16 tolerance of test_vision_encoder.py).
 Encode time is reported, not asserted
@@ -28,11 +28,13 @@ SMOLVLM = {'projector': 'idefics3', 'n_embd': 768, 'n_ff': 3072, 'n_layer': 12, 
            'image_size': 512, 'patch': 16, 'scale': 4, 'longest_edge': 512}
 TEXT = TinyDims(hidden=576, layers=1, heads=9, kv_heads=3, intermediate=1536)
 CONVERT = """
-import json, resource, sys, time
+import json, resource, sys, time, tracemalloc
 from edge_llm_ros.convert.converter import convert
+tracemalloc.start()
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], mmproj=sys.argv[3], progress=False)
 print(json.dumps({'seconds': time.perf_counter() - t,
+                  'heap_peak': tracemalloc.get_traced_memory()[1],
                   'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
@@ -46,12 +48,13 @@ def test_smolvlm_256m_shape_converts_lean_and_matches_libmtmd(tmp_path):
                            str(mmproj)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
-    # The weights stream into vision.onnx.data one tensor at a time: the peak is the
-    # interpreter and its imports (~0.3 GB) and the file's pages, not the float32 encoder
-    # (twice the F16 file). Measured 666-982 MiB for the 180 MiB file (the mapped file's
-    # pages count as they are read); before streaming, 2 GiB.
+    # The weights stream into vision.onnx.data one tensor at a time. The bound is on the
+    # heap (tracemalloc sees every numpy buffer), not on RSS: RSS counts the mapped file's
+    # pages as they are read, which varies with the machine's page cache (317 MiB here,
+    # 1.2 GiB on a CI run). The float32 encoder held whole would be twice the F16 file;
+    # streamed, the peak is one tensor's conversion (measured 59 MiB for the 180 MiB file).
     file_bytes = mmproj.stat().st_size
-    assert stats['peak_rss'] <= 4.0 * file_bytes + (450 << 20), (stats, file_bytes)
+    assert stats['heap_peak'] <= file_bytes // 2, (stats, file_bytes)
     folder = tmp_path / 'vlm'
     import yaml
     vision = yaml.safe_load((folder / 'model.yaml').read_text())['vision']
@@ -71,6 +74,7 @@ def test_smolvlm_256m_shape_converts_lean_and_matches_libmtmd(tmp_path):
         assert cosine.min() >= 0.999, (i, cosine.min())
         rms = float(np.sqrt((chunk ** 2).mean()))
         assert np.abs(mine - chunk).max() <= 0.05 * rms, (i, np.abs(mine - chunk).max() / rms)
-    print(f'\nSmolVLM-256M shape: converted in {stats["seconds"]:.1f} s, peak RSS '
-          f'{stats["peak_rss"] / 2**20:.0f} MiB for a {file_bytes / 2**20:.0f} MiB mmproj; '
+    print(f'\nSmolVLM-256M shape: converted in {stats["seconds"]:.1f} s, heap peak '
+          f'{stats["heap_peak"] / 2**20:.0f} MiB, peak RSS {stats["peak_rss"] / 2**20:.0f} MiB '
+          f'for a {file_bytes / 2**20:.0f} MiB mmproj; '
           f'2 tiles encoded in {seconds:.2f} s (preprocess {ours.preprocess_s:.2f} s)')
