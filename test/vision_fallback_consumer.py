@@ -19,6 +19,7 @@ import time
 
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
+from sensor_msgs.msg import Image
 
 from edge_llm_ros.nodes.tensor_input import TensorInput
 from edge_llm_ros.nodes.tensor_output import CopyKind
@@ -41,6 +42,9 @@ def main() -> int:
             print(json.dumps({'error': f'no handles on {topic}'}), flush=True)
             return 1
         time.sleep(0.05)
+    # The copy topic's type support libraries live in that root-only folder: load them now,
+    # as the starting user (the fallback subscribes to it after the switch).
+    node.destroy_subscription(node.create_subscription(Image, '~/preload', lambda _: None, 1))
     entry = pwd.getpwnam(user)
     os.setgroups([])
     os.setgid(entry.pw_gid)
