@@ -105,7 +105,9 @@ def test_round_trip_restores_keys_and_kv_exactly(model_dir, tmp_path, dtype):
 
 def test_keys_json_round_trip_and_refusal():
     assert decode_keys(encode_keys(EMB)) == tuple(EMB)
-    for bad in ('[true]', '[["emb", 1, 2]]', '[1.5]', '[["img", "x", 0]]'):
+    images = [1, ('img', 'ab', 0), ('img', 'ab', 1), 2]
+    assert decode_keys(encode_keys(images)) == tuple(images)
+    for bad in ('[true]', '[["emb", 1, 2]]', '[1.5]', '[["pix", "x", 0]]', '[["img", "x"]]'):
         with pytest.raises(ValueError):
             decode_keys(bad)
 

@@ -158,6 +158,23 @@ def test_chat_template_goal_and_a_mono_frame(node, engine, pool):
     assert grey.ok and grey.token_ids == direct(engine, RAW, [spread]).token_ids
 
 
+def test_a_session_remembers_an_image_handle_across_turns(node, engine, pool):
+    """The frame is released after its turn: the next turn reads the session's stored rows."""
+    llm = node.llm('/' + LLM)
+    frame = image(8)
+    look = f'{MEDIA_MARKER}\nWhat is it?'
+    first = llm.generate(look, images=[to_handle(pool.publish_array(frame))],
+                         session_id='seen', **GREEDY).result(timeout=300)
+    assert first.ok, first
+    second = llm.generate('And the color?', session_id='seen', top_logprobs=TOP,
+                          **GREEDY).result(timeout=300)
+    assert second.ok, second
+    turns = [ChatMessage('user', look), ChatMessage('assistant', first.text),
+             ChatMessage('user', 'And the color?')]
+    expected = direct(engine, '', [frame], raw=False, messages=turns)
+    assert second.token_ids == expected.token_ids and logprob_gap(second, expected) < 1e-3
+
+
 def test_raw_prompt_without_images(node, engine):
     llm = node.llm('/' + LLM)
     raw = llm.generate('Hello the color', raw_prompt=True, **GREEDY).result(timeout=300)

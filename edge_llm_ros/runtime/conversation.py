@@ -9,6 +9,13 @@ stored conversation is reused and a turn prefills only its new tokens. A templat
 rewrites past turns (one that drops an assistant's reasoning, or trims its text) gets a
 fresh rendering instead, and prefix reuse then keeps what still matches.
 
+Images: a turn's `<__media__>` markers say where its images go (runtime/media.py). The
+conversation keeps each image it saw: where its items sit among the ids, and its embedding
+rows, so a later turn (after a restart, after the KV prefix was evicted, or after the context
+policy dropped turns before it) prefills them again without the frame or the encoder. A
+client that resends its history (HISTORY_AUTO) resends its images too: they must be the ones
+stored (same content digest); they are not encoded again.
+
 Context policy: when the stored turns, the new ones and max_tokens do not fit the context,
 the oldest turns are dropped, whole exchanges from the start (the next kept turn is a user
 turn), keeping the system prompt and the latest user turn on; the rest is rendered afresh.
@@ -21,9 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import json
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from edge_llm_ros.errors import ContextOverflowError, InvalidRequestError
+from edge_llm_ros.runtime import media
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import ChatMessage
@@ -34,25 +44,84 @@ HISTORY_MODES = (HISTORY_AUTO, HISTORY_APPEND, HISTORY_REPLACE)
 
 
 @dataclass(frozen=True)
+class StoredImage:
+    """An image a conversation saw: where its items sit, and its embedding rows.
+
+    It is a media.Placement (items, rows, bidirectional), so a later turn lays it out again
+    like a new image, with its rows already known.
+    """
+
+    at: int                                          # index in Conversation.ids of its items
+    items: Tuple[Union[Tuple[int, ...], int], ...]   # wrapper token ids and span rows
+    digest: str                                      # content digest (media.image_digest)
+    embeds: np.ndarray = field(compare=False, repr=False)   # [rows, hidden]
+    bidirectional: bool = False
+
+    @property
+    def rows(self) -> int:
+        return int(self.embeds.shape[0])
+
+    @property
+    def width(self) -> int:
+        """How many of Conversation.ids its wrapper tokens take."""
+        return len(media.item_ids(self))
+
+    def meta(self) -> Dict[str, Any]:
+        return {'at': self.at, 'digest': self.digest, 'bidirectional': self.bidirectional,
+                'items': [list(i) if isinstance(i, tuple) else i for i in self.items],
+                'shape': list(self.embeds.shape), 'dtype': self.embeds.dtype.name}
+
+
+@dataclass(frozen=True)
 class Conversation:
     """What a session remembers (see the module docstring)."""
 
     system: str = ''
     turns: Tuple[ChatMessage, ...] = ()
     ids: Tuple[int, ...] = ()      # the model's view: prompt ids then generated ids
+    images: Tuple[StoredImage, ...] = ()   # in prompt order (their rows are not in ids)
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(im.embeds.nbytes for im in self.images)
 
     def to_json(self) -> str:
-        return json.dumps({'system': self.system, 'turns': [_turn_dict(t) for t in self.turns],
-                           'ids': list(self.ids)}, ensure_ascii=False, separators=(',', ':'))
+        """Return the conversation as JSON; the images' rows are media_bytes()."""
+        raw: Dict[str, Any] = {'system': self.system,
+                               'turns': [_turn_dict(t) for t in self.turns],
+                               'ids': list(self.ids)}
+        if self.images:
+            raw['images'] = [im.meta() for im in self.images]
+        return json.dumps(raw, ensure_ascii=False, separators=(',', ':'))
+
+    def media_bytes(self) -> bytes:
+        """Return the images' embedding rows, one after another (from_json reads them)."""
+        return b''.join(np.ascontiguousarray(im.embeds).tobytes() for im in self.images)
 
     @classmethod
-    def from_json(cls, text: str) -> 'Conversation':
-        """Parse to_json()'s text (ValueError when it is not that)."""
+    def from_json(cls, text: str, media_bytes: bytes = b'') -> 'Conversation':
+        """Parse to_json()'s text and media_bytes() (ValueError when they are not that)."""
         try:
             raw = json.loads(text)
+            images, offset = [], 0
+            for meta in raw.get('images', ()):
+                dtype, shape = np.dtype(meta['dtype']), tuple(int(n) for n in meta['shape'])
+                count = int(np.prod(shape))
+                if len(shape) != 2 or offset + count * dtype.itemsize > len(media_bytes):
+                    raise ValueError(f'image rows {shape} are not in the stored bytes')
+                embeds = np.frombuffer(media_bytes, dtype, count, offset).reshape(shape)
+                offset += count * dtype.itemsize
+                images.append(StoredImage(
+                    at=int(meta['at']), digest=str(meta['digest']), embeds=embeds,
+                    bidirectional=bool(meta['bidirectional']),
+                    items=tuple(tuple(int(i) for i in item) if isinstance(item, list)
+                                else int(item) for item in meta['items'])))
+            if offset != len(media_bytes):
+                raise ValueError(f'{len(media_bytes) - offset} stored image bytes belong to '
+                                 'no image')
             return cls(system=str(raw['system']),
                        turns=tuple(_turn_of(t) for t in raw['turns']),
-                       ids=tuple(int(i) for i in raw['ids']))
+                       ids=tuple(int(i) for i in raw['ids']), images=tuple(images))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f'not a stored conversation ({exc})') from None
 
@@ -67,6 +136,8 @@ class ChatTurns:
     # render(turns) -> prompt text with this request's tools and template options.
     render: Callable[[Sequence[ChatMessage]], str] = field(
         compare=False, repr=False, default=None)
+    # Where the goal's images go (media.Placement), in the order of its markers.
+    placements: Tuple[media.Placement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +150,21 @@ class Bound:
     new: Tuple[ChatMessage, ...]         # the goal's new turns
     dropped: int                         # stored turns left out (context policy)
     continued: bool                      # the stored ids were continued exactly
+    spans: Tuple[Tuple[int, int], ...] = ()   # embedding spans (position, rows)
+    # The prompt's images in order: the stored ones kept (StoredImage, `at` as stored), then
+    # the goal's (media.Placement); image_at: where each one's items start in `ids`.
+    placed: Tuple[media.Placement, ...] = ()
+    image_at: Tuple[int, ...] = ()
+    goal_images: Tuple[int, ...] = ()    # indices into the goal's images of the placed ones
+    resent: int = 0                      # the goal's first images, resent stored ones
+
+    @property
+    def kept_images(self) -> Tuple[StoredImage, ...]:
+        return tuple(p for p in self.placed if isinstance(p, StoredImage))
+
+    @property
+    def rows(self) -> int:
+        return sum(rows for _, rows in self.spans)
 
 
 def check_mode(mode: Any) -> int:
@@ -112,20 +198,24 @@ def split_turns(stored: Conversation, chat: ChatTurns) -> Tuple[str, Tuple[ChatM
 
 def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: int,
          render: Callable[[Sequence[ChatMessage]], str]) -> Bound:
-    """Build the prompt ids of a session goal (see the module docstring).
+    """Build the prompt of a session goal (see the module docstring).
 
-    room: prompt positions allowed (context - max_tokens).
+    room: prompt positions allowed (context - max_tokens), embedding rows included.
     """
     system, history, new = split_turns(stored, chat)
     if not new:
         raise InvalidRequestError('the goal adds no turn to its session: its messages are '
                                   'exactly the stored conversation; add a new user turn')
     head = (ChatMessage('system', system),) if system else ()
-    text = render(head + history + new)
-    ids = _continue(tokenizer, stored.ids, text) if history else None
-    continued = ids is not None
-    if ids is None:
-        ids = tokenizer.encode_prompt(text)
+    # The goal's images in the turns it resent (HISTORY_AUTO) are the stored ones.
+    resent = len(chat.placements) - _markers(new)
+    goal = list(range(resent, len(chat.placements)))
+    placed = list(stored.images) + [chat.placements[i] for i in goal]
+    texts = media.split_at_markers(render(head + history + new), len(placed))
+    laid = _continue(tokenizer, stored, texts, placed[len(stored.images):]) if history else None
+    continued = laid is not None
+    if laid is None:
+        laid = _lay_out(tokenizer, texts, placed)
     # What may go, oldest first: the stored turns, then the goal's own turns before its last
     # user turn (a client that resends a long history). System turns at the start (a client
     # may send its system prompt as a message) and the latest user turn on are kept.
@@ -136,36 +226,70 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
     users = [i for i, t in enumerate(new) if t.role == 'user']
     limit = len(history) + (users[-1] if users else 0)   # turns[limit:] are always kept
     dropped = 0
-    while len(ids) > room and pinned < limit:
+    while len(laid.ids) + sum(laid.image_rows) > room and pinned < limit:
         cut = min(_next_exchange(turns[pinned:]), limit - pinned)
+        gone = _markers(turns[pinned:pinned + cut])
+        goal = goal[max(0, gone - sum(isinstance(p, StoredImage) for p in placed[:gone])):]
+        placed = placed[gone:]
         turns = turns[:pinned] + turns[pinned + cut:]
         limit -= cut
         dropped += cut
-        ids = tokenizer.encode_prompt(render(head + turns))
+        laid = _lay_out(tokenizer, media.split_at_markers(render(head + turns), len(placed)),
+                        placed)
         continued = False
-    if len(ids) > room:
+    positions = len(laid.ids) + sum(laid.image_rows)
+    if positions > room:
         raise ContextOverflowError(
-            f"the session goal needs {len(ids)} prompt positions with its conversation's "
+            f"the session goal needs {positions} prompt positions with its conversation's "
             f'system prompt and its latest turn, and {room} are free with its max_tokens: '
             'lower max_tokens, or start the conversation again (HISTORY_REPLACE) with a '
             'shorter system prompt')
     kept_history = len(history) - min(dropped, max(0, len(history) - pinned))
     history, new = turns[:kept_history], turns[kept_history:]
-    return Bound(tuple(ids), system, history, new, dropped, continued)
+    return Bound(laid.ids, system, history, new, dropped, continued, spans=laid.spans,
+                 placed=tuple(placed), image_at=laid.image_at, goal_images=tuple(goal),
+                 resent=resent)
 
 
-def _continue(tokenizer: TextTokenizer, stored_ids: Sequence[int],
-              text: str) -> Optional[List[int]]:
-    """Return the stored ids + the tokens `text` adds after them (None: it rewrote them)."""
-    if not stored_ids:
+def _markers(turns: Sequence[ChatMessage]) -> int:
+    return sum(t.content.count(media.MEDIA_MARKER) for t in turns)
+
+
+def _lay_out(tokenizer: TextTokenizer, texts: Sequence[str],
+             placed: Sequence[media.Placement]) -> media.MediaPrompt:
+    return media.lay_out(texts, placed, tokenizer.encode_prompt, tokenizer.encode)
+
+
+def _continue(tokenizer: TextTokenizer, stored: Conversation, texts: Sequence[str],
+              new: Sequence[media.Placement]) -> Optional[media.MediaPrompt]:
+    """Lay out the stored ids + what `texts` adds after them (None: it rewrote them).
+
+    texts: the new rendering split at its markers. The stored ids' text between its images
+    must be the rendering's, and the text after its last image a prefix of the rendering's.
+    """
+    if not stored.ids:
         return None
-    ids = list(stored_ids)
+    ids = list(stored.ids)
+    pieces, start = [], 0
+    for image in stored.images:
+        pieces.append(ids[start:image.at])
+        start = image.at + image.width
+    pieces.append(ids[start:])
     bos = tokenizer.bos_token_id
-    body = ids[1:] if tokenizer.add_bos_token and bos is not None and ids[0] == bos else ids
-    seen = tokenizer.decode(body, skip_special_tokens=False)
-    if not text.startswith(seen):
+    if tokenizer.add_bos_token and bos is not None and pieces[0][:1] == [bos]:
+        pieces[0] = pieces[0][1:]
+    seen = [tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces]
+    if list(texts[:len(seen) - 1]) != seen[:-1] or not texts[len(seen) - 1].startswith(seen[-1]):
         return None
-    return ids + tokenizer.encode(text[len(seen):])
+    image_at = [image.at for image in stored.images]
+    ids += tokenizer.encode(texts[len(seen) - 1][len(seen[-1]):])
+    for placement, text in zip(new, texts[len(seen):]):
+        image_at.append(len(ids))
+        ids += media.item_ids(placement)
+        ids += tokenizer.encode(text) if text else []
+    placed = tuple(stored.images) + tuple(new)
+    return media.MediaPrompt(tuple(ids), media.spans_of(placed, image_at),
+                             tuple(p.rows for p in placed), tuple(image_at))
 
 
 def _next_exchange(turns: Tuple[ChatMessage, ...]) -> int:
@@ -176,10 +300,14 @@ def _next_exchange(turns: Tuple[ChatMessage, ...]) -> int:
     return len(turns)
 
 
-def committed(bound: Bound, reply: ChatMessage, generated: Sequence[int]) -> Conversation:
-    """Return the conversation after a goal that ended well: turns, reply and all its ids."""
+def committed(bound: Bound, reply: ChatMessage, generated: Sequence[int],
+              images: Sequence[StoredImage] = ()) -> Conversation:
+    """Return the conversation after a goal that ended well: turns, reply and all its ids.
+
+    images: every image of the goal's prompt, as placed (request.stored_images).
+    """
     return Conversation(system=bound.system, turns=bound.history + bound.new + (reply,),
-                        ids=bound.ids + tuple(int(t) for t in generated))
+                        ids=bound.ids + tuple(int(t) for t in generated), images=tuple(images))
 
 
 def reply_turn(text: str, tool_calls: Sequence[Any]) -> ChatMessage:

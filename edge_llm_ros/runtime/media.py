@@ -77,11 +77,16 @@ class ImageLayout(Protocol):
 
 @dataclass(frozen=True)
 class MediaPrompt:
-    """A laid-out prompt: token ids, embedding spans (position, rows), rows per image."""
+    """A laid-out prompt: token ids, embedding spans (position, rows), rows per image.
+
+    image_at: where each image's items start, as an index into `ids` (a stored conversation
+    keeps it to find its text between the images again).
+    """
 
     ids: Tuple[int, ...]
     spans: Tuple[Tuple[int, int], ...]
     image_rows: Tuple[int, ...]
+    image_at: Tuple[int, ...] = ()
 
 
 def image_size(image: ImageInput, name: str) -> Tuple[int, int]:
@@ -189,22 +194,37 @@ def lay_out(texts: Sequence[str], placements: Sequence[Placement], encode_first,
     tokenizes the first piece (with BOS as the prompt wants it), encode the others.
     """
     ids: List[int] = []
-    spans: List[Tuple[int, int]] = []
-    pos = 0
+    image_at: List[int] = []
     for i, text in enumerate(texts):
-        piece = (encode_first if i == 0 else encode)(text) if text or i == 0 else []
-        ids += piece
-        pos += len(piece)
+        ids += (encode_first if i == 0 else encode)(text) if text or i == 0 else []
         if i == len(placements):
             break
-        for item in placements[i].items:
+        image_at.append(len(ids))
+        ids += item_ids(placements[i])
+    return MediaPrompt(tuple(ids), spans_of(placements, image_at),
+                       tuple(p.rows for p in placements), tuple(image_at))
+
+
+def item_ids(placement: Placement) -> List[int]:
+    """Return the token ids among an image's items (its wrapper tokens), in order."""
+    return [i for item in placement.items if isinstance(item, tuple) for i in item]
+
+
+def spans_of(placements: Sequence[Placement], image_at: Sequence[int]
+             ) -> Tuple[Tuple[int, int], ...]:
+    """Embedding spans (position, rows) of images whose items start at ids[image_at[i]]."""
+    spans: List[Tuple[int, int]] = []
+    rows = 0   # embedding rows before the current image: positions = ids index + rows
+    for placement, at in zip(placements, image_at):
+        pos = at + rows
+        for item in placement.items:
             if isinstance(item, tuple):
-                ids += item
                 pos += len(item)
             else:
                 spans.append((pos, item))
                 pos += item
-    return MediaPrompt(tuple(ids), tuple(spans), tuple(p.rows for p in placements))
+                rows += item
+    return tuple(spans)
 
 
 def split_at_markers(text: str, n_images: int) -> List[str]:

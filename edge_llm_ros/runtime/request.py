@@ -18,9 +18,10 @@ that are mapped later): their count, width and dtype are checked here, and the a
 with PreparedRequest.bind() just before generating, which checks only its values.
 
 A request with a session_id continues a conversation (runtime/conversation.py). What it adds
-is checked here (roles, tools, constraint, that its own latest turns fit the context); its
-final prompt (the stored turns, then its own) is built when it starts, by
-bind_conversation(), since the conversation may change while it waits.
+is checked here (roles, tools, constraint, images, that its own latest turns fit the
+context); its final prompt (the stored turns with their images, then its own) is built when
+it starts, by bind_conversation(), since the conversation may change while it waits. The
+stored images come with their rows; only the goal's own images are encoded.
 """
 from __future__ import annotations
 
@@ -72,6 +73,10 @@ class PreparedRequest:
     image_rows: Tuple[int, ...] = ()
     # Each span is prefilled as one forward whose rows see all of it (gemma3's images).
     whole_spans: bool = False
+    # A session goal's stored images in its prompt (rows known; before `images`' rows), and
+    # once bound, the content digest of every image in the prompt, in order.
+    kept_images: Tuple[conv.StoredImage, ...] = ()
+    digests: Tuple[str, ...] = ()
     # Cache key of every prompt position (see kv_cache); complete once bound.
     keys: Tuple[Hashable, ...] = ()
     # How to split the output into text, reasoning and tool calls (empty: all of it is text).
@@ -162,10 +167,27 @@ class PreparedRequest:
             raise media.ImageInputError(
                 f'the encoder gave {[e.shape[0] for e in embeds]} rows for images that take '
                 f'{list(self.image_rows)}')
+        embeds = [k.embeds for k in self.kept_images] + list(embeds)
+        digests = tuple(k.digest for k in self.kept_images) + tuple(digests)
         keys = [('img', d, i) for d, e in zip(digests, embeds) for i in range(e.shape[0])]
         array = np.ascontiguousarray(np.concatenate(embeds), dtype=self.act_dtype)
-        return replace(self, embeds=array, images=(),
+        return replace(self, embeds=array, images=(), digests=digests,
                        keys=media.position_keys(self.prompt_ids, self.spans, keys))
+
+    def stored_images(self) -> Tuple[conv.StoredImage, ...]:
+        """Every image of a bound session goal's prompt as its conversation keeps it."""
+        bound = self.session
+        out, row = [], 0
+        for placed, at, digest in zip(bound.placed, bound.image_at, self.digests):
+            if isinstance(placed, conv.StoredImage):
+                out.append(replace(placed, at=at))
+            else:
+                # A copy: the conversation outlives this request's array.
+                rows = self.embeds[row:row + placed.rows].copy()
+                out.append(conv.StoredImage(at, tuple(placed.items), digest, rows,
+                                            bool(placed.bidirectional)))
+            row += placed.rows
+        return tuple(out)
 
 
 def embedding_keys(embeds: np.ndarray) -> List[Hashable]:
@@ -258,10 +280,9 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
             raise InvalidRequestError('prefix_embeddings start the context, so they cannot '
                                       'join a stored conversation: send them without a '
                                       'session_id')
-        if request.images:
-            raise media.ImageInputError('images cannot join a stored conversation yet: send '
-                                        'the conversation with its images without a '
-                                        'session_id')
+        if media.MEDIA_MARKER in request.system_prompt:
+            raise media.ImageInputError(f'a session keeps its first system prompt: put the '
+                                        f'{media.MEDIA_MARKER} images in a user turn')
     # How to answer: sampling, stopping, format, embeddings.
     if isinstance(request.max_tokens, bool) or \
             not isinstance(request.max_tokens, (int, np.integer)):
@@ -306,8 +327,6 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
         if placements:
             laid = media.lay_out(media.split_at_markers(plan.prompt_text, len(placements)),
                                  placements, tokenizer.encode_prompt, tokenizer.encode)
-        if session:
-            chat, ids = _session_turns(request, messages, plan, tokenizer, capacity - max_tokens)
     else:
         kind = check_single_constraint(json_schema=request.json_schema, grammar=request.grammar,
                                        regex=request.regex, choices=request.choices)
@@ -323,9 +342,13 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
             ids = _encode_raw(tokenizer, request.prompt)
     if placements:
         ids = list(laid.ids)
-    if not rows + len(ids):
+    positions = rows + len(ids)
+    if session:
+        chat, positions = _session_turns(request, messages, plan, tokenizer,
+                                         capacity - max_tokens, placements, positions)
+    if not positions:
         raise InvalidRequestError('the prompt encodes to no tokens: give some text')
-    problem = check_fits(rows + len(ids), max_tokens, capacity)
+    problem = check_fits(positions, max_tokens, capacity)
     if problem:
         raise ContextOverflowError(problem)
     if placements:
@@ -354,8 +377,9 @@ def _encode_raw(tokenizer: TextTokenizer, text: str) -> List[int]:
 
 
 def _session_turns(request: GenerationRequest, messages: List[ChatMessage], plan,
-                   tokenizer: TextTokenizer, room: int) -> Tuple[conv.ChatTurns, List[int]]:
-    """Return a session goal's own turns, and the ids whose length prepare() checks.
+                   tokenizer: TextTokenizer, room: int, placements: Sequence[media.Placement],
+                   positions: int) -> Tuple[conv.ChatTurns, int]:
+    """Return a session goal's own turns, and the prompt positions prepare() checks.
 
     When the request as sent (an OpenAI-style client resends its whole history) does not fit,
     what must fit is its latest part, from its last user turn on: older turns are the
@@ -365,22 +389,44 @@ def _session_turns(request: GenerationRequest, messages: List[ChatMessage], plan
     own = tuple(m for m in messages if not (m is messages[0] and system and m.role == 'system'
                                             and m.content == system))
     chat = conv.ChatTurns(system=system, messages=own, mode=int(request.history_mode),
-                          render=plan.render)
-    ids = list(plan.prompt_ids)
-    if len(ids) > room:
+                          render=plan.render, placements=tuple(placements))
+    if positions > room:
         users = [i for i, m in enumerate(own) if m.role == 'user']
         tail = own[users[-1]:] if users else own
         head = (ChatMessage('system', system),) if system else ()
-        ids = tokenizer.encode_prompt(plan.render(head + tail))
-    return chat, ids
+        mine = placements[len(placements) - sum(
+            m.content.count(media.MEDIA_MARKER) for m in tail):]
+        laid = media.lay_out(media.split_at_markers(plan.render(head + tail), len(mine)), mine,
+                             tokenizer.encode_prompt, tokenizer.encode)
+        positions = len(laid.ids) + sum(laid.image_rows)
+    return chat, positions
 
 
 def bind_conversation(prepared: PreparedRequest, stored: conv.Conversation,
                       tokenizer: TextTokenizer, capacity: int) -> PreparedRequest:
-    """Return a session goal with its whole prompt: the stored turns, then its own."""
+    """Return a session goal with its whole prompt: the stored turns, then its own.
+
+    Its images must be mapped (with_frames): the ones it resent with its history are checked
+    against the stored ones, the others wait for bind_images after the stored images' rows.
+    """
     bound = conv.bind(tokenizer, stored, prepared.chat, capacity - prepared.max_tokens,
                       prepared.chat.render)
-    return replace(prepared, prompt_ids=bound.ids, keys=bound.ids, session=bound)
+    for i in range(bound.resent):
+        if media.image_digest(prepared.images[i]) != stored.images[i].digest:
+            raise media.ImageInputError(
+                f'images[{i}] is in a turn the session already holds, but it is not the image '
+                'stored there: send only the new turns, or start the conversation again '
+                '(HISTORY_REPLACE)')
+    kept = bound.kept_images
+    bound_request = replace(
+        prepared, prompt_ids=bound.ids, session=bound, spans=bound.spans, kept_images=kept,
+        images=tuple(prepared.images[i] for i in bound.goal_images),
+        image_rows=tuple(p.rows for p in bound.placed[len(kept):]),
+        whole_spans=prepared.whole_spans or any(k.bidirectional for k in kept),
+        keys=bound.ids if not bound.placed else ())
+    if kept and not bound_request.images:
+        return bound_request.bind_images((), ())
+    return bound_request
 
 
 def _check_raw(request: GenerationRequest) -> None:

@@ -248,7 +248,8 @@ class Engine:
             return [Checkpoint(slot)]
         reply = reply_turn(result.text, result.tool_calls)
         return [Commit(slot, request.session_id,
-                       committed(request.session, reply, result.token_ids))]
+                       committed(request.session, reply, result.token_ids,
+                                 request.stored_images()))]
 
     def when_saved(self, goal: Goal, done: Callable[[], None]) -> None:
         """Call done() once an ended goal's committed turn persists (at once if none).

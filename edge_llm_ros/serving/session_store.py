@@ -4,11 +4,12 @@
     cache = KVCache(buffers, capacity, config.kv_dtype, store=store)
 
 * What is saved: per session, one row: its conversation (turns and ids, JSON; '' for a KV
-  prefix without one), its position keys (token ids, and ('emb', digest, i) for prefix
-  embeddings, as JSON) and its KV prefix exactly as the snapshot holds it (int8 rows with
-  float32 scales when kv.dtype is int8, else the KV buffers' dtype; empty when no KV is
-  kept). A turn and its KV are written in one transaction: after a kill -9 the session
-  holds its last committed turn with that turn's KV, or the turn before, never half.
+  prefix without one) and its images' embedding rows (media), its position keys (token ids,
+  and ('emb' or 'img', digest, i) for embedding rows, as JSON) and its KV prefix exactly as
+  the snapshot holds it (int8 rows with float32 scales when kv.dtype is int8, else the KV
+  buffers' dtype; empty when no KV is kept). A turn and its KV are written in one
+  transaction: after a kill -9 the session holds its last committed turn with that turn's
+  KV, or the turn before, never half.
 * Writes never run on the decode path: SnapshotStore calls save/touch/delete/clear here, which
   only record the latest operation per session under a lock; a writer thread commits all
   pending operations in one transaction (repeated saves of one session coalesce). close()
@@ -41,14 +42,16 @@ from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
 
 _log = logging.getLogger(__name__)
 APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
-SCHEMA_VERSION = 2           # PRAGMA user_version; 2: the conversation column
+SCHEMA_VERSION = 3           # PRAGMA user_version; 2: the conversation; 3: its images' rows
 _SCHEMA = ('CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, '
            'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, layout TEXT NOT NULL, '
            'keys TEXT NOT NULL, positions INTEGER NOT NULL, nbytes INTEGER NOT NULL, '
-           "tick INTEGER NOT NULL, data BLOB NOT NULL, conversation TEXT NOT NULL DEFAULT '')")
-# Version 1 files (KV prefixes only) are upgraded in place at open: their rows keep their KV
-# and have no conversation.
-_MIGRATE_1 = "ALTER TABLE sessions ADD COLUMN conversation TEXT NOT NULL DEFAULT ''"
+           "tick INTEGER NOT NULL, data BLOB NOT NULL, conversation TEXT NOT NULL DEFAULT '', "
+           "media BLOB NOT NULL DEFAULT x'')")
+# Older files are upgraded in place at open. Version 1 rows (KV prefixes only) keep their KV
+# and have no conversation; version 2 conversations have no images.
+_MIGRATE = {1: "ALTER TABLE sessions ADD COLUMN conversation TEXT NOT NULL DEFAULT ''",
+            2: "ALTER TABLE sessions ADD COLUMN media BLOB NOT NULL DEFAULT x''"}
 _WAL_LIMIT = 32 << 20  # bytes the WAL file is truncated to after a checkpoint
 _HASHED = ('model.yaml', 'model.onnx')
 _FIX = ('point sessions.store at another file, delete this one (its saved sessions are lost), '
@@ -125,7 +128,7 @@ class KVLayout:
 
 
 def encode_keys(keys: Sequence[Hashable]) -> str:
-    """JSON of position keys: ints stay ints, ('emb', digest, i) becomes ['emb', digest, i]."""
+    """JSON of position keys: ints stay ints, ('img', digest, i) becomes ['img', digest, i]."""
     return json.dumps([k if isinstance(k, int) else list(k) for k in keys],
                       separators=(',', ':'))
 
@@ -136,9 +139,9 @@ def decode_keys(text: str) -> Tuple[Hashable, ...]:
     for k in json.loads(text):
         if isinstance(k, int) and not isinstance(k, bool):
             out.append(k)
-        elif (isinstance(k, list) and len(k) == 3 and k[0] == 'emb' and isinstance(k[1], str)
-              and isinstance(k[2], int)):
-            out.append(('emb', k[1], k[2]))
+        elif (isinstance(k, list) and len(k) == 3 and k[0] in ('emb', 'img')
+              and isinstance(k[1], str) and isinstance(k[2], int)):
+            out.append((k[0], k[1], k[2]))
         else:
             raise ValueError(f'unknown position key {k!r}')
     return tuple(out)
@@ -253,12 +256,14 @@ class SessionStore:
                 f'sessions.store {self.path} is an SQLite file of another application '
                 f'(application_id {app_id:#x}, tables {", ".join(tables[:5]) or "none"}), not '
                 f'an edge_llm_ros session store: {_FIX}')
-        elif version == 1 and 'sessions' in tables:
+        elif version in _MIGRATE and 'sessions' in tables:
             db.execute('BEGIN IMMEDIATE')
-            db.execute(_MIGRATE_1)
+            for step in range(version, SCHEMA_VERSION):
+                db.execute(_MIGRATE[step])
             db.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
             db.execute('COMMIT')
-            _log.info('sessions.store %s: upgraded from schema 1 (KV prefixes kept)', self.path)
+            _log.info('sessions.store %s: upgraded from schema %d (sessions kept)', self.path,
+                      version)
         elif version != SCHEMA_VERSION:
             raise SessionStoreError(
                 f'sessions.store {self.path} has schema version {version}, this edge_llm_ros '
@@ -273,7 +278,8 @@ class SessionStore:
         if bad != 'ok':
             raise SessionStoreError(f'sessions.store {self.path} is corrupt ({bad}): {_FIX}')
         columns = {r[1] for r in db.execute('PRAGMA table_info(sessions)')}
-        if not set(_Row.__dataclass_fields__) | {'keys', 'data', 'conversation'} <= columns:
+        wanted = set(_Row.__dataclass_fields__) | {'keys', 'data', 'conversation', 'media'}
+        if not wanted <= columns:
             raise SessionStoreError(f'sessions.store {self.path} lacks the sessions table '
                                     f'columns of schema {SCHEMA_VERSION}: {_FIX}')
         db.execute('BEGIN IMMEDIATE')  # proves the file is writable now, not at the first save
@@ -304,15 +310,15 @@ class SessionStore:
             used += row.nbytes
         restored = 0
         for row in reversed(keep):
-            (keys_text, blob, text), = self._db.execute(
-                'SELECT keys, data, conversation FROM sessions WHERE session_id = ?',
+            (keys_text, blob, text, media), = self._db.execute(
+                'SELECT keys, data, conversation, media FROM sessions WHERE session_id = ?',
                 (row.session_id,))
             try:
                 keys = decode_keys(keys_text)
                 if len(keys) != row.positions:
                     raise ValueError(f'{len(keys)} keys for {row.positions} positions')
                 snap = self.layout.decode(keys, blob) if keys else None
-                conversation = Conversation.from_json(text) if text else None
+                conversation = Conversation.from_json(text, bytes(media)) if text else None
             except ValueError as exc:
                 reason = f'unreadable ({exc})'
                 why[reason] = why.get(reason, 0) + 1
@@ -435,11 +441,12 @@ class SessionStore:
                 continue
             keys = snap.keys if snap is not None else ()
             db.execute('BEGIN IMMEDIATE')
-            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
+            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
                        (session_id, self.model_id, CONVERTER_VERSION, self._layout_text,
                         encode_keys(keys), len(keys), snap.nbytes if snap is not None else 0,
                         tick, _blob(snap) if snap is not None else b'',
-                        conversation.to_json() if conversation is not None else ''))
+                        conversation.to_json() if conversation is not None else '',
+                        conversation.media_bytes() if conversation is not None else b''))
             db.execute('COMMIT')
             self.stats['saves'] += 1
         if small:
