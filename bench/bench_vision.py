@@ -97,8 +97,8 @@ def cpu_seconds(proc: NodeProcess) -> float:
 
 
 def run_config(node, width: int, height: int, rate: float, seconds: float, warmup: float,
-               tmp: pathlib.Path, llm_dir: Optional[str], goals: int, vlm: bool = False
-               ) -> dict:
+               tmp: pathlib.Path, llm_dir: Optional[str], goals: int, vlm: bool = False,
+               wait: float = 120.0) -> dict:
     tag = f'b{os.getpid()}_{width}x{height}'
     env = {'EDGE_LLM_IPC_DIR': str(tmp / 'sockets')}
     perception_params = {'input.topic': f'/{tag}_frames/frames', 'pool.id': f'{tag}_emb',
@@ -119,9 +119,9 @@ def run_config(node, width: int, height: int, rate: float, seconds: float, warmu
     frames = Recorder(node, f'/{tag}_frames/frames')
     embeddings = Recorder(node, f'/{tag}_perception/embeddings')
     try:
-        if embeddings.wait_next(120) is None:
+        if embeddings.wait_next(wait) is None:
             tails = '\n'.join(f'{k}:\n{p.tail()}' for k, p in procs.items())
-            raise RuntimeError(f'no embeddings within 120 s; last output:\n{tails}')
+            raise RuntimeError(f'no embeddings within {wait:g} s; last output:\n{tails}')
         time.sleep(warmup)
         cpu0 = {k: cpu_seconds(p) for k, p in procs.items()}
         frames.recording = embeddings.recording = True
@@ -140,7 +140,8 @@ def run_config(node, width: int, height: int, rate: float, seconds: float, warmu
             'cpu_percent': cpu,
         }
         if llm_dir:
-            result['llm'] = measure_goals(node, embeddings, procs['llm_node'], env, goals, vlm)
+            result['llm'] = measure_goals(node, embeddings, procs['llm_node'], env, goals, vlm,
+                                          wait)
         return result
     finally:
         _stop_all(procs.values())
@@ -159,7 +160,7 @@ def _stop_all(procs) -> None:
 
 
 def measure_goals(node, embeddings: Recorder, llm: NodeProcess, env: Dict[str, str],
-                  goals: int, vlm: bool = False) -> dict:
+                  goals: int, vlm: bool = False, wait: float = 30.0) -> dict:
     """Measure capture -> first token for goals carrying a fresh embeddings handle.
 
     vlm: the handle is a VLM image's rows, sent in `images` at a media marker.
@@ -172,7 +173,9 @@ def measure_goals(node, embeddings: Recorder, llm: NodeProcess, env: Dict[str, s
             raise RuntimeError(f'{llm.fqn}/generate not discovered')
         with TensorResolver(socket_dir=env['EDGE_LLM_IPC_DIR'], name='bench') as resolver:
             for _ in range(goals + 1):        # the first goal warms the engine up
-                handle = embeddings.wait_next(30)
+                handle = embeddings.wait_next(wait)
+                if handle is None:
+                    raise RuntimeError(f'no fresh embeddings within {wait:g} s')
                 stamp = handle.header.stamp.sec * 10**9 + handle.header.stamp.nanosec
                 with resolver.borrow(handle):      # held: perception cannot rewrite it meanwhile
                     first: List[int] = []
@@ -209,6 +212,9 @@ def main() -> int:
     parser.add_argument('--vlm', default='', help='converted VLM folder: perception runs its '
                         'encoder, goals carry the rows in images')
     parser.add_argument('--goals', type=int, default=10)
+    parser.add_argument('--wait', type=float, default=120.0,
+                        help='seconds to wait for an embeddings message (a real-shape VLM '
+                        'encoder on a small CPU takes minutes per frame)')
     args = parser.parse_args()
     if args.llm and args.vlm:
         parser.error('give --llm or --vlm, not both')
@@ -227,7 +233,8 @@ def main() -> int:
                 width, height = (int(v) for v in size.split('x'))
                 results.append(run_config(node, width, height, float(rate), args.seconds,
                                           args.warmup, pathlib.Path(tmp),
-                                          args.vlm or args.llm, args.goals, bool(args.vlm)))
+                                          args.vlm or args.llm, args.goals, bool(args.vlm),
+                                          args.wait))
     finally:
         executor.shutdown(timeout_sec=2)
         spinner.join(timeout=5)

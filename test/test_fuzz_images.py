@@ -5,8 +5,9 @@ before any model work; no exception escapes the node's validation, a refused goa
 queue reservation back, and the node keeps serving. The goals mix good frame handles of a
 live pool (RGB and mono) with hostile ones: random descriptors, stale generations, foreign
 pools, wrong dtypes and shapes, zero-size and 100-megapixel declarations, marker counts unlike
-the image count, more images than the context holds, raw and chat prompts. The text-only
-node's fuzzing (test_fuzz_goals.py) sends images to a model without vision.
+the image count, more images than the context holds, raw and chat prompts, and chat turns of
+a few sessions (their images stored, resent or dropped). The text-only node's fuzzing
+(test_fuzz_goals.py) sends images to a model without vision.
 """
 import types
 
@@ -113,6 +114,11 @@ def image_goals(draw, good) -> Generate.Goal:
     else:
         goal.messages = [ChatMessage(role='user', content=prompt)]
         goal.raw_prompt = False
+        # A few sessions: their stored images come back in later turns, old turns (and
+        # their images) are dropped when the context fills up.
+        goal.session_id = draw(st.sampled_from(['', '', 'fuzz_a', 'fuzz_b']))
+        goal.history_mode = draw(st.sampled_from([Generate.Goal.HISTORY_AUTO,
+                                                  Generate.Goal.HISTORY_APPEND]))
     return goal
 
 
