@@ -180,6 +180,22 @@ def test_the_context_policy_drops_an_old_turn_with_its_image(vlm, reference):  #
         eng.close()
 
 
+def test_replace_starts_again_without_the_stored_images(vlm, reference):  # noqa: F811
+    eng = engine(vlm)
+    try:
+        ask(eng, LOOK, [image(1)])
+        again = ask(eng, f'New start {MEDIA_MARKER}.', [image(2)], mode=conv.HISTORY_REPLACE)
+        (kept,) = eng.session('s').conversation.images
+        same_answer(again, whole(reference, [ChatMessage('user', f'New start {MEDIA_MARKER}.')],
+                                 [image(2)]))
+        text_only = ask(eng, 'Only words.', mode=conv.HISTORY_REPLACE)
+        assert eng.session('s').conversation.images == ()
+        same_answer(text_only, whole(reference, [ChatMessage('user', 'Only words.')], []))
+        assert kept.rows == ROWS
+    finally:
+        eng.close()
+
+
 def test_an_image_in_the_sessions_system_prompt_is_refused(vlm):  # noqa: F811
     eng = engine(vlm)
     try:

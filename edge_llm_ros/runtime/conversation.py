@@ -210,9 +210,10 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
     # The goal's images in the turns it resent (HISTORY_AUTO) are the stored ones.
     resent = len(chat.placements) - _markers(new)
     goal = list(range(resent, len(chat.placements)))
-    placed = list(stored.images) + [chat.placements[i] for i in goal]
+    kept = list(stored.images) if history else []   # REPLACE starts without them
+    placed = kept + [chat.placements[i] for i in goal]
     texts = media.split_at_markers(render(head + history + new), len(placed))
-    laid = _continue(tokenizer, stored, texts, placed[len(stored.images):]) if history else None
+    laid = _continue(tokenizer, stored, texts, placed[len(kept):]) if history else None
     continued = laid is not None
     if laid is None:
         laid = _lay_out(tokenizer, texts, placed)
