@@ -134,6 +134,13 @@ def test_rows_come_back_from_the_store_without_the_kv_or_the_encoder(vlm, tmp_pa
         assert got.timings.cached_prompt_tokens == 0
         assert restarted.vision._cache == {}, 'the stored rows were encoded again'
         same_answer(got, want)
+        # The second frame again, in a new turn (the first turn, with the first frame, is
+        # dropped for room): its session holds its rows.
+        again = ask(restarted, f'Again {MEDIA_MARKER}?', [image(3)])
+        images = restarted.session('s').conversation.images
+        assert again.dropped_turns > 0 and [im.digest for im in images] == [
+            stored.images[1].digest] * 2
+        assert restarted.vision._cache == {}, 'a frame the session holds was encoded again'
     finally:
         restarted.close()
 

@@ -232,8 +232,12 @@ class Engine:
         return seq
 
     def _encode_images(self, request: PreparedRequest) -> PreparedRequest:
-        """Run the vision encoder on the request's images and bind their rows (engine thread)."""
-        encoded = [self.vision.rows_of(image, f'images[{i}]')
+        """Run the vision encoder on the request's images and bind their rows (engine thread).
+
+        A frame its session already holds (same content) takes the stored rows.
+        """
+        known = {k.digest: k.embeds for k in request.kept_images}
+        encoded = [self.vision.rows_of(image, f'images[{i}]', known)
                    for i, image in enumerate(request.images)]
         return request.bind_images([e.rows for e in encoded], [e.digest for e in encoded])
 

@@ -84,17 +84,22 @@ class ImageEncoder:
             self._cache.popitem(last=False)
         return Encoded(rows, digest, t1 - t0, t2 - t1)
 
-    def rows_of(self, image: np.ndarray, name: str = 'image') -> Encoded:
+    def rows_of(self, image: np.ndarray, name: str = 'image',
+                known: Optional[Mapping[str, np.ndarray]] = None) -> Encoded:
         """Encode an RGB image, or take the rows of one already encoded.
 
         An already encoded image is the perception node's wire form (media.DeclaredEncoded,
         written by encode_into): its rows are used as they are, the encoder does not run.
+        known: rows by content digest that need no encoding (a session's stored images).
         """
+        digest = image_digest(image)
+        if known and digest in known:
+            return Encoded(known[digest], digest, cached=True)
         if declared_encoding(image, name) is None:
-            return self.encode(image)
+            return self.encode(image, digest)
         if not np.isfinite(image).all():
             raise ImageInputError(f'{name} is an encoded image with NaN or infinite values')
-        return Encoded(encoded_rows(image), image_digest(image), cached=True)
+        return Encoded(encoded_rows(image), digest, cached=True)
 
     def encoded_shape(self, height: int, width: int) -> Tuple[int, int, int, int]:
         """Return the wire form's shape for a height x width image (media.DeclaredEncoded)."""
