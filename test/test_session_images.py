@@ -203,6 +203,20 @@ def test_replace_starts_again_without_the_stored_images(vlm, reference):  # noqa
         eng.close()
 
 
+def test_a_marker_without_images_is_text_and_a_replys_marker_stays_text(vlm):  # noqa: F811
+    eng = engine(vlm)
+    try:
+        literal = f'What does {MEDIA_MARKER} mean in llama.cpp?'
+        ask(eng, literal)
+        ask(eng, 'And in this engine?')
+        assert eng.session('s').conversation.turns[0].content == literal
+        # A marker the model writes has no image: kept as text, so later image turns count.
+        reply = conv.reply_turn(f'It is {MEDIA_MARKER}.', ())
+        assert MEDIA_MARKER not in reply.content and conv.LITERAL_MARKER in reply.content
+    finally:
+        eng.close()
+
+
 def test_an_image_in_the_sessions_system_prompt_is_refused(vlm):  # noqa: F811
     eng = engine(vlm)
     try:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import json
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from edge_llm_ros.runtime.types import ChatMessage
 # Generate.Goal.HISTORY_* (test_conversation checks they agree).
 HISTORY_AUTO, HISTORY_APPEND, HISTORY_REPLACE = 0, 1, 2
 HISTORY_MODES = (HISTORY_AUTO, HISTORY_APPEND, HISTORY_REPLACE)
+LITERAL_MARKER = '<__media__ >'   # a media marker in a reply, kept as text (reply_turn)
 
 
 @dataclass(frozen=True)
@@ -208,11 +209,11 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
                                   'exactly the stored conversation; add a new user turn')
     head = (ChatMessage('system', system),) if system else ()
     # The goal's images in the turns it resent (HISTORY_AUTO) are the stored ones.
-    resent = len(chat.placements) - _markers(new)
+    resent = max(0, len(chat.placements) - _markers(new))
     goal = list(range(resent, len(chat.placements)))
     kept = list(stored.images) if history else []   # REPLACE starts without them
     placed = kept + [chat.placements[i] for i in goal]
-    texts = media.split_at_markers(render(head + history + new), len(placed))
+    texts = _split(render(head + history + new), placed)
     laid = _continue(tokenizer, stored, texts, placed[len(kept):]) if history else None
     continued = laid is not None
     if laid is None:
@@ -235,8 +236,7 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
         turns = turns[:pinned] + turns[pinned + cut:]
         limit -= cut
         dropped += cut
-        laid = _lay_out(tokenizer, media.split_at_markers(render(head + turns), len(placed)),
-                        placed)
+        laid = _lay_out(tokenizer, _split(render(head + turns), placed), placed)
         continued = False
     positions = len(laid.ids) + sum(laid.image_rows)
     if positions > room:
@@ -250,6 +250,11 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
     return Bound(laid.ids, system, history, new, dropped, continued, spans=laid.spans,
                  placed=tuple(placed), image_at=laid.image_at, goal_images=tuple(goal),
                  resent=resent)
+
+
+def _split(text: str, placed: Sequence[media.Placement]) -> List[str]:
+    """Split at the media markers when the prompt has images; without, a marker is text."""
+    return media.split_at_markers(text, len(placed)) if placed else [text]
 
 
 def _markers(turns: Sequence[ChatMessage]) -> int:
@@ -312,6 +317,12 @@ def committed(bound: Bound, reply: ChatMessage, generated: Sequence[int],
 
 
 def reply_turn(text: str, tool_calls: Sequence[Any]) -> ChatMessage:
+    """Return the assistant turn a session keeps.
+
+    A media marker the model wrote is kept as LITERAL_MARKER: in a later prompt with images
+    every marker is an image, and this one has none.
+    """
+    text = text.replace(media.MEDIA_MARKER, LITERAL_MARKER)
     return ChatMessage('assistant', text, tool_calls=tuple(
         ToolCall(c.id, c.name, c.arguments) for c in tool_calls))
 

@@ -394,11 +394,15 @@ def _session_turns(request: GenerationRequest, messages: List[ChatMessage], plan
         users = [i for i, m in enumerate(own) if m.role == 'user']
         tail = own[users[-1]:] if users else own
         head = (ChatMessage('system', system),) if system else ()
-        mine = placements[len(placements) - sum(
-            m.content.count(media.MEDIA_MARKER) for m in tail):]
-        laid = media.lay_out(media.split_at_markers(plan.render(head + tail), len(mine)), mine,
-                             tokenizer.encode_prompt, tokenizer.encode)
-        positions = len(laid.ids) + sum(laid.image_rows)
+        text = plan.render(head + tail)
+        if placements:
+            mine = placements[max(0, len(placements) - sum(
+                m.content.count(media.MEDIA_MARKER) for m in tail)):]
+            laid = media.lay_out(media.split_at_markers(text, len(mine)), mine,
+                                 tokenizer.encode_prompt, tokenizer.encode)
+            positions = len(laid.ids) + sum(laid.image_rows)
+        else:   # without images a marker is text
+            positions = len(tokenizer.encode_prompt(text))
     return chat, positions
 
 
