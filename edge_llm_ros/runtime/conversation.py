@@ -82,10 +82,6 @@ class Conversation:
     ids: Tuple[int, ...] = ()      # the model's view: prompt ids then generated ids
     images: Tuple[StoredImage, ...] = ()   # in prompt order (their rows are not in ids)
 
-    @property
-    def image_bytes(self) -> int:
-        return sum(im.embeds.nbytes for im in self.images)
-
     def to_json(self) -> str:
         """Return the conversation as JSON; the images' rows are media_bytes()."""
         raw: Dict[str, Any] = {'system': self.system,
@@ -162,10 +158,6 @@ class Bound:
     @property
     def kept_images(self) -> Tuple[StoredImage, ...]:
         return tuple(p for p in self.placed if isinstance(p, StoredImage))
-
-    @property
-    def rows(self) -> int:
-        return sum(rows for _, rows in self.spans)
 
 
 def check_mode(mode: Any) -> int:
