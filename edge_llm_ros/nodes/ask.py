@@ -112,6 +112,7 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
         cancelled = True
         print('\n[Ctrl-C: cancelling]', file=err, flush=True)
         handle.cancel()
+        spin.arm()   # a second Ctrl-C stops waiting for the cancelled goal's result
     try:
         outcome = handle.result(timeout=args.timeout)
     except (LLMClientError, TimeoutError) as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from types import FrameType
 from typing import List, Optional
 
 import rclpy
@@ -36,18 +37,41 @@ from edge_llm_ros import rclpy_internals
 SPIN_TIMEOUT_S = 0.1
 
 
+# Whether the next SIGINT/SIGTERM raises KeyboardInterrupt. One signal raises once; a burst
+# (Ctrl-C pressed again, a launch's SIGINT then SIGTERM) must not raise again inside the
+# cleanup the first one started, nor when ignore_signals() is called with a signal pending:
+# signal.signal() runs pending handlers first, and would raise before it installs SIG_IGN.
+_armed = False
+
+
+def _on_signal(signum: int, frame: Optional[FrameType]) -> None:
+    global _armed
+    if _armed:
+        _armed = False
+        raise KeyboardInterrupt
+
+
 def init(args: Optional[List[str]] = None) -> None:
-    """rclpy.init without rclpy's signal handlers; SIGINT and SIGTERM raise KeyboardInterrupt.
+    """rclpy.init without rclpy's signal handlers; SIGINT or SIGTERM raises KeyboardInterrupt once.
 
     Installed even where SIGINT was inherited as ignored (a background job of a script).
     """
     rclpy.init(args=args, signal_handler_options=SignalHandlerOptions.NO)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    arm()
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def arm() -> None:
+    """Let the next SIGINT/SIGTERM raise KeyboardInterrupt again (after init, once per signal)."""
+    global _armed
+    _armed = True
 
 
 def ignore_signals() -> None:
     """Let a cleanup that has started finish: further SIGINT/SIGTERM are ignored."""
+    global _armed
+    _armed = False   # first: a signal pending in signal.signal() below then raises nothing
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
