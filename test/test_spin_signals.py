@@ -42,4 +42,3 @@ def test_a_signal_burst_raises_once_and_cleanup_runs_to_the_end():
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == 'raised 2', done.stdout + done.stderr
     assert 'Traceback' not in done.stderr and 'race condition' not in done.stderr, done.stderr
-
