@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
                                         image_digest, ImageInputError)
 from edge_llm_ros.vision.mmproj_preprocess import grid_for, normalize, preprocess
@@ -51,11 +52,12 @@ class ImageEncoder:
                                  'reconvert the model with --mmproj')
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
-        available = set(ort.get_available_providers())
-        chosen = [p for p in providers if p in available] or ['CPUExecutionProvider']
-        opts = [dict(o) for o in provider_options][:len(chosen)] if provider_options else None
+        # A provider this onnxruntime lacks is a load error, as for the decoder: the encoder
+        # must not quietly run on the CPU where the board profile asked for the GPU.
+        check_providers(providers, provider_options)
+        opts = [dict(o) for o in provider_options] if provider_options else None
         try:
-            self._session = ort.InferenceSession(str(path), options, providers=chosen,
+            self._session = ort.InferenceSession(str(path), options, providers=list(providers),
                                                  provider_options=opts)
         except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
             raise ModelLoadError(f'cannot load {path}: {exc}') from exc
