@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_vlm.py [--shapes smolvlm-256m,gemma3-siglip400m]
         [--sizes 640x480,1920x1080]
-        [--threads 2] [--repeats 2] [--json-out bench/results/bench_vlm.json]
+        [--threads 2] [--repeats 2] [--encoder-type F32|F16|Q8_0]
+        [--json-out bench/results/bench_vlm.json]
 
 Per shape, a random-weight VLM pair at the real shape is written once into .cache/bench_vlm/
 (the speed of a matmul does not depend on its values):
@@ -15,6 +16,9 @@ Per shape, a random-weight VLM pair at the real shape is written once into .cach
   of gemma-3-1b's shape (26 layers, 1152 wide, sliding window 512; the tests' small
   vocabulary), Q8_0 layers, F32 encoder. (Gemma 3 4B's own 2560-wide text model only makes
   the prefill longer for both.)
+--encoder-type writes the mmproj's matrices as F16 or Q8_0 instead (as the files people
+download come; the pair then lives in .cache/bench_vlm/SHAPE-TYPE/): Q8_0 matrices stay 8-bit
+on both sides (llama.cpp's Q8_0 matmul, our MatMulNBits over the same blocks).
 
 Per image size, both run the same raw prompt `<__media__>Describe the image.` on a random
 RGB image with --threads threads, each best of --repeats:
@@ -75,16 +79,18 @@ SHAPES = {
 }
 
 
-def files(shape: str) -> Dict[str, pathlib.Path]:
+def files(shape: str, encoder_type: str = 'F32') -> Dict[str, pathlib.Path]:
     """Write (once) the shape's mmproj and text GGUFs and convert them; return the paths."""
-    spec, work = SHAPES[shape], CACHE / shape
+    spec = SHAPES[shape]
+    work = CACHE / (shape if encoder_type == 'F32' else f'{shape}-{encoder_type}')
     work.mkdir(parents=True, exist_ok=True)
     text, mmproj, folder = work / 'text.gguf', work / 'mmproj.gguf', work / 'model'
     if not text.exists():
         write_gguf(text, ParityCase(arch=spec.get('arch', 'llama'), wtype='Q8_0', vision=True,
                                     dims=spec['text'], window=spec.get('window', 0)))
     if not mmproj.exists():
-        write_mmproj(mmproj, n_text=spec['text'].hidden, seed=1, **spec['mmproj'])
+        write_mmproj(mmproj, n_text=spec['text'].hidden, seed=1, weight_type=encoder_type,
+                     **spec['mmproj'])
     if not (folder / 'vision.onnx').exists():
         t0 = time.perf_counter()
         convert(str(text), str(folder), mmproj=str(mmproj), progress=False, overwrite=True)
@@ -146,11 +152,13 @@ def main(argv=None) -> int:
     p.add_argument('--sizes', default='640x480,1920x1080')
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--repeats', type=int, default=2)
+    p.add_argument('--encoder-type', default='F32', choices=('F32', 'F16', 'Q8_0'),
+                   help="the mmproj matrices' type (default F32)")
     p.add_argument('--json-out', default=str(ROOT / 'bench' / 'results' / 'bench_vlm.json'))
     args = p.parse_args(argv)
     rows: List[dict] = []
     for shape in args.shapes.split(','):
-        paths = files(shape)
+        paths = files(shape, args.encoder_type)
         rss0 = psutil.Process().memory_info().rss
         engine = Engine(EngineConfig(model_dir=str(paths['folder']), max_context=2048,
                                      intra_op_threads=args.threads, prefix_reuse=False))
@@ -163,9 +171,10 @@ def main(argv=None) -> int:
                 # This process's growth since before the engine loaded (model, encoder, the
                 # image's activations kept by onnxruntime's arena).
                 grown = psutil.Process().memory_info().rss - rss0
-                b = theirs(paths, image, args.threads, args.repeats, CACHE / shape)
+                b = theirs(paths, image, args.threads, args.repeats, paths['folder'].parent)
                 ratio = b['first_token_s'] / a['first_token_s']
                 rows.append({'shape': shape, 'size': size, 'threads': args.threads,
+                             'encoder_type': args.encoder_type,
                              'engine': a, 'llama_cpp': b, 'speedup': ratio,
                              'encoder_share': a['encode_s'] / a['first_token_s'],
                              'engine_rss_mb': rss / 2**20, 'engine_rss_after_mb': grown / 2**20,

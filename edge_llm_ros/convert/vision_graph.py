@@ -17,7 +17,8 @@ embeddings are checked against: the CLS token is appended after the patches befo
 position embeddings are added (so each patch takes its neighbour's, ggml-org/llama.cpp#25814),
 and mlp runs one layer fewer than stored (#25817), keeping CLS and dropping patch 0 (CLS_LAST,
 MLP_SKIPS_LAST_LAYER; a libmtmd with the fixes needs them flipped, and the parity tests will
-say so). Weights are float32 (the F16 / quantized mmproj tensors dequantized exactly).
+say so). Weights are float32 (F16 tensors widened exactly), except Q8_0 matrices, which stay
+in their blocks (MatMulNBits, 8 bits, blocks of 32: the file's codes and scales).
 """
 from typing import BinaryIO, Dict, List, Optional
 
@@ -26,9 +27,11 @@ import onnx
 from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
-from edge_llm_ros.convert.onnx_graph import initializer
+from edge_llm_ros.convert.onnx_graph import initializer, MS_DOMAIN
+from edge_llm_ros.convert.quant import from_q8_0
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
+INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
 BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp')
 # As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
 # CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
@@ -63,11 +66,27 @@ class _Graph:
 
 
 def _linear(g: _Graph, mm: Mmproj, x: str, prefix: str, transposed: bool = True) -> str:
-    """Add x @ W.T (+ b) for a [out, in] GGUF matrix (x @ W when `transposed` is False)."""
+    """Add x @ W.T (+ b) for a [out, in] GGUF matrix (x @ W when `transposed` is False).
+
+    A Q8_0 matrix stays in its 8-bit blocks: MatMulNBits over the file's own codes and
+    scales (the LLM's exact repack), int8 activations per block of 32 as llama.cpp's Q8_0
+    matmul has them; a quarter of the float32 bytes, and onnxruntime's int8 GEMM.
+    """
+    source = mm.tensors[prefix + '.weight']
+    bias = [g.init(prefix + '.bias', mm.array(prefix + '.bias'))] \
+        if prefix + '.bias' in mm.tensors else []
+    if transposed and source.qtype == 'Q8_0' and len(source.shape) == 2:
+        blocks = from_q8_0(source.data, source.shape[1])
+        n, k = source.shape
+        inputs = [x, g.init(prefix + '.qweight', blocks.packed),
+                  g.init(prefix + '.scales', blocks.scales)]   # zero point 128: the default
+        return g.node('MatMulNBits', inputs + (['', ''] + bias if bias else []),
+                      domain=MS_DOMAIN, K=k, N=n, bits=8, block_size=32,
+                      accuracy_level=INT8_ACTIVATIONS)
     w = mm.array(prefix + '.weight')
     y = g.node('MatMul', [x, g.init(prefix + '.weight.t', w.T if transposed else w)])
-    if prefix + '.bias' in mm.tensors:
-        y = g.node('Add', [y, g.init(prefix + '.bias', mm.array(prefix + '.bias'))])
+    if bias:
+        y = g.node('Add', [y] + bias)
     return y
 
 
@@ -213,7 +232,8 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
         [helper.make_tensor_value_info('image_embeds', TensorProto.FLOAT,
                                        ['batch', cfg.tokens_per_tile, cfg.n_out])],
         list(g.inits.values()))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET),
+                                                    helper.make_opsetid(MS_DOMAIN, 1)])
     model.ir_version = 9
     return model
 
