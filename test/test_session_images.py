@@ -103,6 +103,26 @@ def test_a_later_turn_sees_the_image_of_an_earlier_one(vlm, reference):  # noqa:
         eng.close()
 
 
+def test_a_later_turn_brings_a_new_image_after_the_stored_one(vlm, reference):  # noqa: F811
+    """The second image is laid out after the stored ids (the continued prompt), not anew."""
+    eng = engine(vlm)
+    try:
+        first = ask(eng, LOOK, [image(1)])
+        again = f'And {MEDIA_MARKER}?'
+        second = ask(eng, again, [image(2)])
+        assert second.dropped_turns == 0
+        assert [im.rows for im in eng.session('s').conversation.images] == [ROWS, ROWS]
+        assert second.timings.cached_prompt_tokens >= (
+            first.prompt_tokens + first.completion_tokens - 1 - RECOMPUTE)
+        turns = [ChatMessage('user', LOOK), ChatMessage('assistant', first.text),
+                 ChatMessage('user', again)]
+        plain = whole(reference, turns, [image(1), image(2)])
+        same_answer(plain, second)
+        assert plain.prompt_tokens == second.prompt_tokens
+    finally:
+        eng.close()
+
+
 def test_rows_come_back_from_the_store_without_the_kv_or_the_encoder(vlm, tmp_path):  # noqa
     store = tmp_path / 'sessions.db'
     live = engine(vlm, store)

@@ -279,14 +279,12 @@ def _continue(tokenizer: TextTokenizer, stored: Conversation, texts: Sequence[st
     seen = [tokenizer.decode(piece, skip_special_tokens=False) for piece in pieces]
     if list(texts[:len(seen) - 1]) != seen[:-1] or not texts[len(seen) - 1].startswith(seen[-1]):
         return None
-    image_at = [image.at for image in stored.images]
-    ids += tokenizer.encode(texts[len(seen) - 1][len(seen[-1]):])
-    for placement, text in zip(new, texts[len(seen):]):
-        image_at.append(len(ids))
-        ids += media.item_ids(placement)
-        ids += tokenizer.encode(text) if text else []
+    # What the rendering adds: the rest of the last stored piece, then the new images.
+    added = media.lay_out([texts[len(seen) - 1][len(seen[-1]):], *texts[len(seen):]], new,
+                          tokenizer.encode, tokenizer.encode)
+    image_at = [image.at for image in stored.images] + [len(ids) + at for at in added.image_at]
     placed = tuple(stored.images) + tuple(new)
-    return media.MediaPrompt(tuple(ids), media.spans_of(placed, image_at),
+    return media.MediaPrompt(tuple(ids) + added.ids, media.spans_of(placed, image_at),
                              tuple(p.rows for p in placed), tuple(image_at))
 
 
