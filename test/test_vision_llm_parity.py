@@ -207,17 +207,21 @@ def test_a_text_only_model_refuses_images(tmp_path, pair):
         engine.close()
 
 
-@pytest.mark.parametrize('projector, case', [
+@pytest.mark.parametrize('projector, case, mmproj_type', [
     # gemma3 with a gemma3 text model whose sliding window is shorter than an image
-    ('gemma3', ParityCase(arch='gemma3', wtype='Q8_0', window=3, swa_pattern=2, vision=True)),
-    ('internvl', ParityCase(arch='qwen2', wtype='Q8_0', vision=True)),   # InternVL's LLM
-    ('mlp', ParityCase(arch='phi3', wtype='Q8_0', vision=True)),         # a LLaVA-style pair
-], ids=['gemma3', 'internvl-qwen2', 'mlp-phi3'])
+    ('gemma3', ParityCase(arch='gemma3', wtype='Q8_0', window=3, swa_pattern=2, vision=True),
+     'F32'),
+    ('internvl', ParityCase(arch='qwen2', wtype='Q8_0', vision=True), 'F32'),  # InternVL's LLM
+    ('mlp', ParityCase(arch='phi3', wtype='Q8_0', vision=True), 'F32'),  # a LLaVA-style pair
+    # SmolVLM as published: a Q8_0 language model and a Q8_0 mmproj (kept 8-bit in the graph)
+    ('idefics3', ParityCase(arch='llama', wtype='Q8_0', vision=True), 'Q8_0'),
+], ids=['gemma3', 'internvl-qwen2', 'mlp-phi3', 'idefics3-llama-q8_0-mmproj'])
 def test_each_family_with_its_own_language_model_decodes_as_llamacpps_mtmd(
-        tmp_path, projector, case):
+        tmp_path, projector, case, mmproj_type):
     text = write_gguf(tmp_path / 'text.gguf', case)
     mmproj = write_mmproj(tmp_path / 'mm.gguf', projector, n_text=256,
-                          scale=SCALES[projector], longest_edge=64, seed=5)
+                          scale=SCALES[projector], longest_edge=64, seed=5,
+                          weight_type=mmproj_type)
     folder = convert(str(text), str(tmp_path / 'vlm'), mmproj=str(mmproj), progress=False)
     images = [image(4, 32, 32), image(5, 24, 40)]
     prompt = 'Look <__media__> and <__media__> then'
