@@ -39,6 +39,8 @@
 //                                  integer sums, so a warp reads 2 super-blocks (8 Q8_0 blocks)
 //                                  of contiguous bytes a step; weights stay in registers for
 //                                  the M <= 4 activation rows (decode)
+//   kquant_glu (kquant_cuda_glu)   grid ceil(M * N/2 / 256), block 256: a thread per output of a
+//                                  fused gate|up product's activation (glu.h, as the CPU op)
 //   kquant_gemm_<type>  (M > 4)    grid (ceil(N/64), ceil(M/64)), block 256: a 64 x 64 tile of Y
 //                                  per block, K in steps of 256: the W tile is unpacked to int8
 //                                  with its scales and the A tile copied into shared memory
@@ -52,6 +54,8 @@
 // ref.cpp, bit for bit.
 #include <stddef.h>
 #include <stdint.h>
+
+#include "glu.h"  // the gated activation: the CPU op (native/) includes this file too
 #ifdef __CUDACC__
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -578,6 +582,16 @@ __device__ void gemm(const uint8_t *__restrict__ w, const int8_t *__restrict__ a
 
 // ---- entry points --------------------------------------------------------------------------
 // Activations: x fp32 [M, K] -> qs int8 [M, K], d float [M, K/32 or K/256], bsums int16 [M, K/16].
+// out[r, j] = act(y[r, j]) * y[r, half + j] for r < m, j < half (act: glu.h's kind).
+extern "C" __global__ void kquant_glu(int kind, const float *y, float *out, int m, int half) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(m) * half) return;
+  const int64_t r = i / half, j = i % half;
+  const float g = y[r * 2 * half + j], u = y[r * 2 * half + half + j];
+  out[i] = kind == elk::glu::kGeluTanh ? elk::glu::gated<elk::glu::kGeluTanh>(g, u)
+                                       : elk::glu::gated<elk::glu::kSilu>(g, u);
+}
+
 extern "C" __global__ void kquant_quantize_q8_0(const float *x, int8_t *qs, float *d, int k) {
   kquant::quantize_q8_0(x, qs, d, k);
 }
@@ -718,5 +732,17 @@ extern "C" int kquant_cuda_matmul(int type, const float *a, const uint8_t *w, co
         break;
     }
   }
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" int kquant_cuda_glu(int kind, const float *y, float *out, int64_t m, int64_t half,
+                               cudaStream_t stream) {
+  if ((kind != elk::glu::kSilu && kind != elk::glu::kGeluTanh) || m <= 0 || half <= 0 ||
+      m * half > INT32_MAX) {
+    return -1;
+  }
+  const unsigned grid = static_cast<unsigned>((m * half + 255) / 256);
+  KQUANT_LAUNCH(kquant_glu, grid, 256, stream, kind, y, out, static_cast<int>(m),
+                static_cast<int>(half));
   return static_cast<int>(cudaGetLastError());
 }

@@ -133,7 +133,7 @@ fi
 # Models convert to kquant (GGUF blocks read as they are) only where it is built.
 # EDGE_LLM_NATIVE=0 skips it on purpose: models then convert to matmulnbits.
 if [ "${EDGE_LLM_NATIVE:-1}" = 1 ]; then
-  native_hash="$(hash_of $(find native kernels/kquant.cu -type f | sort)) $(uname -m)"
+  native_hash="$(hash_of $(find native kernels/kquant.cu kernels/glu.h -type f | sort)) $(uname -m)"
   # The stamp lives beside the library it describes (a venv may serve several checkouts).
   native_stamp="$ROOT/build/native/.edge_llm_source_hash"
   if [ "$(cat "$native_stamp" 2>/dev/null)" != "$native_hash" ] || [ ! -f "$ROOT/build/native/libedge_llm_ort_ops.so" ]; then

@@ -58,6 +58,12 @@ def test_default_conversion_keeps_gguf_blocks(q4k_model, q4k_gguf):
     layers = meta['num_layers']
     # fused q|k|v, o, fused gate|up, down per layer, and the head; the table is gathered
     assert quant['ops'] == {'KQuantGather': 1, 'KQuantMatMul': 4 * layers + 1}
+    # Each gate|up op applies the MLP's activation itself: no Split/Sigmoid/Mul after it.
+    gated = [n for n in graph.graph.node if n.name.endswith('.mlp.gate_up_proj')]
+    assert len(gated) == layers
+    for node in gated:
+        assert {a.name: a.s for a in node.attribute if a.name == 'glu'} == {'glu': b'silu'}
+    assert not {'Split', 'Sigmoid', 'Gelu'} & set(ops)
     # Bytes per token: exactly the GGUF matrices' bytes (the table is read a row per token).
     reader = gguf.GGUFReader(str(q4k_gguf))
     matrices = [t for t in reader.tensors if len(t.shape) == 2 and 'token_embd' not in t.name]

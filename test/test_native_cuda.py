@@ -97,10 +97,12 @@ def test_kquant_kernels_run_on_the_cpu_bit_equal_to_the_reference():
     proc = subprocess.run([str(native_build() / 'kquant_emulate')], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert '36 cases, 0 different' in proc.stdout
+    assert '38 cases, 0 different' in proc.stdout
     for name in CUDA_TYPES:
         for path in ('gemv', 'gemm'):
             assert re.search(rf'^{name} .*\({path}.*: bit-equal$', proc.stdout, re.M)
+    for kind in (1, 2):  # a fused gate|up product's activation: elk_glu's bits
+        assert re.search(rf'^glu kind {kind} .*: bit-equal$', proc.stdout, re.M)
 
 
 # ---- the op library ----------------------------------------------------------------------

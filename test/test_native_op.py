@@ -6,7 +6,9 @@ that weight row and that activation row bit for bit, whatever the batch (a row a
 the same row among 37, on ORT's intra-op threads, or one session run from several threads),
 and the dense float product within quantization error. KQuantGather dequantizes the rows of
 such a table bit for bit (the reference and gguf's numpy dequantizer). Bad attributes, shapes
-or ids are ORT errors that say what is wrong. All in real onnxruntime sessions.
+or ids are ORT errors that say what is wrong. With a `glu` attribute the op applies a gated
+MLP's activation to its gate|up product (elk_glu, the bits of the plain product's activation).
+All in real onnxruntime sessions.
 """
 import concurrent.futures
 import ctypes
@@ -43,7 +45,7 @@ def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
                             quant_type=type_id, K=k, N=n, **attributes)
     graph = helper.make_graph(
         [node], 'kquant', inputs,
-        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', n])], initializers)
+        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', None])], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
                                                     helper.make_opsetid('edge_llm_ros', 1)])
     options = ort.SessionOptions()
@@ -103,6 +105,7 @@ def kquant_library() -> ctypes.CDLL:
     lib.elk_quantize_row_ref.argtypes = [ctypes.c_int, P, P, ctypes.c_int64]
     lib.elk_vec_dot_ref.argtypes = [ctypes.c_int, ctypes.c_int64, P, P,
                                     ctypes.POINTER(ctypes.c_float)]
+    lib.elk_glu.argtypes = [ctypes.c_int, P, P, P, ctypes.c_int64]
     return lib
 
 
@@ -248,6 +251,84 @@ def test_bias_is_added_to_every_row(elk, name):
     for bad in (bias[:-1], np.zeros((1, n), np.float32), np.zeros(n + 1, np.float32)):
         with pytest.raises(Exception, match=r'bias is not \[N\] = \[7\]'):
             fed.run(None, {'A': a, 'B': bad})
+
+
+GLU_KINDS = {'silu': 1, 'gelu_tanh': 2}
+
+
+def glu(elk, kind: str, product: np.ndarray) -> np.ndarray:
+    """elk_glu over each row of a [M, 2H] gate|up product: [M, H]."""
+    product = np.ascontiguousarray(product, np.float32)
+    half = product.shape[1] // 2
+    out = np.zeros((product.shape[0], half), np.float32)
+    for m, row in enumerate(product):
+        assert elk.elk_glu(GLU_KINDS[kind], row.ctypes.data_as(P), row[half:].ctypes.data_as(P),
+                           out[m].ctypes.data_as(P), ctypes.c_int64(half)) == 0
+    return out
+
+
+@pytest.mark.parametrize('name, k, n, kind, with_bias', [
+    ('Q4_K', 512, 2 * 37, 'silu', False), ('Q6_K', 256, 2 * 64, 'gelu_tanh', True),
+    ('Q8_0', 96, 2 * 9, 'silu', True), ('Q4_1', 64, 2 * 70, 'gelu_tanh', False),
+])
+def test_a_glu_is_the_activation_of_the_plain_product_and_a_row_does_not_depend_on_the_batch(
+        elk, name, k, n, kind, with_bias):
+    type_id = TYPES[name][0]
+    rng = np.random.default_rng(k + n)
+    weights = random_blocks(rng, name, n * k // TYPES[name][2]).reshape(n, -1)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    a = (rng.standard_normal((70, k)) * 3).astype(np.float32)
+    product = session(type_id, weights, k, n, bias=bias).run(None, {'A': a})[0]
+    fused = session(type_id, weights, k, n, bias=bias, glu=kind)
+    batched = fused.run(None, {'A': a})[0]
+    assert batched.shape == (70, n // 2)
+    assert np.array_equal(batched, glu(elk, kind, product))
+    for m in (0, 3, 69):  # a GEMV task's columns are not a batch task's: the same bits
+        alone = fused.run(None, {'A': a[m:m + 1]})[0]
+        assert alone.tobytes() == batched[m:m + 1].tobytes()
+    # The activation itself, in float64, times up.
+    g, u = product[:, :n // 2], product[:, n // 2:]
+    assert np.all(np.abs(batched - activation(kind, g) * u)
+                  <= RTOL[kind] * np.abs(activation(kind, g) * u) + 1e-30)
+
+
+# float32's error in glu's exp argument z grows the result's relative error with |z|: about
+# 1e-5 at z = -70 for GELU (float64's own 1 + tanh(u) is worse: it cancels to 0 below u = -19).
+RTOL = {'silu': 5e-7, 'gelu_tanh': 2e-5}
+
+
+def activation(kind: str, gate: np.ndarray) -> np.ndarray:
+    """Return SiLU or GELU's tanh form in float64, as g / (1 + exp(-z)) (no cancellation)."""
+    g = gate.astype(np.float64)
+    z = g if kind == 'silu' else 2 * np.sqrt(2 / np.pi) * g * (1 + 0.044715 * g * g)
+    return g / (1 + np.exp(np.minimum(-z, 700)))
+
+
+def test_elk_glu_is_accurate_over_the_float_range(elk):
+    """Check gate values from -100 to 100 in steps of 1e-4, and the exp's range edges.
+
+    Each is within RTOL of float64; results below 1e-30 (exp past float's range) stay below it.
+    """
+    gate = np.concatenate([np.linspace(-100, 100, 2_000_001),
+                           [0.0, -0.0, 87.3, -87.3, 88.3, -88.3, 1e-30, 1e30, -1e30]])
+    gate = gate.astype(np.float32)
+    for kind in GLU_KINDS:
+        got = glu(elk, kind, np.concatenate([gate, np.ones_like(gate)])[None, :])[0]
+        want = activation(kind, gate)
+        small = np.abs(want) <= 1e-30
+        assert np.all(np.abs(got - want)[~small] <= RTOL[kind] * np.abs(want[~small])), kind
+        assert np.all(np.abs(got[small]) <= 1e-30), kind
+    nan = glu(elk, 'silu', np.array([[np.nan, 1.0]], np.float32))
+    assert np.isnan(nan).all()  # a NaN gate stays visible
+
+
+def test_bad_glu_attributes_are_errors_that_say_what_is_wrong():
+    weights = np.zeros((8, 144), np.uint8)
+    with pytest.raises(Exception, match='glu "relu" is not "silu", "gelu_tanh" or empty'):
+        session(12, weights, 256, 8, glu='relu').run(None, {'A': np.zeros((1, 256), np.float32)})
+    with pytest.raises(Exception, match='a glu needs gate rows then as many up rows, but N 7'):
+        session(12, weights[:7], 256, 7, glu='silu').run(
+            None, {'A': np.zeros((1, 256), np.float32)})
 
 
 def test_one_session_run_from_several_threads_at_once_gives_each_its_own_result():

@@ -33,7 +33,7 @@ ENTRY_POINTS: Dict[str, Tuple[str, ...]] = {
     'int4_gemv': ('int4_gemv_f32', 'int4_gemv_f16'),
     'kquant': ('kquant_quantize_q8_0', 'kquant_quantize_q8_K',
                'kquant_gemv_q4_K', 'kquant_gemv_q6_K', 'kquant_gemv_q8_0',
-               'kquant_gemm_q4_K', 'kquant_gemm_q6_K', 'kquant_gemm_q8_0'),
+               'kquant_gemm_q4_K', 'kquant_gemm_q6_K', 'kquant_gemm_q8_0', 'kquant_glu'),
     'rmsnorm': ('rmsnorm_f32', 'rmsnorm_f16', 'add_rmsnorm_f32', 'add_rmsnorm_f16'),
     'rope': ('rope_f32', 'rope_f16'),
     'kv_int8': ('kv_quantize_f32', 'kv_quantize_f16', 'kv_dequantize_f32', 'kv_dequantize_f16'),

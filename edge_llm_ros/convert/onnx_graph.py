@@ -282,12 +282,14 @@ class DecoderGraph:
         return self._with_means[key]
 
     def _linear(self, x: str, w: Optional[Weight], prefix: str,
-                bias: Optional[np.ndarray] = None, ref: Optional[WeightRef] = None) -> str:
+                bias: Optional[np.ndarray] = None, ref: Optional[WeightRef] = None,
+                glu: str = '') -> str:
         """Add x @ W.T as MatMulNBits (+ the exact-Q4_1 offset term); `ref` reuses weights.
 
         Offsets are folded into the weight (offset_levels > 0) unless the weights are shared
         (the tied lm_head reads the embedding table, which cannot carry extra blocks). GGUF
-        blocks become one KQuantMatMul, the bias fused into it.
+        blocks become one KQuantMatMul, the bias fused into it, and with `glu` (GGUF blocks
+        only: the op's attribute) a gated MLP's activation of its gate|up rows too.
         """
         if isinstance(w, GgufWeights) or (ref is not None and ref.kquant_type):
             ref = ref or self._weights(prefix, w)
@@ -295,8 +297,11 @@ class DecoderGraph:
             if bias is not None:
                 inputs.append(self._init(prefix + '.bias', bias.astype(np.float32)))
             (y,) = self._node('KQuantMatMul', inputs, domain=KQUANT_DOMAIN, name=prefix,
-                              quant_type=ref.kquant_type, K=ref.k, N=ref.n)
+                              quant_type=ref.kquant_type, K=ref.k, N=ref.n,
+                              **({'glu': glu} if glu else {}))
             return y
+        if glu:
+            raise ValueError(f'{prefix}: a fused glu needs GGUF blocks (KQuantMatMul)')
         k_in = None
         # Folding needs 4-bit blocks; 8-bit weights with offsets (Q5_1, Q5_K) keep the exact
         # float term.
@@ -416,22 +421,31 @@ class DecoderGraph:
         h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
                                        [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
                                        name=f'{p}/ffn_norm', epsilon=eps)
-        if len(lw.gate_up) == 1:
-            gu = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_up_proj')
+        if len(lw.gate_up) == 1 and isinstance(lw.gate_up[0], GgufWeights):
+            # One op: the gate|up product and its activation (the product is never stored).
+            act = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_up_proj', glu=s.activation)
+        else:
+            act = self._gated(h, lw.gate_up, p)
+        self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
+        if lw.post_ffn_norm is not None:
+            self._x = self._plain_norm(self._x, lw.post_ffn_norm, f'{p}.post_ffn_norm')
+        self._residual = residual
+
+    def _gated(self, h: str, gate_up: List[Weight], p: str) -> str:
+        """act(h @ gate.T) * (h @ up.T) in ONNX ops (MatMulNBits, or gate and up of two types)."""
+        if len(gate_up) == 1:
+            gu = self._linear(h, gate_up[0], f'{p}.mlp.gate_up_proj')
             gate, up = self._node('Split', [gu], n_out=2, axis=-1, num_outputs=2)
         else:
-            gate = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_proj')
-            up = self._linear(h, lw.gate_up[1], f'{p}.mlp.up_proj')
-        if s.activation == 'gelu_tanh':
+            gate = self._linear(h, gate_up[0], f'{p}.mlp.gate_proj')
+            up = self._linear(h, gate_up[1], f'{p}.mlp.up_proj')
+        if self.spec.activation == 'gelu_tanh':
             (act,) = self._node('Gelu', [gate], approximate='tanh')
         else:
             (sig,) = self._node('Sigmoid', [gate])
             (act,) = self._node('Mul', [gate, sig])
         (act,) = self._node('Mul', [act, up])
-        self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
-        if lw.post_ffn_norm is not None:
-            self._x = self._plain_norm(self._x, lw.post_ffn_norm, f'{p}.post_ffn_norm')
-        self._residual = residual
+        return act
 
     def _plain_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
         """Normalize x alone (gemma3's post-norms, applied before the residual add)."""

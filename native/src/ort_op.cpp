@@ -1,9 +1,12 @@
 // ONNX Runtime custom op edge_llm_ros.KQuantMatMul: Y[..., N] = A[..., K] x W^T (+ bias[N]
-// when the optional third input is given), with W the [N, K] weight held byte for byte in its GGUF blocks (a uint8 initializer [N, row bytes]) of
-// any of the 8 types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Activations are
-// quantized per row once per Compute in the type ggml pairs with the weight's (Q8_0, Q8_1
-// or Q8_K); each output element is one dot product of the kernels dispatch.cpp chose, so a
-// row's result does not depend on the batch.
+// when the optional third input is given), with W the [N, K] weight held byte for byte in its
+// GGUF blocks (a uint8 initializer [N, row bytes]) of any of the 8 types (Q4_0, Q4_1, Q5_0,
+// Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). Activations are quantized per row once per Compute in the
+// type ggml pairs with the weight's (Q8_0, Q8_1 or Q8_K); each output element is one dot
+// product of the kernels dispatch.cpp chose, so a row's result does not depend on the batch.
+// With the attribute glu = "silu" or "gelu_tanh", W's rows are a gated MLP's gate rows then
+// its up rows (N even) and Y[..., N / 2] = act(gate) * up (elk_glu): the MLP's activation runs
+// on the task's own product while it is in cache, and the [..., N] product is never stored.
 // edge_llm_ros.KQuantGather: Y[..., K] = the rows ids[...] of the same kind of W [V, row bytes],
 // dequantized (token embeddings read from the bytes a tied lm_head's KQuantMatMul reads).
 // Threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), never a pool of ours.
@@ -18,6 +21,7 @@
 
 #include "edge_llm_kquant/attention.h"
 #include "edge_llm_kquant/ref.h"
+#include "glu.h"
 
 namespace {
 
@@ -35,9 +39,9 @@ struct Work {
   const uint8_t *activations;
   const float *bias;  // [n], or nullptr
   float *out;
-  int64_t rows, n, k;
+  int64_t rows, n, k;  // n: the output's columns (with a glu, half of W's rows)
   size_t weight_row_bytes, activation_row_bytes;
-  int type;
+  int type, glu;
   int64_t columns_per_task, rows_per_task, row_tasks;
   size_t tasks;
 };
@@ -45,7 +49,7 @@ struct Work {
 // The tasks for rows x n outputs.
 Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias, float *out,
           int64_t rows, int64_t n, int64_t k, size_t weight_row_bytes,
-          size_t activation_row_bytes, int type) {
+          size_t activation_row_bytes, int type, int glu) {
   const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
   const int64_t gemv_columns = n / 64 / 4 * 4;
   const int64_t columns_per_task =
@@ -56,7 +60,22 @@ Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias,
   const size_t tasks =
       static_cast<size_t>(row_tasks * ((n + columns_per_task - 1) / columns_per_task));
   return Work{weights, activations, bias, out, rows, n, k, weight_row_bytes,
-              activation_row_bytes, type, columns_per_task, rows_per_task, row_tasks, tasks};
+              activation_row_bytes, type, glu, columns_per_task, rows_per_task, row_tasks,
+              tasks};
+}
+
+// A task's product of weight rows [first, first + cols) into out (row stride ldo), bias added.
+void product(const Work &w, int64_t first, int64_t cols, int64_t row, int64_t rows,
+             float *out, int64_t ldo) {
+  elk_gemm(w.type, w.k, w.weights + first * w.weight_row_bytes, w.weight_row_bytes, cols,
+           w.activations + row * w.activation_row_bytes, w.activation_row_bytes, rows, out,
+           ldo);
+  if (w.bias != nullptr) {
+    const float *bias = w.bias + first;
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] += bias[j];
+    }
+  }
 }
 
 void columns(void *data, size_t task) {
@@ -66,15 +85,36 @@ void columns(void *data, size_t task) {
   const int64_t cols = first + w.columns_per_task < w.n ? w.columns_per_task : w.n - first;
   const int64_t rows = row + w.rows_per_task < w.rows ? w.rows_per_task : w.rows - row;
   float *out = w.out + row * w.n + first;
-  elk_gemm(w.type, w.k, w.weights + first * w.weight_row_bytes, w.weight_row_bytes, cols,
-           w.activations + row * w.activation_row_bytes, w.activation_row_bytes, rows, out,
-           w.n);
-  if (w.bias != nullptr) {
-    const float *bias = w.bias + first;
-    for (int64_t m = 0; m < rows; ++m) {
-      for (int64_t j = 0; j < cols; ++j) out[m * w.n + j] += bias[j];
-    }
+  if (w.glu == elk::glu::kNone) {
+    product(w, first, cols, row, rows, out, w.n);
+    return;
   }
+  // The gate and up columns of this task (rows first.. and n + first.. of W), then the
+  // activation: a task-sized scratch per pool thread, reused.
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * rows * cols));
+  float *gate = scratch.data(), *up = gate + rows * cols;
+  product(w, first, cols, row, rows, gate, cols);
+  product(w, w.n + first, cols, row, rows, up, cols);
+  for (int64_t m = 0; m < rows; ++m) {
+    elk_glu(w.glu, gate + m * cols, up + m * cols, out + m * w.n, cols);
+  }
+}
+
+// The glu attribute: absent or "" (none), "silu" or "gelu_tanh".
+int glu_kind(const Ort::ConstKernelInfo &info) {
+  std::string name;
+  try {
+    name = info.GetAttribute<std::string>("glu");
+  } catch (const Ort::Exception &) {
+    return elk::glu::kNone;  // not set
+  }
+  const int kind = elk::glu::kind_from_name(name.c_str());
+  if (kind < 0) {
+    throw Ort::Exception("KQuantMatMul: glu \"" + name + "\" is not \"silu\", \"gelu_tanh\" "
+                         "or empty: reconvert the model", ORT_INVALID_ARGUMENT);
+  }
+  return kind;
 }
 
 const char *type_name(int type) {
@@ -146,6 +186,12 @@ struct KQuantMatMulKernel {
       throw Ort::Exception("KQuantMatMul: N " + std::to_string(n_) + " is not positive",
                            ORT_INVALID_ARGUMENT);
     }
+    glu_ = glu_kind(kernel_info);
+    if (glu_ != elk::glu::kNone && n_ % 2 != 0) {
+      throw Ort::Exception("KQuantMatMul: a glu needs gate rows then as many up rows, but N " +
+                           std::to_string(n_) + " is odd: reconvert the model",
+                           ORT_INVALID_ARGUMENT);
+    }
     activation_type_ = elk_activation_type(type_);
     activation_row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(activation_type_)) *
                             elk_block_bytes(activation_type_);
@@ -182,7 +228,8 @@ struct KQuantMatMulKernel {
     }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
-    shape.back() = n_;
+    const int64_t out_n = glu_ == elk::glu::kNone ? n_ : n_ / 2;
+    shape.back() = out_n;
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (rows == 0) return;
     const float *input = a.GetTensorData<float>();
@@ -199,13 +246,13 @@ struct KQuantMatMulKernel {
       }
     }
     Work work = plan(w.GetTensorData<uint8_t>(), activations.data(), bias,
-                     y.GetTensorMutableData<float>(), rows, n_, k_, row_bytes_,
-                     activation_row_bytes_, type_);
+                     y.GetTensorMutableData<float>(), rows, out_n, k_, row_bytes_,
+                     activation_row_bytes_, type_, glu_);
     ctx.ParallelFor(columns, work.tasks, 0, &work);
   }
 
  private:
-  int type_ = 0, activation_type_ = 0;
+  int type_ = 0, activation_type_ = 0, glu_ = elk::glu::kNone;
   int64_t k_ = 0, n_ = 0;
   size_t row_bytes_ = 0, activation_row_bytes_ = 0;  // the kernel holds attributes only
 };

@@ -22,6 +22,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "glu.h"
 #include "kquant_cuda.h"
 
 #define ELK_CUDA_API __attribute__((visibility("default")))
@@ -109,6 +110,21 @@ struct KQuantMatMulCudaKernel {
            ": reconvert the model (another quant type, or pad K)", ORT_INVALID_ARGUMENT);
     }
     if (n_ <= 0) fail("N " + std::to_string(n_) + " is not positive", ORT_INVALID_ARGUMENT);
+    std::string glu;
+    try {
+      glu = kernel_info.GetAttribute<std::string>("glu");
+    } catch (const Ort::Exception &) {
+      glu.clear();  // not set
+    }
+    glu_ = elk::glu::kind_from_name(glu.c_str());
+    if (glu_ < 0) {
+      fail("glu \"" + glu + "\" is not \"silu\", \"gelu_tanh\" or empty: reconvert the model",
+           ORT_INVALID_ARGUMENT);
+    }
+    if (glu_ != elk::glu::kNone && n_ % 2 != 0) {
+      fail("a glu needs gate rows then as many up rows, but N " + std::to_string(n_) +
+           " is odd: reconvert the model", ORT_INVALID_ARGUMENT);
+    }
     row_bytes_ = static_cast<size_t>(k_ / per) * (type_ == kQ8_0 ? 34 : type_ == kQ4_K ? 144 : 210);
   }
 
@@ -153,7 +169,7 @@ struct KQuantMatMulCudaKernel {
     }
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
-    shape.back() = n_;
+    shape.back() = glu_ == elk::glu::kNone ? n_ : n_ / 2;
     Ort::UnownedValue y = ctx.GetOutput(0, shape);
     if (rows == 0) return;
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
@@ -161,8 +177,14 @@ struct KQuantMatMulCudaKernel {
     // This library has its own (static) CUDA runtime: make W's device its current one.
     const int device = w.GetTensorMemoryInfo().GetDeviceId();
     check(cudaSetDevice(device), "cudaSetDevice");
-    const size_t bytes = kquant_cuda_scratch_bytes(type_, rows, k_);
-    if (bytes == 0) {
+    const size_t matmul_bytes = kquant_cuda_scratch_bytes(type_, rows, k_);
+    // With a glu the [rows, N] product goes to scratch after the activations', then
+    // kquant_cuda_glu writes the output.
+    const size_t product_offset = (matmul_bytes + 255) / 256 * 256;
+    const size_t bytes = glu_ == elk::glu::kNone
+                             ? matmul_bytes
+                             : product_offset + static_cast<size_t>(rows * n_) * sizeof(float);
+    if (matmul_bytes == 0) {
       fail(std::to_string(rows) + " rows of K " + std::to_string(k_) + " are more than the "
            "kernels take (M up to 4194240, K/256 below 65535)", ORT_INVALID_ARGUMENT);
     }
@@ -172,14 +194,12 @@ struct KQuantMatMulCudaKernel {
     void *scratch = nullptr;
     if (cudaMemPool_t pool = scratch_pool(device)) {
       check(cudaMallocFromPoolAsync(&scratch, bytes, pool, stream), "cudaMallocFromPoolAsync");
-      const int status = kquant_cuda_matmul(type_, input, weights, bias, out, rows, n_, k_,
-                                            scratch, stream);
+      const int status = run(input, weights, bias, out, rows, scratch, product_offset, stream);
       check(cudaFreeAsync(scratch, stream), "cudaFreeAsync");  // stream-ordered: after the work
       launched(status, rows);
     } else {
       check(cudaMalloc(&scratch, bytes), "cudaMalloc");
-      const int status = kquant_cuda_matmul(type_, input, weights, bias, out, rows, n_, k_,
-                                            scratch, stream);
+      const int status = run(input, weights, bias, out, rows, scratch, product_offset, stream);
       const cudaError_t done = cudaStreamSynchronize(stream);
       cudaFree(scratch);
       launched(status, rows);
@@ -188,6 +208,18 @@ struct KQuantMatMulCudaKernel {
   }
 
  private:
+  // The product into out, or with a glu into scratch then its activation into out.
+  int run(const float *input, const uint8_t *weights, const float *bias, float *out,
+          int64_t rows, void *scratch, size_t product_offset, cudaStream_t stream) const {
+    if (glu_ == elk::glu::kNone) {
+      return kquant_cuda_matmul(type_, input, weights, bias, out, rows, n_, k_, scratch, stream);
+    }
+    float *product = reinterpret_cast<float *>(static_cast<uint8_t *>(scratch) + product_offset);
+    const int status = kquant_cuda_matmul(type_, input, weights, bias, product, rows, n_, k_,
+                                          scratch, stream);
+    return status != 0 ? status : kquant_cuda_glu(glu_, product, out, rows, n_ / 2, stream);
+  }
+
   void launched(int status, int64_t rows) const {
     if (status == -1) {
       fail("the kernels do not take M " + std::to_string(rows) + ", N " + std::to_string(n_) +
@@ -196,7 +228,7 @@ struct KQuantMatMulCudaKernel {
     check(static_cast<cudaError_t>(status), "kquant_cuda_matmul");
   }
 
-  int type_ = 0;
+  int type_ = 0, glu_ = elk::glu::kNone;
   int64_t k_ = 0, n_ = 0;
   size_t row_bytes_ = 0;  // the kernel holds attributes only: concurrent Computes share nothing
 };

@@ -3,8 +3,11 @@
 // against ref.cpp bit for bit: the quantized activations byte for byte (qs, d, 16-sums) and
 // every output the reference dot of that row, plus the bias, for Q8_0, Q4_K and Q6_K at K that
 // leave partial GEMV steps and GEMM tiles, N not a multiple of 8 or 64, M 1..4, 5 and 70, and
-// rows with a tie for the largest magnitude and all zeros. No GPU: this checks the kernels'
-// index maps, reductions and float expressions, not the hardware. Exit 1 on any difference.
+// rows with a tie for the largest magnitude and all zeros; and kquant_cuda_glu (a fused gate|up
+// product's activation) against elk_glu, both kinds, over normal values, the clamp's edges, zeros,
+// infinities and a NaN. No GPU: this checks the kernels' index maps, reductions and float
+// expressions, not the hardware. Exit 1 on any difference.
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -143,8 +146,37 @@ int main() {
       }
     }
   }
+  // The gated activations: M rows of [gate | up] against the CPU's elk_glu, bit for bit.
+  for (int kind : {1, 2}) {
+    const int64_t m = 3, half = 301;  // more than one block of 256 threads, a partial last
+    std::vector<float> y(m * 2 * half);
+    std::uniform_real_distribution<float> wide(-120.0f, 120.0f);
+    for (size_t i = 0; i < y.size(); ++i) y[i] = i % 3 ? normal(rng) * 4.0f : wide(rng);
+    const float edges[] = {0.0f, -0.0f, 87.3f, -87.3f, 88.3f, -88.3f, 1e30f, -1e30f,
+                           INFINITY, -INFINITY, NAN, 1e-30f};
+    for (size_t e = 0; e < sizeof(edges) / sizeof(edges[0]); ++e) y[e] = edges[e];
+    std::vector<float> got(m * half, -1.0f), want(m * half);
+    const int status = kquant_cuda_glu(kind, y.data(), got.data(), m, half, nullptr);
+    for (int64_t r = 0; r < m; ++r) {
+      elk_glu(kind, &y[r * 2 * half], &y[r * 2 * half + half], &want[r * half], half);
+    }
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) bad += !same_bits(&want[i], &got[i], 4);
+    ++checked;
+    std::printf("glu kind %d M %lld half %lld: %s\n", kind, static_cast<long long>(m),
+                static_cast<long long>(half), status || bad ? "DIFFERENT" : "bit-equal");
+    if (status || bad) {
+      ++failures;
+      std::printf("  status %d, %d of %zu outputs differ\n", status, bad, want.size());
+    }
+  }
   // Arguments the launcher does not take.
   float y;
+  if (kquant_cuda_glu(0, nullptr, &y, 1, 1, nullptr) != -1 ||
+      kquant_cuda_glu(3, nullptr, &y, 1, 1, nullptr) != -1) {
+    std::printf("the glu launcher took a kind it must refuse\n");
+    ++failures;
+  }
   if (kquant_cuda_matmul(ELK_Q5_K, nullptr, nullptr, nullptr, &y, 1, 1, 256, nullptr, nullptr)
           != -1 ||
       kquant_cuda_matmul(ELK_Q4_K, nullptr, nullptr, nullptr, &y, 1, 1, 96, nullptr, nullptr)

@@ -85,6 +85,11 @@ ELK_API int elk_vec_dot_ref(int weight_type, int64_t n, const void *x, const voi
 ELK_API int elk_vec_dot(int weight_type, int64_t n, const void *x, const void *y,
                         float *out);
 
+// The gated activation of a fused gate|up product (KQuantMatMul's `glu`): out[j] =
+// act(gate[j]) * up[j] for j < n, act 1 = SiLU, 2 = GELU (tanh form), computed as glu.h
+// defines it (the CUDA kernels give the same bits). Returns 0, or -1 for another kind.
+ELK_API int elk_glu(int kind, const float *gate, const float *up, float *out, int64_t n);
+
 #ifdef __cplusplus
 }
 #endif
