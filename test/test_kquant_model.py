@@ -70,6 +70,25 @@ def test_default_conversion_keeps_gguf_blocks(q4k_model, q4k_gguf):
     assert quant['weight_bytes_per_token'] == sum(int(t.n_bytes) for t in matrices)
 
 
+def test_a_qwen3_layer_is_its_matmuls_norms_and_one_attention_op(native_library, tmp_path):
+    """qwen3's per-head q/k norms run inside CausalAttention, the SiLU inside gate|up."""
+    path = tmp_path / 'qwen3-q4k.gguf'
+    write_gguf(path, ParityCase('qwen3', 'Q4_K'))
+    model = convert(str(path), str(tmp_path / 'qwen3'), progress=False)
+    graph = onnx.load(str(model / 'model.onnx'), load_external_data=False).graph
+    layers = yaml.safe_load((model / 'model.yaml').read_text())['num_layers']
+    attention = [n for n in graph.node if n.op_type == 'CausalAttention']
+    assert len(attention) == layers
+    for node in attention:
+        attrs = {a.name for a in node.attribute}
+        assert {'q_norm', 'k_norm', 'norm_epsilon'} <= attrs
+    ops = {n.op_type for n in graph.node}
+    assert not {'Reshape', 'Split', 'Sigmoid'} & ops
+    # The layer-norm ops left are the per-layer attn/ffn norms and the final one.
+    norms = [n for n in graph.node if 'LayerNormalization' in n.op_type]
+    assert len(norms) == 2 * layers + 1
+
+
 def test_every_kernel_gives_the_same_logits(q4k_model):
     auto = logits(q4k_model)
     assert np.array_equal(logits(q4k_model, kernel='scalar'), auto)

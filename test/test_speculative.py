@@ -109,9 +109,9 @@ def test_bad_settings_are_refused_with_what_to_change():
 
 # --- the attention op ---------------------------------------------------------------------------
 def attention_session(op: str, heads: int, kv_heads: int, d: int, cap: int, window: int,
-                      flag: bool = False):
+                      flag: bool = False, **norms):
     """One attention node; flag: CausalAttention's optional `bidirectional` input `bi`."""
-    attrs = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': 0.3}
+    attrs = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': 0.3, **norms}
     if op == 'CausalAttention':
         domain, attrs = native_ops.DOMAIN, {**attrs, 'window': window}
     else:
@@ -507,3 +507,56 @@ def test_auto_mode_turns_off_a_sequence_below_break_even_and_keeps_one_above(fam
     results, _ = run(family_models['phi3'], 'auto', prompt, max_tokens=60)
     plain, _ = run(family_models['phi3'], 'off', prompt, max_tokens=60)
     assert results[0].token_ids == plain[0].token_ids
+
+
+def head_norm(x: np.ndarray, weight: np.ndarray, eps: float, d: int) -> np.ndarray:
+    """ggml_rms_norm per head of x [1, S, heads * d], then the weight, in ggml's float steps."""
+    out = np.empty_like(x)
+    for s in range(x.shape[1]):
+        for h in range(x.shape[2] // d):
+            row = x[0, s, h * d:(h + 1) * d]
+            total = 0.0  # the squares (float32) summed in double, in order
+            for value in (row * row).tolist():
+                total += value
+            mean = np.float32(total / d)
+            scale = np.float32(1) / np.sqrt(mean + np.float32(eps))
+            out[0, s, h * d:(h + 1) * d] = (row * scale) * weight
+    return out
+
+
+def test_causal_attention_normalizes_each_head_of_q_and_k_before_the_rotary(native_library):
+    """qwen3 / gemma3's q_norm and k_norm inside the op: the bits of normalizing outside."""
+    heads, kv_heads, d, cap, n0, n = 4, 2, 16, 24, 5, 3
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, n0 + n, h * d)).astype(np.float32) * 3
+               for h in (heads, kv_heads, kv_heads))
+    q_w, k_w = (rng.standard_normal(d).astype(np.float32) for _ in range(2))
+    angle = np.arange(cap)[:, None] / (1e4 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    zeros = np.zeros((1, kv_heads, cap, d), np.float32)
+    eps = 1e-6
+    normed = attention_session('CausalAttention', heads, kv_heads, d, cap, 0,
+                               q_norm=q_w.tolist(), k_norm=k_w.tolist(), norm_epsilon=eps)
+    plain = attention_session('CausalAttention', heads, kv_heads, d, cap, 0)
+
+    def step(sess, qq, kk, a, b, pk, pv):
+        return sess.run(None, {'q': qq[:, a:b], 'k': kk[:, a:b], 'v': v[:, a:b], 'pk': pk,
+                               'pv': pv, 'sl': np.array([b - 1], np.int32),
+                               'tot': np.array(b, np.int32), 'cos': cos, 'sin': sin})
+
+    q_n, k_n = head_norm(q, q_w, eps, d), head_norm(k, k_w, eps, d)
+    inside, pk, pv = step(normed, q, k, 0, n0, zeros, zeros)
+    outside, ok, ov = step(plain, q_n, k_n, 0, n0, zeros, zeros)
+    assert inside.tobytes() == outside.tobytes() and pk.tobytes() == ok.tobytes()
+    later, _, _ = step(normed, q, k, n0, n0 + n, pk.copy(), pv.copy())
+    want, _, _ = step(plain, q_n, k_n, n0, n0 + n, ok.copy(), ov.copy())
+    assert later.tobytes() == want.tobytes()
+    assert np.abs(step(plain, q, k, 0, n0, zeros, zeros)[0] - inside).max() > 1e-2
+    with pytest.raises(Exception, match='q_norm and k_norm come together'):
+        attention_session('CausalAttention', heads, kv_heads, d, cap, 0, q_norm=q_w.tolist(),
+                          norm_epsilon=eps)
+    short = attention_session('CausalAttention', heads, kv_heads, d, cap, 0,
+                              q_norm=q_w[:8].tolist(), k_norm=k_w[:8].tolist(),
+                              norm_epsilon=eps)
+    with pytest.raises(Exception, match='q_norm / k_norm hold 8 / 8 weights for heads of 16'):
+        step(short, q, k, 0, n0, zeros, zeros)

@@ -403,11 +403,14 @@ class DecoderGraph:
             self.ops_used.add(KQUANT_DOMAIN)
             if self.opts.bidirectional_images:
                 inputs.append(BIDIRECTIONAL)
+            norms = {} if lw.q_norm is None else {
+                'q_norm': lw.q_norm.astype(np.float32).tolist(),
+                'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
                                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
                                     scale=float(scale),
-                                    window=s.sliding_window if local else 0)
+                                    window=s.sliding_window if local else 0, **norms)
         else:
             window = {'local_window_size': s.sliding_window} if local else {}
             attn, _, _ = self._node(
@@ -458,12 +461,14 @@ class DecoderGraph:
         """Compute the first three inputs of GQA: packed QKV (one matmul) or q, k, v.
 
         With per-head q/k norms the packed output is split and q, k normalized (GQA ropes
-        them afterwards, as llama.cpp does).
+        them afterwards, as llama.cpp does); the library's CausalAttention normalizes them
+        itself (its q_norm / k_norm attributes), so its inputs stay as the matmuls give them.
         """
         s = self.spec
+        norm_here = lw.q_norm is not None and self.opts.attention != 'causal'
         if len(lw.qkv) == 1:
             qkv = self._linear(h, lw.qkv[0], f'{p}.attn.qkv_proj', bias=lw.qkv_bias)
-            if lw.q_norm is None:
+            if not norm_here:
                 return [qkv, '', '']
             q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             sizes = self._const_i64(f'split_qkv_{q_out}_{kv_out}', [q_out, kv_out, kv_out])
@@ -475,7 +480,7 @@ class DecoderGraph:
                 bias = None if lw.qkv_bias is None else lw.qkv_bias[row:row + n]
                 outs.append(self._linear(h, w, f'{p}.attn.{role}_proj', bias=bias))
                 row += n
-        if lw.q_norm is not None:
+        if norm_here:
             outs[0] = self._head_norm(outs[0], lw.q_norm, f'{p}.attn.q_norm')
             outs[1] = self._head_norm(outs[1], lw.k_norm, f'{p}.attn.k_norm')
         return outs

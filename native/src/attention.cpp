@@ -40,6 +40,18 @@ inline void rotate(const float *x, const float *cos, const float *sin, int64_t h
   }
 }
 
+// ggml_rms_norm, then the weight: the squares summed in double in order, y = (x * scale) * w.
+inline const float *head_norm(const float *x, const float *weight, float eps, int64_t d,
+                              float *y) {
+  if (weight == nullptr) return x;
+  double sum = 0.0;
+  for (int64_t i = 0; i < d; ++i) sum += static_cast<double>(x[i] * x[i]);
+  const float mean = static_cast<float>(sum / static_cast<double>(d));
+  const float scale = 1.0f / std::sqrt(mean + eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = (x[i] * scale) * weight[i];
+  return y;
+}
+
 }  // namespace
 
 extern "C" {
@@ -50,10 +62,12 @@ ELK_CLONES void elk_attention_store(const elk_attention_shape *shape, int64_t b,
                          float *key_buffer, float *value_buffer) {
   const int64_t d = shape->head_dim, half = d / 2;
   const int64_t base = (b * shape->kv_heads + h) * shape->capacity * d;
+  float normed[512];  // head_dim <= 512, checked by the op
   for (int64_t s = 0; s < shape->seq; ++s) {
     const int64_t pos = past[b] + s;
     const int64_t row = (b * shape->seq + s) * kv_stride + h * d;
-    rotate(k + row, cos + pos * half, sin + pos * half, d, key_buffer + base + pos * d);
+    rotate(head_norm(k + row, shape->k_norm, shape->norm_eps, d, normed), cos + pos * half,
+           sin + pos * half, d, key_buffer + base + pos * d);
     std::memcpy(value_buffer + base + pos * d, v + row, static_cast<size_t>(d) * sizeof(float));
   }
 }
@@ -69,9 +83,10 @@ ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, int64_t b, i
       shape->window > 0 && pos + 1 > shape->window ? pos + 1 - shape->window : 0;
   const float *keys = key_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
   const float *values = value_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
-  float rotated[512];  // head_dim <= 512, checked by the op
-  rotate(q + (b * shape->seq + s) * q_stride + h * d, cos + pos * half, sin + pos * half, d,
-         rotated);
+  float normed[512], rotated[512];  // head_dim <= 512, checked by the op
+  rotate(head_norm(q + (b * shape->seq + s) * q_stride + h * d, shape->q_norm,
+                   shape->norm_eps, d, normed),
+         cos + pos * half, sin + pos * half, d, rotated);
   // The last key the row sees: itself, or the call's last position when bidirectional.
   const int64_t last = shape->bidirectional ? past[b] + shape->seq - 1 : pos;
   const int64_t n = last + 1 - first;

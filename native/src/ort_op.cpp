@@ -395,6 +395,15 @@ void query_rows(void *data, size_t task) {
   }
 }
 
+// A float-list attribute, or empty when the node does not set it.
+std::vector<float> optional_floats(const Ort::ConstKernelInfo &info, const char *name) {
+  try {
+    return info.GetAttributes<float>(name);
+  } catch (const Ort::Exception &) {
+    return {};
+  }
+}
+
 struct CausalAttentionKernel {
   CausalAttentionKernel(const OrtApi &, const OrtKernelInfo *info) {
     Ort::ConstKernelInfo kernel_info(info);
@@ -402,6 +411,14 @@ struct CausalAttentionKernel {
     kv_heads_ = kernel_info.GetAttribute<int64_t>("kv_num_heads");
     scale_ = kernel_info.GetAttribute<float>("scale");
     window_ = kernel_info.GetAttribute<int64_t>("window");
+    // Optional per-head q/k RMSNorm weights (both or neither) and their epsilon.
+    q_norm_ = optional_floats(kernel_info, "q_norm");
+    k_norm_ = optional_floats(kernel_info, "k_norm");
+    if (q_norm_.empty() != k_norm_.empty()) {
+      throw Ort::Exception("CausalAttention: q_norm and k_norm come together: reconvert the "
+                           "model", ORT_INVALID_ARGUMENT);
+    }
+    if (!q_norm_.empty()) norm_eps_ = kernel_info.GetAttribute<float>("norm_epsilon");
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0 || window_ < 0) {
       throw Ort::Exception("CausalAttention: num_heads " + std::to_string(heads_) +
                            " must be a positive multiple of kv_num_heads " +
@@ -437,6 +454,11 @@ struct CausalAttentionKernel {
            std::to_string(kv_heads_) + " heads x " + std::to_string(d) + " (even, <= 512)");
     }
     if (rope_shape.size() != 2 || rope_shape[1] != d / 2) fail("cos/sin are not [P, D/2]");
+    if (!q_norm_.empty() && (static_cast<int64_t>(q_norm_.size()) != d ||
+                             static_cast<int64_t>(k_norm_.size()) != d)) {
+      fail("q_norm / k_norm hold " + std::to_string(q_norm_.size()) + " / " +
+           std::to_string(k_norm_.size()) + " weights for heads of " + std::to_string(d));
+    }
     // Optional input 9: one int32, nonzero when every row of this call sees all of its keys.
     int64_t bidirectional = 0;
     if (ctx.GetInputCount() > 9) {
@@ -480,7 +502,9 @@ struct CausalAttentionKernel {
     const float *q = query.GetTensorData<float>();
     AttentionWork work{};
     work.shape = elk_attention_shape{batch,  seq,    heads_,  kv_heads_, d,
-                                     capacity, scale_, window_, bidirectional};
+                                     capacity, scale_, window_, bidirectional,
+                                     q_norm_.empty() ? nullptr : q_norm_.data(),
+                                     k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_};
     work.q = q;
     work.q_stride = width;
     if (packed) {
@@ -511,7 +535,8 @@ struct CausalAttentionKernel {
 
  private:
   int64_t heads_ = 0, kv_heads_ = 0, window_ = 0;
-  float scale_ = 1.0f;
+  float scale_ = 1.0f, norm_eps_ = 0.0f;
+  std::vector<float> q_norm_, k_norm_;  // attributes: read-only while Computes run
 };
 
 struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel, true> {

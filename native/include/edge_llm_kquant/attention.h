@@ -26,9 +26,14 @@ typedef struct {
   // 1: every query row also sees the later keys of its own call (an image's tokens attend
   // to each other both ways, as llama.cpp's non-causal image chunks); 0: causal.
   int64_t bidirectional;
+  // Per-head RMSNorm weights [head_dim] of the queries and the new keys, applied before the
+  // rotary (qwen3's and gemma3's q_norm / k_norm, as llama.cpp's ggml_rms_norm then the
+  // weight); nullptr: none. norm_eps is the norm's epsilon.
+  const float *q_norm, *k_norm;
+  float norm_eps;
 } elk_attention_shape;
 
-// Rotate the new keys (half-split rotary from cos/sin rows [position, head_dim / 2]) and
+// Normalize (k_norm, when set) and rotate the new keys (half-split rotary from cos/sin rows [position, head_dim / 2]) and
 // write them and the values into the buffers at positions past[b] .. past[b] + seq - 1,
 // for batch row b and kv head h (one task: kv_heads x batch of them).
 // k, v: [batch, seq, kv_heads * head_dim] with row stride kv_stride floats between
@@ -38,7 +43,8 @@ __attribute__((visibility("hidden"))) void elk_attention_store(const elk_attenti
                                  const int64_t *past, const float *cos, const float *sin,
                                  float *key_buffer, float *value_buffer);
 
-// out[b, s, h * head_dim ..] for query row (b, s) and head h: rotary on q, softmax(q.K^T x
+// out[b, s, h * head_dim ..] for query row (b, s) and head h: q_norm (when set) and rotary on
+// q, softmax(q.K^T x
 // scale) over the positions the row sees (causal or the whole call, windowed) times V, in position order.
 // q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
 __attribute__((visibility("hidden"))) void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
