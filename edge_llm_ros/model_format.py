@@ -40,6 +40,9 @@ WEIGHT_FORMATS = ('kquant', 'matmulnbits')
 # The int32 [1] graph input of a VLM whose image tokens attend both ways (gemma3): 1 makes
 # every position of that forward see all of its keys (default 0, causal).
 BIDIRECTIONAL_INPUT = 'bidirectional'
+# vision.onnx's input: uint8 image tiles [B, S, S, 3] (RGB, cut as the family's preprocessing
+# cuts them); the graph normalizes them itself.
+VISION_INPUT = 'pixels'
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).

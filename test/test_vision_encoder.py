@@ -24,11 +24,11 @@ import pytest
 from test_mmproj import with_keys
 
 from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
-from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
+from edge_llm_ros.convert.vision_graph import (_Graph, _normalized, build_encoder,
+                                               model_yaml_section)
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.vision.mmproj_preprocess import (gemma3_tiles, grid_for, idefics3_tiles,
-                                                   ImageShapeError, LLAVA_GREY, normalize,
-                                                   preprocess)
+                                                   ImageShapeError, LLAVA_GREY, preprocess)
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
 TEXT_WIDTH = ParityCase().dims.hidden
@@ -56,8 +56,7 @@ def our_embeddings(mmproj: pathlib.Path, image: np.ndarray) -> np.ndarray:
     mm = read_mmproj(mmproj)
     session = ort.InferenceSession(build_encoder(mm).SerializeToString(),
                                    providers=['CPUExecutionProvider'])
-    pixels = normalize(image, mm.config.image_mean, mm.config.image_std)[None]
-    (out,) = session.run(None, {'pixel_values': pixels})
+    (out,) = session.run(None, {'pixels': image[None]})
     assert out.shape == (1, mm.config.tokens_per_tile, mm.config.n_out)
     return out[0]
 
@@ -249,8 +248,7 @@ def test_convert_writes_the_vision_graph_and_refuses_a_bad_pair(tmp_path, text_m
     assert vision['embedding_size'] == TEXT_WIDTH and vision['attention'] == 'bidirectional'
     session = ort.InferenceSession(str(out / 'vision.onnx'), providers=['CPUExecutionProvider'])
     image = np.random.default_rng(3).integers(0, 256, (32, 32, 3), np.uint8)
-    pixels = normalize(image, vision['image_mean'], vision['image_std'])[None]
-    ours = session.run(None, {'pixel_values': pixels})[0][0]
+    ours = session.run(None, {'pixels': image[None]})[0][0]
     (theirs,) = mtmd_embeddings(text_model, mmproj, image, tmp_path)
     cosine = (ours * theirs).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
         theirs, axis=-1)
@@ -269,3 +267,39 @@ def test_convert_writes_the_vision_graph_and_refuses_a_bad_pair(tmp_path, text_m
         convert(str(text_model), str(tmp_path / 'bad'), mmproj=str(text_model), progress=False)
     assert not (tmp_path / 'bad').exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith('.bad')]
+
+
+def test_the_graph_normalizes_uint8_tiles_as_llamacpp_does_bit_for_bit(tmp_path):
+    """(u8 / 255 - mean) / std in float32, planar: the arithmetic of libmtmd's normalize."""
+    from onnx import helper, TensorProto
+    config = read_mmproj(write_mmproj(tmp_path / 'n.gguf', 'idefics3',
+                                      n_text=TEXT_WIDTH, scale=2, seed=1)).config
+    g = _Graph()
+    out = _normalized(g, config)
+    graph = helper.make_graph(
+        g.nodes, 'normalize', [helper.make_tensor_value_info('pixels', TensorProto.UINT8,
+                                                             ['b', 'h', 'w', 3])],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], list(g.inits.values()))
+    session = ort.InferenceSession(helper.make_model(graph).SerializeToString(),
+                                   providers=['CPUExecutionProvider'])
+    tiles = np.random.default_rng(5).integers(0, 256, (2, 16, 24, 3), np.uint8)
+    tiles[0, 0, :3] = [[0, 0, 0], [255, 255, 255], [128, 1, 254]]
+    (got,) = session.run(None, {'pixels': tiles})
+    f = tiles.astype(np.float32) / np.float32(255.0)
+    mean, std = (np.asarray(v, np.float32) for v in (config.image_mean, config.image_std))
+    want = (f - mean) / std
+    assert got.tobytes() == np.ascontiguousarray(want.transpose(0, 3, 1, 2)).tobytes()
+
+
+def test_a_vision_graph_that_takes_float_pixels_is_refused_with_what_to_do(tmp_path):
+    """A vision.onnx from before the normalization moved into the graph: reconvert."""
+    from onnx import helper, TensorProto
+    from edge_llm_ros.vision.mmproj_encoder import ImageEncoder
+    graph = helper.make_graph(
+        [helper.make_node('Identity', ['pixel_values'], ['image_embeds'])], 'old',
+        [helper.make_tensor_value_info('pixel_values', TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info('image_embeds', TensorProto.FLOAT, [1, 3, 8, 8])])
+    (tmp_path / 'vision.onnx').write_bytes(helper.make_model(graph).SerializeToString())
+    with pytest.raises(ModelLoadError, match="not uint8 tiles 'pixels'.*reconvert the model "
+                                             'with --mmproj'):
+        ImageEncoder(tmp_path, {'file': 'vision.onnx', 'embedding_size': 8})

@@ -1,10 +1,13 @@
 """The vision encoder and projector of an mmproj as an ONNX graph: one tile in, embeddings out.
 
-`pixel_values` float32 [B, 3, S, S] (normalized as the family's preprocessing does) becomes
+`pixels` uint8 [B, S, S, 3] (tiles as the family's preprocessing cuts them, RGB) becomes
 `image_embeds` float32 [B, T, n_out], T = VisionConfig.tokens_per_tile, n_out the language
-model's hidden size. The encoder is llama.cpp's `build_vit` (clip.cpp) for the SigLIP families:
-a valid stride-p convolution, the learned position embeddings, pre-norm blocks (LayerNorm,
-attention without a mask, LayerNorm, GELU MLP), a final LayerNorm; then the projector:
+model's hidden size. The graph normalizes the tiles itself, as llama.cpp does it:
+(u8 / 255 - mean) / std in float32, each a single IEEE operation (a division by std, not a
+multiplication by 1 / std), then planar [B, 3, S, S]. The encoder is llama.cpp's `build_vit`
+(clip.cpp) for the SigLIP families: a valid stride-p convolution, the learned position
+embeddings, pre-norm blocks (LayerNorm, attention without a mask, LayerNorm, GELU MLP), a final
+LayerNorm; then the projector:
 - gemma3: k x k average pooling of the patch grid, RMSNorm (soft_emb_norm, +1 already in the
   weight), x @ mm.input_projection (stored [n_embd, n_out]: not transposed);
 - idefics3: pixel unshuffle by s (feature (dy * s + dx) * C + c of token Y * (P / s) + X), then
@@ -29,6 +32,7 @@ from onnx import helper, TensorProto
 from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
 from edge_llm_ros.convert.onnx_graph import initializer, MS_DOMAIN
 from edge_llm_ros.convert.quant import from_q8_0
+from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
@@ -63,6 +67,15 @@ class _Graph:
         out = f'{op.lower()}_{self._n}'
         self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
         return out
+
+
+def _normalized(g: _Graph, cfg) -> str:
+    """Return the uint8 [B, S, S, 3] tiles as float32 [B, 3, S, S]: (u8 / 255 - mean) / std."""
+    x = g.node('Cast', [PIXELS], to=TensorProto.FLOAT)
+    x = g.node('Div', [x, g.init('image_scale', np.array(255.0, np.float32))])
+    x = g.node('Sub', [x, g.init('image_mean', np.array(cfg.image_mean, np.float32))])
+    x = g.node('Div', [x, g.init('image_std', np.array(cfg.image_std, np.float32))])
+    return g.node('Transpose', [x], perm=[0, 3, 1, 2])
 
 
 def _linear(g: _Graph, mm: Mmproj, x: str, prefix: str, transposed: bool = True) -> str:
@@ -200,8 +213,8 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
                           f'{", ".join(BUILT)})')
     g = _Graph(data, location)
     p = cfg.patch_size
-    conv = g.node('Conv', ['pixel_values', g.init('v.patch_embd.weight',
-                                                  mm.array('v.patch_embd.weight'))]
+    weight = g.init('v.patch_embd.weight', mm.array('v.patch_embd.weight'))
+    conv = g.node('Conv', [_normalized(g, cfg), weight]
                   + ([g.init('v.patch_embd.bias', mm.array('v.patch_embd.bias'))]
                      if 'v.patch_embd.bias' in mm.tensors else []),
                   kernel_shape=[p, p], strides=[p, p])  # [B, C, P, P]
@@ -228,7 +241,7 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
     s = cfg.image_size
     graph = helper.make_graph(
         g.nodes, name or f'{cfg.projector}_vision',
-        [helper.make_tensor_value_info('pixel_values', TensorProto.FLOAT, ['batch', 3, s, s])],
+        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, ['batch', s, s, 3])],
         [helper.make_tensor_value_info('image_embeds', TensorProto.FLOAT,
                                        ['batch', cfg.tokens_per_tile, cfg.n_out])],
         list(g.inits.values()))

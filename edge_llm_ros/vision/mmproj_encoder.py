@@ -21,10 +21,11 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
                                         image_digest, ImageInputError)
-from edge_llm_ros.vision.mmproj_preprocess import grid_for, normalize, preprocess
+from edge_llm_ros.vision.mmproj_preprocess import grid_for, preprocess
 
 CACHED_IMAGES = 8
 
@@ -61,10 +62,14 @@ class ImageEncoder:
                                                  provider_options=opts)
         except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
             raise ModelLoadError(f'cannot load {path}: {exc}') from exc
+        inputs = [(i.name, i.type) for i in self._session.get_inputs()]
+        if inputs != [(PIXELS, 'tensor(uint8)')]:
+            raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
+                                 'graph from before the normalization moved into it): '
+                                 'reconvert the model with --mmproj')
         self.vision = dict(vision)
         self.providers = tuple(self._session.get_providers())
         self.n_out = int(vision['embedding_size'])
-        self._mean, self._std = vision['image_mean'], vision['image_std']
         self._cache: 'collections.OrderedDict[str, np.ndarray]' = collections.OrderedDict()
 
     def encode(self, image: np.ndarray, digest: Optional[str] = None) -> Encoded:
@@ -76,9 +81,9 @@ class ImageEncoder:
             return Encoded(hit, digest, cached=True)
         t0 = time.perf_counter()
         tiles = preprocess(image, self.vision)
-        pixels = np.stack([normalize(t, self._mean, self._std) for t in tiles.tiles])
+        pixels = np.stack(tiles.tiles)  # uint8: the graph normalizes them
         t1 = time.perf_counter()
-        (out,) = self._session.run(None, {'pixel_values': pixels})
+        (out,) = self._session.run(None, {PIXELS: pixels})
         rows = np.ascontiguousarray(out.reshape(-1, out.shape[-1]))
         t2 = time.perf_counter()
         self._cache[digest] = rows

@@ -18,7 +18,8 @@ embeddings of every chunk with libmtmd's):
 - mlp (LLaVA-1.5): one tile, letterboxed as gemma3's but BICUBIC and on libmtmd's fixed grey
   (122, 116, 104), whatever the mmproj's image_mean (no mean colour of the image is taken).
 `preprocess` picks the recipe from model.yaml's `vision` mapping, `grid_for` gives the tile
-count of an image size without its pixels, and `normalize` makes the encoder's input of a tile.
+count of an image size without its pixels. The tiles stay uint8: vision.onnx normalizes them
+((u8 / 255 - mean) / std, convert/vision_graph.py).
 (The recipes in docs/design/issue22_mmproj_research.md section 2 describe an older libmtmd:
 its own bilinear and bicubic kernels. The installed library gave different pixels; this module
 follows it.)
@@ -239,13 +240,3 @@ def grid_for(height: int, width: int, vision: Mapping) -> Tuple[int, int, int]:
         return 0, 0, 1
     cols, rows = gw // size, gh // size
     return cols, rows, cols * rows + 1
-
-
-def normalize(tile_u8: np.ndarray, mean, std) -> np.ndarray:
-    """Return an [S, S, 3] uint8 tile normalized as llama.cpp does it, planar [3, S, S].
-
-    (u8 / 255 - mean) / std in float32: a division by std, not a multiplication by 1 / std.
-    """
-    f = tile_u8.astype(np.float32) / np.float32(255.0)
-    f = (f - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(f.transpose(2, 0, 1))
