@@ -26,8 +26,10 @@ MODEL_YAML = 'model.yaml'
 # reconversion). 4: symbolic batch dimension (parallel sequence slots). 5: GGUF blocks kept
 # for the edge_llm_ros ops (weights: kquant, model.yaml op_domains). 6: a `logits_count` input
 # (logits for the last n positions: speculative verify passes) and, in kquant folders, the
-# op library's row-exact CausalAttention (model.yaml `attention`).
-CONVERTER_VERSION = '6'
+# op library's row-exact CausalAttention (model.yaml `attention`). 7: vision.onnx takes uint8
+# tiles and normalizes them (VISION_INPUT); kquant folders' gate|up ops apply the MLP
+# activation (`glu`) and CausalAttention the q/k head norms, which an older library lacks.
+CONVERTER_VERSION = '7'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')

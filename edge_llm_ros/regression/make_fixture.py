@@ -25,10 +25,12 @@ from edge_llm_ros.regression.bagio import BagWriter, LlmTopics, read_bag
 from edge_llm_ros.regression.cpu_class import current_cpu_class
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 
-# The fixture CI replays (interface version 5, kquant embedded model with the row-exact
-# CausalAttention, with its CPU class). smollm2_greedy (version 1, no CPU class),
-# smollm2_greedy_v2 and smollm2_greedy_v4 stay as old bags that must still decode and replay.
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy_v5'
+# The fixture CI replays (interface version 6, converter 7: the kquant embedded model whose
+# gate|up op applies its SiLU, recorded on an AVX-512 machine with its CPU class).
+# smollm2_greedy (version 1, no CPU class), smollm2_greedy_v2, _v4 and _v5 (the fixture before
+# the fused SiLU, whose own exp moved goal 0 off a near tie) stay as old bags that must still
+# decode and replay.
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy_v6'
 MAX_TOKENS = 24
 # (prompt, system prompt, stop strings). Short answers keep the bag small.
 FIXTURE_GOALS = (
