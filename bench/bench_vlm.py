@@ -54,6 +54,7 @@ import psutil  # noqa: E402
 from tiny_model import TinyDims  # noqa: E402
 
 from edge_llm_ros.convert.converter import convert  # noqa: E402
+from edge_llm_ros.model_format import is_current  # noqa: E402
 from edge_llm_ros.runtime.types import GenerationRequest  # noqa: E402
 from edge_llm_ros.serving.engine import Engine, EngineConfig  # noqa: E402
 
@@ -91,7 +92,8 @@ def files(shape: str, encoder_type: str = 'F32') -> Dict[str, pathlib.Path]:
     if not mmproj.exists():
         write_mmproj(mmproj, n_text=spec['text'].hidden, seed=1, weight_type=encoder_type,
                      **spec['mmproj'])
-    if not (folder / 'vision.onnx').exists():
+    # Reconverted when missing or written by another converter version (model_format).
+    if not (folder / 'vision.onnx').exists() or not is_current(folder):
         t0 = time.perf_counter()
         convert(str(text), str(folder), mmproj=str(mmproj), progress=False, overwrite=True)
         print(f'bench_vlm: converted {shape} in {time.perf_counter() - t0:.0f} s',
