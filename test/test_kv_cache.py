@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from edge_llm_ros.errors import ContextOverflowError
+from edge_llm_ros.runtime.conversation import Conversation, StoredImage
 from edge_llm_ros.runtime.kv_cache import (_Snapshot, check_fits, common_prefix, dequantize_int8,
                                            KVCache, quantize_int8, SnapshotStore)
 
@@ -208,6 +209,31 @@ def test_a_snapshot_larger_than_the_bound_is_not_kept(caplog):
     assert 'not kept' in caplog.text and 'sessions.max_bytes' in caplog.text
     # The older, shorter prefix of the session stays: it is still a valid prefix.
     assert store.ids() == ['A'] and len(store.get('A').keys) == 2
+
+
+def with_image_rows(positions: int) -> Conversation:
+    """Return a conversation holding one image of `positions` * POSITION_BYTES bytes of rows."""
+    rows = np.zeros((positions, POSITION_BYTES // 4), np.float32)
+    return Conversation(ids=(1, 2), images=(StoredImage(0, (positions,), 'd', rows),))
+
+
+def test_image_rows_count_toward_the_byte_bound(caplog):
+    store = SnapshotStore(max_sessions=100, max_bytes=10 * POSITION_BYTES)
+    store.commit('A', with_image_rows(3), snap_of(2))  # 5 positions' worth
+    store.commit('B', with_image_rows(3))              # 8
+    assert store.nbytes() == 8 * POSITION_BYTES
+    store.commit('C', with_image_rows(4))              # 12 > 10: A, the oldest, goes
+    assert store.ids() == ['B', 'C'] and store.nbytes() == 7 * POSITION_BYTES
+    # A prefix that fits alone but not beside its conversation's rows is not kept (logged);
+    # the conversation is.
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.runtime.kv_cache'):
+        store.commit('D', with_image_rows(6), snap_of(5))
+    assert 'beside' in caplog.text and 'image rows' in caplog.text
+    assert store.get('D') is None and store.conversation('D').images[0].rows == 6
+    assert not store.put('D', snap_of(5)) and store.put('D', snap_of(4))
+    # The session just saved stays even when its rows alone exceed the bound.
+    store.commit('E', with_image_rows(12))
+    assert store.ids() == ['E'] and store.conversation('E') is not None
 
 
 def test_kvcache_respects_the_byte_bound():

@@ -91,6 +91,11 @@ class Conversation:
             raw['images'] = [im.meta() for im in self.images]
         return json.dumps(raw, ensure_ascii=False, separators=(',', ':'))
 
+    @property
+    def media_nbytes(self) -> int:
+        """Bytes of the images' embedding rows (what media_bytes() holds)."""
+        return sum(int(im.embeds.nbytes) for im in self.images)
+
     def media_bytes(self) -> bytes:
         """Return the images' embedding rows, one after another (from_json reads them)."""
         return b''.join(np.ascontiguousarray(im.embeds).tobytes() for im in self.images)

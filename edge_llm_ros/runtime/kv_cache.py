@@ -151,16 +151,23 @@ class _Session:
 
     @property
     def nbytes(self) -> int:
-        return self.snap.nbytes if self.snap is not None else 0
+        """The KV prefix's bytes and the conversation's image rows (text is a few KB)."""
+        return (self.snap.nbytes if self.snap is not None else 0) + self.media_nbytes
+
+    @property
+    def media_nbytes(self) -> int:
+        return self.conversation.media_nbytes if self.conversation is not None else 0
 
 
 class SnapshotStore:
     """Saved sessions (KV prefixes and conversations), least recently used first.
 
     One store serves every slot's cache, so a session can continue in whichever slot is free.
-    Bounded by count (max_sessions) and by bytes of KV (max_bytes, None = no byte bound): the
-    least recently used sessions are evicted until both hold; a single prefix larger than
-    max_bytes is not kept (logged), but its session's conversation is. A sink (SQLite
+    Bounded by count (max_sessions) and by bytes (max_bytes, None = no byte bound) of the KV
+    prefixes and the conversations' image rows: the least recently used sessions are evicted
+    until both hold; a prefix that does not fit beside its own conversation's rows is not kept
+    (logged), but the conversation is, and the session just saved is never evicted for its
+    own rows (it may then be all the store holds). A sink (SQLite
     persistence) mirrors every change: what is evicted here is deleted there, so the disk
     holds what memory holds.
     """
@@ -219,10 +226,10 @@ class SnapshotStore:
         Returns False when snap alone exceeds max_bytes (or max_sessions is 0): then it is not
         kept, and an older, shorter prefix of the same session stays if there was one.
         """
-        if not self.fits(snap.nbytes):
-            self.refuse(session_id, len(snap.keys), snap.nbytes)
-            return False
         entry = self._entries.get(session_id) or _Session()
+        if not self.fits(snap.nbytes + entry.media_nbytes):
+            self.refuse(session_id, len(snap.keys), snap.nbytes, entry.media_nbytes)
+            return False
         self._store(session_id, _Session(snap, entry.conversation))
         return True
 
@@ -231,16 +238,22 @@ class SnapshotStore:
         """Keep a session's conversation after a turn, with its KV prefix when given.
 
         One entry, one sink write: the turn and its KV are on disk together or not at all.
-        A prefix too large for max_bytes is not kept; the conversation is.
+        A prefix that does not fit in max_bytes beside the conversation's image rows is not
+        kept; the conversation is.
         """
         if self.max_sessions == 0:
             return
         entry = self._entries.get(session_id) or _Session()
-        if snap is not None and not self.fits(snap.nbytes):
-            self.refuse(session_id, len(snap.keys), snap.nbytes)
+        rows = conversation.media_nbytes
+        if snap is not None and not self.fits(snap.nbytes + rows):
+            self.refuse(session_id, len(snap.keys), snap.nbytes, rows)
             snap = None
-        self._store(session_id, _Session(snap if snap is not None else entry.snap,
-                                         conversation))
+        keep = snap if snap is not None else entry.snap
+        if keep is not None and snap is None and not self.fits(keep.nbytes + rows):
+            # The prefix kept from an earlier turn no longer fits beside this turn's images.
+            self.refuse(session_id, len(keep.keys), keep.nbytes, rows)
+            keep = None
+        self._store(session_id, _Session(keep, conversation))
 
     def _store(self, session_id: str, entry: _Session) -> None:
         self._tick += 1
@@ -249,17 +262,19 @@ class SnapshotStore:
             self._sink.save(session_id, entry.snap, entry.conversation, self._tick)
         self._evict()
 
-    def refuse(self, session_id: str, positions: int, nbytes: int) -> None:
-        """Log that a prefix too big for max_bytes is not kept."""
+    def refuse(self, session_id: str, positions: int, nbytes: int, image_bytes: int = 0) -> None:
+        """Log that a prefix too big for max_bytes (beside its image rows) is not kept."""
         if self.max_sessions > 0:
-            _log.info('session %r: prefix of %d positions is %d bytes > sessions.max_bytes %d: '
-                      'not kept (raise sessions.max_bytes or use kv.dtype int8)',
-                      session_id, positions, nbytes, self.max_bytes)
+            rows = f' beside {image_bytes} bytes of image rows' if image_bytes else ''
+            _log.info('session %r: prefix of %d positions is %d bytes%s > sessions.max_bytes '
+                      '%d: not kept (raise sessions.max_bytes or use kv.dtype int8)',
+                      session_id, positions, nbytes, rows, self.max_bytes)
 
     def load(self, session_id: str, snap: Optional[_Snapshot],
              conversation: Optional[Conversation], tick: int) -> bool:
         """Put a session read back from the sink (oldest first), without writing it back."""
-        if snap is not None and not self.fits(snap.nbytes):
+        rows = conversation.media_nbytes if conversation is not None else 0
+        if snap is not None and not self.fits(snap.nbytes + rows):
             snap = None
         if snap is None and conversation is None or self.max_sessions == 0:
             return False
@@ -276,8 +291,11 @@ class SnapshotStore:
         self._bytes += entry.nbytes
 
     def _evict(self) -> None:
+        # The newest entry stays whatever its rows weigh: dropping a conversation just saved
+        # would lose it (only the count bound, with max_sessions 0, keeps nothing).
         while self._entries and (len(self._entries) > self.max_sessions or (
-                self.max_bytes is not None and self._bytes > self.max_bytes)):
+                self.max_bytes is not None and self._bytes > self.max_bytes
+                and len(self._entries) > 1)):
             session_id, old = self._entries.popitem(last=False)
             self._bytes -= old.nbytes
             if self._sink is not None:
