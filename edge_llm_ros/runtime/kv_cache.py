@@ -151,7 +151,7 @@ class _Session:
 
     @property
     def nbytes(self) -> int:
-        """The KV prefix's bytes and the conversation's image rows (text is a few KB)."""
+        """Return the KV prefix's bytes plus the conversation's image rows (text: a few KB)."""
         return (self.snap.nbytes if self.snap is not None else 0) + self.media_nbytes
 
     @property
