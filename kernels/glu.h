@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <string>
+
 #if defined(__CUDACC__)
 #define ELK_GLU_FN __host__ __device__ __forceinline__
 #else
@@ -23,12 +25,21 @@ namespace glu {
 
 enum Kind { kNone = 0, kSilu = 1, kGeluTanh = 2 };
 
-// The op's glu attribute: "" none, "silu", "gelu_tanh"; -1 for another name.
-inline int kind_from_name(const char *name) {
-  if (name[0] == '\0') return kNone;
-  if (strcmp(name, "silu") == 0) return kSilu;
-  if (strcmp(name, "gelu_tanh") == 0) return kGeluTanh;
-  return -1;
+// The KQuantMatMul glu attribute ("" none, "silu", "gelu_tanh") of a weight of n rows (gate
+// rows then as many up rows): its kind, or -1 with *error saying what is wrong (both ops).
+inline int kind_of_attribute(const std::string &name, int64_t n, std::string *error) {
+  const int kind = name.empty()           ? kNone
+                   : name == "silu"       ? kSilu
+                   : name == "gelu_tanh"  ? kGeluTanh
+                                          : -1;
+  if (kind < 0) {
+    *error = "glu \"" + name + "\" is not \"silu\", \"gelu_tanh\" or empty: reconvert the model";
+  } else if (kind != kNone && n % 2 != 0) {
+    *error = "a glu needs gate rows then as many up rows, but N " + std::to_string(n) +
+             " is odd: reconvert the model";
+    return -1;
+  }
+  return kind;
 }
 
 #if defined(__CUDA_ARCH__)

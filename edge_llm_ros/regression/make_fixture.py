@@ -28,8 +28,8 @@ from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolE
 # The fixture CI replays (interface version 6, converter 7: the kquant embedded model whose
 # gate|up op applies its SiLU, recorded on an AVX-512 machine with its CPU class).
 # smollm2_greedy (version 1, no CPU class), smollm2_greedy_v2, _v4 and _v5 (the fixture before
-# the fused SiLU, whose own exp moved goal 0 off a near tie) stay as old bags that must still
-# decode and replay.
+# the fused SiLU, whose own exp moved goals 1 and 2 off near ties) stay as old bags that must
+# still decode and replay.
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy_v6'
 MAX_TOKENS = 24
 # (prompt, system prompt, stop strings). Short answers keep the bag small.

@@ -19,7 +19,7 @@ int kquant_cuda_matmul(int type, const float *a, const uint8_t *w, const float *
                        int64_t m, int64_t n, int64_t k, void *scratch, cudaStream_t stream);
 
 // out [M, H] = act(Y[:, :H]) * Y[:, H:] for Y [M, 2H] (KQuantMatMul's glu: kind 1 SiLU, 2
-// GELU-tanh, native/src/glu.h's bits); device pointers. Returns 0, -1 for arguments it does not
+// GELU-tanh, kernels/glu.h's bits); device pointers. Returns 0, -1 for arguments it does not
 // take, or the launch's cudaError_t.
 int kquant_cuda_glu(int kind, const float *y, float *out, int64_t m, int64_t half,
                     cudaStream_t stream);

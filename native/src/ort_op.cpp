@@ -101,20 +101,13 @@ void columns(void *data, size_t task) {
   }
 }
 
-// The glu attribute: absent or "" (none), "silu" or "gelu_tanh".
-int glu_kind(const Ort::ConstKernelInfo &info) {
-  std::string name;
+// A string attribute, or "" when the node does not set it.
+std::string optional_string(const Ort::ConstKernelInfo &info, const char *name) {
   try {
-    name = info.GetAttribute<std::string>("glu");
+    return info.GetAttribute<std::string>(name);
   } catch (const Ort::Exception &) {
-    return elk::glu::kNone;  // not set
+    return {};
   }
-  const int kind = elk::glu::kind_from_name(name.c_str());
-  if (kind < 0) {
-    throw Ort::Exception("KQuantMatMul: glu \"" + name + "\" is not \"silu\", \"gelu_tanh\" "
-                         "or empty: reconvert the model", ORT_INVALID_ARGUMENT);
-  }
-  return kind;
 }
 
 const char *type_name(int type) {
@@ -186,12 +179,9 @@ struct KQuantMatMulKernel {
       throw Ort::Exception("KQuantMatMul: N " + std::to_string(n_) + " is not positive",
                            ORT_INVALID_ARGUMENT);
     }
-    glu_ = glu_kind(kernel_info);
-    if (glu_ != elk::glu::kNone && n_ % 2 != 0) {
-      throw Ort::Exception("KQuantMatMul: a glu needs gate rows then as many up rows, but N " +
-                           std::to_string(n_) + " is odd: reconvert the model",
-                           ORT_INVALID_ARGUMENT);
-    }
+    std::string error;
+    glu_ = elk::glu::kind_of_attribute(optional_string(kernel_info, "glu"), n_, &error);
+    if (glu_ < 0) throw Ort::Exception("KQuantMatMul: " + error, ORT_INVALID_ARGUMENT);
     activation_type_ = elk_activation_type(type_);
     activation_row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(activation_type_)) *
                             elk_block_bytes(activation_type_);

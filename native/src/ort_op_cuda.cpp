@@ -116,15 +116,9 @@ struct KQuantMatMulCudaKernel {
     } catch (const Ort::Exception &) {
       glu.clear();  // not set
     }
-    glu_ = elk::glu::kind_from_name(glu.c_str());
-    if (glu_ < 0) {
-      fail("glu \"" + glu + "\" is not \"silu\", \"gelu_tanh\" or empty: reconvert the model",
-           ORT_INVALID_ARGUMENT);
-    }
-    if (glu_ != elk::glu::kNone && n_ % 2 != 0) {
-      fail("a glu needs gate rows then as many up rows, but N " + std::to_string(n_) +
-           " is odd: reconvert the model", ORT_INVALID_ARGUMENT);
-    }
+    std::string error;
+    glu_ = elk::glu::kind_of_attribute(glu, n_, &error);
+    if (glu_ < 0) fail(error, ORT_INVALID_ARGUMENT);
     row_bytes_ = static_cast<size_t>(k_ / per) * (type_ == kQ8_0 ? 34 : type_ == kQ4_K ? 144 : 210);
   }
 

@@ -33,7 +33,8 @@ typedef struct {
   float norm_eps;
 } elk_attention_shape;
 
-// Normalize (k_norm, when set) and rotate the new keys (half-split rotary from cos/sin rows [position, head_dim / 2]) and
+// Normalize (k_norm, when set) and rotate the new keys (half-split rotary from cos/sin rows
+// [position, head_dim / 2]) and
 // write them and the values into the buffers at positions past[b] .. past[b] + seq - 1,
 // for batch row b and kv head h (one task: kv_heads x batch of them).
 // k, v: [batch, seq, kv_heads * head_dim] with row stride kv_stride floats between
@@ -43,8 +44,8 @@ __attribute__((visibility("hidden"))) void elk_attention_store(const elk_attenti
                                  const int64_t *past, const float *cos, const float *sin,
                                  float *key_buffer, float *value_buffer);
 
-// out[b, s, h * head_dim ..] for query row (b, s) and head h: q_norm (when set) and rotary on
-// q, softmax(q.K^T x
+// out[b, s, h * head_dim ..] for query row (b, s) and head h: q_norm (when set) and rotary
+// on q, softmax(q.K^T x
 // scale) over the positions the row sees (causal or the whole call, windowed) times V, in position order.
 // q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
 __attribute__((visibility("hidden"))) void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
