@@ -70,6 +70,30 @@ def test_plain_chat_equals_the_action_and_the_transcript(api, served):
     assert reply.model == MODEL
 
 
+def test_nul_characters_arrive_as_replacement_characters(api, served):
+    # Token 3 of the tiny vocabulary is the byte 0x00. ROS strings end at a NUL, so the node
+    # sends U+FFFD in its place: the text is not cut there, and streamed deltas (the bridge's
+    # stream, the action's feedback) still add up to the result.
+    llm, transcripts = served.llm, served.transcripts
+    text = _tag()
+    nul_then_text = {'3': 100}
+    reply = api.chat.completions.create(model=MODEL, messages=[{'role': 'user', 'content': text}],
+                                        max_tokens=3, temperature=0, logit_bias=nul_then_text)
+    stream = api.chat.completions.create(model=MODEL, messages=[{'role': 'user', 'content': text}],
+                                         max_tokens=3, temperature=0, logit_bias=nul_then_text,
+                                         stream=True)
+    streamed = ''.join(c.choices[0].delta.content or '' for c in stream if c.choices)
+    deltas: list = []
+    handle = llm.generate(messages=[('user', text)], max_tokens=3, temperature=0,
+                          logit_bias={3: 100.0}, on_feedback=deltas.append)
+    direct = handle.result(timeout=120)
+    assert direct.token_ids == [3, 3, 3]
+    assert direct.text == '\ufffd' * 3 == reply.choices[0].message.content == streamed
+    assert transcript_of(transcripts, text).text == direct.text
+    wait_for(lambda: sum(len(d.token_ids) for d in list(deltas)) == 3, 30, 'all feedback')
+    assert ''.join(d.text_delta for d in deltas) == direct.text
+
+
 def test_streaming_deltas_add_up_to_the_result(api, served):
     transcripts = served.transcripts
     text = _tag()

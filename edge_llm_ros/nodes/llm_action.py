@@ -25,7 +25,8 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.nodes.llm_admission import Admission, error_kind_of, NodeGoal
-from edge_llm_ros.nodes.messages import error_kind, fill_result, tool_call_delta_msgs
+from edge_llm_ros.nodes.messages import (error_kind, fill_result, ros_string,
+                                         tool_call_delta_msgs)
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.runtime.types import StopReason
 from edge_llm_ros.serving.goal import CancelReason, error_result, Feedback
@@ -204,10 +205,11 @@ class GenerateServer:
 
     def _send_feedback(self, goal_handle, chunk: Feedback) -> None:
         """Publish one feedback message (worker thread)."""
-        msg = Generate.Feedback(text_delta=chunk.text_delta, token_ids=list(chunk.token_ids),
+        msg = Generate.Feedback(text_delta=ros_string(chunk.text_delta),
+                                token_ids=list(chunk.token_ids),
                                 completion_tokens=chunk.completion_tokens,
                                 queue_position=chunk.queue_position,
-                                reasoning_delta=chunk.reasoning_delta,
+                                reasoning_delta=ros_string(chunk.reasoning_delta),
                                 tool_call_deltas=tool_call_delta_msgs(chunk.tool_call_deltas),
                                 paused=chunk.paused)
         try:

@@ -20,7 +20,7 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.srv import (Detokenize, GetModelInfo, GetSession, ListSessions, ResetSession,
                                Tokenize)
 from edge_llm_ros.errors import EngineError
-from edge_llm_ros.nodes.messages import chat_message_msgs
+from edge_llm_ros.nodes.messages import chat_message_msgs, ros_string
 from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
@@ -35,7 +35,7 @@ def detokenize(engine: Any, request: Detokenize.Request, response: Detokenize.Re
         response.success, response.error_message = False, unloaded
         return response
     try:
-        response.text = engine.detokenize([int(t) for t in request.token_ids])
+        response.text = ros_string(engine.detokenize([int(t) for t in request.token_ids]))
     except EngineError as exc:     # an id outside the vocabulary
         response.success, response.error_message = False, str(exc)
         return response

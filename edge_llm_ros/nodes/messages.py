@@ -25,6 +25,11 @@ from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, Generat
 
 Goal = Generate.Goal
 Result = Generate.Result
+# ROS 2 strings end at U+0000 (rosidl strings are C strings on the wire), so a model's NUL (a
+# byte token) would cut a text field there and the streamed deltas would no longer add up to
+# the result. Text fields carry U+FFFD in its place (what a decoder shows for bytes it cannot
+# show); token_ids keep the exact output.
+NUL_REPLACEMENT = '\ufffd'
 # Generate.Goal.reasoning_mode -> GenerationRequest.reasoning (True = as the template does).
 _REASONING = {Goal.REASONING_DEFAULT: True, Goal.REASONING_ON: True, Goal.REASONING_OFF: False}
 
@@ -36,6 +41,11 @@ class RequestDefaults:
     sampling: SamplingConfig = SamplingConfig()
     max_tokens: int = 256
     system_prompt: str = ''
+
+
+def ros_string(text: str) -> str:
+    """Return `text` with each U+0000 replaced by NUL_REPLACEMENT (see above)."""
+    return text.replace('\x00', NUL_REPLACEMENT) if '\x00' in text else text
 
 
 def effective_sampling(msg: SamplingParams, defaults: SamplingConfig) -> SamplingConfig:
@@ -100,7 +110,7 @@ def chat_messages(msgs: Sequence[ChatMessageMsg]) -> tuple:
 
 def chat_message_msgs(turns) -> List[ChatMessageMsg]:
     """Return the ChatMessage messages of engine turns (runtime.types.ChatMessage)."""
-    return [ChatMessageMsg(role=t.role, content=t.content, tool_calls=tool_call_msgs(
+    return [ChatMessageMsg(role=t.role, content=ros_string(t.content), tool_calls=tool_call_msgs(
         t.tool_calls), tool_call_id=t.tool_call_id, name=t.name) for t in turns]
 
 
@@ -180,12 +190,13 @@ def timings_to_msg(timings: Timings) -> TimingsMsg:
 
 
 def tool_call_msgs(calls) -> List[ToolCallMsg]:
-    return [ToolCallMsg(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
+    return [ToolCallMsg(id=c.id, name=ros_string(c.name), arguments=ros_string(c.arguments))
+            for c in calls]
 
 
 def tool_call_delta_msgs(deltas) -> List[ToolCallDeltaMsg]:
-    return [ToolCallDeltaMsg(index=int(d.index), id=d.id, name=d.name,
-                             arguments_delta=d.arguments) for d in deltas]
+    return [ToolCallDeltaMsg(index=int(d.index), id=d.id, name=ros_string(d.name),
+                             arguments_delta=ros_string(d.arguments)) for d in deltas]
 
 
 TokenStrings = Callable[[Sequence[int]], Sequence[str]]
@@ -234,7 +245,7 @@ def fill_result(msg, result: GenerationResult, error_message: Optional[str] = No
     error_kind (see error_kind).
     """
     msg.error_kind = kind
-    msg.text = result.text
+    msg.text = ros_string(result.text)
     msg.token_ids = [int(t) for t in result.token_ids]
     msg.finish_reason = result.stop_reason.value
     msg.prompt_tokens = int(result.prompt_tokens)
@@ -242,7 +253,7 @@ def fill_result(msg, result: GenerationResult, error_message: Optional[str] = No
     msg.timings = timings_to_msg(result.timings)
     msg.error_message = result.error if error_message is None else error_message
     msg.tool_calls = tool_call_msgs(result.tool_calls)
-    msg.reasoning = result.reasoning
+    msg.reasoning = ros_string(result.reasoning)
     msg.logprobs = logprob_msgs(result.logprobs, token_strings)
     msg.dropped_turns = int(result.dropped_turns)
     return msg
