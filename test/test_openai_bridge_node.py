@@ -14,6 +14,7 @@ import httpx
 from llm_node_harness import LONG_SCHEMA, LONG_TOKENS, TRANSITIONS, wait_for
 import openai
 import pytest
+from tiny_model import tiny_vocab
 
 from edge_llm_ros.node_process import NodeProcess as AnyNodeProcess
 from edge_llm_ros.nodes.openai_bridge import wait_serving
@@ -76,16 +77,18 @@ def test_nul_characters_arrive_as_replacement_characters(api, served):
     # stream, the action's feedback) still add up to the result.
     llm, transcripts = served.llm, served.transcripts
     text = _tag()
-    nul_then_text = {'3': 100}
+    # Logits of the random model reach past 100: every other token is pushed down as well.
+    only_nul = {str(t): (100 if t == 3 else -100) for t in range(len(tiny_vocab()))}
     reply = api.chat.completions.create(model=MODEL, messages=[{'role': 'user', 'content': text}],
-                                        max_tokens=3, temperature=0, logit_bias=nul_then_text)
+                                        max_tokens=3, temperature=0, logit_bias=only_nul)
     stream = api.chat.completions.create(model=MODEL, messages=[{'role': 'user', 'content': text}],
-                                         max_tokens=3, temperature=0, logit_bias=nul_then_text,
+                                         max_tokens=3, temperature=0, logit_bias=only_nul,
                                          stream=True)
     streamed = ''.join(c.choices[0].delta.content or '' for c in stream if c.choices)
     deltas: list = []
     handle = llm.generate(messages=[('user', text)], max_tokens=3, temperature=0,
-                          logit_bias={3: 100.0}, on_feedback=deltas.append)
+                          logit_bias={int(t): float(v) for t, v in only_nul.items()},
+                          on_feedback=deltas.append)
     direct = handle.result(timeout=120)
     assert direct.token_ids == [3, 3, 3]
     assert direct.text == '\ufffd' * 3 == reply.choices[0].message.content == streamed
