@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "x86_common.h"
@@ -271,6 +272,419 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   tiled_gemm<Tile, Shape>(w, ws, n, a, as, m, nb, out, ldo);
 }
 
+// =============================================================================================
+// K-type batches through 8 weight rows interleaved on the fly, one super-block at a time.
+// =============================================================================================
+// In the row-major tiles a zmm holds one row's 64 weights, so each maddubs needs its own
+// vpdpwssd (2 multiplies per 64 products) and each row's block sum ends spread over 16 lanes.
+// Here a zmm holds 8 consecutive weights of one sub-block from each of 8 rows, and meets the 8
+// matching activations broadcast: the 4 maddubs of a Q4_K/Q5_K sub-block (32 weights) add in
+// int16 (at most 4 * 2 * 31 * 128 = 31744: no overflow) before one vpdpwssd applies the 8 rows'
+// scales (5 multiplies per 8 rows x 32 products), and each row's sum lies in 2 int32 lanes. The
+// repack is a few instructions per weight byte, shared by every activation row of the task.
+// Integer sums are exact in any order, and each element's float sum is k_block's, block by
+// block in order as the reference adds them: the same bits as the row-major tiles.
+namespace interleaved {
+
+constexpr int kRows = 8;       // weight rows a panel
+// Activation rows a register tile: 4 ran fastest (8 fit the registers, but its unrolled code
+// outgrew the op cache). With fewer activation rows than kMinBatch (Q4_K, Q5_K) or kMinBatch6
+// (Q6_K, whose repack does more) the repack costs more than it saves (measured on Zen 4).
+constexpr int kTile = 4;
+constexpr int64_t kMinBatch = 3, kMinBatch6 = 8;
+
+// One super-block of a panel of 8 weight rows, ready for the tiles.
+struct Panel {
+  __m512i q[8][4];  // sub-block s, step t: qword r = codes 32 s + 8 t .. + 7 of row r
+  __m512i scale[8];  // sub-block s: int16 lanes 4 r .. 4 r + 3 = row r's scale
+  __m512i mins[2];  // int16, rows 0-3 | 4-7: lanes 8 (r % 4) + s = row r's min of sub-block s
+  __m256 d, dmin;
+};
+
+// 32 bytes at p of each of 8 rows (row stride ws) as 4 zmm: out[t] qword r = row r's qword t.
+inline void transpose32(const uint8_t *p, size_t ws, __m512i *out) {
+  __m512i two[4];
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {  // rows 2l | 2l + 1, 4 qwords each
+    two[l] = _mm512_inserti64x4(_mm512_castsi256_si512(load256(p + 2 * l * ws)),
+                                load256(p + (2 * l + 1) * ws), 1);
+  }
+  // Rows 0-3 (lo) and 4-7 (hi), qwords 0 | 1 (01) and 2 | 3 (23), rows in order in each half.
+  const __m512i step01 = _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13);
+  const __m512i step23 = _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i lo01 = _mm512_permutex2var_epi64(two[0], step01, two[1]);
+  const __m512i lo23 = _mm512_permutex2var_epi64(two[0], step23, two[1]);
+  const __m512i hi01 = _mm512_permutex2var_epi64(two[2], step01, two[3]);
+  const __m512i hi23 = _mm512_permutex2var_epi64(two[2], step23, two[3]);
+  const __m512i first4 = _mm512_setr_epi64(0, 1, 2, 3, 8, 9, 10, 11);
+  const __m512i last4 = _mm512_setr_epi64(4, 5, 6, 7, 12, 13, 14, 15);
+  out[0] = _mm512_permutex2var_epi64(lo01, first4, hi01);
+  out[1] = _mm512_permutex2var_epi64(lo01, last4, hi01);
+  out[2] = _mm512_permutex2var_epi64(lo23, first4, hi23);
+  out[3] = _mm512_permutex2var_epi64(lo23, last4, hi23);
+}
+
+// Bit `bit` (0..7) of each byte as 0x10 (16-bit shifts of at most 4 left or 3 right: bit 4 of
+// each byte comes from its own byte).
+inline __m512i bit_as_16(__m512i v, int bit) {
+  const __m512i moved = bit <= 4 ? _mm512_slli_epi16(v, 4 - bit) : _mm512_srli_epi16(v, bit - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+}
+
+// Block b of the 8 Q4_K or Q5_K rows at w (row stride ws) into p.
+template <typename Block>
+inline void repack(const uint8_t *w, size_t ws, int64_t b, Panel &p) {
+  constexpr bool kQ5 = std::is_same<Block, BlockQ5_K>::value;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const uint8_t *block = w + b * sizeof(Block);
+  __m512i high[4];  // Q5_K: qh byte l's bit k is bit 4 of weight l of sub-block k
+  if (kQ5) transpose32(block + offsetof(BlockQ5_K, qh), ws, high);
+#pragma GCC unroll 4
+  for (int pair = 0; pair < 4; ++pair) {  // qs bytes 32 pair ..: sub-blocks 2 pair (low
+    __m512i codes[4];                      // nibbles) and 2 pair + 1 (high nibbles)
+    transpose32(block + offsetof(Block, qs) + 32 * pair, ws, codes);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      p.q[2 * pair][t] = _mm512_and_si512(codes[t], low4);
+      p.q[2 * pair + 1][t] = _mm512_and_si512(_mm512_srli_epi16(codes[t], 4), low4);
+      if (kQ5) {
+        p.q[2 * pair][t] = _mm512_or_si512(p.q[2 * pair][t], bit_as_16(high[t], 2 * pair));
+        p.q[2 * pair + 1][t] =
+            _mm512_or_si512(p.q[2 * pair + 1][t], bit_as_16(high[t], 2 * pair + 1));
+      }
+    }
+  }
+  // Scales and mins of rows 2l, 2l + 1 in 128-bit lane l: bytes 0-7 row 2l's, 8-15 row 2l + 1's.
+  __m128i scales[4], mins[4];
+  uint16_t d[8], dmin[8];
+#pragma GCC unroll 4
+  for (int l = 0; l < 4; ++l) {
+    const auto *a = reinterpret_cast<const Block *>(w + 2 * l * ws) + b;
+    const auto *c = reinterpret_cast<const Block *>(w + (2 * l + 1) * ws) + b;
+    // scales_mins_k4: lane 0 row a (scales | mins), lane 1 row c; qwords to a.s c.s a.m c.m.
+    const __m256i sm = _mm256_permute4x64_epi64(scales_mins_k4(a->scales, c->scales), 0xd8);
+    scales[l] = _mm256_castsi256_si128(sm);
+    mins[l] = _mm256_extracti128_si256(sm, 1);
+    d[2 * l] = a->d, d[2 * l + 1] = c->d;
+    dmin[2 * l] = a->dmin, dmin[2 * l + 1] = c->dmin;
+  }
+  const __m512i sc = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_set_m128i(scales[1], scales[0])),
+      _mm256_set_m128i(scales[3], scales[2]), 1);
+#pragma GCC unroll 8
+  for (int s = 0; s < 8; ++s) {  // row 2l's scale s to int16 lanes 0-3 of lane l, 2l + 1's to 4-7
+    const char lo = static_cast<char>(s), hi = static_cast<char>(8 + s);
+    p.scale[s] = _mm512_shuffle_epi8(sc, _mm512_broadcast_i32x4(_mm_setr_epi8(
+        lo, -1, lo, -1, lo, -1, lo, -1, hi, -1, hi, -1, hi, -1, hi, -1)));
+  }
+  p.mins[0] = _mm512_cvtepu8_epi16(_mm256_set_m128i(mins[1], mins[0]));
+  p.mins[1] = _mm512_cvtepu8_epi16(_mm256_set_m128i(mins[3], mins[2]));
+  p.d = _mm256_cvtph_ps(load128(d));
+  p.dmin = _mm256_cvtph_ps(load128(dmin));
+}
+
+inline __m512i broadcast64(const void *p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm512_set1_epi64(v);
+}
+
+// MR activation rows (y[i]: their block b) times the panel's block: each element's term added
+// to its running sum in out (the first block starts it from 0, as the reference's sum does).
+template <int MR>
+inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, bool first, float *out,
+                       int64_t ldo) {
+  __m512i acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 1  // (unrolled, the code outgrows the op cache)
+  for (int s = 0; s < 8; ++s) {
+    __m512i part[MR];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m512i q = p.q[s][t];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const __m512i prod = _mm512_maddubs_epi16(q, broadcast64(y[i]->qs + 32 * s + 8 * t));
+        part[i] = t == 0 ? prod : _mm512_add_epi16(part[i], prod);
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm512_dpwssd_epi32(acc[i], part[i], p.scale[s]);
+      keep_in_register(acc[i]);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i lane_firsts =
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    // Row r's dot: dwords 2r + 2r + 1; its mins: the 4 dwords of a lane of madd(mins, bsums).
+    const __m512i pair_sums = _mm512_add_epi32(acc[i], _mm512_shuffle_epi32(acc[i], _MM_PERM_CDAB));
+    const __m256i dots = _mm512_castsi512_si256(_mm512_permutexvar_epi32(even, pair_sums));
+    const __m512i sub_sums = _mm512_broadcast_i32x4(
+        _mm_hadd_epi16(load128(y[i]->bsums), load128(y[i]->bsums + 8)));
+    __m512i m0 = _mm512_madd_epi16(p.mins[0], sub_sums);
+    __m512i m1 = _mm512_madd_epi16(p.mins[1], sub_sums);
+    m0 = _mm512_add_epi32(m0, _mm512_shuffle_epi32(m0, _MM_PERM_CDAB));
+    m1 = _mm512_add_epi32(m1, _mm512_shuffle_epi32(m1, _MM_PERM_CDAB));
+    m0 = _mm512_add_epi32(m0, _mm512_shuffle_epi32(m0, _MM_PERM_BADC));
+    m1 = _mm512_add_epi32(m1, _mm512_shuffle_epi32(m1, _MM_PERM_BADC));
+    const __m256i mins = _mm512_castsi512_si256(_mm512_permutex2var_epi32(m0, lane_firsts, m1));
+    const __m256 dy = _mm256_set1_ps(y[i]->d);
+    // k_block lane by lane (the file is built with -ffp-contract=off).
+    const __m256 term =
+        _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
+                      _mm256_mul_ps(_mm256_mul_ps(p.dmin, dy), _mm256_cvtepi32_ps(mins)));
+    float *row = out + i * ldo;
+    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
+    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+  }
+}
+
+template <int MR>
+void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, bool first,
+                   float *out, int64_t ldo) {
+  const BlockQ8_K *y[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
+  panel_rows<MR>(p, y, first, out, ldo);
+}
+
+template <typename Block, template <int, int> class Tile>
+void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+               int64_t nb, float *out, int64_t ldo) {
+  if (m < kMinBatch || n < kRows) {
+    gemm<Tile>(w, ws, n, a, as, m, nb, out, ldo);
+    return;
+  }
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  const int64_t panels = n / kRows * kRows;
+  Panel p;
+  for (int64_t j = 0; j < panels; j += kRows) {
+    for (int64_t b = 0; b < nb; ++b) {
+      repack<Block>(wb + j * ws, ws, b, p);
+      int64_t i = 0;
+      for (; i + kTile <= m; i += kTile) {
+        rows_of_panel<kTile>(p, ab + i * as, as, b, b == 0, out + i * ldo + j, ldo);
+      }
+      float *rest = out + i * ldo + j;
+      const uint8_t *ar = ab + i * as;
+      static_assert(kTile == 4, "the rest is 0..3 rows");
+      switch (m - i) {
+        case 3: rows_of_panel<3>(p, ar, as, b, b == 0, rest, ldo); break;
+        case 2: rows_of_panel<2>(p, ar, as, b, b == 0, rest, ldo); break;
+        case 1: rows_of_panel<1>(p, ar, as, b, b == 0, rest, ldo); break;
+        default: break;
+      }
+    }
+  }
+  if (panels < n) gemm<Tile>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+}
+
+
+// ---- Q6_K -------------------------------------------------------------------------------------
+// The same interleave, 16 weights a sub-block (2 steps), with signed codes c - 32 (-32..31) and
+// activations read unsigned (a + 128, a copy made once a call): maddubs(a + 128, c - 32) needs
+// no bias term per activation row, and the 128 * sum(c - 32) it adds is the panel's own,
+// taken off once a block (corr). A step's pair sums are at most 2 * 255 * 32 = 16320, a
+// sub-block's 32640: no int16 overflow.
+struct Panel6 {
+  __m512i q[32];  // step t (weights 8t .. 8t + 7): qword r = row r's codes - 32, as int8
+  __m512i scale[16];  // sub-block s (16 weights): int16 lanes 4 r .. 4 r + 3 = row r's scale
+  __m256i corr;  // per row: 128 * sum over sub-blocks of scale * sum(c - 32)
+  __m256 d;
+};
+
+// An 8 x 8 transpose of qwords: out[t] qword r = in[r] qword t.
+inline void transpose8(const __m512i *in, __m512i *out) {
+  __m512i t[8], u[8];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi64(in[2 * k], in[2 * k + 1]);      // qwords 0 2 4 6
+    t[2 * k + 1] = _mm512_unpackhi_epi64(in[2 * k], in[2 * k + 1]);  // qwords 1 3 5 7
+  }
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {  // rows 4k .. 4k + 3
+#pragma GCC unroll 2
+    for (int odd = 0; odd < 2; ++odd) {
+      const __m512i a = t[4 * k + odd], b = t[4 * k + 2 + odd];
+      u[4 * k + odd] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(2, 0, 2, 0));      // qwords 0 4
+      u[4 * k + 2 + odd] = _mm512_shuffle_i64x2(a, b, _MM_SHUFFLE(3, 1, 3, 1));  // qwords 2 6
+    }
+  }
+  // u[j] (j < 4) holds qwords j and j + 4 of rows 0-3 in lanes [j r0r1, j + 4 r0r1, j r2r3,
+  // j + 4 r2r3], u[4 + j] the same of rows 4-7.
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    out[j] = _mm512_shuffle_i64x2(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    out[j + 4] = _mm512_shuffle_i64x2(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// Block b of the 8 Q6_K rows at w (row stride ws) into p.
+inline void repack6(const uint8_t *w, size_t ws, int64_t b, Panel6 &p) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const __m512i top2 = _mm512_set1_epi8(0x30);
+  const __m512i left01 = halves16(4, 2), right23 = halves16(0, 2);
+  const __m512i bias = _mm512_set1_epi8(32);
+  __m512i rows[4][8];  // chunk c (weights 64c ..) of row r, codes - 32
+  __m128i sc[8];
+  uint16_t d[8];
+#pragma GCC unroll 8
+  for (int r = 0; r < 8; ++r) {
+    const auto *x = reinterpret_cast<const BlockQ6_K *>(w + r * ws) + b;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // as tile_q6: weights 128h + 0..63, then 128h + 64..127
+      const __m512i ql = load512(x->ql + 64 * h);
+      const __m512i qh = broadcast256(x->qh + 32 * h);
+      rows[2 * h][r] = _mm512_sub_epi8(
+          _mm512_or_si512(_mm512_and_si512(ql, low4),
+                          _mm512_and_si512(_mm512_sllv_epi16(qh, left01), top2)), bias);
+      rows[2 * h + 1][r] = _mm512_sub_epi8(
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                          _mm512_and_si512(_mm512_srlv_epi16(qh, right23), top2)), bias);
+    }
+    sc[r] = load128(x->scales);
+    d[r] = x->d;
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) transpose8(rows[c], p.q + 8 * c);
+  // Lane l: rows 2l | 2l + 1, scales 0-7 (low) or 8-15 (high).
+  __m512i half[2];
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {
+    __m128i lane[4];
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) {
+      lane[l] = k ? _mm_unpackhi_epi64(sc[2 * l], sc[2 * l + 1])
+                  : _mm_unpacklo_epi64(sc[2 * l], sc[2 * l + 1]);
+    }
+    half[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(lane[1], lane[0])),
+                                 _mm256_set_m128i(lane[3], lane[2]), 1);
+  }
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {  // the scale byte to each int16's high byte, then sign-extended
+    const char lo = static_cast<char>(s % 8), hi = static_cast<char>(8 + s % 8);
+    p.scale[s] = _mm512_srai_epi16(
+        _mm512_shuffle_epi8(half[s / 8], _mm512_broadcast_i32x4(_mm_setr_epi8(
+            -1, lo, -1, lo, -1, lo, -1, lo, -1, hi, -1, hi, -1, hi, -1, hi))), 8);
+  }
+  __m512i corr = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+#pragma GCC unroll 16
+  for (int s = 0; s < 16; ++s) {
+    const __m512i sums = _mm512_add_epi16(_mm512_maddubs_epi16(ones, p.q[2 * s]),
+                                          _mm512_maddubs_epi16(ones, p.q[2 * s + 1]));
+    corr = _mm512_dpwssd_epi32(corr, sums, p.scale[s]);
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  corr = _mm512_add_epi32(corr, _mm512_shuffle_epi32(corr, _MM_PERM_CDAB));
+  p.corr = _mm256_slli_epi32(_mm512_castsi512_si256(_mm512_permutexvar_epi32(even, corr)), 7);
+  p.d = _mm256_cvtph_ps(load128(d));
+}
+
+// MR activation rows (y[i]: their block b; u[i]: its 256 codes + 128) times the panel's block,
+// each element's term added to its running sum in out (as panel_rows).
+template <int MR>
+inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
+                        bool first, float *out, int64_t ldo) {
+  __m512i acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 2  // (unrolled, the code outgrows the op cache)
+  for (int s = 0; s < 16; ++s) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512i part = _mm512_add_epi16(
+          _mm512_maddubs_epi16(broadcast64(u[i] + 16 * s), p.q[2 * s]),
+          _mm512_maddubs_epi16(broadcast64(u[i] + 16 * s + 8), p.q[2 * s + 1]));
+      acc[i] = _mm512_dpwssd_epi32(acc[i], part, p.scale[s]);
+      keep_in_register(acc[i]);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512i pair_sums =
+        _mm512_add_epi32(acc[i], _mm512_shuffle_epi32(acc[i], _MM_PERM_CDAB));
+    const __m256i dots = _mm256_sub_epi32(
+        _mm512_castsi512_si256(_mm512_permutexvar_epi32(even, pair_sums)), p.corr);
+    const __m256 dy = _mm256_set1_ps(y[i]->d);
+    // k_block(d, 0, dy, dots, 0) lane by lane, as the reference writes it.
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
+                                      _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
+    float *row = out + i * ldo;
+    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
+    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+  }
+}
+
+template <int MR>
+void rows_of_panel6(const Panel6 &p, const uint8_t *a, size_t as, const uint8_t *u, size_t us,
+                    int64_t b, bool first, float *out, int64_t ldo) {
+  const BlockQ8_K *y[MR];
+  const uint8_t *ub[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
+    ub[i] = u + i * us + b * QK_K;
+  }
+  panel6_rows<MR>(p, y, ub, first, out, ldo);
+}
+
+void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+               int64_t nb, float *out, int64_t ldo) {
+  if (m < kMinBatch6 || n < kRows) {
+    gemm<Q6Tile>(w, ws, n, a, as, m, nb, out, ldo);
+    return;
+  }
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  // The activation codes + 128 (as unsigned bytes), once for every panel.
+  thread_local std::vector<uint8_t> unsigned_codes;
+  const size_t us = static_cast<size_t>(nb) * QK_K;
+  unsigned_codes.resize(static_cast<size_t>(m) * us);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const auto *y = reinterpret_cast<const BlockQ8_K *>(ab + i * as) + b;
+      uint8_t *dst = unsigned_codes.data() + i * us + b * QK_K;
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        _mm512_storeu_si512(dst + 64 * c, _mm512_xor_si512(load512(y->qs + 64 * c), flip));
+      }
+    }
+  }
+  const uint8_t *u = unsigned_codes.data();
+  const int64_t panels = n / kRows * kRows;
+  Panel6 p;
+  for (int64_t j = 0; j < panels; j += kRows) {
+    for (int64_t b = 0; b < nb; ++b) {
+      repack6(wb + j * ws, ws, b, p);
+      int64_t i = 0;
+      for (; i + kTile <= m; i += kTile) {
+        rows_of_panel6<kTile>(p, ab + i * as, as, u + i * us, us, b, b == 0, out + i * ldo + j,
+                              ldo);
+      }
+      float *rest = out + i * ldo + j;
+      const uint8_t *ar = ab + i * as, *ur = u + i * us;
+      switch (m - i) {
+        case 3: rows_of_panel6<3>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
+        case 2: rows_of_panel6<2>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
+        case 1: rows_of_panel6<1>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
+        default: break;
+      }
+    }
+  }
+  if (panels < n) gemm<Q6Tile>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+}
+
+}  // namespace interleaved
+
 float dot_q4_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
   return tiled_dot<Q4Tile, BlockQ4_K>(vx, y, nb);
 }
@@ -409,7 +823,9 @@ float dot(const void *vx, const void *vy, int64_t nb) {
 
 const GemmKernels *avx512_vnni_gemm_kernels() {
   // Activations are quantized as on AVX2 (every AVX-512 CPU has it): the same bytes anyway.
-  static const GemmKernels kernels{"avx512_vnni", gemm<Q4Tile>, gemm<Q5Tile>, gemm<Q6Tile>,
+  static const GemmKernels kernels{"avx512_vnni", interleaved::gemm_k45<BlockQ4_K, Q4Tile>,
+                                   interleaved::gemm_k45<BlockQ5_K, Q5Tile>,
+                                   interleaved::gemm_q6_K,
                                    avx2_gemm_kernels()->quantize_q8_K,
                                    legacy::gemm<BlockQ4_0>, legacy::gemm<BlockQ4_1>,
                                    legacy::gemm<BlockQ5_0>, legacy::gemm<BlockQ5_1>,

@@ -34,29 +34,40 @@ bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 
 // elk_gemm over m activation rows x n weight rows (both odd sizes around every tile edge),
 // and elk_gemm_q8_K for the K types: each element, and nothing else of out, must be the
 // reference's dot bit for bit.
+// Weights at random codes, or all at their largest or smallest code (with activations that
+// meet them at the sums' bounds).
+enum class Extreme { kNone, kLargest, kSmallest };
+
 bool check_gemm(std::mt19937 &rng, const char *isa, int type, size_t bytes,
                 std::initializer_list<size_t> scales, const char *name, int m, int n,
-                int blocks, bool extreme) {
+                int blocks, Extreme extreme) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int per = elk_block_weights(type), activation = elk_activation_type(type);
   const int k = blocks * per;
   const size_t row = bytes * blocks, arow = blocks * elk_block_bytes(activation) + 8;
   std::vector<uint8_t> w = random_blocks(rng, bytes, blocks * n, scales);
-  if (extreme) {  // every weight at its largest code: the sums' bounds (no int16 saturation)
+  if (extreme != Extreme::kNone) {  // the sums' bounds (no int16 saturation)
+    const uint8_t code = extreme == Extreme::kLargest ? 0xff : 0x00;
     for (size_t i = 0; i < w.size(); ++i) {
       bool scale_byte = false;
       for (size_t offset : scales) {
         scale_byte |= i % bytes == offset || i % bytes == offset + 1;
       }
       if (!scale_byte) {
-        w[i] = (type == ELK_Q6_K && i % bytes >= 192) || type == ELK_Q8_0 ? 0x80 : 0xff;
+        w[i] = (type == ELK_Q6_K && i % bytes >= 192) || type == ELK_Q8_0 ? 0x80 : code;
       }
     }
   }
   std::vector<uint8_t> a(arow * m, 0xcd);  // rows padded: a_stride is not the row length
   std::vector<float> x(k);
   for (int i = 0; i < m; ++i) {
-    for (auto &v : x) v = extreme ? (rng() & 1 ? 1.0f : -1.0f) : normal(rng);
+    for (int j = 0; j < k; ++j) {
+      // kSmallest: activations 127 but the first of each block (-1 there sets the scale), so
+      // that activation + 128 meets Q6_K's code - 32 = -32 everywhere (the interleaved tiles).
+      x[j] = extreme == Extreme::kNone      ? normal(rng)
+             : extreme == Extreme::kLargest ? (rng() & 1 ? 1.0f : -1.0f)
+                                            : (j % per == 0 ? -1.0f : 1.0f);
+    }
     elk_quantize_row_ref(activation, x.data(), a.data() + i * arow, k);
   }
   const int ldo = n + 3;
@@ -162,35 +173,40 @@ int main() {
           // Legacy kernels take 8 blocks a step: tails and whole steps.
           static const int legacy_blocks[] = {1, 3, 9, 17};
           const int blocks = per == 256 ? 1 + (m + n) % 3 : legacy_blocks[(m + n) % 4];
-          if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n, blocks, false)) {
+          if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n, blocks,
+                          Extreme::kNone)) {
             return 1;
           }
           ++checked;
         }
       }
-      if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, per == 256 ? 2 : 9,
-                      true)) {
-        return 1;
+      for (Extreme e : {Extreme::kLargest, Extreme::kSmallest}) {
+        if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 5, 7, per == 256 ? 2 : 9,
+                        e)) {
+          return 1;
+        }
       }
       // AMX's batches: full and partial 16-row tiles, pairs and a single, 64-row blocks,
       // partial 16-row weight tiles; and its bounds at every largest code.
       for (int m : {8, 15, 16, 17, 31, 32, 33, 48, 65, 100}) {
         for (int n : {1, 15, 16, 17, 33}) {
           if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, n,
-                          per == 256 ? 1 + (m + n) % 3 : 3, false)) {
+                          per == 256 ? 1 + (m + n) % 3 : 3, Extreme::kNone)) {
             return 1;
           }
           ++checked;
         }
       }
-      if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 40, 21, per == 256 ? 2 : 9,
-                      true)) {
-        return 1;
+      for (Extreme e : {Extreme::kLargest, Extreme::kSmallest}) {
+        if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, 40, 21, per == 256 ? 2 : 9,
+                        e)) {
+          return 1;
+        }
       }
       // Many rows: every tile shape in one call (4-row tiles, then 2 and 1), up to M 600.
       for (int m : {37, 64, 600}) {
         if (!check_gemm(rng, isa, c.type, c.bytes, c.scales, c.name, m, 19, per == 256 ? 1 : 11,
-                        false)) {
+                        Extreme::kNone)) {
           return 1;
         }
         ++checked;
