@@ -808,6 +808,156 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
   tiled_gemm<Tile, LegacyShape, W>(w, ws, n, a, as, m, nb, out, ldo);
 }
 
+// ---- Batches through 16 weight rows interleaved on the fly, one block at a time -------------
+// A zmm holds 4 consecutive codes of a block from each of 16 rows and meets the 4 matching
+// activations broadcast: 8 vpdpbusd leave each row's exact block sum in one int32 lane, so the
+// float expression per block runs 16 rows at a time with no reduction, where the row-major
+// tiles reduce 8 lanes per element and block. The offset term (-offset * sum of the block's
+// activations) and the activations' scales are computed once a call; each element's float sum
+// is legacy_block(_min)'s, block by block in order: the same bits.
+constexpr int kPanel = 16;      // weight rows a panel
+constexpr int kRowsTile = 4;    // activation rows a register tile
+constexpr int64_t kMinRows = 3;  // fewer: the row-major tiles (the repack costs more)
+
+struct Panel16 {
+  __m512i q[8];   // step t: dword r = row r's codes 4t .. 4t + 3 (unsigned, + offset)
+  __m512 dx, m;   // the rows' scales and (Q4_1/Q5_1) mins
+};
+
+// Per activation row and block: its scale, (Q8_1) s, and -offset * sum of its codes.
+struct ActivationTerms {
+  float dy, s;
+  int32_t start;
+};
+
+template <typename W>
+inline void repack16(const uint8_t *w, size_t ws, int64_t b, Panel16 &p) {
+  using Tr = Traits<W>;
+  __m512i rows[8];  // [row l | row l + 8]
+  uint16_t d[16], m[16];
+#pragma GCC unroll 8
+  for (int l = 0; l < 8; ++l) {
+    const W &lo = reinterpret_cast<const W *>(w + l * ws)[b];
+    const W &hi = reinterpret_cast<const W *>(w + (l + 8) * ws)[b];
+    rows[l] = _mm512_inserti64x4(_mm512_castsi256_si512(Tr::codes(lo)), Tr::codes(hi), 1);
+    d[l] = lo.d, d[l + 8] = hi.d;
+    if (Tr::kMin) {
+      std::memcpy(&m[l], reinterpret_cast<const uint8_t *>(&lo) + 2, sizeof(uint16_t));
+      std::memcpy(&m[l + 8], reinterpret_cast<const uint8_t *>(&hi) + 2, sizeof(uint16_t));
+    }
+  }
+  // An 8 x 8 dword transpose in each 256-bit half: half 0 rows 0-7, half 1 rows 8-15.
+  __m512i t[8], u[8];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm512_unpacklo_epi32(rows[2 * k], rows[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(rows[2 * k], rows[2 * k + 1]);
+  }
+#pragma GCC unroll 2
+  for (int k = 0; k < 2; ++k) {  // rows 4k .. 4k + 3 (and + 8): dwords j of each 128-bit lane
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      u[4 * k + 2 * h] = _mm512_unpacklo_epi64(t[4 * k + h], t[4 * k + 2 + h]);
+      u[4 * k + 2 * h + 1] = _mm512_unpackhi_epi64(t[4 * k + h], t[4 * k + 2 + h]);
+    }
+  }
+  // u[j] (rows 0-3) and u[4 + j] (rows 4-7): lane 0 dword j, lane 1 dword 4 + j, lanes 2-3
+  // the same of rows + 8.
+  const __m512i low_lanes = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+  const __m512i high_lanes = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    p.q[j] = _mm512_permutex2var_epi64(u[j], low_lanes, u[4 + j]);
+    p.q[4 + j] = _mm512_permutex2var_epi64(u[j], high_lanes, u[4 + j]);
+  }
+  p.dx = _mm512_cvtph_ps(load256(d));
+  if (Tr::kMin) p.m = _mm512_cvtph_ps(load256(m));
+}
+
+template <typename W, int MR>
+inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
+                         const ActivationTerms *terms, int64_t nb, int64_t b, float *out,
+                         int64_t ldo) {
+  using Tr = Traits<W>;
+  using A = typename Tr::A;
+  __m512i acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_set1_epi32(terms[i * nb + b].start);
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const A &y = reinterpret_cast<const A *>(a + i * as)[b];
+      int32_t codes;
+      std::memcpy(&codes, y.qs + 4 * t, sizeof(codes));
+      acc[i] = _mm512_dpbusd_epi32(acc[i], p.q[t], _mm512_set1_epi32(codes));
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const ActivationTerms &at = terms[i * nb + b];
+    // legacy_block(_min) lane by lane (the file is built with -ffp-contract=off).
+    __m512 term = _mm512_mul_ps(_mm512_mul_ps(p.dx, _mm512_set1_ps(at.dy)),
+                                _mm512_cvtepi32_ps(acc[i]));
+    if (Tr::kMin) term = _mm512_add_ps(term, _mm512_mul_ps(p.m, _mm512_set1_ps(at.s)));
+    float *row = out + i * ldo;
+    const __m512 before = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(row);
+    _mm512_storeu_ps(row, _mm512_add_ps(before, term));
+  }
+}
+
+template <typename W>
+void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+            int64_t nb, float *out, int64_t ldo) {
+  using Tr = Traits<W>;
+  using A = typename Tr::A;
+  if (m < kMinRows || n < kPanel) {
+    gemm<W>(w, ws, n, a, as, m, nb, out, ldo);
+    return;
+  }
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  thread_local std::vector<ActivationTerms> scratch;
+  scratch.resize(static_cast<size_t>(m * nb));
+  ActivationTerms *terms = scratch.data();
+  for (int64_t i = 0; i < m; ++i) {
+    const A *y = reinterpret_cast<const A *>(ab + i * as);
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t sum = 0;
+      for (int k = 0; k < QK; ++k) sum += y[b].qs[k];
+      float s = 0.0f;
+      if (Tr::kMin) {
+        uint16_t half;
+        std::memcpy(&half, reinterpret_cast<const uint8_t *>(&y[b]) + 2, sizeof(half));
+        s = fp16_to_fp32(half);
+      }
+      terms[i * nb + b] = {fp16_to_fp32(y[b].d), s, -static_cast<int32_t>(Tr::kOffset) * sum};
+    }
+  }
+  const int64_t panels = n / kPanel * kPanel;
+  Panel16 p;
+  for (int64_t j = 0; j < panels; j += kPanel) {
+    for (int64_t b = 0; b < nb; ++b) {
+      repack16<W>(wb + j * ws, ws, b, p);
+      int64_t i = 0;
+      for (; i + kRowsTile <= m; i += kRowsTile) {
+        panel16_rows<W, kRowsTile>(p, ab + i * as, as, terms + i * nb, nb, b,
+                                   out + i * ldo + j, ldo);
+      }
+      static_assert(kRowsTile == 4, "the rest is 0..3 rows");
+      const uint8_t *ar = ab + i * as;
+      float *rest = out + i * ldo + j;
+      switch (m - i) {
+        case 3: panel16_rows<W, 3>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
+        case 2: panel16_rows<W, 2>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
+        case 1: panel16_rows<W, 1>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
+        default: break;
+      }
+    }
+  }
+  if (panels < n) gemm<W>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+}
+
 // One row: the 1 x 1 tile (prefetching the row after it, as the K types' dots do).
 template <typename W>
 float dot(const void *vx, const void *vy, int64_t nb) {
@@ -827,9 +977,9 @@ const GemmKernels *avx512_vnni_gemm_kernels() {
                                    interleaved::gemm_k45<BlockQ5_K, Q5Tile>,
                                    interleaved::gemm_q6_K,
                                    avx2_gemm_kernels()->quantize_q8_K,
-                                   legacy::gemm<BlockQ4_0>, legacy::gemm<BlockQ4_1>,
-                                   legacy::gemm<BlockQ5_0>, legacy::gemm<BlockQ5_1>,
-                                   legacy::gemm<BlockQ8_0>};
+                                   legacy::gemm16<BlockQ4_0>, legacy::gemm16<BlockQ4_1>,
+                                   legacy::gemm16<BlockQ5_0>, legacy::gemm16<BlockQ5_1>,
+                                   legacy::gemm16<BlockQ8_0>};
   return &kernels;
 }
 
