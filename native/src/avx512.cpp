@@ -289,9 +289,11 @@ namespace interleaved {
 constexpr int kRows = 8;       // weight rows a panel
 // Activation rows a register tile: 4 ran fastest (8 fit the registers, but its unrolled code
 // outgrew the op cache). With fewer activation rows than kMinBatch (Q4_K, Q5_K) or kMinBatch6
-// (Q6_K, whose repack does more) the repack costs more than it saves (measured on Zen 4).
+// (Q6_K, whose repack does more) the repack costs more than it saves: measured in the model
+// (decode steps of 4..8 sequences of a llama3-1b shape on Zen 4, weights from DRAM), where
+// 4 rows still ran faster row-major and 5 or more ran faster here.
 constexpr int kTile = 4;
-constexpr int64_t kMinBatch = 3, kMinBatch6 = 8;
+constexpr int64_t kMinBatch = 5, kMinBatch6 = 8;
 
 // One super-block of a panel of 8 weight rows, ready for the tiles.
 struct Panel {
@@ -464,7 +466,11 @@ void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int
   const int64_t panels = n / kRows * kRows;
   Panel p;
   for (int64_t j = 0; j < panels; j += kRows) {
+    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
+    const uint8_t *next = wb + (j + kRows) * ws;
+    const size_t slice = prefetch_slice(kRows * ws, nb);
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_lines(next + b * slice, slice);
       repack<Block>(wb + j * ws, ws, b, p);
       int64_t i = 0;
       for (; i + kTile <= m; i += kTile) {
@@ -663,7 +669,11 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
   const int64_t panels = n / kRows * kRows;
   Panel6 p;
   for (int64_t j = 0; j < panels; j += kRows) {
+    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
+    const uint8_t *next = wb + (j + kRows) * ws;
+    const size_t slice = prefetch_slice(kRows * ws, nb);
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_lines(next + b * slice, slice);
       repack6(wb + j * ws, ws, b, p);
       int64_t i = 0;
       for (; i + kTile <= m; i += kTile) {
@@ -817,7 +827,7 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 // is legacy_block(_min)'s, block by block in order: the same bits.
 constexpr int kPanel = 16;      // weight rows a panel
 constexpr int kRowsTile = 4;    // activation rows a register tile
-constexpr int64_t kMinRows = 3;  // fewer: the row-major tiles (the repack costs more)
+constexpr int64_t kMinRows = 5;  // fewer: the row-major tiles (as kMinBatch, measured)
 
 struct Panel16 {
   __m512i q[8];   // step t: dword r = row r's codes 4t .. 4t + 3 (unsigned, + offset)
@@ -937,7 +947,11 @@ void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64
   const int64_t panels = n / kPanel * kPanel;
   Panel16 p;
   for (int64_t j = 0; j < panels; j += kPanel) {
+    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
+    const uint8_t *next = wb + (j + kPanel) * ws;
+    const size_t slice = prefetch_slice(kPanel * ws, nb);
     for (int64_t b = 0; b < nb; ++b) {
+      prefetch_lines(next + b * slice, slice);
       repack16<W>(wb + j * ws, ws, b, p);
       int64_t i = 0;
       for (; i + kRowsTile <= m; i += kRowsTile) {
