@@ -247,7 +247,7 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 // block in block order: the reference's bits.
 namespace interleaved {
 
-constexpr int kRows = 8, kTile = 4;
+constexpr int kRows = 8;  // weight rows a panel (4 activation rows a tile: run_panels)
 // Fewer activation rows: the row-major tiles. Single-thread elk_gemm on Zen 4 pinned to this
 // path (K 2048): 0.9x at 5 rows, 0.99x at 8, 1.10x at 16, 1.27x (Q4_K) / 1.51x (Q5_K) at 64.
 constexpr int64_t kMinBatch = 16;
@@ -406,31 +406,16 @@ void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int
   }
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  const int64_t panels = n / kRows * kRows;
   Panel p;
-  for (int64_t j = 0; j < panels; j += kRows) {
-    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
-    const uint8_t *next = wb + (j + kRows) * ws;
-    const size_t slice = prefetch_slice(kRows * ws, nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      prefetch_lines(next + b * slice, slice);
-      repack<Block>(wb + j * ws, ws, b, p);
-      int64_t i = 0;
-      for (; i + kTile <= m; i += kTile) {
-        rows_of_panel<kQ5, kTile>(p, ab + i * as, as, b, b == 0, out + i * ldo + j, ldo);
-      }
-      static_assert(kTile == 4, "the rest is 0..3 rows");
-      const uint8_t *ar = ab + i * as;
-      float *rest = out + i * ldo + j;
-      switch (m - i) {
-        case 3: rows_of_panel<kQ5, 3>(p, ar, as, b, b == 0, rest, ldo); break;
-        case 2: rows_of_panel<kQ5, 2>(p, ar, as, b, b == 0, rest, ldo); break;
-        case 1: rows_of_panel<kQ5, 1>(p, ar, as, b, b == 0, rest, ldo); break;
-        default: break;
-      }
-    }
-  }
-  if (panels < n) gemm<Tile>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+  run_panels<kRows>(
+      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack<Block>(rows, ws, b, p); },
+      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+        rows_of_panel<kQ5, decltype(mr)::value>(p, ab + i * as, as, b, b == 0,
+                                                out + i * ldo + j, ldo);
+      },
+      [&](int64_t first) {
+        gemm<Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
 }
 
 }  // namespace interleaved

@@ -287,12 +287,12 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 namespace interleaved {
 
 constexpr int kRows = 8;       // weight rows a panel
-// Activation rows a register tile: 4 ran fastest (8 fit the registers, but its unrolled code
-// outgrew the op cache). With fewer activation rows than kMinBatch (Q4_K, Q5_K) or kMinBatch6
-// (Q6_K, whose repack does more) the repack costs more than it saves: measured in the model
+// Activation rows a register tile (run_panels, x86_common.h): 4 ran fastest (8 fit the
+// registers, but its unrolled code outgrew the op cache). With fewer activation rows than
+// kMinBatch (Q4_K, Q5_K) or kMinBatch6 (Q6_K, whose repack does more) the repack costs more
+// than it saves: measured in the model
 // (decode steps of 4..8 sequences of a llama3-1b shape on Zen 4, weights from DRAM), where
 // 4 rows still ran faster row-major and 5 or more ran faster here.
-constexpr int kTile = 4;
 constexpr int64_t kMinBatch = 5, kMinBatch6 = 8;
 
 // One super-block of a panel of 8 weight rows, ready for the tiles.
@@ -456,38 +456,23 @@ void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, bool 
 
 template <typename Block, template <int, int> class Tile>
 void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
-               int64_t nb, float *out, int64_t ldo) {
+              int64_t nb, float *out, int64_t ldo) {
   if (m < kMinBatch || n < kRows) {
     gemm<Tile>(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  const int64_t panels = n / kRows * kRows;
   Panel p;
-  for (int64_t j = 0; j < panels; j += kRows) {
-    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
-    const uint8_t *next = wb + (j + kRows) * ws;
-    const size_t slice = prefetch_slice(kRows * ws, nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      prefetch_lines(next + b * slice, slice);
-      repack<Block>(wb + j * ws, ws, b, p);
-      int64_t i = 0;
-      for (; i + kTile <= m; i += kTile) {
-        rows_of_panel<kTile>(p, ab + i * as, as, b, b == 0, out + i * ldo + j, ldo);
-      }
-      float *rest = out + i * ldo + j;
-      const uint8_t *ar = ab + i * as;
-      static_assert(kTile == 4, "the rest is 0..3 rows");
-      switch (m - i) {
-        case 3: rows_of_panel<3>(p, ar, as, b, b == 0, rest, ldo); break;
-        case 2: rows_of_panel<2>(p, ar, as, b, b == 0, rest, ldo); break;
-        case 1: rows_of_panel<1>(p, ar, as, b, b == 0, rest, ldo); break;
-        default: break;
-      }
-    }
-  }
-  if (panels < n) gemm<Tile>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+  run_panels<kRows>(
+      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack<Block>(rows, ws, b, p); },
+      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+        rows_of_panel<decltype(mr)::value>(p, ab + i * as, as, b, b == 0, out + i * ldo + j,
+                                           ldo);
+      },
+      [&](int64_t first) {
+        gemm<Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
 }
 
 
@@ -666,31 +651,16 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
     }
   }
   const uint8_t *u = unsigned_codes.data();
-  const int64_t panels = n / kRows * kRows;
   Panel6 p;
-  for (int64_t j = 0; j < panels; j += kRows) {
-    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
-    const uint8_t *next = wb + (j + kRows) * ws;
-    const size_t slice = prefetch_slice(kRows * ws, nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      prefetch_lines(next + b * slice, slice);
-      repack6(wb + j * ws, ws, b, p);
-      int64_t i = 0;
-      for (; i + kTile <= m; i += kTile) {
-        rows_of_panel6<kTile>(p, ab + i * as, as, u + i * us, us, b, b == 0, out + i * ldo + j,
-                              ldo);
-      }
-      float *rest = out + i * ldo + j;
-      const uint8_t *ar = ab + i * as, *ur = u + i * us;
-      switch (m - i) {
-        case 3: rows_of_panel6<3>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
-        case 2: rows_of_panel6<2>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
-        case 1: rows_of_panel6<1>(p, ar, as, ur, us, b, b == 0, rest, ldo); break;
-        default: break;
-      }
-    }
-  }
-  if (panels < n) gemm<Q6Tile>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+  run_panels<kRows>(
+      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack6(rows, ws, b, p); },
+      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+        rows_of_panel6<decltype(mr)::value>(p, ab + i * as, as, u + i * us, us, b, b == 0,
+                                            out + i * ldo + j, ldo);
+      },
+      [&](int64_t first) {
+        gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
 }
 
 }  // namespace interleaved
@@ -826,7 +796,6 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 // activations) and the activations' scales are computed once a call; each element's float sum
 // is legacy_block(_min)'s, block by block in order: the same bits.
 constexpr int kPanel = 16;      // weight rows a panel
-constexpr int kRowsTile = 4;    // activation rows a register tile
 constexpr int64_t kMinRows = 5;  // fewer: the row-major tiles (as kMinBatch, measured)
 
 struct Panel16 {
@@ -944,32 +913,16 @@ void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64
       terms[i * nb + b] = {fp16_to_fp32(y[b].d), s, -static_cast<int32_t>(Tr::kOffset) * sum};
     }
   }
-  const int64_t panels = n / kPanel * kPanel;
   Panel16 p;
-  for (int64_t j = 0; j < panels; j += kPanel) {
-    // The next panel's rows (contiguous), a slice a block: one stream ahead (as the tiles).
-    const uint8_t *next = wb + (j + kPanel) * ws;
-    const size_t slice = prefetch_slice(kPanel * ws, nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      prefetch_lines(next + b * slice, slice);
-      repack16<W>(wb + j * ws, ws, b, p);
-      int64_t i = 0;
-      for (; i + kRowsTile <= m; i += kRowsTile) {
-        panel16_rows<W, kRowsTile>(p, ab + i * as, as, terms + i * nb, nb, b,
-                                   out + i * ldo + j, ldo);
-      }
-      static_assert(kRowsTile == 4, "the rest is 0..3 rows");
-      const uint8_t *ar = ab + i * as;
-      float *rest = out + i * ldo + j;
-      switch (m - i) {
-        case 3: panel16_rows<W, 3>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
-        case 2: panel16_rows<W, 2>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
-        case 1: panel16_rows<W, 1>(p, ar, as, terms + i * nb, nb, b, rest, ldo); break;
-        default: break;
-      }
-    }
-  }
-  if (panels < n) gemm<W>(wb + panels * ws, ws, n - panels, a, as, m, nb, out + panels, ldo);
+  run_panels<kPanel>(
+      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack16<W>(rows, ws, b, p); },
+      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+        panel16_rows<W, decltype(mr)::value>(p, ab + i * as, as, terms + i * nb, nb, b,
+                                             out + i * ldo + j, ldo);
+      },
+      [&](int64_t first) {
+        gemm<W>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
 }
 
 // One row: the 1 x 1 tile (prefetching the row after it, as the K types' dots do).

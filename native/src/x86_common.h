@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -189,6 +190,35 @@ void tile_rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t
     run_tile<Tile, Shape, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
     j += nr;
   }
+}
+
+// The loop of the interleaved batch kernels (avx512.cpp, avx2.cpp): for each panel of Rows
+// weight rows and each block b in order, repack(panel's first row, b), then tile(mr, i, j, b)
+// for the activation rows i in tiles of 4 and the 0..3 rows left (mr: a
+// std::integral_constant, j: the panel's first column); the columns after the last whole
+// panel go to rest(first column). The next panel's rows are prefetched a slice a block (one
+// stream ahead, as the row-major tiles: without it the panels lost to them in the model).
+template <int Rows, typename Repack, typename Tile, typename Rest>
+void run_panels(const uint8_t *w, size_t ws, int64_t n, int64_t m, int64_t nb,
+                Repack &&repack, Tile &&tile, Rest &&rest) {
+  const int64_t panels = n / Rows * Rows;
+  for (int64_t j = 0; j < panels; j += Rows) {
+    const uint8_t *next = w + (j + Rows) * ws;
+    const size_t slice = prefetch_slice(Rows * ws, nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      prefetch_lines(next + b * slice, slice);
+      repack(w + j * ws, b);
+      int64_t i = 0;
+      for (; i + 4 <= m; i += 4) tile(std::integral_constant<int, 4>{}, i, j, b);
+      switch (m - i) {
+        case 3: tile(std::integral_constant<int, 3>{}, i, j, b); break;
+        case 2: tile(std::integral_constant<int, 2>{}, i, j, b); break;
+        case 1: tile(std::integral_constant<int, 1>{}, i, j, b); break;
+        default: break;
+      }
+    }
+  }
+  if (panels < n) rest(panels);
 }
 
 template <template <int, int> class Tile, class Shape>
