@@ -120,13 +120,29 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
   store_tile<MR, NR>(sum, out, ldo);
 }
 
+// Half h of a Q6_K block as 4 ymm of codes 0..63, 32 weights each (weights 128h + 32q + l, l
+// < 32, ggml's order): bits 2q, 2q + 1 of qh are bits 4, 5 of quarter q (16-bit shifts,
+// masked).
+inline void q6_quarters(const BlockQ6_K &x, int h, __m256i *out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i top2 = _mm256_set1_epi8(0x30);
+  const __m256i l0 = load256(x.ql + 64 * h), l1 = load256(x.ql + 64 * h + 32);
+  const __m256i hb = load256(x.qh + 32 * h);
+  out[0] = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2));
+  out[1] = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2));
+  out[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_and_si256(hb, top2));
+  out[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), top2));
+}
+
 // One MR x NR tile of Q6_K weights times Q8_K activations (arguments as tile_k45).
 template <int MR, int NR>
 void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
              float *out, int64_t ldo, const uint8_t *prefetch) {
   using L = Lanes<MR, NR>;
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
-  const __m256i top2 = _mm256_set1_epi8(0x30);
   __m128 sum[L::G];
 #pragma GCC unroll 8
   for (int g = 0; g < L::G; ++g) sum[g] = _mm_setzero_ps();
@@ -158,19 +174,8 @@ void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t n
     for (int h = 0; h < 2; ++h) {  // 128 weights: four quarters of 32
 #pragma GCC unroll 8
       for (int j = 0; j < NR; ++j) {
-        const __m256i l0 = load256(x[j]->ql + 64 * h), l1 = load256(x[j]->ql + 64 * h + 32);
-        const __m256i hb = load256(x[j]->qh + 32 * h);
-        // Bits 2q, 2q + 1 of qh are bits 4, 5 of quarter q's weights (16-bit shifts, masked).
-        const __m256i wq[4] = {
-            _mm256_or_si256(_mm256_and_si256(l0, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 4), top2)),
-            _mm256_or_si256(_mm256_and_si256(l1, low4),
-                            _mm256_and_si256(_mm256_slli_epi16(hb, 2), top2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                            _mm256_and_si256(hb, top2)),
-            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top2)),
-        };
+        __m256i wq[4];
+        q6_quarters(*x[j], h, wq);
 #pragma GCC unroll 8
         for (int q = 0; q < 4; ++q) {
           // Weights 0..15 of the quarter have scale 8h + 2q, weights 16..31 scale 8h + 2q + 1:
@@ -243,7 +248,7 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 // add in int16 over the sub-block's 8 steps (Q4_K: at most 8 * 2 * 15 * 128 = 30720) or 4
 // steps (Q5_K: 4 * 2 * 31 * 128 = 31744) before one madd with the rows' scales, and each row's
 // sum ends in one int32 lane: 9 (Q5_K 10) multiplies per 8 rows x 32 products where the
-// row-major tiles take 16, and no reduction. (Q6_K keeps the row-major tiles here.) Same integer sums, same float expression per
+// row-major tiles take 16, and no reduction. Same integer sums, same float expression per
 // block in block order: the reference's bits.
 namespace interleaved {
 
@@ -259,11 +264,9 @@ struct Panel {
   __m256 d, dmin;
 };
 
-// 32 bytes at p of each of 8 rows (stride ws) as 8 ymm: out[t] dword r = row r's dword t.
-inline void transpose32(const uint8_t *p, size_t ws, __m256i *out) {
-  __m256i r[8], t[8], u[8];
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) r[k] = load256(p + k * ws);
+// An 8 x 8 dword transpose: out[t] dword r = r[r] dword t.
+inline void transpose8(const __m256i *r, __m256i *out) {
+  __m256i t[8], u[8];
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {
     t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);      // dwords 0 1 | 4 5
@@ -283,6 +286,14 @@ inline void transpose32(const uint8_t *p, size_t ws, __m256i *out) {
     out[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
     out[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
   }
+}
+
+// 32 bytes at p of each of 8 rows (stride ws) as 8 ymm: out[t] dword r = row r's dword t.
+inline void transpose32(const uint8_t *p, size_t ws, __m256i *out) {
+  __m256i r[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) r[k] = load256(p + k * ws);
+  transpose8(r, out);
 }
 
 template <typename Block>
@@ -415,6 +426,121 @@ void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int
       },
       [&](int64_t first) {
         gemm<Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
+}
+
+
+// ---- Q6_K: avx512.cpp's scheme (codes - 32 against activations + 128, the panel's correction
+// once a block) at half width. A step's pair sums are at most 2 * 255 * 32 = 16320, so two
+// steps add in int16 (32640) before each madd: 4 multiplies per 8 rows x 16 products.
+struct Panel6 {
+  __m256i q[64];     // step t (weights 4t .. 4t + 3): dword r = row r's codes - 32, int8
+  __m256i scale[16];  // sub-block s: int16 lanes 2r, 2r + 1 = row r's scale
+  __m256i corr;      // per row: 128 * sum over sub-blocks of scale * sum(c - 32)
+  __m256 d;
+};
+
+inline void repack6(const uint8_t *w, size_t ws, int64_t b, Panel6 &p) {
+  const __m256i bias = _mm256_set1_epi8(32);
+  __m256i chunk[8][8];  // chunk c (weights 32c ..) of row r
+  alignas(32) int16_t scale[16][16];
+  uint16_t d[8];
+#pragma GCC unroll 1
+  for (int r = 0; r < 8; ++r) {
+    const auto *x = reinterpret_cast<const BlockQ6_K *>(w + r * ws) + b;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // ggml's order: weights 128h + 32q + l, q = 0..3
+      __m256i codes[4];
+      q6_quarters(*x, h, codes);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) chunk[4 * h + q][r] = _mm256_sub_epi8(codes[q], bias);
+    }
+    for (int k = 0; k < 16; ++k) scale[k][2 * r] = scale[k][2 * r + 1] = x->scales[k];
+    d[r] = x->d;
+  }
+#pragma GCC unroll 1
+  for (int c = 0; c < 8; ++c) transpose8(chunk[c], p.q + 8 * c);
+  __m256i corr = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi8(1);
+#pragma GCC unroll 1
+  for (int k = 0; k < 16; ++k) {
+    p.scale[k] = load256(scale[k]);
+    __m256i sums = _mm256_maddubs_epi16(ones, p.q[4 * k]);
+#pragma GCC unroll 3
+    for (int t = 1; t < 4; ++t) {
+      sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(ones, p.q[4 * k + t]));
+    }
+    corr = _mm256_add_epi32(corr, _mm256_madd_epi16(sums, p.scale[k]));
+  }
+  p.corr = _mm256_slli_epi32(corr, 7);
+  p.d = _mm256_cvtph_ps(load128(d));
+}
+
+// MR activation rows (y[i]: their block b; u[i]: its 256 codes + 128) times the panel's block.
+template <int MR>
+inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
+                        bool first, float *out, int64_t ldo) {
+  __m256i acc[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int k = 0; k < 16; ++k) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int t = 4 * k + 2 * h;
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const __m256i part = _mm256_add_epi16(
+            _mm256_maddubs_epi16(broadcast32(reinterpret_cast<const int32_t *>(u[i] + 4 * t)),
+                                 p.q[t]),
+            _mm256_maddubs_epi16(
+                broadcast32(reinterpret_cast<const int32_t *>(u[i] + 4 * t + 4)), p.q[t + 1]));
+        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(part, p.scale[k]));
+        keep_in_register(acc[i]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const __m256 dy = _mm256_set1_ps(y[i]->d);
+    const __m256 zero = _mm256_setzero_ps();
+    // k_block(d, 0, dy, dots, 0) lane by lane, as the reference writes it.
+    const __m256 term = _mm256_sub_ps(
+        _mm256_mul_ps(_mm256_mul_ps(p.d, dy),
+                      _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], p.corr))),
+        _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
+    float *row = out + i * ldo;
+    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
+    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+  }
+}
+
+void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+               int64_t nb, float *out, int64_t ldo) {
+  if (m < kMinBatch || n < kRows) {
+    gemm<Q6Tile>(w, ws, n, a, as, m, nb, out, ldo);
+    return;
+  }
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  // The activation codes + 128 (as unsigned bytes), once for every panel.
+  const size_t us = static_cast<size_t>(nb) * QK_K;
+  const uint8_t *u = codes_plus_128(ab, as, m, nb);
+  Panel6 p;
+  run_panels<kRows>(
+      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack6(rows, ws, b, p); },
+      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+        constexpr int MR = decltype(mr)::value;
+        const BlockQ8_K *y[MR];
+        const uint8_t *ub[MR];
+        for (int r = 0; r < MR; ++r) {
+          y[r] = reinterpret_cast<const BlockQ8_K *>(ab + (i + r) * as) + b;
+          ub[r] = u + (i + r) * us + b * QK_K;
+        }
+        panel6_rows<MR>(p, y, ub, b == 0, out + i * ldo + j, ldo);
+      },
+      [&](int64_t first) {
+        gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
       });
 }
 
@@ -668,7 +794,8 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 
 const GemmKernels *avx2_gemm_kernels() {
   static const GemmKernels kernels{"avx2", interleaved::gemm_k45<BlockQ4_K, Q4Tile>,
-                                   interleaved::gemm_k45<BlockQ5_K, Q5Tile>, gemm<Q6Tile>,
+                                   interleaved::gemm_k45<BlockQ5_K, Q5Tile>,
+                                   interleaved::gemm_q6_K,
                                    quantize_q8_K,
                                    legacy::gemm<BlockQ4_0>, legacy::gemm<BlockQ4_1>,
                                    legacy::gemm<BlockQ5_0>, legacy::gemm<BlockQ5_1>,

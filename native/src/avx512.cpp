@@ -16,7 +16,6 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #include "kernels.h"
 #include "x86_common.h"
@@ -636,21 +635,8 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
   // The activation codes + 128 (as unsigned bytes), once for every panel.
-  thread_local std::vector<uint8_t> unsigned_codes;
   const size_t us = static_cast<size_t>(nb) * QK_K;
-  unsigned_codes.resize(static_cast<size_t>(m) * us);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < m; ++i) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const auto *y = reinterpret_cast<const BlockQ8_K *>(ab + i * as) + b;
-      uint8_t *dst = unsigned_codes.data() + i * us + b * QK_K;
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        _mm512_storeu_si512(dst + 64 * c, _mm512_xor_si512(load512(y->qs + 64 * c), flip));
-      }
-    }
-  }
-  const uint8_t *u = unsigned_codes.data();
+  const uint8_t *u = codes_plus_128(ab, as, m, nb);
   Panel6 p;
   run_panels<kRows>(
       wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack6(rows, ws, b, p); },

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -190,6 +191,27 @@ void tile_rows(const uint8_t *wb, size_t ws, int64_t n, const uint8_t *a, size_t
     run_tile<Tile, Shape, MR>(nr, wb + j * ws, ws, a, as, nb, out + j, ldo, wb + (j + nr) * ws);
     j += nr;
   }
+}
+
+// The Q8_K codes of m activation rows (row stride as, nb blocks) + 128 as unsigned bytes, 256
+// a block, row i at i * nb * 256: the Q6_K panels read them against signed codes - 32. The
+// buffer is this thread's, reused by its next call.
+inline const uint8_t *codes_plus_128(const uint8_t *a, size_t as, int64_t m, int64_t nb) {
+  thread_local std::vector<uint8_t> codes;
+  const size_t row = static_cast<size_t>(nb) * QK_K;
+  codes.resize(static_cast<size_t>(m) * row);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const auto *y = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
+      uint8_t *dst = codes.data() + i * row + b * QK_K;
+      for (int c = 0; c < QK_K / 32; ++c) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + 32 * c),
+                            _mm256_xor_si256(load256(y->qs + 32 * c), flip));
+      }
+    }
+  }
+  return codes.data();
 }
 
 // The loop of the interleaved batch kernels (avx512.cpp, avx2.cpp): for each panel of Rows
