@@ -289,10 +289,11 @@ constexpr int kRows = 8;       // weight rows a panel
 // Activation rows a register tile (run_panels, x86_common.h): 4 ran fastest (8 fit the
 // registers, but its unrolled code outgrew the op cache). With fewer activation rows than
 // kMinBatch (Q4_K, Q5_K) or kMinBatch6 (Q6_K, whose repack does more) the repack costs more
-// than it saves: measured in the model
-// (decode steps of 4..8 sequences of a llama3-1b shape on Zen 4, weights from DRAM), where
-// 4 rows still ran faster row-major and 5 or more ran faster here.
-constexpr int64_t kMinBatch = 5, kMinBatch6 = 8;
+// than it saves. Measured on Zen 4: single-thread elk_gemm Q4_K 1.06x / 1.11x / 1.20x at 2 / 3 /
+// 4 rows (Q5_K 1.03x / 1.19x at 2 / 4), and decode steps of 2..4 sequences of a llama3-1b
+// shape (weights from DRAM, 2 threads) no slower; Q6_K 0.55x / 0.82x at 2 / 4 rows, and 8 the
+// first size that ran faster in the model.
+constexpr int64_t kMinBatch = 2, kMinBatch6 = 8;
 
 // One super-block of a panel of 8 weight rows, ready for the tiles.
 struct Panel {
@@ -782,7 +783,10 @@ void gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t
 // activations) and the activations' scales are computed once a call; each element's float sum
 // is legacy_block(_min)'s, block by block in order: the same bits.
 constexpr int kPanel = 16;      // weight rows a panel
-constexpr int64_t kMinRows = 5;  // fewer: the row-major tiles (as kMinBatch, measured)
+// One row: the row-major tiles (this at 0.68-0.93x). From 2 rows this (single-thread elk_gemm
+// on Zen 4: Q4_1 1.07x / 1.49x / 1.61x at 2 / 3 / 4 rows, Q8_0 1.18x / 1.68x / 1.71x, Q4_0 and
+// Q5_0 1.5x at 4); decode steps of 4 sequences of SmolLM2 (Q4_1 / Q8_0) 12.5-14.1 -> 11.2-11.9 ms.
+constexpr int64_t kMinRows = 2;
 
 struct Panel16 {
   __m512i q[8];   // step t: dword r = row r's codes 4t .. 4t + 3 (unsigned, + offset)
