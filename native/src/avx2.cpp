@@ -347,8 +347,7 @@ inline void repack(const uint8_t *w, size_t ws, int64_t b, Panel &p) {
 }
 
 template <bool kQ5, int MR>
-inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, bool first, float *out,
-                       int64_t ldo) {
+inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, __m256 *sum) {
   constexpr int kSteps = kQ5 ? 4 : 8;  // steps whose pair sums add in int16
   __m256i acc[MR];
 #pragma GCC unroll 4
@@ -392,19 +391,16 @@ inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, bool first, fl
     const __m256 term =
         _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(acc[i])),
                       _mm256_mul_ps(_mm256_mul_ps(p.dmin, dy), _mm256_cvtepi32_ps(mins)));
-    float *row = out + i * ldo;
-    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
-    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+    sum[i] = _mm256_add_ps(sum[i], term);
   }
 }
 
 template <bool kQ5, int MR>
-void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, bool first,
-                   float *out, int64_t ldo) {
+void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, __m256 *sum) {
   const BlockQ8_K *y[MR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
-  panel_rows<kQ5, MR>(p, y, first, out, ldo);
+  panel_rows<kQ5, MR>(p, y, sum);
 }
 
 template <typename Block, template <int, int> class Tile>
@@ -417,12 +413,11 @@ void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int
   }
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  Panel p;
-  run_panels<kRows>(
-      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack<Block>(rows, ws, b, p); },
-      [&](auto mr, int64_t i, int64_t j, int64_t b) {
-        rows_of_panel<kQ5, decltype(mr)::value>(p, ab + i * as, as, b, b == 0,
-                                                out + i * ldo + j, ldo);
+  run_panels<kRows, Panel, __m256>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel &p) { repack<Block>(rows, ws, b, p); },
+      [&](auto mr, const Panel &p, int64_t i, int64_t b, __m256 *sum) {
+        rows_of_panel<kQ5, decltype(mr)::value>(p, ab + i * as, as, b, sum);
       },
       [&](int64_t first) {
         gemm<Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
@@ -479,7 +474,7 @@ inline void repack6(const uint8_t *w, size_t ws, int64_t b, Panel6 &p) {
 // MR activation rows (y[i]: their block b; u[i]: its 256 codes + 128) times the panel's block.
 template <int MR>
 inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
-                        bool first, float *out, int64_t ldo) {
+                        __m256 *sum) {
   __m256i acc[MR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
@@ -509,9 +504,7 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
         _mm256_mul_ps(_mm256_mul_ps(p.d, dy),
                       _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], p.corr))),
         _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
-    float *row = out + i * ldo;
-    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
-    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+    sum[i] = _mm256_add_ps(sum[i], term);
   }
 }
 
@@ -526,10 +519,10 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
   // The activation codes + 128 (as unsigned bytes), once for every panel.
   const size_t us = static_cast<size_t>(nb) * QK_K;
   const uint8_t *u = codes_plus_128(ab, as, m, nb);
-  Panel6 p;
-  run_panels<kRows>(
-      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack6(rows, ws, b, p); },
-      [&](auto mr, int64_t i, int64_t j, int64_t b) {
+  run_panels<kRows, Panel6, __m256>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel6 &p) { repack6(rows, ws, b, p); },
+      [&](auto mr, const Panel6 &p, int64_t i, int64_t b, __m256 *sum) {
         constexpr int MR = decltype(mr)::value;
         const BlockQ8_K *y[MR];
         const uint8_t *ub[MR];
@@ -537,7 +530,7 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
           y[r] = reinterpret_cast<const BlockQ8_K *>(ab + (i + r) * as) + b;
           ub[r] = u + (i + r) * us + b * QK_K;
         }
-        panel6_rows<MR>(p, y, ub, b == 0, out + i * ldo + j, ldo);
+        panel6_rows<MR>(p, y, ub, sum);
       },
       [&](int64_t first) {
         gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);

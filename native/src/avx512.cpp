@@ -394,8 +394,7 @@ inline __m512i broadcast64(const void *p) {
 // MR activation rows (y[i]: their block b) times the panel's block: each element's term added
 // to its running sum in out (the first block starts it from 0, as the reference's sum does).
 template <int MR>
-inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, bool first, float *out,
-                       int64_t ldo) {
+inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, __m256 *sum) {
   __m512i acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
@@ -439,19 +438,16 @@ inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, bool first, fl
     const __m256 term =
         _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
                       _mm256_mul_ps(_mm256_mul_ps(p.dmin, dy), _mm256_cvtepi32_ps(mins)));
-    float *row = out + i * ldo;
-    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
-    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+    sum[i] = _mm256_add_ps(sum[i], term);
   }
 }
 
 template <int MR>
-void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, bool first,
-                   float *out, int64_t ldo) {
+void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, __m256 *sum) {
   const BlockQ8_K *y[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
-  panel_rows<MR>(p, y, first, out, ldo);
+  panel_rows<MR>(p, y, sum);
 }
 
 template <typename Block, template <int, int> class Tile>
@@ -463,12 +459,11 @@ void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int
   }
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  Panel p;
-  run_panels<kRows>(
-      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack<Block>(rows, ws, b, p); },
-      [&](auto mr, int64_t i, int64_t j, int64_t b) {
-        rows_of_panel<decltype(mr)::value>(p, ab + i * as, as, b, b == 0, out + i * ldo + j,
-                                           ldo);
+  run_panels<kRows, Panel, __m256>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel &p) { repack<Block>(rows, ws, b, p); },
+      [&](auto mr, const Panel &p, int64_t i, int64_t b, __m256 *sum) {
+        rows_of_panel<decltype(mr)::value>(p, ab + i * as, as, b, sum);
       },
       [&](int64_t first) {
         gemm<Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
@@ -581,7 +576,7 @@ inline void repack6(const uint8_t *w, size_t ws, int64_t b, Panel6 &p) {
 // each element's term added to its running sum in out (as panel_rows).
 template <int MR>
 inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
-                        bool first, float *out, int64_t ldo) {
+                        __m256 *sum) {
   __m512i acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
@@ -608,15 +603,13 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
     const __m256 zero = _mm256_setzero_ps();
     const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
                                       _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
-    float *row = out + i * ldo;
-    const __m256 before = first ? _mm256_setzero_ps() : _mm256_loadu_ps(row);
-    _mm256_storeu_ps(row, _mm256_add_ps(before, term));
+    sum[i] = _mm256_add_ps(sum[i], term);
   }
 }
 
 template <int MR>
 void rows_of_panel6(const Panel6 &p, const uint8_t *a, size_t as, const uint8_t *u, size_t us,
-                    int64_t b, bool first, float *out, int64_t ldo) {
+                    int64_t b, __m256 *sum) {
   const BlockQ8_K *y[MR];
   const uint8_t *ub[MR];
 #pragma GCC unroll 8
@@ -624,7 +617,7 @@ void rows_of_panel6(const Panel6 &p, const uint8_t *a, size_t as, const uint8_t 
     y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
     ub[i] = u + i * us + b * QK_K;
   }
-  panel6_rows<MR>(p, y, ub, first, out, ldo);
+  panel6_rows<MR>(p, y, ub, sum);
 }
 
 void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
@@ -638,12 +631,11 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
   // The activation codes + 128 (as unsigned bytes), once for every panel.
   const size_t us = static_cast<size_t>(nb) * QK_K;
   const uint8_t *u = codes_plus_128(ab, as, m, nb);
-  Panel6 p;
-  run_panels<kRows>(
-      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack6(rows, ws, b, p); },
-      [&](auto mr, int64_t i, int64_t j, int64_t b) {
-        rows_of_panel6<decltype(mr)::value>(p, ab + i * as, as, u + i * us, us, b, b == 0,
-                                            out + i * ldo + j, ldo);
+  run_panels<kRows, Panel6, __m256>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel6 &p) { repack6(rows, ws, b, p); },
+      [&](auto mr, const Panel6 &p, int64_t i, int64_t b, __m256 *sum) {
+        rows_of_panel6<decltype(mr)::value>(p, ab + i * as, as, u + i * us, us, b, sum);
       },
       [&](int64_t first) {
         gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
@@ -845,8 +837,7 @@ inline void repack16(const uint8_t *w, size_t ws, int64_t b, Panel16 &p) {
 
 template <typename W, int MR>
 inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
-                         const ActivationTerms *terms, int64_t nb, int64_t b, float *out,
-                         int64_t ldo) {
+                         const ActivationTerms *terms, int64_t nb, int64_t b, __m512 *sum) {
   using Tr = Traits<W>;
   using A = typename Tr::A;
   __m512i acc[MR];
@@ -869,9 +860,7 @@ inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
     __m512 term = _mm512_mul_ps(_mm512_mul_ps(p.dx, _mm512_set1_ps(at.dy)),
                                 _mm512_cvtepi32_ps(acc[i]));
     if (Tr::kMin) term = _mm512_add_ps(term, _mm512_mul_ps(p.m, _mm512_set1_ps(at.s)));
-    float *row = out + i * ldo;
-    const __m512 before = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(row);
-    _mm512_storeu_ps(row, _mm512_add_ps(before, term));
+    sum[i] = _mm512_add_ps(sum[i], term);
   }
 }
 
@@ -903,12 +892,11 @@ void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64
       terms[i * nb + b] = {fp16_to_fp32(y[b].d), s, -static_cast<int32_t>(Tr::kOffset) * sum};
     }
   }
-  Panel16 p;
-  run_panels<kPanel>(
-      wb, ws, n, m, nb, [&](const uint8_t *rows, int64_t b) { repack16<W>(rows, ws, b, p); },
-      [&](auto mr, int64_t i, int64_t j, int64_t b) {
-        panel16_rows<W, decltype(mr)::value>(p, ab + i * as, as, terms + i * nb, nb, b,
-                                             out + i * ldo + j, ldo);
+  run_panels<kPanel, Panel16, __m512>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel16 &p) { repack16<W>(rows, ws, b, p); },
+      [&](auto mr, const Panel16 &p, int64_t i, int64_t b, __m512 *sum) {
+        panel16_rows<W, decltype(mr)::value>(p, ab + i * as, as, terms + i * nb, nb, b, sum);
       },
       [&](int64_t first) {
         gemm<W>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
