@@ -254,8 +254,9 @@ namespace interleaved {
 
 constexpr int kRows = 8;  // weight rows a panel (4 activation rows a tile: run_panels)
 // Fewer activation rows: the row-major tiles. Single-thread elk_gemm on Zen 4 pinned to this
-// path (K 2048): 0.9x at 5 rows, 0.99x at 8, 1.10x at 16, 1.27x (Q4_K) / 1.51x (Q5_K) at 64.
-constexpr int64_t kMinBatch = 16;
+// path (K 2048, N 4096): Q4_K 0.73x at 4 rows, 0.98x at 6, 1.09x at 8, 1.22x at 12, 1.27x at
+// 64 (Q5_K 1.02x at 8, 1.51x at 64); Q6_K 0.85x at 12, 1.0x at 16.
+constexpr int64_t kMinBatch = 8, kMinBatch6 = 16;
 
 struct Panel {
   __m256i q[8][8];   // sub-block s, step t: dword r = row r's codes 4t .. 4t + 3 of s
@@ -510,7 +511,7 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
 
 void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
                int64_t nb, float *out, int64_t ldo) {
-  if (m < kMinBatch || n < kRows) {
+  if (m < kMinBatch6 || n < kRows) {
     gemm<Q6Tile>(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
