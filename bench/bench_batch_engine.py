@@ -35,14 +35,22 @@ PROMPTS = [
 ]
 
 
+# The kquant kernels every engine here runs (--kernel; 'auto' = the best this CPU has).
+KERNEL = 'auto'
+
+
+def engine_config(**fields) -> EngineConfig:
+    return EngineConfig(kernel=KERNEL, **fields)
+
+
 def request(prompt, tokens):
     return GenerationRequest(messages=(), prompt=prompt, max_tokens=tokens,
                              use_chat_template=True)
 
 
 def throughput(model_dir, n, tokens, threads, repeat, slots=0):
-    eng = Engine(EngineConfig(model_dir=model_dir, parallel_sequences=slots or n,
-                              max_context=512, intra_op_threads=threads))
+    eng = Engine(engine_config(model_dir=model_dir, parallel_sequences=slots or n,
+                               max_context=512, intra_op_threads=threads))
     try:
         sched = eng.scheduler()
         best = None
@@ -75,8 +83,8 @@ def step_times(model_dir, counts, threads, repeat):
     Decoder level, no sampling: the ceiling of aggregate tok/s = b / step time.
     """
     import numpy as np
-    eng = Engine(EngineConfig(model_dir=model_dir, parallel_sequences=max(counts),
-                              max_context=512, intra_op_threads=threads))
+    eng = Engine(engine_config(model_dir=model_dir, parallel_sequences=max(counts),
+                               max_context=512, intra_op_threads=threads))
     try:
         dec = eng._decoder
         for slot in range(dec.slots):
@@ -104,8 +112,8 @@ def ttft(model_dir, threads, repeat, busy=3):
     The step loop hands the events up to the prefill out before the batched decode (what the
     worker does), so this is what a client sees at the engine level.
     """
-    eng = Engine(EngineConfig(model_dir=model_dir, parallel_sequences=busy + 1,
-                              max_context=512, intra_op_threads=threads))
+    eng = Engine(engine_config(model_dir=model_dir, parallel_sequences=busy + 1,
+                               max_context=512, intra_op_threads=threads))
     try:
         sched = eng.scheduler()
 
@@ -146,7 +154,7 @@ def ttft(model_dir, threads, repeat, busy=3):
 
 
 def solo(model_dir, tokens, threads, repeat):
-    eng = Engine(EngineConfig(model_dir=model_dir, max_context=512, intra_op_threads=threads))
+    eng = Engine(engine_config(model_dir=model_dir, max_context=512, intra_op_threads=threads))
     try:
         results = [eng.generate(request(PROMPTS[0], tokens)).run_to_end()
                    for _ in range(repeat + 1)][1:]
@@ -158,9 +166,9 @@ def solo(model_dir, tokens, threads, repeat):
 
 
 def agreement(model_dir, prompts, tokens, threads):
-    alone = Engine(EngineConfig(model_dir=model_dir, max_context=512, intra_op_threads=threads))
-    batch = Engine(EngineConfig(model_dir=model_dir, max_context=512, intra_op_threads=threads,
-                                parallel_sequences=4))
+    alone = Engine(engine_config(model_dir=model_dir, max_context=512, intra_op_threads=threads))
+    batch = Engine(engine_config(model_dir=model_dir, max_context=512, intra_op_threads=threads,
+                                 parallel_sequences=4))
     try:
         same = 0
         prefix = total = 0
@@ -199,7 +207,11 @@ def main() -> None:
     p.add_argument('--repeat', type=int, default=3, help='measured rounds (best counts)')
     p.add_argument('--skip-agreement', action='store_true')
     p.add_argument('--json-out', default='')
+    p.add_argument('--kernel', default='auto',
+                   help="kquant kernels to pin (e.g. avx2 on an AVX-512 machine; 'auto' = best)")
     args = p.parse_args()
+    global KERNEL
+    KERNEL = args.kernel
     out = {'solo': solo(args.model_dir, args.tokens, args.threads, args.repeat), 'batched': []}
     print(f"solo Engine.generate: {out['solo']['decode_tps']:.1f} tok/s")
     print(f"{'N':>3} {'tokens':>7} {'wall s':>7} {'agg tok/s':>10} {'x solo':>7}  (x solo: "

@@ -660,56 +660,10 @@ float dot_q6_K(const void *vx, const BlockQ8_K *y, int64_t nb) {
 // =============================================================================================
 namespace legacy {
 
-// Per weight type: its activation blocks, whether it has a min, its codes' offset (the
-// weight is code - offset) and its 32 codes as unsigned bytes.
-template <typename W>
-struct Traits;
-template <>
-struct Traits<BlockQ4_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kMin = false;
-  static constexpr uint8_t kOffset = 8;
-  static __m256i codes(const BlockQ4_0 &x) { return nibbles(x.qs); }
-};
-template <>
-struct Traits<BlockQ4_1> {
-  using A = BlockQ8_1;
-  static constexpr bool kMin = true;
-  static constexpr uint8_t kOffset = 0;
-  static __m256i codes(const BlockQ4_1 &x) { return nibbles(x.qs); }
-};
-template <>
-struct Traits<BlockQ5_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kMin = false;
-  static constexpr uint8_t kOffset = 16;
-  static __m256i codes(const BlockQ5_0 &x) {
-    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
-  }
-};
-template <>
-struct Traits<BlockQ5_1> {
-  using A = BlockQ8_1;
-  static constexpr bool kMin = true;
-  static constexpr uint8_t kOffset = 0;
-  static __m256i codes(const BlockQ5_1 &x) {
-    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
-  }
-};
-template <>
-struct Traits<BlockQ8_0> {
-  using A = BlockQ8_0;
-  static constexpr bool kMin = false;
-  static constexpr uint8_t kOffset = 128;  // int8 w as the byte w + 128
-  static __m256i codes(const BlockQ8_0 &x) {
-    return _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8(static_cast<char>(0x80)));
-  }
-};
-
 template <typename W, int MR, int NR>
 void tile(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb, float *out,
           int64_t ldo, const uint8_t *prefetch) {
-  using Tr = Traits<W>;
+  using Tr = Unsigned<W>;
   using A = typename Tr::A;
   using L = Tile8<MR, NR>;
   const W *x[NR];
@@ -785,15 +739,10 @@ struct Panel16 {
   __m512 dx, m;   // the rows' scales and (Q4_1/Q5_1) mins
 };
 
-// Per activation row and block: its scale, (Q8_1) s, and -offset * sum of its codes.
-struct ActivationTerms {
-  float dy, s;
-  int32_t start;
-};
 
 template <typename W>
 inline void repack16(const uint8_t *w, size_t ws, int64_t b, Panel16 &p) {
-  using Tr = Traits<W>;
+  using Tr = Unsigned<W>;
   __m512i rows[8];  // [row l | row l + 8]
   uint16_t d[16], m[16];
 #pragma GCC unroll 8
@@ -838,7 +787,7 @@ inline void repack16(const uint8_t *w, size_t ws, int64_t b, Panel16 &p) {
 template <typename W, int MR>
 inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
                          const ActivationTerms *terms, int64_t nb, int64_t b, __m512 *sum) {
-  using Tr = Traits<W>;
+  using Tr = Unsigned<W>;
   using A = typename Tr::A;
   __m512i acc[MR];
 #pragma GCC unroll 8
@@ -867,7 +816,7 @@ inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
 template <typename W>
 void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
             int64_t nb, float *out, int64_t ldo) {
-  using Tr = Traits<W>;
+  using Tr = Unsigned<W>;
   using A = typename Tr::A;
   if (m < kMinRows || n < kPanel) {
     gemm<W>(w, ws, n, a, as, m, nb, out, ldo);
@@ -875,23 +824,7 @@ void gemm16(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64
   }
   const auto *wb = static_cast<const uint8_t *>(w);
   const auto *ab = static_cast<const uint8_t *>(a);
-  thread_local std::vector<ActivationTerms> scratch;
-  scratch.resize(static_cast<size_t>(m * nb));
-  ActivationTerms *terms = scratch.data();
-  for (int64_t i = 0; i < m; ++i) {
-    const A *y = reinterpret_cast<const A *>(ab + i * as);
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t sum = 0;
-      for (int k = 0; k < QK; ++k) sum += y[b].qs[k];
-      float s = 0.0f;
-      if (Tr::kMin) {
-        uint16_t half;
-        std::memcpy(&half, reinterpret_cast<const uint8_t *>(&y[b]) + 2, sizeof(half));
-        s = fp16_to_fp32(half);
-      }
-      terms[i * nb + b] = {fp16_to_fp32(y[b].d), s, -static_cast<int32_t>(Tr::kOffset) * sum};
-    }
-  }
+  const ActivationTerms *terms = activation_terms<A>(ab, as, m, nb, Tr::kOffset);
   run_panels<kPanel, Panel16, __m512>(
       wb, ws, n, m, nb, out, ldo,
       [&](const uint8_t *rows, int64_t b, Panel16 &p) { repack16<W>(rows, ws, b, p); },

@@ -421,6 +421,86 @@ struct Codes<BlockQ8_0> {
   static __m256i codes(const BlockQ8_0 &x) { return load256(x.qs); }
 };
 
+// Per weight type, for kernels that read the codes unsigned (vpdpbusd / maddubs against signed
+// activations: the interleaved panels, avx512.cpp's tiles): its activation blocks, whether it
+// has a min, its codes' offset (the weight is code - offset) and its 32 codes as bytes.
+template <typename W>
+struct Unsigned;
+template <>
+struct Unsigned<BlockQ4_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kMin = false;
+  static constexpr uint8_t kOffset = 8;
+  static __m256i codes(const BlockQ4_0 &x) { return nibbles(x.qs); }
+};
+template <>
+struct Unsigned<BlockQ4_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kMin = true;
+  static constexpr uint8_t kOffset = 0;
+  static __m256i codes(const BlockQ4_1 &x) { return nibbles(x.qs); }
+};
+template <>
+struct Unsigned<BlockQ5_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kMin = false;
+  static constexpr uint8_t kOffset = 16;
+  static __m256i codes(const BlockQ5_0 &x) {
+    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
+  }
+};
+template <>
+struct Unsigned<BlockQ5_1> {
+  using A = BlockQ8_1;
+  static constexpr bool kMin = true;
+  static constexpr uint8_t kOffset = 0;
+  static __m256i codes(const BlockQ5_1 &x) {
+    return _mm256_or_si256(nibbles(x.qs), high_bits(x.qh));
+  }
+};
+template <>
+struct Unsigned<BlockQ8_0> {
+  using A = BlockQ8_0;
+  static constexpr bool kMin = false;
+  static constexpr uint8_t kOffset = 128;  // int8 w as the byte w + 128
+  static __m256i codes(const BlockQ8_0 &x) {
+    return _mm256_xor_si256(load256(x.qs), _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+
+// Per activation row and block of a call, what the panels need besides the codes: its scale,
+// (Q8_1) s, and -offset * (sum of its codes), which starts the block's integer sum.
+struct ActivationTerms {
+  float dy, s;
+  int32_t start;
+};
+
+// The terms of m activation rows (A: Q8_0 or Q8_1 blocks, row stride as) for codes read with
+// `offset`: row i's block b at [i * nb + b]. The buffer is this thread's, reused by its next
+// call.
+template <typename A>
+inline const ActivationTerms *activation_terms(const uint8_t *a, size_t as, int64_t m,
+                                               int64_t nb, int offset) {
+  constexpr bool kS = std::is_same<A, BlockQ8_1>::value;
+  thread_local std::vector<ActivationTerms> terms;
+  terms.resize(static_cast<size_t>(m * nb));
+  for (int64_t i = 0; i < m; ++i) {
+    const A *y = reinterpret_cast<const A *>(a + i * as);
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t sum = 0;
+      for (int k = 0; k < QK; ++k) sum += y[b].qs[k];
+      float s = 0.0f;
+      if (kS) {
+        uint16_t half;
+        std::memcpy(&half, reinterpret_cast<const uint8_t *>(&y[b]) + 2, sizeof(half));
+        s = fp16_to_fp32(half);
+      }
+      terms[i * nb + b] = {fp16_to_fp32(y[b].d), s, -offset * sum};
+    }
+  }
+  return terms.data();
+}
+
 template <int MR, int NR>
 struct Tile8 {
   static constexpr int T = MR * NR, G = (T + 7) / 8;
