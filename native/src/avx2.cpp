@@ -854,11 +854,10 @@ inline void panel8_rows(const Panel8 &p, const uint8_t *a, size_t as,
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
     const ActivationTerms &at = terms[i * nb + b];
+    const __m256 dots = _mm256_cvtepi32_ps(acc[i]), dy = _mm256_set1_ps(at.dy);
     // legacy_block(_min) lane by lane (the file is built with -ffp-contract=off).
-    __m256 term = _mm256_mul_ps(_mm256_mul_ps(p.dx, _mm256_set1_ps(at.dy)),
-                                _mm256_cvtepi32_ps(acc[i]));
-    if (U::kMin) term = _mm256_add_ps(term, _mm256_mul_ps(p.m, _mm256_set1_ps(at.s)));
-    sum[i] = _mm256_add_ps(sum[i], term);
+    sum[i] += U::kMin ? legacy_block_min(p.dx, dy, dots, p.m, _mm256_set1_ps(at.s))
+                      : legacy_block(p.dx, dy, dots);
   }
 }
 

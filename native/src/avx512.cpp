@@ -805,11 +805,10 @@ inline void panel16_rows(const Panel16 &p, const uint8_t *a, size_t as,
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     const ActivationTerms &at = terms[i * nb + b];
+    const __m512 dots = _mm512_cvtepi32_ps(acc[i]), dy = _mm512_set1_ps(at.dy);
     // legacy_block(_min) lane by lane (the file is built with -ffp-contract=off).
-    __m512 term = _mm512_mul_ps(_mm512_mul_ps(p.dx, _mm512_set1_ps(at.dy)),
-                                _mm512_cvtepi32_ps(acc[i]));
-    if (Tr::kMin) term = _mm512_add_ps(term, _mm512_mul_ps(p.m, _mm512_set1_ps(at.s)));
-    sum[i] = _mm512_add_ps(sum[i], term);
+    sum[i] += Tr::kMin ? legacy_block_min(p.dx, dy, dots, p.m, _mm512_set1_ps(at.s))
+                       : legacy_block(p.dx, dy, dots);
   }
 }
 
