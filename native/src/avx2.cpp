@@ -515,27 +515,12 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
     gemm<Q6Tile>(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
-  const auto *wb = static_cast<const uint8_t *>(w);
-  const auto *ab = static_cast<const uint8_t *>(a);
-  // The activation codes + 128 (as unsigned bytes), once for every panel.
-  const size_t us = static_cast<size_t>(nb) * QK_K;
-  const uint8_t *u = codes_plus_128(ab, as, m, nb);
-  run_panels<kRows, Panel6, __m256>(
-      wb, ws, n, m, nb, out, ldo,
-      [&](const uint8_t *rows, int64_t b, Panel6 &p) { repack6(rows, ws, b, p); },
-      [&](auto mr, const Panel6 &p, int64_t i, int64_t b, __m256 *sum) {
-        constexpr int MR = decltype(mr)::value;
-        const BlockQ8_K *y[MR];
-        const uint8_t *ub[MR];
-        for (int r = 0; r < MR; ++r) {
-          y[r] = reinterpret_cast<const BlockQ8_K *>(ab + (i + r) * as) + b;
-          ub[r] = u + (i + r) * us + b * QK_K;
-        }
-        panel6_rows<MR>(p, y, ub, sum);
-      },
-      [&](int64_t first) {
-        gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
-      });
+  q6_panels<kRows, Panel6>(
+      w, ws, n, a, as, m, nb, out, ldo,
+      [](const uint8_t *rows, size_t stride, int64_t b, Panel6 &p) { repack6(rows, stride, b, p); },
+      [](auto mr, const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
+         __m256 *sum) { panel6_rows<decltype(mr)::value>(p, y, u, sum); },
+      gemm<Q6Tile>);
 }
 
 }  // namespace interleaved

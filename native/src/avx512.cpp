@@ -601,23 +601,11 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
     const __m256 dy = _mm256_set1_ps(y[i]->d);
     // k_block(d, 0, dy, dots, 0) lane by lane, as the reference writes it.
     const __m256 zero = _mm256_setzero_ps();
-    const __m256 term = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
-                                      _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
+    const __m256 term =
+        _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
+                      _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
     sum[i] = _mm256_add_ps(sum[i], term);
   }
-}
-
-template <int MR>
-void rows_of_panel6(const Panel6 &p, const uint8_t *a, size_t as, const uint8_t *u, size_t us,
-                    int64_t b, __m256 *sum) {
-  const BlockQ8_K *y[MR];
-  const uint8_t *ub[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    y[i] = reinterpret_cast<const BlockQ8_K *>(a + i * as) + b;
-    ub[i] = u + i * us + b * QK_K;
-  }
-  panel6_rows<MR>(p, y, ub, sum);
 }
 
 void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
@@ -626,20 +614,12 @@ void gemm_q6_K(const void *w, size_t ws, int64_t n, const void *a, size_t as, in
     gemm<Q6Tile>(w, ws, n, a, as, m, nb, out, ldo);
     return;
   }
-  const auto *wb = static_cast<const uint8_t *>(w);
-  const auto *ab = static_cast<const uint8_t *>(a);
-  // The activation codes + 128 (as unsigned bytes), once for every panel.
-  const size_t us = static_cast<size_t>(nb) * QK_K;
-  const uint8_t *u = codes_plus_128(ab, as, m, nb);
-  run_panels<kRows, Panel6, __m256>(
-      wb, ws, n, m, nb, out, ldo,
-      [&](const uint8_t *rows, int64_t b, Panel6 &p) { repack6(rows, ws, b, p); },
-      [&](auto mr, const Panel6 &p, int64_t i, int64_t b, __m256 *sum) {
-        rows_of_panel6<decltype(mr)::value>(p, ab + i * as, as, u + i * us, us, b, sum);
-      },
-      [&](int64_t first) {
-        gemm<Q6Tile>(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
-      });
+  q6_panels<kRows, Panel6>(
+      w, ws, n, a, as, m, nb, out, ldo,
+      [](const uint8_t *rows, size_t stride, int64_t b, Panel6 &p) { repack6(rows, stride, b, p); },
+      [](auto mr, const Panel6 &p, const BlockQ8_K *const *y, const uint8_t *const *u,
+         __m256 *sum) { panel6_rows<decltype(mr)::value>(p, y, u, sum); },
+      gemm<Q6Tile>);
 }
 
 }  // namespace interleaved

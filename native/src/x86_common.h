@@ -319,6 +319,36 @@ void run_panels(const uint8_t *w, size_t ws, int64_t n, int64_t m, int64_t nb, f
   if (panels < n) rest(panels);
 }
 
+// The Q6_K batch kernels' driver (avx2.cpp, avx512.cpp): the activations' codes + 128 once a
+// call, then run_panels with the ISA's repack (rows, ws, b, panel) and its panel rows
+// (mr, panel, y, u, sum: y[r] the Q8_K block b of activation row i + r, u[r] its 256 codes +
+// 128); the columns past the last panel go to row_major (a GemmFn).
+template <int Rows, typename Panel, typename Repack, typename PanelRows>
+void q6_panels(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
+               int64_t nb, float *out, int64_t ldo, Repack &&repack, PanelRows &&panel_rows,
+               GemmFn row_major) {
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *ab = static_cast<const uint8_t *>(a);
+  const size_t us = static_cast<size_t>(nb) * QK_K;
+  const uint8_t *u = codes_plus_128(ab, as, m, nb);
+  run_panels<Rows, Panel, __m256>(
+      wb, ws, n, m, nb, out, ldo,
+      [&](const uint8_t *rows, int64_t b, Panel &p) { repack(rows, ws, b, p); },
+      [&](auto mr, const Panel &p, int64_t i, int64_t b, __m256 *sum) {
+        constexpr int MR = decltype(mr)::value;
+        const BlockQ8_K *y[MR];
+        const uint8_t *ub[MR];
+        for (int r = 0; r < MR; ++r) {
+          y[r] = reinterpret_cast<const BlockQ8_K *>(ab + (i + r) * as) + b;
+          ub[r] = u + (i + r) * us + b * QK_K;
+        }
+        panel_rows(mr, p, y, ub, sum);
+      },
+      [&](int64_t first) {
+        row_major(wb + first * ws, ws, n - first, a, as, m, nb, out + first, ldo);
+      });
+}
+
 template <template <int, int> class Tile, class Shape>
 void tiled_gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
                 int64_t nb, float *out, int64_t ldo) {
