@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 
+from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.types import GenerationRequest
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.serving.goal import Goal, GoalState
@@ -207,7 +208,7 @@ def main() -> None:
     p.add_argument('--repeat', type=int, default=3, help='measured rounds (best counts)')
     p.add_argument('--skip-agreement', action='store_true')
     p.add_argument('--json-out', default='')
-    p.add_argument('--kernel', default='auto',
+    p.add_argument('--kernel', default='auto', choices=KERNEL_CHOICES,
                    help="kquant kernels to pin (e.g. avx2 on an AVX-512 machine; 'auto' = best)")
     args = p.parse_args()
     global KERNEL
