@@ -388,11 +388,8 @@ inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, __m256 *sum) {
     mins = _mm256_add_epi32(mins, _mm256_madd_epi16(p.mins[3], _mm256_set1_epi32(
                                                         _mm_extract_epi32(sub, 3))));
     const __m256 dy = _mm256_set1_ps(y[i]->d);
-    // k_block lane by lane (-ffp-contract=off: no FMA).
-    const __m256 term =
-        _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(acc[i])),
-                      _mm256_mul_ps(_mm256_mul_ps(p.dmin, dy), _mm256_cvtepi32_ps(mins)));
-    sum[i] = _mm256_add_ps(sum[i], term);
+    sum[i] += k_block_lanes(p.d, p.dmin, dy, _mm256_cvtepi32_ps(acc[i]),
+                            _mm256_cvtepi32_ps(mins));
   }
 }
 
@@ -498,14 +495,10 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
-    const __m256 dy = _mm256_set1_ps(y[i]->d);
     const __m256 zero = _mm256_setzero_ps();
-    // k_block(d, 0, dy, dots, 0) lane by lane, as the reference writes it.
-    const __m256 term = _mm256_sub_ps(
-        _mm256_mul_ps(_mm256_mul_ps(p.d, dy),
-                      _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], p.corr))),
-        _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
-    sum[i] = _mm256_add_ps(sum[i], term);
+    // k_block(d, 0, dy, dots, 0), as the reference writes it.
+    sum[i] += k_block_lanes(p.d, zero, _mm256_set1_ps(y[i]->d),
+                            _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i], p.corr)), zero);
   }
 }
 

@@ -433,12 +433,8 @@ inline void panel_rows(const Panel &p, const BlockQ8_K *const *y, __m256 *sum) {
     m0 = _mm512_add_epi32(m0, _mm512_shuffle_epi32(m0, _MM_PERM_BADC));
     m1 = _mm512_add_epi32(m1, _mm512_shuffle_epi32(m1, _MM_PERM_BADC));
     const __m256i mins = _mm512_castsi512_si256(_mm512_permutex2var_epi32(m0, lane_firsts, m1));
-    const __m256 dy = _mm256_set1_ps(y[i]->d);
-    // k_block lane by lane (the file is built with -ffp-contract=off).
-    const __m256 term =
-        _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
-                      _mm256_mul_ps(_mm256_mul_ps(p.dmin, dy), _mm256_cvtepi32_ps(mins)));
-    sum[i] = _mm256_add_ps(sum[i], term);
+    sum[i] += k_block_lanes(p.d, p.dmin, _mm256_set1_ps(y[i]->d), _mm256_cvtepi32_ps(dots),
+                            _mm256_cvtepi32_ps(mins));
   }
 }
 
@@ -598,13 +594,9 @@ inline void panel6_rows(const Panel6 &p, const BlockQ8_K *const *y, const uint8_
         _mm512_add_epi32(acc[i], _mm512_shuffle_epi32(acc[i], _MM_PERM_CDAB));
     const __m256i dots = _mm256_sub_epi32(
         _mm512_castsi512_si256(_mm512_permutexvar_epi32(even, pair_sums)), p.corr);
-    const __m256 dy = _mm256_set1_ps(y[i]->d);
-    // k_block(d, 0, dy, dots, 0) lane by lane, as the reference writes it.
     const __m256 zero = _mm256_setzero_ps();
-    const __m256 term =
-        _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(p.d, dy), _mm256_cvtepi32_ps(dots)),
-                      _mm256_mul_ps(_mm256_mul_ps(zero, dy), zero));
-    sum[i] = _mm256_add_ps(sum[i], term);
+    // k_block(d, 0, dy, dots, 0), as the reference writes it.
+    sum[i] += k_block_lanes(p.d, zero, _mm256_set1_ps(y[i]->d), _mm256_cvtepi32_ps(dots), zero);
   }
 }
 

@@ -65,9 +65,16 @@ const GemmKernels *neon_gemm_kernels();
 const GemmKernels *neon_dotprod_gemm_kernels();
 const GemmKernels *neon_i8mm_gemm_kernels();
 
-// The float part every kernel shares: one super-block's integer sums to its contribution.
+// The float part every kernel shares: one super-block's integer sums (as F) to its
+// contribution. A template so that a SIMD path runs this very expression on a vector of rows
+// (GCC/Clang vector types, lane by lane, unfused under -ffp-contract=off; as legacy_block).
+template <typename F>
+inline F k_block_lanes(F d, F dmin, F dy, F dots, F mins) {
+  return d * dy * dots - dmin * dy * mins;
+}
+
 inline float k_block(float d, float dmin, float dy, int32_t dots, int32_t mins) {
-  return d * dy * static_cast<float>(dots) - dmin * dy * static_cast<float>(mins);
+  return k_block_lanes(d, dmin, dy, static_cast<float>(dots), static_cast<float>(mins));
 }
 
 // The float part of a legacy block of 32: (dx * dy) * sum, with dx, dy its fp16 scales as

@@ -50,8 +50,7 @@ inline __m128i hsum4(__m128i a, __m128i b, __m128i c, __m128i d) {
 // k_block lane by lane: d * dy * float(dots) - dmin * dy * float(mins), the same IEEE
 // operations in the same order (the file is built with -ffp-contract=off: no FMA).
 inline __m128 k_block4(__m128 d, __m128 dmin, __m128 dy, __m128i dots, __m128i mins) {
-  return _mm_sub_ps(_mm_mul_ps(_mm_mul_ps(d, dy), _mm_cvtepi32_ps(dots)),
-                    _mm_mul_ps(_mm_mul_ps(dmin, dy), _mm_cvtepi32_ps(mins)));
+  return k_block_lanes(d, dmin, dy, _mm_cvtepi32_ps(dots), _mm_cvtepi32_ps(mins));
 }
 
 // The 8 scales (bytes 0..7) and 8 mins (bytes 8..15) of a Q4_K/Q5_K super-block, 6 bits each:
