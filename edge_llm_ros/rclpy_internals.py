@@ -1,8 +1,8 @@
 """The private rclpy members this package relies on, in one place.
 
-Each use names the rclpy branches it was checked against (Humble and Jazzy, the commits in
-../shared/rclpy_api) and test/test_rclpy_internals.py fails when a member disappears or its
-signature changes.
+Each use names the rclpy branches it was checked against (Humble and Jazzy, the commits of
+the API extracts in test/data/rclpy_api) and test/test_rclpy_internals.py fails when a member
+disappears or its signature changes.
 
 PRIVATE_MEMBERS lists every such member: where it is (module.Class.member), what kind it is
 (a method, or an instance attribute the JSON extracts cannot show), the signature (methods:
@@ -26,7 +26,7 @@ from rclpy.task import Future
 
 @dataclass(frozen=True)
 class RclpyCommit:
-    """One rclpy source the members were read at (../shared/rclpy_api/<branch>.json)."""
+    """One rclpy source the members were read at (test/data/rclpy_api/<branch>.json)."""
 
     branch: str
     version: str      # rclpy/package.xml at the commit

@@ -1,12 +1,13 @@
 """Find the rclpy API some Python code uses (with `ast`), and what an rclpy branch lacks of it.
 
 Used are rclpy modules, classes, functions and members.
-The API of a branch comes from shared/rclpy_api/<branch>.json (every public module, class with
-its bases and members, and function, extracted from rclpy's source). Types are followed far
-enough to know what an attribute belongs to: names bound by imports, instances built from
-rclpy classes, `self` in classes deriving (also through the package's own classes) from rclpy
-classes, parameters and functions with annotations, and the return values of the rclpy calls
-in RETURNS. Class members are looked up through the bases listed in the JSON.
+The API of a branch comes from test/data/rclpy_api/<branch>.json (every public module, class
+with its bases and members, and function, extracted from rclpy's source by
+scripts/refresh_test_data.py). Types are followed far enough to know what an attribute
+belongs to: names bound by imports, instances built from rclpy classes, `self` in classes
+deriving (also through the package's own classes) from rclpy classes, parameters and
+functions with annotations, and the return values of the rclpy calls in RETURNS. Class
+members are looked up through the bases listed in the JSON.
 
 A use that the older branch lacks is accepted only behind a fallback that a test runs: inside
 `if <guard>:` (or after `if not <guard>: ...; return`), where the guard is a function parameter
@@ -116,7 +117,7 @@ class Finding:
 
 
 class RclpyApi:
-    """One rclpy branch's public API as extracted into shared/rclpy_api/<branch>.json."""
+    """One rclpy branch's public API as extracted into test/data/rclpy_api/<branch>.json."""
 
     def __init__(self, data: dict):
         self.branch = data['branch']

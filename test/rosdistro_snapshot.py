@@ -1,28 +1,51 @@
-"""The rosdistro snapshot beside the checkout (../shared/rosdistro) and package.xml reading."""
+"""The rosdistro snapshot the tests read (test/data/rosdistro) and package.xml reading.
+
+test/data/rosdistro keeps, of one rosdistro commit (its COMMIT file), only the rosdep rules and
+released packages named in its keys.txt: the package.xml dependency keys and the modules
+edge_llm_ros/ and launch/ imported when scripts/refresh_test_data.py last wrote it. Any other
+key is simply absent, so a test about a key first asks require_keys, which says to refresh.
+"""
 import functools
 import pathlib
-from typing import FrozenSet, List, Tuple
+from typing import FrozenSet, Iterable, List, Tuple
 import xml.etree.ElementTree as ET
 
 import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# A required input (CI copies shared/ beside the fresh clone): its absence is a failure.
-ROSDISTRO = ROOT.parent / 'shared' / 'rosdistro'
+ROSDISTRO = ROOT / 'test' / 'data' / 'rosdistro'
 PACKAGE_XMLS = (ROOT / 'package.xml', ROOT / 'edge_llm_msgs' / 'package.xml')
-_NEEDED = ('rosdep/base.yaml', 'rosdep/python.yaml', 'humble/distribution.yaml',
-           'jazzy/distribution.yaml')
+_NEEDED = ('COMMIT', 'keys.txt', 'rosdep/base.yaml', 'rosdep/python.yaml',
+           'humble/distribution.yaml', 'jazzy/distribution.yaml')
+REFRESH = ('python3 scripts/refresh_test_data.py rosdistro PATH (PATH: a clone of '
+           'https://github.com/ros/rosdistro; test/data/README.md)')
 
 
 def require_rosdistro() -> pathlib.Path:
     """Give the snapshot's folder; fail the test (never skip) when it is not there."""
     missing = [name for name in _NEEDED if not (ROSDISTRO / name).is_file()]
     if missing:
-        pytest.fail(f'{ROSDISTRO} lacks {", ".join(missing)}: this test needs the rosdistro '
-                    'snapshot beside the checkout (../shared/rosdistro, see '
-                    'shared/ENVIRONMENT.md); copy shared/ next to the repository')
-    return ROSDISTRO.resolve()
+        pytest.fail(f'{ROSDISTRO} lacks {", ".join(missing)}: the repository keeps this '
+                    f'rosdistro snapshot; restore it (git checkout) or write it: {REFRESH}')
+    return ROSDISTRO
+
+
+@functools.lru_cache(maxsize=None)
+def snapshot_keys() -> FrozenSet[str]:
+    """Return the keys test/data/rosdistro was trimmed to (keys.txt)."""
+    text = (require_rosdistro() / 'keys.txt').read_text()
+    return frozenset(line.strip() for line in text.splitlines()
+                     if line.strip() and not line.startswith('#'))
+
+
+def require_keys(keys: Iterable[str]) -> None:
+    """Fail, saying to refresh the snapshot, when it was not trimmed with all these keys."""
+    missing = sorted(set(keys) - snapshot_keys())
+    if missing:
+        pytest.fail(f'test/data/rosdistro holds only the rosdep rules and ROS packages of the '
+                    f'keys in its keys.txt, and {missing} are new (a new dependency or import):'
+                    f' refresh it: {REFRESH}')
 
 
 @functools.lru_cache(maxsize=None)

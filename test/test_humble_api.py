@@ -2,7 +2,8 @@
 
 test/rclpy_api_checker.py walks the package's code with `ast` and checks every rclpy module,
 class, function and member it uses against rclpy's humble branch, as extracted into
-../shared/rclpy_api/humble.json (jazzy.json gives the types of what the code runs here).
+test/data/rclpy_api/humble.json (jazzy.json gives the types of what the code runs here).
+scripts/refresh_test_data.py writes both from rclpy's source (test/data/README.md).
 """
 import pathlib
 import re
@@ -12,8 +13,7 @@ import pytest
 from rclpy_api_checker import check, KNOWN_MEMBERS, PROPERTIES, RclpyApi, RETURNS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# A required input: CI copies shared/ beside the fresh clone.
-API_DIR = ROOT.parent / 'shared' / 'rclpy_api'
+API_DIR = ROOT / 'test' / 'data' / 'rclpy_api'
 
 
 @pytest.fixture(scope='module')
@@ -21,8 +21,8 @@ def apis() -> Tuple[RclpyApi, RclpyApi]:
     missing = [name for name in ('humble.json', 'jazzy.json') if not (API_DIR / name).is_file()]
     if missing:
         pytest.fail(f'{API_DIR} lacks {", ".join(missing)}: the Humble API test needs the '
-                    'rclpy API extracts beside the checkout (../shared/rclpy_api); copy shared/ '
-                    'next to the repository')
+                    'rclpy API extracts the repository keeps: restore them (git checkout) or '
+                    'write them with scripts/refresh_test_data.py rclpy (test/data/README.md)')
     return RclpyApi.load(API_DIR / 'jazzy.json'), RclpyApi.load(API_DIR / 'humble.json')
 
 

@@ -1,7 +1,7 @@
 """The private rclpy members edge_llm_ros relies on still exist, as rclpy_internals records.
 
 For every entry of rclpy_internals.PRIVATE_MEMBERS:
-- the class (and, for a method, the member) is in both ../shared/rclpy_api extracts, whose
+- the class (and, for a method, the member) is in both test/data/rclpy_api extracts, whose
   commits are the ones the entry was checked at (a new extract means: re-check, update);
 - a method's inspect.signature on the installed (Jazzy) rclpy is the recorded one;
 - an instance attribute exists, with the recorded shape, on a real rclpy object made here.
@@ -36,7 +36,7 @@ from edge_llm_ros import rclpy_internals
 from edge_llm_ros.rclpy_internals import ATTRIBUTE, METHOD, PRIVATE_MEMBERS, PrivateMember
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-API_DIR = ROOT.parent / 'shared' / 'rclpy_api'
+API_DIR = ROOT / 'test' / 'data' / 'rclpy_api'
 INTERNALS = 'edge_llm_ros/rclpy_internals.py'
 # Private rclpy uses outside rclpy_internals still to be moved there, (path, member name).
 # Each must still occur (test_not_yet_moved_uses_still_exist): delete an entry once moved.
@@ -51,8 +51,8 @@ def _ids(entries: Iterable[PrivateMember]) -> List[str]:
 def apis() -> Tuple[RclpyApi, RclpyApi]:
     missing = [name for name in ('humble.json', 'jazzy.json') if not (API_DIR / name).is_file()]
     if missing:
-        pytest.fail(f'{API_DIR} lacks {", ".join(missing)}: copy shared/ next to the '
-                    'repository (../shared/rclpy_api)')
+        pytest.fail(f'{API_DIR} lacks {", ".join(missing)}: restore them (git checkout) or '
+                    'write them with scripts/refresh_test_data.py rclpy (test/data/README.md)')
     return RclpyApi.load(API_DIR / 'jazzy.json'), RclpyApi.load(API_DIR / 'humble.json')
 
 

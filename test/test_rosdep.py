@@ -1,10 +1,10 @@
 """Every dependency key of both package.xml files resolves with the real rosdep, offline.
 
 rosdep (the PyPI package) reads rosdistro's rosdep/base.yaml, rosdep/python.yaml and the
-humble and jazzy distribution.yaml from the snapshot beside the checkout (../shared/rosdistro)
-through a sources list, a rosdistro index and a cache built in a temporary folder. The keys
-must resolve for Ubuntu jammy (Humble, JetPack 6) and noble (Jazzy), and
-`rosdep install --from-paths` (as the README says it) must succeed for both.
+humble and jazzy distribution.yaml from the repository's trimmed snapshot (test/data/rosdistro,
+rosdistro_snapshot.py) through a sources list, a rosdistro index and a cache built in a
+temporary folder. The keys must resolve for Ubuntu jammy (Humble, JetPack 6) and noble
+(Jazzy), and `rosdep install --from-paths` (as the README says it) must succeed for both.
 """
 import ast
 import os
@@ -17,7 +17,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 from rosdistro_snapshot import (dependencies, distribution_packages, package_name,
-                                PACKAGE_XMLS, require_rosdistro, ROOT)
+                                PACKAGE_XMLS, require_keys, require_rosdistro, ROOT)
 import yaml
 
 from edge_llm_ros.bringup.ros_install import expand_requirements
@@ -123,6 +123,7 @@ def test_every_key_resolves(rosdep, os_name, distro):
     # Keys naming a package of this workspace are skipped, as rosdep install does for sources.
     keys = sorted({key for path in PACKAGE_XMLS for _, key in dependencies(path)} -
                   _workspace_names())
+    require_keys(keys)
     proc = rosdep('resolve', *keys, f'--os={os_name}', f'--rosdistro={distro}')
     resolved = _parse_resolve(proc.stdout)
     assert set(resolved) == set(keys), proc.stdout + proc.stderr
@@ -139,6 +140,7 @@ def test_every_key_resolves(rosdep, os_name, distro):
 
 @pytest.mark.parametrize('os_name,distro', TARGETS)
 def test_rosdep_install_from_paths(rosdep, tmp_path, os_name, distro):
+    require_keys(key for path in PACKAGE_XMLS for _, key in dependencies(path))
     for path in PACKAGE_XMLS:
         copy = tmp_path / CHECKOUT / path.relative_to(ROOT)
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +170,7 @@ def _imported_top_modules() -> Set[str]:
 
 def test_every_import_has_a_declared_install_path():
     imported = _imported_top_modules()
+    require_keys(imported)
     ros = distribution_packages('humble') & distribution_packages('jazzy')
     runtime = {key for tag, key in dependencies(ROOT / 'package.xml')
                if tag in ('depend', 'exec_depend')}
