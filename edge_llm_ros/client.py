@@ -108,6 +108,8 @@ class GenerationFailedError(GoalAbortedError):
 
 _ABORT_ERRORS = {Generate.Result.ERROR_INVALID_REQUEST: InvalidGoalError,
                  Generate.Result.ERROR_UNAVAILABLE: NodeUnavailableError,
+                 # Cancelled at the end of a model update's drain: retry on the new model.
+                 Generate.Result.ERROR_MODEL_UPDATE: NodeUnavailableError,
                  Generate.Result.ERROR_FAILED: GenerationFailedError}
 
 

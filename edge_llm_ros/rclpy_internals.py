@@ -117,11 +117,17 @@ THREAD_POOL = PrivateMember(
     shape='concurrent.futures.ThreadPoolExecutor running the callbacks',
     why='MultiThreadedExecutor.shutdown joins its pool only since ros2/rclpy#1309 (Jazzy '
         '7.1.8): executor_thread_pool hands it out so shutdown can wait for the callbacks.')
+PARAMETER_OVERRIDES = PrivateMember(
+    'rclpy.node.Node._parameter_overrides', ATTRIBUTE,
+    shape='dict: parameter name -> rclpy.parameter.Parameter, every override that applies to '
+          'the node (-p arguments, params files, parameter_overrides=), declared or not',
+    why='rclpy keeps overrides of undeclared names without a word and has no public getter '
+        'of them: parameter_override_names lets the nodes refuse a misspelled parameter.')
 
 PRIVATE_MEMBERS: Tuple[PrivateMember, ...] = (
     GET_RESULT_ASYNC, CANCEL_GOAL_ASYNC, REMOVE_PENDING_GOAL_REQUEST,
     REMOVE_PENDING_CANCEL_REQUEST, REMOVE_PENDING_RESULT_REQUEST, EXECUTE, FEEDBACK_CALLBACKS,
-    FUTURES, CLIENT_GOAL_HANDLE_INIT, STATE_MACHINE, THREAD_POOL)
+    FUTURES, CLIENT_GOAL_HANDLE_INIT, STATE_MACHINE, THREAD_POOL, PARAMETER_OVERRIDES)
 
 
 # Entry: rclpy.lifecycle.node.LifecycleNodeMixin._state_machine (STATE_MACHINE).
@@ -133,6 +139,16 @@ def lifecycle_state(node: Any) -> str:
     ~/get_state. Checked: rclpy humble and jazzy (rclpy/lifecycle/node.py).
     """
     return node._state_machine.current_state[1]
+
+
+def parameter_override_names(node: Any) -> Tuple[str, ...]:
+    """Return the names of every parameter override given to a node, declared or not.
+
+    Node.__init__ keeps them in `_parameter_overrides` (humble and jazzy, rclpy/node.py):
+    the global and node-specific arguments' values, then the parameter_overrides argument.
+    Entry: rclpy.node.Node._parameter_overrides (PARAMETER_OVERRIDES).
+    """
+    return tuple(node._parameter_overrides)
 
 
 def executor_thread_pool(executor: Executor) -> Optional[ThreadPoolExecutor]:

@@ -73,8 +73,9 @@ def test_engine_kwargs_resolve_threads_and_ort_affinity():
 
 def test_read_only_split():
     runtime = {s.name for s in LLM.specs if not s.read_only}
+    # update.drain_timeout_s is read when an update arrives (model_update.py).
     assert runtime == {n for n in LLM.names() if n.startswith(('sampling.', 'feedback.'))} | {
-        'system_prompt', 'max_tokens'}
+        'system_prompt', 'max_tokens', 'update.drain_timeout_s'}
 
 
 def test_constraints_text_for_descriptors():

@@ -159,8 +159,8 @@ def _reservations_all_free(llm: LLMNode) -> None:
 
 def _validate_and_run(llm: LLMNode, goal) -> str:
     """Do what llm_node does with a goal: refuse it with a message, or run it to the end."""
-    assert llm.admission.admit() == ''
     job = NodeGoal(None)
+    assert llm.admission.admit(job) == ''
     try:
         worker = llm.admission.prepare(goal, job)
     except (InvalidRequestError, WorkerStoppedError) as exc:

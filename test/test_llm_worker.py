@@ -326,3 +326,32 @@ def test_a_failing_step_ends_every_job_with_an_error(make_worker):
     worker.submit(again.job(max_tokens=1))
     engine.gate.release()
     assert again.outcome().result.stop_reason is StopReason.LENGTH
+
+
+def test_take_waiting_hands_back_the_waiting_goals_unsubmitted(make_worker):
+    # A model update takes the waiting goals (to prepare them for the new model); the
+    # running one goes on. Taken goals can be submitted again.
+    worker, engine = make_worker(depth=3, gated=True)
+    running, waiting = Recorder(), [Recorder(), Recorder()]
+    running_job = running.job(max_tokens=3)
+    worker.submit(running_job)
+    engine.gate.release()
+    _wait(lambda: engine.steps == 1, 'the first token')
+    jobs = [rec.job(priority=p) for rec, p in zip(waiting, (0, 5))]
+    for job in jobs:
+        worker.submit(job)
+    taken = worker.take_waiting()
+    assert taken == [jobs[1], jobs[0]]             # admission order: priority, then arrival
+    assert all(job.submitted_at == 0.0 and not job.done for job in taken)
+    assert worker.view.waiting == 0 and worker.unfinished() == 1
+    assert worker.take_waiting() == []
+    for _ in range(3):
+        engine.gate.release()
+    assert running.outcome().result.completion_tokens == 3
+    assert worker.wait_idle(30)                    # the taken goals are not the worker's
+    assert not any(rec.done.is_set() for rec in waiting)
+    for job in taken:
+        worker.submit(job)
+    for _ in range(10):
+        engine.gate.release()
+    assert [rec.outcome().result.completion_tokens for rec in waiting] == [5, 5]

@@ -27,6 +27,7 @@ import rclpy
 from rclpy.action import ActionClient
 from rclpy.executors import Executor, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.lifecycle import LifecycleNode
+from rclpy.parameter import Parameter
 from rclpy.task import Future
 from rclpy_api_checker import check, Finding, private_uses, RclpyApi
 from unique_identifier_msgs.msg import UUID
@@ -222,7 +223,24 @@ def _check_execute(node) -> None:
         assert f"data['{key}']" in source, f'ActionClient.take_data no longer sets {key!r}'
 
 
+def _check_parameter_overrides(node) -> None:
+    # Every override is kept by name, the undeclared ones too (what the nodes check).
+    probe = rclpy.create_node(f'{node.get_name()}_overrides', context=node.context,
+                              cli_args=['--ros-args', '-p', 'not_declared:=1'],
+                              parameter_overrides=[Parameter('given', value=2)])
+    try:
+        assert isinstance(probe._parameter_overrides, dict)
+        assert {'not_declared', 'given'} <= set(probe._parameter_overrides)
+        assert isinstance(probe._parameter_overrides['given'], Parameter)
+        assert not probe.has_parameter('not_declared')
+        assert {'not_declared', 'given'} <= set(
+            rclpy_internals.parameter_override_names(probe))
+    finally:
+        probe.destroy_node()
+
+
 RUNTIME_CHECKS: Dict[str, Callable] = {
+    rclpy_internals.PARAMETER_OVERRIDES.where: _check_parameter_overrides,
     rclpy_internals.FEEDBACK_CALLBACKS.where: _check_feedback_callbacks,
     rclpy_internals.FUTURES.where: _check_futures,
     rclpy_internals.STATE_MACHINE.where: _check_state_machine,

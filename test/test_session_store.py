@@ -15,7 +15,9 @@ import pytest
 from test_kv_cache import CAP, FakeModel, POSITION_BYTES
 
 from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.conversation import Conversation, StoredImage
 from edge_llm_ros.runtime.kv_cache import _Snapshot
+from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving import session_store
 from edge_llm_ros.serving.engine import EngineConfig
 from edge_llm_ros.serving.session_store import (decode_keys, encode_keys, KVLayout, model_hash,
@@ -186,6 +188,45 @@ def test_another_model_is_dropped_with_one_line(model_dir, tmp_path, caplog):
     line = _dropped_line(caplog)
     assert 'dropped 2' in line and '2 of another model' in line
     assert row_ids(rig.sink.path) == []        # deleted, not only skipped
+    rig.close()
+
+
+def test_another_models_conversations_are_kept_as_text(model_dir, tmp_path, caplog):
+    # A model update: the KV and the ids were the old model's, the turns are still the
+    # conversation. They come back as text (written back as this model's rows), and a
+    # session with no conversation (a KV prefix alone) is dropped as before.
+    path = tmp_path / 's.db'
+    rig = Rig(model_dir, path)
+    rig.turn(A, 'prefix-only')
+    rig.model.run([5, 6, 7, 8], 'talk')
+    rows = np.ones((3, 8), np.float32)
+    said = Conversation(system='be brief', turns=(
+        ChatMessage('user', 'what is this? <__media__>'), ChatMessage('assistant', 'a cup')),
+        ids=(5, 6, 7, 8), images=(StoredImage(1, (3, (1, 3), 4), 'd' * 16, rows),))
+    rig.model.cache.commit('talk', said)
+    rig.close()
+    (model_dir / 'model.onnx.data').write_bytes(b'new weights')   # the updated model
+    new_hash = model_hash(str(model_dir))
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.serving.session_store'):
+        rig, store = reopen(model_dir, path)
+    assert store.ids() == ['talk'] and store.get('talk') is None
+    kept = store.conversation('talk')
+    assert kept == said.as_text()
+    assert kept.ids == () and kept.images == () and kept.system == 'be brief'
+    assert [t.content for t in kept.turns] == ['what is this? ', 'a cup']
+    line = _dropped_line(caplog)
+    assert 'kept 1 as text only' in line and '1 of another model' in line
+    assert 'dropped 1' in line
+    rig.close()   # flushes the write-back
+    db = sqlite3.connect(path)
+    assert db.execute('SELECT session_id, model_hash, positions FROM sessions').fetchall() == [
+        ('talk', new_hash, 0)]
+    db.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger='edge_llm_ros.serving.session_store'):
+        rig, store = reopen(model_dir, path)   # now this model's row: restored as it is
+    assert store.conversation('talk') == said.as_text()
+    assert not [r for r in caplog.records if 'dropped' in r.getMessage()]
     rig.close()
 
 

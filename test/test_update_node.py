@@ -1,12 +1,15 @@
-"""~/update_model on a real llm_node process: swaps, aborted goals, failed loads, kill -9.
+"""~/update_model on a real llm_node process: swaps, drains, failed loads, kill -9.
 
 One node serves the module: it starts on tiny v1 from <models root>/current and takes a
 delta to tiny v2 (goals before and after run on the model the update names); then a full
-medium folder; then tiny v2 again while six goals run and wait on the medium model (each
-ends with a terminal state: the ones the update caught ABORTED with error_kind unavailable
-and a reason); then a signed folder whose model.onnx is broken (refused at load: tiny v2
-keeps serving) and refused inputs. Last, a second node is SIGKILLed in the middle of an
-update and started again.
+medium folder; then tiny v2 again while four goals run and wait on the medium model: the
+running one finishes on medium (the drain), the waiting ones and one sent during the update
+run on tiny v2, none is aborted. With update.drain_timeout_s 0 a long goal is cancelled
+with error_kind model_update, its partial text kept. A session's conversation goes to the
+new model as text and its next turn prefills it again. Then a signed folder whose
+model.onnx is broken (refused at load: tiny v2 keeps serving) and refused inputs. Last, a
+second node is SIGKILLed in the middle of an update (and one in the middle of a drain) and
+started again.
 """
 import contextlib
 import os
@@ -17,10 +20,12 @@ import shutil
 import signal
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, Tuple
 
-from llm_node_harness import LONG_SCHEMA, medium_model_dir, NodeProcess, served, wait_for
+from llm_node_harness import (LONG_SCHEMA, LONG_TOKENS, medium_model_dir, NodeProcess, served,
+                              wait_for)
 import pytest
+from rcl_interfaces.srv import SetParameters
 import rclpy
 from rclpy.executors import MultiThreadedExecutor
 from rclpy.lifecycle import TransitionCallbackReturn
@@ -28,6 +33,7 @@ from rclpy.parameter import Parameter
 from update_support import keys, signed_copy, two_versions
 
 from edge_llm_msgs.action import Generate
+from edge_llm_msgs.msg import Transcript
 from edge_llm_msgs.srv import UpdateModel
 from edge_llm_ros.nodes.llm_node import LLMNode
 from edge_llm_ros.update import delta, manifest, signing
@@ -100,29 +106,96 @@ def test_delta_update_swaps_the_model_the_next_goal_runs_on(world, ros, llm):
     assert llm.generate('Hello', max_tokens=4).result(timeout=60).ok
 
 
-def test_goals_caught_by_an_update_end_aborted_with_a_reason(world, ros, llm):
+def _update_in_background(ros, path) -> Tuple[threading.Thread, list]:
+    """Send ~/update_model from a thread (it answers once the swap is done)."""
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(_update(ros, path)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _set(ros, name: str, value) -> None:
+    answer = ros.call(SetParameters, f'{SERVER}/set_parameters', SetParameters.Request(
+        parameters=[Parameter(name, value=value).to_parameter_msg()]))
+    assert answer.results[0].successful, answer.results[0].reason
+
+
+def test_an_update_drains_running_goals_and_runs_the_queued_ones_on_the_new_model(
+        world, ros, llm):
     answer = _update(ros, world['medium'])    # a slower model: goals take seconds here
     assert answer.success, answer.message
-    assert llm.model_info(timeout=30).model_name == 'medium-v3'
     wait_for(lambda: ros.state(SERVER) == 'active', 30, 'the node active again')
-    handles = [llm.generate('Count', max_tokens=200, json_schema=LONG_SCHEMA)
-               for _ in range(6)]
+    medium = llm.model_info(timeout=30).model_name
+    transcripts = ros.record(Transcript, f'{SERVER}/transcript')
+    handles = [llm.generate('Count', max_tokens=200, json_schema=LONG_SCHEMA) for _ in range(4)]
     # Every goal accepted (one running, the others queued) before the update is sent.
     assert all(h.accepted for h in handles)
-    answer = _update(ros, world['v2'])        # installed before: reused, then swapped in
-    assert answer.success and 'now serving tiny-v2' in answer.message, answer.message
-    outcomes = [h.result(timeout=120) for h in handles]
-    assert all(o.status in ('succeeded', 'aborted') for o in outcomes), outcomes
-    # The last one waited behind five goals of 200 tokens: the update caught it.
-    assert outcomes[-1].status == 'aborted', outcomes[-1]
-    for outcome in outcomes:
-        if outcome.status == 'aborted':
-            assert outcome.error_kind == Generate.Result.ERROR_UNAVAILABLE, outcome
-            assert 'was deactivated while the goal was waiting or running' in (
-                outcome.error_message), outcome
-    assert llm.model_info(timeout=30).model_name == 'tiny-v2'
+    thread, box = _update_in_background(ros, world['v2'])   # installed before: reused
+    time.sleep(0.2)
+    # Queued behind the others (then taken into the hold) or held at once: either way it
+    # waits out the drain and runs on the new model.
+    late = llm.generate('Hello', max_tokens=4)
+    outcomes = [h.result(timeout=120) for h in handles + [late]]
+    thread.join(120)
+    assert box and box[0].success and 'now serving tiny-v2' in box[0].message, box
+    assert re.search(r'drained [1-9]\d* running goal\(s\) in [\d.]+ s\)', box[0].message)
+    # Nothing aborted: the running goal finished, the waiting ones ran after the swap.
+    assert all(o.status == 'succeeded' for o in outcomes), outcomes
+    tiny = llm.model_info(timeout=30).model_name
+    wait_for(lambda: len(transcripts) >= len(handles) + 1, 30, "the goals' transcripts")
+    model_of = {bytes(t.goal_id.uuid).hex(): t.model for t in transcripts}
+    models = [model_of[h.goal_id] for h in handles + [late]]
+    assert models[0] == medium and models[-1] == tiny, models
+    # Each goal ran on the old model or the new one, and none on the old after the swap.
+    assert models == sorted(models, key=lambda m: m == tiny), models
+    assert llm.generate('Hello', max_tokens=4).result(timeout=60).ok
+
+
+def test_goals_still_running_at_the_drain_timeout_end_with_model_update(world, ros, llm):
+    assert _update(ros, world['medium']).success   # goals of 200 tokens take a second
+    wait_for(lambda: ros.state(SERVER) == 'active', 30, 'the node active again')
+    _set(ros, 'update.drain_timeout_s', 0.0)
+    try:
+        streaming = threading.Event()
+        long = llm.generate('Count', max_tokens=200, json_schema=LONG_SCHEMA,
+                            on_feedback=lambda chunk: chunk.token_ids and streaming.set())
+        assert long.accepted
+        assert streaming.wait(60), 'the goal never streamed a token'
+        answer = _update(ros, world['v2'])
+        assert answer.success and 'cancelled at update.drain_timeout_s 0 s' in (
+            answer.message), answer.message
+        outcome = long.result(timeout=60)
+        assert outcome.status == 'aborted', outcome
+        assert outcome.error_kind == Generate.Result.ERROR_MODEL_UPDATE, outcome
+        assert outcome.finish_reason == Generate.Result.FINISH_CANCELLED, outcome
+        assert 'update.drain_timeout_s ran out' in outcome.error_message, outcome
+        assert outcome.text, 'the partial text is kept'
+    finally:
+        _set(ros, 'update.drain_timeout_s', 60.0)
     wait_for(lambda: ros.state(SERVER) == 'active', 30, 'the node active again')
     assert llm.generate('Hello', max_tokens=4).result(timeout=60).ok
+
+
+def test_sessions_go_to_the_new_model_as_text(world, ros, llm):
+    first = llm.generate('Name a color.', session_id='carried', max_tokens=4).result(timeout=60)
+    assert first.ok
+    before = llm.get_session('carried', timeout=30)
+    assert before.found and before.token_count > 0
+    answer = _update(ros, world['medium'])
+    assert answer.success, answer.message
+    wait_for(lambda: ros.state(SERVER) == 'active', 30, 'the node active again')
+    after = llm.get_session('carried', timeout=30)
+    assert after.found, 'the conversation was lost by the update'
+    assert [(t.role, t.content) for t in after.turns] == [
+        (t.role, t.content) for t in before.turns]
+    assert after.token_count == 0 and after.kv_bytes == 0   # the old model's ids and KV went
+    again = llm.generate('And another?', session_id='carried', max_tokens=4).result(timeout=60)
+    assert again.ok
+    # The whole conversation was prefilled for the new model: none of its KV was reused.
+    assert again.prompt_tokens > first.prompt_tokens, (again, first)
+    assert again.timings.cached_prompt_tokens == 0, again.timings
+    assert len(llm.get_session('carried', timeout=30).turns) == len(before.turns) + 2
+    assert _update(ros, world['v2']).success
 
 
 def test_a_model_that_fails_to_load_leaves_the_old_one_serving(world, ros, llm):
@@ -193,6 +266,58 @@ def test_kill_9_during_an_update_then_the_next_start_serves_a_valid_model(world,
         finally:
             assert node.stop() == 0, node.log()
         root.switch(root.install(world['v1'], world['trusted']).path)
+
+
+def _wait_active(ros, node: NodeProcess) -> None:
+    try:
+        ros.wait_state(node.fqn, 'active', timeout=120)
+    except AssertionError as exc:
+        raise AssertionError(f'{exc}\n{node.tail()}') from None
+
+
+def test_kill_9_in_the_middle_of_a_drain_loses_nothing_acknowledged(world, ros, tmp_path):
+    root = ModelsRoot(tmp_path / 'models')   # serving medium (context 2048, slower)
+    root.switch(root.install(world['medium'], world['trusted']).path)
+    store = tmp_path / 'sessions.db'
+    params = dict(_params(world), **{'model.path': str(root.current_link),
+                                     'update.models_root': str(root.path),
+                                     'kv.max_context': 2048, 'sessions.store': str(store)})
+    name = f'llm_node_drain_kill_{os.getpid()}'
+    node = NodeProcess(name, params)
+    try:
+        _wait_active(ros, node)
+        llm = ros.llm('/' + name)
+        # Acknowledged: its result came back, so its turn is in sessions.store.
+        kept = llm.generate('Name a color.', session_id='kept', max_tokens=4).result(timeout=60)
+        assert kept.ok, kept
+        streaming = threading.Event()
+        running = llm.generate('Count', max_tokens=LONG_TOKENS, json_schema=LONG_SCHEMA,
+                               on_feedback=lambda chunk: chunk.token_ids and streaming.set())
+        assert streaming.wait(60), 'the long goal never streamed a token'
+        update = ros.node.create_client(UpdateModel, f'/{name}/update_model')
+        assert update.wait_for_service(timeout_sec=30)
+        update.call_async(UpdateModel.Request(path=str(world['v1'])))
+        wait_for(lambda: 'draining' in node.log(), 60, 'the drain to start')
+        assert not running.done(), 'the long goal ended before the kill: no drain was caught'
+        os.kill(node.pid, signal.SIGKILL)
+        node.wait_exit(timeout=30)
+        ros.node.destroy_client(update)
+    finally:
+        if node.alive():
+            node.proc.kill()
+    # The old model is still current: the switch comes only after the new one loaded.
+    assert manifest.verify_folder(root.current(), world['trusted']).model_name == 'medium-v3'
+    node = NodeProcess(name, params)
+    try:
+        _wait_active(ros, node)
+        llm = ros.llm('/' + name)
+        session = llm.get_session('kept', timeout=30)
+        assert session.found and [t.role for t in session.turns] == ['user', 'assistant']
+        assert session.turns[1].content == kept.text
+        assert session.kv_bytes > 0    # same model: restored with its KV
+        assert llm.generate('Hello', max_tokens=4).result(timeout=60).ok
+    finally:
+        assert node.stop() == 0, node.log()
 
 
 @contextlib.contextmanager

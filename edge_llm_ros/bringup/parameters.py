@@ -13,6 +13,7 @@ rclpy would infer BYTE_ARRAY from `[]`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import difflib
 import enum
 import math
 import re
@@ -330,6 +331,11 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('update.models_root', ParamType.STRING, '',
               'Folder the updates are installed in (versions/<name> and the `current` '
               "symlink; point model.path at <root>/current); '' = updates refused"),
+    ParamSpec('update.drain_timeout_s', ParamType.DOUBLE, 60.0,
+              'How long ~/update_model lets the running goals finish before the swap (new '
+              'goals wait in the queue meanwhile); the goals still running then are '
+              'cancelled with reason model_update', read_only=False,
+              range=Range(0.0, 3600.0)),
     ParamSpec('thermal.enabled', ParamType.BOOL, True,
               'Throttle generation when the SoC runs hot'),
     ParamSpec('thermal.zones', ParamType.STRING_ARRAY, ['*'],
@@ -498,7 +504,6 @@ class NodeSchema:
 
 
 def _unknown_message(name: str, node: str, names: Iterable[str]) -> str:
-    import difflib
     names = list(names)
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
     hint = ('did you mean %s?' % ' or '.join(close)) if close else (
@@ -513,6 +518,47 @@ SCHEMAS: Dict[str, NodeSchema] = {
     'perception': NodeSchema('perception', PERCEPTION_SPECS, complete=False),
     'openai_bridge': NodeSchema('openai_bridge', OPENAI_BRIDGE_SPECS, complete=False),
 }
+
+
+# Overrides ROS itself reads on any node (QoS of its publishers and subscriptions): a shared
+# params file may set them for topics this node never opens.
+ROS_OVERRIDE_PREFIXES = ('qos_overrides.',)
+
+
+def check_overrides(node: str, overrides: Iterable[str],
+                    declared: Callable[[str], bool]) -> Tuple[str, ...]:
+    """Refuse overrides (command line, params files, launch) that name no parameter of `node`.
+
+    rclpy keeps an override of an undeclared name and says nothing, so a typo would pass
+    silently. `declared(name)` says whether the node declared the name (its schema and
+    rclpy's own, such as use_sim_time). A name another node of this package declares passes
+    through: a shared params file's `/**` section sets it for every node, and only that node
+    reads it. Returns the names that passed through (sorted, for a log line); raises
+    UnknownParameterError naming every unknown override and its closest declared names.
+    """
+    own = SCHEMAS[node].names() if node in SCHEMAS else ()
+    others = {name for key, other in SCHEMAS.items() if key != node for name in other.names()}
+    unknown, passed = [], []
+    for name in sorted(overrides):
+        if declared(name) or name.startswith(ROS_OVERRIDE_PREFIXES):
+            continue
+        if name in others:
+            passed.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise UnknownParameterError(
+            '%s: %d parameter override(s) name no parameter of %s: %s. They came from the '
+            'command line (-p), a params file or a launch file: fix the name, or address it '
+            'to the node that declares it' % (node, len(unknown), node, '; '.join(
+                _override_hint(name, own) for name in unknown)))
+    return tuple(passed)
+
+
+def _override_hint(name: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=3, cutoff=0.6)
+    return '%r (did you mean %s?)' % (name, ' or '.join(close)) if close else (
+        '%r (nothing close; `ros2 param list` on the node lists its parameters)' % name)
 
 
 def schema(node: str) -> NodeSchema:

@@ -25,7 +25,7 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.nodes.llm_admission import Admission, error_kind_of, NodeGoal
-from edge_llm_ros.nodes.messages import (error_kind, fill_result, ros_string,
+from edge_llm_ros.nodes.messages import (error_kind, fill_result, ros_string, stopped_kind,
                                          tool_call_delta_msgs)
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.runtime.types import StopReason
@@ -87,36 +87,32 @@ class GenerateServer:
         An invalid request is accepted too, and aborted in on_accepted with its reason.
         """
         self._drop_unclaimed()
-        problem = self._admission.admit()
+        goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
+        problem = self._admission.admit(goal)
         if problem:
             self._node.get_logger().warn(f'goal rejected: {problem}')
             self._admission.publish_transcript(Transcript.SOURCE_ACTION, UUID(), msg, None,
                                                None, accepted=False, error=problem)
             return GoalResponse.REJECT
-        self._accepting = (msg,) + self._queue(msg)
+        self._accepting = (msg,) + self._queue(msg, goal)
         return GoalResponse.ACCEPT
 
-    def _queue(self, msg: Generate.Goal) -> Tuple[NodeGoal, FeedbackGate]:
-        goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
+    def _queue(self, msg: Generate.Goal, goal: NodeGoal) -> Tuple[NodeGoal, FeedbackGate]:
         gate = FeedbackGate()
+        goal.on_feedback = gate.put
         try:
-            worker = self._admission.prepare(msg, goal)
+            self._admission.enqueue(msg, goal)
         except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
             goal.error_kind = error_kind_of(exc)
             goal.finish(error_result(self._admission.refusal(exc, '~/generate')))
             self._admission.resolve(goal)
-        else:
-            goal.on_feedback = gate.put
-            self._admission.submit(worker, goal)
         return goal, gate
 
     def _drop_unclaimed(self) -> None:
         """Cancel a queued goal whose accepted callback never came (rclpy failed to answer)."""
         pending, self._accepting = self._accepting, None
         if pending is not None:
-            worker = self._node.worker
-            if worker is not None and pending[1].request is not None:
-                worker.cancel(pending[1], CancelReason.CLIENT)
+            self._stop(pending[1])
 
     def on_accepted(self, goal_handle) -> None:
         """Give the goal queued by on_goal its handle; its execute coroutine awaits its end."""
@@ -126,7 +122,8 @@ class GenerateServer:
         else:   # not the message on_goal saw (cannot happen with rclpy's action server)
             self._accepting = pending
             self._drop_unclaimed()
-            goal, gate = self._queue(goal_handle.request)
+            goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
+            goal, gate = self._queue(goal_handle.request, goal)
         self._goals[bytes(goal_handle.goal_id.uuid)] = goal
         goal_handle.execute()
         gate.release(functools.partial(self._send_feedback, goal_handle))
@@ -146,10 +143,16 @@ class GenerateServer:
         with self._cancels_lock:
             self._cancels_recorded.append(goal.cancel_applied)
         self._cancels_recorded_gc.trigger()
+        self._stop(goal)
+        return CancelResponse.ACCEPT
+
+    def _stop(self, goal: NodeGoal) -> None:
+        """Cancel a goal for its client, wherever it is: held by a model update, or queued."""
+        if self._admission.cancel_held(goal, CancelReason.CLIENT):
+            return
         worker = self._node.worker
         if goal.request is not None and worker is not None:
             worker.cancel(goal, CancelReason.CLIENT)
-        return CancelResponse.ACCEPT
 
     def _on_cancels_recorded(self) -> None:
         """Tell the goals whose cancel request rclpy has now recorded (see on_cancel)."""
@@ -175,7 +178,8 @@ class GenerateServer:
         node = self._node
         result, reason = goal.result, goal.cancel_reason
         error = result.error
-        stopped = reason in (CancelReason.DEACTIVATED, CancelReason.SHUTDOWN)
+        stopped = reason in (CancelReason.DEACTIVATED, CancelReason.SHUTDOWN,
+                             CancelReason.MODEL_UPDATE)
         if result.stop_reason is StopReason.CANCELLED:
             if reason is CancelReason.CLIENT and goal_handle.is_cancel_requested:
                 goal_handle.canceled()
@@ -194,13 +198,14 @@ class GenerateServer:
         if error:
             node.get_logger().warn(f'goal aborted: {error}')
         msg = fill_result(Generate.Result(), result, error, self._admission.token_strings,
-                          error_kind(result, goal.error_kind, stopped, goal.refused))
+                          error_kind(result, goal.error_kind or stopped_kind(reason), stopped,
+                                     goal.refused))
         node.figures.goal_ended(outcome, msg.error_kind or msg.finish_reason, result,
                                 time.monotonic() - goal.accepted_at, goal.queued)
         self._admission.publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
                                            goal_handle.request, goal.ran or goal.request, msg,
                                            accepted=True, accepted_stamp=goal.stamp,
-                                           error=error)
+                                           error=error, model=goal.model)
         return msg
 
     def _send_feedback(self, goal_handle, chunk: Feedback) -> None:

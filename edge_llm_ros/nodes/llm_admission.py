@@ -26,7 +26,7 @@ import functools
 import threading
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 from rclpy.task import Future
 
@@ -36,7 +36,8 @@ from edge_llm_ros.errors import EngineError
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.nodes.messages import build_transcript, queue_order, to_request
 from edge_llm_ros.qos import TRANSCRIPT_QOS
-from edge_llm_ros.serving.goal import CancelReason, check_priority, error_result, Goal
+from edge_llm_ros.serving.goal import (cancelled_result, CancelReason, check_priority,
+                                       error_result, Feedback, Goal)
 from edge_llm_ros.serving.worker import EngineWorker, QueueFullError, WorkerStoppedError
 
 
@@ -51,6 +52,11 @@ class NodeGoal(Goal):
     cancel_applied: Future = field(default_factory=Future, repr=False)
     # Generate.Result.ERROR_* decided at admission (invalid request), '' otherwise.
     error_kind: str = ''
+    # The model it was prepared for (and runs on): a model update may swap the node's first.
+    model: str = ''
+    # The request message, kept so that a model update can prepare it again for the new model.
+    msg: Any = field(default=None, repr=False)
+    reserved: bool = False              # holds a reservation on the worker (admit)
     accepted_at: float = field(default_factory=time.monotonic)   # for goal_duration_seconds
 
     @property
@@ -75,13 +81,29 @@ class Admission:
         self._node = node
         self._answering = threading.Condition()   # see wait_requests_answered
         self._answering_count = 0
+        # While a model update drains and swaps, admitted requests wait here, unprepared, in
+        # arrival order (None: not holding). The lock orders holding against enqueueing: once
+        # hold() returns, no request is being prepared for the old model.
+        self._hold_lock = threading.RLock()
+        self._held: Optional[List[NodeGoal]] = None
+        self._hold_capacity = 0
         self._transcript_pub = node.create_publisher(Transcript, '~/transcript',
                                                      TRANSCRIPT_QOS)
 
     # ---- admission and validation ------------------------------------------------------------
-    def admit(self) -> str:
-        """Reserve a queue slot for a new request; return why not ('' when reserved)."""
+    def admit(self, goal: NodeGoal) -> str:
+        """Reserve a queue slot for a new request; return why not ('' when admitted).
+
+        While a model update holds requests, the place is one of the hold's.
+        """
         node = self._node
+        with self._hold_lock:
+            if self._held is not None:
+                if len(self._held) < self._hold_capacity:
+                    return ''
+                node.figures.goal_rejected(figures.REJECTED_QUEUE_FULL)
+                return (f'queue full ({len(self._held)} goal(s) wait for the model update to '
+                        'finish): retry later or raise ~/queue.depth')
         worker = node.worker
         if worker is None or not worker.accepting:
             node.figures.goal_rejected(figures.REJECTED_NOT_ACTIVE)
@@ -91,7 +113,21 @@ class Admission:
             node.figures.goal_rejected(figures.REJECTED_QUEUE_FULL)
             return (f'queue full ({worker.queue_depth} goal(s) already wait behind the '
                     f'running one): retry later or raise ~/queue.depth')
+        goal.reserved = True
         return ''
+
+    def enqueue(self, msg, goal: NodeGoal) -> None:
+        """Prepare an admitted request and queue it, or hold it while a model update runs.
+
+        Raises what prepare() raises (the request was not queued).
+        """
+        goal.msg = msg
+        with self._hold_lock:
+            if self._held is not None:
+                self._hold(goal)
+                return
+            worker = self.prepare(msg, goal)
+            self.submit(worker, goal)
 
     def prepare(self, msg, goal: NodeGoal) -> EngineWorker:
         """Validate an admitted request once into `goal`; on failure give the reservation back.
@@ -112,11 +148,14 @@ class Admission:
             goal.priority, goal.preempt = check_priority(priority), preempt
             described = resolver.describe(handles)
             images = resolver.describe_images(list(getattr(msg, 'images', ())))  # Generate only
+            goal.model = engine.model_name
             goal.request = engine.prepare(to_request(
                 msg, node.runtime.defaults, described.declared if described else None,
                 images.declared if images else ()))
         except BaseException:
-            worker.unreserve()
+            if goal.reserved:
+                goal.reserved = False
+                worker.unreserve()
             raise
         # The frames are mapped on the worker, only while the goal runs (see embeddings.py).
         if goal.request.embeddings is not None:
@@ -144,8 +183,9 @@ class Admission:
 
     def submit(self, worker: EngineWorker, goal: NodeGoal) -> None:
         """Queue a prepared goal on its reserved slot; its end completes goal.done_future."""
+        reserved, goal.reserved = goal.reserved, False
         try:
-            worker.submit(goal, reserved=True)
+            worker.submit(goal, reserved=reserved)
         except (QueueFullError, WorkerStoppedError) as exc:
             # Deactivated or cleaned up between admission and now.
             goal.cancel_reason = CancelReason.DEACTIVATED
@@ -164,20 +204,107 @@ class Admission:
             executor.wake()
 
     def stopped_message(self, reason: CancelReason) -> str:
+        if reason is CancelReason.MODEL_UPDATE:
+            return (f'{self._node.get_name()} updated its model: the goal still ran when '
+                    'update.drain_timeout_s ran out; partial text kept (a retry runs on the '
+                    'new model)')
         why = {CancelReason.DEACTIVATED: 'was deactivated',
                CancelReason.SHUTDOWN: 'is shutting down'}.get(reason, 'stopped the goal')
         return (f'{self._node.get_name()} {why} while the goal was waiting or running; partial '
                 'text kept')
 
+    # ---- holding requests through a model update ---------------------------------------------
+    def hold(self, capacity: int) -> None:
+        """Hold new requests (up to `capacity`) instead of queueing them on the worker."""
+        with self._hold_lock:
+            if self._held is None:
+                self._held, self._hold_capacity = [], capacity
+
+    @property
+    def holding(self) -> int:
+        """Return how many requests are held (0 also when not holding)."""
+        held = self._held
+        return len(held) if held is not None else 0
+
+    def hold_waiting(self, worker: EngineWorker) -> None:
+        """Hold the goals waiting in the worker's queue too, ahead of those held since."""
+        with self._hold_lock:
+            self._held[:0] = worker.take_waiting()
+            for place, goal in enumerate(self._held, 1):
+                if goal.on_feedback is not None:
+                    goal.on_feedback(Feedback(queue_position=place))
+
+    def _hold(self, goal: NodeGoal) -> None:
+        worker = self._node.worker
+        if goal.reserved:
+            goal.reserved = False
+            if worker is not None:
+                worker.unreserve()
+        self._held.append(goal)
+        if goal.on_feedback is not None:
+            goal.on_feedback(Feedback(queue_position=len(self._held)))
+
+    def cancel_held(self, goal: NodeGoal, reason: CancelReason) -> bool:
+        """End a held goal as cancelled; False when it is not held."""
+        with self._hold_lock:
+            if self._held is None or goal not in self._held:
+                return False
+            self._held.remove(goal)
+        goal.cancel_reason = reason
+        goal.finish(cancelled_result())
+        self.resolve(goal)
+        return True
+
+    def release_held(self) -> int:
+        """Queue the held requests on the worker, each prepared for the model it now serves.
+
+        A request the new model refuses (too long for its context, an image it cannot take)
+        ends with that reason, as at admission. When the node no longer serves, each ends
+        ABORTED with error_kind unavailable. Returns how many were held.
+        """
+        with self._hold_lock:
+            held, self._held = self._held or [], None
+            for goal in held:
+                self._requeue(goal)
+        return len(held)
+
+    def _requeue(self, goal: NodeGoal) -> None:
+        problem = self.admit(goal)
+        if problem:
+            goal.error_kind = Generate.Result.ERROR_UNAVAILABLE
+            goal.finish(error_result(problem))
+            self.resolve(goal)
+            return
+        try:
+            worker = self.prepare(goal.msg, goal)
+        except Exception as exc:  # noqa: B902 - every failure ends the goal with a message
+            goal.error_kind = error_kind_of(exc)
+            goal.finish(error_result(self.refusal(exc, 'a request held by a model update')))
+            self.resolve(goal)
+            return
+        self.submit(worker, goal)
+
+    def end_held(self, reason: CancelReason) -> None:
+        """End every held request (the node shuts down while an update holds them)."""
+        with self._hold_lock:
+            held, self._held = self._held or [], None
+        for goal in held:
+            goal.cancel_reason = reason
+            goal.finish(cancelled_result())
+            self.resolve(goal)
+
     # ---- transcript, shutdown ----------------------------------------------------------------
     def publish_transcript(self, source: str, goal_id, request_msg, engine_request,
                            outcome_msg, accepted: bool, accepted_stamp=None,
-                           error: str = '') -> None:
+                           error: str = '', model: str = '') -> None:
+        """Publish one request's transcript; `model`: the one it ran on ('' = the node's)."""
         node = self._node
         engine = node.engine
+        if not model and engine is not None:
+            model = engine.model_name
         self._transcript_pub.publish(build_transcript(
             source, goal_id, request_msg, engine_request, outcome_msg, accepted=accepted,
-            model=engine.model_name if engine is not None else '',
+            model=model,
             accepted_stamp=accepted_stamp, finished_stamp=node.get_clock().now().to_msg(),
             error=error))
 

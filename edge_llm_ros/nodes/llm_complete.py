@@ -19,7 +19,7 @@ from edge_llm_msgs.msg import Transcript
 from edge_llm_msgs.srv import Complete
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.nodes.llm_admission import Admission, error_kind_of, NodeGoal
-from edge_llm_ros.nodes.messages import error_kind, fill_result
+from edge_llm_ros.nodes.messages import error_kind, fill_result, stopped_kind
 from edge_llm_ros.runtime.types import GenerationResult, StopReason
 from edge_llm_ros.serving.goal import CancelReason, error_result
 
@@ -51,7 +51,7 @@ class CompleteService:
         goal = NodeGoal(None, stamp=node.get_clock().now().to_msg(),
                         source=Transcript.SOURCE_SERVICE)
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
-        problem = self._admission.admit()
+        problem = self._admission.admit(goal)
         if problem:
             node.get_logger().warn(f'complete refused: {problem}')
             worker = node.worker
@@ -60,19 +60,19 @@ class CompleteService:
             return self._finish_service(response, goal_id, request, goal,
                                         error_result(problem), accepted=False, kind=kind)
         try:
-            worker = self._admission.prepare(request, goal)
+            self._admission.enqueue(request, goal)
         except Exception as exc:  # noqa: B902 - answered with the message (see refusal)
             return self._finish_service(response, goal_id, request, goal,
                                         error_result(self._admission.refusal(exc, '~/complete')),
                                         kind=error_kind_of(exc))
-        self._admission.submit(worker, goal)
         await goal.done_future
         result = goal.result
         if result.stop_reason is StopReason.CANCELLED and not result.error:
             result = replace(result, error=self._admission.stopped_message(goal.cancel_reason))
         stopped = goal.cancel_reason is not CancelReason.NONE
+        known = goal.error_kind or stopped_kind(goal.cancel_reason)
         return self._finish_service(response, goal_id, request, goal, result,
-                                    kind=error_kind(result, '', stopped, goal.refused))
+                                    kind=error_kind(result, known, stopped, goal.refused))
 
     def _finish_service(self, response, goal_id, request, goal: NodeGoal,
                         result: GenerationResult, accepted: bool = True,
@@ -88,5 +88,5 @@ class CompleteService:
         self._admission.publish_transcript(Transcript.SOURCE_SERVICE, goal_id, request,
                                            goal.ran or goal.request, response, accepted=accepted,
                                            accepted_stamp=goal.stamp,
-                                           error=response.error_message)
+                                           error=response.error_message, model=goal.model)
         return response

@@ -178,7 +178,13 @@ class LLMNode(LifecycleNode):
         return TransitionCallbackReturn.SUCCESS
 
     def release(self) -> None:
-        """Free the model (safe in any state; also the process exit path after Ctrl-C)."""
+        """Free the model (safe in any state; also the process exit path after Ctrl-C).
+
+        Requests held by a model update end too, unless that update is swapping the model
+        now (its cleanup comes here): it queues them on the new model itself.
+        """
+        if not self.updater.swapping:
+            self.admission.end_held(CancelReason.SHUTDOWN)
         configured, self.configured = self.configured, None
         if configured is not None:
             release(configured, CancelReason.SHUTDOWN)

@@ -22,6 +22,7 @@ from edge_llm_ros.runtime.media import DeclaredImage
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                         GenerationResult, SamplingConfig, StopReason, Timings)
+from edge_llm_ros.serving.goal import CancelReason
 
 Goal = Generate.Goal
 Result = Generate.Result
@@ -235,6 +236,11 @@ def error_kind(result: GenerationResult, known: str = '', stopped: bool = False,
     if result.stop_reason is StopReason.CANCELLED and stopped:
         return Result.ERROR_UNAVAILABLE
     return ''
+
+
+def stopped_kind(reason: CancelReason) -> str:
+    """Generate.Result.ERROR_* of a goal the node cancelled for `reason` ('' for none)."""
+    return Result.ERROR_MODEL_UPDATE if reason is CancelReason.MODEL_UPDATE else ''
 
 
 def fill_result(msg, result: GenerationResult, error_message: Optional[str] = None,

@@ -6,16 +6,24 @@ What a request does (docs/model_updates.md):
 2. The folder or delta package is verified (ed25519 signature first, then every file's
    sha256) and installed as a new version under update.models_root (edge_llm_ros.update),
    while the node keeps serving. A delta patches the model the node serves now.
-3. The swap goes through the lifecycle: deactivate (goals still queued or running end
-   ABORTED with error_kind unavailable and a message saying the node was deactivated;
-   nothing is left without a terminal state), cleanup (the old model is freed: only one
-   model is in memory at a time), configure with the new version (model.path is
-   overridden), then `<models_root>/current` is switched to it and the node is activated
-   again if it was active. While this runs, new goals are rejected as for an inactive node.
-4. If the new model does not load, the override is dropped and the old model is configured
-   (and activated) again; the response gives the load error and the new version is removed.
-`current` is switched only after the new model loaded, so a kill -9 at any point leaves it
-naming a model that loads.
+3. The drain: from here new goals (and ~/complete calls) are held by the node's admission,
+   unprepared, and so are the goals that waited in the worker's queue; the running goals
+   (paused ones too) finish. Those still running after update.drain_timeout_s are
+   cancelled: ABORTED, finish_reason cancelled, error_kind model_update, partial text kept.
+4. The swap goes through the lifecycle with no goal left to stop: deactivate, cleanup (the
+   old model is freed: only one model is in memory at a time), configure with the new
+   version (model.path is overridden), then `<models_root>/current` is switched to it and
+   the node is activated again if it was active.
+5. The sessions' conversations go to the new model as text (their ids and KV were the old
+   model's): each one's next turn prefills it again. With sessions.store the new engine
+   finds them in the file (rows of another model keep their text).
+6. The held goals are prepared for the new model and queued in their order. If the new
+   model does not load, the override is dropped and the old model is configured (and
+   activated) again; the response gives the load error, the new version is removed and the
+   held goals run on the old model.
+`current` is switched only after the new model loaded, so a kill -9 at any point (the drain
+included) leaves it naming a model that loads, and sessions.store holds every turn that
+ended before.
 
 Threading: the service is in the node's default (mutually exclusive) callback group, like
 the lifecycle services, so a change_state request never runs in the middle of a swap. Its
@@ -32,14 +40,16 @@ from dataclasses import replace
 import os
 import pathlib
 import threading
+import time
 import traceback
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
 
 from rclpy.lifecycle import TransitionCallbackReturn
 from rclpy.task import Future
 
 from edge_llm_msgs.srv import UpdateModel
 from edge_llm_ros.nodes.node_params import ConfigError
+from edge_llm_ros.serving.goal import CancelReason
 from edge_llm_ros.update import signing
 from edge_llm_ros.update.errors import UpdateError
 from edge_llm_ros.update.install import Installed, ModelsRoot
@@ -47,6 +57,8 @@ from edge_llm_ros.update.manifest import verify_folder
 
 # Versions kept under the models root after a successful swap: the new one and the previous.
 KEEP_VERSIONS = 2
+# How long the goals cancelled at the drain's end, and the session hand-over, may take.
+CANCEL_WAIT_S = 10.0
 
 
 class ModelUpdater:
@@ -57,6 +69,7 @@ class ModelUpdater:
         # The version folder installed by the last successful update ('' = model.path).
         self._override = ''
         self._just_installed = ''   # verified by the update that is being configured
+        self._swapping = False
         self._service = node.create_service(UpdateModel, '~/update_model', self._on_update,
                                             callback_group=node.default_callback_group)
 
@@ -148,23 +161,81 @@ class ModelUpdater:
         if os.path.realpath(installed.path) == previous:
             response.model_dir = previous
             return True, f'{installed.path} is already serving: nothing to do'
-        node.get_logger().info(f'model update: {previous} -> {installed.path}; goals queued '
-                               'or running are aborted')
-        return self._swap(root, installed, previous, response)
+        timeout = float(node.get_parameter('update.drain_timeout_s').value)
+        node.get_logger().info(f'model update: {previous} -> {installed.path}; draining: the '
+                               f'running goals finish (at most {timeout:g} s), new goals wait')
+        return self._swap(root, installed, previous, response, timeout)
+
+    @property
+    def swapping(self) -> bool:
+        """Whether an update is draining or swapping the model now."""
+        return self._swapping
 
     def _swap(self, root: ModelsRoot, installed: Installed, previous: str,
-              response: UpdateModel.Response) -> Tuple[bool, str]:
+              response: UpdateModel.Response, timeout: float) -> Tuple[bool, str]:
         node = self._node
+        admission, worker = node.admission, node.worker
         was_active = node.lifecycle_state() == 'active'
+        admission.hold(worker.queue_depth + worker.slots)
+        self._swapping = True
         try:
+            drained = self._drain(worker, timeout)
+            conversations = self._conversations(worker)
             if was_active:
                 node.trigger_deactivate()
             node.trigger_cleanup()
-            return self._load(root, installed, previous, response)
+            success, message = self._load(root, installed, previous, response)
+            self._adopt(conversations)
+            return success, message + drained
         finally:
-            # Whatever happened, a node that was serving serves again (if a model is loaded).
+            # Whatever happened, a node that was serving serves again (if a model is loaded),
+            # and the goals that waited run on whichever model serves now.
             if was_active and node.lifecycle_state() == 'inactive':
                 node.trigger_activate()
+            self._swapping = False
+            admission.release_held()
+
+    def _drain(self, worker: Any, timeout: float) -> str:
+        """Let the running goals finish (at most `timeout` s); say how it went.
+
+        The waiting goals move to the node's hold first, so no goal starts on the old model;
+        the ones still running when `timeout` runs out are cancelled (MODEL_UPDATE).
+        """
+        t0 = time.monotonic()
+        self._node.admission.hold_waiting(worker)
+        running = worker.unfinished()
+        cancelled = 0
+        if not worker.wait_idle(timeout):
+            cancelled = worker.unfinished()
+            worker.cancel_all(CancelReason.MODEL_UPDATE)
+            if not worker.wait_idle(CANCEL_WAIT_S):
+                self._node.get_logger().error(
+                    f'the engine worker did not go idle within {CANCEL_WAIT_S:g} s')
+        waited = time.monotonic() - t0
+        self._node.get_logger().info(
+            f'model update: drained {running} running goal(s) in {waited:.2f} s'
+            + (f', {cancelled} cancelled at update.drain_timeout_s' if cancelled else ''))
+        return (f' (drained {running} running goal(s) in {waited:.2f} s'
+                + (f', {cancelled} cancelled at update.drain_timeout_s {timeout:g} s)'
+                   if cancelled else ')'))
+
+    def _conversations(self, worker: Any) -> Dict[str, Any]:
+        """Return the old model's session conversations (the new one keeps them as text)."""
+        engine = worker.engine
+        if not hasattr(engine, 'conversations'):
+            return {}   # a remote backend keeps no sessions here
+        return worker.run_between_jobs(lambda e: e.conversations(), CANCEL_WAIT_S)
+
+    def _adopt(self, conversations: Dict[str, Any]) -> None:
+        engine = self._node.engine
+        if not conversations or engine is None:
+            return
+        adopted = self._node.worker.run_between_jobs(
+            lambda e: e.adopt_conversations(conversations), CANCEL_WAIT_S)
+        self._node.get_logger().info(
+            f'model update: {adopted} session(s) kept as text for the new model (their next '
+            f'turn prefills them again), {len(conversations) - adopted} restored from '
+            'sessions.store')
 
     def _load(self, root: ModelsRoot, installed: Installed, previous: str,
               response: UpdateModel.Response) -> Tuple[bool, str]:

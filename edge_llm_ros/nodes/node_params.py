@@ -4,7 +4,8 @@ bringup.parameters is the single source of names, types, defaults, ranges and re
 flags (one NodeSchema per node). Here each spec becomes a ParameterDescriptor, the values
 are read back and checked against the schema (including open interval ends, which ROS
 ranges cannot express), and run-time changes are checked the same way. llm_node
-(nodes/llm_config.py), frame_source and perception all go through these functions.
+(nodes/llm_config.py), frame_source, perception and openai_bridge all go through these
+functions, and read() refuses overrides that name no declared parameter.
 """
 from typing import Any, Callable, Dict, List
 
@@ -15,8 +16,10 @@ from rclpy.exceptions import (InvalidParameterTypeException, InvalidParameterVal
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from edge_llm_ros import rclpy_internals
 from edge_llm_ros.bringup.errors import BringupError
-from edge_llm_ros.bringup.parameters import NodeSchema, ParamSpec, ParamType
+from edge_llm_ros.bringup.parameters import (check_overrides, NodeSchema, ParamSpec,
+                                             ParamType)
 
 # What declare_parameter raises for an override that does not fit its descriptor.
 DECLARE_ERRORS = (InvalidParameterTypeException, InvalidParameterValueException)
@@ -65,11 +68,21 @@ def current_values(node: Node, schema: NodeSchema) -> Dict[str, Any]:
 
 
 def read(node: Node, schema: NodeSchema) -> Dict[str, Any]:
-    """Return the declared values validated against schema; ConfigError names a bad one."""
+    """Return the declared values validated against schema; ConfigError names a bad one.
+
+    Every override the node was given must name a declared parameter (check_overrides): a
+    misspelled one is a ConfigError with the closest names, never silently ignored.
+    """
     try:
-        return schema.validate(current_values(node, schema), source=node.get_name())
+        passed = check_overrides(schema.node, rclpy_internals.parameter_override_names(node),
+                                 node.has_parameter)
+        values = schema.validate(current_values(node, schema), source=node.get_name())
     except BringupError as exc:
         raise ConfigError(str(exc)) from None
+    if passed:
+        node.get_logger().info(f'parameters of other edge_llm_ros nodes passed through (a '
+                               f'shared params file): {", ".join(passed)}')
+    return values
 
 
 def declare_and_read(node: Node, schema: NodeSchema) -> Dict[str, Any]:

@@ -26,7 +26,7 @@ conversation's, raising ContextOverflowError), never truncated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import json
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -90,6 +90,16 @@ class Conversation:
         if self.images:
             raw['images'] = [im.meta() for im in self.images]
         return json.dumps(raw, ensure_ascii=False, separators=(',', ':'))
+
+    def as_text(self) -> 'Conversation':
+        """Return the turns alone, for another model: its next turn renders them afresh.
+
+        The ids and the images' rows are the old model's (its tokenizer, its projector), so
+        they go; an image's marker in a turn goes with its rows (the frame is not kept).
+        """
+        turns = tuple(replace(t, content=t.content.replace(media.MEDIA_MARKER, ''))
+                      for t in self.turns)
+        return Conversation(system=self.system, turns=turns)
 
     @property
     def media_nbytes(self) -> int:

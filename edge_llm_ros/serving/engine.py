@@ -24,7 +24,8 @@ import operator
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, load_model_info,
@@ -397,6 +398,27 @@ class Engine:
             ids = list(self._store.ids())
             ids += [c.owner for c in self._caches if c.owner and c.owner not in ids]
             return [info for info in map(self.session, ids) if info is not None]
+
+    def conversations(self) -> Dict[str, Conversation]:
+        """Return every kept session's conversation, least recently used first."""
+        with self._lock:
+            found = ((sid, self._store.conversation(sid)) for sid in self._store.ids())
+            return {sid: conv for sid, conv in found if conv is not None}
+
+    def adopt_conversations(self, conversations: Mapping[str, Conversation]) -> int:
+        """Keep another model's sessions as text (Conversation.as_text), in the given order.
+
+        Their next turn renders and prefills the whole conversation for this model. Sessions
+        this engine already keeps (restored from sessions.store) stay as they are. Returns
+        how many were adopted.
+        """
+        adopted = 0
+        with self._lock:
+            for session_id, conversation in conversations.items():
+                if session_id not in self._store:
+                    self._store.commit(session_id, conversation.as_text())
+                    adopted += 1
+        return adopted
 
     def reset_sessions(self, session_id: str = '') -> int:
         """Drop one session's KV prefix ('' = every session and the live caches).

@@ -39,6 +39,7 @@ class CancelReason(str, enum.Enum):
     SHUTDOWN = 'shutdown'        # the node is shutting down, or the engine closes
     SESSION_RESET = 'session_reset'   # its session's KV was dropped under it
     SUPERSEDED = 'superseded'    # Engine.generate was called again before it ended
+    MODEL_UPDATE = 'model_update'   # still running when a model update's drain ran out
 
 
 class GoalState(str, enum.Enum):

@@ -118,5 +118,17 @@ class GoalQueue:
         with self.lock:
             return self._queue.pop() if len(self._queue) else None
 
+    def take_all(self) -> List[Goal]:
+        """Remove every waiting goal, in admission order, as never submitted (any thread).
+
+        They may be submitted again (a model update prepares them anew for the new model).
+        """
+        with self.lock:
+            goals = self._queue.items()
+            self._queue = WaitQueue()
+        for goal in goals:
+            goal.arrival, goal.submitted_at = 0, 0.0
+        return goals
+
     def __len__(self) -> int:
         return len(self._queue)

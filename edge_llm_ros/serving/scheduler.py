@@ -245,6 +245,10 @@ class Scheduler:
     def waiting(self) -> List[Goal]:
         return self._queue.waiting()
 
+    def take_waiting(self) -> List[Goal]:
+        """Remove the waiting goals, unsubmitted (any thread; GoalQueue.take_all)."""
+        return self._queue.take_all()
+
     # --- owner thread: state -------------------------------------------------------------------
     def live(self) -> List[Goal]:
         """Goals holding a slot (prefilling or decoding)."""

@@ -17,7 +17,8 @@
   the file valid.
 * The disk holds what memory holds: the SnapshotStore's byte/count bounds evict here too.
 * A restart restores the rows written for this model (model_hash), by this converter version
-  and for this KV layout; every other row is deleted, with one log line saying how many and
+  and for this KV layout. Another row keeps its conversation as text (a model update: the
+  next turn prefills it again) or, without one, is deleted; one log line says how many and
   why. See docs/sessions.md.
 """
 from __future__ import annotations
@@ -287,61 +288,79 @@ class SessionStore:
 
     # --- restoring ---------------------------------------------------------------------------
     def restore_into(self, snaps: SnapshotStore, capacity: int) -> int:
-        """Load the rows that fit this model into snaps (oldest first); delete the others.
+        """Load the rows that fit this model into snaps (oldest first); deal with the others.
 
-        Logs one line: how many were restored, and how many dropped and why. Returns the
-        number restored.
+        A row whose KV this model cannot use (another model, converter version, KV layout,
+        or longer than the context) keeps its conversation as text (Conversation.as_text,
+        written back for this model): its next turn prefills it afresh. Rows without a
+        conversation, unreadable ones and those beyond the bounds are deleted. Logs one
+        line: how many were restored, kept as text, and dropped, and why. Returns the number
+        restored with their KV.
         """
         rows = [_Row(*r) for r in self._db.execute(
             'SELECT session_id, model_hash, converter_version, layout, positions, nbytes, tick'
             ' FROM sessions ORDER BY tick DESC')]
         why: Dict[str, int] = {}
-        keep: List[_Row] = []
+        as_text: Dict[str, int] = {}
+        keep: List[Tuple[_Row, Optional[str]]] = []   # (row, why its KV goes, or None)
         used = 0
         for row in rows:  # newest first: the bounds keep the most recently used
             reason = self._mismatch(row, capacity)
-            if reason is None and not (len(keep) < snaps.max_sessions and (
-                    snaps.max_bytes is None or used + row.nbytes <= snaps.max_bytes)):
+            weight = row.nbytes if reason is None else 0
+            if not (len(keep) < snaps.max_sessions and (
+                    snaps.max_bytes is None or used + weight <= snaps.max_bytes)):
                 reason = 'over the kv.max_sessions / sessions.max_bytes bound'
-            if reason is not None:
                 why[reason] = why.get(reason, 0) + 1
                 continue
-            keep.append(row)
-            used += row.nbytes
+            keep.append((row, reason))
+            used += weight
         restored = 0
-        for row in reversed(keep):
+        kept = set()
+        for row, reason in reversed(keep):
             (keys_text, blob, text, media), = self._db.execute(
                 'SELECT keys, data, conversation, media FROM sessions WHERE session_id = ?',
                 (row.session_id,))
             try:
-                keys = decode_keys(keys_text)
-                if len(keys) != row.positions:
-                    raise ValueError(f'{len(keys)} keys for {row.positions} positions')
-                snap = self.layout.decode(keys, blob) if keys else None
                 conversation = Conversation.from_json(text, bytes(media)) if text else None
+                snap = None
+                if reason is None:
+                    keys = decode_keys(keys_text)
+                    if len(keys) != row.positions:
+                        raise ValueError(f'{len(keys)} keys for {row.positions} positions')
+                    snap = self.layout.decode(keys, blob) if keys else None
             except ValueError as exc:
                 reason = f'unreadable ({exc})'
                 why[reason] = why.get(reason, 0) + 1
-                keep.remove(row)
                 continue
+            if reason is not None:
+                if conversation is None:   # a KV prefix alone: nothing left to keep
+                    why[reason] = why.get(reason, 0) + 1
+                    continue
+                conversation = conversation.as_text()
             if not snaps.load(row.session_id, snap, conversation, row.tick):
                 why['empty'] = why.get('empty', 0) + 1
-                keep.remove(row)
                 continue
-            restored += 1
-        kept = {r.session_id for r in keep}
+            kept.add(row.session_id)
+            if reason is None:
+                restored += 1
+            else:   # written back as this model's row: text only, no KV
+                as_text[reason] = as_text.get(reason, 0) + 1
+                self.save(row.session_id, None, conversation, row.tick)
         dropped = [r.session_id for r in rows if r.session_id not in kept]
         if dropped:
             self._db.execute('BEGIN IMMEDIATE')
             self._db.executemany('DELETE FROM sessions WHERE session_id = ?',
                                  [(d,) for d in dropped])
             self._db.execute('COMMIT')
-            reasons = '; '.join(f'{n} {r}' for r, n in why.items())
-            _log.warning('sessions.store %s: restored %d saved sessions (%d bytes), dropped %d: '
-                         '%s', self.path, restored, snaps.nbytes(), len(dropped), reasons)
-        else:
-            _log.info('sessions.store %s: restored %d saved sessions (%d bytes)', self.path,
-                      restored, snaps.nbytes())
+        line = 'sessions.store %s: restored %d saved sessions (%d bytes)' % (
+            self.path, restored, snaps.nbytes())
+        if as_text:
+            line += ', kept %d as text only (their next turn prefills them again): %s' % (
+                sum(as_text.values()), '; '.join(f'{n} {r}' for r, n in as_text.items()))
+        if dropped:
+            line += ', dropped %d: %s' % (len(dropped),
+                                          '; '.join(f'{n} {r}' for r, n in why.items()))
+        _log.log(logging.WARNING if dropped or as_text else logging.INFO, line)
         return restored
 
     def _mismatch(self, row: _Row, capacity: int) -> Optional[str]:

@@ -63,6 +63,10 @@ class StreamScheduler:
     def waiting(self) -> List[Goal]:
         return self._queue.waiting()
 
+    def take_waiting(self) -> List[Goal]:
+        """Remove the waiting goals, unsubmitted (any thread; GoalQueue.take_all)."""
+        return self._queue.take_all()
+
     def live(self) -> List[Goal]:
         return [self._current] if self._current is not None else []
 

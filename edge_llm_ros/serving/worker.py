@@ -19,8 +19,8 @@ What other threads read about goals (queue positions, running and waiting counts
 QueueView the worker publishes after every change, never from the scheduler's live state.
 
 Threading contract:
-- `submit`, `cancel`, `cancel_all`, `snapshot`, `position`, `run_between_jobs` may be called
-  from any thread.
+- `submit`, `cancel`, `cancel_all`, `take_waiting`, `snapshot`, `position`,
+  `run_between_jobs` may be called from any thread.
 - `Goal.on_feedback` and `Goal.on_done` run on the worker thread, except when a goal is
   cancelled while still queued (then `on_done` runs on the cancelling thread) and when a
   session goal's committed turn is being written to sessions.store (then `on_done` runs on
@@ -285,6 +285,26 @@ class EngineWorker:
             goals = list(self._goals)
         for goal in goals:
             self.cancel(goal, reason)
+
+    def take_waiting(self) -> List[Goal]:
+        """Remove the goals that wait for a slot and hand them back, never submitted.
+
+        Running and paused goals go on. A model update takes the waiting goals so that they
+        run on the new model, prepared for it, instead of on this worker's.
+        """
+        with self._lock:
+            if self._loop is None:
+                return []
+            goals = self._loop.scheduler.take_waiting()
+            for goal in goals:
+                self._forget(goal)
+            self._publish()
+        return goals
+
+    def unfinished(self) -> int:
+        """Return how many submitted goals have not ended (running, paused or waiting)."""
+        with self._lock:
+            return len(self._goals)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no goal runs or waits; False on timeout."""
