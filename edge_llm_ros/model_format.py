@@ -29,7 +29,11 @@ MODEL_YAML = 'model.yaml'
 # op library's row-exact CausalAttention (model.yaml `attention`). 7: vision.onnx takes uint8
 # tiles and normalizes them (VISION_INPUT); kquant folders' gate|up ops apply the MLP
 # activation (`glu`) and CausalAttention the q/k head norms, which an older library lacks.
-CONVERTER_VERSION = '7'
+# 8: model.yaml `name` is the display name (family, size, architecture, weight types: see
+# display_name), `gguf_name` the source's own name (GGUF general.name) and `parameters` the
+# parameter count. An older folder still runs (showing its raw name); the bump makes
+# scripts/setup.sh and the benches reconvert their cached folders so that they show it.
+CONVERTER_VERSION = '8'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
@@ -56,7 +60,7 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 class ModelInfo:
     """The model.yaml written by the converter (only what the runtime needs is typed)."""
 
-    name: str
+    name: str  # the display name (display_name); a folder before converter 8: the raw name
     architecture: str
     num_layers: int
     num_heads: int
@@ -74,6 +78,9 @@ class ModelInfo:
     # 'causal': the op library's CausalAttention (each position computed alone, so a verify
     # pass over k+1 positions gives the bits of k+1 decode steps); 'gqa': onnxruntime's.
     attention: str = 'gqa'
+    # The source's own name, as it said it (GGUF general.name, an HF folder's name).
+    gguf_name: str = ''
+    parameters: int = 0  # parameter count of the decoder (0: a folder before converter 8)
     extra: Dict = field(default_factory=dict)  # every other key, kept for reports
 
 
@@ -105,8 +112,12 @@ def load_model_info(model_dir: str) -> ModelInfo:
         eos = tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
         bos = raw.get('bos_token_id')
         kv_max = raw.get('kv_max_context')
+        name = str(raw.get('name') or os.path.basename(os.path.normpath(model_dir)))
         spec = ModelInfo(
-            name=str(raw.get('name') or os.path.basename(os.path.normpath(model_dir))),
+            name=name,
+            # Before converter 8 `name` was the source's name itself.
+            gguf_name=str(raw['gguf_name'] if 'gguf_name' in raw else name),
+            parameters=int(raw.get('parameters') or 0),
             architecture=str(raw['architecture']),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos,
@@ -129,6 +140,43 @@ def load_model_info(model_dir: str) -> ModelInfo:
     if min(ints.values()) < 1:
         raise ModelLoadError(f'{path} has a non-positive size: {REGENERATE_HINT}')
     return spec
+
+
+def size_label(parameters: int) -> str:
+    """Round a parameter count as GGUF's general.size_label does: 135M, 1.5B, 8.0B, 14B.
+
+    gguf-py's model_weight_count_rounded_notation: K/M/B/T, with at least two digits.
+    """
+    count = int(parameters)
+    for scale, suffix in ((1e12, 'T'), (1e9, 'B'), (1e6, 'M')):
+        if count > scale:
+            break
+    else:
+        scale, suffix = 1e3, 'K'
+    scaled = count / scale
+    decimals = max(2 - len(str(round(scaled)).lstrip('0')), 0)
+    return f'{scaled:.{decimals}f}{suffix}'
+
+
+def weight_types_text(quantization: object) -> str:
+    """Return the weight types of model.yaml's quantization: 'Q4_1 + Q8_0', or 'int4'."""
+    if not isinstance(quantization, dict):
+        return ''
+    if quantization.get('precision') == 'int4':
+        return 'int4'
+    return ' + '.join(str(t) for t in quantization.get('source_types') or ())
+
+
+def display_name(family_label: str, architecture: str, parameters: int,
+                 weight_types: str) -> str:
+    """Return a model's name for people: 'SmolLM2 135M (llama, Q4_1 + Q8_0)'.
+
+    family_label: the family config's display_name (or the architecture's label, see
+    runtime.model_config.family_label); parameters: the decoder's parameter count.
+    """
+    size = f' {size_label(parameters)}' if parameters > 0 else ''
+    detail = ', '.join(p for p in (architecture, weight_types) if p)
+    return f'{family_label}{size}' + (f' ({detail})' if detail else '')
 
 
 def cache_root() -> pathlib.Path:

@@ -35,6 +35,8 @@ def test_generate_streams_text_and_prints_timings(tiny_dir):
         GenerationRequest(prompt='robot arm', max_tokens=7)).run_to_end()
     assert proc.stdout == expected.text + '\n'
     assert '7 generated' in proc.stderr and 'TTFT' in proc.stderr
+    # The display name (family, size, architecture, types), not the GGUF's 'tiny-llama'.
+    assert '[Llama 93K (llama, Q4_0 + Q4_1 + Q8_0)] length: ' in proc.stderr, proc.stderr
     assert 'decode' in proc.stderr and 'tok/s' in proc.stderr
 
 

@@ -31,9 +31,10 @@ from edge_llm_ros.convert.converter import convert, main
 from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedModelError
 
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61]
-YAML_KEYS = {'name', 'architecture', 'num_layers', 'num_heads', 'num_kv_heads', 'head_dim',
-             'hidden_size', 'vocab_size', 'max_position_embeddings', 'rope_theta',
-             'rms_norm_eps', 'activation_dtype', 'bos_token_id', 'eos_token_ids',
+YAML_KEYS = {'name', 'gguf_name', 'parameters', 'architecture', 'num_layers', 'num_heads',
+             'num_kv_heads', 'head_dim', 'hidden_size', 'vocab_size',
+             'max_position_embeddings', 'rope_theta', 'rms_norm_eps', 'activation_dtype',
+             'bos_token_id', 'eos_token_ids',
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
              'kv_max_context', 'rope_scaling', 'qk_norm', 'post_norms', 'activation',
              'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap',

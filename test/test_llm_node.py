@@ -31,6 +31,9 @@ SERVER = '/' + NODE
 NODE_MAX_TOKENS = 8
 QUEUE_DEPTH = 2
 FEEDBACK_TOKENS = 3
+# The medium tiny model's display name (family, size, architecture, weight types); its GGUF
+# says 'tiny-llama' (docs/architectures.md, "The model's name").
+MODEL_NAME = 'Llama 19M (llama, Q4_0 + Q4_1 + Q8_0)'
 # How long a stream waits for feedback still in flight after the result. The client's 1 s
 # is a latency trade-off for robots; these tests check completeness, on a loaded CI machine.
 STREAM_GRACE_S = 30.0
@@ -319,7 +322,7 @@ def test_diagnostics_report_the_engine(llm, ros):
     status = ros.next_status(SERVER)
     assert status['level'] == 0, status
     assert status['state'] == 'active' and status['message'] == 'ready'
-    assert status['model'] == 'tiny-llama'
+    assert status['model'] == MODEL_NAME and status['gguf_name'] == 'tiny-llama'
     assert status['queue_depth'] == str(QUEUE_DEPTH) and status['queue_waiting'] == '0'
     assert float(status['last_ttft_ms']) > 0
     assert float(status['decode_tokens_per_second']) > 0
@@ -361,7 +364,7 @@ def test_runtime_parameters_change_defaults_and_transcript_shows_them(
         assert record.effective_sampling.top_k == 5 and record.effective_sampling.seed == 7
         assert record.sampling.top_k == -1   # the request as received
         assert record.text == outcome.text and record.finish_reason == outcome.finish_reason
-        assert record.model == 'tiny-llama' and record.completion_tokens == 3
+        assert record.model == MODEL_NAME and record.completion_tokens == 3
     finally:
         _set_parameter(ros, 'sampling.top_k', ParameterValue(
             type=ParameterType.PARAMETER_INTEGER, integer_value=0))

@@ -23,6 +23,8 @@ def test_demo_answers_through_the_action_and_stops_cleanly():
     assert 'blue' in proc.stdout.lower(), proc.stdout
     assert 'TTFT' in proc.stderr and 'decode' in proc.stderr
     assert 'stopped (exit code 0)' in proc.stderr
+    # The model by family and size, not the GGUF's 'Smollm2 135M 8k Lc100K Mix1 Ep2'.
+    assert 'demo: SmolLM2 135M (llama, Q4_1 + Q8_0): ' in proc.stderr, proc.stderr
     # setup.sh built the op library, so the embedded model runs on GGUF blocks.
     assert 'kquant (GGUF blocks)' in proc.stderr and 'kernel kquant (' in proc.stderr, \
         proc.stderr

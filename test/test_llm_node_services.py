@@ -65,7 +65,10 @@ def test_model_info_reports_the_model_and_its_capabilities(llm):
     info = llm.model_info(timeout=30)
     assert info.success and info.loaded, info.error_message
     assert info.family == 'smollm2' and info.architecture == 'llama'
-    assert info.model_name and os.path.isdir(info.model_dir)
+    assert os.path.isdir(info.model_dir)
+    # The display name, and the GGUF's general.name kept raw (issue 37).
+    assert info.model_name == 'SmolLM2 135M (llama, Q4_1 + Q8_0)'
+    assert info.gguf_name == 'Smollm2 135M 8k Lc100K Mix1 Ep2'
     assert info.vocab_size == 49152 and info.context_length >= 512
     assert '<|im_start|>' in info.chat_template
     assert info.supports_tools and info.supports_embeddings_input

@@ -27,8 +27,9 @@ from edge_llm_ros.convert.onnx_graph import (DecoderGraph, GraphOptions, LayerWe
                                              Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
-from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML,
-                                       PRECISIONS, WEIGHT_FORMATS)
+from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, MODEL_FILE,
+                                       MODEL_YAML, PRECISIONS, WEIGHT_FORMATS,
+                                       weight_types_text)
 from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
@@ -253,8 +254,17 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
     onnx.save_model(model, str(tmp / MODEL_FILE))
     bar.update()
     bar.close()
+    quantization = {'bits': 4, 'block_size': opts.block_size,
+                    'source_types': ckpt.source_types(),
+                    'accuracy_level': opts.accuracy_level,
+                    'exact_q4_1': opts.exact_q4_1, 'precision': opts.precision,
+                    'offset_levels': opts.graph_offset_levels,
+                    'weight_bytes_per_token': int(graph.weight_bytes),
+                    'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))}
     meta = {
-        'name': s.name, 'architecture': s.architecture, 'num_layers': s.num_layers,
+        'name': model_display_name(ckpt, quantization), 'gguf_name': s.name,
+        'parameters': parameter_count(ckpt), 'architecture': s.architecture,
+        'num_layers': s.num_layers,
         'num_heads': s.num_heads, 'num_kv_heads': s.num_kv_heads, 'head_dim': s.head_dim,
         'hidden_size': s.hidden_size, 'vocab_size': s.vocab_size,
         'max_position_embeddings': s.max_position_embeddings,
@@ -277,13 +287,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'bos_token_id': specials.get('bos_token_id'),
         'eos_token_ids': list(specials.get('eos_token_ids', [])),
         'add_bos_token': bool(specials.get('add_bos_token', False)),
-        'quantization': {'bits': 4, 'block_size': opts.block_size,
-                         'source_types': ckpt.source_types(),
-                         'accuracy_level': opts.accuracy_level,
-                         'exact_q4_1': opts.exact_q4_1, 'precision': opts.precision,
-                         'offset_levels': opts.graph_offset_levels,
-                         'weight_bytes_per_token': int(graph.weight_bytes),
-                         'weights': opts.weight_format, 'ops': dict(sorted(ops.items()))},
+        'quantization': quantization,
         'op_domains': sorted(graph.ops_used),
         'attention': _attention(ckpt, opts, vision),
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
@@ -302,6 +306,24 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         os.chmod(f, 0o644)  # onnx writes the data file 0600; the model is meant to be shared
         with open(f, 'rb') as fh:
             os.fsync(fh.fileno())
+
+
+def parameter_count(ckpt: Checkpoint) -> int:
+    """Count the decoder's parameters: every tensor it reads (a tied head counted once)."""
+    return sum(int(np.prod(t.shape, dtype=np.int64)) for t in ckpt.tensors.values())
+
+
+def model_display_name(ckpt: Checkpoint, quantization: dict) -> str:
+    """Return 'SmolLM2 135M (llama, Q4_1 + Q8_0)': family, size, architecture, weight types.
+
+    The source's own name (GGUF general.name, e.g. "Smollm2 135M 8k Lc100K Mix1 Ep2") picks
+    the family and is kept as model.yaml's gguf_name.
+    """
+    from edge_llm_ros.runtime.model_config import family_label
+    s = ckpt.spec
+    label = family_label({'gguf_name': s.name, 'architecture': s.architecture})
+    return display_name(label, s.architecture, parameter_count(ckpt),
+                        weight_types_text(quantization))
 
 
 def _bidirectional(vision) -> bool:

@@ -59,6 +59,9 @@ class Health:
         engine = node.engine
         thermal = self._poll_thermal(configured)   # first: the gauges read this poll
         extra = tuple(thermal.diagnostics().items()) if thermal is not None else ()
+        gguf_name = getattr(getattr(engine, 'info', None), 'gguf_name', '')
+        if gguf_name:   # `model` is the display name; this, the source's own name
+            extra += (('gguf_name', gguf_name),)
         kernel = getattr(engine, 'kernel', '')
         if kernel:
             extra += (('kernel', kernel),)

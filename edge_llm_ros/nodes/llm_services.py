@@ -52,8 +52,8 @@ def model_info(engine: Any, response: GetModelInfo.Response,
         return response
     info = engine.model_info()
     caps = info.get('capabilities', {})
-    for name in ('model_name', 'model_dir', 'architecture', 'quantization', 'family',
-                 'chat_template', 'tool_call_format', 'kernel'):
+    for name in ('model_name', 'gguf_name', 'model_dir', 'architecture', 'quantization',
+                 'family', 'chat_template', 'tool_call_format', 'kernel'):
         setattr(response, name, str(info.get(name) or ''))
     response.context_length = int(info.get('context_length') or 0)
     response.vocab_size = int(info.get('vocab_size') or 0)

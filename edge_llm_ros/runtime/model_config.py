@@ -7,8 +7,9 @@ converter flags. Files are checked strictly (an unknown key is a typo that would
 change nothing), and every error names the file and the key.
 
 A converted model folder is matched to its family by model.yaml: an explicit `family` key
-wins, then the longest `match_names` entry found in its `name`, then the family marked
-`fallback` for its `architecture`.
+wins, then the longest `match_names` entry found in its `gguf_name` (the source's own name;
+`name` in a folder converted before it was kept apart), then the family marked `fallback` for
+its `architecture`. `family_label` gives the family part of a model's display name.
 """
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ from edge_llm_ros.model_format import PRECISIONS
 
 TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'generic_json', 'none')
 ARCHITECTURES = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
+# The family part of a display name when no family's name matches the model's (see
+# family_label): the architecture as its makers write it.
+ARCHITECTURE_LABELS = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3',
+                       'gemma3': 'Gemma 3', 'phi3': 'Phi-3'}
 # Converter flags a family may preset (edge-llm-convert's options of the same names).
 CONVERSION_FLAGS = {'precision': str, 'block_size': int, 'dtype': str, 'accuracy_level': int,
                     'max_context': int}
@@ -70,6 +75,10 @@ class ModelFamilyConfig:
     recommended_context: int = 2048
     conversion: Mapping[str, Any] = field(default_factory=dict)
     description: str = ''
+    # How people write the family, for display names ('SmolLM2'); '' = the family's name.
+    display_name: str = ''
+    # A generation's own label, by the match_names entry that matched ({'qwen2.5': 'Qwen2.5'}).
+    display_names: Mapping[str, str] = field(default_factory=dict)
     source: str = ''  # the file it was read from
 
     @property
@@ -142,29 +151,53 @@ def load_all(config_dir: Optional[os.PathLike] = None) -> Dict[str, ModelFamilyC
 def family_for_model(meta: Mapping[str, Any],
                      config_dir: Optional[os.PathLike] = None) -> ModelFamilyConfig:
     """Find the family of a converted model from its model.yaml (see module docstring)."""
-    configs = load_all(config_dir)
+    return _match_family(meta, load_all(config_dir))[0]
+
+
+def family_label(meta: Mapping[str, Any], config_dir: Optional[os.PathLike] = None) -> str:
+    """Return the family part of a model's display name ('SmolLM2', 'Qwen3', 'Llama').
+
+    The family config's display_name (or its display_names entry for the match_names entry
+    that matched) when model.yaml names the family or the model's name matches one; else (a
+    family that only answers as its architecture's fallback, or none) the architecture's
+    label: a llama-architecture fine-tune is not called "Llama 3".
+    """
+    arch = str(meta.get('architecture') or '')
+    try:
+        cfg, how = _match_family(meta, load_all(config_dir))
+    except ModelConfigError:
+        cfg, how = None, None
+    if cfg is None or how is None:
+        return ARCHITECTURE_LABELS.get(arch, arch or 'model')
+    return cfg.display_names.get(how) or cfg.display_name or cfg.family
+
+
+def _match_family(meta: Mapping[str, Any], configs: Mapping[str, ModelFamilyConfig]
+                  ) -> Tuple[ModelFamilyConfig, Optional[str]]:
+    """Return the family and how: the match_names entry, '' (named), None (a fallback)."""
     explicit = meta.get('family')
     if explicit:
         if explicit not in configs:
             raise ModelConfigError(f'model.yaml names family {explicit!r}, which has no config; '
                                    f'known families: {", ".join(sorted(configs))}')
-        return configs[explicit]
+        return configs[explicit], ''
     arch = meta.get('architecture')
-    name = _normalized(str(meta.get('name') or ''))
-    best, best_len = None, 0
+    raw_name = meta['gguf_name'] if meta.get('gguf_name') else meta.get('name')
+    name = _normalized(str(raw_name or ''))
+    best, best_len, matched = None, 0, ''
     for cfg in configs.values():
         if arch is not None and arch not in cfg.architectures:
             continue
         for pattern in cfg.match_names:
             p = _normalized(pattern)
             if p and p in name and len(p) > best_len:
-                best, best_len = cfg, len(p)
+                best, best_len, matched = cfg, len(p), pattern
     if best is not None:
-        return best
+        return best, matched
     for cfg in configs.values():
         if cfg.fallback and arch in cfg.architectures:
-            return cfg
-    raise ModelConfigError(f'no model family matches name {meta.get("name")!r} with '
+            return cfg, None
+    raise ModelConfigError(f'no model family matches name {raw_name!r} with '
                            f'architecture {arch!r}; add `family: <name>` to model.yaml or a '
                            'config/models/<family>.yaml for it')
 
@@ -190,9 +223,9 @@ def resolve_model(spec: str, config_dir: Optional[os.PathLike] = None) -> ModelF
 
 # --- parsing ------------------------------------------------------------------------------
 
-_TOP_KEYS = {'family', 'description', 'architectures', 'match_names', 'fallback',
-             'chat_template', 'stop_tokens', 'reasoning', 'tool_call_format', 'recommended',
-             'conversion'}
+_TOP_KEYS = {'family', 'description', 'display_name', 'display_names', 'architectures',
+             'match_names', 'fallback', 'chat_template', 'stop_tokens', 'reasoning',
+             'tool_call_format', 'recommended', 'conversion'}
 _REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text'}
 _RECOMMENDED_KEYS = {'board', 'context'}
 
@@ -239,7 +272,26 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
         stop_tokens=_str_tuple(doc, 'stop_tokens', src), reasoning=_reasoning(doc, src),
         tool_call_format=fmt, recommended_board=board, recommended_context=context,
         conversion=_conversion(doc, src), description=_get(doc, 'description', str, src, ''),
-        source=src)
+        display_name=_get(doc, 'display_name', str, src, ''),
+        display_names=_display_names(doc, src), source=src)
+
+
+def _display_names(doc: Mapping[str, Any], src: str) -> Dict[str, str]:
+    """display_names: {a match_names entry: its label}; a key that matches nothing is a typo."""
+    sec = doc.get('display_names')
+    if sec is None:
+        return {}
+    if not isinstance(sec, dict):
+        raise ModelConfigError(f'{src}: display_names must be a mapping of match_names entries '
+                               'to labels')
+    patterns = set(doc.get('match_names') or ())
+    for key, label in sec.items():
+        if key not in patterns:
+            raise ModelConfigError(f'{src}: display_names: {key!r} is not one of match_names '
+                                   f'({", ".join(sorted(map(str, patterns)))})')
+        if not isinstance(label, str) or not label:
+            raise ModelConfigError(f'{src}: display_names.{key} must be a non-empty string')
+    return dict(sec)
 
 
 def _reasoning(doc: Mapping[str, Any], src: str) -> Optional[ReasoningConfig]:

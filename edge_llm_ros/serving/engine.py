@@ -349,6 +349,8 @@ class Engine:
             template = f.read()
         return {
             'model_name': self.model_name,
+            'gguf_name': self.info.gguf_name,
+            'parameters': int(self.info.parameters),
             'model_dir': self.model_dir,
             'architecture': self.info.architecture,
             'quantization': quantization_text(self.info.extra.get('quantization')),

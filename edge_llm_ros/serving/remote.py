@@ -489,7 +489,7 @@ class RemoteEngine:
 
     def model_info(self) -> Dict[str, Any]:
         """Describe the remote model for the get_model_info service (what is known here)."""
-        return {'model_name': self.model_name, 'model_dir': self.model_dir,
+        return {'model_name': self.model_name, 'gguf_name': '', 'model_dir': self.model_dir,
                 'architecture': 'remote', 'quantization': '',
                 'context_length': self.context_length, 'vocab_size': 0,
                 'providers': list(self.providers), 'chat_template': '', 'family': '',
