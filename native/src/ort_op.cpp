@@ -9,6 +9,7 @@
 // on the task's own product while it is in cache, and the [..., N] product is never stored.
 // edge_llm_ros.KQuantGather: Y[..., K] = the rows ids[...] of the same kind of W [V, row bytes],
 // dequantized (token embeddings read from the bytes a tied lm_head's KQuantMatMul reads).
+// edge_llm_ros.CausalAttention and edge_llm_ros.ShortConv: see their kernels below.
 // Threads: ONNX Runtime's intra-op pool (KernelContext_ParallelFor), never a pool of ours.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
@@ -21,6 +22,7 @@
 
 #include "edge_llm_kquant/attention.h"
 #include "edge_llm_kquant/ref.h"
+#include "edge_llm_kquant/shortconv.h"
 #include "glu.h"
 
 namespace {
@@ -552,6 +554,115 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// edge_llm_ros.ShortConv: LFM2's gated short convolution (llama.cpp's build_shortconv_block
+// after in_proj): y = C * conv(B * x) over each row's conv state, which holds B * x of the
+// row's last kernel - 1 positions. The state buffer is bound as both past_state and
+// present_state (like the KV buffers), so the op updates it in place; a row whose call starts
+// its sequence (seqlens_k + 1 - seq == 0) reads zeros instead, as llama.cpp clears a new
+// sequence's state. Each output element is one sum in one order (shortconv.h): a row's
+// result does not depend on the batch or on the positions beside it.
+struct ShortConvWork {
+  elk_shortconv_shape shape;
+  const float *bcx, *weight;
+  const uint8_t *fresh;
+  float *state, *y;
+  int64_t blocks;
+};
+
+void shortconv_task(void *data, size_t task) {
+  const ShortConvWork &w = *static_cast<const ShortConvWork *>(data);
+  const int64_t b = static_cast<int64_t>(task) / w.blocks;
+  const int64_t c0 = static_cast<int64_t>(task) % w.blocks * ELK_SHORTCONV_CHANNELS;
+  const int64_t c1 = std::min(w.shape.channels, c0 + ELK_SHORTCONV_CHANNELS);
+  elk_shortconv_rows(&w.shape, b, c0, c1, w.bcx, w.weight, w.fresh[b], w.state, w.y);
+}
+
+struct ShortConvKernel {
+  ShortConvKernel(const OrtApi &, const OrtKernelInfo *) {}
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  static void fail(const std::string &what) {
+    throw Ort::Exception("ShortConv: " + what + ": reconvert the model",
+                         ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue bcx = ctx.GetInput(0), weight = ctx.GetInput(1),
+                          past = ctx.GetInput(2), seqlens = ctx.GetInput(3);
+    const std::vector<int64_t> x_shape = bcx.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> w_shape = weight.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> s_shape = past.GetTensorTypeAndShapeInfo().GetShape();
+    if (w_shape.size() != 2 || w_shape[1] < 2 || w_shape[1] > ELK_SHORTCONV_MAX_KERNEL) {
+      fail("weight is not [channels, kernel] with a kernel of 2.." +
+           std::to_string(ELK_SHORTCONV_MAX_KERNEL) + " positions");
+    }
+    const int64_t channels = w_shape[0], kernel = w_shape[1];
+    if (x_shape.size() != 3 || x_shape[2] != 3 * channels) {
+      fail("input is not [batch, seq, 3 x " + std::to_string(channels) + "] (B, C, x)");
+    }
+    const int64_t batch = x_shape[0], seq = x_shape[1];
+    if (s_shape.size() != 3 || s_shape[0] != batch || s_shape[1] != kernel - 1 ||
+        s_shape[2] != channels) {
+      fail("the state is not [batch, kernel - 1, channels] = [" + std::to_string(batch) +
+           ", " + std::to_string(kernel - 1) + ", " + std::to_string(channels) + "]");
+    }
+    if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
+      fail("seqlens_k does not hold one length per batch row");
+    }
+    const int32_t *lengths = seqlens.GetTensorData<int32_t>();
+    std::vector<uint8_t> fresh(static_cast<size_t>(batch));
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
+      if (start < 0) {
+        fail("row " + std::to_string(b) + " starts at position " + std::to_string(start));
+      }
+      fresh[b] = start == 0 ? 1 : 0;
+    }
+    Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
+    float *state = present.GetTensorMutableData<float>();
+    // The engine binds present to past's memory (nothing to copy); otherwise start from past.
+    if (state != past.GetTensorData<float>()) {
+      std::memcpy(state, past.GetTensorData<float>(),
+                  static_cast<size_t>(batch * (kernel - 1) * channels) * sizeof(float));
+    }
+    Ort::UnownedValue y = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, channels});
+    if (batch == 0 || seq == 0) return;
+    ShortConvWork work{elk_shortconv_shape{batch, seq, channels, kernel},
+                       bcx.GetTensorData<float>(), weight.GetTensorData<float>(),
+                       fresh.data(), state, y.GetTensorMutableData<float>(),
+                       (channels + ELK_SHORTCONV_CHANNELS - 1) / ELK_SHORTCONV_CHANNELS};
+    const size_t tasks = static_cast<size_t>(batch * work.blocks);
+    // A decode step's few products are cheaper done here than handed to the pool.
+    if (batch * seq * channels <= kInlineShortConv) {
+      for (size_t t = 0; t < tasks; ++t) shortconv_task(&work, t);
+    } else {
+      ctx.ParallelFor(shortconv_task, tasks, 0, &work);
+    }
+  }
+
+ private:
+  static constexpr int64_t kInlineShortConv = 1 << 14;
+};
+
+struct ShortConvOp : Ort::CustomOpBase<ShortConvOp, ShortConvKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<ShortConvKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "ShortConv"; }
+  // in_proj output [B, S, 3C] (B, C, x), weight [C, L], past state [B, L - 1, C], seqlens_k.
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  // y [B, S, C] and the present state [B, L - 1, C].
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
@@ -562,6 +673,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
   static KQuantMatMulOp matmul;
   static KQuantGatherOp gather;
   static CausalAttentionOp attention;
+  static ShortConvOp shortconv;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
@@ -569,6 +681,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
       domain->Add(&matmul);
       domain->Add(&gather);
       domain->Add(&attention);
+      domain->Add(&shortconv);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {
