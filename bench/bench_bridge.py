@@ -224,12 +224,7 @@ def main() -> int:
         checks = [dict(check_stream(r, transcripts), client=r['client'], text=r['text'])
                   for r in records]
     finally:
-        spin.ignore_signals()
-        spinning.stop()
-        spin.shutdown_executor(executor)
-        client.destroy()
-        ros_node.destroy_node()
-        rclpy.try_shutdown()
+        spin.close_client(spinning, executor, ros_node, client)
         codes = {'bridge': bridge.stop(), 'llm_node': node.stop()}
 
     added = p50([r['overhead_ms'] for r in served]) - p50([r['overhead_ms'] for r in action])

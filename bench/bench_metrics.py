@@ -171,13 +171,7 @@ def main() -> int:
         cpu = scrape_cpu_ms(url, nodes['on'].pid, CPU_SCRAPES)
     finally:
         scraper.stop()
-        spin.ignore_signals()
-        spinning.stop()
-        spin.shutdown_executor(executor)
-        for client in clients.values():
-            client.destroy()
-        client_node.destroy_node()
-        rclpy.try_shutdown()
+        spin.close_client(spinning, executor, client_node, *clients.values())
         for key, node in nodes.items():
             exit_codes[key] = node.stop()
 

@@ -174,15 +174,7 @@ def main() -> int:
         soaked = soak(client, node.pid, args.soak) if args.soak else {}
     finally:
         engine.close()
-        # rclpy down in order (spin loop, executor and its callbacks, client, node, context)
-        # before the process exits: a context shut down under a spinning executor aborts
-        # the process ("terminate called without an active exception").
-        spin.ignore_signals()
-        spinning.stop()
-        spin.shutdown_executor(executor)
-        client.destroy()
-        client_node.destroy_node()
-        rclpy.try_shutdown()
+        spin.close_client(spinning, executor, client_node, client)
         node_exit_code = node.stop()
         if node_exit_code != 0:
             print(f'bench_node: {node.fqn} exited with code {node_exit_code} on SIGINT; its '

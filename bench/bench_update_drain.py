@@ -143,12 +143,7 @@ def main(argv=None) -> int:
                 runs.append(one_update(client, update, transcripts, versions[(i + 1) % 2],
                                        args.tokens))
         finally:
-            spin.ignore_signals()
-            spinning.stop()
-            spin.shutdown_executor(executor)
-            client.destroy()
-            client_node.destroy_node()
-            rclpy.try_shutdown()
+            spin.close_client(spinning, executor, client_node, client)
     finally:
         code = node.stop() if node is not None else 0
         shutil.rmtree(work, ignore_errors=True)

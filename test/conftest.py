@@ -43,6 +43,19 @@ def ros():
     rclpy.try_shutdown(context=context)
 
 
+@pytest.fixture
+def destroyed_after():
+    """Give keep(node) -> node: every node kept is destroyed when the test ends."""
+    nodes = []
+
+    def keep(node):
+        nodes.append(node)
+        return node
+    yield keep
+    for node in nodes:
+        node.destroy_node()
+
+
 @pytest.fixture(scope='session')
 def native_library() -> pathlib.Path:
     """Build native/ (cmake, once; setup.sh has usually built it) and give the op library.

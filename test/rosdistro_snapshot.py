@@ -6,7 +6,9 @@ edge_llm_ros/ and launch/ imported when scripts/refresh_test_data.py last wrote 
 key is simply absent, so a test about a key first asks require_keys, which says to refresh.
 """
 import functools
+import importlib.util
 import pathlib
+from types import ModuleType
 from typing import FrozenSet, Iterable, List, Tuple
 import xml.etree.ElementTree as ET
 
@@ -20,6 +22,16 @@ _NEEDED = ('COMMIT', 'keys.txt', 'rosdep/base.yaml', 'rosdep/python.yaml',
            'humble/distribution.yaml', 'jazzy/distribution.yaml')
 REFRESH = ('python3 scripts/refresh_test_data.py rosdistro PATH (PATH: a clone of '
            'https://github.com/ros/rosdistro; test/data/README.md)')
+
+
+@functools.lru_cache(maxsize=None)
+def refresh_script() -> ModuleType:
+    """Return scripts/refresh_test_data.py as a module (what it trims by, the tests check)."""
+    spec = importlib.util.spec_from_file_location('refresh_test_data',
+                                                  ROOT / 'scripts' / 'refresh_test_data.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def require_rosdistro() -> pathlib.Path:

@@ -19,17 +19,11 @@ def ros():
 
 
 @pytest.fixture
-def make_node():
-    nodes = []
-
+def make_node(destroyed_after):
     def make(name: str, **overrides) -> Node:
-        node = Node(name, parameter_overrides=[Parameter(k, value=v)
-                                               for k, v in overrides.items()])
-        nodes.append(node)
-        return node
-    yield make
-    for node in nodes:
-        node.destroy_node()
+        return destroyed_after(Node(name, parameter_overrides=[
+            Parameter(k, value=v) for k, v in overrides.items()]))
+    return make
 
 
 def test_defaults_build_the_vision_configs(make_node):

@@ -76,17 +76,11 @@ def ros():
 
 
 @pytest.fixture
-def make_node():
-    nodes = []
-
+def make_node(destroyed_after):
     def make(cls, name: str, args) -> Node:
-        node = cls(name, cli_args=['--ros-args', *args]) if cls is Node else cls(
-            cli_args=['--ros-args', '-r', f'__node:={name}', *args])
-        nodes.append(node)
-        return node
-    yield make
-    for node in nodes:
-        node.destroy_node()
+        return destroyed_after(cls(name, cli_args=['--ros-args', *args]) if cls is Node else
+                               cls(cli_args=['--ros-args', '-r', f'__node:={name}', *args]))
+    return make
 
 
 @pytest.mark.parametrize('node_name, typo, right', [

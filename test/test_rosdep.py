@@ -6,7 +6,6 @@ rosdistro_snapshot.py) through a sources list, a rosdistro index and a cache bui
 temporary folder. The keys must resolve for Ubuntu jammy (Humble, JetPack 6) and noble
 (Jazzy), and `rosdep install --from-paths` (as the README says it) must succeed for both.
 """
-import ast
 import os
 import pathlib
 import re
@@ -17,7 +16,8 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 from rosdistro_snapshot import (dependencies, distribution_packages, package_name,
-                                PACKAGE_XMLS, require_keys, require_rosdistro, ROOT)
+                                PACKAGE_XMLS, refresh_script, require_keys, require_rosdistro,
+                                ROOT)
 import yaml
 
 from edge_llm_ros.bringup.ros_install import expand_requirements
@@ -157,19 +157,8 @@ def test_rosdep_install_from_paths(rosdep, tmp_path, os_name, distro):
     assert 'ERROR' not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-def _imported_top_modules() -> Set[str]:
-    modules = set()
-    for path in [*(ROOT / 'edge_llm_ros').rglob('*.py'), *(ROOT / 'launch').rglob('*.py')]:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                modules.update(alias.name.split('.')[0] for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                modules.add(node.module.split('.')[0])
-    return modules - set(sys.stdlib_module_names) - {'edge_llm_ros'}
-
-
 def test_every_import_has_a_declared_install_path():
-    imported = _imported_top_modules()
+    imported = refresh_script().imported_modules(ROOT)
     require_keys(imported)
     ros = distribution_packages('humble') & distribution_packages('jazzy')
     runtime = {key for tag, key in dependencies(ROOT / 'package.xml')

@@ -9,7 +9,6 @@
 - The extractor's rules on real syntax, the trimming on a small rosdistro, and the
   README naming the commits the data was taken at.
 """
-import importlib.util
 import json
 import os
 import pathlib
@@ -20,11 +19,10 @@ from types import ModuleType
 from typing import Dict, List, Tuple
 
 import pytest
-from rosdistro_snapshot import require_keys, ROOT
+from rosdistro_snapshot import refresh_script, require_keys, ROOT
 import yaml
 
 DATA = ROOT / 'test' / 'data'
-SCRIPT = ROOT / 'scripts' / 'refresh_test_data.py'
 # The tests that read test/data/rosdistro and test/data/rclpy_api (one pytest run: about
 # 17 s on 2 cores, mostly rosdep's subprocesses and the rclpy walks; two concurrent runs
 # were slower there).
@@ -34,10 +32,7 @@ DATA_TESTS = ('test/test_rosdep.py', 'test/test_interfaces_humble.py', 'test/tes
 
 @pytest.fixture(scope='module')
 def refresh() -> ModuleType:
-    spec = importlib.util.spec_from_file_location('refresh_test_data', SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return refresh_script()
 
 
 # ---- a clone with nothing beside it ----------------------------------------------------------
