@@ -131,6 +131,17 @@ def test_bad_model_argument_fails_at_launch(tmp_path, make, words):
         assert word in str(err.value)
 
 
+def test_a_family_recommending_an_unknown_board_fails_at_launch(tmp_path):
+    text = (ROOT / 'config' / 'models' / 'smollm2.yaml').read_text()
+    assert 'board: x86_64' in text
+    family = tmp_path / 'smollm2.yaml'
+    family.write_text(text.replace('board: x86_64', 'board: pdp11'))
+    with pytest.raises(launch_logic.ModelArgumentError) as err:
+        launch_logic.edge_llm_launch('x86_64', model=str(family), root=str(BOARDS / 'x86_64'))
+    assert "recommended.board: 'pdp11' is not one of" in str(err.value)
+    assert str(family) in str(err.value)
+
+
 @pytest.mark.parametrize('kwargs, words', [
     ({'autostart': 'yes'}, ('autostart', 'true or false')),
     ({'log_level': 'loud'}, ('log_level', 'debug, info')),

@@ -9,6 +9,7 @@ from edge_llm_ros.bringup import parameters, profiles
 from edge_llm_ros.bringup.errors import (AffinityError, BringupError, ParameterRangeError,
                                          ParameterTypeError, ProfileFormatError, ThermalError,
                                          UnknownBoardError, UnknownParameterError)
+from edge_llm_ros.runtime import model_config
 
 BOARDS = pathlib.Path(__file__).parent / 'data' / 'boards'
 SHIPPED = ('orin_agx', 'orin_nano', 'orin_nx', 'rk3588', 'rpi5', 'x86_64', 'x86_64_cuda')
@@ -22,6 +23,14 @@ def write(tmp_path, text, name='params.yaml'):
 
 def test_all_seven_profiles_ship():
     assert profiles.available_boards() == SHIPPED
+
+
+def test_every_model_family_recommends_a_shipped_board():
+    for family in model_config.load_all().values():
+        profiles.check_recommended_board(family.recommended_board, family.source)
+    with pytest.raises(UnknownBoardError, match="fam.yaml: recommended.board: 'pdp11' is not "
+                                                'one of orin_agx, '):
+        profiles.check_recommended_board('pdp11', 'fam.yaml')
 
 
 @pytest.mark.parametrize('board', SHIPPED)

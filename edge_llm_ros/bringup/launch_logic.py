@@ -12,8 +12,9 @@ import pathlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup import profiles
-from edge_llm_ros.bringup.errors import BringupError, ParameterRangeError
-from edge_llm_ros.runtime.model_config import available_families, ModelConfigError, resolve_model
+from edge_llm_ros.bringup.errors import BringupError, ParameterRangeError, UnknownBoardError
+from edge_llm_ros.runtime.model_config import (available_families, ModelConfigError,
+                                               ModelFamilyConfig, resolve_model)
 
 PACKAGE = 'edge_llm_ros'
 LOG_LEVELS = ('debug', 'info', 'warn', 'error', 'fatal')
@@ -96,7 +97,8 @@ def resolve_model_argument(spec: str) -> ModelChoice:
     A folder becomes model.path; the engine matches its family from model.yaml (a model no
     family matches runs with generic defaults: said in the message, not an error). A family
     name or a family .yaml file becomes model.family for the model.path the profile or
-    params file gives. Anything else raises ModelArgumentError listing the families.
+    params file gives. Anything else raises ModelArgumentError listing the families, and so
+    does a family whose recommended.board names no board profile (bringup owns the boards).
     """
     if not spec:
         return ModelChoice({}, '')
@@ -108,19 +110,30 @@ def resolve_model_argument(spec: str) -> ModelChoice:
                 'converted model: convert the model first (edge-llm-convert) or give its '
                 'output folder')
         try:
-            family = resolve_model(spec)
+            family = _family(spec)
         except ModelConfigError as exc:
             return ModelChoice({'model.path': spec},
                                f'model {spec}: {exc}; served with generic defaults')
         return ModelChoice({'model.path': spec}, f'model {spec}: family {family.family}')
     try:
-        family = resolve_model(spec)
+        family = _family(spec)
     except ModelConfigError as exc:
         raise ModelArgumentError(
             f'launch argument model:={spec} is neither a converted model folder (no such '
             f'folder) nor a model family config: {exc}') from None
     return ModelChoice({'model.family': spec}, f'model family {family.family} '
                        f'({family.description}) for the configured model.path')
+
+
+def _family(spec: str) -> ModelFamilyConfig:
+    """resolve_model; a family recommending a board with no profile is a ModelArgumentError."""
+    family = resolve_model(spec)
+    try:
+        profiles.check_recommended_board(family.recommended_board, family.source)
+    except UnknownBoardError as exc:
+        raise ModelArgumentError(f'launch argument model:={spec}: {exc}: fix the family '
+                                 'config') from None
+    return family
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,13 @@ import pathlib
 import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-import yaml
-
+from edge_llm_ros import safe_yaml
 from edge_llm_ros.bringup import parameters
 from edge_llm_ros.bringup.affinity import check_cpus, parse_cpu_list, usable_cpus
 from edge_llm_ros.bringup.detect import BoardInfo, detect_board
 from edge_llm_ros.bringup.errors import ParameterTypeError, ProfileFormatError, UnknownBoardError
 
 PROFILE_SECTIONS = {'/**/llm_node': 'llm_node', '/**/perception': 'perception'}
-# YAML aliases share nodes: a few lines can expand into billions (an "alias bomb"). A real
-# params file has tens of values; refuse documents that expand past this many nodes.
-MAX_YAML_NODES = 100_000
 LAYERS = ('default', 'profile', 'machine', 'params_file', 'override')
 
 
@@ -48,6 +44,19 @@ def available_boards(config_dir: Optional[pathlib.Path] = None) -> Tuple[str, ..
     """Names of the profiles shipped (file stems), sorted."""
     folder = pathlib.Path(config_dir) if config_dir else boards_dir()
     return tuple(sorted(p.stem for p in folder.glob('*.yaml')))
+
+
+def check_recommended_board(board: str, source: str,
+                            config_dir: Optional[pathlib.Path] = None) -> None:
+    """Refuse a model family config whose recommended.board names no board profile.
+
+    The runtime reads config/models files without knowing boards; bringup, which owns them,
+    checks the family a launch resolves (UnknownBoardError names the file and the boards).
+    """
+    boards = available_boards(config_dir)
+    if board not in boards:
+        raise UnknownBoardError('%s: recommended.board: %r is not one of %s' % (
+            source, board, ', '.join(boards)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -71,7 +80,7 @@ def _flatten(prefix: str, value: Any, out: Dict[str, Any], source: str) -> None:
 
 def parse_param_text(text: str, source: str) -> Dict[str, Dict[str, Any]]:
     """ROS params YAML text -> {node key: {flat name: value}}, in file order."""
-    doc = safe_load_bounded(text, source)
+    doc = _load_yaml(text, source)
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -86,33 +95,12 @@ def parse_param_text(text: str, source: str) -> Dict[str, Dict[str, Any]]:
     return sections
 
 
-def safe_load_bounded(text: str, source: str) -> Any:
-    """yaml.safe_load, refusing deep nesting and alias bombs with ProfileFormatError."""
+def _load_yaml(text: str, source: str) -> Any:
+    """safe_yaml.safe_load_bounded, its refusals as ProfileFormatError."""
     try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, 'problem_mark', None)
-        where = ' line %d column %d' % (mark.line + 1, mark.column + 1) if mark else ''
-        problem = getattr(exc, 'problem', None) or str(exc)
-        raise ProfileFormatError('%s:%s is not valid YAML: %s' % (source, where, problem)) \
-            from None
-    except RecursionError:
-        raise ProfileFormatError('%s: YAML nested too deeply' % source) from None
-    # Count nodes as later code will walk them (an alias counts every time it is used).
-    stack, seen = [doc], 0
-    while stack:
-        node = stack.pop()
-        seen += 1
-        if seen > MAX_YAML_NODES:
-            raise ProfileFormatError('%s: the YAML expands to more than %d values (aliases '
-                                     'referring to aliases?); write the values out' % (
-                                         source, MAX_YAML_NODES))
-        if isinstance(node, dict):
-            stack.extend(node.keys())
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return doc
+        return safe_yaml.safe_load_bounded(text, source)
+    except safe_yaml.YamlFormatError as exc:
+        raise ProfileFormatError(str(exc)) from None
 
 
 def _collect_sections(path: str, node: Dict[Any, Any], out: Dict[str, Dict[str, Any]],
@@ -342,5 +330,5 @@ def flatten_overrides(pairs: Iterable[str], node: str = 'llm_node') -> Dict[str,
         if key in strings:
             out[key] = text
             continue
-        out[key] = safe_load_bounded(text, 'override %r' % pair) if text.strip() else ''
+        out[key] = _load_yaml(text, 'override %r' % pair) if text.strip() else ''
     return out

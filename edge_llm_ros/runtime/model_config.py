@@ -20,10 +20,9 @@ import re
 import sys
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from edge_llm_ros.bringup.errors import ProfileFormatError
-from edge_llm_ros.bringup.profiles import available_boards, safe_load_bounded
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import PRECISIONS
+from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
 
 TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'generic_json', 'none')
 ARCHITECTURES = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
@@ -255,14 +254,9 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
         raise ModelConfigError(f'{src}: chat_template: {path.parent / "templates" / template} '
                                'does not exist')
     rec = _section(doc, 'recommended', _RECOMMENDED_KEYS, src)
+    # A board profile's name; bringup, which owns the boards, checks it names one
+    # (profiles.check_recommended_board, at launch).
     board = _get(rec, 'board', str, src + ': recommended', 'x86_64')
-    try:
-        boards = available_boards()
-    except Exception:  # noqa: B902 - an installed tree without boards: nothing to check
-        boards = ()
-    if boards and board not in boards:
-        raise ModelConfigError(f'{src}: recommended.board: {board!r} is not one of '
-                               f'{", ".join(boards)}')
     context = _get(rec, 'context', int, src + ': recommended', 2048)
     if context < 1:
         raise ModelConfigError(f'{src}: recommended.context must be >= 1, got {context}')
@@ -331,7 +325,7 @@ def _load_yaml(path: pathlib.Path) -> Any:
         raise ModelConfigError(f'{path}: cannot be read ({exc.strerror})') from None
     try:
         return safe_load_bounded(text, str(path))
-    except ProfileFormatError as exc:
+    except YamlFormatError as exc:
         raise ModelConfigError(str(exc)) from None
 
 
