@@ -43,10 +43,16 @@ def test_defaults_are_consistent():
 
 def test_engine_kwargs_cover_engine_config():
     engine = pytest.importorskip('edge_llm_ros.serving.engine')
+    from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
     fields = {f.name for f in dataclasses.fields(engine.EngineConfig)}
     kwargs = parameters.engine_kwargs(LLM.defaults())
-    assert set(kwargs) == fields
-    engine.EngineConfig(**kwargs)
+    assert set(kwargs) | {'speculative'} == fields
+    values = dict(LLM.defaults(), **{'speculative.mode': 'draft',
+                                     'speculative.draft_model': '/models/draft'})
+    speculative = SpeculativeConfig(**parameters.speculative_kwargs(values))
+    speculative.check()
+    assert (speculative.mode, speculative.max_draft) == ('draft', 6)
+    engine.EngineConfig(**kwargs, speculative=speculative)
 
 
 def test_sampling_kwargs_cover_sampling_config():

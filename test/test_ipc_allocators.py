@@ -8,7 +8,7 @@ from ipc_support import ALLOCATORS, Baseline, require_allocator
 import numpy as np
 import pytest
 
-from edge_llm_ros.ipc import allocators
+from edge_llm_ros.ipc import allocators, choices
 from edge_llm_ros.ipc.allocators import (BufferKind, create_sealed_memfd, DMA_BUF_SYNC_READ,
                                          DMA_BUF_SYNC_START, REQUIRED_MEMFD_SEALS,
                                          select_allocator)
@@ -94,7 +94,7 @@ def test_cpu_access_is_noop_for_memfd_and_not_a_fake_for_dmabuf():
 
 def test_selection_best_first_and_forced():
     names = allocators.allocator_names()
-    assert names[:3] == ['dma_heap', 'udmabuf', 'memfd']
+    assert names[:3] == ['dma_heap', 'udmabuf', 'memfd'] == list(choices.ALLOCATORS)
     best = select_allocator('auto')
     assert best.name == allocators.available_allocators()[0]
     best.close()

@@ -6,6 +6,12 @@ parameters from them (type, default, range and read_only go into the descriptor)
 name can only be spelled one way. No rclpy here: `ParamType` member names equal
 `rclpy.Parameter.Type` member names so the node maps them with `Parameter.Type[t.name]`.
 
+The choices of settings the runtime and ipc carry out (CPU kernels, speculative modes,
+buffer allocators) are theirs: this table reads them as plain tuples from their leaf modules
+(runtime/choices.py, ipc/choices.py), which import nothing, and imports nothing else of them.
+The *_kwargs functions turn values into plain keyword arguments; the node builds the typed
+configs from them (nodes/llm_config.py).
+
 Names are flat and dotted (`kv.max_context`), which is how rclpy stores nested YAML keys.
 An empty list default (engine.provider_options) must be declared by type, not by value:
 rclpy would infer BYTE_ARRAY from `[]`.
@@ -21,9 +27,8 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup.errors import (ParameterRangeError, ParameterTypeError,
                                          UnknownParameterError)
-from edge_llm_ros.ipc.allocators import allocator_names
-from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES as CPU_KERNELS
-from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
+from edge_llm_ros.ipc.choices import ALLOCATORS
+from edge_llm_ros.runtime.choices import KERNEL_CHOICES as CPU_KERNELS, SPECULATIVE_MODES
 
 
 class ParamType(enum.Enum):
@@ -396,7 +401,7 @@ def pool_specs(pool_id: str, slots: int, lease_s: float, what: str) -> Tuple[Par
                   'rest (sum of their max_inflight)' % what, range=Range(2, 256)),
         ParamSpec('pool.allocator', ParamType.STRING, 'auto',
                   "Buffer allocator; 'auto' = best available (dma_heap, udmabuf, memfd)",
-                  choices=('auto',) + tuple(allocator_names())),
+                  choices=('auto',) + ALLOCATORS),
         ParamSpec('pool.lease_s', ParamType.DOUBLE, lease_s,
                   'A consumer holding a buffer longer than this loses it (fresh buffer, new '
                   'generation; its view stays intact)', range=Range(0.0, 3600.0, low_open=True)),
@@ -624,7 +629,11 @@ def resolved_threads(values: Mapping[str, Any]) -> int:
 
 
 def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
-    """Keyword arguments of engine.EngineConfig built from llm_node parameter values."""
+    """Keyword arguments of serving.engine.EngineConfig from llm_node parameter values.
+
+    All but `speculative`, a SpeculativeConfig of speculative_kwargs: values in, plain values
+    out, so this table loads none of the engine.
+    """
     from edge_llm_ros.bringup.affinity import ort_intra_op_affinity, parse_cpu_list
     providers = tuple(values['engine.providers'])
     options = parse_provider_options(values['engine.provider_options'])
@@ -647,9 +656,15 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'parallel_sequences': values['engine.parallel_sequences'],
         'kv_memory_limit': values['kv.memory_limit'],
         'kernel': values['cpu.kernel'],
-        'speculative': SpeculativeConfig(mode=values['speculative.mode'],
-                                         max_draft=values['speculative.max_draft'],
-                                         draft_model=values['speculative.draft_model']),
+    }
+
+
+def speculative_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """Keyword arguments of runtime.speculative_config.SpeculativeConfig (the node's)."""
+    return {
+        'mode': values['speculative.mode'],
+        'max_draft': values['speculative.max_draft'],
+        'draft_model': values['speculative.draft_model'],
     }
 
 

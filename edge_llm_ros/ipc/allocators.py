@@ -42,6 +42,7 @@ import os
 import struct
 from typing import Callable, Dict, Iterator, List, Optional, Type
 
+from edge_llm_ros.ipc import choices
 from edge_llm_ros.ipc.errors import AllocationError, AllocatorUnavailableError
 
 PAGE_SIZE = os.sysconf('SC_PAGE_SIZE')
@@ -203,7 +204,7 @@ def reopen_read_only(fd: int) -> int:
 class MemfdAllocator(Allocator):
     """Sealed memfd: plain shared memory, available on every Linux >= 3.17."""
 
-    name = 'memfd'
+    name = choices.MEMFD
     kind = BufferKind.MEMFD
     priority = 0
 
@@ -270,7 +271,7 @@ class _DeviceAllocator(Allocator):
 class DmaHeapAllocator(_DeviceAllocator):
     """dma-buf from a DMA heap (default: the system heap)."""
 
-    name = 'dma_heap'
+    name = choices.DMA_HEAP
     kind = BufferKind.DMA_HEAP
     priority = 20
     device_path = DEFAULT_HEAP_PATH
@@ -292,7 +293,7 @@ class DmaHeapAllocator(_DeviceAllocator):
 class UdmabufAllocator(_DeviceAllocator):
     """dma-buf made from a sealed memfd by /dev/udmabuf."""
 
-    name = 'udmabuf'
+    name = choices.UDMABUF
     kind = BufferKind.UDMABUF
     priority = 10
     device_path = DEFAULT_UDMABUF_PATH

@@ -23,6 +23,7 @@ from edge_llm_ros.bringup.thermal import ThermalSettings
 from edge_llm_ros.nodes import node_params
 from edge_llm_ros.nodes.messages import RequestDefaults
 from edge_llm_ros.nodes.node_params import ConfigError
+from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
 from edge_llm_ros.runtime.types import SamplingConfig
 from edge_llm_ros.serving.engine import EngineConfig
 from edge_llm_ros.serving.goal import FeedbackPolicy
@@ -86,7 +87,8 @@ def read_config(node: Node) -> LLMNodeConfig:
     values = node_params.read(node, SCHEMA)
     try:
         report = preflight(values)
-        engine = EngineConfig(**schema_mod.engine_kwargs(values))
+        engine = EngineConfig(**schema_mod.engine_kwargs(values), speculative=SpeculativeConfig(
+            **schema_mod.speculative_kwargs(values)))
         plan = plan_affinity(parse_cpu_list(values['engine.cpu_affinity']),
                              engine.intra_op_threads)
         thermal = ThermalSettings.from_params(values)

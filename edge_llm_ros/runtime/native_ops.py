@@ -19,12 +19,11 @@ import pathlib
 from typing import Optional
 
 from edge_llm_ros.errors import ModelLoadError
+from edge_llm_ros.runtime.choices import KERNEL_CHOICES
 
 DOMAIN = 'edge_llm_ros'
 LIBRARY_FILE = 'libedge_llm_ort_ops.so'
 ENV_LIBRARY = 'EDGE_LLM_NATIVE_LIB'  # a built library elsewhere (an install, a test build)
-KERNEL_CHOICES = ('auto', 'scalar', 'avx2', 'avx512_vnni', 'amx', 'neon', 'neon_dotprod',
-                  'neon_i8mm')
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD_HINT = ('build it with scripts/setup.sh (cmake -S native -B build/native '
               '-DORT_INCLUDE_DIR=$(bash scripts/ort_headers.sh) && cmake --build build/native), '

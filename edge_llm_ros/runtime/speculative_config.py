@@ -1,15 +1,14 @@
 """Speculative decoding settings (runtime/speculative.py runs them; node parameters set them).
 
-Kept apart from the runtime so that bringup's parameter table can name the modes without
-loading onnxruntime.
+Kept apart from speculative.py so that building the settings loads no onnxruntime; the modes
+themselves are runtime/choices.py's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from edge_llm_ros.errors import ModelLoadError
-
-SPECULATIVE_MODES = ('off', 'prompt_lookup', 'draft', 'auto')
+from edge_llm_ros.runtime.choices import SPECULATIVE_MODES
 
 
 class SpeculativeConfigError(ModelLoadError):
