@@ -150,6 +150,22 @@ def test_prepare_refuses_what_cannot_be_forwarded(engine):
         engine.detokenize([1])
 
 
+def test_the_factory_takes_typed_configs():
+    # The node reads engine.backend and remote.* into these once (nodes/llm_config.py).
+    from edge_llm_ros.bringup import parameters
+    from edge_llm_ros.serving.backends import engine_factory
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    values = dict(parameters.schema('llm_node').defaults(), **{
+        'engine.backend': 'remote', 'remote.url': 'http://10.0.0.2:8000/v1'})
+    remote = RemoteConfig(**parameters.remote_kwargs(values))
+    made = engine_factory(EngineConfig(), remote)
+    assert (made.func, made.args) == (RemoteEngine, (remote,))
+    assert remote.url == 'http://10.0.0.2:8000/v1' and remote.timeout_s == 30.0
+    local = EngineConfig(max_context=64)
+    made = engine_factory(local)
+    assert (made.func, made.args) == (Engine, (local,))
+
+
 def test_load_errors_say_what_to_fix(fake, monkeypatch):
     with pytest.raises(ModelLoadError, match='remote.url'):
         RemoteEngine(RemoteConfig(url=''))

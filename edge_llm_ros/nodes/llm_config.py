@@ -11,7 +11,7 @@ goal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from rclpy.node import Node
 
@@ -27,6 +27,7 @@ from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
 from edge_llm_ros.runtime.types import SamplingConfig
 from edge_llm_ros.serving.engine import EngineConfig
 from edge_llm_ros.serving.goal import FeedbackPolicy
+from edge_llm_ros.serving.remote import RemoteConfig
 
 SCHEMA = schema_mod.schema('llm_node')
 
@@ -65,6 +66,7 @@ class LLMNodeConfig:
     thermal: ThermalSettings
     runtime: RuntimeConfig
     warnings: Tuple[str, ...] = ()  # soft preflight findings, for the log and diagnostics
+    remote: Optional[RemoteConfig] = None   # engine.backend remote: forward goals there
 
 
 def runtime_config(values: Dict[str, Any]) -> RuntimeConfig:
@@ -99,4 +101,11 @@ def read_config(node: Node) -> LLMNodeConfig:
                          board=str(values['board.name']),
                          diagnostics_period_s=float(values['diagnostics.period_s']),
                          thermal=thermal, runtime=runtime_config(values),
-                         warnings=report.warnings)
+                         warnings=report.warnings, remote=remote_config(values))
+
+
+def remote_config(values: Dict[str, Any]) -> Optional[RemoteConfig]:
+    """Return the remote backend's config when engine.backend is remote, else None (local)."""
+    if values['engine.backend'] != 'remote':
+        return None
+    return RemoteConfig(**schema_mod.remote_kwargs(values))

@@ -50,7 +50,7 @@ def configure(config: LLMNodeConfig, values: dict, figures: FigureRecorder,
               gauges: Callable[[], Gauges], log: Any) -> Configured:
     """Start /metrics, pin the process, load the engine; ConfigureFailed leaves nothing behind.
 
-    `values` are the node's validated parameter values (the backend choice and /metrics).
+    `values` are the node's validated parameter values (/metrics).
     """
     try:   # before the model loads: a taken port fails at once
         metrics = _start_metrics(MetricsSettings.from_params(values), figures, gauges, log)
@@ -58,7 +58,7 @@ def configure(config: LLMNodeConfig, values: dict, figures: FigureRecorder,
         raise ConfigureFailed(str(exc)) from None
     governor = ThermalGovernor(config.thermal, config.engine.intra_op_threads or 1,
                                config.process_cpus)
-    worker = EngineWorker(engine_factory(values, config.engine), config.queue_depth,
+    worker = EngineWorker(engine_factory(config.engine, config.remote), config.queue_depth,
                           config.runtime.feedback,
                           thread_setup=functools.partial(_pin_worker, config.decode_cpus),
                           pacer=governor)
