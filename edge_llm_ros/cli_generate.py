@@ -5,12 +5,12 @@ import argparse
 import sys
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError
+from edge_llm_ros.runtime.image_file import decode_image
 from edge_llm_ros.runtime.media import MEDIA_MARKER
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
-from edge_llm_ros.vision.image_file import decode_image
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

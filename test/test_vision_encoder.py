@@ -4,7 +4,7 @@ Tiny random mmproj files (test/mmproj_fixtures.py) paired with a tiny 256-wide t
 llama.cpp's own multimodal library (llama-cpp-python's mtmd bindings in the peer venv,
 test/mtmd_runner.py) preprocesses and encodes the same image. First images of one tile exactly
 (llama.cpp's resizes are then copies: the encoders alone), then images of other sizes through
-vision/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview, internvl's tiles
+runtime/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview, internvl's tiles
 and thumbnail, mlp's grey letterbox), read from model.yaml's vision section: every image chunk
 mtmd makes must match ours, and grid_for must count them from the size alone. Stated
 tolerance: cosine >= 0.9999 per token and max |difference| <= 1 % of the embeddings' RMS
@@ -27,8 +27,8 @@ from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
 from edge_llm_ros.convert.vision_graph import (_Graph, _normalized, build_encoder,
                                                model_yaml_section)
 from edge_llm_ros.errors import ModelLoadError
-from edge_llm_ros.vision.mmproj_preprocess import (gemma3_tiles, grid_for, idefics3_tiles,
-                                                   ImageShapeError, LLAVA_GREY, preprocess)
+from edge_llm_ros.runtime.mmproj_preprocess import (gemma3_tiles, grid_for, idefics3_tiles,
+                                                    ImageShapeError, LLAVA_GREY, preprocess)
 
 RUNNER = pathlib.Path(__file__).resolve().parent / 'mtmd_runner.py'
 TEXT_WIDTH = ParityCase().dims.hidden
@@ -254,7 +254,7 @@ def test_convert_writes_the_vision_graph_and_refuses_a_bad_pair(tmp_path, text_m
         theirs, axis=-1)
     assert cosine.min() >= 0.9999
     # An execution provider this onnxruntime lacks is a load error, never a quiet CPU run.
-    from edge_llm_ros.vision.mmproj_encoder import ImageEncoder
+    from edge_llm_ros.runtime.mmproj_encoder import ImageEncoder
     assert ImageEncoder(out, vision).providers == ('CPUExecutionProvider',)
     with pytest.raises(ModelLoadError, match='NoSuchExecutionProvider not available .* '
                        'CPUExecutionProvider'):
@@ -294,7 +294,7 @@ def test_the_graph_normalizes_uint8_tiles_as_llamacpp_does_bit_for_bit(tmp_path)
 def test_a_vision_graph_that_takes_float_pixels_is_refused_with_what_to_do(tmp_path):
     """A vision.onnx from before the normalization moved into the graph: reconvert."""
     from onnx import helper, TensorProto
-    from edge_llm_ros.vision.mmproj_encoder import ImageEncoder
+    from edge_llm_ros.runtime.mmproj_encoder import ImageEncoder
     graph = helper.make_graph(
         [helper.make_node('Identity', ['pixel_values'], ['image_embeds'])], 'old',
         [helper.make_tensor_value_info('pixel_values', TensorProto.FLOAT, [1, 3, 8, 8])],

@@ -21,7 +21,7 @@ import pytest
 from test_vision_encoder import mtmd_embeddings
 from tiny_model import TinyDims
 
-from edge_llm_ros.vision.mmproj_encoder import ImageEncoder
+from edge_llm_ros.runtime.mmproj_encoder import ImageEncoder
 
 pytestmark = pytest.mark.timeout(900)
 SMOLVLM = {'projector': 'idefics3', 'n_embd': 768, 'n_ff': 3072, 'n_layer': 12, 'n_head': 12,

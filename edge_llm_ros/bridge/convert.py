@@ -120,7 +120,7 @@ def image_from_url(url: str, param: str, fetch: Optional[Fetch] = None) -> Any:
         except (binascii.Error, ValueError):
             raise InvalidRequestError('the image data URL is not valid base64', param=param) \
                 from None
-    from edge_llm_ros.vision.image_file import decode_image
+    from edge_llm_ros.runtime.image_file import decode_image
     try:
         return decode_image(data, f'the image of {param}')
     except EngineInvalidRequest as exc:   # ImageInputError: corrupt, too large, no image

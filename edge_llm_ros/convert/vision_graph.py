@@ -253,7 +253,7 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
 
 # Where the image goes in the prompt, as llama.cpp's mtmd places it (research section 3.2),
 # whether its tokens see each other (gemma3: bidirectional within the image), and the recipe
-# vision/mmproj_preprocess.preprocess follows for the image (mlp: letterboxed on libmtmd's grey).
+# runtime/mmproj_preprocess.preprocess follows for the image (mlp: letterboxed on libmtmd's grey).
 _LAYOUT = {
     'gemma3': {'preprocess': 'letterbox_bilinear', 'attention': 'bidirectional',
                'wrapper': ['<start_of_image>', '<end_of_image>']},

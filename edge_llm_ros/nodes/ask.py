@@ -69,7 +69,7 @@ def decode_images(paths: Sequence[str]) -> List[np.ndarray]:
     """RGB [H, W, 3] uint8 of each image file (ImageInputError names a bad one)."""
     if not paths:
         return []
-    from edge_llm_ros.vision.image_file import decode_image
+    from edge_llm_ros.runtime.image_file import decode_image
     return [decode_image(path, f'--image {path}') for path in paths]
 
 

@@ -6,7 +6,7 @@ each goes with llama.cpp's media marker `<__media__>` in its text: the n-th mark
 image, in a raw prompt or in any chat turn. prepare() checks the images (size, pixel format,
 that the model has a vision encoder, that they fit the context) before any model work, and
 lays the prompt out: the text between markers tokenized piece by piece (special tokens
-parsed, as mtmd does), each marker replaced by the image's items (vision/mmproj_layout.py:
+parsed, as mtmd does), each marker replaced by the image's items (runtime/mmproj_layout.py:
 wrapper tokens and one embedding span per tile). The embeddings themselves are computed when
 the goal starts (serving/engine.py), on the engine's thread.
 """
@@ -52,7 +52,7 @@ class DeclaredEncoded:
 
     @property
     def grid(self) -> Tuple[int, int, int]:
-        """(columns, rows, tiles) as vision.mmproj_preprocess.grid_for says them."""
+        """(columns, rows, tiles) as mmproj_preprocess.grid_for says them."""
         rows, cols = self.shape[0] - 1, self.shape[1]
         return (0, 0, 1) if rows == 0 else (cols, rows, rows * cols + 1)
 

@@ -34,6 +34,7 @@ from edge_llm_ros.runtime import constraint as constraint_mod
 from edge_llm_ros.runtime.conversation import committed, Conversation, reply_turn
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 from edge_llm_ros.runtime.kv_cache import KVCache, SNAPSHOT_DTYPES
+from edge_llm_ros.runtime.mmproj_encoder import open_vision
 from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family, ModelConfigError,
                                                ModelFamilyConfig)
 from edge_llm_ros.runtime.request import bind_conversation, prepare, PreparedRequest
@@ -47,7 +48,6 @@ from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
 from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
-from edge_llm_ros.vision.mmproj_encoder import open_vision
 
 
 @dataclass

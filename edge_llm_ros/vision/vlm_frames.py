@@ -1,7 +1,7 @@
 """The perception node's model when model.path is a converted VLM folder (with vision.onnx).
 
-Each frame goes through the folder's own vision encoder (mmproj_encoder.ImageEncoder, the
-code llm_node runs on the frames goals bring: libmtmd's preprocessing, every tile in one
+Each frame goes through the folder's own vision encoder (runtime/mmproj_encoder.ImageEncoder,
+the code llm_node runs on the frames goals bring: libmtmd's preprocessing, every tile in one
 batch) and its rows are written, in their wire form (runtime.media.DeclaredEncoded: float32
 [grid_rows + 1, grid_cols, tile_rows, hidden]), straight into the perception node's pool slot.
 A goal then carries that handle in `images` where its prompt says `<__media__>`, and llm_node
@@ -43,7 +43,7 @@ class VlmFrameEncoder:
     def __init__(self, folder: pathlib.Path, config: Optional[RunnerConfig] = None) -> None:
         import yaml
         from edge_llm_ros.errors import ModelLoadError
-        from edge_llm_ros.vision.mmproj_encoder import ImageEncoder
+        from edge_llm_ros.runtime.mmproj_encoder import ImageEncoder
         config = config or RunnerConfig()
         vision = yaml.safe_load((folder / 'model.yaml').read_text())['vision']
         options = [dict(config.provider_options.get(p, {})) for p in config.providers]

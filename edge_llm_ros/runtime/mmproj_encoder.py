@@ -3,7 +3,7 @@
 The llm_node runs it on the frames goals bring, and the perception node on its camera stream
 (publishing each frame's rows in their wire form, media.DeclaredEncoded, which goals can
 bring instead of the frame): both through this class. The image is preprocessed as
-llama.cpp's libmtmd does it (vision/mmproj_preprocess.py: the family's resize, tiles and
+llama.cpp's libmtmd does it (runtime/mmproj_preprocess.py: the family's resize, tiles and
 normalization), every tile goes through the graph in one batch, and the rows come out in
 prompt order (tiles row by row, then the overview). The last few images' rows are kept by
 content digest, so the same frame asked about again is not encoded again.
@@ -25,7 +25,7 @@ from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
                                         image_digest, ImageInputError)
-from edge_llm_ros.vision.mmproj_preprocess import grid_for, preprocess
+from edge_llm_ros.runtime.mmproj_preprocess import grid_for, preprocess
 
 CACHED_IMAGES = 8
 
@@ -139,7 +139,7 @@ def open_vision(model_dir: os.PathLike, extra: Mapping, tokenizer, **session
     vision = extra.get('vision')
     if not vision:
         return None, None
-    from edge_llm_ros.vision.mmproj_layout import PromptLayout
+    from edge_llm_ros.runtime.mmproj_layout import PromptLayout
     layout = PromptLayout(vision, single_token(tokenizer.encode, tokenizer.decode),
                           tokenizer.encode)
     return ImageEncoder(model_dir, vision, **session), layout

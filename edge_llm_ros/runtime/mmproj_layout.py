@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.runtime.media import DeclaredEncoded, ImageInputError
-from edge_llm_ros.vision.mmproj_preprocess import grid_for
+from edge_llm_ros.runtime.mmproj_preprocess import grid_for
 
 # One prompt item: token ids, or the number of embedding rows of one tile / image chunk.
 Item = Union[Tuple[int, ...], int]
