@@ -218,6 +218,44 @@ def test_an_image_for_a_text_only_model_is_refused(node, ipc_dir):
     _reservations_all_free(node)
 
 
+class _FakeHandle:
+    """What on_accepted uses of rclpy's ServerGoalHandle."""
+
+    def __init__(self, request, number: int) -> None:
+        self.request = request
+        self.goal_id = types.SimpleNamespace(uuid=bytes([number] * 16))
+        self.feedback = []
+        self.executing = False
+
+    def execute(self) -> None:
+        self.executing = True
+
+    def publish_feedback(self, msg) -> None:
+        assert self.executing, 'feedback before the goal was executing'
+        self.feedback.append(msg)
+
+
+def test_goals_are_admitted_in_on_goal_and_queued_in_on_accepted(node):
+    from rclpy.action import GoalResponse
+    action, worker = node.action, node.worker
+    # An admitted goal whose accepted callback never comes gives its place back at the next.
+    for _ in range(QUEUE_DEPTH + worker.slots + 2):
+        assert action.on_goal(Generate.Goal(prompt='Hello sky')) == GoalResponse.ACCEPT
+    # The one admitted last is queued with its handle: its feedback goes to it, in order.
+    msg = Generate.Goal(prompt='Hello sky', max_tokens=4)
+    assert action.on_goal(msg) == GoalResponse.ACCEPT
+    handle = _FakeHandle(msg, 1)
+    action.on_accepted(handle)
+    assert worker.wait_idle(60)
+    counts = [chunk.completion_tokens for chunk in handle.feedback if chunk.token_ids]
+    assert counts and counts == sorted(counts) and counts[-1] == 4, counts
+    # An invalid request is accepted, then ended with its reason in on_accepted: no place kept.
+    bad = Generate.Goal(prompt='')
+    assert action.on_goal(bad) == GoalResponse.ACCEPT
+    action.on_accepted(_FakeHandle(bad, 2))
+    _reservations_all_free(node)
+
+
 def _peak_rss() -> int:
     with open('/proc/self/status') as f:
         for line in f:

@@ -1,11 +1,12 @@
 """llm_node's ~/generate action: accept, queue, stream, cancel, answer.
 
-A goal is admitted, validated (Admission, llm_admission.py) and queued in the goal callback,
-so the worker starts its prefill while rclpy still sends the goal response and the ACCEPTED
-status; the accepted callback that follows gives it its goal handle, and the feedback the
-worker made meanwhile (none, unless the prompt is tiny) is sent then, in order
-(FeedbackGate). Its execute callback is a coroutine that awaits the worker's result, so a
-waiting goal holds no executor thread; feedback is published from the worker thread. The
+The goal callback only admits a goal: it reserves its place in the queue (Admission.admit)
+and answers ACCEPT or REJECT. The accepted callback that rclpy calls right after, with the
+goal handle, validates and queues it (Admission.enqueue; an invalid request is ended at once
+and aborted with its reason), so every feedback message is published straight from the
+worker thread through the handle, in order. A reservation whose accepted callback never came
+(rclpy failed to answer the goal) is given back at the next goal. The execute callback is a
+coroutine that awaits the worker's result, so a waiting goal holds no executor thread. The
 action server has its own mutually exclusive group: goals are admitted in arrival order,
 and a cancel is fully recorded by rclpy before the goal's end is decided (see on_cancel).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -32,31 +33,6 @@ from edge_llm_ros.runtime.types import StopReason
 from edge_llm_ros.serving.goal import CancelReason, error_result, Feedback
 
 
-class FeedbackGate:
-    """A goal's feedback before rclpy gave its goal handle: held, then sent in order."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._send: Optional[Callable[[Feedback], None]] = None
-        self._held: List[Feedback] = []
-
-    def put(self, chunk: Feedback) -> None:
-        """Send (worker thread), or hold until release()."""
-        with self._lock:
-            if self._send is None:
-                self._held.append(chunk)
-            else:
-                self._send(chunk)
-
-    def release(self, send: Callable[[Feedback], None]) -> None:
-        """Send what was held, then everything as it comes (executor thread)."""
-        with self._lock:
-            for chunk in self._held:
-                send(chunk)
-            self._held.clear()
-            self._send = send
-
-
 class GenerateServer:
     """The ~/generate action server of one llm_node."""
 
@@ -64,10 +40,11 @@ class GenerateServer:
         self._node = node
         self._admission = admission
         self._goals: Dict[bytes, NodeGoal] = {}   # accepted goals until their result is built
-        # The goal on_goal accepted and queued, for the on_accepted call right after it: rclpy
-        # runs both in one task of this server's mutually exclusive group, with no await in
-        # between, so no other goal's callbacks come between the two.
-        self._accepting: Optional[Tuple[Any, NodeGoal, FeedbackGate]] = None
+        # The goal on_goal admitted (its request message, its NodeGoal holding a reservation),
+        # for the on_accepted call right after it: rclpy runs both in one task of this
+        # server's mutually exclusive group, with no await in between, so no other goal's
+        # callbacks come between the two.
+        self._admitted: Optional[Tuple[Any, NodeGoal]] = None
         self._cancels_recorded: List[Future] = []   # see on_cancel
         self._cancels_lock = threading.Lock()
         self._group = MutuallyExclusiveCallbackGroup()
@@ -82,51 +59,57 @@ class GenerateServer:
 
     # ---- callbacks --------------------------------------------------------------------------
     def on_goal(self, msg: Generate.Goal) -> GoalResponse:
-        """Admit, validate and queue a goal (its handle comes with on_accepted, next).
+        """Admit a goal: reserve its place in the queue, or reject it (with the reason logged).
 
         An invalid request is accepted too, and aborted in on_accepted with its reason.
         """
-        self._drop_unclaimed()
-        goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
-        problem = self._admission.admit(goal)
+        self._give_back_unclaimed()
+        goal, problem = self._admit()
         if problem:
             self._node.get_logger().warn(f'goal rejected: {problem}')
             self._admission.publish_transcript(Transcript.SOURCE_ACTION, UUID(), msg, None,
                                                None, accepted=False, error=problem)
             return GoalResponse.REJECT
-        self._accepting = (msg,) + self._queue(msg, goal)
+        self._admitted = (msg, goal)
         return GoalResponse.ACCEPT
 
-    def _queue(self, msg: Generate.Goal, goal: NodeGoal) -> Tuple[NodeGoal, FeedbackGate]:
-        gate = FeedbackGate()
-        goal.on_feedback = gate.put
+    def _admit(self) -> Tuple[NodeGoal, str]:
+        goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
+        return goal, self._admission.admit(goal)
+
+    def _give_back_unclaimed(self) -> None:
+        """Give back the place of an admitted goal whose accepted callback never came."""
+        pending, self._admitted = self._admitted, None
+        if pending is not None:
+            self._admission.give_back(pending[1])
+
+    def on_accepted(self, goal_handle) -> None:
+        """Validate and queue the goal admitted by on_goal; its execute coroutine awaits it."""
+        msg = goal_handle.request
+        pending, self._admitted = self._admitted, None
+        if pending is not None and pending[0] is msg:
+            goal = pending[1]
+        else:   # not the goal on_goal admitted (cannot happen with rclpy's action server)
+            if pending is not None:
+                self._admission.give_back(pending[1])
+            goal, problem = self._admit()
+            if problem:
+                goal.error_kind = Generate.Result.ERROR_UNAVAILABLE
+                goal.finish(error_result(problem))
+        goal.on_feedback = functools.partial(self._send_feedback, goal_handle)
+        self._goals[bytes(goal_handle.goal_id.uuid)] = goal
+        goal_handle.execute()
+        if goal.done:
+            self._admission.resolve(goal)
+            return
+        # Queued last: the woken worker then never waits for the GIL while this thread still
+        # publishes the EXECUTING status and schedules the execute coroutine.
         try:
             self._admission.enqueue(msg, goal)
         except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
             goal.error_kind = error_kind_of(exc)
             goal.finish(error_result(self._admission.refusal(exc, '~/generate')))
             self._admission.resolve(goal)
-        return goal, gate
-
-    def _drop_unclaimed(self) -> None:
-        """Cancel a queued goal whose accepted callback never came (rclpy failed to answer)."""
-        pending, self._accepting = self._accepting, None
-        if pending is not None:
-            self._stop(pending[1])
-
-    def on_accepted(self, goal_handle) -> None:
-        """Give the goal queued by on_goal its handle; its execute coroutine awaits its end."""
-        pending, self._accepting = self._accepting, None
-        if pending is not None and pending[0] is goal_handle.request:
-            _, goal, gate = pending
-        else:   # not the message on_goal saw (cannot happen with rclpy's action server)
-            self._accepting = pending
-            self._drop_unclaimed()
-            goal = NodeGoal(None, stamp=self._node.get_clock().now().to_msg())
-            goal, gate = self._queue(goal_handle.request, goal)
-        self._goals[bytes(goal_handle.goal_id.uuid)] = goal
-        goal_handle.execute()
-        gate.release(functools.partial(self._send_feedback, goal_handle))
 
     def on_cancel(self, goal_handle) -> CancelResponse:
         """Accept every cancel request and stop the goal.

@@ -116,6 +116,14 @@ class Admission:
         goal.reserved = True
         return ''
 
+    def give_back(self, goal: NodeGoal) -> None:
+        """Give back the queue place `goal` reserved, if it holds one (it will not be queued)."""
+        if goal.reserved:
+            goal.reserved = False
+            worker = self._node.worker
+            if worker is not None:
+                worker.unreserve()
+
     def enqueue(self, msg, goal: NodeGoal) -> None:
         """Prepare an admitted request and queue it, or hold it while a model update runs.
 
@@ -153,9 +161,7 @@ class Admission:
                 msg, node.runtime.defaults, described.declared if described else None,
                 images.declared if images else ()))
         except BaseException:
-            if goal.reserved:
-                goal.reserved = False
-                worker.unreserve()
+            self.give_back(goal)
             raise
         # The frames are mapped on the worker, only while the goal runs (see embeddings.py).
         if goal.request.embeddings is not None:
@@ -235,11 +241,7 @@ class Admission:
                     goal.on_feedback(Feedback(queue_position=place))
 
     def _hold(self, goal: NodeGoal) -> None:
-        worker = self._node.worker
-        if goal.reserved:
-            goal.reserved = False
-            if worker is not None:
-                worker.unreserve()
+        self.give_back(goal)
         self._held.append(goal)
         if goal.on_feedback is not None:
             goal.on_feedback(Feedback(queue_position=len(self._held)))
