@@ -46,7 +46,6 @@ class NodeGoal(Goal):
     """A Goal with its ROS glue (see the module docstring)."""
 
     stamp: Any = None                   # builtin_interfaces/Time of acceptance
-    source: str = Transcript.SOURCE_ACTION
     done_future: Future = field(default_factory=Future, repr=False)
     # Done once rclpy has recorded an accepted client cancel (the goal is CANCELING).
     cancel_applied: Future = field(default_factory=Future, repr=False)

@@ -48,8 +48,7 @@ class CompleteService:
     async def _complete(self, request: Complete.Request,
                         response: Complete.Response) -> Complete.Response:
         node = self._node
-        goal = NodeGoal(None, stamp=node.get_clock().now().to_msg(),
-                        source=Transcript.SOURCE_SERVICE)
+        goal = NodeGoal(None, stamp=node.get_clock().now().to_msg())
         goal_id = UUID(uuid=list(uuid.uuid4().bytes))
         problem = self._admission.admit(goal)
         if problem:

@@ -62,7 +62,6 @@ class LLMNodeConfig:
     decode_cpus: Tuple[int, ...]    # the engine worker thread
     queue_depth: int
     board: str
-    diagnostics_period_s: float
     thermal: ThermalSettings
     runtime: RuntimeConfig
     warnings: Tuple[str, ...] = ()  # soft preflight findings, for the log and diagnostics
@@ -99,7 +98,6 @@ def read_config(node: Node) -> LLMNodeConfig:
     return LLMNodeConfig(engine=engine, process_cpus=plan.process_cpus,
                          decode_cpus=plan.decode_cpus, queue_depth=int(values['queue.depth']),
                          board=str(values['board.name']),
-                         diagnostics_period_s=float(values['diagnostics.period_s']),
                          thermal=thermal, runtime=runtime_config(values),
                          warnings=report.warnings, remote=remote_config(values))
 

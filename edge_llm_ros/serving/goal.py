@@ -134,7 +134,6 @@ class Goal:
     exit_stack: Optional[contextlib.ExitStack] = field(default=None, init=False, repr=False)
     # Feedback cursor over `output` (the worker's).
     sent: int = field(default=0, init=False, repr=False)
-    sent_deltas: int = field(default=0, init=False, repr=False)
     last_sent: float = field(default=0.0, init=False, repr=False)
     # When the request arrived (perf_counter): TTFT counts from here when set, else from slot
     # admission (Engine.generate sets it, so a script's TTFT includes tokenizing).

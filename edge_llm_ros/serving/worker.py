@@ -81,12 +81,9 @@ class _Between:
 
 @dataclass
 class WorkerStats:
-    """Counters and last-generation figures for diagnostics (read without locking)."""
+    """Goals finished per stop reason and the last error, for diagnostics (read unlocked)."""
 
-    started: int = 0
     finished: dict = field(default_factory=lambda: {r.value: 0 for r in StopReason})
-    last_ttft_s: float = 0.0
-    last_decode_tps: float = 0.0
     last_error: str = ''
 
 
@@ -105,7 +102,6 @@ class WorkerSnapshot:
     waiting: int
     running: bool
     queue_depth: int
-    stats: WorkerStats
 
 
 class QueueFullError(RuntimeError):
@@ -355,7 +351,7 @@ class EngineWorker:
 
     def snapshot(self) -> WorkerSnapshot:
         view = self._view
-        return WorkerSnapshot(view.waiting, view.running > 0, self.queue_depth, self.stats)
+        return WorkerSnapshot(view.waiting, view.running > 0, self.queue_depth)
 
     # ---- worker thread ----------------------------------------------------------------------
     def _main(self) -> None:
@@ -445,7 +441,6 @@ class EngineWorker:
         """Send each goal's feedback, paused state and end for one plan's report."""
         now = time.monotonic()
         policy = self.feedback
-        self.stats.started += len(report.started)
         moved = report.started or report.ended or report.resumed or report.paused
         if moved:   # before any feedback: a client that saw it sees the new counts too
             with self._lock:
@@ -481,7 +476,7 @@ class EngineWorker:
         goal.on_feedback(Feedback(out.text(start, end), tuple(out.token_ids(start, end)), end,
                                   reasoning_delta=out.reasoning(start, end),
                                   tool_call_deltas=deltas, paused=paused))
-        goal.sent, goal.sent_deltas = end, goal.sent_deltas + len(deltas)
+        goal.sent = end
         goal.last_sent = now or time.monotonic()
 
     def _finish(self, goal: Goal) -> None:
@@ -539,6 +534,3 @@ class EngineWorker:
             result.stop_reason.value, 0) + 1
         if result.stop_reason is StopReason.ERROR:
             stats.last_error = result.error
-        elif result.completion_tokens:
-            stats.last_ttft_s = result.timings.time_to_first_token_s
-            stats.last_decode_tps = result.timings.decode_tokens_per_second
