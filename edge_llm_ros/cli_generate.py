@@ -1,15 +1,22 @@
-"""`edge-llm generate "prompt"`: stream a completion to stdout, timings to stderr."""
+"""`edge-llm generate "prompt"`: stream a completion to stdout, timings to stderr.
+
+With --json, stdout gets one JSON object once the generation ends instead of the stream
+(see result_json), for scripts and for parity checks against llama.cpp.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
+from typing import Any, Dict
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError
 from edge_llm_ros.runtime.image_file import decode_image
 from edge_llm_ros.runtime.media import MEDIA_MARKER
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
-from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.runtime.types import GenerationRequest, GenerationResult, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 
@@ -45,6 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='converted model with the same tokenizer that drafts')
     parser.add_argument('--verbose', action='store_true',
                         help='print the model, its weight format and the kernels that run')
+    parser.add_argument('--json', action='store_true',
+                        help='print one JSON object instead of the stream: text, token_ids, '
+                             'stop_reason, error, prompt_tokens, completion_tokens, model, '
+                             'timings (as runtime.types.Timings names them)')
+
+
+def result_json(result: GenerationResult, model: str) -> Dict[str, Any]:
+    """Return the --json object of one generation (its keys are those the --json help names)."""
+    return {'text': result.text, 'token_ids': [int(i) for i in result.token_ids],
+            'stop_reason': result.stop_reason.value, 'error': result.error,
+            'prompt_tokens': result.prompt_tokens,
+            'completion_tokens': result.completion_tokens, 'model': model,
+            'timings': dataclasses.asdict(result.timings)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,13 +106,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         for event in generation:
-            sys.stdout.write(event.text_delta)
-            sys.stdout.flush()
+            if not args.json:
+                sys.stdout.write(event.text_delta)
+                sys.stdout.flush()
     except KeyboardInterrupt:
         generation.cancel()
         print('\n[interrupted]', file=sys.stderr)
         return 130
     result = generation.result
+    if args.json:
+        print(json.dumps(result_json(result, engine.model_name)))
+        if result.error:
+            print(f'edge-llm generate: generation failed: {result.error}', file=sys.stderr)
+        return 1 if result.error else 0
     sys.stdout.write('\n')
     t = result.timings
     print(f'[{engine.model_name}] {result.stop_reason.value}: prompt {result.prompt_tokens} '

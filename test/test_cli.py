@@ -40,6 +40,24 @@ def test_generate_streams_text_and_prints_timings(tiny_dir):
     assert 'decode' in proc.stderr and 'tok/s' in proc.stderr
 
 
+def test_generate_json_prints_one_object_whose_ids_are_its_text(tiny_dir):
+    proc = edge_llm('generate', 'robot arm', '--model', str(tiny_dir), '--max-tokens', '7',
+                    '--threads', '1', '--max-context', '64', '--json')
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)   # one object, nothing else on stdout
+    assert set(out) == {'text', 'token_ids', 'stop_reason', 'error', 'prompt_tokens',
+                        'completion_tokens', 'model', 'timings'}
+    engine = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=64))
+    expected = engine.generate(GenerationRequest(prompt='robot arm', max_tokens=7)).run_to_end()
+    assert out['token_ids'] == list(expected.token_ids) and len(out['token_ids']) == 7
+    assert engine.detokenize(out['token_ids']) == out['text'] == expected.text
+    assert out['stop_reason'] == 'length' and out['error'] == ''
+    assert out['completion_tokens'] == 7 and out['prompt_tokens'] == expected.prompt_tokens
+    assert out['model'] == engine.model_name
+    assert out['timings']['time_to_first_token_s'] > 0 and out['timings']['decode_steps'] == 6
+    assert 'Traceback' not in proc.stderr
+
+
 def test_generate_with_json_schema_file(tiny_dir, tmp_path):
     schema = tmp_path / 'schema.json'
     schema.write_text(json.dumps({'enum': ['stop', 'go']}))
@@ -80,6 +98,8 @@ def test_dispatch_help_and_unknown_command():
     assert proc.returncode == 2 and "unknown command 'fly'" in proc.stderr
     proc = edge_llm('generate', '--help')
     assert proc.returncode == 0 and '--json-schema' in proc.stdout
+    words = ' '.join(proc.stdout.split())   # whatever width argparse wrapped it to
+    assert '--json ' in words and 'one JSON object instead of the stream' in words
 
 
 def test_subcommands_are_registered_by_module_path():
