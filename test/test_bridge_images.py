@@ -23,9 +23,9 @@ import pytest
 from edge_llm_ros.bridge.backend import BackendRequest, Message
 from edge_llm_ros.bridge.config import BridgeConfig
 from edge_llm_ros.bridge.errors import QueueFullError
-from edge_llm_ros.bridge.llm_client_backend import build_goal, IMAGE_POOLS, LLMClientBackend
 from edge_llm_ros.ipc.resolver import TensorResolver
 from edge_llm_ros.nodes.handles import image_pool
+from edge_llm_ros.nodes.llm_client_backend import build_goal, IMAGE_POOLS, LLMClientBackend
 from edge_llm_ros.runtime.media import MEDIA_MARKER
 
 pytestmark = pytest.mark.timeout(120)

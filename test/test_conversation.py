@@ -362,7 +362,7 @@ def test_the_conversation_helper_sends_one_new_turn_at_a_time():
 
 def test_the_bridge_names_a_session_and_sends_the_history_as_auto():
     from edge_llm_ros.bridge.backend import BackendRequest, Message
-    from edge_llm_ros.bridge.llm_client_backend import build_goal
+    from edge_llm_ros.nodes.llm_client_backend import build_goal
     request = BackendRequest(request_id='r', model='m', session_id='k',
                              messages=(Message('user', 'hi'),))
     goal = build_goal(request)

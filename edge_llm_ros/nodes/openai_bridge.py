@@ -25,11 +25,11 @@ from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 
 from edge_llm_ros.bridge.config import BridgeConfig
-from edge_llm_ros.bridge.llm_client_backend import LLMClientBackend
 from edge_llm_ros.bridge.server import BridgeStartError, run_bridge, RunningBridge
 from edge_llm_ros.bringup import parameters as schema_mod
 from edge_llm_ros.client import LLMClient
 from edge_llm_ros.nodes import node_params, spin
+from edge_llm_ros.nodes.llm_client_backend import LLMClientBackend
 from edge_llm_ros.nodes.node_params import ConfigError
 
 if TYPE_CHECKING:
