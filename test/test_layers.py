@@ -8,18 +8,27 @@ llm_node instead).
 
 Rules (RULES below, each with the fix its message names):
 
-- runtime/ and serving/ never load the converter (edge_llm_ros.convert, gguf, onnx,
-  safetensors; onnxruntime is fine) nor ROS (rclpy, launch, launch_ros, edge_llm_msgs, any
-  *_msgs / *_interfaces package): not directly, and not through another edge_llm_ros module
-  outside those two folders (the message names the chain).
+- runtime/, serving/, ipc/, bringup/ and vision/ never load the converter (edge_llm_ros.convert,
+  gguf, onnx, safetensors; onnxruntime is fine): not directly, and not through another
+  edge_llm_ros module outside those folders (the message names the chain).
+- runtime/, serving/, convert/, ipc/, bringup/, vision/ and bridge/ never load ROS (rclpy,
+  launch, launch_ros, edge_llm_msgs, any *_msgs / *_interfaces package), directly or through.
 - runtime/ (one sequence) never imports serving/ or nodes/, directly or through another
   module.
+- runtime/ and serving/ (the engine) never import bringup/ or vision/: they take typed configs
+  and plain values; boards, parameters and cameras build on them.
+- bringup/ never imports serving/, nodes/ or vision/; its parameter table
+  (bringup/parameters.py) reads the runtime and ipc only through their choices leaves
+  (runtime/choices.py, ipc/choices.py).
 - convert/ never imports serving/ or nodes/ (it runs on a build machine).
 - Outside convert/, nothing imports gguf, onnx or safetensors itself (a node that needs a
   graph written, like perception's stand-in encoder, calls the converter's module).
-- Outside runtime/ and serving/, only the ROS-facing modules of RCLPY_ALLOWED import rclpy.
-- model_format.py and errors.py (the contract every layer reads) import no edge_llm_ros
-  module but errors.
+- Outside the folders above, only the ROS-facing modules of RCLPY_ALLOWED import rclpy.
+- The leaves (model_format.py and errors.py, the contract every layer reads; safe_yaml.py; the
+  choices leaves) import no edge_llm_ros module but errors.
+
+And no two packages (the folders and top-level modules of edge_llm_ros) import each other,
+directly or around a longer loop (test_no_cycle_between_packages names the imports).
 """
 from __future__ import annotations
 
@@ -75,6 +84,24 @@ def _in(*folders: str) -> Callable[[str], bool]:
     return lambda rel: rel.startswith(tuple(f'{f}/' for f in folders))
 
 
+def _package(*folders: str) -> Callable[[str], bool]:
+    return lambda m: _under(m, *(f'{PACKAGE}.{f}' for f in folders))
+
+
+# Folders that load no converter, and no ROS (the nodes translate messages for them).
+NO_CONVERTER = ('runtime', 'serving', 'ipc', 'bringup', 'vision')
+NO_ROS = ('runtime', 'serving', 'convert', 'ipc', 'bringup', 'vision', 'bridge')
+# Modules that import no edge_llm_ros module but errors, so any layer may read them.
+LEAVES = ('model_format.py', 'errors.py', 'safe_yaml.py', 'runtime/choices.py', 'ipc/choices.py')
+
+
+def _runtime_or_ipc_internal(module: str) -> bool:
+    """Say whether bringup/parameters.py must not load it: runtime/ipc but their choices."""
+    return _package('runtime', 'ipc')(module) and \
+        module not in (f'{PACKAGE}.runtime', f'{PACKAGE}.ipc') and \
+        not _package('runtime.choices', 'ipc.choices')(module)
+
+
 def _rclpy_allowed(rel: str) -> bool:
     return any(rel.startswith(entry) if entry.endswith('/') else rel == entry
                for entry in RCLPY_ALLOWED)
@@ -93,36 +120,53 @@ class Rule:
 
 
 RULES = [
-    Rule('no-converter-in-runtime', _in('runtime', 'serving'), _converter,
-         'runtime/ and serving/ read converted model folders (edge_llm_ros.model_format, '
-         'onnxruntime); gguf, onnx, safetensors and edge_llm_ros.convert are the offline '
-         "converter's, in edge_llm_ros/convert/ only", through=True),
-    Rule('no-ros-in-runtime', _in('runtime', 'serving'), _ros,
-         'runtime/ and serving/ know no ROS: rclpy and ROS messages belong in '
-         'edge_llm_ros/nodes/, which translates messages to and from runtime.types',
+    Rule('no-converter', _in(*NO_CONVERTER), _converter,
+         'runtime/, serving/, ipc/, bringup/ and vision/ never load the offline converter: '
+         'they read converted model folders (edge_llm_ros.model_format, onnxruntime); gguf, '
+         "onnx, safetensors and edge_llm_ros.convert are the converter's, in "
+         'edge_llm_ros/convert/ only (a node that needs a graph written calls it)',
          through=True),
-    Rule('runtime-below-serving', _in('runtime'),
-         lambda m: _under(m, f'{PACKAGE}.serving', f'{PACKAGE}.nodes'),
+    Rule('no-ros', _in(*NO_ROS), _ros,
+         'runtime/, serving/, convert/, ipc/, bringup/, vision/ and bridge/ know no ROS: '
+         'rclpy and ROS messages belong in edge_llm_ros/nodes/, which translates messages to '
+         'and from their plain types', through=True),
+    Rule('runtime-below-serving', _in('runtime'), _package('serving', 'nodes'),
          'runtime/ is the lower layer (one sequence): serving/ and nodes/ build on it, '
          'never the other way', through=True),
-    Rule('convert-stands-alone', _in('convert'),
-         lambda m: _under(m, f'{PACKAGE}.serving', f'{PACKAGE}.nodes'),
+    Rule('engine-below-bringup-and-vision', _in('runtime', 'serving'),
+         _package('bringup', 'vision'),
+         'runtime/ and serving/ take typed configs and plain values: boards, parameters and '
+         'launch logic (bringup/) and the camera side (vision/) build on them. Let the node '
+         'or bringup translate parameters once; a choice the engine owns goes in '
+         'runtime/choices.py', through=True),
+    Rule('bringup-below-serving-and-vision', _in('bringup'),
+         _package('serving', 'nodes', 'vision'),
+         'bringup/ decides boards, parameters and launches from plain data: it reads the '
+         'runtime (model families, the native library) and ipc, and never loads the engine '
+         '(serving/), the nodes or the camera side (vision/)', through=True),
+    Rule('parameter-table-reads-leaves', lambda rel: rel == 'bringup/parameters.py',
+         _runtime_or_ipc_internal,
+         'the parameter table loads none of the runtime or ipc: read the choices they own '
+         'from runtime/choices.py or ipc/choices.py (plain tuples), and build typed configs '
+         'from its *_kwargs in the node (nodes/llm_config.py)', through=True),
+    Rule('convert-stands-alone', _in('convert'), _package('serving', 'nodes'),
          'convert/ runs offline on a build machine: it may use model_format, errors and '
          'runtime, never serving/ or nodes/', through=True),
     Rule('converter-libraries-in-convert-only',
-         lambda rel: not _in('convert', 'runtime', 'serving')(rel),
+         lambda rel: not _in('convert', *NO_CONVERTER)(rel),
          lambda m: _converter(m) and not _under(m, f'{PACKAGE}.convert'),
          "gguf, onnx and safetensors are the converter's libraries: import them in "
          'edge_llm_ros/convert/ only (and call that module from here)'),
     Rule('rclpy-in-node-layer',
-         lambda rel: not _rclpy_allowed(rel) and not _in('runtime', 'serving')(rel),
+         lambda rel: not _rclpy_allowed(rel) and not _in(*NO_ROS)(rel),
          lambda m: _under(m, 'rclpy'),
          'rclpy belongs in edge_llm_ros/nodes/ (node entry points) or one of the ROS-facing '
          'modules listed in RCLPY_ALLOWED (test/test_layers.py), each with its reason'),
-    Rule('contract-imports-only-errors', lambda rel: rel in ('model_format.py', 'errors.py'),
+    Rule('leaves-import-only-errors', lambda rel: rel in LEAVES,
          lambda m: _under(m, PACKAGE) and m != PACKAGE and not _under(m, f'{PACKAGE}.errors'),
-         'model_format.py and errors.py are what every layer reads: they import no '
-         'edge_llm_ros module but errors'),
+         'model_format.py and errors.py (what every layer reads), safe_yaml.py and the '
+         'choices leaves (runtime/choices.py, ipc/choices.py: what bringup reads of the '
+         'runtime and ipc) import no edge_llm_ros module but errors'),
 ]
 
 
@@ -201,6 +245,26 @@ def _parsed(path: pathlib.Path, package: str) -> List[Import]:
     return _PARSED[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class Cycle:
+    """Packages that import each other around a loop, and one import of each step."""
+
+    packages: Tuple[str, ...]          # a -> b -> ... -> (back to a)
+    imports: Tuple[str, ...]           # 'path:line imports module', one per step
+
+    def __str__(self) -> str:
+        loop = ' -> '.join(self.packages + self.packages[:1])
+        return f'{loop}: ' + '; '.join(self.imports) + \
+            '. A package cycle ties both ends together: move what the lower one needs into ' \
+            'it (a leaf such as runtime/choices.py or safe_yaml.py) or pass it plain values'
+
+
+def _package_of(module: str) -> Optional[str]:
+    """Return the package of a module: its folder or top-level module under edge_llm_ros."""
+    parts = module.split('.')
+    return parts[1] if len(parts) > 1 and parts[0] == PACKAGE else None
+
+
 class Tree:
     """The modules of one copy of edge_llm_ros/ and what each imports."""
 
@@ -260,6 +324,38 @@ class Tree:
                         found.extend(self._through(path, statement, rule))
         return sorted(found, key=lambda v: (v.path, v.line, v.rule.name))
 
+    def package_imports(self) -> Dict[Tuple[str, str], str]:
+        """(package, package it imports) -> its first import ('path:line imports module')."""
+        edges: Dict[Tuple[str, str], str] = {}
+        for module in self.files:
+            source = _package_of(module)
+            for statement in self.imports[module]:
+                # The deepest module the statement loads in each package it reaches.
+                reached: Dict[str, str] = {}
+                for loaded in (m for n in statement.names for m in self.loaded(n)):
+                    target = _package_of(loaded)
+                    if target and len(loaded) > len(reached.get(target, '')):
+                        reached[target] = loaded
+                for target, loaded in reached.items():
+                    if source and target != source:
+                        edges.setdefault((source, target), f'{PACKAGE}/{self.rel(module)}:'
+                                         f'{statement.line} imports {loaded}')
+        return edges
+
+    def package_cycles(self) -> List[Cycle]:
+        """Each loop of packages importing each other, once, by its shortest way round."""
+        edges = self.package_imports()
+        graph: Dict[str, List[str]] = collections.defaultdict(list)
+        for source, target in sorted(edges):
+            graph[source].append(target)
+        found: List[Cycle] = []
+        for start in sorted(graph):
+            loop = _shortest_loop(graph, start)
+            if loop and not any(set(loop) == set(c.packages) for c in found):
+                steps = zip(loop, loop[1:] + loop[:1])
+                found.append(Cycle(loop, tuple(edges[step] for step in steps)))
+        return found
+
     def _through(self, path: str, statement: Import, rule: Rule) -> Iterator[Violation]:
         # In import order, each module once: the first chain found is the one reported.
         modules = dict.fromkeys(m for n in statement.names for m in self.loaded(n))
@@ -272,9 +368,29 @@ class Tree:
                 return
 
 
+def _shortest_loop(graph: Dict[str, List[str]], start: str) -> Optional[Tuple[str, ...]]:
+    """Return the shortest path start -> ... -> x with an edge x -> start, or None."""
+    queue = collections.deque([(start,)])
+    seen: Set[str] = {start}
+    while queue:
+        path = queue.popleft()
+        for step in graph.get(path[-1], ()):
+            if step == start:
+                return path
+            if step not in seen:
+                seen.add(step)
+                queue.append(path + (step,))
+    return None
+
+
 def test_the_package_keeps_its_import_contract():
     violations = Tree(ROOT / PACKAGE).violations()
     assert not violations, 'forbidden imports:\n' + '\n'.join(map(str, violations))
+
+
+def test_no_cycle_between_packages():
+    cycles = Tree(ROOT / PACKAGE).package_cycles()
+    assert not cycles, 'packages that import each other:\n' + '\n'.join(map(str, cycles))
 
 
 def test_every_rclpy_entry_is_needed():
@@ -293,41 +409,74 @@ def test_every_rclpy_entry_is_needed():
 
 # --- the checker fails where it should ------------------------------------------------------
 
-PROBE = 'bringup/_layers_probe.py'    # a module outside runtime/ that the probe case adds
+PROBE = 'update/_layers_probe.py'    # a module outside the rules' folders, added by the probe
 
 # (file, lines appended to it, rule expected at the first appended line, or None: allowed)
 INJECTED = [
-    ('runtime/sampling.py', ['import gguf'], 'no-converter-in-runtime'),
-    ('runtime/decoder.py', ['import onnx.helper'], 'no-converter-in-runtime'),
+    ('runtime/sampling.py', ['import gguf'], 'no-converter'),
+    ('runtime/decoder.py', ['import onnx.helper'], 'no-converter'),
     ('runtime/decoder.py', ['import onnxruntime'], None),
-    ('serving/engine.py', ['from onnx import numpy_helper'], 'no-converter-in-runtime'),
+    ('serving/engine.py', ['from onnx import numpy_helper'], 'no-converter'),
     ('serving/scheduler.py', ['def _late():', '    from safetensors import safe_open'],
-     'no-converter-in-runtime'),
-    ('runtime/kv_cache.py', ["importlib.import_module('gguf.constants')"],
-     'no-converter-in-runtime'),
-    ('runtime/tools/parser.py', ['from ...convert import converter'],
-     'no-converter-in-runtime'),
-    ('runtime/sampling.py', ['from edge_llm_ros.bringup import _layers_probe'],
-     'no-converter-in-runtime'),
-    ('serving/scheduler.py', ['import rclpy'], 'no-ros-in-runtime'),
-    ('runtime/types.py', ['from edge_llm_msgs.msg import Transcript'], 'no-ros-in-runtime'),
-    ('serving/worker.py', ['from std_msgs.msg import String'], 'no-ros-in-runtime'),
-    ('serving/remote.py', ['from edge_llm_ros.client import LLMClient'], 'no-ros-in-runtime'),
+     'no-converter'),
+    ('runtime/kv_cache.py', ["importlib.import_module('gguf.constants')"], 'no-converter'),
+    ('runtime/tools/parser.py', ['from ...convert import converter'], 'no-converter'),
+    ('runtime/sampling.py', ['from edge_llm_ros.update import _layers_probe'], 'no-converter'),
+    ('vision/runner.py', ['import onnx'], 'no-converter'),
+    ('vision/default_model.py', ['from edge_llm_ros.convert import standin_encoder'],
+     'no-converter'),
+    ('bringup/profiles.py', ['from ..update import _layers_probe'], 'no-converter'),
+    ('ipc/mapping.py', ['import safetensors'], 'no-converter'),
+    ('serving/scheduler.py', ['import rclpy'], 'no-ros'),
+    ('runtime/types.py', ['from edge_llm_msgs.msg import Transcript'], 'no-ros'),
+    ('serving/worker.py', ['from std_msgs.msg import String'], 'no-ros'),
+    ('serving/remote.py', ['from edge_llm_ros.client import LLMClient'], 'no-ros'),
+    ('ipc/pool.py', ['import rclpy.node'], 'no-ros'),
+    ('vision/sources.py', ['from sensor_msgs.msg import Image'], 'no-ros'),
+    ('vision/params.py', ['from edge_llm_ros.client import LLMClient'], 'no-ros'),
+    ('bringup/launch_logic.py', ['import launch_ros.actions'], 'no-ros'),
+    ('bringup/thermal.py', ['from edge_llm_ros import qos'], 'no-ros'),
+    ('bridge/app.py', ['import rclpy'], 'no-ros'),
+    ('convert/quant.py', ['import rclpy'], 'no-ros'),
     ('runtime/request.py', ['from edge_llm_ros.serving import engine'],
      'runtime-below-serving'),
     ('runtime/output.py', ['from ..serving.queue import GoalQueue'], 'runtime-below-serving'),
+    ('runtime/model_config.py', ['from edge_llm_ros.bringup.profiles import available_boards'],
+     'engine-below-bringup-and-vision'),
+    ('serving/backends.py', ['from edge_llm_ros.bringup import parameters'],
+     'engine-below-bringup-and-vision'),
+    ('serving/engine.py', ['from edge_llm_ros.vision.vlm_frames import vlm_folder'],
+     'engine-below-bringup-and-vision'),
+    ('runtime/media.py', ['from edge_llm_ros.safe_yaml import safe_load_bounded'], None),
+    ('bringup/preflight.py', ['from edge_llm_ros.serving.engine import EngineConfig'],
+     'bringup-below-serving-and-vision'),
+    ('bringup/profiles.py', ['from edge_llm_ros.vision import synthetic'],
+     'bringup-below-serving-and-vision'),
+    ('bringup/kernels.py', ['import edge_llm_ros.nodes'],
+     'bringup-below-serving-and-vision'),
+    ('bringup/preflight.py', ['from edge_llm_ros.runtime.model_config import load_family'],
+     None),
+    ('bringup/parameters.py', ['from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES'],
+     'parameter-table-reads-leaves'),
+    ('bringup/parameters.py', ['from edge_llm_ros.ipc.allocators import allocator_names'],
+     'parameter-table-reads-leaves'),
+    ('bringup/parameters.py', ['from edge_llm_ros.runtime import speculative_config'],
+     'parameter-table-reads-leaves'),
+    ('bringup/parameters.py', ['from edge_llm_ros.runtime import choices'], None),
+    ('bringup/parameters.py', ['from ..ipc.choices import ALLOCATORS'], None),
     ('convert/quant.py', ['from edge_llm_ros.serving import engine'], 'convert-stands-alone'),
-    ('convert/converter.py', ['from ..nodes import messages'], 'convert-stands-alone'),
-    ('vision/runner.py', ['import onnx'], 'converter-libraries-in-convert-only'),
+    ('convert/converter.py', ['from .. import nodes'], 'convert-stands-alone'),
+    ('metrics/figures.py', ['import onnx'], 'converter-libraries-in-convert-only'),
     ('nodes/perception.py', ['from edge_llm_ros.convert import standin_encoder'], None),
-    ('ipc/pool.py', ['import rclpy.node'], 'rclpy-in-node-layer'),
     ('regression/compare.py', ['def _spin():', '    import rclpy'], 'rclpy-in-node-layer'),
     ('cli.py', ["__import__('rclpy')"], 'rclpy-in-node-layer'),
     ('nodes/messages.py', ['import rclpy'], None),
     ('regression/record.py', ['import rclpy.node'], None),
     ('model_format.py', ['from edge_llm_ros.runtime import types'],
-     'contract-imports-only-errors'),
-    ('errors.py', ['from . import model_format'], 'contract-imports-only-errors'),
+     'leaves-import-only-errors'),
+    ('errors.py', ['from . import model_format'], 'leaves-import-only-errors'),
+    ('safe_yaml.py', ['from edge_llm_ros import model_format'], 'leaves-import-only-errors'),
+    ('ipc/choices.py', ['from edge_llm_ros.errors import EngineError'], None),
     ('model_format.py', ['from edge_llm_ros import errors'], None),
 ]
 
@@ -361,8 +510,52 @@ def test_an_added_import_is_reported_exactly(tmp_path, rel, lines, rule):
 def test_a_chain_names_the_modules_it_goes_through(tmp_path):
     copy = _copy_package(tmp_path)
     target = copy / 'runtime' / 'sampling.py'
-    target.write_text(target.read_text() + 'from edge_llm_ros.bringup import _layers_probe\n')
+    target.write_text(target.read_text() + 'from edge_llm_ros.update import _layers_probe\n')
     (violation,) = Tree(copy).violations()
     assert violation.module.startswith('edge_llm_ros.convert')
-    assert violation.chain == ('edge_llm_ros.bringup._layers_probe',)
-    assert '(through edge_llm_ros.bringup._layers_probe)' in str(violation)
+    assert violation.chain == ('edge_llm_ros.update._layers_probe',)
+    assert '(through edge_llm_ros.update._layers_probe)' in str(violation)
+
+
+def _append(path: pathlib.Path, line: str) -> int:
+    """Append one line to a file; return its line number."""
+    text = path.read_text()
+    text += '' if text.endswith('\n') else '\n'
+    path.write_text(text + line + '\n')
+    return text.count('\n') + 1
+
+
+def _line_of(path: pathlib.Path, needle: str) -> int:
+    return next(i for i, text in enumerate(path.read_text().splitlines(), 1) if needle in text)
+
+
+def test_a_leaf_that_grows_an_import_is_reported_where_it_is_read(tmp_path):
+    copy = _copy_package(tmp_path)
+    line = _append(copy / 'runtime' / 'choices.py', 'from edge_llm_ros.runtime import native_ops')
+    table = copy / 'bringup' / 'parameters.py'
+    found = {(v.path, v.line, v.rule.name, v.chain) for v in Tree(copy).violations()}
+    assert found == {
+        (f'{PACKAGE}/runtime/choices.py', line, 'leaves-import-only-errors', ()),
+        (f'{PACKAGE}/bringup/parameters.py', _line_of(table, 'runtime.choices import'),
+         'parameter-table-reads-leaves', (f'{PACKAGE}.runtime.choices',))}
+
+
+def test_a_cycle_between_two_packages_is_reported_with_its_imports(tmp_path):
+    copy = _copy_package(tmp_path)
+    line = _append(copy / 'runtime' / 'sampling.py', 'from edge_llm_ros.metrics import figures')
+    (cycle,) = Tree(copy).package_cycles()
+    assert cycle.packages == ('metrics', 'runtime')
+    assert cycle.imports[1] == (f'{PACKAGE}/runtime/sampling.py:{line} imports '
+                                f'{PACKAGE}.metrics.figures')
+    assert cycle.imports[0].startswith(f'{PACKAGE}/metrics/')
+    assert str(cycle).startswith('metrics -> runtime -> metrics: edge_llm_ros/metrics/')
+
+
+def test_a_longer_cycle_is_reported_once(tmp_path):
+    # ipc -> vision (the added line) -> bringup (vision's frame sides) -> ipc (allocator names)
+    copy = _copy_package(tmp_path)
+    line = _append(copy / 'ipc' / 'pool.py', 'from edge_llm_ros.vision import synthetic')
+    (cycle,) = Tree(copy).package_cycles()
+    assert cycle.packages == ('bringup', 'ipc', 'vision')
+    assert cycle.imports[1] == f'{PACKAGE}/ipc/pool.py:{line} imports {PACKAGE}.vision.synthetic'
+    assert str(cycle).startswith('bringup -> ipc -> vision -> bringup: ')
