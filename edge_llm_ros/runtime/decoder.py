@@ -6,7 +6,9 @@ One graph serves prefill and decode (see the engine contract): inputs ``input_id
 ``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``; outputs
 ``logits [B, logits_count, vocab]`` (the last positions; 1 except in a verify pass) and
 ``present.{i}.key/value``. A VLM whose image tokens attend both ways (gemma3) also takes
-``bidirectional [1]`` (int32; 1 for a forward over one image's rows).
+``bidirectional [1]`` (int32; 1 for a forward over one image's rows). A hybrid's conv layer
+(lfm2; model.yaml ``layer_states``) has no KV: it takes ``past_conv.{i}`` [B, kernel - 1,
+hidden] and gives ``present_conv.{i}``, its conv state, bound like the KV buffers.
 
 The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
 writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
@@ -18,6 +20,11 @@ one slot (batch 1, over that slot's views); ``decode_rows`` runs rows 0..b-1 in 
 per-row lengths in ``seqlens_k`` (GroupQueryAttention's per-sequence lengths). Every binding is
 built at init, so a step only writes ints and runs. With N = 1, decode() feeds one row through
 the binding of slot 0.
+
+Conv states (``state_buffers``, [N, kernel - 1, hidden] per conv layer) hold no positions: a
+call writes the state of every row it runs, so ``decode_rows`` keeps the rows it is told to
+keep (padding rows over a slot whose sequence is between prefill chunks). Such a decoder is not
+``rewindable``: a slot's state is that of its last position, never of an earlier one.
 
 ``verify`` runs several ids of one slot and returns the logits of every one of them (a
 speculative verify pass). Only a graph with ``attention: causal`` (model.yaml) promises that
@@ -33,7 +40,8 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
-from edge_llm_ros.model_format import BIDIRECTIONAL_INPUT, MODEL_FILE, ModelInfo, REGENERATE_HINT
+from edge_llm_ros.model_format import (BIDIRECTIONAL_INPUT, CONV_STATE_PAST, CONV_STATE_PRESENT,
+                                       MODEL_FILE, ModelInfo, REGENERATE_HINT)
 from edge_llm_ros.runtime import native_ops
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 
@@ -152,8 +160,15 @@ class OnnxDecoder:
         kv_len = spec.kv_max_context or config.max_context
         kv_shape = (self.slots, spec.num_kv_heads, kv_len, spec.head_dim)
         # Owned here for the session's life: the OrtValues below point into these arrays.
+        # K and V of each attention layer (spec.kv_layers, in order) ...
         self.kv_buffers: List[np.ndarray] = [
-            np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * spec.num_layers)]
+            np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * len(spec.kv_layers))]
+        # ... and the state of each conv layer (spec.conv_layers, in order).
+        self.state_buffers: List[np.ndarray] = [
+            np.zeros((self.slots,) + spec.state_of(i).shape, dtype=self._kv_dtype)
+            for i in spec.conv_layers]
+        # Whether a slot's state can be cut back to an earlier position (KV only).
+        self.rewindable = spec.rewindable
         self._logits = np.zeros((self.slots, 1, spec.vocab_size), dtype=np.float32)
         self._one_logit = np.ones((1,), dtype=np.int64)   # logits_count but in verify passes
         self._verify_logits = np.zeros((1, 0, spec.vocab_size), dtype=np.float32)
@@ -210,16 +225,22 @@ class OnnxDecoder:
         outputs = {o.name: o for o in self._session.get_outputs()}
         want_in = ['input_ids', 'seqlens_k', 'total_sequence_length', 'logits_count']
         want_out = ['logits']
-        for i in range(spec.num_layers):
+        for i in spec.kv_layers:
             want_in += [f'past_key_values.{i}.key', f'past_key_values.{i}.value']
             want_out += [f'present.{i}.key', f'present.{i}.value']
+        for i in spec.conv_layers:
+            want_in.append(CONV_STATE_PAST.format(i))
+            want_out.append(CONV_STATE_PRESENT.format(i))
         missing = [n for n in want_in if n not in inputs] + \
             [n for n in want_out if n not in outputs]
         if missing:
             raise ModelLoadError(
                 f'{model_path} does not match model.yaml ({spec.num_layers} layers): missing '
                 f'graph inputs/outputs {", ".join(missing[:6])}: {REGENERATE_HINT}')
-        batch = inputs['past_key_values.0.key'].shape[0]
+        # The first layer's state (every layer holds one): its batch and dtype are the graph's.
+        first = (f'past_key_values.{spec.kv_layers[0]}.key' if spec.kv_layers
+                 else CONV_STATE_PAST.format(spec.conv_layers[0]))
+        batch = inputs[first].shape[0]
         if slots > 1 and isinstance(batch, int):
             raise ModelLoadError(
                 f'{model_path} was converted with a fixed batch of {batch}, so it cannot run '
@@ -231,7 +252,7 @@ class OnnxDecoder:
         self.bidirectional_images = BIDIRECTIONAL_INPUT in inputs
         self._image_flag = np.zeros((1,), dtype=np.int32)
         self._image_flag_value = ort.OrtValue.ortvalue_from_numpy(self._image_flag)
-        kv_type = inputs['past_key_values.0.key'].type
+        kv_type = inputs[first].type
         if kv_type not in _ORT_DTYPES:
             raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
                                         'supported (float or float16)')
@@ -253,12 +274,15 @@ class OnnxDecoder:
         binding = self._session.io_binding()
         if self.bidirectional_images:
             binding.bind_ortvalue_input(BIDIRECTIONAL_INPUT, self._image_flag_value)
-        n = self.info.num_layers
-        for i in range(n):
+        for n, i in enumerate(self.info.kv_layers):
             for j, kind in enumerate(('key', 'value')):
-                value = self._value(self.kv_buffers[2 * i + j][rows])
+                value = self._value(self.kv_buffers[2 * n + j][rows])
                 binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}', value)
                 binding.bind_ortvalue_output(f'present.{i}.{kind}', value)
+        for buf, i in zip(self.state_buffers, self.info.conv_layers):
+            value = self._value(buf[rows])
+            binding.bind_ortvalue_input(CONV_STATE_PAST.format(i), value)
+            binding.bind_ortvalue_output(CONV_STATE_PRESENT.format(i), value)
         width = rows.stop - rows.start
         binding.bind_ortvalue_output('logits', self._value(self._logits[:width]))
         return binding
@@ -266,6 +290,10 @@ class OnnxDecoder:
     def slot_buffers(self, slot: int) -> List[np.ndarray]:
         """Slot's KV views [1, kv_heads, L, head_dim] per buffer (what its KVCache tracks)."""
         return [buf[slot:slot + 1] for buf in self.kv_buffers]
+
+    def slot_states(self, slot: int) -> List[np.ndarray]:
+        """Slot's conv-state views [1, kernel - 1, hidden] (empty: a model of KV only)."""
+        return [buf[slot:slot + 1] for buf in self.state_buffers]
 
     # --- running -----------------------------------------------------------------------------
     def _bind(self, values: Dict[str, ort.OrtValue]) -> None:
@@ -284,20 +312,27 @@ class OnnxDecoder:
         self._session.run_with_iobinding(self._binding)
         return self.logits
 
-    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int],
+                    keep: Sequence[int] = ()) -> np.ndarray:
         """Run one decode step of rows 0..b-1 (N > 1); returns the logits view [b, vocab].
 
         Row i feeds tokens[i] at positions[i] of slot i (b = len(tokens)); the view is valid
         until the next call.
 
         A row whose slot is idle must still be fed: give it a position past that slot's kept
-        KV (its own length), where the write lands in garbage space.
+        KV (its own length), where the write lands in garbage space. A conv state has no such
+        space: the rows in `keep` get their conv states back after the call (a few KB each).
         """
         binding, ids, seqlens, logits = self._rows[len(tokens) - 1]
         ids[:, 0] = tokens
         seqlens[:] = positions
         self._rows_total[()] = int(seqlens.max()) + 1
+        kept = [(row, [buf[row].copy() for buf in self.state_buffers])
+                for row in keep] if self.state_buffers else ()
         self._session.run_with_iobinding(binding)
+        for row, states in kept:
+            for buf, state in zip(self.state_buffers, states):
+                buf[row] = state
         return logits
 
     def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int,

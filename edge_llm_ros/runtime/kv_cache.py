@@ -26,6 +26,12 @@ as int8 with one float32 scale (max|x|/127): 3.8x smaller, but a restored prefix
 fresh prefill by up to half a quantization step per value (~0.4 % of the row's max), so logits
 after a restore are close to, not bit-equal with, a fresh run; near-ties in greedy decoding can
 flip. The live cache itself always stays at full precision.
+
+Conv states (a hybrid's conv layers, lfm2: ``states``, one [1, kernel - 1, hidden] view per
+conv layer) hold the state after the last live position only. They move with the slot's KV
+(``take``: a goal moved down a slot or resumed from its park) but cannot be cut back to an
+earlier position, so such a cache offers no reuse (``find_reuse`` finds nothing) and keeps no
+session snapshots: the engine turns prefix reuse and sessions off for it.
 """
 from __future__ import annotations
 
@@ -361,7 +367,8 @@ class KVCache:
     def __init__(self, buffers: Sequence[np.ndarray], capacity: int,
                  snapshot_dtype: str = 'float32', max_sessions: int = 8,
                  store: Optional[SnapshotStore] = None,
-                 max_bytes: Optional[int] = None) -> None:
+                 max_bytes: Optional[int] = None,
+                 states: Sequence[np.ndarray] = ()) -> None:
         if snapshot_dtype not in SNAPSHOT_DTYPES:
             raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
         for buf in buffers:
@@ -369,6 +376,7 @@ class KVCache:
                 raise ValueError(
                     f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
         self._buffers = list(buffers)
+        self._states = list(states)   # conv states: the state after the last live position
         self._capacity = capacity
         self._snapshot_dtype = snapshot_dtype
         # A given store carries its own bounds (max_sessions/max_bytes here are then unused).
@@ -395,6 +403,15 @@ class KVCache:
     @property
     def buffers(self) -> List[np.ndarray]:
         return self._buffers
+
+    @property
+    def states(self) -> List[np.ndarray]:
+        """Return the conv-state views (empty: every layer keeps KV per position)."""
+        return self._states
+
+    def state_copies(self) -> List[np.ndarray]:
+        """Copy the conv states (what a paused goal parks beside its positions)."""
+        return [s.copy() for s in self._states]
 
     @property
     def store(self) -> SnapshotStore:
@@ -520,6 +537,8 @@ class KVCache:
         (other slots, copied over) and every saved snapshot; ties go to the one that copies
         least (own, then snapshot, then another slot).
         """
+        if self._states:   # a conv state is that of the last position: no prefix of it
+            return Reuse(0)
         best = Reuse(min(self.common_length(keys, hashes), limit) if own else 0)
         for snap in self._sessions.values():
             n = min(hashed_common_prefix(snap.keys, snap.hashes, keys, hashes), limit)
@@ -577,14 +596,19 @@ class KVCache:
         return self.apply(self.find_reuse(keys, hashes, limit), session_id)
 
     def take(self, keys: Sequence[Hashable], session_id: str,
-             data: Sequence[np.ndarray]) -> None:
+             data: Sequence[np.ndarray], states: Sequence[np.ndarray] = ()) -> None:
         """Hold exactly `keys`, whose K/V are `data` (a parked or another slot's copy).
 
+        `states`: the conv states after those keys (required when the cache has conv layers).
         The live cache's unsaved conversation of another session is saved first.
         """
+        if len(states) != len(self._states):
+            raise ValueError(f'{len(states)} conv states for a cache of {len(self._states)}')
         self.apply(Reuse(0), session_id)
         self.rewind_to(0)
         self.copy_positions(data, keys, len(keys))
+        for dst, src in zip(self._states, states):
+            dst[...] = src
 
     def copy_positions(self, data: Sequence[np.ndarray], keys: Sequence[Hashable],
                        n: int) -> None:
@@ -607,7 +631,7 @@ class KVCache:
 
     def _snapshot(self) -> Optional[_Snapshot]:
         """Copy the live positions (None when the store could not keep them: nothing copied)."""
-        if self._sessions.max_sessions == 0 or not self._keys:
+        if self._sessions.max_sessions == 0 or not self._keys or self._states:
             return None
         n = len(self._keys)
         nbytes = self._snapshot_nbytes(n)

@@ -275,6 +275,13 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
     config.check()
     if config.mode == 'off':
         return Speculation(config, decoder.row_exact)
+    if not getattr(decoder, 'rewindable', True):
+        why = (f'{model_dir} ({decoder.info.architecture}) keeps a convolution state per '
+               'sequence, which cannot be rewound to the last accepted draft token (its state '
+               'is that of the last position fed); set speculative.mode off for it')
+        if config.mode == 'auto':
+            return Speculation(config, False, why_off=why)
+        raise SpeculativeConfigError(f'speculative.mode {config.mode}: {why}')
     if not decoder.row_exact:
         why = (f'{model_dir} is not row-exact (model.yaml attention '
                f'{decoder.info.attention!r}, op domains {list(decoder.info.op_domains)}): its '
@@ -293,6 +300,11 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
 def _load_draft(folder: str, target: OnnxDecoder, tokenizer: TextTokenizer,
                 session) -> OnnxDecoder:
     info = load_model_info(folder)
+    if not info.rewindable:
+        raise SpeculativeConfigError(
+            f'speculative.draft_model {folder} ({info.architecture}) keeps a convolution state '
+            'per sequence, which cannot be rewound after a rejected draft: pick a draft model '
+            'whose layers all attend (e.g. one of llama, qwen2, qwen3)')
     check_same_tokenizer(tokenizer, TextTokenizer.from_dir(folder), folder)
     if info.vocab_size != target.info.vocab_size:
         raise SpeculativeConfigError(

@@ -18,8 +18,10 @@ tool calls and no reasoning tags (model_info() says why no family was found).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 import functools
+import math
 import operator
 import os
 import threading
@@ -88,10 +90,16 @@ KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weig
 
 
 def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
-    """Bytes of the preallocated KV buffers: slots x layers x (K, V) x kv_heads x L x head_dim."""
+    """Bytes of the per-slot state buffers the decoder preallocates.
+
+    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the conv layers' states,
+    kernel - 1 positions x hidden each: model.yaml layer_states).
+    """
     kv_len = info.kv_max_context or max_context
     itemsize = 2 if info.activation_dtype == 'float16' else 4
-    return slots * info.num_layers * 2 * info.num_kv_heads * kv_len * info.head_dim * itemsize
+    kv = len(info.kv_layers) * 2 * info.num_kv_heads * kv_len * info.head_dim
+    states = sum(math.prod(info.state_of(i).shape) for i in info.conv_layers)
+    return slots * (kv + states) * itemsize
 
 
 def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
@@ -118,7 +126,8 @@ def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
     if need + saved > limit:
         one = kv_budget_bytes(info, config.max_context, 1)
         raise ModelLoadError(
-            f'the KV cache of {n} parallel sequence(s) x {config.max_context} positions needs '
+            f'the KV cache (and conv states) of {n} parallel sequence(s) x '
+            f'{config.max_context} positions needs '
             f'{need} bytes ({need / 2**20:.1f} MiB; {one / 2**20:.1f} MiB per sequence) plus '
             f'{saved} bytes of saved session prefixes (session_max_bytes), more than {limit} '
             f'bytes ({source}): lower parallel_sequences or max_context (or '
@@ -141,6 +150,16 @@ class Engine:
         model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
+        # A hybrid's conv state is that of its last position (model.yaml layer_states): no
+        # prefix of it can be reused, so prefix reuse is off (outputs are the same, prompts
+        # are prefilled whole) and sessions, which continue from a saved prefix, are refused.
+        self.prefix_reuse = config.prefix_reuse and self.info.rewindable
+        if config.session_store and not self.info.rewindable:
+            raise ModelLoadError(
+                f'sessions.store is set, but {self.info.architecture} keeps a convolution '
+                'state per sequence that cannot be saved at a turn and continued yet, so this '
+                "model keeps no sessions: set sessions.store to ''")
+        config = dataclasses.replace(config, prefix_reuse=self.prefix_reuse)
         self.kv_bytes = check_kv_budget(self.info, config)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.family, self.family_error = _family(model_dir, config.model_family)
@@ -167,7 +186,8 @@ class Engine:
         # One cache per slot; they share the saved session prefixes (a session continues in
         # whichever slot is free).
         self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
-                                snapshot_dtype=config.kv_dtype, store=store)
+                                snapshot_dtype=config.kv_dtype, store=store,
+                                states=self._decoder.slot_states(i))
                         for i in range(config.parallel_sequences)]
         self._lock = threading.RLock()
         self._store = store
@@ -208,6 +228,11 @@ class Engine:
         bound (PreparedRequest.bind) before generate().
         """
         decoder = self._open_decoder()
+        if getattr(request, 'session_id', '') and not self.info.rewindable:
+            raise InvalidRequestError(
+                f'this model ({self.info.architecture}) keeps a convolution state per sequence '
+                'that cannot be saved at a turn and continued yet, so it keeps no sessions: '
+                'send the whole conversation without a session_id')
         if getattr(request, 'session_id', '') and self._store.max_sessions == 0:
             raise InvalidRequestError(
                 'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '

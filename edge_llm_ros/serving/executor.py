@@ -120,15 +120,16 @@ class Executor:
         elif isinstance(op, Park):
             cache = caches[op.slot]
             n = cache.length
-            op.goal.park = (cache.keys, [buf[:, :, :n].copy() for buf in cache.buffers])
+            op.goal.park = (cache.keys, [buf[:, :, :n].copy() for buf in cache.buffers],
+                            cache.state_copies())
             cache.reset()   # its positions live in the park now; nothing to save as a session
         elif isinstance(op, Unpark):
-            keys, data = op.goal.park
-            caches[op.slot].take(keys, op.goal.request.session_id, data)
+            keys, data, states = op.goal.park
+            caches[op.slot].take(keys, op.goal.request.session_id, data, states)
             op.goal.park = None
         elif isinstance(op, Move):
             src = caches[op.src]
-            caches[op.dst].take(src.keys, src.owner, src.buffers)
+            caches[op.dst].take(src.keys, src.owner, src.buffers, src.states)
             src.reset()
         else:
             raise TypeError(f'unknown plan step {op!r}')
@@ -156,8 +157,8 @@ class Executor:
                 out.decode_logits = self._decoder.decode(step.tokens[0],
                                                          step.positions[0])[None, :]
             else:
-                tokens, positions = self._row_inputs(step)
-                out.decode_logits = self._decoder.decode_rows(tokens, positions)
+                tokens, positions, padding = self._row_inputs(step)
+                out.decode_logits = self._decoder.decode_rows(tokens, positions, padding)
             caches = self._caches
             for row, goal in enumerate(step.goals):
                 if goal is not None and goal.uid not in out.failed:
@@ -166,10 +167,15 @@ class Executor:
             out.decode_error = exc
 
     def _row_inputs(self, step: Decode) -> tuple:
-        """Tokens and positions of the call's rows; a padding row writes past its slot's KV."""
+        """Tokens, positions and padding rows of the call.
+
+        A padding row writes past its slot's KV, and its conv states (a hybrid) are kept
+        (OnnxDecoder.decode_rows): the slot may hold a sequence between prefill chunks.
+        """
         count = max(len(step.goals), self.rows.min_rows)
         tokens: List[int] = list(step.tokens) + [0] * (count - len(step.goals))
         positions: List[int] = list(step.positions) + [0] * (count - len(step.goals))
+        padding: List[int] = []
         for row in range(count):
             if row < len(step.goals) and step.goals[row] is not None:
                 continue
@@ -177,4 +183,5 @@ class Executor:
             if cache.room() == 0:
                 cache.rewind_to(cache.length - 1)   # a full idle slot gives up its last one
             positions[row] = cache.length
-        return tokens, positions
+            padding.append(row)
+        return tokens, positions, padding
