@@ -36,7 +36,19 @@ MODEL_YAML = 'model.yaml'
 CONVERTER_VERSION = '8'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
-ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3')
+ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2')
+# What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
+# 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
+# kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
+# `window` positions); 'conv': a gated short convolution's state, B * x of the last
+# kernel - 1 positions (past_conv.{i} [slots, *shape], shape [kernel - 1, hidden]), bound as
+# both input and output and updated in place. A conv state holds no positions, so it cannot
+# be rewound by position: a folder with one is not `rewindable` (ModelInfo.rewindable), and
+# the engine refuses what would need that (docs/architectures.md, lfm2). A folder without
+# the key (before lfm2) has 'kv' layers only.
+STATE_KINDS: Tuple[str, ...] = ('kv', 'conv')
+CONV_STATE_PAST = 'past_conv.{}'
+CONV_STATE_PRESENT = 'present_conv.{}'
 # Weight precisions of a conversion: 'source' keeps GGUF's own types, 'int4' requantizes.
 PRECISIONS = ('source', 'int4')
 # How a folder holds its matrices: 'kquant' keeps GGUF blocks byte for byte for the project's
@@ -54,6 +66,21 @@ REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
 EMBEDDED_MODEL_NAME = 'smollm2-135m-instruct-int4'
 _REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What one layer keeps per sequence slot (model.yaml `layer_states`: STATE_KINDS)."""
+
+    kind: str = 'kv'
+    window: int = 0              # 'kv': a sliding window of this many positions (0: all)
+    shape: Tuple[int, ...] = ()  # 'conv': the state's shape per slot, [kernel - 1, hidden]
+
+    def as_yaml(self) -> dict:
+        """Return the model.yaml entry."""
+        if self.kind == 'conv':
+            return {'kind': self.kind, 'shape': list(self.shape)}
+        return {'kind': self.kind, 'window': int(self.window)}
 
 
 @dataclass(frozen=True)
@@ -81,7 +108,28 @@ class ModelInfo:
     # The source's own name, as it said it (GGUF general.name, an HF folder's name).
     gguf_name: str = ''
     parameters: int = 0  # parameter count of the decoder (0: a folder before converter 8)
+    # One per layer (empty: every layer 'kv', a folder from before the key existed).
+    layer_states: Tuple[LayerState, ...] = ()
     extra: Dict = field(default_factory=dict)  # every other key, kept for reports
+
+    def state_of(self, layer: int) -> LayerState:
+        """Return what `layer` keeps per slot."""
+        return self.layer_states[layer] if self.layer_states else LayerState()
+
+    @property
+    def kv_layers(self) -> Tuple[int, ...]:
+        """Return the layers that keep attention KV, in order."""
+        return tuple(i for i in range(self.num_layers) if self.state_of(i).kind == 'kv')
+
+    @property
+    def conv_layers(self) -> Tuple[int, ...]:
+        """Return the layers that keep a conv state, in order."""
+        return tuple(i for i in range(self.num_layers) if self.state_of(i).kind == 'conv')
+
+    @property
+    def rewindable(self) -> bool:
+        """Tell whether every state is kept per position (so a slot can rewind and share)."""
+        return not self.conv_layers
 
 
 _REQUIRED_INT = ('num_layers', 'num_heads', 'num_kv_heads', 'head_dim', 'hidden_size',
@@ -126,10 +174,12 @@ def load_model_info(model_dir: str) -> ModelInfo:
             kv_max_context=None if kv_max is None else int(kv_max),
             op_domains=tuple(str(d) for d in raw.get('op_domains') or ()),
             attention=str(raw.get('attention', 'gqa')),
+            layer_states=_layer_states(raw.get('layer_states'), ints['num_layers'], path),
             extra={k: v for k, v in raw.items() if k not in _REQUIRED_INT},
             **ints)
-    except (TypeError, ValueError) as e:
-        raise ModelLoadError(f'{path} has a malformed value ({e}): {REGENERATE_HINT}') from None
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelLoadError(f'{path} has a malformed value ({e!r}): '
+                             f'{REGENERATE_HINT}') from None
     if spec.architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
             f'{path}: architecture {spec.architecture!r} is not supported (supported: '
@@ -140,6 +190,26 @@ def load_model_info(model_dir: str) -> ModelInfo:
     if min(ints.values()) < 1:
         raise ModelLoadError(f'{path} has a non-positive size: {REGENERATE_HINT}')
     return spec
+
+
+def _layer_states(raw, layers: int, path: str) -> Tuple[LayerState, ...]:
+    """Read model.yaml's layer_states (None: a folder from before it, every layer 'kv')."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) != layers:
+        raise ValueError(f'layer_states is not a list of {layers} entries')
+    out = []
+    for entry in raw:
+        kind = str(entry['kind'])
+        if kind not in STATE_KINDS:
+            raise UnsupportedModelError(
+                f'{path}: a layer keeps a {kind!r} state, which this runtime does not know '
+                f'(it knows {", ".join(STATE_KINDS)}): update edge_llm_ros')
+        shape = tuple(int(d) for d in entry.get('shape') or ())
+        if kind == 'conv' and (len(shape) != 2 or min(shape) < 1):
+            raise ValueError(f'a conv layer state of shape {list(shape)}')
+        out.append(LayerState(kind, int(entry.get('window') or 0), shape))
+    return tuple(out)
 
 
 def size_label(parameters: int) -> str:

@@ -30,6 +30,21 @@ RAW_SCALE_FIELDS: Dict[str, Tuple[int, Optional[int], float]] = {
     'Q5_K': (0, 2, 15.5), 'Q6_K': (208, None, 0.0), 'IQ4_NL': (0, None, 0.0),
     'IQ4_XS': (0, None, 0.0),
 }
+# lfm2: hidden 256, heads of 64, GQA 4/2, RoPE base 1e6 (LFM2's), a conv layer on either
+# side of an attention layer (LFM2's first and last layers are conv), a conv kernel of 3
+# (LFM2's l_cache). Three layers: each matmul adds llama.cpp's activation rounding, which the
+# conv layers' products B * x * C amplify (5 layers: ~0.5 of llama.cpp's own logits off the
+# exact ones).
+LFM2_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
+                     rms_eps=1e-5, key_length=64, rope_theta=1e6)
+LFM2_CONV_KERNEL = 3
+
+
+def layer_kinds(case: 'ParityCase') -> Tuple[str, ...]:
+    """Return each layer's kind: 'attention', or 'conv' (lfm2: the odd layers attend)."""
+    if case.arch != 'lfm2':
+        return ('attention',) * case.dims.layers
+    return tuple('attention' if i % 2 else 'conv' for i in range(case.dims.layers))
 
 
 @dataclass(frozen=True)
@@ -95,9 +110,19 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
          'final_norm': norm(d.hidden)}
     if not c.tied:
         w['lm_head'] = mat(vocab, d.hidden, 4.0)  # write_gguf adds the next-token term
+    kinds = layer_kinds(c)
     for i in range(d.layers):
         p = f'{i}.'
         w[p + 'attn_norm'], w[p + 'ffn_norm'] = norm(d.hidden), norm(d.hidden)
+        if kinds[i] == 'conv':
+            # B, C, x rows; a depthwise kernel per channel (the oldest position first).
+            w[p + 'in_proj'] = mat(3 * d.hidden, d.hidden)
+            w[p + 'conv'] = mat(d.hidden, LFM2_CONV_KERNEL)
+            w[p + 'out_proj'] = mat(d.hidden, d.hidden)
+            w[p + 'gate'] = mat(d.intermediate, d.hidden)
+            w[p + 'up'] = mat(d.intermediate, d.hidden)
+            w[p + 'down'] = mat(d.hidden, d.intermediate)
+            continue
         w[p + 'q'] = mat(d.heads * hd, d.hidden)
         w[p + 'k'] = mat(d.kv_heads * hd, d.hidden)
         w[p + 'v'] = mat(d.kv_heads * hd, d.hidden)
@@ -108,7 +133,7 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         if c.arch == 'qwen2':
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
-        if c.arch in ('qwen3', 'gemma3'):
+        if c.arch in ('qwen3', 'gemma3', 'lfm2'):
             w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
         if c.arch == 'gemma3':  # GGUF values: llama.cpp's converter has added HF's +1
             # Large post-norms, as trained Gemmas have: the blocks' outputs then weigh
@@ -183,6 +208,10 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         meta['final_logit_softcapping'] = c.softcap
     if c.arch == 'phi3':
         meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
+    if c.arch == 'lfm2':
+        # KV heads per layer, 0 for a conv layer (llama.cpp's LFM2Model.set_gguf_parameters).
+        meta['head_count_kv'] = [d.kv_heads if k == 'attention' else 0 for k in layer_kinds(c)]
+        meta['shortconv_l_cache'] = LFM2_CONV_KERNEL
     if c.longrope:
         # As convert_hf_to_gguf for a 4096-context model trained at 256.
         meta.update(rope_scaling_orig_ctx_len=256,
@@ -223,7 +252,9 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     # would drown the next-token term below.
     edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
     embed = put('token_embd.weight', w['embed'], wtype=edge_type)
-    put('output_norm.weight', w['final_norm'], matrix=False)
+    # lfm2's final norm is token_embd_norm (llama.cpp's LLM_TENSOR_OUTPUT_NORM_LFM2).
+    put('token_embd_norm.weight' if c.arch == 'lfm2' else 'output_norm.weight',
+        w['final_norm'], matrix=False)
     if 'lm_head' in w:
         # A random head plus a strong 'next token' term (row j reads the embedding of token
         # j - 1): like a trained head, the top logit stands clear of the next one, so
@@ -241,7 +272,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         put('rope_factors_long.weight', long, matrix=False)
         put('rope_factors_short.weight', short, matrix=False)
     names = {'q': 'attn_q', 'k': 'attn_k', 'v': 'attn_v', 'o': 'attn_output',
-             'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down'}
+             'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down',
+             'in_proj': 'shortconv.in_proj', 'out_proj': 'shortconv.out_proj'}
     for i in range(d.layers):
         p = f'{i}.'
         if c.arch == 'phi3':  # fused q|k|v and gate|up rows, as Phi-3 stores them
@@ -250,10 +282,14 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
             put(f'blk.{i}.ffn_up.weight', np.concatenate([w[p + 'gate'], w[p + 'up']]))
             put(f'blk.{i}.ffn_down.weight', w[p + 'down'])
         for role, gname in (names.items() if c.arch != 'phi3' else ()):
+            if p + role not in w:
+                continue   # lfm2: a conv layer has no q/k/v/o, an attention layer no conv
             x = w[p + role]
             if c.arch == 'llama' and role in ('q', 'k'):
                 x = llama_cpp_permute(x, d.heads if role == 'q' else d.kv_heads)
             put(f'blk.{i}.{gname}.weight', x)
+        if p + 'conv' in w:   # F32, as llama.cpp's ggml_ssm_conv reads it
+            put(f'blk.{i}.shortconv.conv.weight', w[p + 'conv'], matrix=False)
         put(f'blk.{i}.attn_norm.weight', w[p + 'attn_norm'], matrix=False)
         put(f'blk.{i}.ffn_norm.weight', w[p + 'ffn_norm'], matrix=False)
         for role, gname in (('post_attn_norm', 'post_attention_norm'),

@@ -1,8 +1,9 @@
 """Minimal onnxruntime driver of a converted model folder, for the converter's own tests.
 
 It binds one preallocated KV buffer per layer as both past and present (the contract's
-share-buffer mode), so it exercises the graph exactly as the runtime does, without depending
-on the runtime (runtime/decoder.py).
+share-buffer mode), and a conv layer's state (model.yaml layer_states) the same way, so it
+exercises the graph exactly as the runtime does, without depending on the runtime
+(runtime/decoder.py).
 """
 import pathlib
 from typing import Optional, Sequence
@@ -28,7 +29,20 @@ class OrtDriver:
                                          providers=['CPUExecutionProvider'])
         self.dtype = np.float16 if self.meta['activation_dtype'] == 'float16' else np.float32
         shape = (1, self.meta['num_kv_heads'], max_ctx, self.meta['head_dim'])
-        self.kv = [np.zeros(shape, self.dtype) for _ in range(2 * self.meta['num_layers'])]
+        layers = self.meta['num_layers']
+        states = self.meta.get('layer_states') or [{'kind': 'kv'}] * layers
+        # (graph input, graph output, buffer) per bound state: a layer's K and V, or its conv
+        # state (B * x of its last kernel - 1 positions).
+        self.bound = []
+        for i, state in enumerate(states):
+            if state['kind'] == 'conv':
+                buf = np.zeros((1, *state['shape']), self.dtype)
+                self.bound.append((f'past_conv.{i}', f'present_conv.{i}', buf))
+                continue
+            for kind in ('key', 'value'):
+                self.bound.append((f'past_key_values.{i}.{kind}', f'present.{i}.{kind}',
+                                   np.zeros(shape, self.dtype)))
+        self.kv = [buf for _, _, buf in self.bound]
         self.kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv]
         self.max_ctx = max_ctx
         self.pos = 0
@@ -49,11 +63,9 @@ class OrtDriver:
         io.bind_cpu_input('total_sequence_length', np.array(total, np.int32))
         io.bind_cpu_input('logits_count', np.array([1], np.int64))
         io.bind_output('logits')
-        for i in range(self.meta['num_layers']):
-            for j, kind in enumerate(('key', 'value')):
-                ov = self.kv_values[2 * i + j]
-                io.bind_ortvalue_input(f'past_key_values.{i}.{kind}', ov)
-                io.bind_ortvalue_output(f'present.{i}.{kind}', ov)
+        for (past, present, _), ov in zip(self.bound, self.kv_values):
+            io.bind_ortvalue_input(past, ov)
+            io.bind_ortvalue_output(present, ov)
         self.sess.run_with_iobinding(io)
         self.pos = total
         return io.copy_outputs_to_cpu()[0].reshape(-1)

@@ -38,7 +38,7 @@ YAML_KEYS = {'name', 'gguf_name', 'parameters', 'architecture', 'num_layers', 'n
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
              'kv_max_context', 'rope_scaling', 'qk_norm', 'post_norms', 'activation',
              'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap',
-             'attention', 'op_domains'}
+             'attention', 'op_domains', 'layer_states'}
 
 
 @pytest.fixture(scope='module')
@@ -301,6 +301,8 @@ def test_model_folder_contents(root):
     src = pathlib.Path(meta['source']['path'])
     assert src.is_absolute() and len(meta['source']['sha256']) == 64
     assert meta['opset'] == 21 and meta['kv_max_context'] is None
+    # Every layer keeps attention KV (issue 38's per-layer state declaration).
+    assert meta['layer_states'] == [{'kind': 'kv', 'window': 0}] * d.layers
     m = onnx.load(str(model / 'model.onnx'), load_external_data=False)
     assert m.ir_version <= 10
     ops = {n.op_type for n in m.graph.node}

@@ -17,6 +17,14 @@ Control: Llama 3 or linear RoPE scaling alone moves llama.cpp's logits by > 5 * 
 so does each family feature the cases exercise (gemma3's sliding window, its local RoPE base
 and global-only linear scaling; phi3's LongRoPE factors and partial rotary).
 
+lfm2 cases (the hybrid: gated short convolutions with a conv state per sequence, and GQA
+with q/k norms): conv, attention, conv layers; seed 6 and a next-token term of 0.3 give a
+greedy path without near-ties in every type (picked on llama.cpp's margins alone). K types
+are checked through the op library only (kquant): at accuracy level 0 MatMulNBits computes
+float activations where llama.cpp rounds them to Q8_K, which the conv products amplify past
+the bound (0.91-0.95 measured). Control: the same converted graph with its conv states
+cleared after the prompt (a state that is not carried) moves far beyond the bound.
+
 gemma3 cases: head_dim 64, global RoPE base 1e6, sliding window 6 over the 40 positions, with
 the sliding_window_pattern key 2 (layer 0 local, layer 1 global) or without it (llama.cpp's
 period 6: both local); phi3 cases store fused attn_qkv and gate|up ffn_up as Phi-3 GGUFs do.
@@ -24,7 +32,7 @@ period 6: both local); phi3 cases store fused attn_qkv and gate|up ffn_up as Phi
 import dataclasses
 import pathlib
 
-from gguf_fixtures import ParityCase, write_gguf
+from gguf_fixtures import LFM2_DIMS, ParityCase, write_gguf
 from llama_cpp_parity import compare, converted, engine_logits, llama_cpp_greedy, PROMPT
 import numpy as np
 import pytest
@@ -40,6 +48,8 @@ MIN_MARGIN = 2 * MAX_ABS_DIFF
 
 GEMMA_DIMS = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64,
                       rope_theta=1e6)
+# lfm2: see the module docstring (seed and next-token term chosen for clear margins).
+LFM2_OPTIONS = {'dims': LFM2_DIMS, 'seed': 6, 'chain': 0.3}
 QWEN3_WIDE_HEADS = TinyDims(hidden=256, heads=8, kv_heads=2, intermediate=512, rms_eps=1e-6,
                             key_length=64)
 LLAMA_TYPES = ('F32', 'F16', 'BF16', 'Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q2_K', 'Q3_K',
@@ -67,7 +77,8 @@ CASES = ([ParityCase('llama', t) for t in LLAMA_TYPES]
             ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2, tied=True,
                        seed=4)]
          + [ParityCase('phi3', t) for t in ('F16', 'Q8_0', 'Q4_K')]
-         + [ParityCase('phi3', t, longrope=True, rotary=0.75) for t in ('Q8_0', 'Q4_0')])
+         + [ParityCase('phi3', t, longrope=True, rotary=0.75) for t in ('Q8_0', 'Q4_0')]
+         + [ParityCase('lfm2', t, **LFM2_OPTIONS) for t in ('F32', 'F16', 'Q8_0', 'Q4_0')])
 # MatMulNBits at level 4 (int8 activations, folded Q4_1/Q4_K offsets) on the common types.
 FAST_CASES = [ParityCase('llama', t) for t in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K')] + [
     ParityCase('qwen3', 'Q4_K'),
@@ -79,7 +90,8 @@ FAST_CASES = [ParityCase('llama', t) for t in ('Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', '
 # holds, GGUF blocks read as they are with ggml's own activation rounding.
 KQUANT_TYPES = ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K')
 FAMILY_OPTIONS = {'llama': {}, 'qwen2': {}, 'qwen3': {}, 'phi3': {},
-                  'gemma3': {'dims': GEMMA_DIMS, 'window': 6, 'swa_pattern': 2}}
+                  'gemma3': {'dims': GEMMA_DIMS, 'window': 6, 'swa_pattern': 2},
+                  'lfm2': LFM2_OPTIONS}
 KQUANT_CASES = [ParityCase(arch, t, **opts) for arch, opts in FAMILY_OPTIONS.items()
                 for t in KQUANT_TYPES]
 # kquant rounds activations exactly as llama.cpp does, so only accumulation order (which can
@@ -160,6 +172,30 @@ def test_family_features_are_visible_to_the_harness(work, base, variant):
     b, _ = llama_cpp_greedy(gguf_of(work, other), work / f'{other.tag}.llama_cpp.npz')
     moved = float(np.abs(a - b).max())
     print(f'{base.tag} -> {other.tag}: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
+def test_a_conv_state_that_is_not_carried_is_visible_to_the_harness(work, native_library):
+    """Control: lfm2's conv states cleared after the prompt move the logits past the bound.
+
+    The prompt then runs as it should, but every step after it sees zeros for the positions
+    before it in its conv layers, as an engine that lost (or never kept) the state would.
+    """
+    from ort_driver import OrtDriver
+    case = ParityCase('lfm2', 'Q8_0', **LFM2_OPTIONS)
+    path = gguf_of(work, case)
+    ref, tokens = llama_cpp_greedy(path, work / f'{path.stem}.llama_cpp.npz')
+    drv = OrtDriver(converted(path, work, accuracy_level=4, weights='kquant'), max_ctx=64)
+    rows = [drv.step(list(PROMPT)).copy()]
+    states = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
+    assert len(states) == 2
+    for tok in tokens[:8]:
+        for buf in states:
+            buf[...] = 0
+        rows.append(drv.step([tok]).copy())
+    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
+    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
+    print(f'conv states cleared after the prompt: max |dlogit| {moved:.2f}')
     assert moved > 2 * MAX_ABS_DIFF
 
 

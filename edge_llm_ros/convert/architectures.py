@@ -36,6 +36,12 @@ class Architecture:
     swa_period: int = 0
     # RoPE base of local layers when the GGUF has no rope.freq_base_swa (llama.cpp's default).
     swa_rope_base: float = 0.0
+    # Hybrid: layers whose attention.head_count_kv entry is 0 are gated short convolutions
+    # (lfm2: llama.cpp's build_shortconv_block), the others GQA; the head count per layer is
+    # an array in the GGUF.
+    conv_layers: bool = False
+    # The final norm's GGUF tensor (lfm2 stores it as token_embd_norm: llama.cpp's name fix).
+    final_norm: str = 'output_norm.weight'
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -47,6 +53,9 @@ ARCHITECTURES: Dict[str, Architecture] = {
                            post_norms=True, activation='gelu_tanh', embed_scale=True,
                            hf_norm_shift=1.0, swa_period=6, swa_rope_base=10000.0),
     'phi3': Architecture('phi3', False, False, 'Phi-3/3.5 mini, Phi-4-mini'),
+    'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
+                         'convolutions and GQA)', conv_layers=True,
+                         final_norm='token_embd_norm.weight'),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).

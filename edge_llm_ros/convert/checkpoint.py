@@ -23,13 +23,17 @@ from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 SUPPORTED_GGML_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0',
                         'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K', 'IQ4_NL', 'IQ4_XS')
 LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
+# A hybrid layer's kind (ModelSpec.layer_kinds): GQA, or a gated short convolution (lfm2).
+ATTENTION, CONV = 'attention', 'conv'
 _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
                'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
                'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
                'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
                'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
-               'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight'}
+               'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight',
+               'in_proj': 'shortconv.in_proj.weight', 'conv': 'shortconv.conv.weight',
+               'out_proj': 'shortconv.out_proj.weight'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
@@ -86,11 +90,19 @@ class ModelSpec:
     local_rope_theta: float = 0.0
     local_rope_scale: float = 1.0
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) when > 0
+    # Hybrid models (lfm2): each layer's kind, ATTENTION or CONV (empty: every layer is
+    # attention), and the short convolution's kernel (positions; its state keeps one fewer).
+    layer_kinds: Tuple[str, ...] = ()
+    conv_kernel: int = 0
 
     @property
     def rotary_dims(self) -> int:
         """Rotated dims per head."""
         return self.rope_dims or self.head_dim
+
+    def is_conv(self, layer: int) -> bool:
+        """Whether `layer` is a gated short convolution (no attention, no KV)."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] == CONV
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
@@ -166,9 +178,14 @@ class Checkpoint:
         """Whether the checkpoint holds a tensor under `key`."""
         return key in self.tensors
 
+    def matrices(self) -> List[SourceTensor]:
+        """Return the tensors the graph multiplies by (2-D; an lfm2 conv kernel is not one)."""
+        return [t for k, t in self.tensors.items() if len(t.shape) == 2
+                and not k.endswith('.conv')]
+
     def source_types(self) -> List[str]:
         """Sorted tensor types of the matrices (what the quantization came from)."""
-        return sorted({t.qtype for t in self.tensors.values() if len(t.shape) == 2})
+        return sorted({t.qtype for t in self.matrices()})
 
 
 def load_checkpoint(source: str) -> Checkpoint:
@@ -263,7 +280,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     factor = float(key('rope.scaling.factor', 0.0) or key('rope.scale_linear', 0.0) or 0.0)
     hidden = int(key('embedding_length', required=True))
     heads = int(key('attention.head_count', required=True))
-    kv_heads = int(key('attention.head_count_kv', heads))
+    kv_heads, kinds = _kv_heads(path, family, key('attention.head_count_kv', heads))
     head_dim = int(key('attention.key_length', hidden // heads))
     rope_dims = int(key('rope.dimension_count', head_dim))
     if not (0 < rope_dims <= head_dim and rope_dims % 2 == 0):
@@ -272,8 +289,14 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     layers = int(key('block_count', required=True))
     n_ff = int(key('feed_forward_length', required=True))
     names = {t.name: t for t in reader.tensors}
-    wanted = {'embed': 'token_embd.weight', 'final_norm': 'output_norm.weight',
+    wanted = {'embed': 'token_embd.weight', 'final_norm': family.final_norm,
               'lm_head': 'output.weight'}
+    if kinds and len(kinds) != layers:
+        raise ModelLoadError(f'{path}: attention.head_count_kv has {len(kinds)} entries for '
+                             f'{layers} layers: the GGUF contradicts itself')
+    conv_kernel = 0
+    if family.conv_layers:
+        conv_kernel = _check_hybrid(path, key, names)
     for i in range(layers):
         for role, suffix in _GGUF_LAYER.items():
             wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
@@ -314,7 +337,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         rope_scale=1.0 / factor if factor else 1.0, rope_freq_factors=factors,
         rope_dims=0 if rope_dims == head_dim else rope_dims,
         rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
-        rope_factors_max_context=factors_ctx,
+        rope_factors_max_context=factors_ctx, layer_kinds=kinds, conv_kernel=conv_kernel,
         **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
                          float(key('final_logit_softcapping', 0.0) or 0.0)))
 
@@ -330,6 +353,44 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, path, tensors, write_tokenizer, release)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _kv_heads(path: pathlib.Path, family: Architecture,
+              value) -> Tuple[int, Tuple[str, ...]]:
+    """Read attention.head_count_kv: one count, or (hybrids) one per layer, 0 = a conv layer.
+
+    Returns the attention layers' KV head count and the layer kinds (empty: all attention).
+    """
+    if not isinstance(value, (list, tuple)):
+        return int(value), ()
+    counts = [int(v) for v in value]
+    if not family.conv_layers:
+        raise UnsupportedModelError(f'{path}: per-layer attention.head_count_kv is not '
+                                    f'supported for {family.name}; use a GGUF with one count')
+    kv = sorted({c for c in counts if c > 0})
+    if len(kv) != 1:
+        raise UnsupportedModelError(
+            f'{path}: attention layers with KV head counts {kv or "none"}: the converter '
+            'builds one KV head count for every attention layer (and needs at least one)')
+    return kv[0], tuple(CONV if c == 0 else ATTENTION for c in counts)
+
+
+def _check_hybrid(path: pathlib.Path, key, names: dict) -> int:
+    """Check what the converter builds of an lfm2 GGUF; return its conv kernel (l_cache)."""
+    kernel = int(key('shortconv.l_cache', 0) or 0)
+    if not 2 <= kernel <= 16:
+        raise ModelLoadError(f'{path}: shortconv.l_cache {kernel} is not a conv kernel of '
+                             '2..16 positions; the GGUF is incomplete or corrupt')
+    if int(key('attention.sliding_window', 0) or 0) > 0:
+        raise UnsupportedModelError(f'{path}: an lfm2 model with a sliding window is not '
+                                    'supported yet; use one with full attention')
+    if key('attention.causal', True) is False or 'dense_2.weight' in names:
+        raise UnsupportedModelError(f'{path}: an LFM2 embedding model (bidirectional or '
+                                    'ColBERT) is not a text decoder; convert a generative '
+                                    'LFM2 checkpoint')
+    if any('ffn_gate_exps' in n for n in names):
+        raise UnsupportedModelError(f'{path}: mixture-of-experts layers are not supported')
+    return kernel
 
 
 def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int, layers: int,
@@ -459,6 +520,10 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
                                     'Gemma3ForCausalLM / *-text checkpoint)')
     family = architecture(HF_MODEL_TYPES.get(model_type, model_type), f'{folder} (model_type)')
     arch = family.name
+    if family.conv_layers:
+        raise UnsupportedModelError(f'{folder}: HF {arch} folders are not converted yet; '
+                                    "convert its GGUF (llama.cpp's convert_hf_to_gguf.py "
+                                    'writes one)')
     act = cfg.get('hidden_activation') or cfg.get('hidden_act') or 'silu'
     if _HF_ACTIVATIONS.get(act) != family.activation:
         raise UnsupportedModelError(f'{folder}: activation {act!r} is not what {arch} uses '
@@ -675,11 +740,17 @@ def _check_shapes(ckpt: Checkpoint) -> None:
     for i in range(s.num_layers):
         expect.update({
             f'{i}.attn_norm': (s.hidden_size,), f'{i}.ffn_norm': (s.hidden_size,),
-            f'{i}.q': (q_out, s.hidden_size), f'{i}.k': (kv_out, s.hidden_size),
-            f'{i}.v': (kv_out, s.hidden_size), f'{i}.o': (s.hidden_size, q_out),
             f'{i}.gate': (s.intermediate_size, s.hidden_size),
             f'{i}.up': (s.intermediate_size, s.hidden_size),
             f'{i}.down': (s.hidden_size, s.intermediate_size)})
+        if s.is_conv(i):
+            expect.update({f'{i}.in_proj': (3 * s.hidden_size, s.hidden_size),
+                           f'{i}.conv': (s.hidden_size, s.conv_kernel),
+                           f'{i}.out_proj': (s.hidden_size, s.hidden_size)})
+            continue
+        expect.update({
+            f'{i}.q': (q_out, s.hidden_size), f'{i}.k': (kv_out, s.hidden_size),
+            f'{i}.v': (kv_out, s.hidden_size), f'{i}.o': (s.hidden_size, q_out)})
         if s.attention_bias:
             expect.update({f'{i}.q_bias': (q_out,), f'{i}.k_bias': (kv_out,),
                            f'{i}.v_bias': (kv_out,)})
@@ -694,6 +765,6 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             raise ModelLoadError(f'{ckpt.source_path}: tensor {t.name} has shape {t.shape}, '
                                  f"but the header's hyper-parameters need {shape}: the file "
                                  'contradicts itself; convert the model again')
-        if len(shape) == 1 and t.qtype not in ('F32', 'F16', 'BF16'):
+        if (len(shape) == 1 or k.endswith('.conv')) and t.qtype not in ('F32', 'F16', 'BF16'):
             raise UnsupportedModelError(f'{ckpt.source_path}: vector {t.name} is stored as '
                                         f'{t.qtype}; only float vectors are supported')

@@ -23,12 +23,12 @@ import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, KQUANT_TYPES
-from edge_llm_ros.convert.onnx_graph import (DecoderGraph, GraphOptions, LayerWeights, OPSET,
-                                             Weight)
+from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, GraphOptions,
+                                             LayerWeights, OPSET, Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
-from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, MODEL_FILE,
-                                       MODEL_YAML, PRECISIONS, WEIGHT_FORMATS,
+from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, LayerState,
+                                       MODEL_FILE, MODEL_YAML, PRECISIONS, WEIGHT_FORMATS,
                                        weight_types_text)
 from edge_llm_ros.runtime import native_ops
 
@@ -105,6 +105,15 @@ class ConvertOptions:
             raise ConversionError(f'offset levels {self.offset_levels} is not 0..3 (0 = exact)')
         if self.weights is not None and self.weights not in WEIGHT_FORMATS:
             raise ConversionError(f'weights {self.weights!r} is not one of {WEIGHT_FORMATS}')
+        if s.layer_kinds:
+            # Conv layers run the op library's ShortConv whatever the weight format.
+            if self.activation_dtype != 'float32':
+                raise ConversionError(f'{s.architecture} conv layers run in float32: convert '
+                                      'it with --dtype float32')
+            try:
+                native_ops.require_library(f'a {s.architecture} model (its conv layers)')
+            except native_ops.NativeLibraryMissingError as exc:
+                raise ConversionError(str(exc)) from None
         if self.weights == 'kquant':
             wrong = kquant_conflicts(self.accuracy_level, self.activation_dtype, self.precision)
             if wrong:
@@ -166,6 +175,9 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
                               '(--force)')
     ckpt = load_checkpoint(source)
     opts.check(ckpt)
+    if mmproj and ckpt.spec.layer_kinds:
+        raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
+                              'convert the language model alone')
     vision = _read_vision(mmproj, ckpt, source) if mmproj else None
     if _bidirectional(vision) and opts.activation_dtype != 'float32':
         raise ConversionError(
@@ -181,7 +193,9 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
         tmp.mkdir()
         _write_folder(ckpt, tmp, opts, progress, vision)
         if verify:
-            _verify(tmp, opts.weight_format, vision is not None)
+            # Conv layers (lfm2) run the op library's ShortConv in either weight format.
+            native = opts.weight_format == 'kquant' or bool(ckpt.spec.layer_kinds)
+            _verify(tmp, 'kquant' if native else opts.weight_format, vision is not None)
         _replace(tmp, out)
     except BaseException as exc:
         # Measured before the cleanup, which gives the space back.
@@ -238,7 +252,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         bar.update()
         ckpt.release()
         for i in range(s.num_layers):
-            graph.add_layer(i, _layer(ckpt, i, opts))
+            if s.is_conv(i):
+                graph.add_conv_layer(i, _conv_layer(ckpt, i, opts))
+            else:
+                graph.add_layer(i, _layer(ckpt, i, opts))
             # The layer's source pages are read: give them back, so that converting holds
             # one layer at a time, not the whole mapped file.
             ckpt.release()
@@ -293,6 +310,7 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'source': {'path': str(ckpt.source_path), 'sha256': source_sha256(ckpt.source_path)},
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
+        'layer_states': [layer_state(s, i).as_yaml() for i in range(s.num_layers)],
     }
     if vision is not None:
         from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
@@ -306,6 +324,13 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         os.chmod(f, 0o644)  # onnx writes the data file 0600; the model is meant to be shared
         with open(f, 'rb') as fh:
             os.fsync(fh.fileno())
+
+
+def layer_state(spec, layer: int) -> LayerState:
+    """Return what `layer` keeps per sequence slot (model.yaml `layer_states`)."""
+    if spec.is_conv(layer):
+        return LayerState('conv', shape=(spec.conv_kernel - 1, spec.hidden_size))
+    return LayerState('kv', window=spec.sliding_window if spec.is_local(layer) else 0)
 
 
 def parameter_count(ckpt: Checkpoint) -> int:
@@ -347,7 +372,7 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     if opts.weight_format != 'kquant':
         return 'gqa'
     held = all(t.qtype in KQUANT_TYPES and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0
-               for t in ckpt.tensors.values() if len(t.shape) == 2)
+               for t in ckpt.matrices())
     return 'causal' if held else 'gqa'
 
 
@@ -387,6 +412,18 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
         post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
         post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+
+
+def _conv_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> ConvLayerWeights:
+    p = f'{i}.'
+    return ConvLayerWeights(
+        attn_norm=ckpt.tensor(p + 'attn_norm').dequantize(),
+        ffn_norm=ckpt.tensor(p + 'ffn_norm').dequantize(),
+        in_proj=_blocks(ckpt, p + 'in_proj', opts),
+        conv=ckpt.tensor(p + 'conv').dequantize(),
+        out_proj=_blocks(ckpt, p + 'out_proj', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
 
 
 def _vector(ckpt: Checkpoint, key: str, wanted: bool) -> Optional[np.ndarray]:
@@ -477,7 +514,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
         description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
-                    'gemma3, phi3) '
+                    'gemma3, phi3; lfm2 from GGUF) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', help='model folder to create')

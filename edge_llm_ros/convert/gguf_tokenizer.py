@@ -76,7 +76,7 @@ _PRE_FAMILY: Dict[str, str] = {
     'command-r': 'starcoder', 'codeshell': 'starcoder', 'exaone': 'starcoder',
     'minerva-7b': 'starcoder',
     'llama3': 'llama3', 'llama-v3': 'llama3', 'llama-bpe': 'llama3', 'falcon3': 'llama3',
-    'pixtral': 'llama3',
+    'pixtral': 'llama3', 'lfm2': 'llama3',
     'dbrx': 'dbrx', 'smaug-bpe': 'dbrx',
     'qwen2': 'qwen2', 'deepseek-r1-qwen': 'qwen2', 'stablelm2': 'qwen2', 'megrez': 'qwen2',
     'gpt-4o': 'gpt4o', 'llama4': 'gpt4o',

@@ -28,7 +28,8 @@ from onnx import helper, numpy_helper, TensorProto
 from edge_llm_ros.convert.checkpoint import ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
-from edge_llm_ros.model_format import BIDIRECTIONAL_INPUT as BIDIRECTIONAL, DATA_FILE
+from edge_llm_ros.model_format import (BIDIRECTIONAL_INPUT as BIDIRECTIONAL, CONV_STATE_PAST,
+                                       CONV_STATE_PRESENT, DATA_FILE)
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
@@ -123,6 +124,19 @@ class LayerWeights:
     post_ffn_norm: Optional[np.ndarray] = None
 
 
+@dataclass
+class ConvLayerWeights:
+    """One gated short-convolution layer of a hybrid (lfm2), ready for the graph."""
+
+    attn_norm: np.ndarray   # the operator norm
+    ffn_norm: np.ndarray
+    in_proj: Weight         # [3 * hidden, hidden]: B, C, x rows
+    conv: np.ndarray        # [hidden, kernel] float32, the oldest position first
+    out_proj: Weight
+    gate_up: List[Weight]
+    down: Weight
+
+
 def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
     """cos/sin tables [length, rotary_dims/2] for NEOX RoPE (float64 math, float32 out).
 
@@ -189,6 +203,14 @@ class DecoderGraph:
                                                       [BATCH_DIM, 'n_logits',
                                                        spec.vocab_size])]
         for i in range(spec.num_layers):
+            if spec.is_conv(i):
+                # B * x of the last kernel - 1 positions: bound as past and present (ShortConv).
+                shape = [BATCH_DIM, spec.conv_kernel - 1, spec.hidden_size]
+                self.inputs.append(helper.make_tensor_value_info(CONV_STATE_PAST.format(i),
+                                                                 t, shape))
+                self.outputs.append(helper.make_tensor_value_info(
+                    CONV_STATE_PRESENT.format(i), t, shape))
+                continue
             for kind in ('key', 'value'):
                 self.inputs.append(helper.make_tensor_value_info(
                     f'past_key_values.{i}.{kind}', t, kv_shape))
@@ -203,7 +225,7 @@ class DecoderGraph:
             self.inputs.append(helper.make_tensor_value_info(BIDIRECTIONAL, TensorProto.INT32,
                                                              [1]))
         cache_len = opts.max_context or spec.max_position_embeddings
-        local = [spec.is_local(i) for i in range(spec.num_layers)]
+        local = [spec.is_local(i) for i in range(spec.num_layers) if not spec.is_conv(i)]
         if not all(local):
             cos, sin = rope_cache(spec, cache_len)
             self._init('cos_cache', cos.astype(self.np_dtype))
@@ -375,20 +397,43 @@ class DecoderGraph:
             (rows,) = self._node('Mul', [rows, scale])
         (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
 
+    def _input_norm(self, gamma: np.ndarray, p: str) -> tuple:
+        """Normalize the layer's input (the residual add fused in): (h, residual)."""
+        eps = float(self.spec.rms_norm_eps)
+        gamma = self._norm(gamma, f'{p}.attn_norm')
+        if not self._residual:
+            (h,) = self._node('SimplifiedLayerNormalization', [self._x, gamma],
+                              name=f'{p}/attn_norm', axis=-1, epsilon=eps, stash_type=1)
+            return h, self._x
+        h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
+                                       [self._x, self._residual, gamma], n_out=4,
+                                       domain=MS_DOMAIN, name=f'{p}/attn_norm', epsilon=eps)
+        return h, residual
+
+    def add_conv_layer(self, i: int, cw: ConvLayerWeights) -> None:
+        """One gated short-convolution layer (lfm2) reading/writing its conv state.
+
+        in_proj -> B, C, x; the op library's ShortConv gives C * conv(B * x) over the
+        state past_conv.{i} (= present_conv.{i}, updated in place) -> out_proj; then the
+        MLP as in every layer (llama.cpp's build_shortconv_block).
+        """
+        p = f'layers.{i}'
+        h, residual = self._input_norm(cw.attn_norm, p)
+        bcx = self._linear(h, cw.in_proj, f'{p}.conv.in_proj')
+        self.ops_used.add(KQUANT_DOMAIN)
+        weight = self._init(f'{p}.conv.weight', np.ascontiguousarray(cw.conv, np.float32))
+        y, _ = self._node('ShortConv', [bcx, weight, CONV_STATE_PAST.format(i), 'seqlens_k'],
+                          outputs=[self._name(f'{p}/conv/out'), CONV_STATE_PRESENT.format(i)],
+                          domain=KQUANT_DOMAIN, name=f'{p}/conv')
+        o = self._linear(y, cw.out_proj, f'{p}.conv.out_proj')
+        self._mlp(o, residual, cw.ffn_norm, cw.gate_up, cw.down, p)
+
     def add_layer(self, i: int, lw: LayerWeights) -> None:
         """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
         s = self.spec
         eps = float(s.rms_norm_eps)
         p = f'layers.{i}'
-        gamma = self._norm(lw.attn_norm, f'{p}.attn_norm')
-        if not self._residual:
-            (h,) = self._node('SimplifiedLayerNormalization', [self._x, gamma],
-                              name=f'{p}/attn_norm', axis=-1, epsilon=eps, stash_type=1)
-            residual = self._x
-        else:
-            h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
-                                           [self._x, self._residual, gamma], n_out=4,
-                                           domain=MS_DOMAIN, name=f'{p}/attn_norm', epsilon=eps)
+        h, residual = self._input_norm(lw.attn_norm, p)
         q_k_v = self._qkv(h, lw, p)
         local = s.is_local(i)
         rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
@@ -420,18 +465,23 @@ class DecoderGraph:
         o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
         if lw.post_attn_norm is not None:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
-        gamma = self._norm(lw.ffn_norm, f'{p}.ffn_norm')
+        self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
+
+    def _mlp(self, o: str, residual: str, ffn_norm: np.ndarray, gate_up: List[Weight],
+             down: Weight, p: str, post_ffn_norm: Optional[np.ndarray] = None) -> None:
+        """Add the mixer's output `o` to the residual, then the gated MLP of the layer."""
+        gamma = self._norm(ffn_norm, f'{p}.ffn_norm')
         h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
                                        [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
-                                       name=f'{p}/ffn_norm', epsilon=eps)
-        if len(lw.gate_up) == 1 and isinstance(lw.gate_up[0], GgufWeights):
+                                       name=f'{p}/ffn_norm', epsilon=float(self.spec.rms_norm_eps))
+        if len(gate_up) == 1 and isinstance(gate_up[0], GgufWeights):
             # One op: the gate|up product and its activation (the product is never stored).
-            act = self._linear(h, lw.gate_up[0], f'{p}.mlp.gate_up_proj', glu=s.activation)
+            act = self._linear(h, gate_up[0], f'{p}.mlp.gate_up_proj', glu=self.spec.activation)
         else:
-            act = self._gated(h, lw.gate_up, p)
-        self._x = self._linear(act, lw.down, f'{p}.mlp.down_proj')
-        if lw.post_ffn_norm is not None:
-            self._x = self._plain_norm(self._x, lw.post_ffn_norm, f'{p}.post_ffn_norm')
+            act = self._gated(h, gate_up, p)
+        self._x = self._linear(act, down, f'{p}.mlp.down_proj')
+        if post_ffn_norm is not None:
+            self._x = self._plain_norm(self._x, post_ffn_norm, f'{p}.post_ffn_norm')
         self._residual = residual
 
     def _gated(self, h: str, gate_up: List[Weight], p: str) -> str:
