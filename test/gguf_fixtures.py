@@ -35,7 +35,7 @@ RAW_SCALE_FIELDS: Dict[str, Tuple[int, Optional[int], float]] = {
 # (LFM2's l_cache). Three layers: each matmul adds llama.cpp's activation rounding, which the
 # conv layers' products B * x * C amplify (5 layers: ~0.5 of llama.cpp's own logits off the
 # exact ones).
-LFM2_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
+LFM2_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512, context=1024,
                      rms_eps=1e-5, key_length=64, rope_theta=1e6)
 LFM2_CONV_KERNEL = 3
 

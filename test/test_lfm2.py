@@ -8,8 +8,20 @@ llama.cpp's graph (src/models/lfm2.cpp) at the exact settings, over a prompt, a 
 decode steps. What the converter does not build (a sliding window, embedding models, HF
 folders, an mmproj) is refused before anything is written. Token parity with llama.cpp per
 type is in test_llama_cpp_parity.py.
+
+Engine: the conv states live beside the KV buffers, one per slot and conv layer, and move with
+the slot's KV (a goal moved down a slot, a paused goal parked and resumed); a padding row of a
+batched decode call keeps the state of a slot between prefill chunks. Each goal's logprobs
+equal the same goal run alone, bit for bit, through interleaved chunks, moves and a
+preemption; without the padding rows' state kept they do not (control). A conv state cannot be
+rewound by position, so prefix reuse is off (a repeated prompt is prefilled whole), a
+session_id and sessions.store are refused, speculation is off in auto mode and refused when
+asked for, and an lfm2 draft model is refused, each with what to do. The KV budget counts the
+conv states' bytes.
 """
+import json
 import pathlib
+from typing import List
 
 import gguf
 from gguf_fixtures import layer_kinds, LFM2_CONV_KERNEL, LFM2_DIMS, ParityCase, write_gguf
@@ -20,8 +32,14 @@ import pytest
 import yaml
 
 from edge_llm_ros.convert.converter import convert
-from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedModelError
+from edge_llm_ros.errors import (ConversionError, InvalidRequestError, ModelLoadError,
+                                 UnsupportedModelError)
 from edge_llm_ros.model_format import LayerState, load_model_info
+from edge_llm_ros.runtime.speculative import SpeculativeConfig, SpeculativeConfigError
+from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
+from edge_llm_ros.serving.goal import Goal, GoalState
+from edge_llm_ros.serving.scheduler import Move, Park, Unpark
 
 CASE = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=6, chain=0.3)
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
@@ -192,3 +210,205 @@ def test_an_hf_folder_and_an_mmproj_are_refused(tmp_path, source, native_library
     with pytest.raises(ConversionError, match=r'VLMs \(--mmproj\) are not converted yet'):
         convert(str(source), str(tmp_path / 'out'), progress=False, mmproj=str(source))
     assert not (tmp_path / 'out').exists()
+
+
+# --- engine ------------------------------------------------------------------------------------
+TEXTS = ('once upon a time there was a robot', 'the blue sky is blue', 'Hello robot arm',
+         'What color is the sky?')
+
+
+def engine(model_dir: pathlib.Path, n: int = 1, **kw) -> Engine:
+    kw.setdefault('max_context', 96)
+    return Engine(EngineConfig(model_dir=str(model_dir), intra_op_threads=1,
+                               parallel_sequences=n, **kw))
+
+
+def goal(eng: Engine, text: str, max_tokens: int = 12, **kw) -> Goal:
+    request = GenerationRequest(prompt=text, max_tokens=max_tokens, use_chat_template=False,
+                                sampling=SamplingConfig(temperature=0.0, logprobs=True))
+    return Goal(eng.prepare(request), **kw)
+
+
+def bits(g: Goal) -> tuple:
+    return g.result.token_ids, [lp.logprob for lp in g.result.logprobs]
+
+
+@pytest.fixture(scope='module')
+def alone(kquant_dir) -> dict:
+    """Give each text's tokens and logprobs when it runs by itself on one slot."""
+    eng = engine(kquant_dir)
+    try:
+        out = {}
+        for text in TEXTS:
+            g = goal(eng, text, max_tokens=16)
+            eng.scheduler().submit(g)
+            while not g.done:
+                eng.run_plan()
+            out[text] = bits(g)
+        return out
+    finally:
+        eng.close()
+
+
+def run(eng: Engine, steps) -> List[object]:
+    """Run plans until the scheduler idles; return the plans the executor ran."""
+    plans = []
+    executor = eng.loop.executor
+    run_plan = executor.run
+
+    def recording(plan):
+        plans.append(plan)
+        return run_plan(plan)
+    executor.run = recording
+    try:
+        for _ in range(steps):
+            if eng.scheduler().idle():
+                return plans
+            eng.run_plan()
+    finally:
+        executor.run = run_plan
+    raise AssertionError('the scheduler did not drain')
+
+
+def batched(eng: Engine) -> tuple:
+    """Run a decoding goal and two whose prompts prefill in chunks beside it.
+
+    The first ends first, so the others move down a slot. Returns the goals and the plans.
+    """
+    sched = eng.scheduler()
+    first = sched.submit(goal(eng, TEXTS[0], max_tokens=6))
+    while first.state is not GoalState.DECODE:
+        eng.run_plan()
+    rest = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[1:3]]
+    plans = run(eng, 5000)
+    return [first] + rest, plans
+
+
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
+    eng = engine(kquant_dir, 3, prefill_chunk=3)
+    keeps = []
+    decode_rows = eng._decoder.decode_rows
+
+    def recording(tokens, positions, keep=()):
+        keeps.append(tuple(keep))
+        return decode_rows(tokens, positions, keep)
+    eng._decoder.decode_rows = recording
+    try:
+        goals, plans = batched(eng)
+    finally:
+        eng.close()
+    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
+    for g, text in zip(goals[1:], TEXTS[1:3]):
+        assert bits(g) == alone[text], text
+    # Decode calls ran over a slot between prefill chunks, and goals moved down a slot.
+    assert any(keeps)
+    assert any(isinstance(op, Move) for p in plans for op in p.kv)
+
+
+def test_a_padding_row_that_lost_its_state_is_visible(kquant_dir, alone):
+    """Control: with the padding rows' conv states not kept, a chunked prompt goes wrong."""
+    eng = engine(kquant_dir, 3, prefill_chunk=3)
+    decode_rows = eng._decoder.decode_rows
+    eng._decoder.decode_rows = lambda tokens, positions, keep=(): decode_rows(tokens, positions)
+    try:
+        goals, _ = batched(eng)
+    finally:
+        eng.close()
+    assert any(bits(g) != alone[t] for g, t in zip(goals[1:], TEXTS[1:3]))
+
+
+def test_a_preempted_goal_resumes_with_its_conv_states(kquant_dir, alone):
+    eng = engine(kquant_dir, 2)
+    sched = eng.scheduler()
+    try:
+        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
+        while any(len(g.output.events) < 3 for g in low):
+            eng.run_plan()
+        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
+        plans = run(eng, 5000)
+    finally:
+        eng.close()
+    assert any(isinstance(op, Park) for p in plans for op in p.kv)
+    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
+    for g, text in zip(low + [urgent], TEXTS[:3]):
+        assert bits(g) == alone[text], text
+
+
+def test_prefix_reuse_is_off_and_a_repeated_prompt_is_prefilled_whole(kquant_dir, alone):
+    eng = engine(kquant_dir, prefix_reuse=True)
+    try:
+        assert not eng.prefix_reuse
+        for _ in range(2):
+            g = eng.generate(goal(eng, TEXTS[3], max_tokens=16).request).goal
+            while not g.done:
+                eng.run_plan()
+            assert bits(g) == alone[TEXTS[3]]
+            assert g.result.timings.cached_prompt_tokens == 0
+    finally:
+        eng.close()
+
+
+def test_sessions_are_refused_with_what_to_do(kquant_dir, tmp_path):
+    eng = engine(kquant_dir)
+    try:
+        with pytest.raises(InvalidRequestError, match='keeps a convolution state per sequence '
+                                                      '.*without a session_id'):
+            eng.prepare(GenerationRequest(prompt='hi', session_id='a'))
+    finally:
+        eng.close()
+    with pytest.raises(ModelLoadError, match="set sessions.store to ''"):
+        engine(kquant_dir, session_store=str(tmp_path / 'sessions.db'))
+
+
+def test_speculation_is_off_in_auto_and_refused_when_asked_for(kquant_dir, tmp_path):
+    eng = engine(kquant_dir, speculative=SpeculativeConfig(mode='auto'))
+    try:
+        assert not eng.speculation.enabled
+        assert 'cannot be rewound' in eng.speculation.why_off
+    finally:
+        eng.close()
+    with pytest.raises(SpeculativeConfigError, match='speculative.mode prompt_lookup: .*set '
+                                                     'speculative.mode off'):
+        engine(kquant_dir, speculative=SpeculativeConfig(mode='prompt_lookup'))
+
+
+def test_an_lfm2_draft_model_is_refused(kquant_dir):
+    from edge_llm_ros.runtime.speculative import _load_draft
+    with pytest.raises(SpeculativeConfigError, match='cannot be rewound after a rejected draft'):
+        _load_draft(str(kquant_dir), None, None, None)
+
+
+def test_the_kv_budget_counts_the_conv_states(kquant_dir):
+    info = load_model_info(str(kquant_dir))
+    d = LFM2_DIMS
+    kv = 2 * d.kv_heads * 96 * d.head_dim   # one attention layer
+    states = 2 * (LFM2_CONV_KERNEL - 1) * d.hidden   # two conv layers
+    assert kv_budget_bytes(info, 96, 3) == 3 * (kv + states) * 4
+    eng = engine(kquant_dir, 3)
+    try:
+        assert eng.kv_bytes == kv_budget_bytes(info, 96, 3)
+        assert [b.shape for b in eng._decoder.state_buffers] == [(3, 2, d.hidden)] * 2
+        assert len(eng._decoder.kv_buffers) == 2
+    finally:
+        eng.close()
+
+
+def test_the_lfm2_family_names_the_model_and_forces_its_tool_calls(kquant_dir):
+    tools = [{'type': 'function', 'function': {
+        'name': 'move_to', 'description': 'Drive to a point.',
+        'parameters': {'type': 'object',
+                       'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
+                       'required': ['place']}}}]
+    eng = engine(kquant_dir, max_context=1024)
+    try:
+        info = eng.model_info()
+        assert (info['family'], info['tool_call_format']) == ('lfm2', 'lfm2')
+        assert info['model_name'].startswith('LFM2 ') and '(lfm2, Q8_0)' in info['model_name']
+        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=tools,
+                                                tool_choice='required', max_tokens=200,
+                                                parallel_tool_calls=False)
+                              ).run_to_end()
+    finally:
+        eng.close()
+    assert [c.name for c in result.tool_calls] == ['move_to'], result
+    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')

@@ -133,6 +133,9 @@ OUTPUTS = {
     'mistral': ('[TOOL_CALLS][{"name": "move_to", "arguments": {"x": 0, "frame": "map"}}, '
                 '{"name": "stop", "arguments": {}}]',
                 '', [('move_to', '{"x": 0, "frame": "map"}'), ('stop', '{}')]),
+    'lfm2': ('Going. <|tool_call_start|>[{"name": "move_to", "arguments": {"x": 5, "frame": '
+             '"map"}}, {"name": "stop", "arguments": {}}]<|tool_call_end|>', 'Going. ',
+             [('move_to', '{"x": 5, "frame": "map"}'), ('stop', '{}')]),
     'generic_json': ('```json\n{"name": "move_to", "arguments": "{\\"x\\": 3, \\"frame\\": '
                      '\\"map\\"}"}\n```', '', [('move_to', '{"x": 3, "frame": "map"}')]),
 }
@@ -369,7 +372,8 @@ def test_parallel_calls_all_validate(tok):
 
 @pytest.mark.parametrize('fmt, trigger', [('hermes', 'Let me do that. <tool_call>'),
                                           ('llama3_json', '{'), ('generic_json', '{'),
-                                          ('mistral', 'Ok [TOOL_CALLS]')])
+                                          ('mistral', 'Ok [TOOL_CALLS]'),
+                                          ('lfm2', 'Sure. <|tool_call_start|>')])
 def test_auto_engages_at_the_trigger(tok, fmt, trigger):
     constraint = compile_tool_constraint(TOOLS, ToolChoice('auto'), FORMATS[fmt], tok,
                                          parallel=False)
@@ -382,7 +386,8 @@ def test_auto_engages_at_the_trigger(tok, fmt, trigger):
     text = run(tok, constraint, 3, prefix_text=trigger, max_tokens=300)
     answer, calls, invalid = parse_all(text, FORMATS[fmt], TOOLS)
     assert len(calls) == 1 and not invalid, text
-    assert answer == trigger.split('<tool_call>')[0].split('[TOOL_CALLS]')[0].lstrip('{')
+    assert answer == trigger.split('<tool_call>')[0].split('[TOOL_CALLS]')[0].split(
+        '<|tool_call_start|>')[0].lstrip('{')
 
 
 def test_required_after_forced_reasoning_close(tok):

@@ -42,6 +42,11 @@ FORMATS: Dict[str, ToolFormat] = {
     # Mistral v0.3+: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
     'mistral': ToolFormat('mistral', ('[TOOL_CALLS]',), '', ('[{',), 'arguments', True, ', ',
                           'mistral', '', ''),
+    # LFM2 / LFM2.5: <|tool_call_start|>[{"name": ..., "arguments": {...}}]<|tool_call_end|>.
+    # LFM2's own markers around a JSON list; its default Python-call form (move_to(x=1)) is
+    # not parsed, and the tool constraint forces this form once the model opens a call.
+    'lfm2': ToolFormat('lfm2', ('<|tool_call_start|>',), '<|tool_call_end|>', (), 'arguments',
+                       False, '\n', 'openai', '<|tool_call_start|>[', ']<|tool_call_end|>'),
     # Families with no trained format: the whole answer is the call(s) as JSON.
     'generic_json': ToolFormat('generic_json', (), '', ('```json', '```', '{', '['),
                                'arguments', False, '\n', 'openai', '', ''),
