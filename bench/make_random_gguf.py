@@ -91,6 +91,12 @@ SHAPES: Dict[str, Shape] = {
     'phi4-mini': Shape('phi3', 3072, 32, 24, 8, 128, 8192, 200064, 131072, 10000.0, 1e-5,
                        True, 'gpt-4o', 'Phi-4-mini-instruct',
                        {'rope_dims': 96, 'longrope_orig': 4096}),
+    # LFM2-1.2B: 10 gated short-convolution layers and 6 GQA layers (its layer_types), a conv
+    # kernel of 3 (conv_L_cache), FFN 8192 (block_ff_dim 12288 auto-adjusted: 2/3, multiple
+    # of 256, as llama.cpp's converter computes it).
+    'lfm2-1.2b': Shape('lfm2', 2048, 16, 32, 8, 64, 8192, 65536, 128000, 1e6, 1e-5, True,
+                       'lfm2', 'LFM2-1.2B',
+                       {'attention_layers': (2, 5, 8, 10, 12, 14), 'conv_kernel': 3}),
 }
 R1_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
@@ -143,7 +149,9 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     yield 'token_embd.weight', (s.vocab, s.hidden), 'Q6_K' if s.tied else 'Q4_K'
     if not s.tied:
         yield 'output.weight', (s.vocab, s.hidden), 'Q6_K'
-    yield 'output_norm.weight', (s.hidden,), 'F32'
+    # lfm2's final norm is token_embd_norm (llama.cpp's name for it).
+    yield ('token_embd_norm.weight' if s.arch == 'lfm2' else 'output_norm.weight'), \
+        (s.hidden,), 'F32'
     if 'llama3_rope' in x:
         yield 'rope_freqs.weight', (s.head_dim // 2,), 'F32'
     if 'longrope_orig' in x:
@@ -152,6 +160,13 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     for i in range(s.layers):
         p = f'blk.{i}.'
         yield p + 'attn_norm.weight', (s.hidden,), 'F32'
+        if s.arch == 'lfm2' and i not in x['attention_layers']:
+            # Q4_K_M leaves the [hidden, 3] kernel F32 (3 values a row: no block fits).
+            yield p + 'shortconv.in_proj.weight', (3 * s.hidden, s.hidden), 'Q4_K'
+            yield p + 'shortconv.conv.weight', (s.hidden, int(x['conv_kernel'])), 'F32'
+            yield p + 'shortconv.out_proj.weight', (s.hidden, s.hidden), 'Q4_K'
+            yield from _ffn(s, p, i)
+            continue
         if s.arch == 'phi3':
             yield p + 'attn_qkv.weight', (q + 2 * kv, s.hidden), 'Q5_K'
         else:
@@ -161,21 +176,26 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
         if s.arch == 'qwen2':
             for r, n in (('q', q), ('k', kv), ('v', kv)):
                 yield f'{p}attn_{r}.bias', (n,), 'F32'
-        if s.arch in ('qwen3', 'gemma3'):
+        if s.arch in ('qwen3', 'gemma3', 'lfm2'):
             yield p + 'attn_q_norm.weight', (s.head_dim,), 'F32'
             yield p + 'attn_k_norm.weight', (s.head_dim,), 'F32'
         yield p + 'attn_output.weight', (s.hidden, q), 'Q4_K'
         if s.arch == 'gemma3':
             yield p + 'post_attention_norm.weight', (s.hidden,), 'F32'
-        yield p + 'ffn_norm.weight', (s.hidden,), 'F32'
-        if s.arch == 'phi3':
-            yield p + 'ffn_up.weight', (2 * s.ff, s.hidden), 'Q4_K'
-        else:
-            yield p + 'ffn_gate.weight', (s.ff, s.hidden), 'Q4_K'
-            yield p + 'ffn_up.weight', (s.ff, s.hidden), 'Q4_K'
-        yield p + 'ffn_down.weight', (s.hidden, s.ff), quant_type('ffn_down', i, s.layers)
+        yield from _ffn(s, p, i)
         if s.arch == 'gemma3':
             yield p + 'post_ffw_norm.weight', (s.hidden,), 'F32'
+
+
+def _ffn(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
+    """Yield a layer's MLP norm and matrices (tensor_plan's order)."""
+    yield p + 'ffn_norm.weight', (s.hidden,), 'F32'
+    if s.arch == 'phi3':
+        yield p + 'ffn_up.weight', (2 * s.ff, s.hidden), 'Q4_K'
+    else:
+        yield p + 'ffn_gate.weight', (s.ff, s.hidden), 'Q4_K'
+        yield p + 'ffn_up.weight', (s.ff, s.hidden), 'Q4_K'
+    yield p + 'ffn_down.weight', (s.hidden, s.ff), quant_type('ffn_down', i, s.layers)
 
 
 def fallback_type(qtype: str, row: int) -> str:
@@ -236,6 +256,9 @@ class BlockMaker:
 
 
 def _vector(name: str, n: int, shape: Shape, rng: np.random.Generator) -> np.ndarray:
+    if name.endswith('shortconv.conv.weight'):   # [hidden, kernel], F32 as llama.cpp reads it
+        kernel = int(shape.extra['conv_kernel'])
+        return (rng.standard_normal((n, kernel)) / math.sqrt(kernel)).astype(np.float32)
     if name == 'rope_freqs.weight':
         from edge_llm_ros.convert.architectures import llama3_rope_factors
         f, lo, hi, orig = shape.extra['llama3_rope']
@@ -262,7 +285,7 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
     w = gguf.GGUFWriter(str(part), s.arch)
     header = {'name': f'random-{name}', 'block_count': s.layers, 'context_length': s.context,
               'embedding_length': s.hidden, 'feed_forward_length': s.ff,
-              'head_count': s.heads, 'head_count_kv': s.kv_heads, 'key_length': s.head_dim,
+              'head_count': s.heads, 'head_count_kv': _kv_heads(s), 'key_length': s.head_dim,
               'value_length': s.head_dim, 'rope_freq_base': s.rope_theta,
               'layer_norm_rms_eps': s.eps, 'vocab_size': s.vocab,
               'rope_dimension_count': int(x.get('rope_dims', s.head_dim)),
@@ -271,6 +294,8 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
         getattr(w, f'add_{key}')(value)
     if 'sliding_window' in x:
         w.add_sliding_window(int(x['sliding_window']))
+    if 'conv_kernel' in x:
+        w.add_shortconv_l_cache(int(x['conv_kernel']))
     if 'longrope_orig' in x:
         orig = int(x['longrope_orig'])
         w.add_rope_scaling_orig_ctx_len(orig)
@@ -290,7 +315,7 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
     plan = gguf_plan(s)
     for tname, tshape, qtype in plan:
         if qtype == 'F32':
-            w.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * tshape[0])
+            w.add_tensor_info(tname, tshape, np.dtype(np.float32), 4 * math.prod(tshape))
         elif qtype == 'F16':
             w.add_tensor_info(tname, tshape, np.dtype(np.float16), 2 * tshape[0] * tshape[1])
         else:
@@ -312,6 +337,13 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
     w.close()
     os.replace(part, path)
     return path
+
+
+def _kv_heads(s: Shape):
+    """Return head_count_kv: one count, or (lfm2) one per layer, 0 for a conv layer."""
+    if s.arch != 'lfm2':
+        return s.kv_heads
+    return [s.kv_heads if i in s.extra['attention_layers'] else 0 for i in range(s.layers)]
 
 
 def convert_peak_rss(gguf_path: pathlib.Path, out_dir: pathlib.Path,
