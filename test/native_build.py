@@ -51,3 +51,16 @@ def aarch64_build(target: str) -> pathlib.Path:
              '-DCMAKE_BUILD_TYPE=Release'],
             ['cmake', '--build', str(AARCH64_BUILD), '-j2', '--target', target]])
     return AARCH64_BUILD
+
+
+def op_session(graph, threads: int = 1):
+    """Return a CPU InferenceSession of `graph` (ops of edge_llm_ros) with the op library."""
+    import onnxruntime as ort
+    from onnx import helper
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
+                                                    helper.make_opsetid('edge_llm_ros', 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=['CPUExecutionProvider'])

@@ -15,7 +15,7 @@ import ctypes
 import subprocess
 
 from gguf import GGMLQuantizationType, quants
-from native_build import native_build
+from native_build import native_build, op_session
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
@@ -46,13 +46,7 @@ def session(type_id: int, weights: np.ndarray, k: int, n: int, threads: int = 2,
     graph = helper.make_graph(
         [node], 'kquant', inputs,
         [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', None])], initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
-                                                    helper.make_opsetid('edge_llm_ros', 1)])
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=['CPUExecutionProvider'])
+    return op_session(graph, threads)
 
 
 # Activation block bytes per weight type: Q8_0 (34 per 32), Q8_1 (36 per 32), Q8_K (292 per 256).
@@ -363,13 +357,7 @@ def gather_session(type_id: int, weights: np.ndarray, k: int, tied_n: int = 0,
     graph = helper.make_graph(
         nodes, 'kquant_gather', [helper.make_tensor_value_info('ids', TensorProto.INT64, None)],
         outputs, [numpy_helper.from_array(weights, 'W')])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
-                                                    helper.make_opsetid('edge_llm_ros', 1)])
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=['CPUExecutionProvider'])
+    return op_session(graph, 2)
 
 
 @pytest.mark.parametrize('name', sorted(TYPES))

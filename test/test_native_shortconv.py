@@ -8,7 +8,7 @@ the same positions fed in chunks or one at a time, a row equals itself in a batc
 that starts its sequence (seqlens_k + 1 == seq) reads zeros whatever the buffer holds, and
 an unaliased present starts from past. Bad shapes are ORT errors that say what is wrong.
 """
-from native_build import native_build
+from native_build import op_session
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
@@ -30,13 +30,7 @@ def session(weight: np.ndarray, threads: int = 2) -> ort.InferenceSession:
         [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['B', 'S', c]),
          helper.make_tensor_value_info('present', TensorProto.FLOAT, ['B', None, None])],
         [numpy_helper.from_array(weight, 'W')])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 17),
-                                                    helper.make_opsetid('edge_llm_ros', 1)])
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(native_build() / 'libedge_llm_ort_ops.so'))
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), options,
-                                providers=['CPUExecutionProvider'])
+    return op_session(graph, threads)
 
 
 def run(sess: ort.InferenceSession, x: np.ndarray, state: np.ndarray,
