@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_batching.py [--models default,qwen2-0.5b] [--clients 1,2,4,8]
         [--max-tokens 96] [--threads 2] [--repeats 1] [--json-out FILE]
+    .venv/bin/python bench/bench_batching.py --mixed [--mixed-prompt-tokens 1500] [--repeats 3]
 
 For each model (`default` = the embedded SmolLM2-135M; `qwen2-0.5b` = random weights at
 Qwen2.5-0.5B's shape, bench/make_random_gguf.py, converted here with the current converter),
@@ -28,6 +29,11 @@ in one run so that the ratios compare like with like on this shared machine:
 - memory (first model only): node RSS with parallel_sequences 4 vs 1 after the same
   concurrent workload, against the KV bytes the 4 slots reserve (engine.kv_budget_bytes:
   layers x (K, V) x kv heads x head_dim x kv.max_context x 4 bytes per slot), both reported.
+
+--mixed (issue 38): on a node with parallel_sequences 4 and kv.max_context 2048, 3 goals
+decode (greedy, EOS biased away) while a ~1,500-token prompt arrives; the decoding goals'
+inter-token gaps (feedback arrival per token) during its prefill (send -> its first token)
+against the 1.5 s before it, p50/p99 (target: p99 <= 1.5x idle), and their aggregate tok/s.
 
 Prints one JSON object (also to --json-out) and a short table; targets are judged here (on
 the medians of --repeats), never in tests. The machine is shared (load average recorded
@@ -122,7 +128,8 @@ EXTRA_PARAMS: Dict[str, object] = {}
 class Served:
     """One llm_node process and an LLMClient spinning on a background executor."""
 
-    def __init__(self, model_dir: str, parallel: int, threads: int, tag: str) -> None:
+    def __init__(self, model_dir: str, parallel: int, threads: int, tag: str,
+                 max_context: int = MAX_CONTEXT) -> None:
         import rclpy
         from rclpy.executors import SingleThreadedExecutor
 
@@ -133,7 +140,7 @@ class Served:
         name = f'llm_batching_{tag}_{os.getpid()}'
         self.node = NodeProcess('llm_node', name=name, params={
             'autostart': True, 'model.path': model_dir, 'engine.parallel_sequences': parallel,
-            'engine.intra_op_threads': threads, 'kv.max_context': MAX_CONTEXT,
+            'engine.intra_op_threads': threads, 'kv.max_context': max_context,
             'kv.prefix_reuse': False, 'queue.depth': 16, **EXTRA_PARAMS})
         if not rclpy.ok():
             spin.init()
@@ -254,6 +261,100 @@ def priority_ttft(served: Served, long_goals: int, bias: Dict[int, float],
             'node_ttft_ms': 1e3 * statistics.median(node_ttft),
             'samples_ms': [round(1e3 * s, 1) for s in samples],
             'long_goals_paused': paused}
+
+
+# --- mixed batches: decoding goals while a long prompt prefills --------------------------------
+MIXED_CONTEXT = 2048
+MIXED_DECODERS = 3
+MIXED_DECODE_TOKENS = 480
+MIXED_PROMPT = ('The robot logs its battery level, its pose, the obstacles it saw and the '
+                'operator messages of the last shift. ')
+
+
+def _gaps(stream: Stream, t0: float, t1: float) -> List[float]:
+    """Seconds per token between consecutive feedbacks that both fall in [t0, t1]."""
+    inside = [(at, n) for at, n in stream.arrivals if t0 <= at <= t1]
+    return [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(inside, inside[1:]) if b[1] > a[1]]
+
+
+def _rate(streams: List[Stream], t0: float, t1: float) -> float:
+    return sum(s.tokens_at(t1) - s.tokens_at(t0) for s in streams) / (t1 - t0)
+
+
+def _quantile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float('nan')
+
+
+def mixed_run(served: Served, bias: Dict[int, float], prompt_tokens: int) -> Dict[str, object]:
+    """3 goals decode; a ~prompt_tokens prompt arrives; compare their token gaps to idle."""
+    decoders = [Stream(served, PROMPTS[i], MIXED_DECODE_TOKENS, bias)
+                for i in range(MIXED_DECODERS)]
+    deadline = time.monotonic() + 300
+    while not all(len(s.arrivals) >= 8 for s in decoders):
+        if time.monotonic() > deadline:
+            raise SystemExit('bench_batching --mixed: the decoding goals never started')
+        time.sleep(0.01)
+    idle_from = time.perf_counter()
+    time.sleep(1.5)
+    per_sentence = len(served.client.tokenize(text=MIXED_PROMPT).token_ids)
+    big = Stream(served, MIXED_PROMPT * max(1, prompt_tokens // per_sentence), 4, bias)
+    outcome = big.handle.result(timeout=600)
+    results = [s.handle.result(timeout=600) for s in decoders]
+    if not outcome.ok or big.first_token_at() is None or not all(r.ok for r in results):
+        raise SystemExit(f'bench_batching --mixed: a goal failed: {outcome} {results}')
+    prefill_from, prefill_to = big.sent, big.first_token_at()
+    if any(s.arrivals[-1][0] < prefill_to for s in decoders):
+        raise SystemExit('bench_batching --mixed: a decoding goal ended before the prefill '
+                         'did: raise MIXED_DECODE_TOKENS')
+    idle = [g for s in decoders for g in _gaps(s, idle_from, prefill_from)]
+    during = [g for s in decoders for g in _gaps(s, prefill_from, prefill_to)]
+    return {'prompt_tokens': outcome.prompt_tokens,
+            'prefill_s': prefill_to - prefill_from,
+            'idle_gap_ms_p50': 1e3 * _quantile(idle, 0.5),
+            'idle_gap_ms_p99': 1e3 * _quantile(idle, 0.99),
+            'prefill_gap_ms_p50': 1e3 * _quantile(during, 0.5),
+            'prefill_gap_ms_p99': 1e3 * _quantile(during, 0.99),
+            'p99_during_prefill_vs_idle': _quantile(during, 0.99) / _quantile(idle, 0.99),
+            'decode_tokps_idle': _rate(decoders, idle_from, prefill_from),
+            'decode_tokps_during_prefill': _rate(decoders, prefill_from, prefill_to),
+            'gaps_idle': len(idle), 'gaps_during_prefill': len(during)}
+
+
+def mixed_main(args) -> int:
+    """--mixed: decoding goals' inter-token gaps while a long prompt prefills (issue 38)."""
+    files = model_files(args.models.split(',')[0])
+    bias = {t: -100.0 for t in eos_ids(files['dir'])}
+    load_before = os.getloadavg()[0]
+    served = Served(files['dir'], MIXED_DECODERS + 1, args.threads, 'mixed', MIXED_CONTEXT)
+    try:
+        concurrent_run(served, 1, 8, bias)                      # warm-up
+        runs = [mixed_run(served, bias, args.mixed_prompt_tokens) for _ in range(args.repeats)]
+    finally:
+        served.close()
+        import rclpy
+        rclpy.try_shutdown()
+    ratio = _median([r['p99_during_prefill_vs_idle'] for r in runs])
+    report = {'model': files['dir'], 'runs': runs, 'decoders': MIXED_DECODERS,
+              'p99_during_prefill_vs_idle_median': ratio,
+              'target': {'p99_during_prefill_vs_idle': 1.5, 'met': ratio <= 1.5},
+              'threads': args.threads, 'cpus': os.cpu_count(),
+              'machine_load_1min_before': load_before,
+              'machine_load_1min_after': os.getloadavg()[0]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_out:
+        pathlib.Path(args.json_out).write_text(text + '\n')
+    run = runs[len(runs) // 2]
+    print(f"| {MIXED_DECODERS} goals decoding, a {run['prompt_tokens']}-token prompt arrives "
+          '| idle | during its prefill |\n|---|---|---|\n'
+          f"| inter-token gap p50 | {run['idle_gap_ms_p50']:.1f} ms | "
+          f"{run['prefill_gap_ms_p50']:.1f} ms |\n"
+          f"| inter-token gap p99 | {run['idle_gap_ms_p99']:.1f} ms | "
+          f"{run['prefill_gap_ms_p99']:.1f} ms ({ratio:.2f}x idle, target <= 1.5x) |\n"
+          f"| decode tok/s, all {MIXED_DECODERS} goals | {run['decode_tokps_idle']:.1f} | "
+          f"{run['decode_tokps_during_prefill']:.1f} |", file=sys.stderr)
+    return 0
 
 
 # --- llama.cpp (runs in the peer venv: stdlib, llama_cpp, numpy, psutil only) ------------------
@@ -505,11 +606,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument('--json-out', default='')
     p.add_argument('--speculative', default='off',
                    help="the nodes' speculative.mode (off, prompt_lookup, auto)")
+    p.add_argument('--mixed', action='store_true',
+                   help='only the mixed-batch measurement: 3 goals decoding while a long '
+                        'prompt prefills, on the first of --models (issue 38)')
+    p.add_argument('--mixed-prompt-tokens', type=int, default=1500)
     p.add_argument('--peer', default='', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer:
         print(json.dumps(peer_main(json.loads(args.peer))))
         return 0
+    if args.mixed:
+        return mixed_main(args)
     args.clients = [int(c) for c in args.clients.split(',')]
     EXTRA_PARAMS['speculative.mode'] = args.speculative
     from llama_peer import ensure_peer
