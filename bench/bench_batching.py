@@ -271,6 +271,14 @@ MIXED_PROMPT = ('The robot logs its battery level, its pose, the obstacles it sa
                 'operator messages of the last shift. ')
 
 
+def emit(report: Dict, json_out: str) -> None:
+    """Print the report as JSON (and write it to json_out when given)."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_out:
+        pathlib.Path(json_out).write_text(text + '\n')
+
+
 def _gaps(stream: Stream, t0: float, t1: float) -> List[float]:
     """Seconds per token between consecutive feedbacks that both fall in [t0, t1]."""
     inside = [(at, n) for at, n in stream.arrivals if t0 <= at <= t1]
@@ -341,10 +349,7 @@ def mixed_main(args) -> int:
               'threads': args.threads, 'cpus': os.cpu_count(),
               'machine_load_1min_before': load_before,
               'machine_load_1min_after': os.getloadavg()[0]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        pathlib.Path(args.json_out).write_text(text + '\n')
+    emit(report, args.json_out)
     run = runs[len(runs) // 2]
     print(f"| {MIXED_DECODERS} goals decoding, a {run['prompt_tokens']}-token prompt arrives "
           '| idle | during its prefill |\n|---|---|---|\n'
@@ -637,10 +642,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               'speculative_mode': args.speculative,
               'machine_load_1min_before': load_before,
               'machine_load_1min_after': os.getloadavg()[0]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json_out:
-        pathlib.Path(args.json_out).write_text(text + '\n')
+    emit(report, args.json_out)
     print(table(models, judged), file=sys.stderr)
     return 0
 
