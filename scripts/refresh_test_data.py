@@ -5,14 +5,14 @@ test/test_rosdep.py, test/test_interfaces_humble.py, test/test_humble_api.py and
 test/test_rclpy_internals.py read these files; the repository keeps only the parts they read
 (test/data/README.md says where and when each was taken).
 
-  rosdistro SOURCE   SOURCE is a checkout of github.com/ros/rosdistro (a git work tree: its
+  rosdistro SOURCE   SOURCE is a checkout of the ros/rosdistro repository (a git work tree: its
                      HEAD is recorded) or a snapshot folder with a COMMIT file (copied). Only
                      the rules of rosdep/base.yaml and rosdep/python.yaml, and the released
                      packages of humble/ and jazzy/distribution.yaml, whose names are keys this
                      repository uses (package.xml dependencies, modules edge_llm_ros/ and
                      launch/ import) are kept; keys.txt lists those keys.
   rclpy SOURCE BRANCH
-                     SOURCE is a git repository of github.com/ros2/rclpy (then --commit is a
+                     SOURCE is a git repository of ros2/rclpy (then --commit is a
                      commit, tag or branch of it, default BRANCH) or a source folder (then
                      --commit, the commit it was taken at, is required). Writes
                      rclpy_api/BRANCH.json: every module of the rclpy package with its classes
@@ -188,7 +188,7 @@ def rosdistro_files(source: pathlib.Path, keys: FrozenSet[str]) -> Dict[str, str
         if not keys <= had:
             raise UsageError(f'{source} is a trimmed copy (it has {KEYS_FILE}) without '
                              f'{", ".join(sorted(keys - had))}: refresh from a full rosdistro '
-                             'checkout (git clone https://github.com/ros/rosdistro)')
+                             'checkout (a clone of the ros/rosdistro repository)')
     files = {COMMIT_FILE: rosdistro_commit(source),
              KEYS_FILE: KEYS_HEADER + ''.join(f'{key}\n' for key in sorted(keys))}
     for name in RULE_FILES:

@@ -21,7 +21,7 @@ PACKAGE_XMLS = (ROOT / 'package.xml', ROOT / 'edge_llm_msgs' / 'package.xml')
 _NEEDED = ('COMMIT', 'keys.txt', 'rosdep/base.yaml', 'rosdep/python.yaml',
            'humble/distribution.yaml', 'jazzy/distribution.yaml')
 REFRESH = ('python3 scripts/refresh_test_data.py rosdistro PATH (PATH: a clone of '
-           'https://github.com/ros/rosdistro; test/data/README.md)')
+           'the ros/rosdistro repository; test/data/README.md)')
 
 
 @functools.lru_cache(maxsize=None)

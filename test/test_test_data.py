@@ -85,7 +85,7 @@ def test_rosdistro_refresh_of_the_committed_data_changes_nothing(refresh, capsys
         'test/data/rosdistro is not what scripts/refresh_test_data.py makes of it for this '
         f'repository (keys.txt: package.xml dependencies and imports):\n{err}{out}\nrefresh '
         'it: python3 scripts/refresh_test_data.py rosdistro PATH/TO/rosdistro (a clone of '
-        'https://github.com/ros/rosdistro; test/data/rosdistro itself when keys only went)')
+        'the ros/rosdistro repository; test/data/rosdistro itself when keys only went)')
 
 
 def _module_path(module: str, modules: List[str]) -> str:
