@@ -20,6 +20,7 @@ asked for, and an lfm2 draft model is refused, each with what to do. The KV budg
 conv states' bytes.
 """
 import json
+import logging
 import pathlib
 from typing import List
 
@@ -334,8 +335,11 @@ def test_a_preempted_goal_resumes_with_its_conv_states(kquant_dir, alone):
         assert bits(g) == alone[text], text
 
 
-def test_prefix_reuse_is_off_and_a_repeated_prompt_is_prefilled_whole(kquant_dir, alone):
-    eng = engine(kquant_dir, prefix_reuse=True)
+def test_prefix_reuse_is_off_and_a_repeated_prompt_is_prefilled_whole(kquant_dir, alone,
+                                                                      caplog):
+    with caplog.at_level(logging.WARNING, logger='edge_llm_ros.serving.engine'):
+        eng = engine(kquant_dir, prefix_reuse=True)
+    assert any('kv.prefix_reuse is off' in r.getMessage() for r in caplog.records)
     try:
         assert not eng.prefix_reuse
         for _ in range(2):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 import functools
+import logging
 import math
 import operator
 import os
@@ -50,6 +51,8 @@ from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
 from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,6 +157,10 @@ class Engine:
         # prefix of it can be reused, so prefix reuse is off (outputs are the same, prompts
         # are prefilled whole) and sessions, which continue from a saved prefix, are refused.
         self.prefix_reuse = config.prefix_reuse and self.info.rewindable
+        if config.prefix_reuse and not self.prefix_reuse:   # said once, never a silent change
+            _log.warning('kv.prefix_reuse is off for this %s model: its convolution state '
+                         'cannot be cut back to a shared prefix, so every prompt is prefilled '
+                         'whole (outputs are unchanged)', self.info.architecture)
         if config.session_store and not self.info.rewindable:
             raise ModelLoadError(
                 f'sessions.store is set, but {self.info.architecture} keeps a convolution '
