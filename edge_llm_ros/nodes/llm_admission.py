@@ -225,12 +225,6 @@ class Admission:
             if self._held is None:
                 self._held, self._hold_capacity = [], capacity
 
-    @property
-    def holding(self) -> int:
-        """Return how many requests are held (0 also when not holding)."""
-        held = self._held
-        return len(held) if held is not None else 0
-
     def hold_waiting(self, worker: EngineWorker) -> None:
         """Hold the goals waiting in the worker's queue too, ahead of those held since."""
         with self._hold_lock:
