@@ -56,39 +56,39 @@ inline const float *head_norm(const float *x, const float *weight, float eps, in
 
 extern "C" {
 
-ELK_CLONES void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
-                         const float *k, const float *v, int64_t kv_stride,
-                         const int64_t *past, const float *cos, const float *sin,
-                         float *key_buffer, float *value_buffer) {
+ELK_CLONES void elk_attention_store(const elk_attention_shape *shape, const elk_row *row,
+                                    int64_t h, const float *k, const float *v,
+                                    int64_t kv_stride, const float *cos, const float *sin,
+                                    float *key_buffer, float *value_buffer) {
   const int64_t d = shape->head_dim, half = d / 2;
-  const int64_t base = (b * shape->kv_heads + h) * shape->capacity * d;
+  const int64_t base = (row->slot * shape->kv_heads + h) * shape->capacity * d;
   float normed[512];  // head_dim <= 512, checked by the op
-  for (int64_t s = 0; s < shape->seq; ++s) {
-    const int64_t pos = past[b] + s;
-    const int64_t row = (b * shape->seq + s) * kv_stride + h * d;
-    rotate(head_norm(k + row, shape->k_norm, shape->norm_eps, d, normed), cos + pos * half,
+  for (int64_t s = 0; s < row->length; ++s) {
+    const int64_t pos = row->start + s;
+    const int64_t token = (row->offset + s) * kv_stride + h * d;
+    rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + pos * half,
            sin + pos * half, d, key_buffer + base + pos * d);
-    std::memcpy(value_buffer + base + pos * d, v + row, static_cast<size_t>(d) * sizeof(float));
+    std::memcpy(value_buffer + base + pos * d, v + token, static_cast<size_t>(d) * sizeof(float));
   }
 }
 
-ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s, int64_t h,
-                       const float *q, int64_t q_stride, const int64_t *past, const float *cos,
-                       const float *sin, const float *key_buffer, const float *value_buffer,
-                       float *scratch, float *out) {
+ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, const elk_row *row,
+                                  int64_t s, int64_t h, const float *q, int64_t q_stride,
+                                  const float *cos, const float *sin, const float *key_buffer,
+                                  const float *value_buffer, float *scratch, float *out) {
   const int64_t d = shape->head_dim, half = d / 2;
   const int64_t kv = h / (shape->num_heads / shape->kv_heads);
-  const int64_t pos = past[b] + s;
+  const int64_t pos = row->start + s;
   const int64_t first =
       shape->window > 0 && pos + 1 > shape->window ? pos + 1 - shape->window : 0;
-  const float *keys = key_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
-  const float *values = value_buffer + (b * shape->kv_heads + kv) * shape->capacity * d;
+  const float *keys = key_buffer + (row->slot * shape->kv_heads + kv) * shape->capacity * d;
+  const float *values = value_buffer + (row->slot * shape->kv_heads + kv) * shape->capacity * d;
   float normed[512], rotated[512];  // head_dim <= 512, checked by the op
-  rotate(head_norm(q + (b * shape->seq + s) * q_stride + h * d, shape->q_norm,
-                   shape->norm_eps, d, normed),
+  rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
+                   d, normed),
          cos + pos * half, sin + pos * half, d, rotated);
-  // The last key the row sees: itself, or the call's last position when bidirectional.
-  const int64_t last = shape->bidirectional ? past[b] + shape->seq - 1 : pos;
+  // The last key the query sees: itself, or its row's last position when bidirectional.
+  const int64_t last = row->bidirectional ? row->start + row->length - 1 : pos;
   const int64_t n = last + 1 - first;
   float top = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
@@ -100,7 +100,7 @@ ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, int64_t b, i
     scratch[j] = std::exp(scratch[j] - top);
     total += scratch[j];
   }
-  float *y = out + (b * shape->seq + s) * shape->num_heads * d + h * d;
+  float *y = out + (row->offset + s) * shape->num_heads * d + h * d;
   for (int64_t i = 0; i < d; ++i) y[i] = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
     const float p = scratch[j];

@@ -351,6 +351,83 @@ struct KQuantGatherOp : Ort::CustomOpBase<KQuantGatherOp, KQuantGatherKernel, tr
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// Both ops below take their rows in one of two forms, and run one code path over a row table
+// (elk_row) built from either:
+//   batched: input [B, S, ...] and seqlens_k [B]; row b is buffer slot b at positions
+//     seqlens_k[b] + 1 - S .. seqlens_k[b], its tokens b * S ..;
+//   rows: input [1, T, ...] and rows int32 [R, 4] of (slot, start, length, bidirectional),
+//     the rows' tokens packed in table order (T = the lengths' sum): one call mixes a decode
+//     row, a prefill chunk and a verify row on any slots, and slots no row names are never
+//     read or written (no padding rows).
+// A position's arithmetic depends only on its own row, so its bits are the same in either
+// form and whatever rows share the call.
+
+// Input `index`, or a null value when the node leaves it out (absent or named '').
+Ort::ConstValue optional_input(const Ort::KernelContext &ctx, size_t index) {
+  return index < ctx.GetInputCount() ? ctx.GetInput(index) : Ort::ConstValue{};
+}
+
+bool given(const Ort::ConstValue &value) {
+  return static_cast<const OrtValue *>(value) != nullptr;
+}
+
+// The row table `rows` [R, 4] checked against `slots` buffer slots and the input's batch and
+// tokens (every check before any buffer is touched; the positions' upper bound is the op's).
+std::vector<elk_row> row_table(const char *op, const Ort::ConstValue &rows, int64_t slots,
+                               int64_t batch, int64_t tokens) {
+  const auto fail = [op](const std::string &what) {
+    throw Ort::Exception(std::string(op) + ": " + what, ORT_INVALID_ARGUMENT);
+  };
+  const std::vector<int64_t> shape = rows.GetTensorTypeAndShapeInfo().GetShape();
+  if (shape.size() != 2 || shape[1] != 4) {
+    fail("rows is not [R, 4] int32 (slot, start, length, bidirectional)");
+  }
+  if (batch != 1) {
+    fail("with rows the input is [1, T, ...] (the rows' tokens packed), not batch " +
+         std::to_string(batch));
+  }
+  const int32_t *entry = rows.GetTensorData<int32_t>();
+  std::vector<elk_row> table(static_cast<size_t>(shape[0]));
+  std::vector<int64_t> owner(static_cast<size_t>(slots), -1);
+  int64_t offset = 0;
+  for (int64_t r = 0; r < shape[0]; ++r, entry += 4) {
+    const std::string name = "row " + std::to_string(r);
+    const elk_row row{entry[0], entry[1], offset, entry[2], entry[3]};
+    if (row.slot < 0 || row.slot >= slots) {
+      fail(name + " names slot " + std::to_string(row.slot) + " outside 0.." +
+           std::to_string(slots - 1));
+    }
+    if (owner[row.slot] >= 0) {
+      fail("rows " + std::to_string(owner[row.slot]) + " and " + std::to_string(r) +
+           " both name slot " + std::to_string(row.slot));
+    }
+    owner[row.slot] = r;
+    if (row.length < 1) fail(name + " has length " + std::to_string(row.length) + " (< 1)");
+    if (row.start < 0) fail(name + " starts at position " + std::to_string(row.start));
+    if (row.bidirectional != 0 && row.bidirectional != 1) {
+      fail(name + "'s bidirectional is " + std::to_string(row.bidirectional) +
+           ", not 0 or 1");
+    }
+    table[r] = row;
+    offset += row.length;
+  }
+  if (offset != tokens) {
+    fail("the rows' lengths sum to " + std::to_string(offset) + ", not the input's " +
+         std::to_string(tokens) + " tokens");
+  }
+  return table;
+}
+
+// Exactly one of seqlens_k (batched) and rows (row table): true for rows.
+bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstValue &rows) {
+  if (given(seqlens) == given(rows)) {
+    throw Ort::Exception(std::string(op) + ": give exactly one of seqlens_k (the batched "
+                         "form) and rows (the row table), not " +
+                         (given(rows) ? "both" : "neither"), ORT_INVALID_ARGUMENT);
+  }
+  return given(rows);
+}
+
 // edge_llm_ros.CausalAttention: GroupQueryAttention's job for this library's graphs (rotary,
 // the new keys and values written into the KV buffers bound as both past and present, causal
 // and windowed softmax), with each query row computed alone (attention.h): a position's
@@ -361,29 +438,38 @@ struct AttentionWork {
   elk_attention_shape shape;
   const float *q, *k, *v, *cos, *sin;
   int64_t q_stride, kv_stride;
-  const int64_t *past;
+  const elk_row *rows;
+  // Query tasks: row r's are first_task[r] .. first_task[r + 1] - 1, (head, block) in order.
+  const int64_t *first_task;
+  int64_t row_count;
   float *keys, *values, *out;
-  int64_t row_blocks;
 };
+
+int64_t row_blocks(const elk_row &row) {
+  return (row.length + kQueryRowsPerTask - 1) / kQueryRowsPerTask;
+}
 
 void store_keys(void *data, size_t task) {
   const AttentionWork &w = *static_cast<const AttentionWork *>(data);
-  const int64_t b = static_cast<int64_t>(task) / w.shape.kv_heads;
+  const int64_t r = static_cast<int64_t>(task) / w.shape.kv_heads;
   const int64_t h = static_cast<int64_t>(task) % w.shape.kv_heads;
-  elk_attention_store(&w.shape, b, h, w.k, w.v, w.kv_stride, w.past, w.cos, w.sin, w.keys,
+  elk_attention_store(&w.shape, &w.rows[r], h, w.k, w.v, w.kv_stride, w.cos, w.sin, w.keys,
                       w.values);
 }
 
 void query_rows(void *data, size_t task) {
   const AttentionWork &w = *static_cast<const AttentionWork *>(data);
-  const int64_t block = static_cast<int64_t>(task) % w.row_blocks;
-  const int64_t bh = static_cast<int64_t>(task) / w.row_blocks;
-  const int64_t b = bh / w.shape.num_heads, h = bh % w.shape.num_heads;
+  const int64_t t = static_cast<int64_t>(task);
+  const int64_t r =
+      std::upper_bound(w.first_task, w.first_task + w.row_count + 1, t) - w.first_task - 1;
+  const elk_row &row = w.rows[r];
+  const int64_t blocks = row_blocks(row), local = t - w.first_task[r];
+  const int64_t h = local / blocks, block = local % blocks;
   std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
-  const int64_t last = std::min(w.shape.seq, (block + 1) * kQueryRowsPerTask);
+  const int64_t last = std::min(row.length, (block + 1) * kQueryRowsPerTask);
   for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
-    elk_attention_row(&w.shape, b, s, h, w.q, w.q_stride, w.past, w.cos, w.sin, w.keys,
-                      w.values, scratch.data(), w.out);
+    elk_attention_row(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, w.keys, w.values,
+                      scratch.data(), w.out);
   }
 }
 
@@ -430,17 +516,20 @@ struct CausalAttentionKernel {
     const Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1),
                           value = ctx.GetInput(2), past_key = ctx.GetInput(3),
                           past_value = ctx.GetInput(4), seqlens = ctx.GetInput(5),
-                          cos = ctx.GetInput(7), sin = ctx.GetInput(8);
+                          cos = ctx.GetInput(7), sin = ctx.GetInput(8),
+                          flag = optional_input(ctx, 9), rows = optional_input(ctx, 10);
+    const bool varlen = rows_form("CausalAttention", seqlens, rows);
     const std::vector<int64_t> q_shape = query.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> kv_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> rope_shape = cos.GetTensorTypeAndShapeInfo().GetShape();
     if (q_shape.size() != 3 || kv_shape.size() != 4) fail("query is not [B, S, W] or the "
                                                           "KV buffers not [B, kv, L, D]");
     const int64_t batch = q_shape[0], seq = q_shape[1], d = kv_shape[3];
-    const bool packed = static_cast<const OrtValue *>(key) == nullptr;
+    const bool packed = !given(key);
     const int64_t width = packed ? (heads_ + 2 * kv_heads_) * d : heads_ * d;
-    if (kv_shape[0] != batch || kv_shape[1] != kv_heads_ || q_shape[2] != width ||
-        d % 2 != 0 || d > kMaxHeadDim) {
+    // With rows the buffers hold any number of slots; batched, one per batch row.
+    if ((!varlen && kv_shape[0] != batch) || kv_shape[1] != kv_heads_ ||
+        q_shape[2] != width || d % 2 != 0 || d > kMaxHeadDim) {
       fail("query [" + std::to_string(batch) + ", " + std::to_string(seq) + ", " +
            std::to_string(q_shape[2]) + "] does not fit KV buffers of " +
            std::to_string(kv_heads_) + " heads x " + std::to_string(d) + " (even, <= 512)");
@@ -453,35 +542,49 @@ struct CausalAttentionKernel {
     }
     // Optional input 9: one int32, nonzero when every row of this call sees all of its keys.
     int64_t bidirectional = 0;
-    if (ctx.GetInputCount() > 9) {
-      const Ort::ConstValue flag = ctx.GetInput(9);
-      if (static_cast<const OrtValue *>(flag) != nullptr) {
-        if (flag.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
-          fail("bidirectional is not one int32");
-        }
-        bidirectional = flag.GetTensorData<int32_t>()[0] != 0 ? 1 : 0;
+    if (given(flag)) {
+      if (flag.GetTensorTypeAndShapeInfo().GetElementCount() != 1) {
+        fail("bidirectional is not one int32");
       }
-    }
-    if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
-      fail("seqlens_k does not hold one length per batch row");
+      bidirectional = flag.GetTensorData<int32_t>()[0] != 0 ? 1 : 0;
     }
     const int64_t capacity = kv_shape[2];
-    const int32_t *lengths = seqlens.GetTensorData<int32_t>();
-    std::vector<int64_t> past(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; ++b) {
-      past[b] = static_cast<int64_t>(lengths[b]) + 1 - seq;
-      if (past[b] < 0 || past[b] + seq > capacity || past[b] + seq > rope_shape[0]) {
-        fail("row " + std::to_string(b) + " writes positions " + std::to_string(past[b]) +
-             ".." + std::to_string(past[b] + seq - 1) + " outside the KV capacity " +
-             std::to_string(capacity) + " or the rotary table");
+    std::vector<elk_row> table;
+    if (varlen) {
+      if (bidirectional) {
+        fail("the bidirectional input must be absent or 0 with rows (each row sets its own)");
+      }
+      table = row_table("CausalAttention", rows, kv_shape[0], batch, seq);
+    } else {
+      if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) !=
+          batch) {
+        fail("seqlens_k does not hold one length per batch row");
+      }
+      const int32_t *lengths = seqlens.GetTensorData<int32_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
+        if (start < 0) {
+          fail("row " + std::to_string(b) + " writes positions " + std::to_string(start) +
+               ".." + std::to_string(start + seq - 1) + " outside the KV capacity " +
+               std::to_string(capacity) + " or the rotary table");
+        }
+        table.push_back(elk_row{b, start, b * seq, seq, bidirectional});
+      }
+    }
+    for (size_t r = 0; r < table.size(); ++r) {
+      const int64_t end = table[r].start + table[r].length;
+      if (end > capacity || end > rope_shape[0]) {
+        fail("row " + std::to_string(r) + " writes positions " +
+             std::to_string(table[r].start) + ".." + std::to_string(end - 1) +
+             " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
       }
     }
     Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
     Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
     float *keys = present_key.GetTensorMutableData<float>();
     float *values = present_value.GetTensorMutableData<float>();
-    const size_t buffer_bytes = static_cast<size_t>(batch * kv_heads_ * capacity * d) *
-                                sizeof(float);
+    const size_t buffer_bytes =
+        static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity * d) * sizeof(float);
     // The engine binds present to past's memory (nothing to copy); otherwise start from past.
     if (keys != past_key.GetTensorData<float>()) {
       std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
@@ -490,11 +593,16 @@ struct CausalAttentionKernel {
       std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
     }
     Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, heads_ * d});
-    if (batch == 0 || seq == 0) return;
+    const int64_t tokens = batch * seq;
+    if (tokens == 0) return;
+    const int64_t row_count = static_cast<int64_t>(table.size());
+    std::vector<int64_t> first_task(table.size() + 1, 0);
+    for (int64_t r = 0; r < row_count; ++r) {
+      first_task[r + 1] = first_task[r] + heads_ * row_blocks(table[r]);
+    }
     const float *q = query.GetTensorData<float>();
     AttentionWork work{};
-    work.shape = elk_attention_shape{batch,  seq,    heads_,  kv_heads_, d,
-                                     capacity, scale_, window_, bidirectional,
+    work.shape = elk_attention_shape{heads_, kv_heads_, d, capacity, scale_, window_,
                                      q_norm_.empty() ? nullptr : q_norm_.data(),
                                      k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_};
     work.q = q;
@@ -510,19 +618,20 @@ struct CausalAttentionKernel {
     }
     work.cos = cos.GetTensorData<float>();
     work.sin = sin.GetTensorData<float>();
-    work.past = past.data();
+    work.rows = table.data();
+    work.first_task = first_task.data();
+    work.row_count = row_count;
     work.keys = keys;
     work.values = values;
     work.out = out.GetTensorMutableData<float>();
-    work.row_blocks = (seq + kQueryRowsPerTask - 1) / kQueryRowsPerTask;
     // A decode step's few new positions are cheaper written here than handed to the pool.
-    if (batch * seq <= kQueryRowsPerTask) {
-      for (size_t t = 0; t < static_cast<size_t>(batch * kv_heads_); ++t) store_keys(&work, t);
+    const size_t store_tasks = static_cast<size_t>(row_count * kv_heads_);
+    if (tokens <= kQueryRowsPerTask) {
+      for (size_t t = 0; t < store_tasks; ++t) store_keys(&work, t);
     } else {
-      ctx.ParallelFor(store_keys, static_cast<size_t>(batch * kv_heads_), 0, &work);
+      ctx.ParallelFor(store_keys, store_tasks, 0, &work);
     }
-    ctx.ParallelFor(query_rows, static_cast<size_t>(batch * heads_ * work.row_blocks), 0,
-                    &work);
+    ctx.ParallelFor(query_rows, static_cast<size_t>(first_task[row_count]), 0, &work);
   }
 
  private:
@@ -537,17 +646,20 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
     return create<CausalAttentionKernel>(api, info, kernel);
   }
   const char *GetName() const { return "CausalAttention"; }
-  // query (or packed QKV), key, value (both absent when packed), past key, past value,
-  // seqlens_k, total_sequence_length, cos, sin, bidirectional (optional: graphs of models
-  // whose image tokens attend both ways; absent means causal).
-  size_t GetInputTypeCount() const { return 10; }
+  // 0 query (or packed QKV), 1 key, 2 value (both absent when packed), 3 past key, 4 past
+  // value, 5 seqlens_k, 6 total_sequence_length (unread; both optional: absent with rows),
+  // 7 cos, 8 sin, 9 bidirectional (optional: graphs of models whose image tokens attend both
+  // ways; absent means causal), 10 rows (optional: the row table, instead of seqlens_k).
+  size_t GetInputTypeCount() const { return 11; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 5 || index == 6 || index == 9 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
-                                                  : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index == 5 || index == 6 || index == 9 || index == 10
+               ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+               : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 1 || index == 2 || index == 9 ? INPUT_OUTPUT_OPTIONAL
-                                                  : INPUT_OUTPUT_REQUIRED;
+    return index == 0 || index == 3 || index == 4 || index == 7 || index == 8
+               ? INPUT_OUTPUT_REQUIRED
+               : INPUT_OUTPUT_OPTIONAL;
   }
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
@@ -557,24 +669,24 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
 // edge_llm_ros.ShortConv: LFM2's gated short convolution (llama.cpp's build_shortconv_block
 // after in_proj): y = C * conv(B * x) over each row's conv state, which holds B * x of the
 // row's last kernel - 1 positions. The state buffer is bound as both past_state and
-// present_state (like the KV buffers), so the op updates it in place; a row whose call starts
-// its sequence (seqlens_k + 1 - seq == 0) reads zeros instead, as llama.cpp clears a new
-// sequence's state. Each output element is one sum in one order (shortconv.h): a row's
-// result does not depend on the batch or on the positions beside it.
+// present_state (like the KV buffers), so the op updates it in place; a row that starts its
+// sequence (start 0) reads zeros instead, as llama.cpp clears a new sequence's state. Each
+// output element is one sum in one order (shortconv.h): a row's result does not depend on the
+// rows beside it or on the form (batched or rows) of the call.
 struct ShortConvWork {
   elk_shortconv_shape shape;
+  const elk_row *rows;
   const float *bcx, *weight;
-  const uint8_t *fresh;
   float *state, *y;
   int64_t blocks;
 };
 
 void shortconv_task(void *data, size_t task) {
   const ShortConvWork &w = *static_cast<const ShortConvWork *>(data);
-  const int64_t b = static_cast<int64_t>(task) / w.blocks;
+  const int64_t r = static_cast<int64_t>(task) / w.blocks;
   const int64_t c0 = static_cast<int64_t>(task) % w.blocks * ELK_SHORTCONV_CHANNELS;
   const int64_t c1 = std::min(w.shape.channels, c0 + ELK_SHORTCONV_CHANNELS);
-  elk_shortconv_rows(&w.shape, b, c0, c1, w.bcx, w.weight, w.fresh[b], w.state, w.y);
+  elk_shortconv_rows(&w.shape, &w.rows[r], c0, c1, w.bcx, w.weight, w.state, w.y);
 }
 
 struct ShortConvKernel {
@@ -590,7 +702,9 @@ struct ShortConvKernel {
   void Compute(OrtKernelContext *context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue bcx = ctx.GetInput(0), weight = ctx.GetInput(1),
-                          past = ctx.GetInput(2), seqlens = ctx.GetInput(3);
+                          past = ctx.GetInput(2), seqlens = optional_input(ctx, 3),
+                          rows = optional_input(ctx, 4);
+    const bool varlen = rows_form("ShortConv", seqlens, rows);
     const std::vector<int64_t> x_shape = bcx.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> w_shape = weight.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> s_shape = past.GetTensorTypeAndShapeInfo().GetShape();
@@ -603,39 +717,48 @@ struct ShortConvKernel {
       fail("input is not [batch, seq, 3 x " + std::to_string(channels) + "] (B, C, x)");
     }
     const int64_t batch = x_shape[0], seq = x_shape[1];
-    if (s_shape.size() != 3 || s_shape[0] != batch || s_shape[1] != kernel - 1 ||
+    // With rows the state holds any number of slots; batched, one per batch row.
+    if (s_shape.size() != 3 || (!varlen && s_shape[0] != batch) || s_shape[1] != kernel - 1 ||
         s_shape[2] != channels) {
-      fail("the state is not [batch, kernel - 1, channels] = [" + std::to_string(batch) +
-           ", " + std::to_string(kernel - 1) + ", " + std::to_string(channels) + "]");
+      fail("the state is not [" + std::string(varlen ? "slots" : "batch") +
+           ", kernel - 1, channels] = [" +
+           (varlen ? std::string("N") : std::to_string(batch)) + ", " +
+           std::to_string(kernel - 1) + ", " + std::to_string(channels) + "]");
     }
-    if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
-      fail("seqlens_k does not hold one length per batch row");
-    }
-    const int32_t *lengths = seqlens.GetTensorData<int32_t>();
-    std::vector<uint8_t> fresh(static_cast<size_t>(batch));
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
-      if (start < 0) {
-        fail("row " + std::to_string(b) + " starts at position " + std::to_string(start));
+    std::vector<elk_row> table;
+    if (varlen) {
+      table = row_table("ShortConv", rows, s_shape[0], batch, seq);
+    } else {
+      if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) !=
+          batch) {
+        fail("seqlens_k does not hold one length per batch row");
       }
-      fresh[b] = start == 0 ? 1 : 0;
+      const int32_t *lengths = seqlens.GetTensorData<int32_t>();
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
+        if (start < 0) {
+          fail("row " + std::to_string(b) + " starts at position " + std::to_string(start));
+        }
+        table.push_back(elk_row{b, start, b * seq, seq, 0});
+      }
     }
     Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
     float *state = present.GetTensorMutableData<float>();
     // The engine binds present to past's memory (nothing to copy); otherwise start from past.
     if (state != past.GetTensorData<float>()) {
       std::memcpy(state, past.GetTensorData<float>(),
-                  static_cast<size_t>(batch * (kernel - 1) * channels) * sizeof(float));
+                  static_cast<size_t>(s_shape[0] * (kernel - 1) * channels) * sizeof(float));
     }
     Ort::UnownedValue y = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, channels});
-    if (batch == 0 || seq == 0) return;
-    ShortConvWork work{elk_shortconv_shape{batch, seq, channels, kernel},
-                       bcx.GetTensorData<float>(), weight.GetTensorData<float>(),
-                       fresh.data(), state, y.GetTensorMutableData<float>(),
+    const int64_t tokens = batch * seq;
+    if (tokens == 0) return;
+    ShortConvWork work{elk_shortconv_shape{channels, kernel}, table.data(),
+                       bcx.GetTensorData<float>(), weight.GetTensorData<float>(), state,
+                       y.GetTensorMutableData<float>(),
                        (channels + ELK_SHORTCONV_CHANNELS - 1) / ELK_SHORTCONV_CHANNELS};
-    const size_t tasks = static_cast<size_t>(batch * work.blocks);
+    const size_t tasks = table.size() * static_cast<size_t>(work.blocks);
     // A decode step's few products are cheaper done here than handed to the pool.
-    if (batch * seq * channels <= kInlineShortConv) {
+    if (tokens * channels <= kInlineShortConv) {
       for (size_t t = 0; t < tasks; ++t) shortconv_task(&work, t);
     } else {
       ctx.ParallelFor(shortconv_task, tasks, 0, &work);
@@ -652,12 +775,16 @@ struct ShortConvOp : Ort::CustomOpBase<ShortConvOp, ShortConvKernel, true> {
     return create<ShortConvKernel>(api, info, kernel);
   }
   const char *GetName() const { return "ShortConv"; }
-  // in_proj output [B, S, 3C] (B, C, x), weight [C, L], past state [B, L - 1, C], seqlens_k.
-  size_t GetInputTypeCount() const { return 4; }
+  // 0 in_proj output [B, S, 3C] (B, C, x), 1 weight [C, L], 2 past state [B or N, L - 1, C],
+  // 3 seqlens_k [B] (optional), 4 rows [R, 4] (optional): exactly one of 3 and 4.
+  size_t GetInputTypeCount() const { return 5; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index >= 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  // y [B, S, C] and the present state [B, L - 1, C].
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // y [B, S, C] and the present state [B or N, L - 1, C].
   size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

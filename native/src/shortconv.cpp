@@ -14,12 +14,13 @@
 
 extern "C" {
 
-ELK_CLONES void elk_shortconv_rows(const elk_shortconv_shape *shape, int64_t b, int64_t c0,
-                                   int64_t c1, const float *bcx, const float *weight,
-                                   int fresh, float *state, float *y) {
+ELK_CLONES void elk_shortconv_rows(const elk_shortconv_shape *shape, const elk_row *row,
+                                   int64_t c0, int64_t c1, const float *bcx,
+                                   const float *weight, float *state, float *y) {
   constexpr int64_t kBlock = ELK_SHORTCONV_CHANNELS;
-  const int64_t channels = shape->channels, kernel = shape->kernel, seq = shape->seq;
+  const int64_t channels = shape->channels, kernel = shape->kernel;
   const int64_t kept = kernel - 1, n = c1 - c0;
+  const bool fresh = row->start == 0;
   // The block's weights by position, and its window of the last kernel - 1 products B * x.
   float taps[ELK_SHORTCONV_MAX_KERNEL][kBlock];
   float window[ELK_SHORTCONV_MAX_KERNEL][kBlock];
@@ -27,12 +28,12 @@ ELK_CLONES void elk_shortconv_rows(const elk_shortconv_shape *shape, int64_t b, 
   for (int64_t j = 0; j < kernel; ++j) {
     for (int64_t c = 0; c < n; ++c) taps[j][c] = weight[(c0 + c) * kernel + j];
   }
-  float *row_state = state + b * kept * channels + c0;
+  float *row_state = state + row->slot * kept * channels + c0;
   for (int64_t j = 0; j < kept; ++j) {
     for (int64_t c = 0; c < n; ++c) window[j][c] = fresh ? 0.0f : row_state[j * channels + c];
   }
-  for (int64_t s = 0; s < seq; ++s) {
-    const float *in = bcx + (b * seq + s) * 3 * channels + c0;
+  for (int64_t s = 0; s < row->length; ++s) {
+    const float *in = bcx + (row->offset + s) * 3 * channels + c0;
     const float *gate_b = in, *gate_c = in + channels, *x = in + 2 * channels;
     for (int64_t c = 0; c < n; ++c) {
       product[c] = gate_b[c] * x[c];
@@ -41,7 +42,7 @@ ELK_CLONES void elk_shortconv_rows(const elk_shortconv_shape *shape, int64_t b, 
     for (int64_t j = 0; j < kept; ++j) {
       for (int64_t c = 0; c < n; ++c) sum[c] += window[j][c] * taps[j][c];
     }
-    float *out = y + (b * seq + s) * channels + c0;
+    float *out = y + (row->offset + s) * channels + c0;
     for (int64_t c = 0; c < n; ++c) {
       sum[c] += product[c] * taps[kept][c];
       out[c] = gate_c[c] * sum[c];

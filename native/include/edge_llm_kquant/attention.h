@@ -17,15 +17,26 @@
 extern "C" {
 #endif
 
-// The shape of one call: rows [batch, seq] of num_heads query heads sharing kv_heads KV heads
-// of head_dim values, over KV buffers of capacity positions per (batch, kv head).
+// One row of a call (also in shortconv.h, the same: both ops take one row table). A call's
+// tokens are packed row after row; a row names the buffer slot it reads and writes, so rows
+// of any lengths on any slots share a call, and a slot no row names is never touched.
+#ifndef ELK_ROW_DEFINED
+#define ELK_ROW_DEFINED
 typedef struct {
-  int64_t batch, seq, num_heads, kv_heads, head_dim, capacity;
+  int64_t slot;           // the buffers' row (KV [N, kv, L, D], conv state [N, kernel-1, C])
+  int64_t start;          // the position of its first token
+  int64_t offset;         // its first token's index in the call's packed tokens
+  int64_t length;         // its tokens (positions start .. start + length - 1)
+  int64_t bidirectional;  // attention: 1 = its queries also see its own later keys
+} elk_row;
+#endif
+
+// The shape of one call: num_heads query heads sharing kv_heads KV heads of head_dim values,
+// over KV buffers of capacity positions per (slot, kv head).
+typedef struct {
+  int64_t num_heads, kv_heads, head_dim, capacity;
   float scale;        // multiplies q.k
   int64_t window;     // > 0: a query sees the last `window` keys, itself included; 0: all
-  // 1: every query row also sees the later keys of its own call (an image's tokens attend
-  // to each other both ways, as llama.cpp's non-causal image chunks); 0: causal.
-  int64_t bidirectional;
   // Per-head RMSNorm weights [head_dim] of the queries and the new keys, applied before the
   // rotary (qwen3's and gemma3's q_norm / k_norm, as llama.cpp's ggml_rms_norm then the
   // weight); nullptr: none. norm_eps is the norm's epsilon.
@@ -33,26 +44,24 @@ typedef struct {
   float norm_eps;
 } elk_attention_shape;
 
-// Normalize (k_norm, when set) and rotate the new keys (half-split rotary from cos/sin rows
-// [position, head_dim / 2]) and
-// write them and the values into the buffers at positions past[b] .. past[b] + seq - 1,
-// for batch row b and kv head h (one task: kv_heads x batch of them).
-// k, v: [batch, seq, kv_heads * head_dim] with row stride kv_stride floats between
-// positions (packed QKV passes its own); buffers [batch, kv_heads, capacity, head_dim].
-__attribute__((visibility("hidden"))) void elk_attention_store(const elk_attention_shape *shape, int64_t b, int64_t h,
-                                 const float *k, const float *v, int64_t kv_stride,
-                                 const int64_t *past, const float *cos, const float *sin,
-                                 float *key_buffer, float *value_buffer);
+// Normalize (k_norm, when set) and rotate the new keys of `row` (half-split rotary from
+// cos/sin rows [position, head_dim / 2]) and write them and the values into the buffers'
+// slot at its positions, for kv head h (one task: rows x kv_heads of them).
+// k, v: packed tokens [T, kv_heads * head_dim] with row stride kv_stride floats (packed QKV
+// passes its own); buffers [N, kv_heads, capacity, head_dim].
+__attribute__((visibility("hidden"))) void elk_attention_store(
+    const elk_attention_shape *shape, const elk_row *row, int64_t h, const float *k,
+    const float *v, int64_t kv_stride, const float *cos, const float *sin, float *key_buffer,
+    float *value_buffer);
 
-// out[b, s, h * head_dim ..] for query row (b, s) and head h: q_norm (when set) and rotary
-// on q, softmax(q.K^T x
-// scale) over the positions the row sees (causal or the whole call, windowed) times V, in position order.
-// q: [batch, seq, ...] with row stride q_stride floats; scratch: capacity floats.
-__attribute__((visibility("hidden"))) void elk_attention_row(const elk_attention_shape *shape, int64_t b, int64_t s,
-                               int64_t h, const float *q, int64_t q_stride,
-                               const int64_t *past, const float *cos, const float *sin,
-                               const float *key_buffer, const float *value_buffer,
-                               float *scratch, float *out);
+// out[row->offset + s, h * head_dim ..] for the row's token s and head h: q_norm (when set)
+// and rotary on q, softmax(q.K^T x scale) over the positions it sees (causal, or its whole
+// row when bidirectional; windowed) times V, in position order.
+// q: packed tokens [T, ...] with row stride q_stride floats; scratch: capacity floats.
+__attribute__((visibility("hidden"))) void elk_attention_row(
+    const elk_attention_shape *shape, const elk_row *row, int64_t s, int64_t h,
+    const float *q, int64_t q_stride, const float *cos, const float *sin,
+    const float *key_buffer, const float *value_buffer, float *scratch, float *out);
 
 #ifdef __cplusplus
 }

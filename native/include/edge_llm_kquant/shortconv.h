@@ -19,23 +19,37 @@ extern "C" {
 // Channels one call of elk_shortconv_rows handles at most (a task of the op).
 #define ELK_SHORTCONV_CHANNELS 64
 
-// One call's shape: rows [batch, seq] of `channels` channels, a conv of `kernel` positions,
-// so each row's state holds kernel - 1 positions.
+// One row of a call (also in attention.h, the same: both ops take one row table). A call's
+// tokens are packed row after row; a row names the buffer slot it reads and writes, so rows
+// of any lengths on any slots share a call, and a slot no row names is never touched.
+#ifndef ELK_ROW_DEFINED
+#define ELK_ROW_DEFINED
 typedef struct {
-  int64_t batch, seq, channels, kernel;
+  int64_t slot;           // the buffers' row (KV [N, kv, L, D], conv state [N, kernel-1, C])
+  int64_t start;          // the position of its first token
+  int64_t offset;         // its first token's index in the call's packed tokens
+  int64_t length;         // its tokens (positions start .. start + length - 1)
+  int64_t bidirectional;  // attention: 1 = its queries also see its own later keys
+} elk_row;
+#endif
+
+// One call's shape: `channels` channels, a conv of `kernel` positions, so each slot's state
+// holds kernel - 1 positions.
+typedef struct {
+  int64_t channels, kernel;
 } elk_shortconv_shape;
 
-// For batch row b and channels [c0, c1) (at most ELK_SHORTCONV_CHANNELS):
-//   bcx [batch, seq, 3 * channels]: the in_proj output, B then C then x per position;
+// For `row` and channels [c0, c1) (at most ELK_SHORTCONV_CHANNELS):
+//   bcx [T, 3 * channels]: the in_proj output of the call's packed tokens, B then C then x;
 //   weight [channels, kernel]: the depthwise conv, oldest position first;
-//   state [batch, kernel - 1, channels]: B * x of the row's last kernel - 1 positions, oldest
-//     first (read as zeros when `fresh`: the row starts its sequence);
-//   y [batch, seq, channels] = C * sum_j ext[s + j] * weight[:, j], with ext the state's
-//     positions then B * x of the call's positions, summed from j = 0 up, from 0.0f.
-// The state is then ext's last kernel - 1 positions (written after every read of it).
+//   state [N, kernel - 1, channels]: per slot, B * x of its last kernel - 1 positions, oldest
+//     first (the row's slot read as zeros when row->start == 0: it starts its sequence);
+//   y [T, channels] = C * sum_j ext[s + j] * weight[:, j], with ext the state's positions
+//     then B * x of the row's tokens, summed from j = 0 up, from 0.0f.
+// The slot's state is then ext's last kernel - 1 positions (written after every read of it).
 __attribute__((visibility("hidden"))) void elk_shortconv_rows(
-    const elk_shortconv_shape *shape, int64_t b, int64_t c0, int64_t c1, const float *bcx,
-    const float *weight, int fresh, float *state, float *y);
+    const elk_shortconv_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
+    const float *bcx, const float *weight, float *state, float *y);
 
 #ifdef __cplusplus
 }
