@@ -28,7 +28,7 @@ ATTENTION_INPUTS = ['q', 'k', 'v', 'pk', 'pv', 'sl', 'tot', 'cos', 'sin', 'bi', 
 def attention_session(names: Sequence[str], window: int = 0, norms: bool = False,
                       packed: bool = False, threads: int = 2) -> ort.InferenceSession:
     """One CausalAttention node over the inputs `names` ('' = left out), KV bound in place."""
-    attrs = dict(num_heads=HEADS, kv_num_heads=KV_HEADS, scale=0.3, window=window)
+    attrs = {'num_heads': HEADS, 'kv_num_heads': KV_HEADS, 'scale': 0.3, 'window': window}
     if norms:
         rng = np.random.default_rng(99)
         attrs.update(q_norm=list(rng.uniform(0.5, 1.5, D).astype(np.float32)),
@@ -80,7 +80,7 @@ def run_attention(sess: ort.InferenceSession, feeds: Dict[str, np.ndarray],
 
 
 def tokens(rng, count: int, packed: bool) -> Dict[str, np.ndarray]:
-    """Feeds q (k, v) for [1, count] tokens."""
+    """Return the feeds q (k, v) of [1, count] tokens."""
     if packed:
         return {'q': rng.standard_normal((1, count, (HEADS + 2 * KV_HEADS) * D)).astype(
             np.float32)}
@@ -89,7 +89,7 @@ def tokens(rng, count: int, packed: bool) -> Dict[str, np.ndarray]:
 
 
 def batched(sess, feeds, start: int, length: int, pk, pv, bidirectional: int = 0):
-    """A B = 1 call of the batched form at positions start .. start + length - 1."""
+    """Run a B = 1 call of the batched form at positions start .. start + length - 1."""
     cos, sin = rotary()
     return run_attention(sess, dict(feeds, sl=np.array([start + length - 1], np.int32),
                                     tot=np.array(start + length, np.int32), cos=cos,
@@ -97,8 +97,11 @@ def batched(sess, feeds, start: int, length: int, pk, pv, bidirectional: int = 0
 
 
 def history(lengths: Sequence[int], seed: int, **options):
-    """KV buffers [N, ...] whose slot i holds lengths[i] positions, each prefilled alone in
-    the batched form (the rest of each slot is garbage that no query may read)."""
+    """Return KV buffers [N, ...] whose slot i holds lengths[i] positions.
+
+    Each slot is prefilled alone in the batched form; the rest of it is garbage that no query
+    may read.
+    """
     rng = np.random.default_rng(seed)
     sess = attention_session(ATTENTION_INPUTS[:10], **options)
     pk = rng.standard_normal((len(lengths), KV_HEADS, CAP, D)).astype(np.float32) * 50
@@ -332,8 +335,8 @@ def test_shortconv_rows_equal_each_row_alone_in_the_batched_form(weight, lengths
     want, offset = states.copy(), 0
     for (slot, start, length, _), x in zip(rows, per_row):
         slot_state = states[slot:slot + 1].copy()
-        out = run_shortconv(alone, {'X': x, 'seqlens_k': np.array([start + length - 1],
-                                                                   np.int32)}, slot_state)
+        seqlens = np.array([start + length - 1], np.int32)
+        out = run_shortconv(alone, {'X': x, 'seqlens_k': seqlens}, slot_state)
         assert np.array_equal(got[:, offset:offset + length], out), (slot, start, length)
         fresh = np.zeros_like(states[slot]) if start == 0 else states[slot]
         ref, ref_state = shortconv_reference(x[0], weight, fresh)
