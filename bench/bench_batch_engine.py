@@ -20,6 +20,7 @@ import json
 import time
 
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
+from edge_llm_ros.runtime.rows import decode_row, Row
 from edge_llm_ros.runtime.types import GenerationRequest
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.serving.goal import Goal, GoalState
@@ -89,11 +90,11 @@ def step_times(model_dir, counts, threads, repeat):
     try:
         dec = eng._decoder
         for slot in range(dec.slots):
-            dec.forward(np.arange(10, 60), None, 0, slot=slot)
-        runs = {1: lambda: dec.decode(5, 50)}
+            dec.run([Row(slot, 0, np.arange(10, 60))])
+        runs = {1: lambda: dec.run([decode_row(0, 5, 50)])}
         for b in counts:
             if b > 1:
-                runs[b] = (lambda b=b: dec.decode_rows([5] * b, [50] * b))
+                runs[b] = (lambda b=b: dec.run([decode_row(i, 5, 50) for i in range(b)]))
         best = {b: float('inf') for b in runs}
         for _ in range(5 * repeat):
             for b, run in runs.items():

@@ -125,13 +125,15 @@ class OursRunner:
     def run(self, ids: Sequence[int]) -> Dict:
         """Prefill `ids`, then new_tokens - 1 greedy decode steps (as the peer does)."""
         import numpy as np
+
+        from edge_llm_ros.runtime.rows import decode_row, Row
         rss_before = self._proc.memory_info().rss
         t0 = time.perf_counter()
-        tok = int(self.decoder.forward(np.asarray(ids, np.int64), None, 0).argmax())
+        tok = int(self.decoder.run([Row(0, 0, np.asarray(ids, np.int64))])[0].argmax())
         t1 = time.perf_counter()
         out, pos = [tok], len(ids)
         for _ in range(self.config.new_tokens - 1):
-            tok = int(self.decoder.decode(tok, pos).argmax())
+            tok = int(self.decoder.run([decode_row(0, tok, pos)])[0].argmax())
             pos += 1
             out.append(tok)
         t2 = time.perf_counter()
@@ -143,9 +145,11 @@ class OursRunner:
     def logits_on(self, ids: Sequence[int], follow: Sequence[int]):
         """Logits after the prompt, then after each id of `follow` (teacher-forced)."""
         import numpy as np
-        rows = [self.decoder.forward(np.asarray(ids, np.int64), None, 0).copy()]
+
+        from edge_llm_ros.runtime.rows import decode_row, Row
+        rows = [self.decoder.run([Row(0, 0, np.asarray(ids, np.int64))])[0].copy()]
         for i, tok in enumerate(follow):
-            rows.append(self.decoder.decode(int(tok), len(ids) + i).copy())
+            rows.append(self.decoder.run([decode_row(0, int(tok), len(ids) + i)])[0].copy())
         return np.stack(rows)
 
 

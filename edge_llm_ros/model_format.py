@@ -33,7 +33,10 @@ MODEL_YAML = 'model.yaml'
 # display_name), `gguf_name` the source's own name (GGUF general.name) and `parameters` the
 # parameter count. An older folder still runs (showing its raw name); the bump makes
 # scripts/setup.sh and the benches reconvert their cached folders so that they show it.
-CONVERTER_VERSION = '8'
+# 9: graphs with the op library's attention are varlen (VARLEN_INPUTS: one call runs the rows
+# of a step, each over its own slot). An older folder still runs, a call per row length
+# (runtime/decoder.py), except a hybrid's, whose conv states need the row table.
+CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2')
@@ -58,6 +61,15 @@ WEIGHT_FORMATS = ('kquant', 'matmulnbits')
 # The int32 [1] graph input of a VLM whose image tokens attend both ways (gemma3): 1 makes
 # every position of that forward see all of its keys (default 0, causal).
 BIDIRECTIONAL_INPUT = 'bidirectional'
+# A varlen graph's inputs (converter 9; runtime/rows.py): the rows' tokens packed one after
+# the other, embeddings and their packed positions, the row table (slot, start, length,
+# bidirectional) the op library's attention and conv ops read, and the positions that get
+# logits. A graph without ROWS_INPUT takes the batched inputs (GroupQueryAttention).
+ROWS_INPUT = 'rows'
+VARLEN_INPUTS: Tuple[str, ...] = ('input_ids', 'inputs_embeds', 'embeds_at', ROWS_INPUT,
+                                  'logits_at')
+BATCHED_INPUTS: Tuple[str, ...] = ('input_ids', 'seqlens_k', 'total_sequence_length',
+                                   'logits_count')
 # vision.onnx's input: uint8 image tiles [B, S, S, 3] (RGB, cut as the family's preprocessing
 # cuts them); the graph normalizes them itself.
 VISION_INPUT = 'pixels'

@@ -46,6 +46,8 @@ class OrtDriver:
         self.kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv]
         self.max_ctx = max_ctx
         self.pos = 0
+        # A graph of the op library's attention runs rows (runtime/rows.py: converter 9).
+        self.varlen = 'rows' in {i.name for i in self.sess.get_inputs()}
 
     def step(self, ids: Sequence[int], embeds: Optional[np.ndarray] = None) -> np.ndarray:
         """Run the new tokens; return logits [vocab] of the last one."""
@@ -57,11 +59,20 @@ class OrtDriver:
         if total > self.max_ctx:
             raise ValueError('context full')
         io = self.sess.io_binding()
-        io.bind_cpu_input('input_ids', np.asarray(ids, np.int64).reshape(1, -1))
-        io.bind_cpu_input('inputs_embeds', np.asarray(embeds, self.dtype)[None])
-        io.bind_cpu_input('seqlens_k', np.array([total - 1], np.int32))
-        io.bind_cpu_input('total_sequence_length', np.array(total, np.int32))
-        io.bind_cpu_input('logits_count', np.array([1], np.int64))
+        e = len(embeds)
+        if self.varlen:   # one row (slot 0): embeddings at packed places 0..e-1, then ids
+            io.bind_cpu_input('input_ids', np.concatenate(
+                [np.zeros(e, np.int64), np.asarray(ids, np.int64)]).reshape(1, -1))
+            io.bind_cpu_input('inputs_embeds', np.asarray(embeds, self.dtype).reshape(e, hidden))
+            io.bind_cpu_input('embeds_at', np.arange(e, dtype=np.int64).reshape(e, 1))
+            io.bind_cpu_input('rows', np.array([[0, self.pos, n, 0]], np.int32))
+            io.bind_cpu_input('logits_at', np.array([n - 1], np.int64))
+        else:
+            io.bind_cpu_input('input_ids', np.asarray(ids, np.int64).reshape(1, -1))
+            io.bind_cpu_input('inputs_embeds', np.asarray(embeds, self.dtype)[None])
+            io.bind_cpu_input('seqlens_k', np.array([total - 1], np.int32))
+            io.bind_cpu_input('total_sequence_length', np.array(total, np.int32))
+            io.bind_cpu_input('logits_count', np.array([1], np.int64))
         io.bind_output('logits')
         for (past, present, _), ov in zip(self.bound, self.kv_values):
             io.bind_ortvalue_input(past, ov)

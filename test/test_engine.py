@@ -22,6 +22,7 @@ from edge_llm_ros.runtime.constraint import InvalidGrammarError
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 from edge_llm_ros.runtime.kv_cache import KVCache
 from edge_llm_ros.runtime.request import conversation, InvalidEmbeddingsError, split_chunks
+from edge_llm_ros.runtime.rows import decode_row, Row
 from edge_llm_ros.runtime.sequence import RECOMPUTE
 from edge_llm_ros.runtime.structured import OutputPlan
 from edge_llm_ros.runtime.tools.spec import ConstraintConflictError, InvalidToolsError
@@ -135,10 +136,10 @@ def test_decoder_logits_match_reference(tiny_dir, ref):
     dec = OnnxDecoder(str(tiny_dir), info, SessionConfig(max_context=64))
     ids = [5, 60, 70, 80, 90, 100, 110, 120]
     want = ref.forward(ids)
-    np.testing.assert_allclose(dec.forward(np.array(ids), None, 0), want[-1], atol=2e-4)
-    dec.forward(np.array(ids[:3]), None, 0)
+    np.testing.assert_allclose(dec.run([Row(0, 0, np.array(ids))])[0], want[-1], atol=2e-4)
+    dec.run([Row(0, 0, np.array(ids[:3]))])
     for p in range(3, len(ids)):  # decode steps one position at a time
-        got = dec.decode(ids[p], p)
+        got = dec.run([decode_row(0, ids[p], p)])[0]
         np.testing.assert_allclose(got, want[p], atol=2e-4)
 
 
@@ -148,18 +149,18 @@ def test_rewind_gives_identical_logits(tiny_dir):
     dec = OnnxDecoder(str(tiny_dir), info, SessionConfig(max_context=64))
     cache = KVCache(dec.kv_buffers, dec.capacity)
     prompt = [5, 60, 70, 80, 90, 100]
-    logits = dec.forward(np.array(prompt), None, 0)
+    logits = dec.run([Row(0, 0, np.array(prompt))])[0]
     cache.append(prompt)
     tokens, seen = [], []
     for _ in range(6):
         tok = int(np.argmax(logits))
         tokens.append(tok)
-        logits = dec.decode(tok, cache.length)
+        logits = dec.run([decode_row(0, tok, cache.length)])[0]
         cache.append_token(tok)
         seen.append(logits.copy())
     cache.rewind_to(len(prompt) + 2)
     for i in range(2, 6):
-        again = dec.decode(tokens[i], cache.length)
+        again = dec.run([decode_row(0, tokens[i], cache.length)])[0]
         cache.append_token(tokens[i])
         np.testing.assert_array_equal(again, seen[i])
     assert cache.keys == tuple(prompt + tokens)
@@ -237,13 +238,13 @@ def test_restored_session_logits_close_to_fresh(tiny_dir, kv_dtype, tolerance):
     tail = [11, 12, 13]
     for keys, session in ((a, 'A'), ([5, 33, 44], 'B')):
         start = cache.plan(keys, session)
-        dec.forward(np.array(keys[start:]), None, start)
+        dec.run([Row(0, start, np.array(keys[start:]))])
         cache.append(keys[start:])
     start = cache.plan(a + tail, 'A')
     assert start == len(a)
-    restored = dec.forward(np.array(tail), None, start).copy()
+    restored = dec.run([Row(0, start, np.array(tail))])[0].copy()
     cache.reset()
-    fresh = dec.forward(np.array(a + tail), None, 0)
+    fresh = dec.run([Row(0, 0, np.array(a + tail))])[0]
     err = np.abs(restored - fresh).max()
     assert err <= tolerance * np.abs(fresh).max()
     assert int(np.argmax(restored)) == int(np.argmax(fresh))
@@ -388,16 +389,17 @@ def test_cancel_between_steps_stops_at_the_next_step(fresh):
 def test_cancel_during_a_step_stops_within_one_step(fresh):
     step_started = threading.Event()
     release = threading.Event()
-    decode = fresh._decoder.decode
+    run_rows = fresh._decoder.run
 
-    def slow_decode(token, pos):
-        step_started.set()
-        release.wait(5)
-        return decode(token, pos)
+    def slow_decode(rows):
+        if all(row.decode_step for row in rows):
+            step_started.set()
+            release.wait(5)
+        return run_rows(rows)
 
     gen = fresh.generate(GenerationRequest(prompt='robot arm', max_tokens=N))
     got = []
-    fresh._decoder.decode = slow_decode
+    fresh._decoder.run = slow_decode
     try:
         consumer = threading.Thread(target=lambda: got.extend(gen))
         consumer.start()
@@ -406,7 +408,7 @@ def test_cancel_during_a_step_stops_within_one_step(fresh):
         release.set()
         consumer.join(10)
     finally:
-        del fresh._decoder.decode
+        del fresh._decoder.run
     assert not consumer.is_alive()
     assert gen.result.stop_reason == StopReason.CANCELLED
     assert len(got) <= 2  # the first token, and at most the step that was running
@@ -423,18 +425,18 @@ def test_cancel_before_iterating(fresh):
 def test_cancel_during_chunked_prefill_keeps_the_cache_consistent(tiny_dir, ref):
     eng = Engine(EngineConfig(model_dir=str(tiny_dir), max_context=128, prefill_chunk=4))
     req = GenerationRequest(prompt='once upon a time there was', max_tokens=6)
-    forward = eng._decoder.forward
+    run_rows = eng._decoder.run
     gen = eng.generate(req)
 
-    def cancelling_forward(ids, embeds, past_len, slot=0, bidirectional=False):
+    def cancelling_forward(rows):
         gen.cancel()  # arrives while the first chunk runs
-        return forward(ids, embeds, past_len, slot, bidirectional)
+        return run_rows(rows)
 
-    eng._decoder.forward = cancelling_forward
+    eng._decoder.run = cancelling_forward
     try:
         assert list(gen) == []
     finally:
-        del eng._decoder.forward
+        del eng._decoder.run
     assert gen.result.stop_reason == StopReason.CANCELLED
     assert eng.kv_occupancy()[0] == 4  # only the chunk that ran is committed
     result = eng.generate(req).run_to_end()
@@ -463,15 +465,19 @@ def test_closed_engine_refuses_requests(tiny_dir):
 
 
 def test_runtime_error_ends_with_error_not_exception(fresh, ref):
-    def broken(token, pos):
-        raise RuntimeError('simulated device failure')
+    run_rows = fresh._decoder.run
 
-    fresh._decoder.decode = broken
+    def broken(rows):
+        if all(row.decode_step for row in rows):
+            raise RuntimeError('simulated device failure')
+        return run_rows(rows)
+
+    fresh._decoder.run = broken
     try:
         gen = fresh.generate(GenerationRequest(prompt='robot arm', max_tokens=N))
         events = list(gen)
     finally:
-        del fresh._decoder.decode
+        del fresh._decoder.run
     assert len(events) == 1  # the first token comes from the prefill
     assert gen.result.stop_reason == StopReason.ERROR
     assert 'simulated device failure' in gen.result.error
@@ -481,16 +487,20 @@ def test_runtime_error_ends_with_error_not_exception(fresh, ref):
 
 
 def test_keyboard_interrupt_propagates_and_ends_as_cancelled(fresh):
-    def interrupted(token, pos):
-        raise KeyboardInterrupt
+    run_rows = fresh._decoder.run
 
-    fresh._decoder.decode = interrupted
+    def interrupted(rows):
+        if all(row.decode_step for row in rows):
+            raise KeyboardInterrupt
+        return run_rows(rows)
+
+    fresh._decoder.run = interrupted
     gen = fresh.generate(GenerationRequest(prompt='robot arm', max_tokens=N))
     try:
         with pytest.raises(KeyboardInterrupt):
             list(gen)
     finally:
-        del fresh._decoder.decode
+        del fresh._decoder.run
     assert gen.result.stop_reason == StopReason.CANCELLED
     assert gen.result.completion_tokens == 1
     assert list(gen) == []

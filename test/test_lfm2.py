@@ -10,10 +10,10 @@ folders, an mmproj) is refused before anything is written. Token parity with lla
 type is in test_llama_cpp_parity.py.
 
 Engine: the conv states live beside the KV buffers, one per slot and conv layer, and move with
-the slot's KV (a goal moved down a slot, a paused goal parked and resumed); a padding row of a
-batched decode call keeps the state of a slot between prefill chunks. Each goal's logprobs
-equal the same goal run alone, bit for bit, through interleaved chunks, moves and a
-preemption; without the padding rows' state kept they do not (control). A conv state cannot be
+the slot's KV (a paused goal parked and resumed); a step's one model call touches only the
+slots it has rows for, so a slot between prefill chunks keeps its state. Each goal's logprobs
+equal the same goal run alone, bit for bit, through chunks that share calls with decode rows
+and through a preemption. A conv state cannot be
 rewound by position, so prefix reuse is off (a repeated prompt is prefilled whole), a
 session_id and sessions.store are refused, speculation is off in auto mode and refused when
 asked for, and an lfm2 draft model is refused, each with what to do. The KV budget counts the
@@ -40,7 +40,7 @@ from edge_llm_ros.runtime.speculative import SpeculativeConfig, SpeculativeConfi
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
 from edge_llm_ros.serving.goal import Goal, GoalState
-from edge_llm_ros.serving.scheduler import Move, Park, Unpark
+from edge_llm_ros.serving.scheduler import Park, Unpark
 
 CASE = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=6, chain=0.3)
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
@@ -274,7 +274,8 @@ def run(eng: Engine, steps) -> List[object]:
 def batched(eng: Engine) -> tuple:
     """Run a decoding goal and two whose prompts prefill in chunks beside it.
 
-    The first ends first, so the others move down a slot. Returns the goals and the plans.
+    Their prompt chunks share model calls with the decode rows. Returns the goals and the
+    plans.
     """
     sched = eng.scheduler()
     first = sched.submit(goal(eng, TEXTS[0], max_tokens=6))
@@ -287,13 +288,13 @@ def batched(eng: Engine) -> tuple:
 
 def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
     eng = engine(kquant_dir, 3, prefill_chunk=3)
-    keeps = []
-    decode_rows = eng._decoder.decode_rows
+    calls = []
+    run_rows = eng._decoder.run
 
-    def recording(tokens, positions, keep=()):
-        keeps.append(tuple(keep))
-        return decode_rows(tokens, positions, keep)
-    eng._decoder.decode_rows = recording
+    def recording(rows):
+        calls.append([(row.slot, row.length) for row in rows])
+        return run_rows(rows)
+    eng._decoder.run = recording
     try:
         goals, plans = batched(eng)
     finally:
@@ -301,21 +302,10 @@ def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
     assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
     for g, text in zip(goals[1:], TEXTS[1:3]):
         assert bits(g) == alone[text], text
-    # Decode calls ran over a slot between prefill chunks, and goals moved down a slot.
-    assert any(keeps)
-    assert any(isinstance(op, Move) for p in plans for op in p.kv)
-
-
-def test_a_padding_row_that_lost_its_state_is_visible(kquant_dir, alone):
-    """Control: with the padding rows' conv states not kept, a chunked prompt goes wrong."""
-    eng = engine(kquant_dir, 3, prefill_chunk=3)
-    decode_rows = eng._decoder.decode_rows
-    eng._decoder.decode_rows = lambda tokens, positions, keep=(): decode_rows(tokens, positions)
-    try:
-        goals, _ = batched(eng)
-    finally:
-        eng.close()
-    assert any(bits(g) != alone[t] for g, t in zip(goals[1:], TEXTS[1:3]))
+    # Decode rows and prompt chunks of other slots ran in one call; no call touched a slot
+    # it had no row for (the conv states of a slot between chunks stay as they were).
+    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+    assert all(len({slot for slot, _ in call}) == len(call) for call in calls)
 
 
 def test_a_preempted_goal_resumes_with_its_conv_states(kquant_dir, alone):

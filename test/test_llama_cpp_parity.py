@@ -40,6 +40,7 @@ from tiny_model import TinyDims
 
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.rows import decode_row, Row
 
 MAX_ABS_DIFF = 0.75
 # llama.cpp's top-2 gap on its own greedy path: above 2 * MAX_ABS_DIFF no argmax can flip
@@ -207,7 +208,7 @@ def test_engine_decoder_gives_the_drivers_logits(work):
     want = engine_logits(model, PROMPT, tokens[:8])
     info = load_model_info(str(model))
     dec = OnnxDecoder(str(model), info, SessionConfig(intra_op_threads=1, max_context=64))
-    got = [dec.forward(np.array(PROMPT), None, 0).copy()]
+    got = [dec.run([Row(0, 0, np.array(PROMPT))])[0].copy()]
     for i, tok in enumerate(tokens[:8]):
-        got.append(dec.decode(tok, len(PROMPT) + i).copy())
+        got.append(dec.run([decode_row(0, tok, len(PROMPT) + i)])[0].copy())
     np.testing.assert_allclose(np.stack(got), want, atol=1e-5)

@@ -2,9 +2,9 @@
 
 The scheduler only decides; these tests run its plans through FakeExecutor, which keeps the
 slots' KVCache bookkeeping the way the real executor does (on tiny numpy buffers), makes up
-logits, and checks on every plan what must hold whatever the policy: at most one model call,
-decode rows start at row 0 with no idle slot below a decoding one, KV moves name valid slots,
-and no goal is planned after it ended.
+logits, and checks on every plan what must hold whatever the policy: one row per slot, decode
+rows of decoding goals before prompt rows, prompt rows within the prefill budget, KV moves
+that name valid slots, and no goal planned after it ended.
 """
 import random
 
@@ -14,8 +14,8 @@ import pytest
 from edge_llm_ros.runtime.kv_cache import block_hashes, KVCache
 from edge_llm_ros.runtime.types import GenerationResult, StopReason, Timings, TokenEvent
 from edge_llm_ros.serving.goal import CancelReason, Goal, GoalState
-from edge_llm_ros.serving.scheduler import (Admit, Checkpoint, Move, Outputs, Park, Plan,
-                                            Scheduler, Unpark)
+from edge_llm_ros.serving.scheduler import (Admit, Checkpoint, DecodeRow, Outputs, Park, Plan,
+                                            PrefillRow, Scheduler, Start, Unpark)
 
 VOCAB = 16
 CAP = 64
@@ -37,8 +37,8 @@ class FakeRequest:
 class FakeSequence:
     """The runtime side of a goal: token i+1 follows token i, max_tokens of them."""
 
-    def draft(self, room):
-        return []   # no speculation here (test_speculative.py drives verify passes)
+    def draft_ask(self, room):
+        return None   # no speculation here (test_speculative.py drives verify passes)
 
     def __init__(self, request, output):
         self.request = request
@@ -89,8 +89,9 @@ class FakeSequence:
 class FakeExecutor:
     """Runs plans on KV bookkeeping only (see the module docstring)."""
 
-    def __init__(self, caches):
+    def __init__(self, caches, chunk):
         self.caches = caches
+        self.chunk = chunk
         self.plans = []
         self.ended = set()
 
@@ -99,8 +100,10 @@ class FakeExecutor:
         self.plans.append(plan)
         out = Outputs()
         for op in plan.kv:
-            cache = self.caches[getattr(op, 'slot', getattr(op, 'dst', 0))]
-            if isinstance(op, Admit):
+            cache = self.caches[op.slot]
+            if isinstance(op, Start):
+                op.goal.sequence = FakeSequence(op.goal.request, op.goal.output)
+            elif isinstance(op, Admit):
                 cache.apply(op.reuse, op.goal.request.session_id)
             elif isinstance(op, Park):
                 op.goal.park = (cache.keys, [b[:, :, :cache.length].copy() for b in cache.buffers])
@@ -108,20 +111,14 @@ class FakeExecutor:
             elif isinstance(op, Unpark):
                 keys, data = op.goal.park
                 cache.take(keys, op.goal.request.session_id, data)
-            elif isinstance(op, Move):
-                src = self.caches[op.src]
-                cache.take(src.keys, src.owner, src.buffers)
-                src.reset()
-        if plan.prefill is not None:
-            step = plan.prefill
-            self.caches[step.slot].append(step.keys)
-            out.prefill_logits = self._logits(step.keys[-1])
-        if plan.decode is not None:
-            rows = plan.decode.goals
-            out.decode_logits = np.stack([self._logits(t) for t in plan.decode.tokens])
-            for row, goal in enumerate(rows):
-                if goal is not None:
-                    self.caches[row].append_token(plan.decode.tokens[row])
+        for row in plan.rows:
+            cache = self.caches[row.goal.slot]
+            if isinstance(row, PrefillRow):
+                cache.append(row.keys)
+                out.logits.append(self._logits(row.keys[-1])[None])
+            else:
+                cache.append_token(row.token)
+                out.logits.append(self._logits(row.token)[None])
         return out
 
     @staticmethod
@@ -131,32 +128,28 @@ class FakeExecutor:
         return logits
 
     def _check(self, plan: Plan) -> None:
-        assert plan.prefill is None or plan.decode is None, 'two model calls in one plan'
         slots = len(self.caches)
         for op in plan.kv:
-            for attr in ('slot', 'src', 'dst'):
-                if hasattr(op, attr):
-                    assert 0 <= getattr(op, attr) < slots
+            assert 0 <= op.slot < slots
             goal = getattr(op, 'goal', None)
             assert goal is None or goal.uid not in self.ended, 'a KV move of an ended goal'
-        if plan.decode is not None:
-            rows = plan.decode.goals
-            assert rows and rows[-1] is not None, 'a trailing idle row'
-            # Rows below the last decoding one are occupied (prefilling) slots, never free.
-            for row, goal in enumerate(rows):
-                assert goal is None or goal.state is GoalState.DECODE
-            assert all(g.uid not in self.ended for g in rows if g is not None)
-        if plan.prefill is not None:
-            assert plan.prefill.goal.uid not in self.ended
+        rows = plan.rows
+        assert len({row.goal.slot for row in rows}) == len(rows), 'two rows of one slot'
+        kinds = [isinstance(row, PrefillRow) for row in rows]
+        assert kinds == sorted(kinds), 'a decode row after a prompt row'
+        assert sum(r.stop - r.start for r in rows if isinstance(r, PrefillRow)) <= self.chunk
+        for row in rows:
+            assert row.goal.uid not in self.ended
+            assert row.goal.state is (GoalState.PREFILL if isinstance(row, PrefillRow)
+                                      else GoalState.DECODE)
 
 
 class Rig:
     def __init__(self, slots=2, chunk=4, reuse=True):
         self.caches = [KVCache([np.zeros((1, 1, CAP, 2), np.float32)], CAP)
                        for _ in range(slots)]
-        self.executor = FakeExecutor(self.caches)
-        self.sched = Scheduler(self.caches, lambda goal, request: FakeSequence(
-            request, goal.output), chunk, prefix_reuse=reuse)
+        self.executor = FakeExecutor(self.caches, chunk)
+        self.sched = Scheduler(self.caches, chunk, prefix_reuse=reuse)
 
     def goal(self, keys, max_tokens=4, priority=0, preempt=False, session_id=''):
         return self.sched.submit(Goal(FakeRequest(keys, max_tokens, session_id),
@@ -182,7 +175,6 @@ class Rig:
         raise AssertionError('did not drain')
 
     def _check_slots(self):
-        # Occupied slots are contiguous from 0 after every decode plan's compaction.
         occupied = [i for i, g in enumerate(self.sched._slot) if g is not None]
         for i, goal in enumerate(self.sched._slot):
             if goal is not None:
@@ -190,20 +182,45 @@ class Rig:
         assert len(set(occupied)) == len(occupied)
 
 
-def test_plans_alternate_admission_and_decode_with_one_model_call_each():
+def test_one_plan_kind_puts_decode_rows_and_prompt_chunks_in_one_call():
     rig = Rig(slots=2)
     a = rig.goal(range(1, 10), max_tokens=3)
+    plan, _ = rig.plan()   # the executor builds its Sequence (session turns, images) ...
+    assert [type(op) for op in plan.kv] == [Start] and plan.rows == []
+    plan, _ = rig.plan()   # ... then its prompt's KV is admitted and prefilled
+    assert [type(op) for op in plan.kv] == [Admit]
+    assert [(type(r), r.start, r.stop, r.last) for r in plan.rows] == [(PrefillRow, 0, 4, False)]
     plan, _ = rig.plan()
-    assert [type(op) for op in plan.kv] == [Admit] and plan.prefill is not None
-    assert (plan.prefill.start, plan.prefill.stop) == (0, 4) and plan.decode is None
-    plan, _ = rig.plan()
-    assert plan.prefill is None and plan.decode is None   # nothing decodes yet
+    assert [(r.start, r.stop) for r in plan.rows] == [(4, 8)]
+    plan, report = rig.plan()   # the last piece: its logits give the first token
+    assert [(r.start, r.stop, r.last) for r in plan.rows] == [(8, 9, True)]
+    assert report.tokens == [a] and a.state is GoalState.DECODE
+    b = rig.goal(range(2, 8), max_tokens=2)
+    plan, _ = rig.plan()   # b starts beside a's decode row
+    assert [type(op) for op in plan.kv] == [Start] and [r.goal for r in plan.rows] == [a]
+    plan, _ = rig.plan()   # a decodes while b's first chunk runs: one call, two rows
+    assert [type(r) for r in plan.rows] == [DecodeRow, PrefillRow]
+    assert plan.rows[0].goal is a and plan.rows[0].position == 10 and plan.rows[1].goal is b
     rig.drain()
     assert a.result.completion_tokens == 3 and a.state is GoalState.DONE
     assert a.output.token_ids() == [10, 11, 12]   # the fake's logits: last key + 1
+    assert b.output.token_ids() == [8, 9]
 
 
-def test_a_freed_slot_below_a_busy_one_is_filled_by_moving_the_goal_down():
+def test_the_prefill_budget_is_shared_by_prompts_most_urgent_first():
+    rig = Rig(slots=3, chunk=8)
+    low = rig.goal(range(1, 7), max_tokens=1)
+    high = rig.goal(range(10, 16), max_tokens=1, priority=3)
+    rig.plan()
+    plan, _ = rig.plan()
+    assert [(r.goal, r.start, r.stop) for r in plan.rows] == [(high, 0, 6), (low, 0, 2)]
+    plan, _ = rig.plan()
+    assert [(r.goal, r.start, r.stop, r.last) for r in plan.rows] == [(low, 2, 6, True)]
+    rig.drain()
+    assert low.output.token_ids() == [7] and high.output.token_ids() == [0]   # 16 % VOCAB
+
+
+def test_a_freed_slot_is_filled_and_no_goal_moves():
     rig = Rig(slots=3, chunk=16)
     short = rig.goal([1, 2, 3], max_tokens=1)
     mid = rig.goal([4, 5, 6], max_tokens=30)
@@ -213,14 +230,14 @@ def test_a_freed_slot_below_a_busy_one_is_filled_by_moving_the_goal_down():
     while high.state is not GoalState.DECODE or mid.state is not GoalState.DECODE:
         rig.step()
     rig.step()
-    moves = [op for p in rig.executor.plans for op in p.kv if isinstance(op, Move)]
-    assert moves and moves[0].goal is high and (moves[0].src, moves[0].dst) == (2, 0)
-    decode = next(p.decode for p in reversed(rig.executor.plans) if p.decode is not None)
-    assert len(decode.goals) == 2 and None not in decode.goals   # no idle row computed
-    # The moved goal's KV bookkeeping moved with it.
-    assert rig.caches[0].keys[:3] == (7, 8, 9) and rig.caches[2].length == 0
+    assert (mid.slot, high.slot) == (1, 2)   # a varlen call needs no contiguous rows
+    rows = rig.executor.plans[-1].rows
+    assert [(r.goal, r.goal.slot) for r in rows] == [(mid, 1), (high, 2)]
+    late = rig.goal([10, 11], max_tokens=2)
+    rig.plan()
+    assert late.slot == 0
     rig.drain()
-    assert [g.result.completion_tokens for g in (short, mid, high)] == [1, 30, 30]
+    assert [g.result.completion_tokens for g in (short, mid, high, late)] == [1, 30, 30, 2]
 
 
 def test_priority_then_arrival_and_preemption_parks_then_unparks():
@@ -231,9 +248,10 @@ def test_priority_then_arrival_and_preemption_parks_then_unparks():
     waiting = rig.goal([3], max_tokens=2, priority=0)
     urgent = rig.goal([4, 5], max_tokens=2, priority=5, preempt=True)
     plan, report = rig.plan()
-    assert [type(op) for op in plan.kv] == [Park, Admit]
+    assert [type(op) for op in plan.kv] == [Park, Start]
     assert plan.kv[0].goal is low and report.paused == [low] and low.state is GoalState.PAUSED
-    assert plan.prefill.goal is urgent and urgent.slot == 0
+    plan, _ = rig.plan()
+    assert [r.goal for r in plan.rows] == [urgent] and urgent.slot == 0
     rig.drain()
     unparks = [op for p in rig.executor.plans for op in p.kv if isinstance(op, Unpark)]
     assert [op.goal for op in unparks] == [low]
@@ -264,6 +282,7 @@ def test_prefix_reuse_copies_from_another_slot_and_sessions_checkpoint():
     first = rig.goal(prompt, max_tokens=30, session_id='s')
     rig.step()
     second = rig.goal(prompt + [50, 51], max_tokens=2)
+    rig.plan()
     plan, _ = rig.plan()
     admit = next(op for op in plan.kv if isinstance(op, Admit) and op.goal is second)
     # The longest prefix lives in slot 0's live KV, which another goal still extends.
@@ -305,8 +324,27 @@ def test_a_failed_kv_move_or_model_call_ends_only_its_goals():
     report = rig.sched.update(plan, out)
     assert report.ended == [b] and b.result.stop_reason is StopReason.ERROR
     assert 'copy failed' in b.result.error and not a.done
+    assert b.slot == -1 and rig.sched._slot[1] is None   # its Start failed: slot freed
+    assert not any(isinstance(op, Checkpoint) for op in rig.sched._deferred)
     rig.drain()
     assert a.result.completion_tokens == 5
+    # A failed model call ends every goal with a row in it, and only those.
+    c = rig.goal([7, 8], max_tokens=5)
+    d = rig.goal([9, 10, 11, 12, 13, 14], max_tokens=5)   # two chunks: 2 positions, then 4
+    for _ in range(10):
+        if c.state is GoalState.DECODE and d.chunks:
+            break
+        rig.plan()
+    assert c.state is GoalState.DECODE and d.state is GoalState.PREFILL and d.chunks
+    e = rig.goal([1], max_tokens=2)
+    plan = rig.sched.schedule()
+    assert {r.goal for r in plan.rows} == {c, d}
+    out = rig.executor.run(plan)
+    out.error = RuntimeError('device lost')
+    report = rig.sched.update(plan, out)
+    assert set(report.ended) == {c, d} and 'device lost' in c.result.error
+    rig.drain()
+    assert e.result.completion_tokens == 2
 
 
 @pytest.mark.parametrize('seed', [1, 2, 3])
@@ -315,7 +353,7 @@ def test_random_storm_loses_nothing(seed):
     rig = Rig(slots=3, chunk=3)
     goals = []
     for _ in range(400):
-        if len(goals) < 50 and rng.random() < 0.3:
+        if len(goals) < 50 and rng.random() < 0.5:
             keys = [rng.randint(1, 9) for _ in range(rng.randint(1, 12))]
             goals.append(rig.goal(keys, max_tokens=rng.randint(1, 12),
                                   priority=rng.randint(-2, 2), preempt=rng.random() < 0.3,

@@ -24,6 +24,7 @@ from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+from edge_llm_ros.runtime.rows import decode_row, Row
 from edge_llm_ros.runtime.speculative import (measure_break_even, NgramIndex, Speculation,
                                               SpeculativeConfig, SpeculativeConfigError)
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
@@ -240,11 +241,14 @@ def test_a_verify_pass_gives_each_position_the_bits_of_a_decode_step(family_mode
     assert dec.row_exact
     prompt = np.array([3, 17, 42, 9, 100, 7, 55, 21, 8], dtype=np.int64)
     fed = [11, 12, 13, 14, 15, 16]
-    dec.forward(prompt, None, 0)
-    steps = [dec.decode(t, len(prompt) + i).copy() for i, t in enumerate(fed)]
-    dec.forward(prompt, None, 0)
-    np.testing.assert_array_equal(dec.verify(fed[:2], len(prompt)), np.stack(steps[:2]))
-    np.testing.assert_array_equal(dec.verify(fed[2:], len(prompt) + 2), np.stack(steps[2:]))
+    dec.run([Row(0, 0, prompt)])
+    steps = [dec.run([decode_row(0, t, len(prompt) + i)])[0].copy() for i, t in enumerate(fed)]
+    dec.run([Row(0, 0, prompt)])
+
+    def verify(ids, start):
+        return dec.run([Row(0, start, np.array(ids, dtype=np.int64), logits=len(ids))])
+    np.testing.assert_array_equal(verify(fed[:2], len(prompt)), np.stack(steps[:2]))
+    np.testing.assert_array_equal(verify(fed[2:], len(prompt) + 2), np.stack(steps[2:]))
     cost = measure_break_even(dec, 3, repeats=1)
     assert len(cost) == 4 and cost[0] == 1.0 and all(c > 0 for c in cost)
 
@@ -392,6 +396,50 @@ def test_fast_forward_output_equals_step_by_step_constrained_decoding(smol_engin
     assert b.timings.decode_steps < len(b.token_ids) - 1
 
 
+# --- speculation at any batch size --------------------------------------------------------------
+def run_batched(model, mode, prompts, sampling=SamplingConfig(), **kw):
+    """Run the prompts at once on 3 slots; return results, stats and each call's rows."""
+    engine = Engine(EngineConfig(model_dir=str(model), intra_op_threads=2, max_context=256,
+                                 parallel_sequences=3,
+                                 speculative=SpeculativeConfig(mode=mode, **kw)))
+    calls = []
+    run_rows = engine._decoder.run
+
+    def recording(rows):
+        calls.append([(row.length, row.logits) for row in rows])
+        return run_rows(rows)
+    engine._decoder.run = recording
+    try:
+        sched = engine.scheduler()
+        goals = [sched.submit(Goal(engine.prepare(request(p, max_tokens=40,
+                                                          sampling=sampling))))
+                 for p in prompts]
+        for _ in range(3000):
+            if all(g.done for g in goals):
+                break
+            engine.step()
+        return [g.result for g in goals], engine.speculation.stats, calls
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize('mode', ['prompt_lookup', 'draft'])
+def test_speculation_at_any_batch_size_equals_plain_decoding(family_models, mode):
+    """Three goals decode together; each may verify drafts in the same call as the others."""
+    model = family_models['llama']
+    prompts = [RawPrompt(p) for p in quoting(model)] + PROMPTS[:3]
+    kw = {'draft_model': str(model)} if mode == 'draft' else {}
+    seeded = SamplingConfig(temperature=0.9, top_k=40, top_p=0.95, seed=5)
+    for sampling in (SamplingConfig(), seeded):
+        plain, _, _ = run_batched(model, 'off', prompts, sampling)
+        spec, stats, calls = run_batched(model, mode, prompts, sampling, **kw)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        assert [r.stop_reason for r in spec] == [r.stop_reason for r in plain]
+        assert stats.passes > 0 and stats.accepted > 0, stats
+        # A verify row (k + 1 positions, all with logits) ran beside another goal's row.
+        assert any(len(call) > 1 and any(n > 1 and n == k for n, k in call) for call in calls)
+
+
 # --- the engine around it -----------------------------------------------------------------------
 def test_per_request_off_batching_cancel_and_sessions_behave_as_without(family_models):
     model = family_models['qwen2']
@@ -496,8 +544,10 @@ def test_auto_mode_turns_off_a_sequence_below_break_even_and_keeps_one_above(fam
     for _ in range(4):
         losing.observe(3, 0)     # 1 token for a pass costing 1.9 steps
         winning.observe(3, 3)    # 4 tokens for 1.9
-    assert losing.off and losing.propose([], 8) == []
-    assert not winning.off and len(winning.propose([7, 8, 9, 10, 11], 8)) == 4
+    assert losing.off and losing.ask([], 8) is None
+    ask = winning.ask([7, 8, 9, 10, 11], 8)
+    assert not winning.off and (ask.head, ask.want) == ([7, 8, 9, 10], 0)
+    assert owner.draft({0: ask}) == {0: [7, 8, 9, 10]}
     # The draft length follows acceptance: a sequence whose drafts fail drafts short.
     explicit = Speculation(SpeculativeConfig(mode='prompt_lookup', max_draft=4), True,
                            cost=cost).start([1, 2, 3])

@@ -365,9 +365,11 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     Only then is the whole graph row-exact (a verify pass gives a position decode's bits:
     docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
     and GroupQueryAttention, faster at prefill, is kept. A VLM whose image tokens attend
-    both ways always gets the library's op: GroupQueryAttention is causal only.
+    both ways always gets the library's op: GroupQueryAttention is causal only. So does a
+    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph.
     """
-    if _bidirectional(vision):
+    if _bidirectional(vision) or ckpt.spec.layer_kinds:
+        # A hybrid's conv states need the row table only the library's graphs have.
         return 'causal'
     if opts.weight_format != 'kquant':
         return 'gqa'

@@ -5,7 +5,10 @@ MatMulNBits -> GroupQueryAttention (RoPE inside, KV past/present share-buffer la
 MatMulNBits -> RMSNorm -> fused gate/up MatMulNBits -> SiLU * up -> MatMulNBits. The embedding
 is GatherBlockQuantized over the same blocks a tied lm_head's MatMulNBits reads. Logits are
 computed for the last `logits_count` positions only (1, or k + 1 in a speculative verify pass).
-I/O names and shapes follow ENGINE_API.md.
+A graph with the op library's CausalAttention (attention='causal') is varlen instead: a
+step's rows packed into batch 1, each over its own slot (a row table, runtime/rows.py),
+embeddings scattered to their packed places and logits at `logits_at`.
+I/O names and shapes: runtime/decoder.py (and model_format.VARLEN_INPUTS, BATCHED_INPUTS).
 
 With weights='kquant' (GraphOptions.kquant) every matrix whose GGUF type the project's op
 library holds (convert/gguf_weights.py) is an edge_llm_ros.KQuantMatMul over its GGUF bytes
@@ -28,8 +31,8 @@ from onnx import helper, numpy_helper, TensorProto
 from edge_llm_ros.convert.checkpoint import ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
-from edge_llm_ros.model_format import (BIDIRECTIONAL_INPUT as BIDIRECTIONAL, CONV_STATE_PAST,
-                                       CONV_STATE_PRESENT, DATA_FILE)
+from edge_llm_ros.model_format import (CONV_STATE_PAST, CONV_STATE_PRESENT, DATA_FILE,
+                                       ROWS_INPUT)
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
@@ -83,9 +86,8 @@ class GraphOptions:
     # are the same bits in a verify pass over several, as speculative decoding needs; kquant
     # graphs, float32 only).
     attention: str = 'gqa'
-    # A VLM whose image tokens attend to each other both ways (gemma3): the graph gets an
-    # int32 input `bidirectional` (default 0) that CausalAttention reads; the engine sets it
-    # to 1 for a forward that holds exactly one image's rows. 'causal' attention only.
+    # A VLM whose image tokens attend to each other both ways (gemma3): an image's row of
+    # the row table is marked bidirectional (the engine does it). 'causal' attention only.
     bidirectional_images: bool = False
 
 
@@ -186,24 +188,42 @@ class DecoderGraph:
         self._embed: Optional[WeightRef] = None
         kv_len = opts.max_context if opts.max_context else 'max_ctx'
         # 'batch' is symbolic: one row per sequence slot (the reshapes use 0, so the body is
-        # batch-generic); a decode step runs every active slot in one call.
+        # batch-generic).
         kv_shape = [BATCH_DIM, spec.num_kv_heads, kv_len, spec.head_dim]
         t = self.onnx_dtype
-        self.inputs = [
-            helper.make_tensor_value_info('input_ids', TensorProto.INT64, [BATCH_DIM, 's_ids']),
-            helper.make_tensor_value_info('inputs_embeds', t,
-                                          [BATCH_DIM, 's_emb', spec.hidden_size]),
-            helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [BATCH_DIM]),
-            helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
-            # How many of the last positions get logits: 1 for prefill and decode, k + 1
-            # for a speculative verify pass.
-            helper.make_tensor_value_info('logits_count', TensorProto.INT64, [1]),
-        ]
+        # The library's attention takes a row table: a varlen graph (the rows of a step
+        # packed into batch 1, each over its own slot: runtime/rows.py). GroupQueryAttention
+        # takes a batch of equal-length rows over slots 0..B-1.
+        self.varlen = opts.attention == 'causal'
+        if self.varlen:
+            self.inputs = [
+                helper.make_tensor_value_info('input_ids', TensorProto.INT64, [1, 'tokens']),
+                helper.make_tensor_value_info('inputs_embeds', t,
+                                              ['embeds', spec.hidden_size]),
+                helper.make_tensor_value_info('embeds_at', TensorProto.INT64, ['embeds', 1]),
+                helper.make_tensor_value_info(ROWS_INPUT, TensorProto.INT32, ['rows', 4]),
+                helper.make_tensor_value_info('logits_at', TensorProto.INT64, ['logits']),
+            ]
+            logits_shape = [1, 'logits', spec.vocab_size]
+        else:
+            self.inputs = [
+                helper.make_tensor_value_info('input_ids', TensorProto.INT64,
+                                              [BATCH_DIM, 's_ids']),
+                helper.make_tensor_value_info('inputs_embeds', t,
+                                              [BATCH_DIM, 's_emb', spec.hidden_size]),
+                helper.make_tensor_value_info('seqlens_k', TensorProto.INT32, [BATCH_DIM]),
+                helper.make_tensor_value_info('total_sequence_length', TensorProto.INT32, []),
+                # How many of the last positions get logits.
+                helper.make_tensor_value_info('logits_count', TensorProto.INT64, [1]),
+            ]
+            logits_shape = [BATCH_DIM, 'n_logits', spec.vocab_size]
         self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
-                                                      [BATCH_DIM, 'n_logits',
-                                                       spec.vocab_size])]
+                                                      logits_shape)]
         for i in range(spec.num_layers):
             if spec.is_conv(i):
+                if not self.varlen:
+                    raise ValueError("conv layers need the op library's attention "
+                                     "(attention='causal')")
                 # B * x of the last kernel - 1 positions: bound as past and present (ShortConv).
                 shape = [BATCH_DIM, spec.conv_kernel - 1, spec.hidden_size]
                 self.inputs.append(helper.make_tensor_value_info(CONV_STATE_PAST.format(i),
@@ -216,14 +236,9 @@ class DecoderGraph:
                     f'past_key_values.{i}.{kind}', t, kv_shape))
                 self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
                                                                   kv_shape))
-        if opts.bidirectional_images:
-            if opts.attention != 'causal':
-                raise ValueError('bidirectional_images needs the op library attention '
-                                 "(attention='causal')")
-            # A plain input (IOBinding cannot bind an overridable initializer): the decoder
-            # binds one shared flag in every binding.
-            self.inputs.append(helper.make_tensor_value_info(BIDIRECTIONAL, TensorProto.INT32,
-                                                             [1]))
+        if opts.bidirectional_images and not self.varlen:
+            raise ValueError('bidirectional_images needs the op library attention '
+                             "(attention='causal')")
         cache_len = opts.max_context or spec.max_position_embeddings
         local = [spec.is_local(i) for i in range(spec.num_layers) if not spec.is_conv(i)]
         if not all(local):
@@ -395,7 +410,15 @@ class DecoderGraph:
             # Token rows only: llama.cpp leaves raw embeddings (inputs_embeds) unscaled.
             scale = self._init('embed_scale', np.array(s.embed_scale, self.np_dtype))
             (rows,) = self._node('Mul', [rows, scale])
-        (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
+        if not self.varlen:
+            (self._x,) = self._node('Concat', ['inputs_embeds', rows], axis=1)
+            return
+        # The embeddings take their packed places (embeds_at) among the token rows.
+        flat = self._const_i64('shape_tokens_hidden', [-1, s.hidden_size])
+        (rows,) = self._node('Reshape', [rows, flat])
+        (rows,) = self._node('ScatterND', [rows, 'embeds_at', 'inputs_embeds'])
+        batch1 = self._const_i64('shape_batch1_hidden', [1, -1, s.hidden_size])
+        (self._x,) = self._node('Reshape', [rows, batch1])
 
     def _input_norm(self, gamma: np.ndarray, p: str) -> tuple:
         """Normalize the layer's input (the residual add fused in): (h, residual)."""
@@ -422,7 +445,7 @@ class DecoderGraph:
         bcx = self._linear(h, cw.in_proj, f'{p}.conv.in_proj')
         self.ops_used.add(KQUANT_DOMAIN)
         weight = self._init(f'{p}.conv.weight', np.ascontiguousarray(cw.conv, np.float32))
-        y, _ = self._node('ShortConv', [bcx, weight, CONV_STATE_PAST.format(i), 'seqlens_k'],
+        y, _ = self._node('ShortConv', [bcx, weight, CONV_STATE_PAST.format(i), '', ROWS_INPUT],
                           outputs=[self._name(f'{p}/conv/out'), CONV_STATE_PRESENT.format(i)],
                           domain=KQUANT_DOMAIN, name=f'{p}/conv')
         o = self._linear(y, cw.out_proj, f'{p}.conv.out_proj')
@@ -441,13 +464,13 @@ class DecoderGraph:
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
         scale = s.attention_scale or 1.0 / math.sqrt(s.head_dim)
-        inputs = q_k_v + [f'past_key_values.{i}.key', f'past_key_values.{i}.value',
-                          'seqlens_k', 'total_sequence_length', *rope]
+        past = [f'past_key_values.{i}.key', f'past_key_values.{i}.value']
         outputs = [self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value']
-        if self.opts.attention == 'causal':
+        if self.varlen:
+            # seqlens_k, total_sequence_length and the call-wide bidirectional flag are left
+            # out: the row table says each row's slot, start, length and attention.
+            inputs = q_k_v + past + ['', '', *rope, '', ROWS_INPUT]
             self.ops_used.add(KQUANT_DOMAIN)
-            if self.opts.bidirectional_images:
-                inputs.append(BIDIRECTIONAL)
             norms = {} if lw.q_norm is None else {
                 'q_norm': lw.q_norm.astype(np.float32).tolist(),
                 'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
@@ -457,6 +480,7 @@ class DecoderGraph:
                                     scale=float(scale),
                                     window=s.sliding_window if local else 0, **norms)
         else:
+            inputs = q_k_v + past + ['seqlens_k', 'total_sequence_length', *rope]
             window = {'local_window_size': s.sliding_window} if local else {}
             attn, _, _ = self._node(
                 'GroupQueryAttention', inputs, outputs=outputs, domain=MS_DOMAIN,
@@ -548,13 +572,20 @@ class DecoderGraph:
         return y
 
     def finish(self, final_norm: np.ndarray, lm_head: Optional[Weight]) -> onnx.ModelProto:
-        """Add the final norm on the last logits_count positions and lm_head (tied if None)."""
+        """Add the final norm and lm_head (tied if None) on the positions that get logits.
+
+        Those are logits_at (varlen), or the last logits_count positions of each row.
+        """
         s = self.spec
-        (starts,) = self._node('Neg', ['logits_count'])
-        ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
-        axes = self._const_i64('slice_axis_seq', [1])
-        (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
-        (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
+        if self.varlen:
+            (x_last,) = self._node('Gather', [self._x, 'logits_at'], axis=1)
+            (r_last,) = self._node('Gather', [self._residual, 'logits_at'], axis=1)
+        else:
+            (starts,) = self._node('Neg', ['logits_count'])
+            ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
+            axes = self._const_i64('slice_axis_seq', [1])
+            (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
+            (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
         gamma = self._norm(final_norm, 'final_norm')
         h, _, _, _ = self._node('SkipSimplifiedLayerNormalization', [x_last, r_last, gamma],
                                 n_out=4, domain=MS_DOMAIN, name='final_norm',

@@ -69,11 +69,17 @@ def arm() -> None:
 
 
 def ignore_signals() -> None:
-    """Let a cleanup that has started finish: further SIGINT/SIGTERM are ignored."""
+    """Let a cleanup that has started finish: further SIGINT/SIGTERM are ignored.
+
+    The disarmed handler stays (or is put) in place rather than SIG_IGN: a signal that the
+    C handler took while signal.signal() swapped the handler to SIG_IGN was reported by
+    Python as an 'OSError: Signal 2 ignored due to race condition' traceback.
+    """
     global _armed
     _armed = False   # first: a signal pending in signal.signal() below then raises nothing
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not _on_signal:
+            signal.signal(signum, _on_signal)
 
 
 class BackgroundSpin:

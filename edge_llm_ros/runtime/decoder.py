@@ -1,48 +1,44 @@
-"""ONNX decoder session: one onnxruntime session, IOBinding, preallocated KV buffers.
+"""ONNX decoder session: one onnxruntime session, IOBinding, preallocated KV and state buffers.
 
-One graph serves prefill and decode (see the engine contract): inputs ``input_ids [B, s]``,
-``inputs_embeds [B, e, hidden]`` (fed ahead of the ids), ``seqlens_k [B]`` (total - 1),
-``total_sequence_length []``, ``logits_count [1]`` and
-``past_key_values.{i}.key/value [B, kv_heads, L, head_dim]``; outputs
-``logits [B, logits_count, vocab]`` (the last positions; 1 except in a verify pass) and
-``present.{i}.key/value``. A VLM whose image tokens attend both ways (gemma3) also takes
-``bidirectional [1]`` (int32; 1 for a forward over one image's rows). A hybrid's conv layer
-(lfm2; model.yaml ``layer_states``) has no KV: it takes ``past_conv.{i}`` [B, kernel - 1,
-hidden] and gives ``present_conv.{i}``, its conv state, bound like the KV buffers.
+One entry point, ``run(rows)`` (runtime/rows.py): each row is one slot's next positions (a
+decode step, a prefill chunk, a verify pass, an image's embeddings) and asks logits for its
+last positions. A step's rows run in ONE model call on a varlen graph (converter 9, every
+graph with the op library's CausalAttention): inputs ``input_ids [1, T]`` (the rows' tokens
+packed), ``inputs_embeds [E, hidden]`` scattered to ``embeds_at [E, 1]``, ``rows [R, 4]``
+(slot, start, length, bidirectional) and ``logits_at [K]``; output ``logits [1, K, vocab]``.
+The ops read each row's slot of ``past_key_values.{i}.key/value [N, kv_heads, L, head_dim]``
+and, in a hybrid (lfm2; model.yaml ``layer_states``), of ``past_conv.{i} [N, kernel - 1,
+hidden]``; a slot no row names is not touched.
 
-The KV buffers are allocated once and bound as BOTH past and present: GroupQueryAttention then
-writes the new positions in place (share-buffer mode) and nothing is copied between steps. The
-small decode inputs are numpy arrays bound once and rewritten in place each step.
+A graph without a row table (GroupQueryAttention, or converter <= 8) takes a batch of rows of
+one length over slots 0..b-1 (``seqlens_k [B]``, ``total_sequence_length``,
+``logits_count``): its decode steps go in one call and every other row in a call of its own
+(_BatchedCalls).
 
-Sequence slots (``SessionConfig.slots`` = N, docs/batching.md): the buffers are
-``[N, kv_heads, L, head_dim]``; slot i is the contiguous view ``buf[i:i+1]``. A prefill runs
-one slot (batch 1, over that slot's views); ``decode_rows`` runs rows 0..b-1 in one call with
-per-row lengths in ``seqlens_k`` (GroupQueryAttention's per-sequence lengths). Every binding is
-built at init, so a step only writes ints and runs. With N = 1, decode() feeds one row through
-the binding of slot 0.
+The state buffers are allocated once and bound as BOTH past and present: the attention (and
+ShortConv) ops write the new positions in place and nothing is copied between steps. Slot i
+of a buffer is the contiguous view ``buf[i:i+1]`` (what its KVCache tracks).
 
-Conv states (``state_buffers``, [N, kernel - 1, hidden] per conv layer) hold no positions: a
-call writes the state of every row it runs, so ``decode_rows`` keeps the rows it is told to
-keep (padding rows over a slot whose sequence is between prefill chunks). Such a decoder is not
-``rewindable``: a slot's state is that of its last position, never of an earlier one.
-
-``verify`` runs several ids of one slot and returns the logits of every one of them (a
-speculative verify pass). Only a graph with ``attention: causal`` (model.yaml) promises that
-those are the bits the same ids fed one decode step at a time would give (``row_exact``).
+A conv state holds no positions: a slot's state is that of its last position, never of an
+earlier one, so such a decoder is not ``rewindable``. Only a graph with ``attention: causal``
+whose every matmul is the op library's promises that a position's logits are the same bits
+whatever else its call runs (``row_exact``: a verify pass equals decode steps).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
-from edge_llm_ros.model_format import (BIDIRECTIONAL_INPUT, CONV_STATE_PAST, CONV_STATE_PRESENT,
-                                       MODEL_FILE, ModelInfo, REGENERATE_HINT)
+from edge_llm_ros.model_format import (BATCHED_INPUTS, BIDIRECTIONAL_INPUT, CONV_STATE_PAST,
+                                       CONV_STATE_PRESENT, MODEL_FILE, ModelInfo,
+                                       REGENERATE_HINT, ROWS_INPUT, VARLEN_INPUTS)
 from edge_llm_ros.runtime import native_ops
+from edge_llm_ros.runtime.rows import check_rows, pack, Row
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 
 
@@ -101,10 +97,10 @@ def _session_options(config: SessionConfig) -> ort.SessionOptions:
 
 
 class OnnxDecoder:
-    """The model's forward pass, with KV buffers preallocated and bound once.
+    """The model's forward pass over rows, with its state buffers preallocated and bound once.
 
-    ``forward`` and ``decode`` return a view of one preallocated logits buffer: read it (or copy
-    it) before the next call.
+    ``run`` returns a view of a preallocated logits buffer: read it (or copy it) before the
+    next call.
     """
 
     def __init__(self, model_dir: str, spec: ModelInfo, config: SessionConfig) -> None:
@@ -169,61 +165,22 @@ class OnnxDecoder:
             for i in spec.conv_layers]
         # Whether a slot's state can be cut back to an earlier position (KV only).
         self.rewindable = spec.rewindable
-        self._logits = np.zeros((self.slots, 1, spec.vocab_size), dtype=np.float32)
-        self._one_logit = np.ones((1,), dtype=np.int64)   # logits_count but in verify passes
-        self._verify_logits = np.zeros((1, 0, spec.vocab_size), dtype=np.float32)
-        self._verify_bindings: Dict[Tuple[int, int], tuple] = {}   # (slot, n) -> binding
         # Whether a verify pass gives a position the bits a decode step gives it.
         # (the converter writes attention 'causal' only when every matmul is the op library's)
         self.row_exact = spec.attention == 'causal' and native_ops.DOMAIN in spec.op_domains
-        self.logits = self._logits[0].reshape(-1)  # the view a single-row call returns
         self._keep: list = []   # numpy views the OrtValues below point into
-        # One binding per slot (prefill, and decode of slot 0) ...
-        self._slot_bindings = [self._rows_binding(slice(i, i + 1)) for i in range(self.slots)]
-        self._binding = self._slot_bindings[0]
-        # ... and one per row count b for batched decode over rows 0..b-1 (N > 1 only).
-        self._rows: List[Tuple[ort.IOBinding, np.ndarray, np.ndarray, np.ndarray]] = []
-        if self.slots > 1:
-            self._rows_total = np.zeros((), dtype=np.int32)
-            total = ort.OrtValue.ortvalue_from_numpy(self._rows_total)
-            for b in range(1, self.slots + 1):
-                binding = self._rows_binding(slice(0, b))
-                ids = np.zeros((b, 1), dtype=np.int64)
-                seqlens = np.zeros((b,), dtype=np.int32)
-                inputs = {'input_ids': self._value(ids), 'seqlens_k': self._value(seqlens),
-                          'total_sequence_length': total,
-                          'logits_count': self._value(self._one_logit)}
-                if self.accepts_embeds:
-                    inputs['inputs_embeds'] = self._value(
-                        np.zeros((b, 0, spec.hidden_size), dtype=self.act_dtype))
-                for name, value in inputs.items():
-                    binding.bind_ortvalue_input(name, value)
-                self._rows.append((binding, ids, seqlens, self._logits[:b].reshape(b, -1)))
-        # Decode inputs of slot 0: bound once, rewritten in place every step.
-        self._ids1 = np.zeros((1, 1), dtype=np.int64)
-        self._no_embeds = np.zeros((1, 0, spec.hidden_size), dtype=self.act_dtype)
-        self._seqlens = np.zeros((1,), dtype=np.int32)
-        self._total = np.zeros((), dtype=np.int32)
-        self._decode_inputs = {
-            'input_ids': ort.OrtValue.ortvalue_from_numpy(self._ids1),
-            'seqlens_k': ort.OrtValue.ortvalue_from_numpy(self._seqlens),
-            'total_sequence_length': ort.OrtValue.ortvalue_from_numpy(self._total),
-            'logits_count': ort.OrtValue.ortvalue_from_numpy(self._one_logit),
-        }
-        if self.accepts_embeds:
-            self._decode_inputs['inputs_embeds'] = ort.OrtValue.ortvalue_from_numpy(
-                self._no_embeds)
-        self._prefill_keep: list = []  # keeps the last prefill's input arrays alive
-        self._decode_bound = False
-        self._bind(self._decode_inputs)
-        self._decode_bound = True
+        # How rows become onnxruntime runs: chosen here, once.
+        self._calls = (_VarlenCalls(self) if self.varlen else _BatchedCalls(self))
 
     # --- graph checks ------------------------------------------------------------------------
     def _check_io(self, model_path: str, slots: int) -> None:
         spec = self.info
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}
-        want_in = ['input_ids', 'seqlens_k', 'total_sequence_length', 'logits_count']
+        # A varlen graph (converter 9) runs rows; an older or GroupQueryAttention graph a
+        # batch of equal-length rows (_BatchedCalls).
+        self.varlen = ROWS_INPUT in inputs
+        want_in = list(VARLEN_INPUTS if self.varlen else BATCHED_INPUTS)
         want_out = ['logits']
         for i in spec.kv_layers:
             want_in += [f'past_key_values.{i}.key', f'past_key_values.{i}.value']
@@ -246,12 +203,13 @@ class OnnxDecoder:
                 f'{model_path} was converted with a fixed batch of {batch}, so it cannot run '
                 f'{slots} parallel sequences: reconvert it with a current edge-llm-convert '
                 '(converter version 4 or later), or set parallel_sequences to 1')
+        if spec.conv_layers and not self.varlen:
+            raise ModelLoadError(f'{model_path} holds conv states but no row table (converter '
+                                 f'8): {REGENERATE_HINT}')
         self.accepts_embeds = 'inputs_embeds' in inputs
-        # A VLM graph whose image rows may attend both ways: every binding reads one shared
-        # flag, 1 only while forward(bidirectional=True) runs.
-        self.bidirectional_images = BIDIRECTIONAL_INPUT in inputs
-        self._image_flag = np.zeros((1,), dtype=np.int32)
-        self._image_flag_value = ort.OrtValue.ortvalue_from_numpy(self._image_flag)
+        # Whether a row may be bidirectional (one image's rows seeing each other both ways):
+        # a varlen graph's row table says it per row; an older graph reads one shared flag.
+        self.bidirectional_images = self.varlen or BIDIRECTIONAL_INPUT in inputs
         kv_type = inputs[first].type
         if kv_type not in _ORT_DTYPES:
             raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
@@ -269,11 +227,9 @@ class OnnxDecoder:
         self._keep.append(array)
         return ort.OrtValue.ortvalue_from_numpy(array)
 
-    def _rows_binding(self, rows: slice) -> ort.IOBinding:
-        """Build a binding whose KV (past = present) and logits are these buffer rows."""
+    def _state_binding(self, rows: slice) -> ort.IOBinding:
+        """Build a binding whose KV and conv states (past = present) are these slots."""
         binding = self._session.io_binding()
-        if self.bidirectional_images:
-            binding.bind_ortvalue_input(BIDIRECTIONAL_INPUT, self._image_flag_value)
         for n, i in enumerate(self.info.kv_layers):
             for j, kind in enumerate(('key', 'value')):
                 value = self._value(self.kv_buffers[2 * n + j][rows])
@@ -283,8 +239,6 @@ class OnnxDecoder:
             value = self._value(buf[rows])
             binding.bind_ortvalue_input(CONV_STATE_PAST.format(i), value)
             binding.bind_ortvalue_output(CONV_STATE_PRESENT.format(i), value)
-        width = rows.stop - rows.start
-        binding.bind_ortvalue_output('logits', self._value(self._logits[:width]))
         return binding
 
     def slot_buffers(self, slot: int) -> List[np.ndarray]:
@@ -296,130 +250,169 @@ class OnnxDecoder:
         return [buf[slot:slot + 1] for buf in self.state_buffers]
 
     # --- running -----------------------------------------------------------------------------
-    def _bind(self, values: Dict[str, ort.OrtValue]) -> None:
-        for name, value in values.items():
-            self._binding.bind_ortvalue_input(name, value)
+    def run(self, rows: Sequence[Row]) -> np.ndarray:
+        """Run the rows (at most one per slot); return their logits [K, vocab], in row order.
 
-    def decode(self, token_id: int, past_len: int) -> np.ndarray:
-        """One token at position past_len; returns the logits view [vocab]. The hot path."""
-        if not self._decode_bound:
-            self._bind(self._decode_inputs)
-            self._prefill_keep = []
-            self._decode_bound = True
-        self._ids1[0, 0] = token_id
-        self._seqlens[0] = past_len
-        self._total[()] = past_len + 1
-        self._session.run_with_iobinding(self._binding)
-        return self.logits
-
-    def decode_rows(self, tokens: Sequence[int], positions: Sequence[int],
-                    keep: Sequence[int] = ()) -> np.ndarray:
-        """Run one decode step of rows 0..b-1 (N > 1); returns the logits view [b, vocab].
-
-        Row i feeds tokens[i] at positions[i] of slot i (b = len(tokens)); the view is valid
-        until the next call.
-
-        A row whose slot is idle must still be fed: give it a position past that slot's kept
-        KV (its own length), where the write lands in garbage space. A conv state has no such
-        space: the rows in `keep` get their conv states back after the call (a few KB each).
+        K is the sum of the rows' `logits`; the view is valid until the next call. The caller
+        keeps each row inside the KV capacity (check_rows says what is wrong otherwise).
         """
-        binding, ids, seqlens, logits = self._rows[len(tokens) - 1]
-        ids[:, 0] = tokens
-        seqlens[:] = positions
-        self._rows_total[()] = int(seqlens.max()) + 1
-        kept = [(row, [buf[row].copy() for buf in self.state_buffers])
-                for row in keep] if self.state_buffers else ()
-        self._session.run_with_iobinding(binding)
-        for row, states in kept:
-            for buf, state in zip(self.state_buffers, states):
-                buf[row] = state
-        return logits
-
-    def forward(self, ids: np.ndarray, embeds: Optional[np.ndarray], past_len: int,
-                slot: int = 0, bidirectional: bool = False) -> np.ndarray:
-        """Run ``embeds`` (ahead) then ``ids`` at positions past_len.. of a slot: logits [vocab].
-
-        ids: int [s] or [1, s] (s may be 0 when embeds are given); embeds: [e, hidden] or
-        [1, e, hidden] or None. The caller keeps past_len + e + s within the capacity.
-        bidirectional: every position of this forward sees all of its keys (one image's rows
-        of a VLM whose image tokens attend both ways; needs bidirectional_images).
-        """
-        ids = np.asarray(ids).reshape(-1)
-        if bidirectional and not self.bidirectional_images:
+        check_rows(rows, self.slots, self.capacity)
+        if not self.accepts_embeds and any(r.embeds is not None for r in rows):
+            raise ModelLoadError('this model.onnx has no inputs_embeds input: reconvert it '
+                                 'with a current edge-llm-convert to feed embeddings')
+        if not self.bidirectional_images and any(r.bidirectional for r in rows):
             raise ModelLoadError('this model.onnx has no bidirectional input for image '
                                  'attention: reconvert it with --mmproj and a current '
                                  'edge-llm-convert')
-        if embeds is None and ids.shape[0] == 1 and slot == 0:
-            return self.decode(int(ids[0]), past_len)
-        n_emb = 0
-        if embeds is not None:
-            if not self.accepts_embeds:
-                raise ModelLoadError('this model.onnx has no inputs_embeds input: reconvert it '
-                                     'with a current edge-llm-convert to feed embeddings')
-            embeds = np.ascontiguousarray(embeds, dtype=self.act_dtype).reshape(
-                1, -1, self.info.hidden_size)
-            n_emb = embeds.shape[1]
-        n = n_emb + ids.shape[0]
-        if n == 0:
-            raise ValueError('forward needs at least one id or embedding')
-        if past_len < 0 or past_len + n > self.capacity:
-            raise ValueError(f'positions {past_len}..{past_len + n} outside the KV capacity '
-                             f'{self.capacity}')
-        ids2 = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
-        arrays = {'input_ids': ids2, 'seqlens_k': self._seqlens,
-                  'total_sequence_length': self._total, 'logits_count': self._one_logit}
-        if self.accepts_embeds:
-            arrays['inputs_embeds'] = embeds if embeds is not None else self._no_embeds
+        return self._calls.run(rows)
+
+
+class _VarlenCalls:
+    """One onnxruntime run per step: the rows packed (runtime/rows.py) over every slot.
+
+    The KV and conv buffers of all slots are bound once; a call binds its small packed
+    inputs and a view of one logits buffer.
+    """
+
+    def __init__(self, dec: OnnxDecoder) -> None:
+        self._dec = dec
+        self._session = dec._session
+        self._binding = dec._state_binding(slice(0, dec.slots))
+        self._hidden = dec.info.hidden_size
+        self._logits = np.zeros((1, 0, dec.info.vocab_size), dtype=np.float32)
+        self._logit_values: Dict[int, ort.OrtValue] = {}   # K -> view of self._logits
+        self._inputs: tuple = ()   # the last call's packed arrays (their OrtValues read them)
+
+    def _logits_value(self, k: int) -> ort.OrtValue:
+        value = self._logit_values.get(k)
+        if value is None:
+            if self._logits.shape[1] < k:   # grow; the old views go with the old buffer
+                self._logits = np.zeros((1, max(k, 2 * self._logits.shape[1], 8),
+                                         self._logits.shape[2]), dtype=np.float32)
+                self._logit_values.clear()
+            value = self._logit_values[k] = ort.OrtValue.ortvalue_from_numpy(
+                self._logits[:, :k])
+        return value
+
+    def run(self, rows: Sequence[Row]) -> np.ndarray:
+        packed = pack(rows, self._hidden, self._dec.act_dtype)
+        binding = self._binding
+        self._inputs = (packed.input_ids, packed.embeds, packed.embeds_at, packed.table,
+                        packed.logits_at)
+        for name, array in zip(VARLEN_INPUTS, self._inputs):
+            binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        k = packed.logits_at.shape[0]
+        binding.bind_ortvalue_output('logits', self._logits_value(k))
+        self._session.run_with_iobinding(binding)
+        return self._logits[0, :k]
+
+
+class _BatchedCalls:
+    """Rows on a graph without a row table (GroupQueryAttention, or converter <= 8).
+
+    Such a graph runs rows of one length over slots 0..b-1 in one call. Decode steps (one
+    token with its logits) go together in one call, which needs them to fill slots 0..b-1
+    (the caller pads: Executor); every other row is a call of its own. The logits are
+    copied into one buffer in row order.
+    """
+
+    def __init__(self, dec: OnnxDecoder) -> None:
+        self._dec = dec
+        self._session = dec._session
+        info = dec.info
+        self._logits = np.zeros((dec.slots, 1, info.vocab_size), dtype=np.float32)
+        self._out = np.zeros((dec.slots, info.vocab_size), dtype=np.float32)
+        self._image_flag = np.zeros((1,), dtype=np.int32)
+        image_flag = dec._value(self._image_flag)
+        self._one_logit = np.ones((1,), dtype=np.int64)
+        self._no_embeds = np.zeros((1, 0, info.hidden_size), dtype=dec.act_dtype)
+        self._total = np.zeros((), dtype=np.int32)
+        total = dec._value(self._total)
+        # One binding per slot (rows of their own) and one per row count b of decode steps
+        # over slots 0..b-1: built here, so a decode step only writes ints and runs.
+        self._slot_bindings = []
+        for slot in range(dec.slots):
+            binding = dec._state_binding(slice(slot, slot + 1))
+            if BIDIRECTIONAL_INPUT in _input_names(self._session):
+                binding.bind_ortvalue_input(BIDIRECTIONAL_INPUT, image_flag)
+            self._slot_bindings.append(binding)
+        self._steps: List[Tuple[ort.IOBinding, np.ndarray, np.ndarray]] = []
+        for b in range(1, dec.slots + 1):
+            binding = dec._state_binding(slice(0, b))
+            if BIDIRECTIONAL_INPUT in _input_names(self._session):
+                binding.bind_ortvalue_input(BIDIRECTIONAL_INPUT, image_flag)
+            ids = np.zeros((b, 1), dtype=np.int64)
+            seqlens = np.zeros((b,), dtype=np.int32)
+            inputs = {'input_ids': dec._value(ids), 'seqlens_k': dec._value(seqlens),
+                      'total_sequence_length': total,
+                      'logits_count': dec._value(self._one_logit)}
+            if dec.accepts_embeds:
+                inputs['inputs_embeds'] = dec._value(
+                    np.zeros((b, 0, info.hidden_size), dtype=dec.act_dtype))
+            for name, value in inputs.items():
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output('logits', dec._value(self._logits[:b]))
+            self._steps.append((binding, ids, seqlens))
+        self._inputs: list = []   # the last row call's arrays (their OrtValues read them)
+
+    def run(self, rows: Sequence[Row]) -> np.ndarray:
+        k = sum(row.logits for row in rows)
+        if self._out.shape[0] < k:
+            self._out = np.zeros((k, self._out.shape[1]), dtype=np.float32)
+        steps = [row for row in rows if row.decode_step]
+        if steps:
+            step_logits = self._steps_call(steps)
+        at = 0
+        for row in rows:
+            if row.decode_step:
+                self._out[at] = step_logits[row.slot]
+            elif row.logits:
+                self._out[at:at + row.logits] = self._row_call(row)
+            else:
+                self._row_call(row)
+            at += row.logits
+        return self._out[:k]
+
+    def _steps_call(self, steps: Sequence[Row]) -> np.ndarray:
+        b = len(steps)
+        if sorted(row.slot for row in steps) != list(range(b)):
+            raise ValueError(f'decode steps on slots {sorted(r.slot for r in steps)}: this '
+                             'graph runs them over slots 0..b-1 only (pad the others)')
+        binding, ids, seqlens = self._steps[b - 1]
+        for row in steps:
+            ids[row.slot, 0] = row.ids[0]
+            seqlens[row.slot] = row.start
+        self._total[()] = int(seqlens.max()) + 1
+        self._session.run_with_iobinding(binding)
+        return self._logits[:b, 0]
+
+    def _row_call(self, row: Row) -> np.ndarray:
+        """Run one row in its slot; return the logits of its last max(logits, 1) positions."""
+        dec = self._dec
+        n = row.length
+        count = max(row.logits, 1)
+        arrays = {'input_ids': np.ascontiguousarray(row.ids, dtype=np.int64).reshape(1, -1),
+                  'seqlens_k': np.array([row.start + n - 1], dtype=np.int32),
+                  'total_sequence_length': np.array(row.start + n, dtype=np.int32),
+                  'logits_count': np.array([count], dtype=np.int64)}
+        if dec.accepts_embeds:
+            arrays['inputs_embeds'] = self._no_embeds if row.embeds is None else \
+                np.ascontiguousarray(row.embeds, dtype=dec.act_dtype).reshape(
+                    1, -1, dec.info.hidden_size)
+        logits = np.zeros((1, count, dec.info.vocab_size), dtype=np.float32)
+        binding = self._slot_bindings[row.slot]
         values = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in arrays.items()}
-        self._prefill_keep = [arrays, values]
-        binding = self._slot_bindings[slot]
+        self._inputs = [arrays, values]
         for name, value in values.items():
             binding.bind_ortvalue_input(name, value)
-        if slot == 0:
-            self._decode_bound = False
-        self._seqlens[0] = past_len + n - 1
-        self._total[()] = past_len + n
-        self._image_flag[0] = int(bidirectional)
+        binding.bind_ortvalue_output('logits', ort.OrtValue.ortvalue_from_numpy(logits))
+        self._image_flag[0] = int(row.bidirectional)
         try:
             self._session.run_with_iobinding(binding)
         finally:
             self._image_flag[0] = 0
-        return self.logits
+        return logits[0, count - row.logits:] if row.logits else logits[0]
 
-    def verify(self, ids: Sequence[int], past_len: int, slot: int = 0) -> np.ndarray:
-        """Feed ids at positions past_len.. of a slot; return the logits of each [n, vocab].
 
-        Row i holds the next-token logits after ids[i]. The view is valid until the next
-        verify call. The caller keeps past_len + n within the capacity. Each (slot, n) gets a
-        binding on first use, so a pass only writes ints and runs, like a decode step.
-        """
-        n = len(ids)
-        if n < 1 or past_len < 0 or past_len + n > self.capacity:
-            raise ValueError(f'verify of {n} ids at {past_len} is outside the KV capacity '
-                             f'{self.capacity}')
-        if self._verify_logits.shape[1] < n:   # one logits buffer; its views are bound
-            self._verify_logits = np.zeros((1, max(n, 8), self.info.vocab_size), np.float32)
-            self._verify_bindings.clear()
-        entry = self._verify_bindings.get((slot, n))
-        if entry is None:
-            entry = self._verify_bindings[(slot, n)] = self._verify_binding(slot, n)
-        binding, fed, seqlens, total = entry
-        fed[0, :] = ids
-        seqlens[0] = past_len + n - 1
-        total[()] = past_len + n
-        self._session.run_with_iobinding(binding)
-        return self._verify_logits[0, :n]
-
-    def _verify_binding(self, slot: int, n: int) -> tuple:
-        binding = self._rows_binding(slice(slot, slot + 1))
-        fed = np.zeros((1, n), dtype=np.int64)
-        seqlens = np.zeros((1,), dtype=np.int32)
-        total = np.zeros((), dtype=np.int32)
-        inputs = {'input_ids': fed, 'seqlens_k': seqlens, 'total_sequence_length': total,
-                  'logits_count': np.array([n], dtype=np.int64)}
-        if self.accepts_embeds:
-            inputs['inputs_embeds'] = self._no_embeds
-        for name, array in inputs.items():
-            binding.bind_ortvalue_input(name, self._value(array))
-        binding.bind_ortvalue_output('logits', self._value(self._verify_logits[:, :n]))
-        return binding, fed, seqlens, total
+def _input_names(session: ort.InferenceSession) -> set:
+    return {i.name for i in session.get_inputs()}

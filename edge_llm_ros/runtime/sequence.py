@@ -172,18 +172,19 @@ class Sequence:
         tm['decode_tokens'] += 1
         return self._emit_token()
 
-    def draft(self, room: int) -> List[int]:
-        """Tokens to verify after `token` (none without a speculator or room).
+    def draft_ask(self, room: int):
+        """Return the shape of the draft to verify after `token` (None: none now).
 
         room: positions the slot and the token budget allow beyond `token`'s.
+        Returns a runtime.speculative.DraftAsk, which the engine's Speculation completes.
         """
         spec = self.speculator
         if spec is None or spec.off:
-            return []
+            return None
         room = min(room, self._budget - len(self.output) - 1)
         state = self._constraint_state
         forced = state.forced_tokens() if state is not None else []
-        return spec.propose(forced, room)
+        return spec.ask(forced, room)
 
     def advance_verified(self, logits: np.ndarray, draft: Seq[int],
                          started: float) -> int:

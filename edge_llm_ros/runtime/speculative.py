@@ -1,7 +1,8 @@
 """Speculative decoding: draft tokens, checked by the target model in one verify pass.
 
 Decode reads every weight once per token. A verify pass feeds the token to decode plus k
-drafted tokens at once (OnnxDecoder.verify) and gets the logits of all k + 1 positions for
+drafted tokens at once (a verify row, runtime/rows.py) and gets the logits of all k + 1
+positions for
 about the bytes of one step; the sequence then picks each next token from those logits with
 its own sampler, exactly as plain decoding would, and keeps the drafts only while they equal
 what it picked (runtime/sequence.py, Sequence.advance_verified). So:
@@ -26,7 +27,8 @@ Drafters, chosen once per engine (SpeculativeConfig.mode):
 * prompt lookup: the continuation of the latest earlier occurrence of the context's last
   n-gram (prompt plus output so far), n from ngram_max down to ngram_min;
 * draft model: a second, smaller converted folder with the same tokenizer, decoding its
-  greedy continuation with its own KV cache.
+  greedy continuation with its own KV, one slot per target slot; the drafts of a step's
+  speculating goals are rows of its own batched calls.
 
 The draft length adapts to recent acceptance and to what a pass costs: the engine measures
 at load cost[k], the time of a (k + 1)-position verify pass over a 1-position step, and each
@@ -45,11 +47,12 @@ import numpy as np
 
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder
+from edge_llm_ros.runtime.rows import decode_row, Row
 from edge_llm_ros.runtime.speculative_config import (SPECULATIVE_MODES, SpeculativeConfig,
                                                      SpeculativeConfigError)
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
 
-__all__ = ['build_speculation', 'DraftModel', 'measure_break_even', 'NgramIndex',
+__all__ = ['build_speculation', 'DraftAsk', 'DraftModel', 'measure_break_even', 'NgramIndex',
            'SPECULATIVE_MODES', 'Speculation', 'SpeculationStats', 'SpeculativeConfig',
            'SpeculativeConfigError', 'Speculator']
 
@@ -89,41 +92,62 @@ class NgramIndex:
 
 
 class DraftModel:
-    """A second decoder (slot 0 only) that drafts its greedy continuation of a context.
+    """A second decoder, one slot per target slot, that drafts greedy continuations.
 
-    Its KV holds the tokens in `_fed`; a new context reuses their common prefix, so after a
-    verify pass only the accepted tokens are fed, and a rejection is a shorter prefix.
+    Slot i's KV holds the tokens in `_fed[i]`; a new context reuses their common prefix, so
+    after a verify pass only the accepted tokens are fed, and a rejection is a shorter prefix.
+    The drafts of every speculating goal of a step are rows of its own batched calls: one
+    call catches each slot up with its context, then one call per drafted token.
     """
 
     def __init__(self, decoder) -> None:
         self._decoder = decoder
-        self._fed: List[int] = []
+        self._fed: List[List[int]] = [[] for _ in range(decoder.slots)]
 
     @property
     def capacity(self) -> int:
         return self._decoder.capacity
 
-    def draft(self, context: Sequence[int], k: int) -> List[int]:
+    def draft_rows(self, asks: Dict[int, Tuple[Sequence[int], int]]) -> Dict[int, List[int]]:
+        """Draft k tokens after each slot's context: {slot: (context, k)} -> {slot: tokens}."""
         dec = self._decoder
-        if len(context) + k > dec.capacity:
-            return []
-        fed = self._fed
-        n = 0
-        limit = min(len(fed), len(context) - 1)   # the last context token is fed below
-        while n < limit and fed[n] == context[n]:
-            n += 1
-        del fed[n:]
-        logits = dec.forward(np.asarray(context[n:], dtype=np.int64), None, n)
-        fed.extend(int(t) for t in context[n:])
-        out: List[int] = []
-        for _ in range(k):
-            token = int(np.argmax(logits))
-            out.append(token)
-            if len(out) == k:
-                break
-            logits = dec.decode(token, len(fed))
-            fed.append(token)
+        out: Dict[int, List[int]] = {slot: [] for slot in asks}
+        want: Dict[int, int] = {}
+        rows = []
+        for slot, (context, k) in asks.items():
+            if k < 1 or len(context) + k > dec.capacity:
+                continue
+            fed = self._fed[slot]
+            n = 0
+            limit = min(len(fed), len(context) - 1)   # the last context token is fed now
+            while n < limit and fed[n] == context[n]:
+                n += 1
+            del fed[n:]
+            rows.append(Row(slot, n, np.asarray(context[n:], dtype=np.int64)))
+            fed.extend(int(t) for t in context[n:])
+            want[slot] = k
+        while rows:
+            logits = dec.run(rows)
+            follow = []
+            for i, row in enumerate(rows):
+                token = int(np.argmax(logits[i]))
+                got = out[row.slot]
+                got.append(token)
+                if len(got) < want[row.slot]:   # the last drafted token is never fed
+                    fed = self._fed[row.slot]
+                    follow.append(decode_row(row.slot, token, len(fed)))
+                    fed.append(token)
+            rows = follow
         return out
+
+
+@dataclass
+class DraftAsk:
+    """One sequence's next draft in the making: the forced head and the drafter's share."""
+
+    speculator: 'Speculator'
+    head: List[int]   # tokens a constraint forces next (they come first)
+    want: int         # drafter tokens to follow them
 
 
 def check_same_tokenizer(target, draft, draft_dir: str) -> None:
@@ -157,11 +181,12 @@ def measure_break_even(decoder, max_draft: int, repeats: int = 3) -> List[float]
             times.append(time.perf_counter() - t)
         return min(times)
 
-    decoder.forward(np.array([1], dtype=np.int64), None, 0)
-    one = best(lambda: decoder.decode(1, 1))
+    decoder.run([decode_row(0, 1, 0)])
+    one = best(lambda: decoder.run([decode_row(0, 1, 1)]))
     cost = [1.0]
     for k in range(1, max_draft + 1):
-        cost.append(best(lambda: decoder.verify(ids[:k + 1], 1)) / one)
+        verify = Row(0, 1, np.array(ids[:k + 1], dtype=np.int64), logits=k + 1)
+        cost.append(best(lambda: decoder.run([verify])) / one)
     return cost
 
 
@@ -201,6 +226,19 @@ class Speculation:
             return None
         return Speculator(self, prompt_ids)
 
+    def draft(self, asks: Dict[int, DraftAsk]) -> Dict[int, List[int]]:
+        """Complete the drafts of a step's speculating goals, {slot: ask} -> {slot: draft}.
+
+        With a draft model its passes over every slot that asks are rows of its own calls.
+        """
+        model = self.draft_model
+        if model is None:
+            return {slot: ask.head + ask.speculator.lookup(ask.want, ask.head)
+                    for slot, ask in asks.items()}
+        got = model.draft_rows({slot: (ask.speculator.context + ask.head, ask.want)
+                                for slot, ask in asks.items() if ask.want > 0})
+        return {slot: ask.head + got.get(slot, []) for slot, ask in asks.items()}
+
 
 class Speculator:
     """One sequence's drafts: its context index, draft length and auto-mode judgement."""
@@ -234,20 +272,25 @@ class Speculator:
         """Append tokens the sequence emitted (its context grows)."""
         self._index.extend(tokens)
 
-    def propose(self, forced: Sequence[int], room: int) -> List[int]:
-        """Return the next draft: forced tokens first, then the drafter's (<= room tokens)."""
+    @property
+    def context(self) -> List[int]:
+        """Return the sequence's tokens so far (prompt, then output)."""
+        return self._index.tokens
+
+    def ask(self, forced: Sequence[int], room: int) -> Optional[DraftAsk]:
+        """Return the next draft's shape: forced tokens first, then the drafter's (<= room).
+
+        None: no draft now (off, or no room). Speculation.draft completes it.
+        """
         if self.off or room < 1:
-            return []
+            return None
         k = min(self._length(), room)
-        draft = list(forced[:k])
-        if len(draft) < k:
-            rest = k - len(draft)
-            model = self._owner.draft_model
-            if model is not None:
-                draft += model.draft(self._index.tokens + draft, rest)
-            else:
-                draft += self._index.draft(rest, after=draft)
-        return draft
+        head = list(forced[:k])
+        return DraftAsk(self, head, k - len(head))
+
+    def lookup(self, k: int, after: Sequence[int]) -> List[int]:
+        """Up to k prompt-lookup tokens after the context and `after`."""
+        return self._index.draft(k, after=after) if k > 0 else []
 
     def observe(self, drafted: int, accepted: int) -> None:
         """Take a verify pass's outcome: adapt the draft length, judge auto mode."""
@@ -293,7 +336,9 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
         raise SpeculativeConfigError(f'speculative.mode {config.mode}: {why}')
     draft = None
     if config.draft_model and config.mode in ('draft', 'auto'):
-        draft = DraftModel(_load_draft(config.draft_model, decoder, tokenizer, session))
+        # One draft slot per target slot: every speculating goal drafts in its own.
+        draft = DraftModel(_load_draft(config.draft_model, decoder, tokenizer,
+                                       replace(session, slots=decoder.slots)))
     return Speculation(config, True, draft, measure_break_even(decoder, config.max_draft))
 
 
@@ -310,4 +355,4 @@ def _load_draft(folder: str, target: OnnxDecoder, tokenizer: TextTokenizer,
         raise SpeculativeConfigError(
             f'speculative.draft_model {folder} has {info.vocab_size} logits, the model '
             f'{target.info.vocab_size}: a draft model must share the vocabulary')
-    return OnnxDecoder(folder, info, replace(session, slots=1))
+    return OnnxDecoder(folder, info, session)

@@ -198,9 +198,10 @@ class Engine:
                         for i in range(config.parallel_sequences)]
         self._lock = threading.RLock()
         self._store = store
-        self._scheduler = Scheduler(self._caches, self._start_sequence, config.prefill_chunk,
-                                    config.prefix_reuse, end_ops=self._end_ops)
-        self.loop = StepLoop(self._scheduler, Executor(self._decoder, self._caches, self.rows),
+        self._scheduler = Scheduler(self._caches, config.prefill_chunk, config.prefix_reuse,
+                                    end_ops=self._end_ops)
+        self.loop = StepLoop(self._scheduler, Executor(self._decoder, self._caches, self.rows,
+                                                       self._start_sequence, self.speculation),
                              self._lock)
         self._solo: Optional[Generation] = None
         self._compile_schema = functools.lru_cache(maxsize=16)(self._compile)
@@ -249,7 +250,7 @@ class Engine:
                        vocab_size=self.vocab_size, layout=self._layout)
 
     def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
-        """Build the runtime state of a goal that got a slot (the scheduler calls this).
+        """Build the runtime state of a goal that got a slot (the executor's Start).
 
         A session goal's prompt is built here, after the goals before it in its session
         ended: the stored turns first, then its own (runtime/conversation.py).

@@ -1,11 +1,11 @@
 """The step loop: plan, run, advance. The one driver of every backend.
 
     loop = StepLoop(scheduler, executor, lock)
-    report = loop.step()        # an admission plan (+ one prefill chunk), then a decode plan
+    report = loop.step()        # one plan: ends, admissions, one model call over rows
 
-The worker thread (serving/worker.py) calls ``step(emit=...)`` so that what the admission plan
-produced (a new goal's first token) is routed before the batched decode runs; Engine.generate
-(serving/engine.py) calls ``step()`` on the caller's thread. The lock makes one plan's
+The worker thread (serving/worker.py) calls ``step(emit=...)``, which hands the report over
+before the next step; Engine.generate (serving/engine.py) calls ``step()`` on the caller's
+thread. The lock makes one plan's
 schedule-run-update atomic against engine maintenance (session resets, close).
 """
 from __future__ import annotations
@@ -39,18 +39,11 @@ class StepLoop:
 
     def step(self, admit: bool = True,
              emit: Optional[Callable[[Report], None]] = None) -> Report:
-        """Run an admission plan and a decode plan; with `emit`, hand over each report.
-
-        Without emit, the two reports are returned joined.
-        """
-        first = self.run_plan(admit)
+        """Run one plan; with `emit`, hand its report over too."""
+        report = self.run_plan(admit)
         if emit is not None:
-            emit(first)
-            second = self.run_plan(admit)
-            emit(second)
-            return second
-        first += self.run_plan(admit)
-        return first
+            emit(report)
+        return report
 
     def abort(self, reason: Any) -> Report:
         """End every goal (cancelled with `reason`); return the report of their ends."""

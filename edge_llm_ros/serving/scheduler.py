@@ -1,27 +1,28 @@
 """Continuous batching: the scheduler plans, the executor runs (docs/batching.md).
 
 The scheduler owns the engine's N sequence slots and the goals waiting for one. It never calls
-the model and never moves KV bytes: it decides, and says so in a Plan. Its owner (the engine's
+a model and never moves KV bytes: it decides, and says so in a Plan. Its owner (the engine's
 thread) repeats
 
-    plan = scheduler.schedule()            # KV moves, and at most one model call
+    plan = scheduler.schedule()            # KV moves, then the rows of one model call
     outputs = executor.run(plan)           # serving/executor.py: runs them on the decoder
     report = scheduler.update(plan, outputs)   # advances the goals from the logits
 
-(serving/loop.py). Plans alternate between two kinds; one of each makes a step:
+(serving/loop.py). Every plan has one kind, the llama.cpp way (its update_slots):
 
-1. admission: end the goals whose cancel was asked; admit goals into the lowest free slots (a
-   paused one before a waiting one of its own priority, else the head of the queue: priority
-   then arrival; when every slot is busy and the head may preempt, pause the lowest-priority
-   running goal below it, latest arrival among equals); run at most one prefill chunk of the
-   most urgent prefilling goal;
-2. decode: one token of every decoding goal in one model call over rows 0..k-1. Occupied slots
-   are kept contiguous (a goal whose slot is above a freed one moves down, KV and all), so no
-   row of the call belongs to an idle slot. When one goal decodes alone and its sequence
-   speculates (runtime/speculative.py), the call is a verify pass over its token and its
-   draft; the positions of rejected drafts are forgotten by a Rewind before the next call.
-   Speculation runs only at batch size 1: beside other rows a verify pass would make every
-   row of the call wait for k + 1 positions (docs/speculative.md).
+1. end the goals whose cancel was asked, and run the end ops of goals that ended;
+2. admit goals into the lowest free slots (a paused one before a waiting one of its own
+   priority, else the head of the queue: priority then arrival; when every slot is busy and
+   the head may preempt, pause the lowest-priority running goal below it, latest arrival
+   among equals);
+3. the rows of the step's one model call: first a DecodeRow for every decoding goal (one
+   token, plus the drafts the executor adds when its sequence speculates: a verify row),
+   then PrefillRows of prefilling goals, most urgent first, within the prefill budget
+   (`prefill_chunk` prompt positions per step).
+
+After a verify row, the positions of rejected drafts are forgotten by a Rewind before the next
+call. Drafting (which may run a draft model), session-store reads and image encoding are the
+executor's or the goal's preparation, never the plan's.
 
 A new goal reuses the longest prefix of its prompt found in any slot's live KV or in a saved
 session snapshot (runtime/kv_cache.py); a paused goal's KV is parked whole and restored into
@@ -49,11 +50,23 @@ from edge_llm_ros.serving.goal import (CancelReason, error_result, Goal, GoalSta
                                        PRIORITY_MIN)
 from edge_llm_ros.serving.queue import GoalQueue, WaitQueue
 
-__all__ = ['Admit', 'Checkpoint', 'Commit', 'Decode', 'Move', 'Outputs', 'Park', 'Plan',
-           'Prefill', 'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Rewind', 'Scheduler', 'Unpark']
+__all__ = ['Admit', 'Checkpoint', 'Commit', 'DecodeRow', 'Outputs', 'Park', 'Plan',
+           'PrefillRow', 'PRIORITY_MAX', 'PRIORITY_MIN', 'Report', 'Rewind', 'Scheduler',
+           'Start', 'Unpark']
 
 
 # --- what a plan asks the executor to do -------------------------------------------------------
+@dataclass(frozen=True)
+class Start:
+    """Build the goal's runtime Sequence: its session's turns bound, its images encoded.
+
+    The goal holds `slot` from now on; the next plan admits its prompt's KV there.
+    """
+
+    goal: Goal
+    slot: int
+
+
 @dataclass(frozen=True)
 class Admit:
     """Make `reuse` live in `slot` for the goal's session (fresh: forget the slot first)."""
@@ -81,15 +94,6 @@ class Unpark:
 
 
 @dataclass(frozen=True)
-class Move:
-    """Move the goal's KV from slot `src` down to the free slot `dst` (keeps rows contiguous)."""
-
-    goal: Goal
-    src: int
-    dst: int
-
-
-@dataclass(frozen=True)
 class Rewind:
     """Forget the slot's positions from `length` on (drafts a verify pass rejected)."""
 
@@ -113,43 +117,45 @@ class Commit:
     conversation: Any       # runtime.conversation.Conversation
 
 
-KVOp = Union[Admit, Park, Unpark, Move, Rewind, Checkpoint, Commit]
+KVOp = Union[Start, Admit, Park, Unpark, Rewind, Checkpoint, Commit]
 
 
 @dataclass(frozen=True)
-class Prefill:
-    """Prompt positions start..stop-1 of the goal, in its slot: ids after embeds."""
+class PrefillRow:
+    """Prompt positions start..stop-1 of the goal, in its slot: ids after embeds.
+
+    last: the prompt's last piece; its last position's logits start the goal's output.
+    """
 
     goal: Goal
-    slot: int
     start: int
     stop: int
     ids: np.ndarray
     embeds: Optional[np.ndarray]
     keys: tuple
     bidirectional: bool = False   # exactly one image whose rows see each other both ways
+    last: bool = False
 
 
 @dataclass(frozen=True)
-class Decode:
-    """One token for rows 0..len(goals)-1: row i feeds goals[i] (None: no goal decodes there).
+class DecodeRow:
+    """The goal's next token at `position`; room > 0: the executor may add that many drafts."""
 
-    With a draft (one row only), a verify pass: the row's token, then the drafted tokens.
-    """
+    goal: Goal
+    token: int
+    position: int
+    room: int = 0
 
-    goals: Tuple[Optional[Goal], ...]
-    tokens: Tuple[int, ...]
-    positions: Tuple[int, ...]
-    draft: Tuple[int, ...] = ()
+
+StepRow = Union[DecodeRow, PrefillRow]
 
 
 @dataclass
 class Plan:
-    """One schedule() call: KV moves in order, then at most one model call."""
+    """One schedule() call: KV moves in order, then the rows of at most one model call."""
 
     kv: List[KVOp] = field(default_factory=list)
-    prefill: Optional[Prefill] = None
-    decode: Optional[Decode] = None
+    rows: List[StepRow] = field(default_factory=list)
     ended: List[Goal] = field(default_factory=list)    # ended without a model call
     paused: List[Goal] = field(default_factory=list)
     resumed: List[Goal] = field(default_factory=list)
@@ -157,8 +163,8 @@ class Plan:
 
     @property
     def empty(self) -> bool:
-        return not (self.kv or self.prefill or self.decode or self.ended or self.paused
-                    or self.resumed or self.started)
+        return not (self.kv or self.rows or self.ended or self.paused or self.resumed
+                    or self.started)
 
 
 @dataclass
@@ -166,12 +172,12 @@ class Outputs:
     """What the executor returns for a plan (logits are views valid until its next run)."""
 
     failed: Dict[int, BaseException] = field(default_factory=dict)   # goal.uid -> KV op error
-    prefill_logits: Optional[np.ndarray] = None
-    prefill_s: float = 0.0
-    prefill_error: Optional[BaseException] = None
-    decode_logits: Optional[np.ndarray] = None     # [rows, vocab]
-    decode_started: float = 0.0
-    decode_error: Optional[BaseException] = None
+    # Per plan row: the logits of the positions it asked for ([n, vocab]; None: not run).
+    logits: List[Optional[np.ndarray]] = field(default_factory=list)
+    drafts: Dict[int, Tuple[int, ...]] = field(default_factory=dict)   # row index -> drafts
+    started: float = 0.0      # perf_counter when the step's work began (drafting included)
+    seconds: float = 0.0      # the step's time
+    error: Optional[BaseException] = None   # the model call failed for every row in it
 
 
 @dataclass
@@ -193,8 +199,6 @@ class Report:
         return self
 
 
-# Builds a goal's runtime Sequence once its request is bound (Engine._start_sequence).
-StartSequence = Callable[[Goal, Any], Any]
 # What to do with a goal's slot when it ends there (Engine._end_ops): its checkpoint, or its
 # session's committed turn.
 EndOps = Callable[[Goal, int], List[KVOp]]
@@ -207,19 +211,16 @@ def checkpoint_only(goal: Goal, slot: int) -> List[KVOp]:
 class Scheduler:
     """N slots over one decoder's KV caches; see the module docstring."""
 
-    def __init__(self, caches: Sequence[KVCache], start_sequence: StartSequence,
-                 prefill_chunk: int, prefix_reuse: bool = True,
+    def __init__(self, caches: Sequence[KVCache], prefill_chunk: int, prefix_reuse: bool = True,
                  recompute: int = RECOMPUTE, end_ops: EndOps = checkpoint_only) -> None:
         """Plan over `caches` (one per slot, read here; the executor writes them).
 
-        :param start_sequence: (goal, bound request) -> the goal's runtime Sequence.
         :param prefill_chunk: prompt positions per prefill call.
         :param recompute: prompt positions always prefilled again on prefix reuse.
         :param end_ops: (goal, slot) -> the KV ops that follow a goal's end in its slot.
         """
         self._caches = list(caches)
         self.slots = len(self._caches)
-        self._start_sequence = start_sequence
         self._chunk = prefill_chunk
         self._prefix_reuse = prefix_reuse
         self._recompute = recompute
@@ -227,7 +228,6 @@ class Scheduler:
         self._queue = GoalQueue()
         self._slot: List[Optional[Goal]] = [None] * self.slots
         self._paused: List[Goal] = []
-        self._decode_next = False
         self._deferred: List[KVOp] = []   # checkpoints of goals ended in update()
 
     # --- any thread ----------------------------------------------------------------------------
@@ -238,7 +238,7 @@ class Scheduler:
     def cancel(self, goal: Goal, reason: CancelReason = CancelReason.CLIENT) -> bool:
         """Cancel a goal: a waiting one ends here (True), a running or paused one later.
 
-        A running or paused goal ends at the next admission plan, whose report carries it.
+        A running or paused goal ends at the next plan, whose report carries it.
         """
         return self._queue.cancel(goal, reason)
 
@@ -272,23 +272,19 @@ class Scheduler:
 
     # --- owner thread: planning ----------------------------------------------------------------
     def schedule(self, admit: bool = True) -> Plan:
-        """Return the next plan: admission (+ a prefill chunk), then decode, alternately.
+        """Return the next plan: ends, admissions, then the rows of one model call.
 
         admit False drains: nothing new is admitted or resumed.
         """
-        plan = Plan()
-        if self._decode_next:
-            self._decode_next = False
-            plan.kv, self._deferred = self._deferred, []
-            self._compact(plan)
-            self._plan_decode(plan)
-            return plan
-        self._decode_next = True
         plan = self.reap_plan()   # its checkpoints run before anything overwrites the slots
-        touched: Set[int] = set()
+        # A slot whose rejected drafts are forgotten first is no prefix source yet.
+        touched = {op.slot for op in plan.kv if isinstance(op, Rewind)}
+        for goal in self._slot:   # goals whose Sequence the last plan's Start built
+            if goal is not None and goal.chunks is None and goal.sequence is not None:
+                self._admit_kv(goal, plan, touched)
         if admit:
             self._admit(plan, touched)
-        self._plan_prefill(plan)
+        self._plan_rows(plan)
         return plan
 
     def _admit(self, plan: Plan, touched: Set[int]) -> None:
@@ -319,24 +315,25 @@ class Scheduler:
                 self._admit_new(head, slot, plan, touched)
 
     def _victim(self, priority: int) -> Optional[Goal]:
-        """Return the running goal of lowest priority below `priority` (latest arrival)."""
-        lower = [g for g in self.live() if g.priority < priority]
+        """Return the running goal of lowest priority below `priority` (latest arrival).
+
+        A goal still starting (its KV not admitted yet) is not one: it holds no positions.
+        """
+        lower = [g for g in self.live() if g.priority < priority and g.chunks is not None]
         return min(lower, key=lambda g: (g.priority, -g.arrival), default=None)
 
     def _admit_new(self, goal: Goal, slot: int, plan: Plan, touched: Set[int]) -> None:
+        """Give the goal a slot; the executor builds its Sequence (Start)."""
         goal.queue_wait_s = goal.wait_time()
         plan.started.append(goal)
-        try:
-            goal.sequence = self._start_sequence(goal, goal.enter_embeddings())
-            request = goal.ran = goal.sequence.request
-        except Exception as exc:  # noqa: B902 - one bad request must not stop the others
-            # Validated at admission; what only running can find (a stale embeddings handle).
-            goal.refused = isinstance(exc, InvalidRequestError)
-            text = str(exc) if goal.refused else f'{type(exc).__name__}: {exc}'
-            self._end(goal, plan.ended, error=text)
-            return
         goal.slot, goal.state = slot, GoalState.PREFILL
         self._slot[slot] = goal
+        plan.kv.append(Start(goal, slot))
+
+    def _admit_kv(self, goal: Goal, plan: Plan, touched: Set[int]) -> None:
+        """Make the longest reusable prefix of a started goal's prompt live in its slot."""
+        request = goal.sequence.request
+        slot = goal.slot
         keys = request.keys
         reuse = Reuse(0)
         if self._prefix_reuse:
@@ -373,46 +370,33 @@ class Scheduler:
         self._slot[slot] = goal
         plan.resumed.append(goal)
 
-    def _compact(self, plan: Plan) -> None:
-        """Move the highest occupied slots' goals down into free slots below them."""
-        while True:
-            free = [i for i, g in enumerate(self._slot) if g is None]
-            used = [i for i, g in enumerate(self._slot) if g is not None]
-            if not free or not used or free[0] > used[-1]:
+    def _plan_rows(self, plan: Plan) -> None:
+        """Decode rows of every decoding goal, then prompt pieces within the prefill budget."""
+        for goal in self._slot:
+            if goal is not None and goal.state is GoalState.DECODE:
+                seq = goal.sequence
+                room = self._caches[goal.slot].capacity - seq.pos - 1
+                plan.rows.append(DecodeRow(goal, seq.token, seq.pos, room))
+        pending = sorted((g for g in self._slot if g is not None
+                          and g.state is GoalState.PREFILL and g.chunks),
+                         key=WaitQueue.key)
+        budget = self._chunk
+        for goal in pending:
+            if budget == 0:
                 return
-            src, dst = used[-1], free[0]
-            goal = self._slot[src]
-            plan.kv.append(Move(goal, src, dst))
-            self._slot[src], self._slot[dst] = None, goal
-            goal.slot = dst
-
-    def _plan_prefill(self, plan: Plan) -> None:
-        """One prompt chunk of the most urgent prefilling goal."""
-        pending = [g for g in self._slot if g is not None and g.state is GoalState.PREFILL
-                   and g.chunks and not g.cancelled]
-        if not pending:
-            return
-        goal = min(pending, key=WaitQueue.key)
-        a, b = goal.chunks.popleft()
-        ids, embeds = goal.sequence.prefill_inputs(a, b)
-        plan.prefill = Prefill(goal, goal.slot, a, b, ids, embeds,
-                               tuple(goal.sequence.request.keys[a:b]),
-                               goal.sequence.whole_span(a, b))
-
-    def _plan_decode(self, plan: Plan) -> None:
-        rows = [g if g is not None and g.state is GoalState.DECODE else None
-                for g in self._slot]
-        while rows and rows[-1] is None:
-            rows.pop()
-        if not rows:
-            return
-        draft: Tuple[int, ...] = ()
-        if len(rows) == 1:
-            seq = rows[0].sequence
-            draft = tuple(seq.draft(self._caches[0].capacity - seq.pos - 1))
-        plan.decode = Decode(
-            tuple(rows), tuple(g.sequence.token if g is not None else 0 for g in rows),
-            tuple(g.sequence.pos if g is not None else -1 for g in rows), draft)
+            a, b = goal.chunks.popleft()
+            seq = goal.sequence
+            whole = seq.whole_span(a, b)   # an image seen both ways is one row, whatever
+            if whole and b - a > budget and budget < self._chunk:
+                goal.chunks.appendleft((a, b))   # it waits for a step of its own
+                continue
+            if not whole and b - a > budget:
+                goal.chunks.appendleft((a + budget, b))
+                b = a + budget
+            budget = max(budget - (b - a), 0)
+            ids, embeds = seq.prefill_inputs(a, b)
+            plan.rows.append(PrefillRow(goal, a, b, ids, embeds, tuple(seq.request.keys[a:b]),
+                                        whole, last=not goal.chunks))
 
     # --- owner thread: advancing ---------------------------------------------------------------
     def update(self, plan: Plan, outputs: Outputs) -> Report:
@@ -421,28 +405,43 @@ class Scheduler:
                         started=plan.started)
         for op in plan.kv:
             goal = getattr(op, 'goal', None)
-            if goal is not None and goal.uid in outputs.failed and not goal.done:
-                self._end(goal, report.ended, exc=outputs.failed[goal.uid])
-        if plan.prefill is not None:
-            self._prefilled(plan.prefill, outputs, report)
-        if plan.decode is not None:
-            self._decoded(plan.decode, outputs, report)
+            if goal is None or goal.uid not in outputs.failed or goal.done:
+                continue
+            exc = outputs.failed[goal.uid]
+            if isinstance(op, Start):
+                # Validated at admission; what only running can find (a stale embeddings
+                # handle). Its slot holds nothing of it: no end ops.
+                goal.refused = isinstance(exc, InvalidRequestError)
+                self._slot[goal.slot], goal.slot = None, -1
+                self._end(goal, report.ended,
+                          error=str(exc) if goal.refused else f'{type(exc).__name__}: {exc}')
+            else:
+                self._end(goal, report.ended, exc=exc)
+        for i, row in enumerate(plan.rows):
+            goal = row.goal
+            if goal.done:
+                continue
+            if outputs.error is not None:   # the call failed for every row in it
+                if isinstance(row, DecodeRow) and outputs.drafts.get(i):
+                    self._deferred.append(Rewind(goal.slot, row.position))
+                self._end(goal, report.ended, exc=outputs.error)
+            elif isinstance(row, PrefillRow):
+                self._prefilled(row, outputs.logits[i], outputs.seconds, report)
+            else:
+                self._decoded(row, outputs.logits[i], outputs.drafts.get(i, ()),
+                              outputs.started, report)
         return report
 
-    def _prefilled(self, step: Prefill, outputs: Outputs, report: Report) -> None:
-        goal = step.goal
-        if goal.done:
-            return
-        if outputs.prefill_error is not None:
-            self._end(goal, report.ended, exc=outputs.prefill_error)
-            return
+    def _prefilled(self, row: PrefillRow, logits: Optional[np.ndarray], seconds: float,
+                   report: Report) -> None:
+        goal = row.goal
         seq = goal.sequence
-        seq.prefilled(step.start, step.stop, outputs.prefill_s)
-        if goal.chunks:
+        seq.prefilled(row.start, row.stop, seconds)
+        if not row.last:
             return
         cache = self._caches[goal.slot]
         try:
-            event = seq.start(outputs.prefill_logits, cache.length, cache.room())
+            event = seq.start(logits[-1], cache.length, cache.room())
         except Exception as exc:  # noqa: B902 - ends this goal only
             self._end(goal, report.ended, exc=exc)
             return
@@ -452,42 +451,22 @@ class Scheduler:
         if seq.done:
             self._end(goal, report.ended)
 
-    def _decoded(self, step: Decode, outputs: Outputs, report: Report) -> None:
-        goals = [g for g in step.goals if g is not None and not g.done]
-        if outputs.decode_error is not None:
-            for goal in goals:   # the call failed for every row in it
-                self._end(goal, report.ended, exc=outputs.decode_error)
-            return
-        logits, started = outputs.decode_logits, outputs.decode_started
-        if step.draft:
-            self._verified(step, logits, started, report)
-            return
-        for row, goal in enumerate(step.goals):
-            if goal is None or goal.done:
-                continue
-            try:
-                goal.sequence.advance(logits[row], started)
-            except Exception as exc:  # noqa: B902 - ends this goal only
-                self._end(goal, report.ended, exc=exc)
-                continue
-            report.tokens.append(goal)
-            if goal.sequence.done:
-                self._end(goal, report.ended)
-
-    def _verified(self, step: Decode, logits: np.ndarray, started: float,
-                  report: Report) -> None:
-        """Advance the one goal of a verify pass; forget the positions of rejected drafts."""
-        goal = step.goals[0]
-        if goal is None or goal.done:
-            return
+    def _decoded(self, row: DecodeRow, logits: np.ndarray, draft: Tuple[int, ...],
+                 started: float, report: Report) -> None:
+        """Advance a decode row's goal (a verify row: forget the rejected drafts' positions)."""
+        goal = row.goal
         seq = goal.sequence
         try:
-            seq.advance_verified(logits, step.draft, started)
+            if draft:
+                seq.advance_verified(logits, draft, started)
+            else:
+                seq.advance(logits[0], started)
         except Exception as exc:  # noqa: B902 - ends this goal only
-            self._deferred.append(Rewind(goal.slot, step.positions[0]))
+            if draft:
+                self._deferred.append(Rewind(goal.slot, row.position))
             self._end(goal, report.ended, exc=exc)
             return
-        if seq.pos < step.positions[0] + len(step.draft) + 1:
+        if draft and seq.pos < row.position + len(draft) + 1:
             self._deferred.append(Rewind(goal.slot, seq.pos))
         report.tokens.append(goal)
         if seq.done:
@@ -542,7 +521,6 @@ class Scheduler:
         """Cancel every goal (waiting ones end at once); return the plan that ends the rest."""
         for goal in self.live() + self._paused + self.waiting():
             self.cancel(goal, reason)
-        self._decode_next = False
         return self.reap_plan()
 
 
