@@ -6,8 +6,9 @@ import pytest
 
 from edge_llm_ros.errors import ContextOverflowError
 from edge_llm_ros.runtime.conversation import Conversation, StoredImage
-from edge_llm_ros.runtime.kv_cache import (_Snapshot, check_fits, common_prefix, dequantize_int8,
-                                           KVCache, quantize_int8, SnapshotStore)
+from edge_llm_ros.runtime.kv_cache import (_Snapshot, block_hashes, check_fits, common_prefix,
+                                           dequantize_int8, KVCache, quantize_int8,
+                                           SnapshotStore)
 
 LAYERS, KV_HEADS, HEAD_DIM, CAP = 2, 2, 8, 32
 
@@ -263,3 +264,55 @@ def test_checkpoint_is_a_no_op_without_persistence():
 def test_bad_byte_bound():
     with pytest.raises(ValueError, match='max_bytes'):
         SnapshotStore(max_bytes=-1)
+
+
+def conv_cache():
+    """Return a cache with one conv state [1, 2, 4] (a hybrid's) beside one KV buffer."""
+    state = np.zeros((1, 2, 4), np.float32)
+    cache = KVCache([np.zeros((1, 1, CAP, 2), np.float32)], CAP, states=[state])
+    return cache, state
+
+
+def test_conv_states_rewind_only_to_kept_positions():
+    cache, state = conv_cache()
+    assert not cache.rewindable
+    cache.append([1, 2, 3])
+    state[...] = 3.0
+    cache.mark()                       # a prompt's end
+    cache.append([4, 5])
+    state[...] = 5.0
+    cache.keep_undo()                  # a verify's start
+    cache.append([6, 7, 8])
+    state[...] = 8.0
+    with pytest.raises(ValueError, match='no conv state was kept there'):
+        cache.rewind_to(4)
+    cache.rewind_to(5)                 # drafts rejected: back to the verify's start
+    assert cache.keys == (1, 2, 3, 4, 5) and np.all(state == 5.0)
+    with pytest.raises(ValueError, match='no conv state'):
+        cache.rewind_to(4)             # the undo is used up
+    cache.rewind_to(3)
+    assert cache.length == 3 and np.all(state == 3.0)
+    cache.rewind_to(0)                 # position 0: a row starting there reads zeros
+    assert cache.length == 0
+
+
+def test_conv_reuse_stops_at_kept_ends_of_this_slot_or_another():
+    cache, state = conv_cache()
+    other, other_state = conv_cache()
+    other.append([1, 2, 3, 4])
+    other_state[...] = 4.0
+    other.mark()
+    other.append([5, 6])
+    other_state[...] = 6.0
+    keys = [1, 2, 3, 4, 5, 9, 9]
+    # Common prefix 5, but conv states exist at 4 (a mark) and 6 (the live end) only.
+    reuse = cache.find_reuse(keys, block_hashes(keys), len(keys) - 1, [other])
+    assert reuse.length == 4 and reuse.source is other
+    cache.apply(reuse)
+    assert cache.keys == (1, 2, 3, 4) and np.all(state == 4.0)
+    longer = [1, 2, 3, 4, 5, 6, 7]
+    reuse = cache.find_reuse(longer, block_hashes(longer), len(longer) - 1, [other], own=False)
+    assert reuse.length == 6 and reuse.source is other   # the other slot's live end
+    cache.apply(reuse)
+    assert np.all(state == 6.0) and cache.length == 6
+    assert cache.find_reuse(longer, block_hashes(longer), 5, [], own=True).length == 0

@@ -14,13 +14,14 @@ the slot's KV (a paused goal parked and resumed); a step's one model call touche
 slots it has rows for, so a slot between prefill chunks keeps its state. Each goal's logprobs
 equal the same goal run alone, bit for bit, through chunks that share calls with decode rows
 and through a preemption. A conv state cannot be
-rewound by position, so prefix reuse is off (a repeated prompt is prefilled whole), a
-session_id and sessions.store are refused, speculation is off in auto mode and refused when
-asked for, and an lfm2 draft model is refused, each with what to do. The KV budget counts the
-conv states' bytes.
+rewound by position, so a slot keeps copies of it at a prompt's end and a turn's end: prefix
+reuse stops there (and equals the uncached run); speculation keeps it at a verify's start,
+goes back there when drafts are rejected and feeds the accepted tokens again (output equal to
+plain decoding, greedy and seeded, solo and batched). A session_id and sessions.store are
+refused, and so is an lfm2 draft model, each with what to do. The KV budget counts the conv
+states' bytes.
 """
 import json
-import logging
 import pathlib
 from typing import List
 
@@ -325,21 +326,38 @@ def test_a_preempted_goal_resumes_with_its_conv_states(kquant_dir, alone):
         assert bits(g) == alone[text], text
 
 
-def test_prefix_reuse_is_off_and_a_repeated_prompt_is_prefilled_whole(kquant_dir, alone,
-                                                                      caplog):
-    with caplog.at_level(logging.WARNING, logger='edge_llm_ros.serving.engine'):
-        eng = engine(kquant_dir, prefix_reuse=True)
-    assert any('kv.prefix_reuse is off' in r.getMessage() for r in caplog.records)
+def test_prefix_reuse_stops_at_kept_conv_states_and_equals_the_uncached_run(kquant_dir):
+    """A prompt that extends an earlier one reuses it up to a kept end, bit for bit."""
+    first = TEXTS[0]
+    later = [first + ' ' + TEXTS[1], first + ' ' + TEXTS[2]]
+    plain = engine(kquant_dir, prefix_reuse=False)
     try:
-        assert not eng.prefix_reuse
-        for _ in range(2):
-            g = eng.generate(goal(eng, TEXTS[3], max_tokens=16).request).goal
-            while not g.done:
-                eng.run_plan()
-            assert bits(g) == alone[TEXTS[3]]
-            assert g.result.timings.cached_prompt_tokens == 0
+        want = []
+        for text in later:
+            g = eng_goal(plain, text)
+            want.append((bits(g), g.result.timings.cached_prompt_tokens))
+    finally:
+        plain.close()
+    assert all(cached == 0 for _, cached in want)
+    eng = engine(kquant_dir, prefix_reuse=True)
+    try:
+        assert eng.prefix_reuse
+        eng_goal(eng, first, max_tokens=4)
+        prompt_end = len(eng.tokenize(first))
+        for text, (expected, _) in zip(later, want):
+            g = eng_goal(eng, text)
+            assert bits(g) == expected, text
+            # Reused up to the first prompt's end, where its conv states were kept.
+            assert g.result.timings.cached_prompt_tokens == prompt_end
     finally:
         eng.close()
+
+
+def eng_goal(eng: Engine, text: str, max_tokens: int = 12) -> Goal:
+    g = eng.scheduler().submit(goal(eng, text, max_tokens=max_tokens))
+    while not g.done:
+        eng.run_plan()
+    return g
 
 
 def test_sessions_are_refused_with_what_to_do(kquant_dir, tmp_path):
@@ -354,16 +372,29 @@ def test_sessions_are_refused_with_what_to_do(kquant_dir, tmp_path):
         engine(kquant_dir, session_store=str(tmp_path / 'sessions.db'))
 
 
-def test_speculation_is_off_in_auto_and_refused_when_asked_for(kquant_dir, tmp_path):
-    eng = engine(kquant_dir, speculative=SpeculativeConfig(mode='auto'))
-    try:
-        assert not eng.speculation.enabled
-        assert 'cannot be rewound' in eng.speculation.why_off
-    finally:
-        eng.close()
-    with pytest.raises(SpeculativeConfigError, match='speculative.mode prompt_lookup: .*set '
-                                                     'speculative.mode off'):
-        engine(kquant_dir, speculative=SpeculativeConfig(mode='prompt_lookup'))
+@pytest.mark.parametrize('slots', [1, 3])
+def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, slots):
+    """Rejected drafts: the conv states go back to the verify's start, accepted tokens again."""
+    texts = [' '.join([t] * 4) for t in TEXTS[:3]]   # repetitive: prompt lookup drafts
+    seeded = SamplingConfig(temperature=0.8, top_k=20, seed=3, logprobs=True)
+    for sampling in (SamplingConfig(temperature=0.0, logprobs=True), seeded):
+        runs = []
+        for mode in ('off', 'prompt_lookup'):
+            eng = engine(kquant_dir, slots, max_context=256,
+                         speculative=SpeculativeConfig(mode=mode))
+            try:
+                sched = eng.scheduler()
+                goals = [sched.submit(Goal(eng.prepare(GenerationRequest(
+                    prompt=t, max_tokens=24, use_chat_template=False, sampling=sampling))))
+                    for t in texts]
+                while not all(g.done for g in goals):
+                    eng.run_plan()
+                runs.append(([bits(g) for g in goals], eng.speculation.stats))
+            finally:
+                eng.close()
+        (plain, _), (spec, stats) = runs
+        assert spec == plain
+        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, stats
 
 
 def test_an_lfm2_draft_model_is_refused(kquant_dir):

@@ -254,8 +254,9 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               "from the model's model.yaml"),
     *engine_specs('language model'),
     ParamSpec('engine.prefill_chunk', ParamType.INTEGER, 256,
-              'Prompt tokens per forward pass during prefill (bounds memory and how long a '
-              'cancel waits)', range=Range(1, 8192)),
+              'Prompt positions a step adds to its one model call beside the decode rows '
+              '(bounds memory, how long a cancel waits and how much a long prompt slows '
+              'the goals decoding meanwhile: docs/batching.md)', range=Range(1, 8192)),
     ParamSpec('engine.parallel_sequences', ParamType.INTEGER, 1,
               'Goals decoded together in one batch (continuous batching); each has its own '
               'kv.max_context KV slot, reserved at configure (docs/batching.md)',

@@ -28,10 +28,13 @@ after a restore are close to, not bit-equal with, a fresh run; near-ties in gree
 flip. The live cache itself always stays at full precision.
 
 Conv states (a hybrid's conv layers, lfm2: ``states``, one [1, kernel - 1, hidden] view per
-conv layer) hold the state after the last live position only. They move with the slot's KV
-(``take``: a goal moved down a slot or resumed from its park) but cannot be cut back to an
-earlier position, so such a cache offers no reuse (``find_reuse`` finds nothing) and keeps no
-session snapshots: the engine turns prefix reuse and sessions off for it.
+conv layer) hold the state after the last live position only, so they cannot be cut back by
+position. Such a cache keeps copies of its states at the positions that need them instead
+(a few KB each): ``mark()`` at a prompt's end and a turn's end (prefix reuse may stop there:
+``find_reuse`` offers only such positions), and ``keep_undo()`` before a speculative verify
+(``rewind_to`` that position restores it; the engine feeds the accepted tokens again). They
+move with the slot's KV when a goal is parked and resumed. Session snapshots of such a cache
+are not kept yet: the engine refuses sessions for it.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ from edge_llm_ros.errors import ContextOverflowError
 from edge_llm_ros.runtime.conversation import Conversation
 
 SNAPSHOT_DTYPES = ('float32', 'int8')
+# Reuse points of conv states kept per slot (KVCache.mark): the newest ones.
+MAX_MARKS = 4
 _log = logging.getLogger(__name__)
 
 
@@ -385,6 +390,10 @@ class KVCache:
         self._hashes: List[bytes] = []   # block_hashes(self._keys), kept up to date
         self._owner = ''          # session whose conversation the live cache holds
         self._owner_saved = True  # its snapshot already equals the live cache
+        # Conv states kept at positions (see the module docstring): reuse points, newest last,
+        # and the position a verify pass started at.
+        self._marks: 'OrderedDict[int, List[np.ndarray]]' = OrderedDict()
+        self._undo: Optional[Tuple[int, List[np.ndarray]]] = None
 
     # --- state -----------------------------------------------------------------------------
     @property
@@ -412,6 +421,39 @@ class KVCache:
     def state_copies(self) -> List[np.ndarray]:
         """Copy the conv states (what a paused goal parks beside its positions)."""
         return [s.copy() for s in self._states]
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether any earlier position can be made the end again (KV only)."""
+        return not self._states
+
+    def mark(self) -> None:
+        """Keep the conv states of the current end as a reuse point (no-op for KV only)."""
+        if not self._states:
+            return
+        n = len(self._keys)
+        self._marks.pop(n, None)
+        self._marks[n] = self.state_copies()
+        while len(self._marks) > MAX_MARKS:
+            self._marks.popitem(last=False)
+
+    def keep_undo(self) -> None:
+        """Keep the conv states of the current end until the next rewind (a verify pass)."""
+        if self._states:
+            self._undo = (len(self._keys), self.state_copies())
+
+    def _states_at(self, n: int) -> Optional[List[np.ndarray]]:
+        """Return the conv states after position n - 1, if kept (the live end's: current)."""
+        if n == len(self._keys):
+            return self._states
+        if self._undo is not None and self._undo[0] == n:
+            return self._undo[1]
+        return self._marks.get(n)
+
+    def _ends(self) -> List[int]:
+        """Positions this cache can be cut back to with its conv states (0 always)."""
+        return [0, len(self._keys), *self._marks] + \
+            ([self._undo[0]] if self._undo is not None else [])
 
     @property
     def store(self) -> SnapshotStore:
@@ -453,13 +495,28 @@ class KVCache:
         self._owner_saved = False
 
     def rewind_to(self, n: int) -> None:
-        """Forget every position from n on (the buffers' bytes there become garbage)."""
+        """Forget every position from n on (the buffers' bytes there become garbage).
+
+        With conv states, n must be 0 or a kept position (mark, undo), whose states come back.
+        """
         if not 0 <= n <= len(self._keys):
             raise ValueError(f'cannot rewind to {n}: the cache holds {len(self._keys)} positions')
+        if n < len(self._keys) and self._states:
+            states = self._states_at(n)
+            if states is None and n > 0:
+                raise ValueError(f'cannot rewind to {n}: no conv state was kept there')
+            for dst, src in zip(self._states, states or ()):
+                dst[...] = src
+            self._undo = None
+        self._forget_from(n)
+
+    def _forget_from(self, n: int) -> None:
         if n < len(self._keys):
             del self._keys[n:]
             del self._hashes[n // BLOCK:]
             self._owner_saved = False
+        for m in [m for m in self._marks if m > n]:
+            del self._marks[m]
 
     def reset(self) -> None:
         """Empty the live cache (saved sessions stay)."""
@@ -467,6 +524,8 @@ class KVCache:
         self._hashes.clear()
         self._owner = ''
         self._owner_saved = True
+        self._marks.clear()
+        self._undo = None
 
     def clear_sessions(self) -> None:
         """Forget every saved session (in the SQLite store too, when there is one)."""
@@ -537,8 +596,8 @@ class KVCache:
         (other slots, copied over) and every saved snapshot; ties go to the one that copies
         least (own, then snapshot, then another slot).
         """
-        if self._states:   # a conv state is that of the last position: no prefix of it
-            return Reuse(0)
+        if self._states:   # conv states exist at kept positions only
+            return self._find_kept(keys, hashes, limit, others, own)
         best = Reuse(min(self.common_length(keys, hashes), limit) if own else 0)
         for snap in self._sessions.values():
             n = min(hashed_common_prefix(snap.keys, snap.hashes, keys, hashes), limit)
@@ -549,6 +608,17 @@ class KVCache:
                 n = min(other.common_length(keys, hashes), limit)
                 if n > best.length:
                     best = Reuse(n, other)
+        return best
+
+    def _find_kept(self, keys: Sequence[Hashable], hashes: Sequence[bytes], limit: int,
+                   others: Sequence['KVCache'], own: bool) -> Reuse:
+        """find_reuse with conv states: the longest common prefix that ends at a kept end."""
+        best = Reuse(0)
+        for cache in ([self] if own else []) + [o for o in others if o is not self]:
+            common = min(cache.common_length(keys, hashes), limit)
+            n = max((m for m in cache._ends() if m <= common), default=0)
+            if n > best.length:
+                best = Reuse(n, None if cache is self else cache)
         return best
 
     def apply(self, reuse: Reuse, session_id: str = '') -> int:
@@ -568,7 +638,15 @@ class KVCache:
         if self._owner and self._owner != session_id and not self._owner_saved \
                 and keep < len(self._keys):
             self._save(self._owner)
-        self.rewind_to(min(keep, len(self._keys)))
+        if isinstance(source, KVCache) and self._states:
+            # Conv states come whole from the source's kept end n; the KV positions below
+            # keep are this cache's own and stay.
+            self._forget_from(min(keep, len(self._keys)))
+            self._undo = None
+            for dst, src in zip(self._states, source._states_at(n)):
+                dst[...] = src
+        else:
+            self.rewind_to(min(keep, len(self._keys)))
         if isinstance(source, KVCache):
             self.copy_positions(source.buffers, source._keys, n)
         elif source is not None:

@@ -318,13 +318,6 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
     config.check()
     if config.mode == 'off':
         return Speculation(config, decoder.row_exact)
-    if not getattr(decoder, 'rewindable', True):
-        why = (f'{model_dir} ({decoder.info.architecture}) keeps a convolution state per '
-               'sequence, which cannot be rewound to the last accepted draft token (its state '
-               'is that of the last position fed); set speculative.mode off for it')
-        if config.mode == 'auto':
-            return Speculation(config, False, why_off=why)
-        raise SpeculativeConfigError(f'speculative.mode {config.mode}: {why}')
     if not decoder.row_exact:
         why = (f'{model_dir} is not row-exact (model.yaml attention '
                f'{decoder.info.attention!r}, op domains {list(decoder.info.op_domains)}): its '

@@ -73,7 +73,7 @@ class EngineConfig:
     # Byte bound of the saved prefixes, in memory and in session_store (docs/sessions.md).
     session_max_bytes: int = 256 << 20
     session_store: str = ''        # SQLite file the saved prefixes persist in; '' = memory only
-    prefill_chunk: int = 256       # prompt positions per forward (bounds memory, cancel latency)
+    prefill_chunk: int = 256       # prompt positions per step (bounds memory, cancel latency)
     # config/models family name (or a family .yaml path) instead of the one model.yaml matches.
     model_family: str = ''
     # Sequence slots (continuous batching, docs/batching.md): each holds max_context positions.
@@ -153,14 +153,10 @@ class Engine:
         model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
-        # A hybrid's conv state is that of its last position (model.yaml layer_states): no
-        # prefix of it can be reused, so prefix reuse is off (outputs are the same, prompts
-        # are prefilled whole) and sessions, which continue from a saved prefix, are refused.
-        self.prefix_reuse = config.prefix_reuse and self.info.rewindable
-        if config.prefix_reuse and not self.prefix_reuse:   # said once, never a silent change
-            _log.warning('kv.prefix_reuse is off for this %s model: its convolution state '
-                         'cannot be cut back to a shared prefix, so every prompt is prefilled '
-                         'whole (outputs are unchanged)', self.info.architecture)
+        # A hybrid's conv state is that of its last position (model.yaml layer_states): its
+        # slots keep copies at a prompt's and a turn's end, where prefix reuse may stop
+        # (runtime/kv_cache.py); sessions, which continue from a saved snapshot, are refused.
+        self.prefix_reuse = config.prefix_reuse
         if config.session_store and not self.info.rewindable:
             raise ModelLoadError(
                 f'sessions.store is set, but {self.info.architecture} keeps a convolution '

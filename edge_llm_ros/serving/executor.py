@@ -123,10 +123,12 @@ class Executor:
             goal.sequence = self._start_sequence(goal, goal.enter_embeddings())
             goal.ran = goal.sequence.request
         elif isinstance(op, Checkpoint):
+            caches[op.slot].mark()   # a goal ended here: a reuse point of conv states
             caches[op.slot].checkpoint()
         elif isinstance(op, Rewind):
             caches[op.slot].rewind_to(op.length)
         elif isinstance(op, Commit):
+            caches[op.slot].mark()
             caches[op.slot].commit(op.session_id, op.conversation)
         elif isinstance(op, Admit):
             cache = caches[op.slot]
@@ -168,8 +170,11 @@ class Executor:
                     draft = tuple(drafts.get(goal.slot, ()))
                     if draft:
                         out.drafts[i] = draft
-                    rows.append(Row(goal.slot, step.position,
-                                    np.array((step.token,) + draft, dtype=np.int64),
+                        # A conv state cannot be cut back: keep the verify's start.
+                        self._caches[goal.slot].keep_undo()
+                    rows.append(Row(goal.slot, step.start,
+                                    np.array(step.replay + (step.token,) + draft,
+                                             dtype=np.int64),
                                     logits=1 + len(draft)))
                 ran.append(i)
             if not rows:
@@ -179,6 +184,8 @@ class Executor:
                 step = plan_rows[i]
                 if isinstance(step, PrefillRow):
                     self._caches[row.slot].append(step.keys)
+                    if step.last:
+                        self._caches[row.slot].mark()   # a reuse point of conv states
                 else:
                     self._caches[row.slot].append(row.ids.tolist())
         except Exception as exc:  # noqa: B902 - the call failed for every row in it

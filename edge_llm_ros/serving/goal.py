@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import enum
 import itertools
 import time
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -126,9 +126,11 @@ class Goal:
     # The request was found invalid only when it started (a stale embeddings handle, a
     # conversation that no longer leaves room): its ERROR result is the client's to fix.
     refused: bool = field(default=False, init=False)
-    # Scheduler bookkeeping: prompt chunks still to prefill, the parked KV of a paused goal,
-    # the state to resume into, and the bound embeddings' exit stack.
+    # Scheduler bookkeeping: prompt chunks still to prefill, the tokens to feed again before
+    # the next one (a conv state rewound to a verify's start), the parked KV of a paused
+    # goal, the state to resume into, and the bound embeddings' exit stack.
     chunks: Any = field(default=None, init=False, repr=False)
+    replay: Tuple[int, ...] = field(default=(), init=False, repr=False)
     park: Any = field(default=None, init=False, repr=False)
     resume_state: GoalState = field(default=GoalState.DECODE, init=False, repr=False)
     exit_stack: Optional[contextlib.ExitStack] = field(default=None, init=False, repr=False)

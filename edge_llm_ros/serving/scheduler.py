@@ -139,12 +139,21 @@ class PrefillRow:
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """The goal's next token at `position`; room > 0: the executor may add that many drafts."""
+    """The goal's next token at `position`; room > 0: the executor may add that many drafts.
+
+    replay: tokens fed again first, at position - len(replay).. (a conv state cannot be cut
+    back to an accepted draft: it was rewound to the verify's start instead).
+    """
 
     goal: Goal
     token: int
     position: int
     room: int = 0
+    replay: Tuple[int, ...] = ()
+
+    @property
+    def start(self) -> int:
+        return self.position - len(self.replay)
 
 
 StepRow = Union[DecodeRow, PrefillRow]
@@ -376,7 +385,8 @@ class Scheduler:
             if goal is not None and goal.state is GoalState.DECODE:
                 seq = goal.sequence
                 room = self._caches[goal.slot].capacity - seq.pos - 1
-                plan.rows.append(DecodeRow(goal, seq.token, seq.pos, room))
+                plan.rows.append(DecodeRow(goal, seq.token, seq.pos, room, goal.replay))
+                goal.replay = ()
         pending = sorted((g for g in self._slot if g is not None
                           and g.state is GoalState.PREFILL and g.chunks),
                          key=WaitQueue.key)
@@ -422,8 +432,6 @@ class Scheduler:
             if goal.done:
                 continue
             if outputs.error is not None:   # the call failed for every row in it
-                if isinstance(row, DecodeRow) and outputs.drafts.get(i):
-                    self._deferred.append(Rewind(goal.slot, row.position))
                 self._end(goal, report.ended, exc=outputs.error)
             elif isinstance(row, PrefillRow):
                 self._prefilled(row, outputs.logits[i], outputs.seconds, report)
@@ -463,11 +471,17 @@ class Scheduler:
                 seq.advance(logits[0], started)
         except Exception as exc:  # noqa: B902 - ends this goal only
             if draft:
-                self._deferred.append(Rewind(goal.slot, row.position))
+                self._deferred.append(Rewind(goal.slot, row.start))
             self._end(goal, report.ended, exc=exc)
             return
-        if draft and seq.pos < row.position + len(draft) + 1:
-            self._deferred.append(Rewind(goal.slot, seq.pos))
+        if draft and seq.pos < row.position + len(draft) + 1:   # drafts were rejected
+            if self._caches[goal.slot].rewindable:
+                self._deferred.append(Rewind(goal.slot, seq.pos))
+            else:
+                # Back to the verify's start (its conv states were kept), and the accepted
+                # tokens go again in front of the next one.
+                self._deferred.append(Rewind(goal.slot, row.start))
+                goal.replay = (row.replay + (row.token,) + draft)[:seq.pos - row.start]
         report.tokens.append(goal)
         if seq.done:
             self._end(goal, report.ended)
