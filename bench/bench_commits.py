@@ -38,9 +38,11 @@ from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 folder, threads, prompt_tokens, new_tokens = sys.argv[1], *map(int, sys.argv[2:5])
 eng = Engine(EngineConfig(model_dir=folder, intra_op_threads=threads,
-                          max_context=prompt_tokens + new_tokens + 8, prefix_reuse=False))
-ids = [(7 * i) % 500 + 100 for i in range(prompt_tokens)]
-text = eng.tokenizer.decode(ids)
+                          max_context=2 * prompt_tokens + new_tokens + 64, prefix_reuse=False))
+sentence = 'The robot logs its battery level, its pose and the obstacles it saw. '
+text = sentence
+while len(eng.tokenize(text)) < prompt_tokens:
+    text += sentence
 ban = {t: -100.0 for t in eng.tokenizer.eos_token_ids}
 def once():
     req = GenerationRequest(prompt=text, max_tokens=new_tokens, use_chat_template=False,
@@ -50,8 +52,8 @@ once()   # warm-up
 r = once()
 t = r.timings
 print(json.dumps({'prompt_tokens': r.prompt_tokens, 'ids': r.token_ids,
-                  'prefill_tok_s': t.prefill_tokens / t.prefill_s,
-                  'decode_tok_s': t.decode_tokens / t.decode_s}))
+                  'prefill_tok_s': t.prefill_tokens_per_second,
+                  'decode_tok_s': t.decode_tokens_per_second}))
 """
 
 

@@ -85,6 +85,10 @@ class Packed:
     table: np.ndarray         # int32 [R, 4]: slot, start, length, bidirectional
     logits_at: np.ndarray     # int64 [K]: packed positions that get logits, in row order
 
+    def arrays(self) -> tuple:
+        """Return the inputs in the graph's order (model_format.VARLEN_INPUTS)."""
+        return self.input_ids, self.embeds, self.embeds_at, self.table, self.logits_at
+
 
 def pack(rows: Sequence[Row], hidden: int, dtype: type) -> Packed:
     """Lay the rows out one after the other (row order kept)."""

@@ -186,6 +186,8 @@ class Executor:
                     self._caches[row.slot].append(step.keys)
                     if step.last:
                         self._caches[row.slot].mark()   # a reuse point of conv states
+                elif row.length == 1:
+                    self._caches[row.slot].append_token(step.token)
                 else:
                     self._caches[row.slot].append(row.ids.tolist())
         except Exception as exc:  # noqa: B902 - the call failed for every row in it
