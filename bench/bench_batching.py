@@ -269,7 +269,7 @@ def priority_ttft(served: Served, long_goals: int, bias: Dict[int, float],
 # --- mixed batches: decoding goals while a long prompt prefills --------------------------------
 MIXED_CONTEXT = 2048
 MIXED_DECODERS = 3
-MIXED_DECODE_TOKENS = 480
+MIXED_DECODE_TOKENS = 1400   # outlasts the slowest prefill (--mixed-chunks 4)
 MIXED_PROMPT = ('The robot logs its battery level, its pose, the obstacles it saw and the '
                 'operator messages of the last shift. ')
 
