@@ -21,6 +21,7 @@ nothing ever runs on a node or context that is being destroyed.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -71,15 +72,29 @@ def arm() -> None:
 def ignore_signals() -> None:
     """Let a cleanup that has started finish: further SIGINT/SIGTERM are ignored.
 
-    The disarmed handler stays (or is put) in place rather than SIG_IGN: a signal that the
-    C handler took while signal.signal() swapped the handler to SIG_IGN was reported by
-    Python as an 'OSError: Signal 2 ignored due to race condition' traceback.
+    SIG_IGN, not a Python handler: interpreter finalization resets Python handlers to
+    SIG_DFL, and a late Ctrl-C would then kill the process (-2). A signal that arrives while
+    SIG_IGN is being installed makes CPython print "Signal 2 ignored due to race condition"
+    as an unraisable traceback; it was ignored as asked, so that report is dropped.
     """
     global _armed
     _armed = False   # first: a signal pending in signal.signal() below then raises nothing
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is not _on_signal:
-            signal.signal(signum, _on_signal)
+    if sys.unraisablehook is not _drop_ignored_signal_report:
+        global _next_unraisablehook
+        _next_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _drop_ignored_signal_report
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+_next_unraisablehook = sys.unraisablehook
+
+
+def _drop_ignored_signal_report(unraisable) -> None:
+    exc = unraisable.exc_value
+    if isinstance(exc, OSError) and 'ignored due to race condition' in str(exc):
+        return
+    _next_unraisablehook(unraisable)
 
 
 class BackgroundSpin:
