@@ -143,6 +143,23 @@ def test_decoder_logits_match_reference(tiny_dir, ref):
         np.testing.assert_allclose(got, want[p], atol=2e-4)
 
 
+def test_decoder_run_refuses_rows_no_call_can_run_and_keeps_serving(tiny_dir, ref):
+    info = load_model_info(str(tiny_dir))
+    dec = OnnxDecoder(str(tiny_dir), info, SessionConfig(max_context=32, slots=2))
+    ids = np.array([5, 60, 70])
+    for rows, match in (
+            ([], 'at least one row'),
+            ([Row(2, 0, ids)], r'slot 2 outside the decoder slots 0\.\.1'),
+            ([Row(0, 0, ids), Row(0, 3, ids)], 'two rows of one call name slot 0'),
+            ([Row(1, 0, np.zeros(0, np.int64))], 'holds no ids and no embeddings'),
+            ([Row(0, 30, ids)], r'positions 30\.\.32 of slot 0 are outside the KV capacity 32'),
+            ([Row(0, 0, ids, logits=4)], 'asks logits of 4 of its 3 positions')):
+        with pytest.raises(ValueError, match=match):
+            dec.run(rows)
+    np.testing.assert_allclose(dec.run([Row(1, 0, ids)])[0], ref.forward(list(ids))[-1],
+                               atol=2e-4)
+
+
 # --- rewind / prefix reuse / sessions ---------------------------------------------------------
 def test_rewind_gives_identical_logits(tiny_dir):
     info = load_model_info(str(tiny_dir))

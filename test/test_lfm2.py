@@ -25,6 +25,7 @@ import json
 import pathlib
 from typing import List
 
+from decoder_calls import record_calls
 import gguf
 from gguf_fixtures import layer_kinds, LFM2_CONV_KERNEL, LFM2_DIMS, ParityCase, write_gguf
 import numpy as np
@@ -289,17 +290,12 @@ def batched(eng: Engine) -> tuple:
 
 def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
     eng = engine(kquant_dir, 3, prefill_chunk=3)
-    calls = []
-    run_rows = eng._decoder.run
-
-    def recording(rows):
-        calls.append([(row.slot, row.length) for row in rows])
-        return run_rows(rows)
-    eng._decoder.run = recording
+    recorded = record_calls(eng._decoder)
     try:
         goals, plans = batched(eng)
     finally:
         eng.close()
+    calls = [[(row.slot, row.length) for row in call] for call in recorded]
     assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
     for g, text in zip(goals[1:], TEXTS[1:3]):
         assert bits(g) == alone[text], text

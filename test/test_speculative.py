@@ -12,6 +12,7 @@ import collections
 import json
 import shutil
 
+from decoder_calls import record_calls
 from gguf_fixtures import ParityCase, write_gguf
 import numpy as np
 import onnx
@@ -402,13 +403,7 @@ def run_batched(model, mode, prompts, sampling=SamplingConfig(), **kw):
     engine = Engine(EngineConfig(model_dir=str(model), intra_op_threads=2, max_context=256,
                                  parallel_sequences=3,
                                  speculative=SpeculativeConfig(mode=mode, **kw)))
-    calls = []
-    run_rows = engine._decoder.run
-
-    def recording(rows):
-        calls.append([(row.length, row.logits) for row in rows])
-        return run_rows(rows)
-    engine._decoder.run = recording
+    recorded = record_calls(engine._decoder)
     try:
         sched = engine.scheduler()
         goals = [sched.submit(Goal(engine.prepare(request(p, max_tokens=40,
@@ -418,6 +413,7 @@ def run_batched(model, mode, prompts, sampling=SamplingConfig(), **kw):
             if all(g.done for g in goals):
                 break
             engine.step()
+        calls = [[(row.length, row.logits) for row in call] for call in recorded]
         return [g.result for g in goals], engine.speculation.stats, calls
     finally:
         engine.close()

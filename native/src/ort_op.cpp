@@ -418,6 +418,28 @@ std::vector<elk_row> row_table(const char *op, const Ort::ConstValue &rows, int6
   return table;
 }
 
+// The batched form's table: row b is slot b at positions seqlens_k[b] + 1 - seq.., its tokens
+// b * seq...
+std::vector<elk_row> batched_table(const char *op, const Ort::ConstValue &seqlens,
+                                   int64_t batch, int64_t seq, int64_t bidirectional) {
+  const auto fail = [op](const std::string &what) {
+    throw Ort::Exception(std::string(op) + ": " + what, ORT_INVALID_ARGUMENT);
+  };
+  if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) != batch) {
+    fail("seqlens_k does not hold one length per batch row");
+  }
+  const int32_t *lengths = seqlens.GetTensorData<int32_t>();
+  std::vector<elk_row> table;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
+    if (start < 0) {
+      fail("row " + std::to_string(b) + " starts at position " + std::to_string(start));
+    }
+    table.push_back(elk_row{b, start, b * seq, seq, bidirectional});
+  }
+  return table;
+}
+
 // Exactly one of seqlens_k (batched) and rows (row table): true for rows.
 bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstValue &rows) {
   if (given(seqlens) == given(rows)) {
@@ -556,20 +578,7 @@ struct CausalAttentionKernel {
       }
       table = row_table("CausalAttention", rows, kv_shape[0], batch, seq);
     } else {
-      if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) !=
-          batch) {
-        fail("seqlens_k does not hold one length per batch row");
-      }
-      const int32_t *lengths = seqlens.GetTensorData<int32_t>();
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
-        if (start < 0) {
-          fail("row " + std::to_string(b) + " writes positions " + std::to_string(start) +
-               ".." + std::to_string(start + seq - 1) + " outside the KV capacity " +
-               std::to_string(capacity) + " or the rotary table");
-        }
-        table.push_back(elk_row{b, start, b * seq, seq, bidirectional});
-      }
+      table = batched_table("CausalAttention", seqlens, batch, seq, bidirectional);
     }
     for (size_t r = 0; r < table.size(); ++r) {
       const int64_t end = table[r].start + table[r].length;
@@ -729,18 +738,7 @@ struct ShortConvKernel {
     if (varlen) {
       table = row_table("ShortConv", rows, s_shape[0], batch, seq);
     } else {
-      if (static_cast<int64_t>(seqlens.GetTensorTypeAndShapeInfo().GetElementCount()) !=
-          batch) {
-        fail("seqlens_k does not hold one length per batch row");
-      }
-      const int32_t *lengths = seqlens.GetTensorData<int32_t>();
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t start = static_cast<int64_t>(lengths[b]) + 1 - seq;
-        if (start < 0) {
-          fail("row " + std::to_string(b) + " starts at position " + std::to_string(start));
-        }
-        table.push_back(elk_row{b, start, b * seq, seq, 0});
-      }
+      table = batched_table("ShortConv", seqlens, batch, seq, 0);
     }
     Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
     float *state = present.GetTensorMutableData<float>();

@@ -12,23 +12,10 @@
 #include <stdint.h>
 
 #include "edge_llm_kquant/ref.h"
+#include "edge_llm_kquant/row.h"
 
 #ifdef __cplusplus
 extern "C" {
-#endif
-
-// One row of a call (also in shortconv.h, the same: both ops take one row table). A call's
-// tokens are packed row after row; a row names the buffer slot it reads and writes, so rows
-// of any lengths on any slots share a call, and a slot no row names is never touched.
-#ifndef ELK_ROW_DEFINED
-#define ELK_ROW_DEFINED
-typedef struct {
-  int64_t slot;           // the buffers' row (KV [N, kv, L, D], conv state [N, kernel-1, C])
-  int64_t start;          // the position of its first token
-  int64_t offset;         // its first token's index in the call's packed tokens
-  int64_t length;         // its tokens (positions start .. start + length - 1)
-  int64_t bidirectional;  // attention: 1 = its queries also see its own later keys
-} elk_row;
 #endif
 
 // The shape of one call: num_heads query heads sharing kv_heads KV heads of head_dim values,

@@ -10,6 +10,8 @@
 
 #include <stdint.h>
 
+#include "edge_llm_kquant/row.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -18,20 +20,6 @@ extern "C" {
 #define ELK_SHORTCONV_MAX_KERNEL 16
 // Channels one call of elk_shortconv_rows handles at most (a task of the op).
 #define ELK_SHORTCONV_CHANNELS 64
-
-// One row of a call (also in attention.h, the same: both ops take one row table). A call's
-// tokens are packed row after row; a row names the buffer slot it reads and writes, so rows
-// of any lengths on any slots share a call, and a slot no row names is never touched.
-#ifndef ELK_ROW_DEFINED
-#define ELK_ROW_DEFINED
-typedef struct {
-  int64_t slot;           // the buffers' row (KV [N, kv, L, D], conv state [N, kernel-1, C])
-  int64_t start;          // the position of its first token
-  int64_t offset;         // its first token's index in the call's packed tokens
-  int64_t length;         // its tokens (positions start .. start + length - 1)
-  int64_t bidirectional;  // attention: 1 = its queries also see its own later keys
-} elk_row;
-#endif
 
 // One call's shape: `channels` channels, a conv of `kernel` positions, so each slot's state
 // holds kernel - 1 positions.
