@@ -316,3 +316,38 @@ def test_conv_reuse_stops_at_kept_ends_of_this_slot_or_another():
     cache.apply(reuse)
     assert np.all(state == 6.0) and cache.length == 6
     assert cache.find_reuse(longer, block_hashes(longer), 5, [], own=True).length == 0
+
+
+def test_a_conv_session_snapshot_keeps_its_states_at_its_kept_ends():
+    store = SnapshotStore(max_sessions=4)
+    state = np.zeros((1, 2, 4), np.float32)
+    cache = KVCache([np.zeros((1, 1, CAP, 2), np.float32)], CAP, store=store, states=[state])
+    cache.apply(cache.find_reuse([1], block_hashes([1]), 0), 'a')
+    cache.append([1, 2, 3])
+    state[...] = 3.0
+    cache.mark()                       # turn 1's prompt end
+    cache.append([4, 5])
+    state[...] = 5.0                   # turn 1's end
+    # Another session takes the slot: a's snapshot is saved with its states at 3 and 5.
+    cache.apply(cache.find_reuse([7, 8], block_hashes([7, 8]), 1), 'b')
+    cache.append([7])
+    state[...] = 7.0
+    snap = store.get('a')
+    assert snap.keys == (1, 2, 3, 4, 5) and sorted(snap.states) == [3, 5]
+    assert np.all(snap.states[3][0] == 3.0) and np.all(snap.states[5][0] == 5.0)
+    assert snap.nbytes == sum(d.nbytes for d in snap.data) + 2 * state.nbytes
+    # a's next turn extends the whole snapshot: restored to its end, states and all.
+    keys = [1, 2, 3, 4, 5, 6]
+    reuse = cache.find_reuse(keys, block_hashes(keys), len(keys) - 1)
+    assert reuse.length == 5 and reuse.source is snap
+    cache.apply(reuse, 'a')
+    assert cache.keys == (1, 2, 3, 4, 5) and np.all(state == 5.0)
+    # A prompt that leaves the snapshot at 4 continues from the kept prompt end, 3 (a's
+    # snapshot, saved again as 'c' took the slot, still has it).
+    cache.apply(cache.find_reuse([9], block_hashes([9]), 0), 'c')
+    assert sorted(store.get('a').states) == [3, 5]
+    keys = [1, 2, 3, 4, 9, 9]
+    reuse = cache.find_reuse(keys, block_hashes(keys), len(keys) - 1)
+    assert reuse.length == 3 and reuse.source is store.get('a')
+    cache.apply(reuse, 'a')
+    assert cache.keys == (1, 2, 3) and np.all(state == 3.0)

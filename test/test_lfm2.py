@@ -35,11 +35,10 @@ import pytest
 import yaml
 
 from edge_llm_ros.convert.converter import convert
-from edge_llm_ros.errors import (ConversionError, InvalidRequestError, ModelLoadError,
-                                 UnsupportedModelError)
+from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
-from edge_llm_ros.runtime.speculative import SpeculativeConfig, SpeculativeConfigError
-from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+from edge_llm_ros.runtime.speculative import DraftModel, SpeculativeConfig
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
 from edge_llm_ros.serving.goal import Goal, GoalState
 from edge_llm_ros.serving.scheduler import Park, Unpark
@@ -356,28 +355,96 @@ def eng_goal(eng: Engine, text: str, max_tokens: int = 12) -> Goal:
     return g
 
 
-def test_sessions_are_refused_with_what_to_do(kquant_dir, tmp_path):
-    eng = engine(kquant_dir)
+USER1 = ChatMessage('user', 'once upon a time there was a robot')
+USER2 = ChatMessage('user', 'What color is the sky?')
+
+
+def turn(eng: Engine, messages, session: str = '', max_tokens: int = 8):
+    return eng.generate(GenerationRequest(
+        messages=list(messages), session_id=session, max_tokens=max_tokens,
+        sampling=SamplingConfig(temperature=0.0, logprobs=True))).run_to_end()
+
+
+def result_bits(result) -> tuple:
+    return result.token_ids, [lp.logprob for lp in result.logprobs]
+
+
+@pytest.fixture(scope='module')
+def two_turns_whole(kquant_dir) -> tuple:
+    """Give both turns of a conversation sent whole, with nothing cached."""
+    plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
     try:
-        with pytest.raises(InvalidRequestError, match='keeps a convolution state per sequence '
-                                                      '.*without a session_id'):
-            eng.prepare(GenerationRequest(prompt='hi', session_id='a'))
+        first = turn(plain, [USER1])
+        second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
+    finally:
+        plain.close()
+    assert second.timings.cached_prompt_tokens == 0
+    return first, second
+
+
+def test_a_session_continues_from_its_saved_conv_states_bit_for_bit(kquant_dir, two_turns_whole):
+    first, second = two_turns_whole
+    eng = engine(kquant_dir, max_context=256)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+        # b takes the only slot (a's turn is saved as a snapshot) and ends on other tokens
+        # than a, so its conv states there differ from a's.
+        turn(eng, [USER2], 'b', max_tokens=3)
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+        ends = sorted(eng._store.get('b').states)
     finally:
         eng.close()
-    with pytest.raises(ModelLoadError, match="set sessions.store to ''"):
-        engine(kquant_dir, session_store=str(tmp_path / 'sessions.db'))
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    # Continued from the end of a's first turn (its last token was never fed), where the
+    # snapshot kept its conv states.
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    assert len(ends) == 2   # b's snapshot (saved as a took the slot back): prompt end, turn end
+
+
+def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
+        kquant_dir, tmp_path, two_turns_whole):
+    first, second = two_turns_whole
+    store = str(tmp_path / 'sessions.db')
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+    finally:
+        eng.close()
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        assert eng.saved_sessions() == ['a']
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+@pytest.fixture(scope='module')
+def draft_dir(work, native_library) -> pathlib.Path:
+    """Give another lfm2 of the same vocabulary (other weights): a draft it often rejects."""
+    case = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=7, chain=0.15)
+    return convert(str(write_gguf(work / 'draft.gguf', case)), str(work / 'draft'),
+                   progress=False)
 
 
 @pytest.mark.parametrize('slots', [1, 3])
-def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, slots):
-    """Rejected drafts: the conv states go back to the verify's start, accepted tokens again."""
+def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, draft_dir, slots):
+    """Rejected drafts: the conv states go back to the verify's start, accepted tokens again.
+
+    With an lfm2 draft model its own slots go back to a position they kept states at too.
+    """
     texts = [' '.join([t] * 4) for t in TEXTS[:3]]   # repetitive: prompt lookup drafts
     seeded = SamplingConfig(temperature=0.8, top_k=20, seed=3, logprobs=True)
+    modes = {'off': SpeculativeConfig(mode='off'),
+             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
+             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
     for sampling in (SamplingConfig(temperature=0.0, logprobs=True), seeded):
-        runs = []
-        for mode in ('off', 'prompt_lookup'):
-            eng = engine(kquant_dir, slots, max_context=256,
-                         speculative=SpeculativeConfig(mode=mode))
+        runs = {}
+        for mode, config in modes.items():
+            eng = engine(kquant_dir, slots, max_context=256, speculative=config)
             try:
                 sched = eng.scheduler()
                 goals = [sched.submit(Goal(eng.prepare(GenerationRequest(
@@ -385,18 +452,35 @@ def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, slots):
                     for t in texts]
                 while not all(g.done for g in goals):
                     eng.run_plan()
-                runs.append(([bits(g) for g in goals], eng.speculation.stats))
+                runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
             finally:
                 eng.close()
-        (plain, _), (spec, stats) = runs
-        assert spec == plain
-        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, stats
+        plain, _ = runs.pop('off')
+        for mode, (spec, stats) in runs.items():
+            assert spec == plain, mode
+            assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
 
 
-def test_an_lfm2_draft_model_is_refused(kquant_dir):
-    from edge_llm_ros.runtime.speculative import _load_draft
-    with pytest.raises(SpeculativeConfigError, match='cannot be rewound after a rejected draft'):
-        _load_draft(str(kquant_dir), None, None, None)
+def test_an_lfm2_draft_model_goes_back_to_kept_states_after_a_rejection(kquant_dir, draft_dir):
+    """Drafts after rejections equal those of a slot that never drafted, states bit for bit."""
+    eng = engine(kquant_dir, 2, max_context=256,
+                 speculative=SpeculativeConfig(mode='draft', draft_model=str(draft_dir)))
+    try:
+        draft = eng.speculation.draft_model
+        context = list(eng.tokenize(TEXTS[0]))
+        for step in range(6):
+            drafted = draft.draft_rows({0: (context, 4)})[0]
+            fresh = DraftModel(draft._decoder).draft_rows({1: (context, 4)})[1]
+            assert drafted == fresh, step
+            # Both slots fed the context and 3 drafts: their conv states are the same bits.
+            for ours, theirs in zip(*(draft._decoder.slot_states(i) for i in (0, 1))):
+                assert np.array_equal(ours, theirs), step
+            # Keep `step % 5` drafts, then a token the draft did not propose (a rejection;
+            # 4 kept: all accepted, then the target's own next token).
+            keep = step % 5
+            context += drafted[:keep] + [(drafted[keep] + 1) % 200 if keep < 4 else 7]
+    finally:
+        eng.close()
 
 
 def test_the_kv_budget_counts_the_conv_states(kquant_dir):

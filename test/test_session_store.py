@@ -3,6 +3,7 @@
 The KV buffers are plain arrays written with test_kv_cache's fake K/V (a position's rows depend
 on the keys up to it), so what comes back from disk can be compared value by value.
 """
+import json
 import logging
 import os
 import pathlib
@@ -16,7 +17,7 @@ from test_kv_cache import CAP, FakeModel, POSITION_BYTES
 
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.runtime.conversation import Conversation, StoredImage
-from edge_llm_ros.runtime.kv_cache import _Snapshot
+from edge_llm_ros.runtime.kv_cache import _Snapshot, block_hashes, KVCache
 from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving import session_store
 from edge_llm_ros.serving.engine import EngineConfig
@@ -402,3 +403,54 @@ def test_when_written_waits_for_the_write(model_dir, tmp_path):
     sink.when_written(lambda: fired.append('closed'))
     sink.close()                                                # close writes, then calls it
     assert fired[-1] == 'closed'
+
+
+def test_conv_states_round_trip_with_their_kept_ends(model_dir, tmp_path):
+    path = tmp_path / 'sessions.db'
+    config = EngineConfig(session_store=str(path))
+    buffers = [np.zeros((1, 2, CAP, 8), np.float32)]
+    state = np.zeros((1, 2, 4), np.float32)
+    store = open_sessions(config, str(model_dir), buffers, CAP, [state])
+    cache = KVCache(buffers, CAP, store=store, states=[state])
+    cache.apply(cache.find_reuse([1], block_hashes([1]), 0), 'a')
+    cache.append([1, 2, 3])
+    buffers[0][:, :, :3] = np.arange(48, dtype=np.float32).reshape(1, 2, 3, 8)
+    state[...] = 3.0
+    cache.mark()
+    cache.append([4])
+    state[...] = 4.0
+    cache.commit('a', Conversation())
+    cache.close()
+    store2 = open_sessions(config, str(model_dir), buffers, CAP, [state])
+    snap = store2.get('a')
+    assert snap.keys == (1, 2, 3, 4) and sorted(snap.states) == [3, 4]
+    assert np.all(snap.states[3][0] == 3.0) and np.all(snap.states[4][0] == 4.0)
+    assert np.array_equal(snap.data[0][:, :, :3], np.arange(48).reshape(1, 2, 3, 8))
+    store2.close()
+    # A model whose layer states differ cannot read those bytes: the conversation stays, as
+    # text for the next turn to prefill.
+    other = np.zeros((1, 3, 4), np.float32)
+    store3 = open_sessions(config, str(model_dir), buffers, CAP, [other])
+    assert store3.get('a') is None and store3.conversation('a') is not None
+    store3.close()
+
+
+def test_a_kv_only_layout_reads_as_before_conv_states(model_dir):
+    layout = KVLayout.of([np.zeros((1, 2, CAP, 8), np.float32)], 'float32')
+    assert layout.text() == json.dumps([1, 2, 8, 'float32', 'float32'])
+    with pytest.raises(ValueError, match='conv states kept at'):
+        layout.decode((1, 2), bytes(layout.nbytes(2)), [2])
+
+
+def test_a_schema_3_store_is_upgraded_and_keeps_its_sessions(model_dir, tmp_path):
+    path = tmp_path / 'sessions.db'
+    rig = Rig(model_dir, path)
+    rig.turn(A, 'a')
+    rig.close()
+    db = sqlite3.connect(path, isolation_level=None)   # as schema 3 wrote it
+    db.execute('ALTER TABLE sessions DROP COLUMN state_ends')
+    db.execute('PRAGMA user_version = 3')
+    db.close()
+    rig, store = reopen(model_dir, path)
+    assert store.ids() == ['a'] and store.get('a').keys == tuple(A)
+    rig.close()

@@ -33,17 +33,19 @@ position. Such a cache keeps copies of its states at the positions that need the
 (a few KB each): ``mark()`` at a prompt's end and a turn's end (prefix reuse may stop there:
 ``find_reuse`` offers only such positions), and ``keep_undo()`` before a speculative verify
 (``rewind_to`` that position restores it; the engine feeds the accepted tokens again). They
-move with the slot's KV when a goal is parked and resumed. Session snapshots of such a cache
-are not kept yet: the engine refuses sessions for it.
+move with the slot's KV when a goal is parked and resumed. A session snapshot of such a cache
+holds the states at its kept ends (its last position and the marks below it), at their own
+precision (int8 applies to KV only), so a session continues from the end of its last turn,
+or from that turn's prompt end when the next prompt does not extend the whole turn.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import functools
 import hashlib
 import logging
-from typing import Callable, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Callable, Dict, Hashable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -120,6 +122,9 @@ class _Snapshot:
     keys: Tuple[Hashable, ...]
     data: List[np.ndarray]             # per buffer: [1, kv_heads, n, head_dim]
     scales: Optional[List[np.ndarray]]  # int8 only: per buffer [1, kv_heads, n, 1] float32
+    # Conv states (a hybrid's cache only): per kept end m <= n, the states after position
+    # m - 1, one array per conv layer. The snapshot can be continued from these ends only.
+    states: Dict[int, List[np.ndarray]] = field(default_factory=dict)
 
     @functools.cached_property
     def hashes(self) -> List[bytes]:
@@ -128,7 +133,8 @@ class _Snapshot:
     @property
     def nbytes(self) -> int:
         extra = sum(s.nbytes for s in self.scales) if self.scales is not None else 0
-        return sum(d.nbytes for d in self.data) + extra
+        kept = sum(a.nbytes for arrays in self.states.values() for a in arrays)
+        return sum(d.nbytes for d in self.data) + extra + kept
 
 
 class SnapshotSink(Protocol):
@@ -614,11 +620,20 @@ class KVCache:
                    others: Sequence['KVCache'], own: bool) -> Reuse:
         """find_reuse with conv states: the longest common prefix that ends at a kept end."""
         best = Reuse(0)
-        for cache in ([self] if own else []) + [o for o in others if o is not self]:
-            common = min(cache.common_length(keys, hashes), limit)
-            n = max((m for m in cache._ends() if m <= common), default=0)
+        if own:
+            common = min(self.common_length(keys, hashes), limit)
+            best = Reuse(max((m for m in self._ends() if m <= common), default=0))
+        for snap in self._sessions.values():
+            common = min(hashed_common_prefix(snap.keys, snap.hashes, keys, hashes), limit)
+            n = max((m for m in snap.states if m <= common), default=0)
             if n > best.length:
-                best = Reuse(n, None if cache is self else cache)
+                best = Reuse(n, snap)
+        for other in others:
+            if other is not self:
+                common = min(other.common_length(keys, hashes), limit)
+                n = max((m for m in other._ends() if m <= common), default=0)
+                if n > best.length:
+                    best = Reuse(n, other)
         return best
 
     def apply(self, reuse: Reuse, session_id: str = '') -> int:
@@ -638,12 +653,13 @@ class KVCache:
         if self._owner and self._owner != session_id and not self._owner_saved \
                 and keep < len(self._keys):
             self._save(self._owner)
-        if isinstance(source, KVCache) and self._states:
+        if source is not None and self._states:
             # Conv states come whole from the source's kept end n; the KV positions below
             # keep are this cache's own and stay.
+            kept = source._states_at(n) if isinstance(source, KVCache) else source.states[n]
             self._forget_from(min(keep, len(self._keys)))
             self._undo = None
-            for dst, src in zip(self._states, source._states_at(n)):
+            for dst, src in zip(self._states, kept):
                 dst[...] = src
         else:
             self.rewind_to(min(keep, len(self._keys)))
@@ -651,6 +667,10 @@ class KVCache:
             self.copy_positions(source.buffers, source._keys, n)
         elif source is not None:
             self._restore(source, n)
+            # The snapshot's earlier kept ends stay reuse points (a later save keeps them).
+            for m in sorted(source.states):
+                if keep < m < n:
+                    self._marks[m] = [a.copy() for a in source.states[m]]
         self._sessions.touch(session_id)
         self._owner = session_id
         self._owner_saved = False
@@ -709,7 +729,7 @@ class KVCache:
 
     def _snapshot(self) -> Optional[_Snapshot]:
         """Copy the live positions (None when the store could not keep them: nothing copied)."""
-        if self._sessions.max_sessions == 0 or not self._keys or self._states:
+        if self._sessions.max_sessions == 0 or not self._keys:
             return None
         n = len(self._keys)
         nbytes = self._snapshot_nbytes(n)
@@ -722,12 +742,16 @@ class KVCache:
         else:
             snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
                              None)
+        if self._states:
+            snap.states = {m: [a.copy() for a in st] for m, st in self._marks.items()}
+            snap.states[n] = self.state_copies()
         snap.__dict__['hashes'] = list(self._hashes)   # already known: no rehash
         return snap
 
     def _snapshot_nbytes(self, n: int) -> int:
         """Bytes of a snapshot of n positions (known before copying anything)."""
-        total = 0
+        ends = len(self._marks.keys() | {n}) if self._states else 0
+        total = ends * sum(s.nbytes for s in self._states)
         for buf in self._buffers:
             rows = buf.shape[0] * buf.shape[1] * n
             if self._snapshot_dtype == 'int8':

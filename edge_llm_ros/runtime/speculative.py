@@ -98,11 +98,17 @@ class DraftModel:
     after a verify pass only the accepted tokens are fed, and a rejection is a shorter prefix.
     The drafts of every speculating goal of a step are rows of its own batched calls: one
     call catches each slot up with its context, then one call per drafted token.
+
+    A hybrid draft model (lfm2) has conv states, which hold the last fed position only: each
+    slot keeps a copy of them after every row it ran since its last catch-up (a few KB each,
+    at most max_draft + 1), so a rejection goes back to one of those positions.
     """
 
     def __init__(self, decoder) -> None:
         self._decoder = decoder
         self._fed: List[List[int]] = [[] for _ in range(decoder.slots)]
+        self._kept: List[Dict[int, List[np.ndarray]]] = [{} for _ in range(decoder.slots)]
+        self._states = [decoder.slot_states(slot) for slot in range(decoder.slots)]
 
     @property
     def capacity(self) -> int:
@@ -122,12 +128,14 @@ class DraftModel:
             limit = min(len(fed), len(context) - 1)   # the last context token is fed now
             while n < limit and fed[n] == context[n]:
                 n += 1
+            n = self._rewind_states(slot, n)
             del fed[n:]
             rows.append(Row(slot, n, np.asarray(context[n:], dtype=np.int64)))
             fed.extend(int(t) for t in context[n:])
             want[slot] = k
         while rows:
             logits = dec.run(rows)
+            self._keep_states(rows)
             follow = []
             for i, row in enumerate(rows):
                 token = int(np.argmax(logits[i]))
@@ -139,6 +147,25 @@ class DraftModel:
                     fed.append(token)
             rows = follow
         return out
+
+    def _rewind_states(self, slot: int, n: int) -> int:
+        """Return the position slot continues from (<= n): one its conv states were kept at.
+
+        The kept copies are dropped: the catch-up row starts at or after each one still needed.
+        """
+        kept = self._kept[slot]
+        if self._states[slot] and n < len(self._fed[slot]):
+            n = max((m for m in kept if m <= n), default=0)   # 0: a row there reads zeros
+            for dst, src in zip(self._states[slot], kept.get(n, ())):
+                dst[...] = src
+        kept.clear()
+        return n
+
+    def _keep_states(self, rows: Sequence[Row]) -> None:
+        for row in rows:
+            if self._states[row.slot]:
+                self._kept[row.slot][row.start + row.length] = [
+                    s.copy() for s in self._states[row.slot]]
 
 
 @dataclass
@@ -338,11 +365,6 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
 def _load_draft(folder: str, target: OnnxDecoder, tokenizer: TextTokenizer,
                 session) -> OnnxDecoder:
     info = load_model_info(folder)
-    if not info.rewindable:
-        raise SpeculativeConfigError(
-            f'speculative.draft_model {folder} ({info.architecture}) keeps a convolution state '
-            'per sequence, which cannot be rewound after a rejected draft: pick a draft model '
-            'whose layers all attend (e.g. one of llama, qwen2, qwen3)')
     check_same_tokenizer(tokenizer, TextTokenizer.from_dir(folder), folder)
     if info.vocab_size != target.info.vocab_size:
         raise SpeculativeConfigError(

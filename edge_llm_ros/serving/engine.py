@@ -18,7 +18,6 @@ tool calls and no reasoning tags (model_info() says why no family was found).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 import functools
 import logging
@@ -154,15 +153,9 @@ class Engine:
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
         # A hybrid's conv state is that of its last position (model.yaml layer_states): its
-        # slots keep copies at a prompt's and a turn's end, where prefix reuse may stop
-        # (runtime/kv_cache.py); sessions, which continue from a saved snapshot, are refused.
+        # slots and session snapshots keep copies at a prompt's and a turn's end, where prefix
+        # reuse may stop (runtime/kv_cache.py).
         self.prefix_reuse = config.prefix_reuse
-        if config.session_store and not self.info.rewindable:
-            raise ModelLoadError(
-                f'sessions.store is set, but {self.info.architecture} keeps a convolution '
-                'state per sequence that cannot be saved at a turn and continued yet, so this '
-                "model keeps no sessions: set sessions.store to ''")
-        config = dataclasses.replace(config, prefix_reuse=self.prefix_reuse)
         self.kv_bytes = check_kv_budget(self.info, config)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.family, self.family_error = _family(model_dir, config.model_family)
@@ -185,7 +178,7 @@ class Engine:
                                              model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
         store = open_sessions(config, model_dir, self._decoder.slot_buffers(0),
-                              self._decoder.capacity)
+                              self._decoder.capacity, self._decoder.slot_states(0))
         # One cache per slot; they share the saved session prefixes (a session continues in
         # whichever slot is free).
         self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
@@ -232,11 +225,6 @@ class Engine:
         bound (PreparedRequest.bind) before generate().
         """
         decoder = self._open_decoder()
-        if getattr(request, 'session_id', '') and not self.info.rewindable:
-            raise InvalidRequestError(
-                f'this model ({self.info.architecture}) keeps a convolution state per sequence '
-                'that cannot be saved at a turn and continued yet, so it keeps no sessions: '
-                'send the whole conversation without a session_id')
         if getattr(request, 'session_id', '') and self._store.max_sessions == 0:
             raise InvalidRequestError(
                 'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '

@@ -1,13 +1,14 @@
 """Saved session prefixes that survive a restart: a SQLite (WAL) mirror of the SnapshotStore.
 
-    store = open_sessions(config, model_dir, buffers, capacity)   # at Engine init (configure)
+    store = open_sessions(config, model_dir, buffers, capacity, states)  # at Engine init
     cache = KVCache(buffers, capacity, config.kv_dtype, store=store)
 
 * What is saved: per session, one row: its conversation (turns and ids, JSON; '' for a KV
   prefix without one) and its images' embedding rows (media), its position keys (token ids,
   and ('emb' or 'img', digest, i) for embedding rows, as JSON) and its KV prefix exactly as
   the snapshot holds it (int8 rows with float32 scales when kv.dtype is int8, else the KV
-  buffers' dtype; empty when no KV is kept). A turn and its KV are written in one
+  buffers' dtype; empty when no KV is kept), followed by a hybrid's conv states at the
+  snapshot's kept ends (listed in state_ends). A turn and its KV are written in one
   transaction: after a kill -9 the session holds its last committed turn with that turn's
   KV, or the turn before, never half.
 * Writes never run on the decode path: SnapshotStore calls save/touch/delete/clear here, which
@@ -43,16 +44,21 @@ from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
 
 _log = logging.getLogger(__name__)
 APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
-SCHEMA_VERSION = 3           # PRAGMA user_version; 2: the conversation; 3: its images' rows
+# PRAGMA user_version; 2: the conversation; 3: its images' rows; 4: a hybrid's conv states.
+SCHEMA_VERSION = 4
 _SCHEMA = ('CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, '
            'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, layout TEXT NOT NULL, '
            'keys TEXT NOT NULL, positions INTEGER NOT NULL, nbytes INTEGER NOT NULL, '
            "tick INTEGER NOT NULL, data BLOB NOT NULL, conversation TEXT NOT NULL DEFAULT '', "
-           "media BLOB NOT NULL DEFAULT x'')")
+           "media BLOB NOT NULL DEFAULT x'', state_ends TEXT NOT NULL DEFAULT '[]')")
+_COLUMNS = ('session_id, model_hash, converter_version, layout, keys, positions, nbytes, tick, '
+            'data, conversation, media, state_ends')
 # Older files are upgraded in place at open. Version 1 rows (KV prefixes only) keep their KV
-# and have no conversation; version 2 conversations have no images.
+# and have no conversation; version 2 conversations have no images; rows before version 4
+# have no conv states (their models had none).
 _MIGRATE = {1: "ALTER TABLE sessions ADD COLUMN conversation TEXT NOT NULL DEFAULT ''",
-            2: "ALTER TABLE sessions ADD COLUMN media BLOB NOT NULL DEFAULT x''"}
+            2: "ALTER TABLE sessions ADD COLUMN media BLOB NOT NULL DEFAULT x''",
+            3: "ALTER TABLE sessions ADD COLUMN state_ends TEXT NOT NULL DEFAULT '[]'"}
 _WAL_LIMIT = 32 << 20  # bytes the WAL file is truncated to after a checkpoint
 _HASHED = ('model.yaml', 'model.onnx')
 _FIX = ('point sessions.store at another file, delete this one (its saved sessions are lost), '
@@ -92,28 +98,50 @@ class KVLayout:
     head_dim: int
     buffer_dtype: str    # numpy name of the KV buffers' dtype
     snapshot_dtype: str  # 'float32' (= the buffers' dtype) or 'int8'
+    # A hybrid's conv states: each layer's state shape [1, kernel - 1, hidden], and their dtype.
+    states: Tuple[Tuple[int, ...], ...] = ()
+    state_dtype: str = ''
 
     @classmethod
-    def of(cls, buffers: Sequence[np.ndarray], snapshot_dtype: str) -> 'KVLayout':
+    def of(cls, buffers: Sequence[np.ndarray], snapshot_dtype: str,
+           states: Sequence[np.ndarray] = ()) -> 'KVLayout':
         b = buffers[0]
         return cls(len(buffers), int(b.shape[1]), int(b.shape[3]), np.dtype(b.dtype).name,
-                   snapshot_dtype)
+                   snapshot_dtype, tuple(tuple(int(d) for d in s.shape) for s in states),
+                   np.dtype(states[0].dtype).name if len(states) else '')
 
     def text(self) -> str:
-        return json.dumps([self.buffers, self.kv_heads, self.head_dim, self.buffer_dtype,
-                           self.snapshot_dtype])
+        fields: List[Any] = [self.buffers, self.kv_heads, self.head_dim, self.buffer_dtype,
+                             self.snapshot_dtype]
+        if self.states:   # a layout of KV only reads as before conv states existed
+            fields += [[list(s) for s in self.states], self.state_dtype]
+        return json.dumps(fields)
 
-    def nbytes(self, positions: int) -> int:
+    def nbytes(self, positions: int, ends: int = 0) -> int:
+        """Bytes of a row of this many positions with conv states at `ends` kept ends."""
         rows = self.buffers * self.kv_heads * positions
         if self.snapshot_dtype == 'int8':
-            return rows * (self.head_dim + 4)
-        return rows * self.head_dim * np.dtype(self.buffer_dtype).itemsize
+            kv = rows * (self.head_dim + 4)
+        else:
+            kv = rows * self.head_dim * np.dtype(self.buffer_dtype).itemsize
+        return kv + ends * self._state_set_nbytes()
 
-    def decode(self, keys: Tuple[Hashable, ...], blob: bytes) -> _Snapshot:
-        """Snapshot of a row's blob (ValueError when its size does not match)."""
+    def _state_set_nbytes(self) -> int:
+        if not self.states:
+            return 0
+        return sum(int(np.prod(s)) for s in self.states) * np.dtype(self.state_dtype).itemsize
+
+    def decode(self, keys: Tuple[Hashable, ...], blob: bytes,
+               ends: Sequence[int] = ()) -> _Snapshot:
+        """Snapshot of a row's blob and kept ends (ValueError when they do not match)."""
         n = len(keys)
-        if len(blob) != self.nbytes(n):
-            raise ValueError(f'{len(blob)} bytes for {n} positions, expected {self.nbytes(n)}')
+        if bool(self.states) != bool(ends) or any(not 0 < m <= n for m in ends) \
+                or list(ends) != sorted(set(ends)):
+            raise ValueError(f'conv states kept at {list(ends)} for {n} positions')
+        kv_bytes = self.nbytes(n)
+        if len(blob) != self.nbytes(n, len(ends)):
+            raise ValueError(f'{len(blob)} bytes for {n} positions, expected '
+                             f'{self.nbytes(n, len(ends))}')
         quantized = self.snapshot_dtype == 'int8'
         dtype = np.dtype(np.int8) if quantized else np.dtype(self.buffer_dtype)
         shape = (1, self.kv_heads, n, self.head_dim)
@@ -125,7 +153,15 @@ class KVLayout:
             base, count = self.buffers * step, self.kv_heads * n
             scales = [np.frombuffer(blob, np.float32, count, base + i * count * 4).reshape(
                 (1, self.kv_heads, n, 1)) for i in range(self.buffers)]
-        return _Snapshot(keys, data, scales)
+        states: Dict[int, List[np.ndarray]] = {}
+        offset, dtype = kv_bytes, np.dtype(self.state_dtype or 'float32')
+        for m in ends:
+            states[m] = []
+            for shape in self.states:
+                count = int(np.prod(shape))
+                states[m].append(np.frombuffer(blob, dtype, count, offset).reshape(shape))
+                offset += count * dtype.itemsize
+        return _Snapshot(keys, data, scales, states)
 
 
 def encode_keys(keys: Sequence[Hashable]) -> str:
@@ -148,8 +184,18 @@ def decode_keys(text: str) -> Tuple[Hashable, ...]:
     return tuple(out)
 
 
+def _ends(text: str) -> List[int]:
+    """Kept ends of a row's state_ends column (ValueError for anything not written here)."""
+    ends = json.loads(text)
+    if not isinstance(ends, list) or not all(
+            isinstance(m, int) and not isinstance(m, bool) for m in ends):
+        raise ValueError(f'state_ends {text!r} is not a list of positions')
+    return ends
+
+
 def _blob(snap: _Snapshot) -> bytes:
     parts = list(snap.data) + list(snap.scales or [])
+    parts += [a for m in sorted(snap.states) for a in snap.states[m]]
     return b''.join(memoryview(np.ascontiguousarray(a)).cast('B') for a in parts)
 
 
@@ -279,7 +325,8 @@ class SessionStore:
         if bad != 'ok':
             raise SessionStoreError(f'sessions.store {self.path} is corrupt ({bad}): {_FIX}')
         columns = {r[1] for r in db.execute('PRAGMA table_info(sessions)')}
-        wanted = set(_Row.__dataclass_fields__) | {'keys', 'data', 'conversation', 'media'}
+        wanted = set(_Row.__dataclass_fields__) | {
+            'keys', 'data', 'conversation', 'media', 'state_ends'}
         if not wanted <= columns:
             raise SessionStoreError(f'sessions.store {self.path} lacks the sessions table '
                                     f'columns of schema {SCHEMA_VERSION}: {_FIX}')
@@ -317,9 +364,9 @@ class SessionStore:
         restored = 0
         kept = set()
         for row, reason in reversed(keep):
-            (keys_text, blob, text, media), = self._db.execute(
-                'SELECT keys, data, conversation, media FROM sessions WHERE session_id = ?',
-                (row.session_id,))
+            (keys_text, blob, text, media, ends_text), = self._db.execute(
+                'SELECT keys, data, conversation, media, state_ends FROM sessions '
+                'WHERE session_id = ?', (row.session_id,))
             try:
                 conversation = Conversation.from_json(text, bytes(media)) if text else None
                 snap = None
@@ -327,7 +374,7 @@ class SessionStore:
                     keys = decode_keys(keys_text)
                     if len(keys) != row.positions:
                         raise ValueError(f'{len(keys)} keys for {row.positions} positions')
-                    snap = self.layout.decode(keys, blob) if keys else None
+                    snap = self.layout.decode(keys, blob, _ends(ends_text)) if keys else None
             except ValueError as exc:
                 reason = f'unreadable ({exc})'
                 why[reason] = why.get(reason, 0) + 1
@@ -460,12 +507,14 @@ class SessionStore:
                 continue
             keys = snap.keys if snap is not None else ()
             db.execute('BEGIN IMMEDIATE')
-            db.execute('INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
+            db.execute(f'INSERT OR REPLACE INTO sessions ({_COLUMNS}) '
+                       'VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)',
                        (session_id, self.model_id, CONVERTER_VERSION, self._layout_text,
                         encode_keys(keys), len(keys), snap.nbytes if snap is not None else 0,
                         tick, _blob(snap) if snap is not None else b'',
                         conversation.to_json() if conversation is not None else '',
-                        conversation.media_bytes() if conversation is not None else b''))
+                        conversation.media_bytes() if conversation is not None else b'',
+                        json.dumps(sorted(snap.states) if snap is not None else [])))
             db.execute('COMMIT')
             self.stats['saves'] += 1
         if small:
@@ -538,9 +587,10 @@ class SessionStore:
 
 
 def open_sessions(config: Any, model_dir: str, buffers: Sequence[np.ndarray],
-                  capacity: int) -> SnapshotStore:
+                  capacity: int, states: Sequence[np.ndarray] = ()) -> SnapshotStore:
     """Build the SnapshotStore an Engine's caches share, restored from config.session_store.
 
+    buffers and states: one slot's KV views and conv-state views (what a row's bytes hold).
     config: an EngineConfig (reads kv_dtype, prefix_reuse, max_sessions, session_max_bytes,
     session_store). Raises SessionStoreError (a ModelLoadError) saying what to do.
     """
@@ -556,7 +606,7 @@ def open_sessions(config: Any, model_dir: str, buffers: Sequence[np.ndarray],
             'kv.max_sessions 0 or sessions.max_bytes 0): enable them, or set sessions.store '
             "to ''")
     sink = SessionStore(config.session_store, model_hash(model_dir),
-                        KVLayout.of(buffers, config.kv_dtype))
+                        KVLayout.of(buffers, config.kv_dtype, states))
     snaps = SnapshotStore(max_sessions, max_bytes, sink=sink)
     try:
         sink.restore_into(snaps, capacity)
