@@ -30,6 +30,9 @@ class ToolFormat:
     # Text that leads each forced call and follows it (grammar and examples).
     call_prefix: str
     call_suffix: str
+    # The parser also reads a Python call list between the open and close markers
+    # ([move_to(x=1), stop()]); needs a close marker, since the list is read whole there.
+    python_calls: bool = False
 
 
 FORMATS: Dict[str, ToolFormat] = {
@@ -42,11 +45,14 @@ FORMATS: Dict[str, ToolFormat] = {
     # Mistral v0.3+: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
     'mistral': ToolFormat('mistral', ('[TOOL_CALLS]',), '', ('[{',), 'arguments', True, ', ',
                           'mistral', '', ''),
-    # LFM2 / LFM2.5: <|tool_call_start|>[{"name": ..., "arguments": {...}}]<|tool_call_end|>.
-    # LFM2's own markers around a JSON list; its default Python-call form (move_to(x=1)) is
-    # not parsed, and the tool constraint forces this form once the model opens a call.
+    # LFM2 / LFM2.5: <|tool_call_start|>[...]<|tool_call_end|>. Parsed inside the markers:
+    # its default Python call list ([move_to(x=1.5, frame="map"), stop()]; keyword arguments
+    # with literal values only) or a JSON list ([{"name": ..., "arguments": {...}}]). The tool
+    # constraint forces only the JSON list: from the open marker under tool_choice auto, from
+    # the first token under required or a named tool.
     'lfm2': ToolFormat('lfm2', ('<|tool_call_start|>',), '<|tool_call_end|>', (), 'arguments',
-                       False, '\n', 'openai', '<|tool_call_start|>[', ']<|tool_call_end|>'),
+                       False, '\n', 'openai', '<|tool_call_start|>[', ']<|tool_call_end|>',
+                       python_calls=True),
     # Families with no trained format: the whole answer is the call(s) as JSON.
     'generic_json': ToolFormat('generic_json', (), '', ('```json', '```', '{', '['),
                                'arguments', False, '\n', 'openai', '', ''),

@@ -12,17 +12,24 @@ objects, separated by whitespace, commas, semicolons or wrapped in an array. A b
 answer that is not a call (no known tool name) is given back as text. Calls that do not
 parse or do not validate against their tool's schema end up in `invalid` with the reason;
 under a tool constraint (see tools.grammar) that cannot happen.
+
+Formats with `python_calls` (LFM2) also take a Python call list in the run instead of JSON:
+`[move_to(x=1.5, frame="map"), stop()]`. It is read whole at the close marker (with `ast`,
+nothing evaluated: keyword arguments whose values are literals), so its calls are announced
+there, each with its arguments in one delta (JSON text, as for JSON calls).
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 import json
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_ros.runtime.tools.formats import ARG_KEYS, ToolFormat
 from edge_llm_ros.runtime.tools.spec import new_call_id, ToolCall, ToolSpec, validate_arguments
 
 _SEPARATORS = frozenset(' \t\r\n,;[]`')
+_ENDED_INSIDE = 'the output ended inside a tool call (max_tokens reached?)'
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,10 @@ class ToolCallParser:
         self._bare = False         # the run began at a start marker (may prove to be text)
         self._bare_text = ''
         self._obj: Optional[_Obj] = None
+        # What a run held before its first call (separators), None once a JSON call began:
+        # a Python call list is read from there, '[' included.
+        self._lead: Optional[str] = None
+        self._py: List[str] = []   # the Python call list read so far
         self._announced = 0
         self._ids: Dict[int, str] = {}
         self.calls: List[ToolCall] = []
@@ -98,6 +109,8 @@ class ToolCallParser:
         while i < len(text):
             if self._mode == 'text':
                 i = self._scan_text(text, i)
+            elif self._mode == 'python':
+                i = self._scan_python(text, i)
             else:
                 i = self._scan_calls(text, i)
         return self._take()
@@ -113,8 +126,10 @@ class ToolCallParser:
             raw = ''.join(obj.buf)
             self._obj = None
             if not self._give_back(raw + held):
-                self.invalid.append(InvalidToolCall(raw, 'the output ended inside a tool call '
-                                                    '(max_tokens reached?)'))
+                self.invalid.append(InvalidToolCall(raw, _ENDED_INSIDE))
+        elif self._mode == 'python':
+            # No close marker: a list that reads whole is kept, as a finished JSON call is.
+            self._python_done(''.join(self._py) + held, closed=False)
         elif self._mode == 'calls':
             self._give_back(held)
         elif self._mode == 'text' and not (self._after_call and not held.strip()):
@@ -155,6 +170,7 @@ class ToolCallParser:
 
     def _enter_calls(self, text: str, start: int, at: int, marker: str) -> int:
         self._mode = 'calls'
+        self._lead = ''
         self._bare = marker in self._fmt.start_markers and self._at_start
         self._at_start = self._after_call = False
         # A bare '{' or '[{' is the JSON itself; other markers are consumed.
@@ -179,19 +195,59 @@ class ToolCallParser:
                 return len(text)
             c = text[i]
             if c == '{':
+                self._lead = None
                 self._obj = _Obj()
                 self._object_char(c)
+            elif self._fmt.python_calls and self._lead is not None and c.isidentifier():
+                self._mode = 'python'
+                self._py = [self._lead]
+                return i
             elif c not in _SEPARATORS:
                 # Text after the calls: back to the answer (a format without a close marker).
                 self._mode = 'text'
                 self._after_call = bool(self.calls)
                 self._give_back('')
                 return i
-            elif self._bare:
-                self._bare_text += c
+            else:
+                if self._bare:
+                    self._bare_text += c
+                if self._lead is not None:
+                    self._lead += c
             i += 1
         self._flush_arguments()
         return i
+
+    def _scan_python(self, text: str, i: int) -> int:
+        """Collect a Python call list up to the close marker, then read it."""
+        close = self._fmt.close
+        rest = text[i:]
+        at = rest.find(close)
+        if at < 0:
+            keep = _partial_suffix(rest, (close,))
+            self._py.append(rest[:len(rest) - keep])
+            self._held = rest[len(rest) - keep:]
+            return len(text)
+        self._python_done(''.join(self._py) + rest[:at], closed=True)
+        self._mode, self._after_call = 'text', True
+        return i + at + len(close)
+
+    def _python_done(self, source: str, closed: bool) -> None:
+        """Record the calls of a Python call list; report each bad one."""
+        self._py = []
+        try:
+            calls = python_calls(source)
+        except ValueError as exc:
+            error = f'the tool calls are not valid Python: {exc}' if closed else _ENDED_INSIDE
+            self.invalid.append(InvalidToolCall(source.strip(), error))
+            return
+        for call in calls:
+            error = (self._unknown_tool(call.name) if call.name else '') or call.error
+            if not error:  # validate what the call carries (tuples as lists, as JSON has)
+                error = self._arguments_problem(call.name, json.loads(call.arguments))
+            if error:
+                self.invalid.append(InvalidToolCall(call.raw, error))
+            else:
+                self._accept(_Obj(name=call.name), call.name, call.arguments)
 
     def _object_char(self, c: str) -> None:
         o = self._obj
@@ -276,14 +332,18 @@ class ToolCallParser:
             self._obj = None
             self.invalid.append(InvalidToolCall(raw, error))
             return
+        self._accept(o, name, args_text)
+        self._obj = None
+
+    def _accept(self, o: _Obj, name: str, args_text: str) -> None:
+        """Record a valid call: announce it if not yet, emit what is left of its arguments."""
         if o.index < 0:
             self._announce(o)
         if o.args_start >= 0:
             self._flush_arguments()
-        else:  # arguments given as a JSON string (or absent): one delta with all of it
+        else:  # arguments not streamed (a JSON string, absent, a Python call): all at once
             self._deltas.append(ToolCallDelta(o.index, arguments=args_text))
         self.calls.append(ToolCall(self._ids[o.index], name, args_text))
-        self._obj = None
 
     def _check(self, o: _Obj, raw: str) -> Tuple[str, str, str]:
         """(error or '', name, arguments text) of a complete object."""
@@ -294,8 +354,9 @@ class ToolCallParser:
         name = value.get('name')
         if not isinstance(name, str):
             return 'the tool call has no "name"', '', ''
-        if self._tools and name not in self._tools:
-            return f'the model called unknown tool {name!r}', name, ''
+        unknown = self._unknown_tool(name)
+        if unknown:
+            return unknown, name, ''
         key = next((k for k in ARG_KEYS if k in value), None)
         args = value.get(key) if key else {}
         if o.args_start >= 0 and o.args_end >= 0:
@@ -308,11 +369,20 @@ class ToolCallParser:
                 return f'arguments of {name} are not JSON', name, ''
         else:
             args_text = json.dumps(args)
+        return self._arguments_problem(name, args), name, args_text
+
+    def _unknown_tool(self, name: str) -> str:
+        """Say that `name` is not a tool in scope ('' if it is, or if any name goes)."""
+        if self._tools and name not in self._tools:
+            return f'the model called unknown tool {name!r}'
+        return ''
+
+    def _arguments_problem(self, name: str, args: Any) -> str:
+        """Say why `args` do not fit tool `name` ('' when they do)."""
         if not isinstance(args, dict):
-            return f'arguments of {name} are not a JSON object', name, ''
+            return f'arguments of {name} are not a JSON object'
         spec = self._tools.get(name)
-        problem = validate_arguments(spec, args) if spec is not None else None
-        return problem or '', name, args_text
+        return (validate_arguments(spec, args) if spec is not None else None) or ''
 
     def _give_back(self, raw: str) -> bool:
         """Return a bare run that held no call to the text; False if it cannot be."""
@@ -339,6 +409,64 @@ def _partial_suffix(text: str, markers: Sequence[str]) -> int:
         if any(m.startswith(tail) for m in markers):
             return n
     return 0
+
+
+@dataclass(frozen=True)
+class PythonCall:
+    """One call of a Python call list: arguments as JSON text, or why it is refused."""
+
+    raw: str            # the call as the model wrote it
+    name: str = ''      # '' when the call names no tool
+    arguments: str = ''
+    error: str = ''
+
+
+def python_calls(source: str) -> List[PythonCall]:
+    """Read a Python call list (`[move_to(x=1, frame="map"), stop()]`) without running it.
+
+    Each call must name a tool and pass keyword arguments whose values are literals JSON can
+    hold (ast.literal_eval; tuples become lists); a call that does not gets its error. Raise
+    ValueError with the reason when `source` is not one Python list of calls (or one call).
+    """
+    source = source.strip()
+    try:
+        tree = ast.parse(source, mode='eval').body
+    except SyntaxError as exc:
+        raise ValueError(exc.msg) from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, nested too deeply
+        raise ValueError(str(exc) or type(exc).__name__) from None
+    if isinstance(tree, ast.Call):
+        return [_python_call(source, tree)]
+    if not isinstance(tree, ast.List):
+        raise ValueError('expected a list of calls, e.g. [move_to(x=1), stop()]')
+    return [_python_call(source, node) for node in tree.elts]
+
+
+def _python_call(source: str, node: ast.expr) -> PythonCall:
+    raw = ast.get_source_segment(source, node) or source
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+        return PythonCall(raw, error=f'{raw!r} is not a call of a tool by its name')
+    name = node.func.id
+    if node.args:
+        return PythonCall(raw, name, error=f'the call to {name} passes arguments by position; '
+                          f'name each one ({name}(arg=value))')
+    args: Dict[str, Any] = {}
+    for kw in node.keywords:
+        if kw.arg is None or kw.arg in args:  # **mapping, or f(a=1, a=2) (ast.parse allows it)
+            what = 'unpacks a mapping' if kw.arg is None else f'gives {kw.arg} twice'
+            return PythonCall(raw, name, error=f'the call to {name} {what}')
+        try:
+            args[kw.arg] = ast.literal_eval(kw.value)
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+            value = ast.get_source_segment(source, kw.value)
+            return PythonCall(raw, name, error=f'argument {kw.arg} of {name} is not a literal '
+                              f'value: {value}')
+    try:
+        text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return PythonCall(raw, name, error=f'arguments of {name} hold a value JSON cannot '
+                          '(a set, bytes, complex or infinite number)')
+    return PythonCall(raw, name, text)
 
 
 def parse_all(text: str, fmt: ToolFormat, tools: Sequence[ToolSpec] = ()
