@@ -351,4 +351,16 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
             period = c.swa_pattern or 6
             config['layer_types'] = ['sliding_attention' if i % period < period - 1 else
                                      'full_attention' for i in range(d.layers)]
+    if c.arch == 'lfm2':
+        # Lfm2Config's keys, as LFM2 releases write them: the FFN width is 2/3 of
+        # block_ff_dim rounded up to block_multiple_of, the norms' eps is norm_eps.
+        ff_dim = d.intermediate * 3 // 2
+        config.update(architectures=['Lfm2ForCausalLM'], intermediate_size=ff_dim,
+                      block_ff_dim=ff_dim, block_auto_adjust_ff_dim=True,
+                      block_ffn_dim_multiplier=1.0, block_multiple_of=256, norm_eps=d.rms_eps,
+                      conv_L_cache=LFM2_CONV_KERNEL, conv_bias=False,
+                      layer_types=['conv' if k == 'conv' else 'full_attention'
+                                   for k in layer_kinds(c)])
+        for key in ('head_dim', 'rms_norm_eps', 'rope_scaling', 'hidden_act'):
+            del config[key]
     return write_hf_folder(folder, w, config)

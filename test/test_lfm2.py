@@ -5,8 +5,8 @@ model.yaml declares each layer's state (`layer_states`: attention KV, or a conv 
 shape [kernel - 1, hidden]), whose graph runs the op library's ShortConv over
 past_conv.{i} / present_conv.{i}, and whose logits equal a float64 NumPy reference of
 llama.cpp's graph (src/models/lfm2.cpp) at the exact settings, over a prompt, a chunk and
-decode steps. What the converter does not build (a sliding window, embedding models, HF
-folders, an mmproj) is refused before anything is written. Token parity with llama.cpp per
+decode steps. What the converter does not build (a sliding window, embedding models, an
+mmproj) is refused before anything is written. Token parity with llama.cpp per
 type is in test_llama_cpp_parity.py.
 
 Engine: the conv states live beside the KV buffers, one per slot and conv layer, and move with
@@ -203,12 +203,8 @@ def test_per_layer_kv_heads_of_a_plain_family_are_refused(tmp_path):
         convert(str(src), str(tmp_path / 'out'), progress=False)
 
 
-def test_an_hf_folder_and_an_mmproj_are_refused(tmp_path, source, native_library):
-    folder = tmp_path / 'hf'
-    folder.mkdir()
-    (folder / 'config.json').write_text('{"model_type": "lfm2"}')
-    with pytest.raises(UnsupportedModelError, match='convert its GGUF'):
-        convert(str(folder), str(tmp_path / 'out'), progress=False)
+def test_an_mmproj_is_refused(tmp_path, source, native_library):
+    # HF lfm2 folders convert: test_lfm2_hf.py.
     with pytest.raises(ConversionError, match=r'VLMs \(--mmproj\) are not converted yet'):
         convert(str(source), str(tmp_path / 'out'), progress=False, mmproj=str(source))
     assert not (tmp_path / 'out').exists()

@@ -49,6 +49,13 @@ _LAYER_GGUF = {'q': 'attn_q', 'k': 'attn_k', 'v': 'attn_v', 'o': 'attn_output',
 _LAYER_HF = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
              'o': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj',
              'down': 'mlp.down_proj'}
+# LFM2 (transformers' Lfm2): per-layer names of the roles a conv or an attention layer has.
+_LAYER_HF_LFM2 = {'attn_norm': 'operator_norm', 'ffn_norm': 'ffn_norm',
+                  'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
+                  'o': 'self_attn.out_proj', 'q_norm': 'self_attn.q_layernorm',
+                  'k_norm': 'self_attn.k_layernorm', 'gate': 'feed_forward.w1',
+                  'up': 'feed_forward.w3', 'down': 'feed_forward.w2',
+                  'in_proj': 'conv.in_proj', 'conv': 'conv.conv', 'out_proj': 'conv.out_proj'}
 
 
 @dataclass(frozen=True)
@@ -263,7 +270,12 @@ def write_hf_folder(folder, weights: Dict[str, np.ndarray], config: dict,
     if 'lm_head' in weights:
         tensors['lm_head.weight'] = weights['lm_head']
     kind = config.get('model_type')
-    for i in range(config['num_hidden_layers']):
+    llama_layers = config['num_hidden_layers']
+    if kind == 'lfm2':   # its own names, none of the llama ones below
+        tensors.update(_lfm2_layers(weights, llama_layers))
+        tensors['model.embedding_norm.weight'] = tensors.pop('model.norm.weight')
+        llama_layers = 0
+    for i in range(llama_layers):
         p, hp = f'{i}.', f'model.layers.{i}.'
         for role, hname in _LAYER_HF.items():
             tensors[f'{hp}{hname}.weight'] = weights[p + role]
@@ -299,6 +311,17 @@ def write_hf_folder(folder, weights: Dict[str, np.ndarray], config: dict,
         'bos_token': SPECIAL_TOKENS[BOS_ID], 'eos_token': SPECIAL_TOKENS[EOS_ID],
         'add_bos_token': False, 'chat_template': CHAT_TEMPLATE}, indent=2))
     return folder
+
+
+def _lfm2_layers(weights: Dict[str, np.ndarray], layers: int) -> Dict[str, np.ndarray]:
+    """Name an LFM2's layer weights as transformers saves them (the conv kernel as Conv1d's)."""
+    out = {}
+    for i in range(layers):
+        for role, hname in _LAYER_HF_LFM2.items():
+            w = weights.get(f'{i}.{role}')
+            if w is not None:   # a conv layer has no q/k/v/o, an attention layer no conv
+                out[f'model.layers.{i}.{hname}.weight'] = w[:, None] if role == 'conv' else w
+    return out
 
 
 _CACHE: Dict[tuple, pathlib.Path] = {}

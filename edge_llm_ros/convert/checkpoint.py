@@ -47,6 +47,23 @@ _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_
 _HF_GEMMA3_LAYER = dict(_HF_LAYER, ffn_norm='pre_feedforward_layernorm.weight',
                         post_attn_norm='post_attention_layernorm.weight',
                         post_ffn_norm='post_feedforward_layernorm.weight')
+# LFM2 (transformers' Lfm2): operator_norm is the input norm of both kinds of layer, the MLP
+# is w1 (gate), w3 (up), w2 (down), and a conv layer has conv.{in_proj,conv,out_proj}.
+_HF_LFM2_LAYER = {'attn_norm': 'operator_norm.weight', 'ffn_norm': 'ffn_norm.weight',
+                  'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
+                  'v': 'self_attn.v_proj.weight', 'o': 'self_attn.out_proj.weight',
+                  'q_norm': 'self_attn.q_layernorm.weight',
+                  'k_norm': 'self_attn.k_layernorm.weight', 'gate': 'feed_forward.w1.weight',
+                  'up': 'feed_forward.w3.weight', 'down': 'feed_forward.w2.weight',
+                  'in_proj': 'conv.in_proj.weight', 'conv': 'conv.conv.weight',
+                  'out_proj': 'conv.out_proj.weight'}
+# The final norm's HF names, first found wins: transformers' Lfm2 calls it embedding_norm;
+# model.norm, the other families' name, is taken as well.
+_HF_FINAL_NORMS = {'lfm2': ('model.embedding_norm.weight', 'model.norm.weight')}
+# LFM2 layer_types values -> ModelSpec.layer_kinds.
+_HF_LFM2_KINDS = {'conv': CONV, 'full_attention': ATTENTION}
+# Longest conv kernel the op library's ShortConv takes (ELK_SHORTCONV_MAX_KERNEL).
+MAX_CONV_KERNEL = 16
 
 
 @dataclass(frozen=True)
@@ -378,9 +395,10 @@ def _kv_heads(path: pathlib.Path, family: Architecture,
 def _check_hybrid(path: pathlib.Path, key, names: dict) -> int:
     """Check what the converter builds of an lfm2 GGUF; return its conv kernel (l_cache)."""
     kernel = int(key('shortconv.l_cache', 0) or 0)
-    if not 2 <= kernel <= 16:
+    if not 2 <= kernel <= MAX_CONV_KERNEL:
         raise ModelLoadError(f'{path}: shortconv.l_cache {kernel} is not a conv kernel of '
-                             '2..16 positions; the GGUF is incomplete or corrupt')
+                             f'2..{MAX_CONV_KERNEL} positions; the GGUF is incomplete or '
+                             'corrupt')
     if int(key('attention.sliding_window', 0) or 0) > 0:
         raise UnsupportedModelError(f'{path}: an lfm2 model with a sliding window is not '
                                     'supported yet; use one with full attention')
@@ -520,10 +538,9 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
                                     'Gemma3ForCausalLM / *-text checkpoint)')
     family = architecture(HF_MODEL_TYPES.get(model_type, model_type), f'{folder} (model_type)')
     arch = family.name
+    hybrid: dict = {}
     if family.conv_layers:
-        raise UnsupportedModelError(f'{folder}: HF {arch} folders are not converted yet; '
-                                    "convert its GGUF (llama.cpp's convert_hf_to_gguf.py "
-                                    'writes one)')
+        cfg, hybrid = _hf_lfm2(folder, cfg)
     act = cfg.get('hidden_activation') or cfg.get('hidden_act') or 'silu'
     if _HF_ACTIVATIONS.get(act) != family.activation:
         raise UnsupportedModelError(f'{folder}: activation {act!r} is not what {arch} uses '
@@ -545,10 +562,12 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
         scaling = dict(scaling, original_max_position_embeddings=scaling.get(
             'original_max_position_embeddings', cfg['original_max_position_embeddings']))
     rope = _hf_rope_scaling(folder, scaling, rope_dims, theta, ctx)
-    wanted = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight',
+    final_norms = _HF_FINAL_NORMS.get(arch, ('model.norm.weight',))
+    wanted = {'embed': 'model.embed_tokens.weight',
+              'final_norm': next((n for n in final_norms if n in raw), final_norms[0]),
               'lm_head': 'lm_head.weight'}
     layers = int(cfg['num_hidden_layers'])
-    layer_names = _HF_GEMMA3_LAYER if arch == 'gemma3' else _HF_LAYER
+    layer_names = {'gemma3': _HF_GEMMA3_LAYER, 'lfm2': _HF_LFM2_LAYER}.get(arch, _HF_LAYER)
     for i in range(layers):
         for role, suffix in layer_names.items():
             wanted[f'{i}.{role}'] = f'model.layers.{i}.{suffix}'
@@ -566,12 +585,20 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     for i in range(layers):
         if f'{i}.gate_up' in tensors:
             tensors[f'{i}.up'] = tensors.pop(f'{i}.gate_up')
+        conv = tensors.get(f'{i}.conv')
+        if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
+            # nn.Conv1d's depthwise [channels, 1, kernel], squeezed as llama.cpp's converter
+            # does (the GGUF's [channels, kernel]).
+            shape = (conv.shape[0], conv.shape[2])
+            tensors[f'{i}.conv'] = SourceTensor(conv.name, conv.qtype, shape,
+                                                np.asarray(conv.data).reshape(shape))
     kv_heads = int(cfg.get('num_key_value_heads', heads))
     _split_fused(folder, tensors, layers, heads * head_dim, kv_heads * head_dim, n_ff)
     extras = _family_extras(family, hidden, heads, head_dim, layers, 0, (), 0.0,
                             float(cfg.get('final_logit_softcapping') or 0.0))
     if arch == 'gemma3':
         extras.update(_hf_gemma3(cfg, layers, rope))
+    extras.update(hybrid)
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
         intermediate_size=n_ff, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -609,6 +636,76 @@ def _hf_gemma3(cfg: dict, layers: int, rope: dict) -> dict:
                    local_rope_theta=float(cfg.get('rope_local_base_freq', 10000.0)),
                    final_logit_softcap=0.0)
     return out
+
+
+def _hf_lfm2(folder: pathlib.Path, cfg: dict) -> Tuple[dict, dict]:
+    """Read an LFM2 config (transformers' Lfm2Config) for the HF reader.
+
+    Returns the config with the keys the reader takes (intermediate_size, rms_norm_eps,
+    rope_theta, tie_word_embeddings, ...) set to what transformers builds, and the ModelSpec's
+    layer_kinds and conv_kernel. Refuses embedding models and kernels as the GGUF reader does,
+    and what llama.cpp's lfm2 graph has no place for (conv biases).
+    """
+    src = folder / 'config.json'
+    if ({'Lfm2Model', 'Lfm2BidirectionalModel'} & set(cfg.get('architectures') or ())
+            or (folder / '1_Dense').is_dir()):
+        raise UnsupportedModelError(f'{folder}: an LFM2 embedding model (bidirectional or '
+                                    'ColBERT) is not a text decoder; convert a generative '
+                                    'LFM2 checkpoint (Lfm2ForCausalLM)')
+    layers = int(cfg['num_hidden_layers'])
+    types = cfg.get('layer_types')
+    if types is None:
+        # Older configs list the attention layers; neither key: all attention (transformers).
+        idxs = cfg.get('full_attn_idxs')
+        attn = set(range(layers)) if idxs is None else {int(i) for i in idxs}
+        if not attn <= set(range(layers)):
+            raise ModelLoadError(f'{src}: full_attn_idxs {sorted(attn)} name layers beyond '
+                                 f'num_hidden_layers {layers}: the config contradicts itself; '
+                                 'download config.json again')
+        types = ['full_attention' if i in attn else 'conv' for i in range(layers)]
+    if not isinstance(types, list):
+        raise ModelLoadError(f'{src}: layer_types is {types!r}, not a list of layer types; '
+                             'download config.json again')
+    if len(types) != layers:
+        raise ModelLoadError(f'{src}: layer_types has {len(types)} entries for '
+                             f'num_hidden_layers {layers}: the config contradicts itself; '
+                             'download config.json again')
+    unknown = sorted({str(t) for t in types} - set(_HF_LFM2_KINDS))
+    if unknown:
+        raise UnsupportedModelError(f'{src}: layer_types {unknown} are not LFM2 layers (conv, '
+                                    'full_attention); the checkpoint is not a plain LFM2 '
+                                    'decoder: convert an LFM2 / LFM2.5 text model')
+    if 'full_attention' not in types:
+        raise UnsupportedModelError(f'{src}: no full_attention layer; the converter builds '
+                                    'LFM2 with at least one attention layer')
+    kernel = int(cfg.get('conv_L_cache', 3))
+    if not 2 <= kernel <= MAX_CONV_KERNEL:
+        raise UnsupportedModelError(f'{src}: conv_L_cache {kernel} is not a conv kernel of '
+                                    f'2..{MAX_CONV_KERNEL} positions; the converter builds '
+                                    "those (LFM2's is 3)")
+    if cfg.get('conv_bias'):
+        raise UnsupportedModelError(f"{src}: conv_bias is set; llama.cpp's lfm2 graph and "
+                                    'this converter have no conv biases: convert an LFM2 '
+                                    'checkpoint without them (every LFM2 / LFM2.5 release)')
+    # transformers' Lfm2MLP: 2/3 of the configured width, times the multiplier, rounded up to
+    # block_multiple_of. llama.cpp's converter rounds even without a multiplier; LFM2 releases
+    # set one (1.0), so both give the same width.
+    n_ff = int(cfg.get('block_ff_dim', cfg.get('intermediate_size')))
+    if cfg.get('block_auto_adjust_ff_dim', True):
+        n_ff = int(2 * n_ff / 3)
+        multiplier = cfg.get('block_ffn_dim_multiplier', 1.0)
+        if multiplier is not None:
+            multiple = int(cfg.get('block_multiple_of', 256))
+            n_ff = multiple * ((int(multiplier * n_ff) + multiple - 1) // multiple)
+    rope = cfg.get('rope_parameters') or {}   # transformers 5's form
+    out = dict(cfg, intermediate_size=n_ff, rms_norm_eps=cfg.get('norm_eps', 1e-5),
+               rope_theta=cfg.get('theta', cfg.get('rope_theta', rope.get('rope_theta', 1e6))),
+               rope_scaling=cfg.get('rope_scaling') or rope or None,
+               tie_word_embeddings=cfg.get('tie_word_embeddings',
+                                           cfg.get('tie_embedding', True)),
+               max_position_embeddings=cfg.get('max_position_embeddings', 128000))
+    return out, {'layer_kinds': tuple(_HF_LFM2_KINDS[t] for t in types),
+                 'conv_kernel': kernel}
 
 
 def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], rope_dims: int,

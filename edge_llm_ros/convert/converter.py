@@ -516,7 +516,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
         description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
-                    'gemma3, phi3; lfm2 from GGUF) '
+                    'gemma3, phi3, lfm2) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', help='model folder to create')
