@@ -17,7 +17,7 @@ from test_kv_cache import CAP, FakeModel, POSITION_BYTES
 
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.runtime.conversation import Conversation, StoredImage
-from edge_llm_ros.runtime.kv_cache import _Snapshot, block_hashes, KVCache
+from edge_llm_ros.runtime.kv_cache import _Snapshot, block_hashes, dequantize_int8, KVCache
 from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving import session_store
 from edge_llm_ros.serving.engine import EngineConfig
@@ -405,13 +405,14 @@ def test_when_written_waits_for_the_write(model_dir, tmp_path):
     assert fired[-1] == 'closed'
 
 
-def test_conv_states_round_trip_with_their_kept_ends(model_dir, tmp_path):
+@pytest.mark.parametrize('dtype', ['float32', 'int8'])
+def test_conv_states_round_trip_with_their_kept_ends(model_dir, tmp_path, dtype):
     path = tmp_path / 'sessions.db'
-    config = EngineConfig(session_store=str(path))
+    config = EngineConfig(session_store=str(path), kv_dtype=dtype)
     buffers = [np.zeros((1, 2, CAP, 8), np.float32)]
     state = np.zeros((1, 2, 4), np.float32)
     store = open_sessions(config, str(model_dir), buffers, CAP, [state])
-    cache = KVCache(buffers, CAP, store=store, states=[state])
+    cache = KVCache(buffers, CAP, dtype, store=store, states=[state])
     cache.apply(cache.find_reuse([1], block_hashes([1]), 0), 'a')
     cache.append([1, 2, 3])
     buffers[0][:, :, :3] = np.arange(48, dtype=np.float32).reshape(1, 2, 3, 8)
@@ -424,8 +425,14 @@ def test_conv_states_round_trip_with_their_kept_ends(model_dir, tmp_path):
     store2 = open_sessions(config, str(model_dir), buffers, CAP, [state])
     snap = store2.get('a')
     assert snap.keys == (1, 2, 3, 4) and sorted(snap.states) == [3, 4]
+    # The states come back exact; int8 quantizes the KV rows only.
+    assert all(a.dtype == np.float32 for st in snap.states.values() for a in st)
     assert np.all(snap.states[3][0] == 3.0) and np.all(snap.states[4][0] == 4.0)
-    assert np.array_equal(snap.data[0][:, :, :3], np.arange(48).reshape(1, 2, 3, 8))
+    kv = snap.data[0][:, :, :3] if dtype == 'float32' else dequantize_int8(
+        snap.data[0][:, :, :3], snap.scales[0][:, :, :3], np.float32)
+    assert np.allclose(kv, np.arange(48).reshape(1, 2, 3, 8), rtol=0.01, atol=0.2)
+    if dtype == 'float32':
+        assert np.array_equal(kv, np.arange(48).reshape(1, 2, 3, 8))
     store2.close()
     # A model whose layer states differ cannot read those bytes: the conversation stays, as
     # text for the next turn to prefill.
