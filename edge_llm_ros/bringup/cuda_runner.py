@@ -79,11 +79,16 @@ def _blocks(n: int, per_block: int) -> int:
 
 def _gemv_cases(rng: np.random.Generator) -> List[KernelCase]:
     cases = []
-    n, k, warps = 300, 1024, 4       # n not a multiple of the warps per block on purpose
-    variants = ((np.float32, ref.ZP_NONE, 1e-4), (np.float32, ref.ZP_PACKED_U8, 1e-4),
-                (np.float32, ref.ZP_FLOAT, 1e-4), (np.float16, ref.ZP_PACKED_U8, 2e-2),
-                (np.float16, ref.ZP_FLOAT, 2e-2))
-    for dtype, zp_kind, tol in variants:
+    warps = 4
+    # N 300: not a multiple of the warps per block, on purpose. The last case has K 1120 (35
+    # blocks: not a multiple of 256, and lanes 0-2 take a second block) and N 37.
+    variants = ((300, 1024, np.float32, ref.ZP_NONE, 1e-4),
+                (300, 1024, np.float32, ref.ZP_PACKED_U8, 1e-4),
+                (300, 1024, np.float32, ref.ZP_FLOAT, 1e-4),
+                (300, 1024, np.float16, ref.ZP_PACKED_U8, 2e-2),
+                (300, 1024, np.float16, ref.ZP_FLOAT, 2e-2),
+                (37, 1120, np.float32, ref.ZP_PACKED_U8, 1e-4))
+    for n, k, dtype, zp_kind, tol in variants:
         weights = ref.quantize_int4(rng.standard_normal((n, k)).astype(np.float32) * 0.05,
                                     zp_kind, dtype)
         x = rng.standard_normal(k).astype(dtype)
@@ -92,7 +97,9 @@ def _gemv_cases(rng: np.random.Generator) -> List[KernelCase]:
             weights.zero_points))
         scale = float(np.abs(expected).max()) or 1.0
         cases.append(KernelCase(
-            'int4_gemv %s zp=%d' % (np.dtype(dtype).name, zp_kind), 'int4_gemv',
+            'int4_gemv %s zp=%d%s' % (np.dtype(dtype).name, zp_kind,
+                                      '' if (n, k) == (300, 1024) else ' N=%d K=%d' % (n, k)),
+            'int4_gemv',
             'int4_gemv_%s' % ('f32' if dtype == np.float32 else 'f16'),
             [Arg('in', x), Arg('in', weights.packed), Arg('in', weights.scales), zp,
              Arg('int', zp_kind), Arg('out', np.zeros(n, dtype)), Arg('int', n), Arg('int', k)],

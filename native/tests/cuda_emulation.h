@@ -10,11 +10,15 @@
 //     products, __vsub4 bytewise wrapping subtraction, __fmul_rn/__fadd_rn/__fsub_rn/__fdiv_rn
 //     IEEE single operations rounded to nearest (this file is built with -ffp-contract=off),
 //     __float2int_rn round to nearest even, fp16 conversions blocks.h's exact ones.
+//   - for the older kernels (int4_gemv, rmsnorm, rope, kv_int8) and the GPU check's harness
+//     (gpu_check.cu): __ldg a plain load, __shfl_down_sync, uint4, rsqrtf, and the runtime
+//     calls the harness makes (device memory is host memory, events read a steady clock).
 // What this cannot check: the real GPU's scheduling, memory model and timing.
 #pragma once
 
 #include <ucontext.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -30,8 +34,45 @@ struct dim3 {
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 using cudaStream_t = void *;
-enum cudaError_t { cudaSuccess = 0 };
+enum cudaError_t { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char *cudaGetErrorString(cudaError_t e) { return e ? "out of memory" : "no error"; }
+enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice };
+inline cudaError_t cudaMalloc(void **p, size_t bytes) {
+  *p = std::malloc(bytes ? bytes : 1);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaFree(void *p) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void *to, const void *from, size_t bytes, cudaMemcpyKind) {
+  std::memcpy(to, from, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemset(void *p, int value, size_t bytes) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+using cudaEvent_t = std::chrono::steady_clock::time_point *;
+inline cudaError_t cudaEventCreate(cudaEvent_t *e) {
+  *e = new std::chrono::steady_clock::time_point();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t = nullptr) {
+  *e = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = std::chrono::duration<float, std::milli>(*end - *start).count();
+  return cudaSuccess;
+}
 
 #define __global__
 #define __device__
@@ -279,6 +320,19 @@ template <typename T>
 T __shfl_xor_sync(unsigned, T value, int mask) {
   return emu::exchange(value, static_cast<int>(threadIdx.x & 31) ^ mask);
 }
+// A lane whose source is past lane 31 keeps its own value (CUDA's rule).
+template <typename T>
+T __shfl_down_sync(unsigned, T value, unsigned delta) {
+  const unsigned source = (threadIdx.x & 31) + delta;
+  const T got = emu::exchange(value, static_cast<int>(source & 31));
+  return source < 32 ? got : value;
+}
+template <typename T>
+T __ldg(const T *p) { return *p; }
+struct uint4 {
+  unsigned x, y, z, w;
+};
+inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
 inline int __dp4a(int a, int b, int c) {
   for (int i = 0; i < 4; ++i) {
@@ -299,6 +353,7 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __int2float_rn(int v) { return static_cast<float>(v); }
 inline int __float2int_rn(float v) { return static_cast<int>(std::nearbyint(v)); }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 
 struct __half {
   uint16_t bits;
