@@ -4,9 +4,10 @@ No GPU here: the script says so in one line and exits 2 at once. Its harness
 (native/tests/gpu_check.cu) runs on the CPU through native/tests/cuda_emulation.h
 (`--emulate`, the reduced case list): kquant.cu bit-equal to ref.cpp, the older kernels within
 kernel_reference.py's tolerances, the timing path and the JSON and table the GPU run writes. A
-planted rounding error in kquant.cu and a wrong older-kernel output each fail the check. With
-nvcc (no GPU needed): the harness compiles for Orin (sm_87) and Hopper (sm_90) with every
-kernel's entry point in it, and the script's own nvcc build runs for a GPU nvidia-smi reports.
+planted rounding error in kquant.cu and a wrong older-kernel output each fail the check, and a
+harness that hangs is killed. With nvcc (no GPU needed): the harness compiles for Orin (sm_87)
+and Hopper (sm_90) with every kernel's entry point in it, and the script's own nvcc build runs
+for a GPU nvidia-smi reports (also past an nvcc that refuses the g++'s version).
 """
 import json
 import os
@@ -213,6 +214,17 @@ def test_a_harness_that_dies_fails_the_check(tmp_path):
     assert lines[-1] == 'gpu_check: the harness failed (exit 2) before writing its JSON'
 
 
+def test_a_harness_that_never_returns_is_killed(tmp_path):
+    harness = tmp_path / 'harness'
+    harness.write_text('#!/bin/sh\necho started\nexec sleep 60\n')
+    harness.chmod(0o755)
+    lines = []
+    start = time.monotonic()
+    status = gpu_check.run_harness([str(harness)], lines.append, timeout=1.0)
+    assert status != 0 and time.monotonic() - start < 30
+    assert lines == ['started', 'gpu_check: the harness was killed after 1 s']
+
+
 def test_the_manifest_round_trips_every_argument_kind(tmp_path):
     cases = cuda_runner.cases()
     manifest = gpu_check.write_cases(cases, tmp_path).read_text().splitlines()
@@ -250,14 +262,25 @@ def test_the_harness_compiles_for_orin_and_hopper_with_every_kernel(tmp_path, ar
 
 
 @needs_nvcc
-def test_the_script_builds_the_harness_with_nvcc_for_the_gpu_nvidia_smi_reports(tmp_path):
+@pytest.mark.parametrize('picky', [False, True], ids=['nvcc', 'nvcc-refusing-the-gcc'])
+def test_the_script_builds_the_harness_with_nvcc_for_the_gpu_nvidia_smi_reports(
+        tmp_path, picky):
     if GPU:
         pytest.skip('a real GPU is here: the fake nvidia-smi would run the whole check on it')
     env = fake_nvidia_smi(tmp_path / 'bin', 'echo "9.0, NVIDIA H100 80GB HBM3"')
+    if picky:  # an nvcc older than the g++: its version check refuses, the flag lets it build
+        nvcc = tmp_path / 'bin' / 'nvcc'
+        nvcc.write_text('#!/bin/sh\ncase " $* " in\n'
+                        '  *" -allow-unsupported-compiler "*) ;;\n'
+                        '  *" -arch="*) echo "#error -- unsupported GNU version!" >&2; exit 1;;\n'
+                        'esac\nexec %s "$@"\n' % NVCC)
+        nvcc.chmod(0o755)
+        env['NVCC'] = str(nvcc)
     proc = run_script(str(tmp_path / 'out'), env=env)
     output = proc.stdout + proc.stderr
     assert re.search(r'^gpu_check: \[\d+s\] building native/tests/gpu_check.cu for sm_90 '
                      r'\(NVIDIA H100 80GB HBM3\) with nvcc \d+\.\d+$', proc.stdout, re.M), output
+    assert ('building again with -allow-unsupported-compiler' in proc.stdout) == picky, output
     binary = tmp_path / 'out' / 'build' / 'gpu_check'
     assert b'-arch sm_90' in binary.read_bytes()  # the fatbin's cubin, as test_native_cuda
     # No driver here: the harness stops at its first CUDA call, and the check fails.

@@ -26,6 +26,7 @@ import math
 import pathlib
 import subprocess
 import sys
+import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -37,6 +38,7 @@ MODEL = 'qwen2-1.5b'                  # bench/make_random_gguf.py's name for the
 MODEL_NAME = 'Qwen2.5-1.5B-Instruct Q4_K_M'
 PREFILL_ROWS = 512                    # prompt tokens of the prefill GEMM timing
 QUICK_PREFILL_ROWS = 5                # --quick: still the GEMM path (M > 4)
+HARNESS_TIMEOUT_S = 240.0             # the whole check has 5 minutes, the build too
 
 
 # ---- the shapes to time ---------------------------------------------------------------------
@@ -251,14 +253,27 @@ def table(report: Dict[str, Any]) -> str:
 
 # ---- the run --------------------------------------------------------------------------------
 
-def run_harness(command: Sequence[str], out: Callable[[str], None]) -> int:
-    """Run the harness, passing its progress lines on; return its exit status."""
+def run_harness(command: Sequence[str], out: Callable[[str], None],
+                timeout: float = HARNESS_TIMEOUT_S) -> int:
+    """Run the harness, passing its progress lines on; return its exit status.
+
+    A harness still running after `timeout` seconds (a kernel that never returns) is killed:
+    a GPU lent for minutes must not wait on it.
+    """
     with subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out(line.rstrip('\n'))
-        return proc.wait()
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out(line.rstrip('\n'))
+            status = proc.wait()
+        finally:
+            timer.cancel()
+        if status < 0:
+            out('gpu_check: the harness was killed after %.0f s' % timeout)
+        return status
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Callable[[str], None] = print) -> int:

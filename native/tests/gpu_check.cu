@@ -514,6 +514,7 @@ int main(int argc, char **argv) {
     usage();
     return 2;
   }
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines go through a pipe: a line at a time
   Json json;
   json.device = device_json();
   std::printf("gpu_check: device %s\n", json.device.c_str());
