@@ -37,6 +37,11 @@ move with the slot's KV when a goal is parked and resumed. A session snapshot of
 holds the states at its kept ends (its last position and the marks below it), at their own
 precision (int8 applies to KV only), so a session continues from the end of its last turn,
 or from that turn's prompt end when the next prompt does not extend the whole turn.
+
+Pinned snapshots (warm prompts, serving/warm_prompts.py): a SnapshotStore also keeps
+snapshots pinned under a key. find_reuse offers them like any saved prefix, but they belong
+to no session: eviction, the store's bounds and clear() never touch them (the engine counts
+their bytes in its KV budget at configure instead).
 """
 from __future__ import annotations
 
@@ -149,6 +154,14 @@ class SnapshotSink(Protocol):
 
     def touch(self, session_id: str, tick: int) -> None: ...
 
+    # Pinned snapshots (warm prompts): read back at open, keyed; saved; rows of keys not kept
+    # deleted.
+    warm_rows: Dict[str, _Snapshot]
+
+    def save_warm(self, key: str, snap: _Snapshot) -> None: ...
+
+    def keep_warm(self, keys: Sequence[str]) -> None: ...
+
     def delete(self, session_id: str) -> None: ...
 
     def clear(self) -> None: ...
@@ -201,6 +214,8 @@ class SnapshotStore:
         self._entries: 'OrderedDict[str, _Session]' = OrderedDict()
         self._bytes = 0
         self._tick = 0  # LRU clock, persisted so a restart keeps the order
+        # Warm prompts: pinned, outside the LRU and its bounds, in the order they were added.
+        self._pinned: 'OrderedDict[str, _Snapshot]' = OrderedDict()
 
     @property
     def persistent(self) -> bool:
@@ -222,8 +237,40 @@ class SnapshotStore:
         return [sid for sid, e in self._entries.items() if e.snap is not None]
 
     def values(self) -> List[_Snapshot]:
-        """Return the KV prefixes kept (a session may have only a conversation)."""
-        return [e.snap for e in self._entries.values() if e.snap is not None]
+        """Return the KV prefixes kept: the pinned ones, then the sessions' (if they have one)."""
+        return [*self._pinned.values(),
+                *(e.snap for e in self._entries.values() if e.snap is not None)]
+
+    @property
+    def sink(self) -> Optional[SnapshotSink]:
+        """Return where the store mirrors its changes (None: memory only)."""
+        return self._sink
+
+    def pin(self, key: str, snap: _Snapshot, save: bool = True) -> None:
+        """Keep snap under key for good: never evicted, outside max_sessions and max_bytes.
+
+        save: write it to the sink too (False: it was read back from there).
+        """
+        self._pinned[key] = snap
+        if save and self._sink is not None:
+            self._sink.save_warm(key, snap)
+
+    def stored_pin(self, key: str) -> Optional[_Snapshot]:
+        """Return the snapshot the sink read back for key at open (None: none, or no sink)."""
+        return self._sink.warm_rows.get(key) if self._sink is not None else None
+
+    def keep_pinned_rows(self) -> None:
+        """Delete the sink's rows of snapshots that are not pinned now."""
+        if self._sink is not None:
+            self._sink.keep_warm(list(self._pinned))
+
+    def pinned(self, key: str) -> Optional[_Snapshot]:
+        """Return the snapshot pinned under key (None: none)."""
+        return self._pinned.get(key)
+
+    def pinned_nbytes(self) -> int:
+        """Return the bytes of every pinned snapshot."""
+        return sum(snap.nbytes for snap in self._pinned.values())
 
     def get(self, session_id: str) -> Optional[_Snapshot]:
         entry = self._entries.get(session_id)
@@ -351,6 +398,7 @@ class SnapshotStore:
     def close(self) -> None:
         """Flush and close the sink, keeping what it saved; forget the in-memory copies."""
         self._entries.clear()
+        self._pinned.clear()
         self._bytes = 0
         sink, self._sink = self._sink, None
         if sink is not None:
@@ -720,6 +768,21 @@ class KVCache:
         self._hashes = block_hashes(self._keys, self._hashes)
         self._owner_saved = False
 
+    def snapshot_prefix(self, n: int) -> _Snapshot:
+        """Copy the first n live positions (a warm prompt's), whatever the store's bounds.
+
+        With conv states, n must be the live end or a kept position (ValueError otherwise).
+        """
+        if not 0 < n <= len(self._keys):
+            raise ValueError(f'cannot copy {n} positions: the cache holds {len(self._keys)}')
+        states = self._states_at(n) if self._states else None
+        if self._states and states is None:
+            raise ValueError(f'cannot copy {n} positions: no conv state was kept there')
+        snap = self._copy(n)
+        if states is not None:
+            snap.states = {n: [a.copy() for a in states]}
+        return snap
+
     def _save(self, session_id: str) -> None:
         snap = self._snapshot()
         if snap is not None:
@@ -736,17 +799,20 @@ class KVCache:
         if not self._sessions.fits(nbytes):  # do not copy what cannot be kept
             self._sessions.refuse(self._owner, n, nbytes)
             return None
-        if self._snapshot_dtype == 'int8':
-            pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
-            snap = _Snapshot(tuple(self._keys), [q for q, _ in pairs], [s for _, s in pairs])
-        else:
-            snap = _Snapshot(tuple(self._keys), [buf[:, :, :n].copy() for buf in self._buffers],
-                             None)
+        snap = self._copy(n)
         if self._states:
             snap.states = {m: [a.copy() for a in st] for m, st in self._marks.items()}
             snap.states[n] = self.state_copies()
         snap.__dict__['hashes'] = list(self._hashes)   # already known: no rehash
         return snap
+
+    def _copy(self, n: int) -> _Snapshot:
+        """Copy the first n positions' KV at the snapshot precision (no conv states yet)."""
+        if self._snapshot_dtype == 'int8':
+            pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
+            return _Snapshot(tuple(self._keys[:n]), [q for q, _ in pairs], [s for _, s in pairs])
+        return _Snapshot(tuple(self._keys[:n]), [buf[:, :, :n].copy() for buf in self._buffers],
+                         None)
 
     def _snapshot_nbytes(self, n: int) -> int:
         """Bytes of a snapshot of n positions (known before copying anything)."""

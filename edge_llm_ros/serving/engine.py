@@ -12,13 +12,17 @@ one goal (any other submitted goal advances with it). A single stream is the sch
 one slot. A new ``generate`` call ends a previous generation that was not iterated to the end
 (it finishes as CANCELLED).
 
+Warm prompts (EngineConfig.warm_prompts, add_warm_prompt; serving/warm_prompts.py) are
+system prompts prefilled at init, each as one goal through the same scheduler, and pinned in
+the prefix cache; with session_store they are restored from it instead.
+
 The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
 or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
 tool calls and no reasoning tags (model_info() says why no family was found).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import functools
 import logging
 import math
@@ -45,11 +49,13 @@ from edge_llm_ros.runtime.speculative import build_speculation, SpeculativeConfi
 from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, GenerationResult,
                                         StopReason, TokenEvent)
+from edge_llm_ros.serving import warm_prompts as warm_mod
 from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
 from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
 from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
+from edge_llm_ros.serving.warm_prompts import WarmPrompt, WarmPromptError
 
 _log = logging.getLogger(__name__)
 
@@ -83,6 +89,9 @@ class EngineConfig:
     kernel: str = 'auto'
     # Speculative decoding and grammar fast-forward (runtime/speculative.py).
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # System prompts prefilled at init and pinned in the prefix cache: text, or 'file:<path>'
+    # (serving/warm_prompts.py). They need prefix_reuse.
+    warm_prompts: Tuple[str, ...] = ()
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -104,12 +113,23 @@ def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
     return slots * (kv + states) * itemsize
 
 
-def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
+def kv_limit(config: 'EngineConfig') -> Tuple[int, str]:
+    """Return the bytes the KV may take and where that bound comes from, in words."""
+    if config.kv_memory_limit:
+        return config.kv_memory_limit, 'kv_memory_limit'
+    import psutil
+    return (int(psutil.virtual_memory().available * KV_MEMORY_FRACTION),
+            f'{KV_MEMORY_FRACTION:.0%} of the available memory')
+
+
+def check_kv_budget(info: ModelInfo, config: 'EngineConfig', pinned: int = 0,
+                    limit: Optional[Tuple[int, str]] = None) -> int:
     """Return the KV bytes of parallel_sequences slots, or raise ModelLoadError if too many.
 
     Runs before anything is allocated; the budget is the slots' KV buffers plus the bound of
-    the saved session prefixes (session_max_bytes, when prefixes are kept), and the message
-    names the bytes and what to lower.
+    the saved session prefixes (session_max_bytes, when prefixes are kept) plus `pinned`, the
+    warm prompts' bytes (over the budget with them: WarmPromptError), and the message names
+    the bytes and what to lower. limit: kv_limit(config), when already known.
     """
     n = config.parallel_sequences
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PARALLEL_SEQUENCES_MAX:
@@ -119,12 +139,13 @@ def check_kv_budget(info: ModelInfo, config: 'EngineConfig') -> int:
         raise ModelLoadError(f'kv_memory_limit must be >= 0, got {config.kv_memory_limit}')
     need = kv_budget_bytes(info, config.max_context, n)
     saved = config.session_max_bytes if config.prefix_reuse and config.max_sessions else 0
-    limit = config.kv_memory_limit
-    source = 'kv_memory_limit'
-    if not limit:
-        import psutil
-        limit = int(psutil.virtual_memory().available * KV_MEMORY_FRACTION)
-        source = f'{KV_MEMORY_FRACTION:.0%} of the available memory'
+    limit, source = limit or kv_limit(config)
+    if need + saved <= limit < need + saved + pinned:
+        raise WarmPromptError(
+            f'the warm prompts need {pinned} bytes of pinned KV beside the {need} bytes of '
+            f'the KV slots and {saved} bytes of saved session prefixes (session_max_bytes), '
+            f'more than {limit} bytes ({source}): drop or shorten warm prompts, or lower '
+            'session_max_bytes, parallel_sequences or max_context')
     if need + saved > limit:
         one = kv_budget_bytes(info, config.max_context, 1)
         raise ModelLoadError(
@@ -156,9 +177,13 @@ class Engine:
         # slots and session snapshots keep copies at a prompt's and a turn's end, where prefix
         # reuse may stop (runtime/kv_cache.py).
         self.prefix_reuse = config.prefix_reuse
-        self.kv_bytes = check_kv_budget(self.info, config)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.family, self.family_error = _family(model_dir, config.model_family)
+        warm = self._load_warm_prompts(config)
+        self._kv_limit = kv_limit(config)   # add_warm_prompt checks against it too
+        self.kv_bytes = check_kv_budget(self.info, config, sum(
+            warm_mod.snapshot_bytes(self.info, p.tokens, config.kv_dtype) for p in warm),
+            self._kv_limit)
         self._eos = _end_ids(self.tokenizer, self.family)
         self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info,
                                                            self._session_config(config))
@@ -199,6 +224,85 @@ class Engine:
         self.vocab_size = self.info.vocab_size
         self.providers = self._decoder.providers
         self.kernel = self._decoder.kernel  # the matmul kernels that run, e.g. 'kquant (avx2)'
+        self._warm: Dict[str, WarmPrompt] = {}   # by key, in the order they were added
+        try:
+            for prompt in warm:
+                self._pin(prompt)
+        except BaseException:
+            self.close()   # releases sessions.store for the next configure
+            raise
+        self._store.keep_pinned_rows()   # the store forgets prompts no longer configured
+
+    def _load_warm_prompts(self, config: EngineConfig) -> List[WarmPrompt]:
+        """Read, render and check config.warm_prompts (WarmPromptError saying what to change)."""
+        if config.warm_prompts and not config.prefix_reuse:
+            raise WarmPromptError('warm prompts are reused through the prefix cache: set '
+                                  'kv.prefix_reuse true, or drop kv.warm_prompts')
+        prompts: Dict[str, WarmPrompt] = {}
+        for source in config.warm_prompts:
+            prompt = warm_mod.load(source, self.tokenizer, self.family, config.max_context)
+            prompts.setdefault(prompt.key, prompt)
+        return list(prompts.values())
+
+    def _pin(self, prompt: WarmPrompt) -> WarmPrompt:
+        """Pin a warm prompt's KV: restored from the store, else prefilled as one goal."""
+        snap = self._store.stored_pin(prompt.key)
+        if snap is not None and tuple(snap.keys) == prompt.ids:
+            self._store.pin(prompt.key, snap, save=False)
+        else:
+            # The normal run path: a goal of the prompt's ids and one token, then its KV.
+            request = replace(self.prepare(GenerationRequest(
+                prompt='.', use_chat_template=False, max_tokens=1)),
+                prompt_ids=prompt.ids, keys=prompt.ids, speculative=False)
+            generation = self.generate(request)
+            result = generation.run_to_end()
+            if result.stop_reason not in (StopReason.STOP, StopReason.LENGTH):
+                raise WarmPromptError(f'prefilling warm prompt {prompt.label!r} ended '
+                                      f'{result.stop_reason.value}: {result.error}')
+            cache = self._caches[generation.goal.slot]
+            snap = cache.snapshot_prefix(len(prompt.ids))
+            if tuple(snap.keys) != prompt.ids:
+                raise EngineError(f'warm prompt {prompt.label!r}: slot '
+                                  f'{generation.goal.slot} does not hold its prefill')
+            self._store.pin(prompt.key, snap)
+        pinned = replace(prompt, nbytes=snap.nbytes)
+        self._warm[prompt.key] = pinned
+        return pinned
+
+    def add_warm_prompt(self, text: str = '', path: str = '') -> WarmPrompt:
+        """Prefill and pin one more warm prompt (text, 'file:<path>', or a file path).
+
+        Runs goals on the caller's thread: the node's worker calls it between jobs. Raises
+        WarmPromptError (unreadable, empty, too long, over the KV budget) and pins nothing
+        then. A prompt already warm is returned as it is.
+        """
+        if bool(text) == bool(path):
+            raise WarmPromptError('give a warm prompt as text or as a file path, not both')
+        with self._lock:
+            self._open_decoder()
+            if not self.prefix_reuse:
+                raise WarmPromptError('warm prompts are reused through the prefix cache: set '
+                                      'kv.prefix_reuse true')
+            prompt = warm_mod.load(text, self.tokenizer, self.family, self.context_length,
+                                   path)
+            if prompt.key in self._warm:
+                return self._warm[prompt.key]
+            limit, source = self._kv_limit
+            saved = self.config.session_max_bytes if self.config.max_sessions else 0
+            pinned = self._store.pinned_nbytes()
+            more = warm_mod.snapshot_bytes(self.info, prompt.tokens, self.config.kv_dtype)
+            if self.kv_bytes + saved + pinned + more > limit:
+                raise WarmPromptError(
+                    f'warm prompt {prompt.label!r} needs {more} bytes of pinned KV; with the '
+                    f'{pinned} bytes of the warm prompts kept, the {self.kv_bytes} bytes of the '
+                    f'KV slots and {saved} bytes of saved session prefixes that is more than '
+                    f'{limit} bytes ({source}): shorten it, or raise kv.memory_limit (or lower '
+                    'sessions.max_bytes) and configure again')
+            return self._pin(prompt)
+
+    def warm_prompts(self) -> List[WarmPrompt]:
+        """Return the warm prompts pinned, in the order they were added."""
+        return list(self._warm.values())
 
     @staticmethod
     def _session_config(config: EngineConfig) -> SessionConfig:
@@ -380,6 +484,8 @@ class Engine:
             'family': family.family if family is not None else '',
             'family_error': self.family_error,
             'tool_call_format': fmt,
+            'warm_prompts': [{'label': p.label, 'tokens': p.tokens, 'bytes': p.nbytes}
+                             for p in self._warm.values()],
             'capabilities': {
                 'tools': fmt != 'none',
                 'reasoning': reasoning is not None,

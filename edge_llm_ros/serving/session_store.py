@@ -21,6 +21,11 @@
   and for this KV layout. Another row keeps its conversation as text (a model update: the
   next turn prefills it again) or, without one, is deleted; one log line says how many and
   why. See docs/sessions.md.
+* Warm prompts (serving/warm_prompts.py) have their own table, keyed by a digest of their
+  token ids: read at open (warm_rows), each restored at configure without a prefill when it
+  was written for this model, converter version and KV layout; another one is dropped with
+  one log line, and the engine prefills and saves it again. Eviction and clear() never
+  touch them; the engine deletes the rows of prompts no longer configured.
 """
 from __future__ import annotations
 
@@ -44,13 +49,18 @@ from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
 
 _log = logging.getLogger(__name__)
 APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
-# PRAGMA user_version; 2: the conversation; 3: its images' rows; 4: a hybrid's conv states.
-SCHEMA_VERSION = 4
+# PRAGMA user_version; 2: the conversation; 3: its images' rows; 4: a hybrid's conv states;
+# 5: the warm prompts' table.
+SCHEMA_VERSION = 5
 _SCHEMA = ('CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, '
            'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, layout TEXT NOT NULL, '
            'keys TEXT NOT NULL, positions INTEGER NOT NULL, nbytes INTEGER NOT NULL, '
            "tick INTEGER NOT NULL, data BLOB NOT NULL, conversation TEXT NOT NULL DEFAULT '', "
            "media BLOB NOT NULL DEFAULT x'', state_ends TEXT NOT NULL DEFAULT '[]')")
+_WARM_SCHEMA = ('CREATE TABLE IF NOT EXISTS warm_prompts (key TEXT PRIMARY KEY, '
+                'model_hash TEXT NOT NULL, converter_version TEXT NOT NULL, '
+                'layout TEXT NOT NULL, keys TEXT NOT NULL, data BLOB NOT NULL, '
+                "state_ends TEXT NOT NULL DEFAULT '[]')")
 _COLUMNS = ('session_id, model_hash, converter_version, layout, keys, positions, nbytes, tick, '
             'data, conversation, media, state_ends')
 # Older files are upgraded in place at open. Version 1 rows (KV prefixes only) keep their KV
@@ -58,7 +68,10 @@ _COLUMNS = ('session_id, model_hash, converter_version, layout, keys, positions,
 # have no conv states (their models had none).
 _MIGRATE = {1: "ALTER TABLE sessions ADD COLUMN conversation TEXT NOT NULL DEFAULT ''",
             2: "ALTER TABLE sessions ADD COLUMN media BLOB NOT NULL DEFAULT x''",
-            3: "ALTER TABLE sessions ADD COLUMN state_ends TEXT NOT NULL DEFAULT '[]'"}
+            3: "ALTER TABLE sessions ADD COLUMN state_ends TEXT NOT NULL DEFAULT '[]'",
+            4: _WARM_SCHEMA}
+# Pending-operation names of warm prompts (no session id starts with a NUL).
+_WARM = '\0warm:'
 _WAL_LIMIT = 32 << 20  # bytes the WAL file is truncated to after a checkpoint
 _HASHED = ('model.yaml', 'model.onnx')
 _FIX = ('point sessions.store at another file, delete this one (its saved sessions are lost), '
@@ -238,6 +251,9 @@ class SessionStore:
         self._waiters: List[Tuple[int, Callable[[], None]]] = []
         self.stats = {'batches': 0, 'saves': 0, 'coalesced': 0, 'errors': 0}
         self.last_error = ''
+        # Warm prompts read back by restore_warm: key -> snapshot (this model's rows only).
+        self.warm_rows: Dict[str, _Snapshot] = {}
+        self._warm_keys: set = set()   # every key with a row on disk
 
     # --- opening -----------------------------------------------------------------------------
     def _acquire_lock(self):
@@ -298,6 +314,7 @@ class SessionStore:
             db.execute(f'PRAGMA application_id = {APPLICATION_ID}')
             db.execute(f'PRAGMA user_version = {SCHEMA_VERSION}')
             db.execute(_SCHEMA)
+            db.execute(_WARM_SCHEMA)
         elif app_id != APPLICATION_ID:
             raise SessionStoreError(
                 f'sessions.store {self.path} is an SQLite file of another application '
@@ -327,7 +344,9 @@ class SessionStore:
         columns = {r[1] for r in db.execute('PRAGMA table_info(sessions)')}
         wanted = set(_Row.__dataclass_fields__) | {
             'keys', 'data', 'conversation', 'media', 'state_ends'}
-        if not wanted <= columns:
+        warm = db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND "
+                          "name='warm_prompts'").fetchone()
+        if not wanted <= columns or warm is None:
             raise SessionStoreError(f'sessions.store {self.path} lacks the sessions table '
                                     f'columns of schema {SCHEMA_VERSION}: {_FIX}')
         db.execute('BEGIN IMMEDIATE')  # proves the file is writable now, not at the first save
@@ -410,6 +429,58 @@ class SessionStore:
         _log.log(logging.WARNING if dropped or as_text else logging.INFO, line)
         return restored
 
+    def restore_warm(self, capacity: int) -> int:
+        """Read the warm prompts' rows into warm_rows; drop the others, one log line each.
+
+        A row of another model, converter version or KV layout (or longer than the context,
+        or unreadable) is deleted: the engine prefills that prompt again and saves it anew.
+        Returns the number read back.
+        """
+        for key, model_id, version, layout, keys_text, blob, ends_text in self._db.execute(
+                'SELECT key, model_hash, converter_version, layout, keys, data, state_ends '
+                'FROM warm_prompts'):
+            keys: Tuple[Hashable, ...] = ()
+            try:
+                keys = decode_keys(keys_text)
+            except ValueError as exc:
+                reason: Optional[str] = f'unreadable ({exc})'
+            else:
+                reason = self._mismatch(_Row(key, model_id, version, layout, len(keys), 0, 0),
+                                        capacity)
+            if reason is None:
+                try:
+                    self.warm_rows[key] = self.layout.decode(keys, blob, _ends(ends_text))
+                except ValueError as exc:
+                    reason = f'unreadable ({exc})'
+            if reason is None:
+                self._warm_keys.add(key)
+                continue
+            _log.warning('sessions.store %s: the stored warm prompt %s (%d tokens) is %s: '
+                         'dropped; it is prefilled again if it is still configured',
+                         self.path, key, len(keys), reason)
+            self._db.execute('BEGIN IMMEDIATE')
+            self._db.execute('DELETE FROM warm_prompts WHERE key = ?', (key,))
+            self._db.execute('COMMIT')
+        return len(self.warm_rows)
+
+    def save_warm(self, key: str, snap: _Snapshot) -> None:
+        """Record a warm prompt's row (written by the writer thread, as a session's)."""
+        self._warm_keys.add(key)
+        self._record(_WARM + key, ('warm', snap, None, 0))
+
+    def keep_warm(self, keys: Sequence[str]) -> None:
+        """Delete the rows of every warm prompt but these (no longer configured)."""
+        for key in sorted(self._warm_keys - set(keys)):
+            self._warm_keys.discard(key)
+            self._record(_WARM + key, ('unwarm', None, None, 0))
+
+    def _record(self, name: str, op: Tuple[str, Optional[_Snapshot], Optional[Conversation],
+                                           int]) -> None:
+        with self._cond:
+            self._pending[name] = op
+            self._recorded += 1
+            self._cond.notify_all()
+
     def _mismatch(self, row: _Row, capacity: int) -> Optional[str]:
         if row.model_hash != self.model_id:
             return 'of another model (model hash differs)'
@@ -448,8 +519,8 @@ class SessionStore:
             self._cond.notify_all()
 
     def clear(self) -> None:
-        with self._cond:
-            self._pending.clear()
+        with self._cond:   # the warm prompts' rows stay (and their pending writes)
+            self._pending = {k: op for k, op in self._pending.items() if k.startswith(_WARM)}
             self._clear = True
             self._recorded += 1
             self._cond.notify_all()
@@ -502,6 +573,9 @@ class SessionStore:
             db.execute('COMMIT')
         small = []
         for session_id, (kind, snap, conversation, tick) in batch.items():
+            if kind == 'warm':
+                self._write_warm(session_id[len(_WARM):], snap)
+                continue
             if kind != 'save':
                 small.append((session_id, kind, tick))
                 continue
@@ -523,10 +597,23 @@ class SessionStore:
                 if kind == 'touch':
                     db.execute('UPDATE sessions SET tick = ? WHERE session_id = ?',
                                (tick, session_id))
+                elif kind == 'unwarm':
+                    db.execute('DELETE FROM warm_prompts WHERE key = ?',
+                               (session_id[len(_WARM):],))
                 else:
                     db.execute('DELETE FROM sessions WHERE session_id = ?', (session_id,))
             db.execute('COMMIT')
         self.stats['batches'] += 1
+
+    def _write_warm(self, key: str, snap: _Snapshot) -> None:
+        self._db.execute('BEGIN IMMEDIATE')
+        self._db.execute('INSERT OR REPLACE INTO warm_prompts (key, model_hash, '
+                         'converter_version, layout, keys, data, state_ends) '
+                         'VALUES (?, ?, ?, ?, ?, ?, ?)',
+                         (key, self.model_id, CONVERTER_VERSION, self._layout_text,
+                          encode_keys(snap.keys), _blob(snap), json.dumps(sorted(snap.states))))
+        self._db.execute('COMMIT')
+        self.stats['saves'] += 1
 
     def when_written(self, done: Callable[[], None]) -> None:
         """Call done() once every change recorded so far is written (or failed, logged).
@@ -610,6 +697,7 @@ def open_sessions(config: Any, model_dir: str, buffers: Sequence[np.ndarray],
     snaps = SnapshotStore(max_sessions, max_bytes, sink=sink)
     try:
         sink.restore_into(snaps, capacity)
+        sink.restore_warm(capacity)
     except sqlite3.DatabaseError as exc:
         sink.discard()
         raise SessionStoreError(f'sessions.store {sink.path} could not be read ({exc}): '
