@@ -158,7 +158,9 @@ def test_a_restart_restores_the_warm_prompt_without_a_prefill(tiny_dir, tmp_path
     before = len(decoder_calls)
     second = Engine(config(tiny_dir, [SYSTEM], store))
     assert len(decoder_calls) - before == plain   # no prefill: restored from the store
-    assert second.warm_prompts() == [prompt]
+    (again,) = second.warm_prompts()
+    assert (again.ids, again.nbytes, again.restored, prompt.restored) == \
+        (prompt.ids, prompt.nbytes, True, False)
     result = ask(second, 'Where is room 4?')
     second.close()
     assert result.timings.cached_prompt_tokens == prompt.tokens

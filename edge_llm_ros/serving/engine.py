@@ -246,9 +246,11 @@ class Engine:
 
     def _pin(self, prompt: WarmPrompt) -> WarmPrompt:
         """Pin a warm prompt's KV: restored from the store, else prefilled as one goal."""
+        t0 = time.perf_counter()
         snap = self._store.stored_pin(prompt.key)
         if snap is not None and tuple(snap.keys) == prompt.ids:
             self._store.pin(prompt.key, snap, save=False)
+            how = 'restored from sessions.store'
         else:
             # The normal run path: a goal of the prompt's ids and one token, then its KV.
             request = replace(self.prepare(GenerationRequest(
@@ -265,7 +267,10 @@ class Engine:
                 raise EngineError(f'warm prompt {prompt.label!r}: slot '
                                   f'{generation.goal.slot} does not hold its prefill')
             self._store.pin(prompt.key, snap)
-        pinned = replace(prompt, nbytes=snap.nbytes)
+            how = f'prefilled in {time.perf_counter() - t0:.2f} s'
+        _log.info('warm prompt %r: %d tokens, %d bytes of KV pinned, %s', prompt.label,
+                  prompt.tokens, snap.nbytes, how)
+        pinned = replace(prompt, nbytes=snap.nbytes, restored=how.startswith('restored'))
         self._warm[prompt.key] = pinned
         return pinned
 

@@ -51,6 +51,7 @@ class WarmPrompt:
     text: str
     ids: Tuple[int, ...]
     nbytes: int = 0            # of its pinned snapshot (0 until pinned)
+    restored: bool = False     # read back from sessions.store (no prefill) when pinned
 
     @property
     def key(self) -> str:
