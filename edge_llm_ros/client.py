@@ -40,7 +40,7 @@ from unique_identifier_msgs.msg import UUID
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import (Complete, Detokenize, GetModelInfo, GetSession, ListSessions,
-                               ResetSession, Tokenize)
+                               ResetSession, Tokenize, WarmPrompt)
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.rclpy_internals import (accepted_goal_handle, FeedbackListenersMixin,
@@ -678,6 +678,7 @@ class LLMClient:
         self._tokenize = service(Tokenize, 'tokenize')
         self._detokenize = service(Detokenize, 'detokenize')
         self._reset_session = service(ResetSession, 'reset_session')
+        self._warm_prompt = service(WarmPrompt, 'warm_prompt')
         self._get_session = service(GetSession, 'get_session')
         self._list_sessions = service(ListSessions, 'list_sessions')
         self._model_info = service(GetModelInfo, 'get_model_info')
@@ -791,6 +792,11 @@ class LLMClient:
         """Forget one conversation, '' = every one (~/reset_session, blocking)."""
         return self._call(self._reset_session, ResetSession.Request(session_id=session_id),
                           timeout)
+
+    def warm_prompt(self, text: str = '', path: str = '',
+                    timeout: Optional[float] = None) -> WarmPrompt.Response:
+        """Pin one more warm prompt: its text, or a file's path (~/warm_prompt, blocking)."""
+        return self._call(self._warm_prompt, WarmPrompt.Request(text=text, path=path), timeout)
 
     def get_session(self, session_id: str,
                     timeout: Optional[float] = None) -> GetSession.Response:

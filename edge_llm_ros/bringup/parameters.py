@@ -155,6 +155,13 @@ def _check_provider_options(items: list) -> None:
     parse_provider_options(items)
 
 
+def _check_warm_prompts(items: list) -> None:
+    """Refuse an empty warm prompt, or 'file:' without a path (the engine reads the files)."""
+    for item in items:
+        if not item.strip() or item.startswith('file:') and not item[5:].strip():
+            raise ValueError(f"{item!r} is no warm prompt: give its text or 'file:<path>'")
+
+
 PROVIDERS = ('CPUExecutionProvider', 'CUDAExecutionProvider', 'TensorrtExecutionProvider',
              'XnnpackExecutionProvider')
 KERNEL_SETS = ('none', 'int4_decode', 'kquant')
@@ -275,6 +282,11 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('kv.max_sessions', ParamType.INTEGER, 8,
               'Saved per-session KV prefixes kept (least recently used dropped first)',
               range=Range(0, 1024)),
+    ParamSpec('kv.warm_prompts', ParamType.STRING_ARRAY, [],
+              'System prompts prefilled at configure and pinned in the prefix cache, each its '
+              "text or 'file:<path>'; goals whose messages start with one as system message "
+              'reuse its KV; counted in kv.memory_limit, kept in sessions.store '
+              '(docs/sessions.md)', check=_check_warm_prompts),
     ParamSpec('sessions.max_bytes', ParamType.INTEGER, 256 << 20,
               'Byte bound of the saved session KV prefixes, in memory and in sessions.store '
               '(least recently used dropped first; a larger prefix is not kept)',
@@ -656,6 +668,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'prefill_chunk': values['engine.prefill_chunk'],
         'parallel_sequences': values['engine.parallel_sequences'],
         'kv_memory_limit': values['kv.memory_limit'],
+        'warm_prompts': tuple(values['kv.warm_prompts']),
         'kernel': values['cpu.kernel'],
     }
 

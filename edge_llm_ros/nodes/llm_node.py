@@ -9,6 +9,8 @@ Interfaces (all relative to the node's name):
   ~/get_session edge_llm_msgs/srv/GetSession   one conversation: turns, tokens, KV bytes
   ~/list_sessions edge_llm_msgs/srv/ListSessions  the conversations kept
   ~/reset_session edge_llm_msgs/srv/ResetSession  forgets sessions between two generations
+  ~/warm_prompt edge_llm_msgs/srv/WarmPrompt      pins one more warm prompt between two
+                                                  generations (kv.warm_prompts at configure)
   ~/update_model edge_llm_msgs/srv/UpdateModel  installs a signed model, swaps it in
                                                   (model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
@@ -143,6 +145,10 @@ class LLMNode(LifecycleNode):
         if config.engine.session_store and hasattr(engine, 'sessions'):
             self.get_logger().info(f'sessions.store {config.engine.session_store}: '
                                    f'{len(engine.sessions())} saved sessions restored')
+        for prompt in engine.warm_prompts() if hasattr(engine, 'warm_prompts') else ():
+            self.get_logger().info(
+                f'warm prompt {prompt.label!r}: {prompt.tokens} tokens, {prompt.nbytes} bytes '
+                'pinned, ' + ('restored from sessions.store' if prompt.restored else 'prefilled'))
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, message: str) -> TransitionCallbackReturn:

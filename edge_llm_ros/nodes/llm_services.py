@@ -1,12 +1,14 @@
 """llm_node's small services: ~/tokenize, ~/detokenize, ~/get_model_info and the sessions'.
 
 ~/get_session and ~/list_sessions describe the conversations the node keeps (turns, tokens,
-KV bytes); ~/reset_session forgets one (or all).
+KV bytes); ~/reset_session forgets one (or all). ~/warm_prompt adds a warm prompt (a system
+prompt prefilled and pinned in the prefix cache, as kv.warm_prompts does at configure).
 
 Each answers from the loaded engine without the queue (never behind a generation):
 tokenizing, detokenizing and model info only read the tokenizer and the model's description;
-reset_session drops KV prefixes through EngineWorker.run_between_jobs, so a running
-generation is never disturbed (the drop happens right after it, before the next goal).
+reset_session drops KV prefixes and warm_prompt prefills through
+EngineWorker.run_between_jobs, so a running generation is never disturbed (they happen
+right after it, before the next goal).
 `engine` is None while the node is unconfigured: the answer then says so. A service always
 answers: an unexpected exception is logged and answered (GenerateServer.refusal).
 """
@@ -18,7 +20,7 @@ from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallb
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.srv import (Detokenize, GetModelInfo, GetSession, ListSessions, ResetSession,
-                               Tokenize)
+                               Tokenize, WarmPrompt)
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.nodes.messages import chat_message_msgs, ros_string
 from edge_llm_ros.runtime.types import ChatMessage
@@ -26,6 +28,8 @@ from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
 # How long ~/reset_session waits for a running generation before answering "scheduled".
 RESET_WAIT_S = 10.0
+# How long ~/warm_prompt waits for a running generation (and its own prefill) to answer.
+WARM_WAIT_S = 120.0
 
 
 def detokenize(engine: Any, request: Detokenize.Request, response: Detokenize.Response,
@@ -61,6 +65,10 @@ def model_info(engine: Any, response: GetModelInfo.Response,
     response.supports_tools = bool(caps.get('tools'))
     response.supports_reasoning = bool(caps.get('reasoning'))
     response.supports_embeddings_input = bool(caps.get('embeddings_input'))
+    warm = info.get('warm_prompts', ())
+    response.warm_prompts = [str(w['label']) for w in warm]
+    response.warm_prompt_tokens = [int(w['tokens']) for w in warm]
+    response.warm_prompt_bytes = [int(w['bytes']) for w in warm]
     family = getattr(engine, 'family', None)
     reasoning = getattr(family, 'reasoning', None)
     if reasoning is not None:
@@ -91,6 +99,36 @@ def reset_session(worker: Optional[EngineWorker], request: ResetSession.Request,
         return response
     response.success = True
     response.message = f'{which}: dropped {response.dropped} kept prefix(es)'
+    return response
+
+
+def warm_prompt(worker: Optional[EngineWorker], request: WarmPrompt.Request,
+                response: WarmPrompt.Response, unloaded: str,
+                wait_s: float = WARM_WAIT_S) -> WarmPrompt.Response:
+    """Prefill and pin one more warm prompt between generations; fill `response`."""
+    if worker is None:
+        response.success, response.message = False, unloaded
+        return response
+    if not hasattr(worker.engine, 'add_warm_prompt'):
+        response.success = False
+        response.message = ('this node forwards goals to a remote server (engine.backend '
+                            'remote): warm prompts belong to that server')
+        return response
+    try:
+        prompt = worker.run_between_jobs(
+            lambda engine: engine.add_warm_prompt(request.text, request.path), wait_s)
+    except TimeoutError:
+        response.success = True
+        response.message = ('a generation is still running; the warm prompt is added as soon '
+                            'as it ends (~/get_model_info lists it then)')
+        return response
+    except (EngineError, WorkerStoppedError) as exc:   # WarmPromptError says what to change
+        response.success, response.message = False, str(exc)
+        return response
+    response.success = True
+    response.tokens, response.bytes = prompt.tokens, prompt.nbytes
+    response.message = (f'warm prompt {prompt.label!r}: {prompt.tokens} tokens pinned '
+                        f'({prompt.nbytes} bytes)')
     return response
 
 
@@ -178,6 +216,7 @@ class LLMServices:
                            (Detokenize, '~/detokenize', self.on_detokenize),
                            (GetModelInfo, '~/get_model_info', self.on_get_model_info),
                            (ResetSession, '~/reset_session', self.on_reset_session),
+                           (WarmPrompt, '~/warm_prompt', self.on_warm_prompt),
                            (GetSession, '~/get_session', self.on_get_session),
                            (ListSessions, '~/list_sessions', self.on_list_sessions))]
 
@@ -211,6 +250,11 @@ class LLMServices:
     def on_reset_session(self, request: ResetSession.Request,
                          response: ResetSession.Response) -> ResetSession.Response:
         return self._answer('~/reset_session', lambda: reset_session(
+            self._node.worker, request, response, self._unloaded()), response, 'message')
+
+    def on_warm_prompt(self, request: WarmPrompt.Request,
+                       response: WarmPrompt.Response) -> WarmPrompt.Response:
+        return self._answer('~/warm_prompt', lambda: warm_prompt(
             self._node.worker, request, response, self._unloaded()), response, 'message')
 
     def on_get_session(self, request: GetSession.Request,

@@ -1,0 +1,74 @@
+"""llm_node with kv.warm_prompts and sessions.store on SmolLM2: a warm prompt survives a restart.
+
+The agent's system prompt is a warm prompt: prefilled at the first configure, restored from
+sessions.store at the second without a prefill, and the first goal after the restart reuses
+all of its tokens. ~/get_model_info and /diagnostics list it; ~/warm_prompt adds one at run
+time and answers bad input with what to change while the node keeps serving.
+"""
+import contextlib
+import os
+
+from llm_node_harness import NodeProcess, RosClient
+import pytest
+import rclpy
+
+pytestmark = pytest.mark.slow
+SYSTEM = ('You are the voice of a hospital delivery robot. You can go to the pharmacy, the '
+          'lift and rooms 1 to 12. Answer in one short sentence.')
+
+
+@contextlib.contextmanager
+def node(name, params, client_name):
+    """Yield (process, client, llm) once the node is active; it must stop cleanly (exit 0)."""
+    proc = NodeProcess(name, params)
+    rclpy.init()
+    client = RosClient(client_name)
+    try:
+        client.wait_state('/' + name, 'active', timeout=600)
+        yield proc, client, client.llm('/' + name)
+    finally:
+        client.close()
+        rclpy.shutdown()
+        assert proc.stop() == 0, proc.log()
+
+
+def ask(llm, question):
+    result = llm.generate(messages=[('system', SYSTEM), ('user', question)]).result(timeout=300)
+    assert result.ok, result
+    return result
+
+
+def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
+    name = f'llm_warm_{os.getpid()}'
+    store = tmp_path / 'sessions.db'
+    params = {'autostart': True, 'sessions.store': str(store), 'max_tokens': 4,
+              'kv.max_context': 512, 'kv.warm_prompts': [SYSTEM]}
+    with node(name, params, 'warm_client_1') as (proc, client, llm):
+        info = llm.model_info(timeout=30)
+        (tokens,) = info.warm_prompt_tokens
+        assert info.warm_prompts == [SYSTEM[:40] + '...'] and info.warm_prompt_bytes[0] > 0
+        status = client.next_status('/' + name, timeout=30)
+        assert status['warm_prompts'] == '1', status
+        assert status['warm_prompt_0'].startswith(f'{tokens} tokens, ')
+        # Bad input on the service: a typed error saying what to change; the node serves on.
+        for kwargs, words in (({'path': str(tmp_path / 'map.txt')}, 'cannot be read'),
+                              ({'text': 'corridor ' * 600}, 'raise kv.max_context')):
+            answer = llm.warm_prompt(**kwargs, timeout=120)
+            assert not answer.success and words in answer.message, answer
+        (tmp_path / 'map.txt').write_text('You are a hospital map. Name the floor of a room.')
+        added = llm.warm_prompt(path=str(tmp_path / 'map.txt'), timeout=120)
+        assert added.success and added.tokens > 0 and added.bytes > 0, added
+        assert list(llm.model_info(timeout=30).warm_prompt_tokens) == [tokens, added.tokens]
+        first = ask(llm, 'Where is the pharmacy?')
+    assert f'{tokens} tokens, {info.warm_prompt_bytes[0]} bytes pinned, prefilled' in proc.log()
+    assert first.timings.cached_prompt_tokens >= tokens
+    with node(name, params, 'warm_client_2') as (proc, client, llm):
+        log = proc.log()
+        # The run-time one is gone (not in kv.warm_prompts); the configured one came back.
+        assert list(llm.model_info(timeout=30).warm_prompt_tokens) == [tokens]
+        second = ask(llm, 'Take me to room 4.')
+    assert f'{tokens} tokens, {info.warm_prompt_bytes[0]} bytes pinned, restored from ' \
+        'sessions.store' in log, log
+    # The first goal after the restart: the whole warm prompt from the store, nothing more.
+    assert second.timings.cached_prompt_tokens == tokens, second.timings
+    assert second.timings.prefill_tokens == second.prompt_tokens - tokens
