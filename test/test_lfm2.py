@@ -513,3 +513,26 @@ def test_the_lfm2_family_names_the_model_and_forces_its_tool_calls(kquant_dir):
         eng.close()
     assert [c.name for c in result.tool_calls] == ['move_to'], result
     assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
+
+
+def test_a_warm_prompt_keeps_its_conv_states_across_a_restart_bit_for_bit(kquant_dir, tmp_path):
+    system = ChatMessage('system', 'You are a robot. The sky is blue.')
+    messages = [system, USER2]
+    plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
+    try:
+        want = turn(plain, messages)
+    finally:
+        plain.close()
+    store = str(tmp_path / 'sessions.db')
+    for restored in (False, True):   # prefilled, then read back from the store
+        eng = engine(kquant_dir, max_context=256, session_store=store,
+                     warm_prompts=(system.content,))
+        try:
+            (prompt,) = eng.warm_prompts()
+            got = turn(eng, messages)
+        finally:
+            eng.close()
+        # The pinned snapshot holds the conv states at its end: the goal continues there.
+        assert prompt.restored is restored
+        assert got.timings.cached_prompt_tokens == prompt.tokens
+        assert result_bits(got) == result_bits(want)

@@ -200,3 +200,16 @@ def test_another_model_or_converter_prefills_again(tiny_dir, tmp_path, decoder_c
         engine.close()
         assert result.timings.cached_prompt_tokens == engine.warm_prompts()[0].tokens
         caplog.clear()
+
+
+def test_system_prompt_field_session_goals_and_int8_reuse_it(tiny_dir):
+    engine = Engine(config(tiny_dir, [SYSTEM], kv_dtype='int8'))
+    (prompt,) = engine.warm_prompts()
+    assert prompt.nbytes == snapshot_bytes(engine.info, prompt.tokens, 'int8')
+    plain = engine.generate(GenerationRequest(prompt='Where is room 4?', system_prompt=SYSTEM,
+                                              max_tokens=4)).run_to_end()
+    engine.reset_cache(sessions=False)   # the live caches forget it; the pinned copy stays
+    session = ask(engine, 'Go to the lift.', session='robot')
+    engine.close()
+    assert plain.timings.cached_prompt_tokens == prompt.tokens
+    assert session.timings.cached_prompt_tokens == prompt.tokens
