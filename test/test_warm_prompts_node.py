@@ -3,14 +3,21 @@
 The agent's system prompt is a warm prompt: prefilled at the first configure, restored from
 sessions.store at the second without a prefill, and the first goal after the restart reuses
 all of its tokens. ~/get_model_info and /diagnostics list it; ~/warm_prompt adds one at run
-time and answers bad input with what to change while the node keeps serving.
+time and answers bad input with what to change while the node keeps serving. A request
+through the OpenAI bridge with that system message reuses it too (its transcript says so).
 """
 import contextlib
 import os
 
+from agent_harness import transcript_of
+import httpx
 from llm_node_harness import NodeProcess, RosClient
 import pytest
 import rclpy
+
+from edge_llm_msgs.msg import Transcript
+from edge_llm_ros.node_process import NodeProcess as AnyNodeProcess
+from edge_llm_ros.nodes.openai_bridge import wait_serving
 
 pytestmark = pytest.mark.slow
 SYSTEM = ('You are the voice of a hospital delivery robot. You can go to the pharmacy, the '
@@ -67,8 +74,28 @@ def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
         # The run-time one is gone (not in kv.warm_prompts); the configured one came back.
         assert list(llm.model_info(timeout=30).warm_prompt_tokens) == [tokens]
         second = ask(llm, 'Take me to room 4.')
+        # ~/reset_session '' empties the live caches too: only the pinned copy is left.
+        assert llm.reset_session(timeout=30).success
+        bridged = bridge_request(client, name, 'Bring towels to room 9.')
     assert f'{tokens} tokens, {info.warm_prompt_bytes[0]} bytes pinned, restored from ' \
         'sessions.store' in log, log
     # The first goal after the restart: the whole warm prompt from the store, nothing more.
     assert second.timings.cached_prompt_tokens == tokens, second.timings
     assert second.timings.prefill_tokens == second.prompt_tokens - tokens
+    assert bridged.timings.cached_prompt_tokens == tokens, bridged.timings
+
+
+def bridge_request(client, name, question):
+    """Send one chat completion through an openai_bridge process; return its transcript."""
+    transcripts = client.record(Transcript, f'/{name}/transcript')
+    bridge = AnyNodeProcess('openai_bridge', name=f'{name}_bridge', stop_timeout=30.0,
+                            params={'port': 0, 'llm_node': '/' + name})
+    try:
+        url = wait_serving(bridge, timeout=60)
+        reply = httpx.post(f'{url}/chat/completions', timeout=120, json={
+            'model': 'edge-llm', 'max_tokens': 4, 'messages': [
+                {'role': 'system', 'content': SYSTEM}, {'role': 'user', 'content': question}]})
+        assert reply.status_code == 200, reply.text
+    finally:
+        assert bridge.stop() == 0, bridge.log()
+    return transcript_of(transcripts, question)
