@@ -136,8 +136,8 @@ def test_a_warm_prompt_added_at_run_time(tiny_dir, tmp_path):
     assert ask(engine, 'Hi?').timings.cached_prompt_tokens == added.tokens
     for kwargs, words in (({'path': str(tmp_path / 'no.txt')}, 'cannot be read'),
                           ({'text': SYSTEM * 20}, 'raise kv.max_context'),
-                          ({'text': 'x', 'path': 'y'}, 'not both'),
-                          ({}, 'not both')):
+                          ({'text': 'x', 'path': 'y'}, 'exactly one of them'),
+                          ({}, 'exactly one of them')):
         with pytest.raises(WarmPromptError, match=words):
             engine.add_warm_prompt(**kwargs)
     assert engine.warm_prompts() == [added]

@@ -99,3 +99,15 @@ def bridge_request(client, name, question):
     finally:
         assert bridge.stop() == 0, bridge.log()
     return transcript_of(transcripts, question)
+
+
+def test_an_unreadable_warm_prompt_fails_configure_with_what_to_do(tmp_path, native_library):
+    name = f'llm_warm_bad_{os.getpid()}'
+    missing = tmp_path / 'missing_map.txt'
+    proc = NodeProcess(name, {'autostart': True, 'kv.warm_prompts': [f'file:{missing}']})
+    try:
+        proc.wait_output('configure failed', timeout=300)
+        assert proc.proc.poll() is None   # unconfigured, still up (configure may be retried)
+    finally:
+        assert proc.stop() == 0, proc.log()
+    assert f'WarmPromptError: warm prompt file {missing} cannot be read' in proc.log()

@@ -282,7 +282,8 @@ class Engine:
         then. A prompt already warm is returned as it is.
         """
         if bool(text) == bool(path):
-            raise WarmPromptError('give a warm prompt as text or as a file path, not both')
+            raise WarmPromptError('give a warm prompt as text or as a file path: exactly one '
+                                  'of them')
         with self._lock:
             self._open_decoder()
             if not self.prefix_reuse:
