@@ -454,16 +454,28 @@ bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstV
 // the new keys and values written into the KV buffers bound as both past and present, causal
 // and windowed softmax), with each query row computed alone (attention.h): a position's
 // logits are the same bits in a one-position call and in a verify pass over several.
+// A task is (row, KV head, a chunk of its group's heads, a block of the row's queries):
+// elk_attention_block reads each tile of the KV head's keys and values once for all of them
+// (a query of a 4k context otherwise streams 2 x 2 MiB of K and V at head_dim 128). Pinned
+// to the scalar reference (elk_select_kernel), tasks are (row, head, kQueryRowsPerTask
+// queries) of elk_attention_row, the per-query reference the tests compare with.
 constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
+// Queries a block task takes at most, and its scratch (scores of every query over the row's
+// keys) at most, in floats: 2 MiB, so a long context takes fewer queries a task.
+constexpr int64_t kQueryBlock = 16, kBlockScratchFloats = int64_t{1} << 19;
+// Fewer tasks than this (a decode step's few rows): split a group's heads over tasks.
+constexpr int64_t kMinTasks = 8;
 
 struct AttentionWork {
   elk_attention_shape shape;
   const float *q, *k, *v, *cos, *sin;
   int64_t q_stride, kv_stride;
   const elk_row *rows;
-  // Query tasks: row r's are first_task[r] .. first_task[r + 1] - 1, (head, block) in order.
-  const int64_t *first_task;
-  int64_t row_count;
+  // Query tasks: row r's are first_task[r] .. first_task[r + 1] - 1. The reference: (head,
+  // block of kQueryRowsPerTask) in order. Blocks: (KV head, head chunk, block of
+  // row_block[r] queries) in order, heads_per_task heads a chunk.
+  const int64_t *first_task, *row_block;
+  int64_t row_count, heads_per_task;
   float *keys, *values, *out;
 };
 
@@ -479,11 +491,13 @@ void store_keys(void *data, size_t task) {
                       w.values);
 }
 
+int64_t task_row(const AttentionWork &w, int64_t t) {
+  return std::upper_bound(w.first_task, w.first_task + w.row_count + 1, t) - w.first_task - 1;
+}
+
 void query_rows(void *data, size_t task) {
   const AttentionWork &w = *static_cast<const AttentionWork *>(data);
-  const int64_t t = static_cast<int64_t>(task);
-  const int64_t r =
-      std::upper_bound(w.first_task, w.first_task + w.row_count + 1, t) - w.first_task - 1;
+  const int64_t t = static_cast<int64_t>(task), r = task_row(w, t);
   const elk_row &row = w.rows[r];
   const int64_t blocks = row_blocks(row), local = t - w.first_task[r];
   const int64_t h = local / blocks, block = local % blocks;
@@ -493,6 +507,27 @@ void query_rows(void *data, size_t task) {
     elk_attention_row(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, w.keys, w.values,
                       scratch.data(), w.out);
   }
+}
+
+void query_blocks(void *data, size_t task) {
+  const AttentionWork &w = *static_cast<const AttentionWork *>(data);
+  const int64_t t = static_cast<int64_t>(task), r = task_row(w, t);
+  const elk_row &row = w.rows[r];
+  const int64_t size = w.row_block[r], blocks = (row.length + size - 1) / size;
+  const int64_t group = w.shape.num_heads / w.shape.kv_heads;
+  const int64_t chunks = (group + w.heads_per_task - 1) / w.heads_per_task;
+  const int64_t local = t - w.first_task[r], block = local % blocks;
+  const int64_t kv = local / blocks / chunks, chunk = local / blocks % chunks;
+  const int64_t h_begin = kv * group + chunk * w.heads_per_task;
+  const int64_t h_end = std::min(kv * group + group, h_begin + w.heads_per_task);
+  const int64_t s_begin = block * size, s_end = std::min(row.length, s_begin + size);
+  // One buffer a pool thread, grown as needed: a fresh one a task would fault its pages in.
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>(
+      elk_attention_block_scratch(&w.shape, &row, s_begin, s_end, h_end - h_begin));
+  if (scratch.size() < need) scratch.resize(need);
+  elk_attention_block(&w.shape, &row, s_begin, s_end, h_begin, h_end, w.q, w.q_stride, w.cos,
+                      w.sin, w.keys, w.values, scratch.data(), w.out);
 }
 
 // A float-list attribute, or empty when the node does not set it.
@@ -605,9 +640,25 @@ struct CausalAttentionKernel {
     const int64_t tokens = batch * seq;
     if (tokens == 0) return;
     const int64_t row_count = static_cast<int64_t>(table.size());
-    std::vector<int64_t> first_task(table.size() + 1, 0);
-    for (int64_t r = 0; r < row_count; ++r) {
-      first_task[r + 1] = first_task[r] + heads_ * row_blocks(table[r]);
+    std::vector<int64_t> first_task(table.size() + 1, 0), row_block(first_task.size(), 0);
+    const bool reference = std::strcmp(elk_kernel_name(), "scalar") == 0;
+    const int64_t group = heads_ / kv_heads_;
+    int64_t heads_per_task = group;
+    for (;;) {
+      for (int64_t r = 0; r < row_count; ++r) {
+        const elk_row &row = table[r];
+        int64_t tasks = heads_ * row_blocks(row);
+        if (!reference) {
+          const int64_t keys = d + 1 + row.start + row.length;  // scratch floats a query
+          row_block[r] = std::max<int64_t>(
+              1, std::min(kQueryBlock, kBlockScratchFloats / (heads_per_task * keys)));
+          tasks = kv_heads_ * ((group + heads_per_task - 1) / heads_per_task) *
+                  ((row.length + row_block[r] - 1) / row_block[r]);
+        }
+        first_task[r + 1] = first_task[r] + tasks;
+      }
+      if (reference || heads_per_task == 1 || first_task[row_count] >= kMinTasks) break;
+      heads_per_task = (heads_per_task + 1) / 2;
     }
     const float *q = query.GetTensorData<float>();
     AttentionWork work{};
@@ -629,7 +680,9 @@ struct CausalAttentionKernel {
     work.sin = sin.GetTensorData<float>();
     work.rows = table.data();
     work.first_task = first_task.data();
+    work.row_block = row_block.data();
     work.row_count = row_count;
+    work.heads_per_task = heads_per_task;
     work.keys = keys;
     work.values = values;
     work.out = out.GetTensorMutableData<float>();
@@ -640,7 +693,8 @@ struct CausalAttentionKernel {
     } else {
       ctx.ParallelFor(store_keys, store_tasks, 0, &work);
     }
-    ctx.ParallelFor(query_rows, static_cast<size_t>(first_task[row_count]), 0, &work);
+    ctx.ParallelFor(reference ? query_rows : query_blocks,
+                    static_cast<size_t>(first_task[row_count]), 0, &work);
   }
 
  private:

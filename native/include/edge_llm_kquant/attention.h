@@ -50,6 +50,20 @@ __attribute__((visibility("hidden"))) void elk_attention_row(
     const float *q, int64_t q_stride, const float *cos, const float *sin,
     const float *key_buffer, const float *value_buffer, float *scratch, float *out);
 
+// elk_attention_row for the row's tokens s_begin .. s_end - 1 and heads h_begin .. h_end - 1
+// of one KV head's group, with the same bits per (token, head), walking the keys and values
+// in tiles shared by all of them (a long context's K and V read once per block, not once per
+// query). scratch: elk_attention_block_scratch(shape, row, s_begin, s_end, h_end - h_begin)
+// floats.
+__attribute__((visibility("hidden"))) void elk_attention_block(
+    const elk_attention_shape *shape, const elk_row *row, int64_t s_begin, int64_t s_end,
+    int64_t h_begin, int64_t h_end, const float *q, int64_t q_stride, const float *cos,
+    const float *sin, const float *key_buffer, const float *value_buffer, float *scratch,
+    float *out);
+__attribute__((visibility("hidden"))) int64_t elk_attention_block_scratch(
+    const elk_attention_shape *shape, const elk_row *row, int64_t s_begin, int64_t s_end,
+    int64_t heads);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,120 @@
+"""CausalAttention's tiled blocks give the per-query reference's bits (issue 39).
+
+The op runs a task per (row, KV head, chunk of the group's heads, block of queries) through
+elk_attention_block, which reads each tile of keys and values once for the whole block; pinned
+to the scalar reference (elk_select_kernel), it runs elk_attention_row one query at a time.
+native/tests/attention_check compares the two entries directly on random shapes; here the op
+itself, on contexts longer than one tile (300 and 1000 positions), must give the reference's
+outputs and KV buffers bit for bit: prefill, a chunk and a bidirectional row mid-buffer, and
+decode steps, at 1 and 2 threads.
+"""
+import ctypes
+import subprocess
+
+from native_build import native_build, op_session
+import numpy as np
+from onnx import helper, TensorProto
+import pytest
+
+F, I32 = TensorProto.FLOAT, TensorProto.INT32
+
+
+def test_attention_block_equals_attention_row_bit_for_bit():
+    proc = subprocess.run([str(native_build() / 'attention_check')], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'ok attention_block' in proc.stdout
+
+
+def session(heads: int, kv_heads: int, d: int, cap: int, window: int, norms: bool,
+            threads: int):
+    """One CausalAttention node in the rows form, KV buffers bound in place."""
+    attrs = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': float(d) ** -0.5,
+             'window': window}
+    if norms:
+        rng = np.random.default_rng(7)
+        attrs.update(q_norm=list(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+                     k_norm=list(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+                     norm_epsilon=1e-6)
+    names = ['q', 'k', 'v', 'pk', 'pv', '', '', 'cos', 'sin', '', 'rows']
+    shapes = {'q': [1, 't', heads * d], 'k': [1, 't', kv_heads * d],
+              'v': [1, 't', kv_heads * d], 'pk': ['n', kv_heads, cap, d],
+              'pv': ['n', kv_heads, cap, d], 'cos': [cap, d // 2], 'sin': [cap, d // 2],
+              'rows': ['r', 4]}
+    node = helper.make_node('CausalAttention', names, ['o', 'ok', 'ov'],
+                            domain='edge_llm_ros', **attrs)
+    graph = helper.make_graph(
+        [node], 'attention',
+        [helper.make_tensor_value_info(n, I32 if n == 'rows' else F, shapes[n])
+         for n in names if n],
+        [helper.make_tensor_value_info('o', F, [1, 't', heads * d]),
+         helper.make_tensor_value_info('ok', F, ['n', kv_heads, cap, d]),
+         helper.make_tensor_value_info('ov', F, ['n', kv_heads, cap, d])])
+    return op_session(graph, threads)
+
+
+def run(sess, feeds, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Run with the KV buffers bound as past and present (updated in place, as the engine)."""
+    import onnxruntime as ort
+    io = sess.io_binding()
+    k, v = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
+    for name, value in feeds.items():
+        io.bind_cpu_input(name, value)
+    io.bind_ortvalue_input('pk', k)
+    io.bind_ortvalue_input('pv', v)
+    io.bind_output('o')
+    io.bind_ortvalue_output('ok', k)
+    io.bind_ortvalue_output('ov', v)
+    sess.run_with_iobinding(io)
+    return io.copy_outputs_to_cpu()[0]
+
+
+def op_library() -> ctypes.CDLL:
+    """Load the op library ORT loads, by its path: the same handle, the same kernel choice."""
+    lib = ctypes.CDLL(str(native_build() / 'libedge_llm_ort_ops.so'))
+    lib.elk_kernel_name.restype = ctypes.c_char_p
+    lib.elk_select_kernel.argtypes = [ctypes.c_char_p]
+    return lib
+
+
+# (slot, start, length, bidirectional) rows of each call; slots 0 and 1 first hold 1000 and
+# 700 positions from the first call.
+CALLS = [
+    [(0, 0, 1000, 0), (1, 0, 700, 0)],              # two long prefills
+    [(1, 700, 250, 0), (0, 1000, 1, 0)],            # a chunk at 700, a decode step at 1000
+    [(0, 1001, 40, 1), (1, 950, 3, 0)],             # a bidirectional chunk, a verify row
+    [(1, 953, 1, 0)],                               # one decode row alone
+]
+
+
+@pytest.mark.parametrize('shape', [(12, 2, 128, 1100, 0, False), (9, 3, 64, 1100, 0, True),
+                                   (8, 2, 80, 1100, 300, False), (4, 4, 6, 1100, 0, False)],
+                         ids=['group6-d128', 'group3-d64-norms', 'window300-d80', 'mha-d6'])
+@pytest.mark.parametrize('threads', [1, 2])
+def test_the_op_gives_the_per_query_references_bits(shape, threads):
+    heads, kv_heads, d, cap, window, norms = shape
+    rng = np.random.default_rng(d + heads + threads)
+    angle = np.arange(cap)[:, None] / (1e4 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    ops = op_library()
+    tiled = session(heads, kv_heads, d, cap, window, norms, threads)
+    reference = session(heads, kv_heads, d, cap, window, norms, threads)
+    # Garbage past every slot's positions: no query may read it.
+    keys = rng.standard_normal((2, kv_heads, cap, d)).astype(np.float32) * 50
+    values = rng.standard_normal((2, kv_heads, cap, d)).astype(np.float32) * 50
+    want_k, want_v = keys.copy(), values.copy()
+    for rows in CALLS:
+        t = sum(r[2] for r in rows)
+        feeds = {'q': rng.standard_normal((1, t, heads * d)).astype(np.float32) * 2,
+                 'k': rng.standard_normal((1, t, kv_heads * d)).astype(np.float32) * 2,
+                 'v': rng.standard_normal((1, t, kv_heads * d)).astype(np.float32),
+                 'cos': cos, 'sin': sin, 'rows': np.array(rows, np.int32)}
+        assert ops.elk_select_kernel(b'auto') == 0
+        got = run(tiled, feeds, keys, values)
+        try:
+            assert ops.elk_select_kernel(b'scalar') == 0
+            want = run(reference, feeds, want_k, want_v)
+        finally:
+            ops.elk_select_kernel(b'auto')
+        assert got.tobytes() == want.tobytes(), rows
+        assert keys.tobytes() == want_k.tobytes() and values.tobytes() == want_v.tobytes()
