@@ -15,9 +15,12 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "edge_llm_kquant/attention.h"
@@ -463,8 +466,19 @@ constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
 // Queries a block task takes at most, and its scratch (scores of every query over the row's
 // keys) at most, in floats: 2 MiB, so a long context takes fewer queries a task.
 constexpr int64_t kQueryBlock = 16, kBlockScratchFloats = int64_t{1} << 19;
-// Fewer tasks than this (a decode step's few rows): split a group's heads over tasks.
-constexpr int64_t kMinTasks = 8;
+// Tasks a call wants at least: 2 per CPU this process may run on (ORT's pool has at most
+// that many threads). A decode step's few rows split their groups' heads over tasks only
+// until then: every split re-reads the KV head's keys and values, the decode's main cost.
+int64_t min_tasks() {
+  static const int64_t tasks = [] {
+    cpu_set_t set;
+    const int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0
+                             ? CPU_COUNT(&set)
+                             : std::max(1u, std::thread::hardware_concurrency());
+    return 2 * cpus;
+  }();
+  return tasks;
+}
 
 struct AttentionWork {
   elk_attention_shape shape;
@@ -657,7 +671,7 @@ struct CausalAttentionKernel {
         }
         first_task[r + 1] = first_task[r] + tasks;
       }
-      if (reference || heads_per_task == 1 || first_task[row_count] >= kMinTasks) break;
+      if (reference || heads_per_task == 1 || first_task[row_count] >= min_tasks()) break;
       heads_per_task = (heads_per_task + 1) / 2;
     }
     const float *q = query.GetTensorData<float>();
