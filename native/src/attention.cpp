@@ -346,11 +346,11 @@ ELK_CLONES void elk_attention_block(const elk_attention_shape *shape, const elk_
     for (int64_t j = first; j < end; ++j) {
       if (score[j] > top) top = score[j];
     }
+    // The exps, then their total in the same ascending order (the same sums): an exp call
+    // clobbers every float register, so a total kept beside it went through memory each time.
+    for (int64_t j = first; j < end; ++j) score[j] = std::exp(score[j] - top);
     float total = 0.0f;
-    for (int64_t j = first; j < end; ++j) {
-      score[j] = std::exp(score[j] - top);
-      total += score[j];
-    }
+    for (int64_t j = first; j < end; ++j) total += score[j];
     inv[c] = 1.0f / total;
     float *y = out + (row->offset + s_begin + c / heads) * shape->num_heads * d +
                (h_begin + c % heads) * d;

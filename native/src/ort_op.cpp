@@ -459,16 +459,17 @@ bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstV
 // logits are the same bits in a one-position call and in a verify pass over several.
 // A task is (row, KV head, a chunk of its group's heads, a block of the row's queries):
 // elk_attention_block reads each tile of the KV head's keys and values once for all of them
-// (a query of a 4k context otherwise streams 2 x 2 MiB of K and V at head_dim 128). Pinned
-// to the scalar reference (elk_select_kernel), tasks are (row, head, kQueryRowsPerTask
-// queries) of elk_attention_row, the per-query reference the tests compare with.
+// (a query of a 4k context otherwise streams 2 x 2 MiB of K and V at head_dim 128). Rows of
+// one position (decode steps), and every row when pinned to the scalar reference
+// (elk_select_kernel), take tasks (row, head, kQueryRowsPerTask queries) of
+// elk_attention_row, the per-query reference the tests compare with.
 constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
 // Queries a block task takes at most, and its scratch (scores of every query over the row's
 // keys) at most, in floats: 2 MiB, so a long context takes fewer queries a task.
 constexpr int64_t kQueryBlock = 16, kBlockScratchFloats = int64_t{1} << 19;
 // Tasks a call wants at least: 2 per CPU this process may run on (ORT's pool has at most
-// that many threads). A decode step's few rows split their groups' heads over tasks only
-// until then: every split re-reads the KV head's keys and values, the decode's main cost.
+// that many threads). A call of few short rows (a verify pass) splits the groups' heads
+// over tasks only until then: every split re-reads the KV head's keys and values.
 int64_t min_tasks() {
   static const int64_t tasks = [] {
     cpu_set_t set;
@@ -488,7 +489,7 @@ struct AttentionWork {
   // Query tasks: row r's are first_task[r] .. first_task[r + 1] - 1. The reference: (head,
   // block of kQueryRowsPerTask) in order. Blocks: (KV head, head chunk, block of
   // row_block[r] queries) in order, heads_per_task heads a chunk.
-  const int64_t *first_task, *row_block;
+  const int64_t *first_task, *row_block;  // row_block[r] 0: row r runs per query
   int64_t row_count, heads_per_task;
   float *keys, *values, *out;
 };
@@ -542,6 +543,15 @@ void query_blocks(void *data, size_t task) {
   if (scratch.size() < need) scratch.resize(need);
   elk_attention_block(&w.shape, &row, s_begin, s_end, h_begin, h_end, w.q, w.q_stride, w.cos,
                       w.sin, w.keys, w.values, scratch.data(), w.out);
+}
+
+void query_tasks(void *data, size_t task) {
+  const AttentionWork &w = *static_cast<const AttentionWork *>(data);
+  if (w.row_block[task_row(w, static_cast<int64_t>(task))] == 0) {
+    query_rows(data, task);
+  } else {
+    query_blocks(data, task);
+  }
 }
 
 // A float-list attribute, or empty when the node does not set it.
@@ -656,13 +666,17 @@ struct CausalAttentionKernel {
     const int64_t row_count = static_cast<int64_t>(table.size());
     std::vector<int64_t> first_task(table.size() + 1, 0), row_block(first_task.size(), 0);
     const bool reference = std::strcmp(elk_kernel_name(), "scalar") == 0;
+    // A decode step's row (one position) runs per query as well: one query a head shares
+    // nothing, and elk_attention_row's single stream of rows reads a long context from
+    // memory faster than a block's tiles (op probe, 4k positions: 1.2-1.5x).
+    auto per_query = [&](const elk_row &row) { return reference || row.length == 1; };
     const int64_t group = heads_ / kv_heads_;
     int64_t heads_per_task = group;
     for (;;) {
       for (int64_t r = 0; r < row_count; ++r) {
         const elk_row &row = table[r];
         int64_t tasks = heads_ * row_blocks(row);
-        if (!reference) {
+        if (!per_query(row)) {
           const int64_t keys = d + 1 + row.start + row.length;  // scratch floats a query
           row_block[r] = std::max<int64_t>(
               1, std::min(kQueryBlock, kBlockScratchFloats / (heads_per_task * keys)));
@@ -707,8 +721,7 @@ struct CausalAttentionKernel {
     } else {
       ctx.ParallelFor(store_keys, store_tasks, 0, &work);
     }
-    ctx.ParallelFor(reference ? query_rows : query_blocks,
-                    static_cast<size_t>(first_task[row_count]), 0, &work);
+    ctx.ParallelFor(query_tasks, static_cast<size_t>(first_task[row_count]), 0, &work);
   }
 
  private:

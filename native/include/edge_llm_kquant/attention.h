@@ -2,7 +2,10 @@
 // op). Each query row is computed by the same code in the same order whatever the number of
 // rows beside it, so a position's result does not depend on how many positions one call
 // runs: a verify pass over k+1 positions gives each the bits k+1 single-position calls give
-// (speculative decoding checks drafts on that promise). Compiled without fused
+// (speculative decoding checks drafts on that promise). elk_attention_row is the scalar
+// reference, one query; elk_attention_block (what the op runs) does each query's same
+// operations in the same order for a block of queries and heads sharing tiles of K and V,
+// so it gives the reference's bits (native/tests/attention_check). Compiled without fused
 // multiply-adds; on x86-64 an AVX2 clone, chosen at load, gives the same bits.
 // Internal to the op library (hidden): its calls bind inside it, never to another copy.
 #ifndef EDGE_LLM_KQUANT_ATTENTION_H
