@@ -125,6 +125,18 @@ def test_a_version_5_bag_reads_and_replays_untranslated():
     assert goal.prompt == contents.transcripts[0].prompt
 
 
+def test_the_version_6_bag_before_attentions_own_exp_reads_and_replays_untranslated():
+    """test/data/bags/smollm2_greedy_v6: the CI fixture before attention's own softmax exp."""
+    contents = bagio.read_bag(V2_FIXTURE.with_name('smollm2_greedy_v6'))
+    assert contents.complete and contents.problems == []
+    assert len(contents.transcripts) == 5
+    for record in contents.transcripts:
+        assert record.interface_version == 6
+        assert record.text and record.token_ids and legacy.upgrade(record) is record
+    goal = make_goal(**goal_fields(contents.transcripts[0]))
+    assert goal.prompt == contents.transcripts[0].prompt
+
+
 def test_legacy_translates_only_version_1():
     v1 = TranscriptRecord(goal_id='00' * 16, interface_version=1)
     assert legacy.upgrade(v1) is not v1          # version 1: sampling translated

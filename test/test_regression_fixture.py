@@ -1,12 +1,12 @@
 """CI regression gate: replay the checked-in SmolLM2 bag against the current llm_node.
 
-test/data/bags/smollm2_greedy_v6/ was recorded by edge_llm_ros.regression.make_fixture from a
-real llm_node (embedded SmolLM2, greedy) when the kquant gate|up op began applying the MLP's
-SiLU itself (converter 7, interface version 6: its exp is not ORT's, and v5's goals 1 and 2
-moved off near ties; KL to llama.cpp went from 7.4e-3 to 5.5e-3), on an AVX-512 machine, with
-its CPU class. The older bags (smollm2_greedy: version 1, no CPU class; _v2; _v4, recorded on
-kquant weights with GroupQueryAttention; _v5, the row-exact CausalAttention before the fused
-SiLU) are tested as old bags elsewhere. The
+test/data/bags/smollm2_greedy_v7/ was recorded by edge_llm_ros.regression.make_fixture from a
+real llm_node (embedded SmolLM2, greedy) when the op library's attention began taking its
+softmax exp from its own vectorized polynomial instead of glibc's expf (within 1 ulp; v6's
+goals 0 and 2 moved off near ties at token 14), on an AVX-512 machine, with its CPU class.
+The older bags (smollm2_greedy: version 1, no CPU class; _v2; _v4, recorded on kquant weights
+with GroupQueryAttention; _v5, the row-exact CausalAttention before the fused SiLU; _v6, the
+fused SiLU, before attention's own exp) are tested as old bags elsewhere. The
 current build must reproduce every greedy answer under its token rule: identical tokens, or
 (on another CPU class, the cross-CPU rule) a late float-drift divergence within the
 cross-CPU thresholds (docs/regression.md, "Replaying on another machine"); two deliberate

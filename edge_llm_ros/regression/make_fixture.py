@@ -25,12 +25,13 @@ from edge_llm_ros.regression.bagio import BagWriter, LlmTopics, read_bag
 from edge_llm_ros.regression.cpu_class import current_cpu_class
 from edge_llm_ros.regression.errors import NodeUnavailableError, RegressionToolError
 
-# The fixture CI replays (interface version 6, converter 7: the kquant embedded model whose
-# gate|up op applies its SiLU, recorded on an AVX-512 machine with its CPU class).
-# smollm2_greedy (version 1, no CPU class), smollm2_greedy_v2, _v4 and _v5 (the fixture before
-# the fused SiLU, whose own exp moved goals 1 and 2 off near ties) stay as old bags that must
-# still decode and replay.
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy_v6'
+# The fixture CI replays (interface version 6, converter 9: the kquant embedded model whose
+# attention takes its softmax exp from the op library, recorded on an AVX-512 machine with its
+# CPU class). smollm2_greedy (version 1, no CPU class), smollm2_greedy_v2, _v4, _v5 (the
+# fixture before the fused SiLU, whose own exp moved goals 1 and 2 off near ties) and _v6
+# (before attention's own exp, which moved goals 0 and 2 off near ties) stay as old bags that
+# must still decode and replay.
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / 'test' / 'data' / 'bags' / 'smollm2_greedy_v7'
 MAX_TOKENS = 24
 # (prompt, system prompt, stop strings). Short answers keep the bag small.
 FIXTURE_GOALS = (

@@ -30,6 +30,30 @@ inline float dot(const float *a, const float *b, int64_t n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// exp(x) for a softmax term, x = score - top <= 0 (NaN passes through): Cephes' expf
+// polynomial after x = n ln2 + r, then 2^n from its bits. Only plain IEEE operations (no FMA,
+// no libm call), so every clone gives the same bits and the loops over it vectorize: a glibc
+// expf call per term was about half of a long prompt's attention time. Within 1 ulp of expf
+// (checked at every 64th float of [-87, 0]); below -87 (exp < 1.7e-38, nothing beside a
+// top term of 1) it is 0.
+inline float softmax_exp(float x) {
+  const float xc = x >= -87.0f ? x : -87.0f;
+  const int32_t n = -static_cast<int32_t>(0.5f - xc * 1.44269504088896341f);  // round(x/ln2)
+  const float nf = static_cast<float>(n);
+  const float r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;  // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = ((p * r) * r + r) + 1.0f;
+  // n >= -126: a normal power of two. Selects, not branches (CMakeLists: -fno-trapping-math).
+  const float y = e * __builtin_bit_cast(float, (n + 127) << 23);
+  const float z = x < -87.0f ? 0.0f : y;
+  return x == x ? z : x;
+}
+
 // 8 floats in one vector (GCC's vector extension: one ymm in the AVX2 clone, two xmm in the
 // baseline one); its operations are lane-wise IEEE ones, so a lane is dot()'s acc[l].
 // The helpers taking and returning it are inlined: no call passes it across an ABI.
@@ -247,7 +271,7 @@ ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, const elk_ro
   }
   float total = 0.0f;
   for (int64_t j = 0; j < n; ++j) {
-    scratch[j] = std::exp(scratch[j] - top);
+    scratch[j] = softmax_exp(scratch[j] - top);
     total += scratch[j];
   }
   float *y = out + (row->offset + s) * shape->num_heads * d + h * d;
@@ -346,9 +370,8 @@ ELK_CLONES void elk_attention_block(const elk_attention_shape *shape, const elk_
     for (int64_t j = first; j < end; ++j) {
       if (score[j] > top) top = score[j];
     }
-    // The exps, then their total in the same ascending order (the same sums): an exp call
-    // clobbers every float register, so a total kept beside it went through memory each time.
-    for (int64_t j = first; j < end; ++j) score[j] = std::exp(score[j] - top);
+    // The exps (a loop that vectorizes), then their total in the same ascending order.
+    for (int64_t j = first; j < end; ++j) score[j] = softmax_exp(score[j] - top);
     float total = 0.0f;
     for (int64_t j = first; j < end; ++j) total += score[j];
     inv[c] = 1.0f / total;
