@@ -12,7 +12,7 @@ import contextlib
 import pathlib
 import threading
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from diagnostic_msgs.msg import DiagnosticArray
 from lifecycle_msgs.msg import Transition
@@ -149,23 +149,31 @@ class RosClient:
 
 
 @contextlib.contextmanager
-def served(name: str, params: Dict[str, object], client_name: str,
-           timeout: float = 120.0) -> Iterator[RosClient]:
-    """Run llm_node `name` with `params` and yield a RosClient once it is active.
+def served_process(name: str, params: Dict[str, object], client_name: str,
+                   timeout: float = 120.0) -> Iterator[Tuple[NodeProcess, RosClient, LLMClient]]:
+    """Run llm_node `name` with `params`; yield its process, a RosClient and its LLMClient.
 
-    rclpy is initialized for the block; at the end the client closes, rclpy shuts down and
-    the node must stop cleanly (exit 0).
+    The process is there for its log. rclpy is initialized for the block; at the end the
+    client closes, rclpy shuts down and the node must stop cleanly (exit 0).
     """
     proc = NodeProcess(name, params)
     rclpy.init()
     client = RosClient(client_name)
     try:
         client.wait_state('/' + name, 'active', timeout=timeout)
-        yield client
+        yield proc, client, client.llm('/' + name)
     finally:
         client.close()
         rclpy.shutdown()
         assert proc.stop() == 0, proc.log()
+
+
+@contextlib.contextmanager
+def served(name: str, params: Dict[str, object], client_name: str,
+           timeout: float = 120.0) -> Iterator[RosClient]:
+    """Run llm_node `name` with `params` and yield a RosClient once it is active (see above)."""
+    with served_process(name, params, client_name, timeout) as (_, client, _llm):
+        yield client
 
 
 def wait_feedback_delivered(llm: LLMClient, timeout: float = 60.0) -> None:

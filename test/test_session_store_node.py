@@ -1,40 +1,28 @@
 """llm_node with sessions.store on SmolLM2: a session survives a stop and a start."""
-import contextlib
 import os
 
-from llm_node_harness import NodeProcess, RosClient
+from llm_node_harness import NodeProcess, served_process
 import pytest
-import rclpy
 
 pytestmark = pytest.mark.slow
 QUESTION = ('user', 'What color is the sky? Answer in one sentence.')
 
 
-@contextlib.contextmanager
 def node(name, params, client_name):
-    """Yield (process, client) once the node is active; it must stop cleanly (exit 0)."""
-    proc = NodeProcess(name, params)
-    rclpy.init()
-    client = RosClient(client_name)
-    try:
-        client.wait_state('/' + name, 'active', timeout=600)
-        yield proc, client.llm('/' + name)
-    finally:
-        client.close()
-        rclpy.shutdown()
-        assert proc.stop() == 0, proc.log()
+    """Return the active node's (process, client, llm) block (llm_node_harness)."""
+    return served_process(name, params, client_name, timeout=600)
 
 
 def test_a_session_survives_a_node_restart(tmp_path):
     name = f'llm_sessions_{os.getpid()}'
     store = tmp_path / 'sessions.db'
     params = {'autostart': True, 'sessions.store': str(store), 'max_tokens': 16}
-    with node(name, params, 'sessions_client_1') as (proc, llm):
+    with node(name, params, 'sessions_client_1') as (proc, _, llm):
         first = llm.generate(messages=[QUESTION], session_id='robot_1').result(timeout=300)
         assert first.ok, first
     assert f'sessions.store {store}: 0 saved sessions restored' in proc.log()
     history = [QUESTION, ('assistant', first.text), ('user', 'And at night?')]
-    with node(name, params, 'sessions_client_2') as (proc, llm):
+    with node(name, params, 'sessions_client_2') as (proc, _, llm):
         assert f'sessions.store {store}: 1 saved sessions restored' in proc.log()
         second = llm.generate(messages=history, session_id='robot_1').result(timeout=300)
         assert second.ok, second

@@ -6,14 +6,12 @@ all of its tokens. ~/get_model_info and /diagnostics list it; ~/warm_prompt adds
 time and answers bad input with what to change while the node keeps serving. A request
 through the OpenAI bridge with that system message reuses it too (its transcript says so).
 """
-import contextlib
 import os
 
 from agent_harness import transcript_of
 import httpx
-from llm_node_harness import NodeProcess, RosClient
+from llm_node_harness import NodeProcess, served_process
 import pytest
-import rclpy
 
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.node_process import NodeProcess as AnyNodeProcess
@@ -24,19 +22,9 @@ SYSTEM = ('You are the voice of a hospital delivery robot. You can go to the pha
           'lift and rooms 1 to 12. Answer in one short sentence.')
 
 
-@contextlib.contextmanager
 def node(name, params, client_name):
-    """Yield (process, client, llm) once the node is active; it must stop cleanly (exit 0)."""
-    proc = NodeProcess(name, params)
-    rclpy.init()
-    client = RosClient(client_name)
-    try:
-        client.wait_state('/' + name, 'active', timeout=600)
-        yield proc, client, client.llm('/' + name)
-    finally:
-        client.close()
-        rclpy.shutdown()
-        assert proc.stop() == 0, proc.log()
+    """Return the active node's (process, client, llm) block (llm_node_harness)."""
+    return served_process(name, params, client_name, timeout=600)
 
 
 def ask(llm, question):
