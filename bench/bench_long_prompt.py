@@ -91,21 +91,9 @@ def peer_main(args) -> Dict:
     import llama_cpp
     ids = json.loads(args.prompt_ids)
     lengths = [int(n) for n in args.lengths.split(',')]
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = 0
-    model = llama_cpp.llama_model_load_from_file(args.gguf.encode(), mparams)
-    if not model:
-        raise SystemExit(f'llama.cpp could not load {args.gguf}')
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = max(lengths) + args.new_tokens
-    cparams.n_batch = cparams.n_ubatch = args.peer_batch
-    cparams.n_seq_max = 1
-    cparams.n_threads = cparams.n_threads_batch = args.threads
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    if not ctx:
-        raise SystemExit('llama.cpp could not create a context')
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    from bench_models import open_peer
+    model, ctx, n_vocab = open_peer(args.gguf, max(lengths) + args.new_tokens, args.peer_batch,
+                                    args.threads)
     memory = llama_cpp.llama_get_memory(ctx)
 
     def step(batch: List[int]) -> int:

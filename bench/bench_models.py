@@ -154,6 +154,30 @@ class OursRunner:
 
 
 # --- llama.cpp (runs in the peer venv: stdlib, llama_cpp, numpy, psutil only) ------------------
+def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int):
+    """Load a GGUF into llama.cpp on the CPU; return (model, context, vocabulary size).
+
+    One sequence, n_batch = n_ubatch, `threads` for decode and batches; SystemExit when
+    llama.cpp cannot load it or make the context.
+    """
+    import llama_cpp
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    mparams.n_gpu_layers = 0
+    model = llama_cpp.llama_model_load_from_file(gguf.encode(), mparams)
+    if not model:
+        raise SystemExit(f'llama.cpp could not load {gguf}')
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = n_ctx
+    cparams.n_batch = cparams.n_ubatch = n_batch
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    if not ctx:
+        raise SystemExit('llama.cpp could not create a context')
+    return model, ctx, llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+
 def peer_main(args) -> Dict:
     """Measure llama.cpp on the ids; save the first kl_steps + 1 logits rows if asked.
 
@@ -164,21 +188,7 @@ def peer_main(args) -> Dict:
     import numpy as np
     import psutil
     ids = json.loads(args.prompt_ids)
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    mparams.n_gpu_layers = 0
-    model = llama_cpp.llama_model_load_from_file(args.gguf.encode(), mparams)
-    if not model:
-        raise SystemExit(f'llama.cpp could not load {args.gguf}')
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = args.max_context
-    cparams.n_batch = cparams.n_ubatch = 512
-    cparams.n_seq_max = 1
-    cparams.n_threads = cparams.n_threads_batch = args.threads
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    if not ctx:
-        raise SystemExit('llama.cpp could not create a context')
-    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    model, ctx, n_vocab = open_peer(args.gguf, args.max_context, 512, args.threads)
 
     def step(batch: List[int]):
         arr = (llama_cpp.llama_token * len(batch))(*batch)
