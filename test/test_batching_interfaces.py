@@ -113,25 +113,17 @@ def test_a_version_4_bag_reads_without_no_speculation_and_replays_untranslated()
     assert goal.no_speculation is False and goal.prompt == contents.transcripts[0].prompt
 
 
-def test_a_version_5_bag_reads_and_replays_untranslated():
-    """test/data/bags/smollm2_greedy_v5: the CI fixture before the fused SiLU (converter 7)."""
-    contents = bagio.read_bag(V2_FIXTURE.with_name('smollm2_greedy_v5'))
+@pytest.mark.parametrize('bag, version', [
+    ('smollm2_greedy_v5', 5),   # the CI fixture before the fused SiLU (converter 7)
+    ('smollm2_greedy_v6', 6),   # the CI fixture before attention's own softmax exp
+])
+def test_an_older_fixture_reads_and_replays_untranslated(bag, version):
+    """test/data/bags/smollm2_greedy_v5 and _v6: earlier CI fixtures, kept as old bags."""
+    contents = bagio.read_bag(V2_FIXTURE.with_name(bag))
     assert contents.complete and contents.problems == []
     assert len(contents.transcripts) == 5
     for record in contents.transcripts:
-        assert record.interface_version == 5
-        assert record.text and record.token_ids and legacy.upgrade(record) is record
-    goal = make_goal(**goal_fields(contents.transcripts[0]))
-    assert goal.prompt == contents.transcripts[0].prompt
-
-
-def test_the_version_6_bag_before_attentions_own_exp_reads_and_replays_untranslated():
-    """test/data/bags/smollm2_greedy_v6: the CI fixture before attention's own softmax exp."""
-    contents = bagio.read_bag(V2_FIXTURE.with_name('smollm2_greedy_v6'))
-    assert contents.complete and contents.problems == []
-    assert len(contents.transcripts) == 5
-    for record in contents.transcripts:
-        assert record.interface_version == 6
+        assert record.interface_version == version
         assert record.text and record.token_ids and legacy.upgrade(record) is record
     goal = make_goal(**goal_fields(contents.transcripts[0]))
     assert goal.prompt == contents.transcripts[0].prompt
