@@ -22,7 +22,7 @@ from typing import List, Optional
 import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
-from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, KQUANT_TYPES
+from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, GraphOptions,
                                              LayerWeights, OPSET, Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
@@ -174,15 +174,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
         raise ConversionError(f'{out} already exists; remove it or pass overwrite=True '
                               '(--force)')
     ckpt = load_checkpoint(source)
-    opts.check(ckpt)
-    if mmproj and ckpt.spec.layer_kinds:
-        raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
-                              'convert the language model alone')
-    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
-    if _bidirectional(vision) and opts.activation_dtype != 'float32':
-        raise ConversionError(
-            f'a {vision.config.projector} VLM needs the op library attention over its '
-            'images, which runs in float32: convert it with --dtype float32')
+    vision = preflight(ckpt, opts, mmproj, source)
     opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +206,23 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
             raise
         raise ConversionError(f'converting {source} failed: {exc!r}') from exc
     return out
+
+
+def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], source: str):
+    """Refuse what cannot be converted before any work; return the mmproj's vision (or None).
+
+    Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change.
+    """
+    opts.check(ckpt)
+    if mmproj and ckpt.spec.layer_kinds:
+        raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
+                              'convert the language model alone')
+    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
+    if _bidirectional(vision) and opts.activation_dtype != 'float32':
+        raise ConversionError(
+            f'a {vision.config.projector} VLM needs the op library attention over its '
+            'images, which runs in float32: convert it with --dtype float32')
+    return vision
 
 
 def _free_bytes(folder: pathlib.Path) -> Optional[int]:
@@ -373,9 +382,7 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
         return 'causal'
     if opts.weight_format != 'kquant':
         return 'gqa'
-    held = all(t.qtype in KQUANT_TYPES and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0
-               for t in ckpt.matrices())
-    return 'causal' if held else 'gqa'
+    return 'causal' if all(keeps_blocks(t) for t in ckpt.matrices()) else 'gqa'
 
 
 def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> Weight:
@@ -519,7 +526,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     'gemma3, phi3, lfm2) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
-    p.add_argument('out_dir', help='model folder to create')
+    p.add_argument('out_dir', nargs='?', help='model folder to create (not with --check)')
+    p.add_argument('--check', action='store_true',
+                   help='only say whether the source (and --mmproj) would convert with these '
+                        'options, how each tensor type is stored, and what would be refused; '
+                        'writes nothing (exit 0: would convert, 1: would refuse)')
     p.add_argument('--block-size', type=int, default=32, help='INT4 block size (default 32)')
     p.add_argument('--dtype', default='float32', choices=('float32', 'float16'),
                    help='activation and KV dtype (default float32)')
@@ -558,7 +569,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: 0 on success, 1 for a bad/unsupported model, 2 for usage errors."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.check:
+        return _check(args)
+    if args.out_dir is None:
+        parser.error('the model folder to create (out_dir) is required, unless --check')
     try:
         out = convert(args.source, args.out_dir, block_size=args.block_size,
                       activation_dtype=args.dtype, max_context=args.max_context,
@@ -575,6 +591,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     print(out)
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from edge_llm_ros.convert.check import check_source
+    opts = ConvertOptions(args.block_size, args.dtype, args.max_context, args.accuracy_level,
+                          not args.requantize_q4_1, args.precision, args.offset_levels,
+                          args.weights)
+    report = check_source(args.source, args.mmproj, opts)
+    print(report.render())
+    return 0 if report.ok else 1
 
 
 if __name__ == '__main__':
