@@ -56,6 +56,10 @@ ARCHITECTURES: Dict[str, Architecture] = {
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,
                          final_norm='token_embd_norm.weight'),
+    # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
+    'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
+                           'embeddings, shared-KV layers)', post_norms=True,
+                           activation='gelu_tanh', embed_scale=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).
