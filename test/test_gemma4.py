@@ -227,3 +227,44 @@ def test_a_session_continues_bit_for_bit(kquant_dir):
     assert bits(a1) == bits(first)
     assert bits(a2) == bits(second)
     assert a2.timings.cached_prompt_tokens > 0
+
+
+# --- family: template switch, tool format ------------------------------------------------------
+def test_the_family_config_names_the_model_and_switches_reasoning_on_explicitly(kquant_dir):
+    from edge_llm_ros.runtime import model_config as mc
+    family = mc.family_for_model_dir(kquant_dir)
+    assert family.family == 'gemma4' and family.tool_call_format == 'gemma4'
+    # Gemma 4's template reasons only when enable_thinking is passed True.
+    assert family.template_kwargs(reasoning=True) == {'enable_thinking': True}
+    assert family.template_kwargs(reasoning=False) == {'enable_thinking': False}
+    assert family.can_disable_reasoning
+    assert mc.family_for_model({'gguf_name': 'Gemma-4-E2B-It', 'architecture': 'gemma4'}).family \
+        == 'gemma4'
+
+
+def test_native_tool_calls_are_read_streamed_or_whole():
+    from edge_llm_ros.runtime.tools.formats import tool_format
+    from edge_llm_ros.runtime.tools.parser import parse_all, ToolCallParser
+    from edge_llm_ros.runtime.tools.spec import ToolSpec
+    tools = [ToolSpec('move_to', '', {'type': 'object', 'required': ['x'], 'properties': {
+        'x': {'type': 'number'}, 'frame': {'type': 'string'}, 'opts': {'type': 'object'}}}),
+        ToolSpec('stop')]
+    fmt = tool_format('gemma4')
+    q = '<|"|>'
+    text = (f'Sure.<|tool_call>call:move_to{{frame:{q}map, base{q},opts:{{fast:true,'
+            f'list:[1,2.5,{q}a{q}]}},x:1.5}}<tool_call|><|tool_call>call:stop{{}}<tool_call|>')
+    answer, calls, invalid = parse_all(text, fmt, tools)
+    assert answer == 'Sure.' and not invalid
+    assert [(c.name, c.arguments) for c in calls] == [
+        ('move_to', '{"frame": "map, base", "opts": {"fast": true, "list": [1, 2.5, "a"]}, '
+                    '"x": 1.5}'), ('stop', '{}')]
+    parser = ToolCallParser(fmt, tools)
+    streamed = ''.join(parser.feed(c).text for c in text) + parser.finish().text
+    assert streamed == 'Sure.' and [c.arguments for c in parser.calls] == [
+        c.arguments for c in calls]
+    # What the tool constraint forces (JSON between the markers) is read too.
+    assert parse_all('<|tool_call>{"name": "stop", "arguments": {}}<tool_call|>', fmt,
+                     tools)[1][0].name == 'stop'
+    _, calls, invalid = parse_all(f'<|tool_call>call:move_to{{x:{q}oops}}<tool_call|>', fmt,
+                                  tools)
+    assert not calls and 'Gemma 4 call syntax' in invalid[0].error
