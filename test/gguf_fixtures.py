@@ -12,7 +12,7 @@ the wanted spread: a valid block of that type, just not one llama-quantize would
 """
 from dataclasses import dataclass
 import pathlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import gguf
 import numpy as np
@@ -476,8 +476,56 @@ def gemma4_weights(case: Gemma4Case) -> Dict[str, np.ndarray]:
     return w
 
 
-def write_gemma4_gguf(path, case: Gemma4Case) -> pathlib.Path:
-    """Write the case's gemma4 GGUF (matrices in case.wtype) and return its path."""
+def gemma4_vocab() -> Tuple[List[str], List[int], List[str]]:
+    """Return a tiny vocabulary of Gemma 4's kind (tokenizer model 'gemma4').
+
+    Tokens, their types and the merges: its specials and markers, <0xXX> byte pieces, '▁' for spaces, letters and newline runs,
+    and merges building a few words; padded with unused pieces to tiny_vocab()'s size (the
+    fixture's embedding rows).
+    """
+    specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<|turn>', '<turn|>', '<|tool_call>',
+                '<tool_call|>', '<|"|>', '<|channel>', '<channel|>', '<|think|>']
+    merges = ['▁ t', 'h e', '▁t he', 'i n', '▁ a', 'r o', 'b o', 'bo t', '▁ ro', '▁ro bot',
+              'a r', 'ar m', '▁ arm', 'é t', '\n \n']
+    pieces = ['▁'] + [chr(c) for c in range(ord('a'), ord('z') + 1)] + ['é', '\n']
+    pieces += [m.replace(' ', '') for m in merges]
+    # Byte pieces for control bytes and UTF-8 sequences (what the texts fall back to): the
+    # vocabulary stays within the fixture's embedding rows.
+    byte_values = list(range(0x20)) + list(range(0x80, 0x100))
+    tokens = specials + [f'<0x{b:02X}>' for b in byte_values] + pieces
+    types = ([gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.BYTE] * len(byte_values)
+             + [gguf.TokenType.NORMAL] * len(pieces))
+    types[specials.index('<unk>')] = gguf.TokenType.UNKNOWN
+    for t in ('<|tool_call>', '<tool_call|>', '<|"|>', '<|channel>', '<channel|>'):
+        types[tokens.index(t)] = gguf.TokenType.USER_DEFINED   # as llama.cpp's converter
+    size = len(tiny_vocab())
+    assert len(tokens) <= size
+    extra = size - len(tokens)
+    return (tokens + [f'<unused{i}>' for i in range(extra)],
+            [int(t) for t in types] + [int(gguf.TokenType.UNUSED)] * extra, merges)
+
+
+def add_gemma4_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """Write gemma4_vocab() as llama.cpp's converter writes Gemma 4's."""
+    tokens, types, merges = gemma4_vocab()
+    writer.add_tokenizer_model('gemma4')
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
+def write_gemma4_gguf(path, case: Gemma4Case, gemma4_tokenizer: bool = False) -> pathlib.Path:
+    """Write the case's gemma4 GGUF (matrices in case.wtype) and return its path.
+
+    gemma4_tokenizer: Gemma 4's own kind of vocabulary (gemma4_vocab) instead of tiny_vocab's
+    byte-level BPE.
+    """
     path = pathlib.Path(path)
     c = case
     w = gemma4_weights(c)
@@ -508,7 +556,10 @@ def write_gemma4_gguf(path, case: Gemma4Case) -> pathlib.Path:
         writer.add_final_logit_softcapping(c.softcap)
     writer.add_vocab_size(len(vocab))
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer, vocab, c.arch)
+    if gemma4_tokenizer:
+        add_gemma4_tokenizer(writer)
+    else:
+        add_tokenizer(writer, vocab, c.arch)
     edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
     embed = None
     for name, x in w.items():

@@ -268,3 +268,36 @@ def test_native_tool_calls_are_read_streamed_or_whole():
     _, calls, invalid = parse_all(f'<|tool_call>call:move_to{{x:{q}oops}}<tool_call|>', fmt,
                                   tools)
     assert not calls and 'Gemma 4 call syntax' in invalid[0].error
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+TOKENIZER_TEXTS = ['the robot arm', ' the  arm\n\nthe', 'é tét\n\n\nrobots in', 'xyz€ q',
+                   '<|turn>user\nthe robot<turn|>\n<|tool_call>call:arm{}<tool_call|>']
+_PEER_TOKENIZE = """
+import json, sys
+import llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
+texts = json.loads(sys.argv[2])
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]))
+"""
+
+
+def test_a_gemma4_vocabulary_tokenizes_as_llama_cpp_does(work):
+    """Tokenizer model 'gemma4' (llama.cpp's SentencePiece-style BPE over merges)."""
+    import json
+    import subprocess
+    from llama_cpp_parity import peer_python
+    from tokenizers import Tokenizer
+    path = write_gemma4_gguf(work / 'gemma4-vocab.gguf', CASE, gemma4_tokenizer=True)
+    out = convert(str(path), str(work / 'gemma4-vocab'), progress=False)
+    proc = subprocess.run([peer_python(), '-c', _PEER_TOKENIZE, str(path),
+                           json.dumps(TOKENIZER_TEXTS)], capture_output=True, text=True,
+                          timeout=300, check=True)
+    want = json.loads(proc.stdout.strip().splitlines()[-1])
+    tok = Tokenizer.from_file(str(out / 'tokenizer.json'))
+    got = [tok.encode(t, add_special_tokens=False).ids for t in TOKENIZER_TEXTS]
+    assert got == want
+    for text, ids in zip(TOKENIZER_TEXTS[:3], got):
+        assert tok.decode(ids) == text
+    info = load_model_info(str(out))
+    assert info.bos_token_id == 2 and info.add_bos_token
