@@ -479,9 +479,9 @@ def gemma4_weights(case: Gemma4Case) -> Dict[str, np.ndarray]:
 def gemma4_vocab() -> Tuple[List[str], List[int], List[str]]:
     """Return a tiny vocabulary of Gemma 4's kind (tokenizer model 'gemma4').
 
-    Tokens, their types and the merges: its specials and markers, <0xXX> byte pieces, '▁' for spaces, letters and newline runs,
-    and merges building a few words; padded with unused pieces to tiny_vocab()'s size (the
-    fixture's embedding rows).
+    Tokens, their types and the merges: its specials and markers, <0xXX> byte pieces, '▁'
+    for spaces, letters and newline runs, and merges building a few words; padded with
+    unused pieces to tiny_vocab()'s size (the fixture's embedding rows).
     """
     specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<|turn>', '<turn|>', '<|tool_call>',
                 '<tool_call|>', '<|"|>', '<|channel>', '<channel|>', '<|think|>']
