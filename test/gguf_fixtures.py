@@ -11,6 +11,7 @@ encode, blocks are random bytes with their fp16 super-scales set so the dequanti
 the wanted spread: a valid block of that type, just not one llama-quantize would pick.
 """
 from dataclasses import dataclass
+import json
 import pathlib
 from typing import Dict, List, Optional, Tuple
 
@@ -589,3 +590,61 @@ def write_gemma4_gguf(path, case: Gemma4Case, gemma4_tokenizer: bool = False) ->
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+_GEMMA4_HF = {'attn_norm': 'input_layernorm', 'ffn_norm': 'pre_feedforward_layernorm',
+              'post_attention_norm': 'post_attention_layernorm',
+              'post_ffw_norm': 'post_feedforward_layernorm', 'attn_q': 'self_attn.q_proj',
+              'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
+              'attn_output': 'self_attn.o_proj', 'attn_q_norm': 'self_attn.q_norm',
+              'attn_k_norm': 'self_attn.k_norm', 'ffn_gate': 'mlp.gate_proj',
+              'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj',
+              'inp_gate': 'per_layer_input_gate', 'proj': 'per_layer_projection',
+              'post_norm': 'post_per_layer_input_norm'}
+
+
+def write_gemma4_hf(folder, case: Gemma4Case, multimodal: bool = False) -> pathlib.Path:
+    """Write the case's float32 weights as a Gemma 4 HF folder (the GGUF's F32 twin).
+
+    multimodal: Gemma4ForConditionalGeneration's layout (text_config, language_model prefix).
+    """
+    from safetensors.numpy import save_file
+    c = case
+    w = gemma4_weights(c)
+    embed = w['token_embd.weight']
+    prefix = 'model.language_model.' if multimodal else 'model.'
+    folder = write_hf_folder(folder, {'embed': embed, 'final_norm': w['output_norm.weight']},
+                             {'model_type': 'gemma4_text', 'num_hidden_layers': 0})
+    (folder / 'model.safetensors').unlink()
+    out = {prefix + 'embed_tokens.weight': embed, prefix + 'norm.weight': w['output_norm.weight'],
+           'lm_head.weight': w['output.weight'] + c.chain * np.roll(embed, 1, axis=0),
+           prefix + 'embed_tokens_per_layer.weight': w['per_layer_token_embd.weight'],
+           prefix + 'per_layer_model_projection.weight': w['per_layer_model_proj.weight'],
+           prefix + 'per_layer_projection_norm.weight': w['per_layer_proj_norm.weight']}
+    for name, x in w.items():
+        if not name.startswith('blk.'):
+            continue
+        _, i, role, _ = name.split('.')
+        hname = 'layer_scalar' if role == 'layer_output_scale' else \
+            f'{_GEMMA4_HF[role]}.weight'
+        out[f'{prefix}layers.{i}.{hname}'] = x
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in out.items()},
+              str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    text = {'model_type': 'gemma4_text', 'num_hidden_layers': c.layers,
+            'hidden_size': c.hidden, 'intermediate_size': c.intermediate,
+            'num_attention_heads': c.heads, 'num_key_value_heads': c.local_kv_heads,
+            'num_global_key_value_heads': c.kv_heads, 'head_dim': c.local_head_dim,
+            'global_head_dim': c.head_dim, 'rms_norm_eps': 1e-6, 'sliding_window': c.window,
+            'layer_types': ['sliding_attention' if p else 'full_attention'
+                            for p in c.pattern],
+            'num_kv_shared_layers': c.shared, 'use_double_wide_mlp': True,
+            'hidden_size_per_layer_input': c.per_layer, 'final_logit_softcapping': c.softcap,
+            'max_position_embeddings': 1024, 'tie_word_embeddings': False,
+            'hidden_activation': 'gelu_pytorch_tanh', 'vocab_size': len(tiny_vocab()),
+            'rope_parameters': {
+                'full_attention': {'rope_type': 'proportional', 'rope_theta': 1e6,
+                                   'partial_rotary_factor': 0.25 if c.proportional else 1.0},
+                'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}}
+    config = {'model_type': 'gemma4', 'text_config': text} if multimodal else text
+    (folder / 'config.json').write_text(json.dumps(config, indent=2))
+    return folder

@@ -301,3 +301,23 @@ def test_a_gemma4_vocabulary_tokenizes_as_llama_cpp_does(work):
         assert tok.decode(ids) == text
     info = load_model_info(str(out))
     assert info.bos_token_id == 2 and info.add_bos_token
+
+
+# --- HF folders ----------------------------------------------------------------------------------
+@pytest.mark.parametrize('multimodal', [False, True], ids=['causal_lm', 'conditional_generation'])
+def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library, multimodal):
+    """The same float32 weights as a GGUF and as an HF folder give the same graph and logits."""
+    from gguf_fixtures import write_gemma4_hf
+    from llama_cpp_parity import engine_logits, PROMPT
+    case = Gemma4Case('F32')
+    gguf_dir = convert(str(gguf_of(work, case)), str(work / 'f32-gguf'), progress=False,
+                       overwrite=True)
+    hf = write_gemma4_hf(work / f'hf-{multimodal}', case, multimodal=multimodal)
+    hf_dir = convert(str(hf), str(work / f'f32-hf-{multimodal}'), progress=False)
+    for name in ('model.onnx', 'model.onnx.data'):
+        assert (hf_dir / name).read_bytes() == (gguf_dir / name).read_bytes(), name
+    follow = [7, 8, 9]
+    np.testing.assert_array_equal(engine_logits(hf_dir, PROMPT, follow),
+                                  engine_logits(gguf_dir, PROMPT, follow))
+    assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
+        yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']

@@ -570,6 +570,11 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
     model_type = cfg.get('model_type')
+    from edge_llm_ros.convert import gemma4
+    if model_type in gemma4.HF_MODEL_TYPES:
+        from edge_llm_ros.convert.gemma4 import load_gemma4_hf
+        return load_gemma4_hf(folder, cfg, _read_safetensors,
+                              lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '

@@ -212,3 +212,109 @@ def check_gemma4_shapes(ckpt: Checkpoint) -> None:
         if scale is not None and tuple(scale.shape) != (1,):
             raise ModelLoadError(f'{ckpt.source_path}: tensor {scale.name} has shape '
                                  f'{scale.shape}, not one value; convert the model again')
+
+
+# --- HF safetensors (Gemma4ForCausalLM / Gemma4ForConditionalGeneration's text model) --------
+# Canonical key -> HF name under the text model's prefix (llama.cpp's tensor_mapping).
+_HF_GLOBAL = {'embed': 'embed_tokens.weight', 'final_norm': 'norm.weight',
+              'ple_embed': 'embed_tokens_per_layer.weight',
+              'ple_model_proj': 'per_layer_model_projection.weight',
+              'ple_proj_norm': 'per_layer_projection_norm.weight'}
+_HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'pre_feedforward_layernorm.weight',
+             'post_attn_norm': 'post_attention_layernorm.weight',
+             'post_ffn_norm': 'post_feedforward_layernorm.weight',
+             'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
+             'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
+             'q_norm': 'self_attn.q_norm.weight', 'k_norm': 'self_attn.k_norm.weight',
+             'gate': 'mlp.gate_proj.weight', 'up': 'mlp.up_proj.weight',
+             'down': 'mlp.down_proj.weight', 'ple_gate': 'per_layer_input_gate.weight',
+             'ple_proj': 'per_layer_projection.weight',
+             'ple_post_norm': 'post_per_layer_input_norm.weight', 'out_scale': 'layer_scalar'}
+HF_MODEL_TYPES = ('gemma4', 'gemma4_text')
+
+
+def load_gemma4_hf(folder: pathlib.Path, cfg: dict, read_safetensors, write_tokenizer
+                   ) -> Checkpoint:
+    """Read a Gemma 4 HF folder as llama.cpp's converter reads it (norms as stored)."""
+    src = folder / 'config.json'
+    text = cfg.get('text_config') or cfg
+    prefix = 'model.language_model.' if 'text_config' in cfg else 'model.'
+    if text.get('attention_k_eq_v'):
+        raise UnsupportedModelError(f'{src}: attention_k_eq_v (V taken from K) is not '
+                                    'converted yet; use Gemma 4 E2B / E4B')
+    if text.get('enable_moe_block') or text.get('num_experts'):
+        raise UnsupportedModelError(f'{src}: Gemma 4 mixture-of-experts layers (26B-A4B) are '
+                                    'not converted; use Gemma 4 E2B, E4B or a dense checkpoint')
+    act = text.get('hidden_activation') or text.get('hidden_act') or 'gelu_pytorch_tanh'
+    if act != 'gelu_pytorch_tanh':
+        raise UnsupportedModelError(f'{src}: activation {act!r} is not the one of Gemma 4 '
+                                    '(gelu_pytorch_tanh)')
+    layers = int(text['num_hidden_layers'])
+    types = text.get('layer_types')
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelLoadError(f'{src}: layer_types is not one entry per layer; download '
+                             'config.json again')
+    local = tuple(t == 'sliding_attention' for t in types)
+    head_dim = int(text.get('global_head_dim') or text['head_dim'])
+    local_dim = int(text['head_dim'])
+    kv_local = int(text.get('num_key_value_heads', text['num_attention_heads']))
+    kv_global = int(text.get('num_global_key_value_heads') or kv_local)
+    rope = text.get('rope_parameters') or {}
+    full, swa = rope.get('full_attention', {}), rope.get('sliding_attention', {})
+    if float(swa.get('partial_rotary_factor', 1.0)) != 1.0:
+        raise UnsupportedModelError(f'{src}: sliding-window layers with partial rotary are not '
+                                    'converted (the op library rotates whole heads)')
+    rotated = int(head_dim * float(full.get('partial_rotary_factor', 1.0)) / 2)
+    # As llama.cpp's converter writes rope_freqs (float32 1e30: the GGUF's own bits).
+    factors = (1.0,) * rotated + (float(np.float32(1e30)),) * (head_dim // 2 - rotated)
+    shared = int(text.get('num_kv_shared_layers') or 0)
+    shared_from = layers - shared if shared else 0
+    if shared and (shared_from < 2 or local[shared_from - 1] or not local[shared_from - 2]):
+        raise UnsupportedModelError(f'{src}: {shared} shared-KV layers of {layers}: the last '
+                                    'two layers that keep KV must be a sliding-window then a '
+                                    'global one')
+    n_ff = int(text['intermediate_size'])
+    ff = tuple(n_ff * (2 if text.get('use_double_wide_mlp') and i >= shared_from > 0 else 1)
+               for i in range(layers))
+    files = sorted(folder.glob('*.safetensors'))
+    if not files:
+        raise ModelLoadError(f'{folder}: no *.safetensors files')
+    raw = read_safetensors(files)
+    wanted = {k: prefix + n for k, n in _HF_GLOBAL.items()}
+    wanted['lm_head'] = 'lm_head.weight'
+    for i in range(layers):
+        for role, suffix in _HF_LAYER.items():
+            wanted[f'{i}.{role}'] = f'{prefix}layers.{i}.{suffix}'
+    tensors = {k: raw[n] for k, n in wanted.items() if n in raw}
+    if text.get('tie_word_embeddings', cfg.get('tie_word_embeddings', True)):
+        tensors.pop('lm_head', None)
+    if 'embed' not in tensors:
+        raise ModelLoadError(f'{folder}: {prefix}embed_tokens.weight is missing')
+    for i in range(layers):
+        scale = tensors.get(f'{i}.out_scale')
+        if scale is not None and scale.shape == ():
+            tensors[f'{i}.out_scale'] = SourceTensor(scale.name, scale.qtype, (1,),
+                                                     np.asarray(scale.data).reshape(1))
+    hidden = int(text['hidden_size'])
+    softcap = text.get('final_logit_softcapping')
+    spec = ModelSpec(
+        architecture='gemma4', name=folder.name, num_layers=layers, hidden_size=hidden,
+        intermediate_size=max(ff), num_heads=int(text['num_attention_heads']),
+        num_kv_heads=kv_global, head_dim=head_dim, vocab_size=tensors['embed'].shape[0],
+        max_position_embeddings=int(text.get('max_position_embeddings', 131072)),
+        rope_theta=float(full.get('rope_theta', 1e6)),
+        rms_norm_eps=float(text.get('rms_norm_eps', 1e-6)),
+        tied_embeddings='lm_head' not in tensors, attention_bias=False, qk_norm=True,
+        rope_freq_factors=factors if rotated * 2 < head_dim else None, post_norms=True,
+        activation='gelu_tanh', embed_scale=float(np.sqrt(np.float32(hidden))),
+        attention_scale=1.0, sliding_window=int(text.get('sliding_window') or 0)
+        if any(local) else 0, local_layers=local,
+        local_rope_theta=float(swa.get('rope_theta', 10000.0)),
+        final_logit_softcap=float(30.0 if softcap is None else softcap),
+        local_head_dim=local_dim if local_dim != head_dim else 0,
+        local_kv_heads=kv_local if kv_local != kv_global else 0,
+        kv_shared_from=shared_from, layer_intermediate=ff,
+        per_layer_embed=int(text.get('hidden_size_per_layer_input') or 0), v_norm=True)
+    ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
+    check_gemma4_shapes(ckpt)
+    return ckpt
