@@ -321,3 +321,39 @@ def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library, mu
                                   engine_logits(gguf_dir, PROMPT, follow))
     assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
         yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']
+
+
+# --- speculation -------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def draft_dir(work, native_library) -> pathlib.Path:
+    """Give another gemma4 of the same vocabulary (other weights): a draft it often rejects."""
+    case = dataclasses.replace(CASE, seed=7, chain=0.3)
+    return convert(str(gguf_of(work, case)), str(work / 'draft'), progress=False)
+
+
+def test_speculation_equals_plain_decoding(kquant_dir, draft_dir):
+    """Verify passes over shared-KV layers give a decode step's bits (greedy and seeded)."""
+    from edge_llm_ros.runtime.speculative import SpeculativeConfig
+    from edge_llm_ros.serving.goal import Goal
+    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
+    seeded = SamplingConfig(temperature=0.8, top_k=20, seed=3, logprobs=True)
+    modes = {'off': SpeculativeConfig(mode='off'),
+             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
+             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
+    for sampling in (SamplingConfig(temperature=0.0, logprobs=True), seeded):
+        runs = {}
+        for mode, config in modes.items():
+            eng = engine(kquant_dir, 2, max_context=256, speculative=config)
+            try:
+                goals = [eng.scheduler().submit(Goal(eng.prepare(GenerationRequest(
+                    prompt=t, max_tokens=24, use_chat_template=False, sampling=sampling))))
+                    for t in texts]
+                while not all(g.done for g in goals):
+                    eng.run_plan()
+                runs[mode] = ([bits(g.result) for g in goals], eng.speculation.stats)
+            finally:
+                eng.close()
+        plain, _ = runs.pop('off')
+        for mode, (spec, stats) in runs.items():
+            assert spec == plain, mode
+            assert stats.passes > 0 and stats.accepted > 0, (mode, stats)

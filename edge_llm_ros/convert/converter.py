@@ -570,7 +570,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
         description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
-                    'gemma3, phi3, lfm2) '
+                    'gemma3, phi3, lfm2, gemma4) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', nargs='?', help='model folder to create (not with --check)')
