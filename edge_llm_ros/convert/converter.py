@@ -219,6 +219,9 @@ def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], sou
     Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change.
     """
     opts.check(ckpt)
+    if mmproj and _native_layers(ckpt.spec):
+        raise ConversionError('Gemma 4 vision and audio (a gemma4v / gemma4a mmproj) are not '
+                              'converted yet: convert the language model alone')
     if mmproj and ckpt.spec.layer_kinds:
         raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
                               'convert the language model alone')
