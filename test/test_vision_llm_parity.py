@@ -217,7 +217,7 @@ def test_a_text_only_model_refuses_images(tmp_path, pair):
     ('idefics3', ParityCase(arch='llama', wtype='Q8_0', vision=True), 'Q8_0'),
 ], ids=['gemma3', 'internvl-qwen2', 'mlp-phi3', 'idefics3-llama-q8_0-mmproj'])
 def test_each_family_with_its_own_language_model_decodes_as_llamacpps_mtmd(
-        tmp_path, projector, case, mmproj_type):
+        tmp_path, projector, case, mmproj_type, compat):
     text = write_gguf(tmp_path / 'text.gguf', case)
     mmproj = write_mmproj(tmp_path / 'mm.gguf', projector, n_text=256,
                           scale=SCALES[projector], longest_edge=64, seed=5,
@@ -232,6 +232,7 @@ def test_each_family_with_its_own_language_model_decodes_as_llamacpps_mtmd(
         result = generate(engine, prompt, images)
         assert result.error == ''
         assert result.token_ids == [int(t) for t in data['tokens']]
+        compat(case.arch, case.wtype, 'vision')
     finally:
         engine.close()
 
