@@ -73,6 +73,11 @@ BATCHED_INPUTS: Tuple[str, ...] = ('input_ids', 'seqlens_k', 'total_sequence_len
 # vision.onnx's input: uint8 image tiles [B, S, S, 3] (RGB, cut as the family's preprocessing
 # cuts them); the graph normalizes them itself.
 VISION_INPUT = 'pixels'
+# A Qwen-VL vision.onnx (any image size) also takes the 2-D rotary tables of its patches and
+# the windowed attention's additive mask, which depend on the image's size only
+# (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
+VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
+VISION_WINDOW_MASK = 'window_mask'
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).

@@ -12,7 +12,7 @@ the wanted spread: a valid block of that type, just not one llama-quantize would
 """
 from dataclasses import dataclass
 import pathlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import gguf
 import numpy as np
@@ -70,7 +70,9 @@ class ParityCase:
     longrope: bool = False
     rotary: float = 1.0
     softcap: float = 0.0  # gemma3 final_logit_softcapping key (llama.cpp uses it without SWA)
-    vision: bool = False  # the vocabulary has the image wrapper tokens (tiny_vocab(vision))
+    vision: Union[bool, str] = False  # the image wrapper tokens: tiny_vocab(vision)
+    # qwen2vl: rope.dimension_sections (t, h, w, 0) in rotary pairs (Qwen2.5-VL's 16:24:24).
+    rope_sections: Tuple[int, ...] = (8, 12, 12, 0)
 
     @property
     def tag(self) -> str:
@@ -130,7 +132,7 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         w[p + 'gate'] = mat(d.intermediate, d.hidden)
         w[p + 'up'] = mat(d.intermediate, d.hidden)
         w[p + 'down'] = mat(d.hidden, d.intermediate)
-        if c.arch == 'qwen2':
+        if c.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
         if c.arch in ('qwen3', 'gemma3', 'lfm2'):
@@ -206,6 +208,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         meta['rope_freq_base_swa'] = c.swa_base
     if c.softcap:
         meta['final_logit_softcapping'] = c.softcap
+    if c.arch == 'qwen2vl':
+        meta['rope_dimension_sections'] = list(c.rope_sections)
     if c.arch == 'phi3':
         meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
     if c.arch == 'lfm2':

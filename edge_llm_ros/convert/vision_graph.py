@@ -29,14 +29,15 @@ import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
-from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
+from edge_llm_ros.convert.mmproj import (Mmproj, MmprojError, QWEN_MAX_TOKENS,
+                                         QWEN_MIN_TOKENS)
 from edge_llm_ros.convert.onnx_graph import initializer, MS_DOMAIN
 from edge_llm_ros.convert.quant import from_q8_0
 from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
-BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp')
+BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger')
 # As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
 # CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
 # `mlp` graph runs (n_layer - 1: the last stored layer is skipped).
@@ -211,6 +212,9 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
     if cfg.projector not in BUILT:  # a projector convert/mmproj.py reads but not built here
         raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built (built: '
                           f'{", ".join(BUILT)})')
+    if cfg.dynamic:  # Qwen-VL: one image of any size, its own graph
+        from edge_llm_ros.convert.vision_qwen import build_qwen_encoder
+        return build_qwen_encoder(mm, name, data, location)
     g = _Graph(data, location)
     p = cfg.patch_size
     weight = g.init('v.patch_embd.weight', mm.array('v.patch_embd.weight'))
@@ -262,6 +266,8 @@ _LAYOUT = {
     'internvl': {'preprocess': 'internvl_tiles', 'attention': 'causal',
                  'wrapper': ['<img>', '</img>']},
     'mlp': {'preprocess': 'letterbox_bicubic', 'attention': 'causal', 'wrapper': []},
+    'qwen2.5vl_merger': {'preprocess': 'qwen_smart_resize', 'attention': 'causal',
+                         'wrapper': ['<|vision_start|>', '<|vision_end|>']},
 }
 
 
@@ -278,4 +284,7 @@ def model_yaml_section(mm: Mmproj, file: str) -> dict:
             'embedding_size': cfg.n_out, 'image_mean': list(cfg.image_mean),
             'image_std': list(cfg.image_std), 'longest_edge': cfg.longest_edge,
             'min_tiles': cfg.min_tiles, 'max_tiles': cfg.max_tiles,
-            **_LAYOUT[cfg.projector], 'source': mm.path}
+            **_LAYOUT[cfg.projector], 'source': mm.path,
+            **({'head_dim': cfg.n_embd // cfg.n_head, 'merge': cfg.scale_factor,
+                'min_tokens': QWEN_MIN_TOKENS, 'max_tokens': QWEN_MAX_TOKENS,
+                'positions': 'mrope'} if cfg.dynamic else {})}
