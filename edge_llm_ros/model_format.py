@@ -39,7 +39,8 @@ MODEL_YAML = 'model.yaml'
 CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
-ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2')
+ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
+                                  'qwen2vl')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -68,6 +69,8 @@ BIDIRECTIONAL_INPUT = 'bidirectional'
 ROWS_INPUT = 'rows'
 VARLEN_INPUTS: Tuple[str, ...] = ('input_ids', 'inputs_embeds', 'embeds_at', ROWS_INPUT,
                                   'logits_at')
+# M-RoPE graphs (qwen2vl) also take each packed token's (t, h, w) rotary position.
+ROPE_POSITIONS_INPUT = 'rope_positions'
 BATCHED_INPUTS: Tuple[str, ...] = ('input_ids', 'seqlens_k', 'total_sequence_length',
                                    'logits_count')
 # vision.onnx's input: uint8 image tiles [B, S, S, 3] (RGB, cut as the family's preprocessing

@@ -111,3 +111,82 @@ def test_a_qwen_mmproj_without_its_window_pattern_or_second_frame_is_refused(tmp
     bad = write_qwen25vl_mmproj(tmp_path / 'bad.gguf', skip=('v.patch_embd.weight.1',))
     with pytest.raises(MmprojError, match=r'v\.patch_embd\.weight\.1'):
         read_mmproj(bad)
+
+
+# --- the language model: M-RoPE positions through the engine's rows --------------------------
+# chain 0.1: the head's next-token term is weak, so the greedy path follows the image's
+# positions: with every row at its KV index instead (no M-RoPE) the ids leave mtmd's after
+# 1-27 tokens and the log probs move 20-30 (measured), with M-RoPE 32/32 and within 1 %.
+QWEN_LM = ParityCase(arch='qwen2vl', wtype='F32', vision='qwen', chain=0.1)
+LM_CASES = [
+    ([(112, 112)], 'Hi <__media__> the sky is'),                  # square, one window
+    ([(150, 230)], 'Hi <__media__> the sky is'),                  # wide: 8 x 5 tokens
+    ([(250, 100), (97, 131)], '<__media__>Hello<__media__> blue'),  # tall, then odd-sized
+]
+
+
+@pytest.fixture(scope='module')
+def qwen_engine(tmp_path_factory):
+    from edge_llm_ros.convert.converter import convert
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    work = tmp_path_factory.mktemp('qwen_lm')
+    text = write_gguf(work / 'text.gguf', QWEN_LM)
+    mmproj = write_qwen25vl_mmproj(work / 'mmproj.gguf', n_text=QWEN_LM.dims.hidden, seed=3)
+    folder = convert(str(text), str(work / 'vlm'), mmproj=str(mmproj), progress=False)
+    engines = []
+
+    def make(**kw):
+        engines.append(Engine(EngineConfig(model_dir=str(folder), max_context=256,
+                                           intra_op_threads=1, **kw)))
+        return engines[-1]
+    yield text, mmproj, make
+    for engine in engines:
+        engine.close()
+
+
+def _check_against_mtmd(engine, text, mmproj, sizes, prompt, work):
+    from test_vision_llm_parity import generate, image as vimage, logprob_gap, mtmd_layout, \
+        mtmd_run
+    from edge_llm_ros.runtime.types import GenerationRequest
+    images = [vimage(7 + i, h, w) for i, (h, w) in enumerate(sizes)]
+    data = mtmd_run(text, mmproj, images, prompt, work)
+    prepared = engine.prepare(GenerationRequest(prompt=prompt, use_chat_template=False,
+                                                images=images, max_tokens=32))
+    assert (list(prepared.prompt_ids), list(prepared.spans)) == mtmd_layout(data)
+    result = generate(engine, prompt, images)
+    assert result.error == ''
+    return result, data, logprob_gap(result, data['logits']), \
+        0.01 * float(np.abs(data['logits']).max())
+
+
+@pytest.mark.parametrize('sizes, prompt', LM_CASES)
+def test_greedy_ids_match_mtmd_with_mrope_positions(tmp_path, qwen_engine, sizes, prompt):
+    text, mmproj, make = qwen_engine
+    engine = make(prefix_reuse=False)
+    result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, sizes, prompt,
+                                                       tmp_path)
+    assert result.token_ids == [int(t) for t in data['tokens']]
+    assert gap <= tolerance
+
+
+def test_kv_index_positions_would_not_match(tmp_path, qwen_engine, monkeypatch):
+    """The check above sees the positions: rows at their KV index leave mtmd's path."""
+    from edge_llm_ros.runtime.sequence import Sequence
+    text, mmproj, make = qwen_engine
+    monkeypatch.setattr(Sequence, 'rope_positions', lambda self, start, length: None)
+    engine = make(prefix_reuse=False)
+    result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, *LM_CASES[2],
+                                                       tmp_path)
+    assert result.token_ids != [int(t) for t in data['tokens']] and gap > 10 * tolerance
+
+
+def test_a_reused_prefix_with_an_image_keeps_its_positions(tmp_path, qwen_engine):
+    """The second run reuses the first's KV (image included) and decodes the same ids."""
+    text, mmproj, make = qwen_engine
+    engine = make(prefix_reuse=True)
+    first, data, _, _ = _check_against_mtmd(engine, text, mmproj, *LM_CASES[1], tmp_path)
+    second, _, gap, tolerance = _check_against_mtmd(engine, text, mmproj, *LM_CASES[1],
+                                                    tmp_path)
+    assert second.timings.cached_prompt_tokens > 0
+    assert first.token_ids == second.token_ids == [int(t) for t in data['tokens']]
+    assert gap <= tolerance

@@ -111,6 +111,9 @@ class ModelSpec:
     # attention), and the short convolution's kernel (positions; its state keeps one fewer).
     layer_kinds: Tuple[str, ...] = ()
     conv_kernel: int = 0
+    # M-RoPE (qwen2vl): rotary pairs per section (t, h, w), llama.cpp's rope.dimension_sections
+    # without its unused fourth; empty: one position for every pair.
+    rope_sections: Tuple[int, ...] = ()
 
     @property
     def rotary_dims(self) -> int:
@@ -341,6 +344,16 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
                                         'not supported; use a GGUF with the period form')
         local = swa_layers(period, layers)
         local_theta = _f32(key('rope.freq_base_swa', family.swa_rope_base))
+    sections: Tuple[int, ...] = ()
+    if family.mrope:
+        raw = [int(v) for v in (key('rope.dimension_sections', required=True) or ())]
+        raw = (raw + [0] * 4)[:4]
+        if raw[3] or sum(raw) != rope_dims // 2 or min(raw[:3]) < 0:
+            raise UnsupportedModelError(
+                f'{path}: rope.dimension_sections {raw} must split the {rope_dims // 2} '
+                'rotary pairs into t, h, w sections (the fourth 0), as Qwen2-VL / Qwen2.5-VL '
+                'GGUFs do')
+        sections = tuple(raw[:3])
     spec = ModelSpec(
         architecture=arch,
         name=str(gguf_field(reader, 'general.name', path.stem)),
@@ -355,6 +368,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         rope_dims=0 if rope_dims == head_dim else rope_dims,
         rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
         rope_factors_max_context=factors_ctx, layer_kinds=kinds, conv_kernel=conv_kernel,
+        rope_sections=sections,
         **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
                          float(key('final_logit_softcapping', 0.0) or 0.0)))
 

@@ -300,7 +300,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'rotary_dims': s.rotary_dims,
                          'attn_factor': float(s.rope_attn_factor),
                          # LongRoPE short factors: valid up to this KV length (0: any)
-                         'max_context': int(s.rope_factors_max_context)},
+                         'max_context': int(s.rope_factors_max_context),
+                         # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
@@ -375,9 +377,10 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
     and GroupQueryAttention, faster at prefill, is kept. A VLM whose image tokens attend
     both ways always gets the library's op: GroupQueryAttention is causal only. So does a
-    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph.
+    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph, and an
+    M-RoPE model (qwen2vl): its rotary positions are not the KV index after an image.
     """
-    if _bidirectional(vision) or ckpt.spec.layer_kinds:
+    if _bidirectional(vision) or ckpt.spec.layer_kinds or ckpt.spec.rope_sections:
         # A hybrid's conv states need the row table only the library's graphs have.
         return 'causal'
     if opts.weight_format != 'kquant':

@@ -32,7 +32,7 @@ from edge_llm_ros.convert.checkpoint import ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
 from edge_llm_ros.model_format import (CONV_STATE_PAST, CONV_STATE_PRESENT, DATA_FILE,
-                                       ROWS_INPUT)
+                                       ROPE_POSITIONS_INPUT, ROWS_INPUT)
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
@@ -236,6 +236,12 @@ class DecoderGraph:
                     f'past_key_values.{i}.{kind}', t, kv_shape))
                 self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
                                                                   kv_shape))
+        if spec.rope_sections:
+            if not self.varlen:
+                raise ValueError("M-RoPE (rope_sections) needs the op library's attention "
+                                 "(attention='causal')")
+            self.inputs.append(helper.make_tensor_value_info(
+                ROPE_POSITIONS_INPUT, TensorProto.INT32, [3, 'tokens']))
         if opts.bidirectional_images and not self.varlen:
             raise ValueError('bidirectional_images needs the op library attention '
                              "(attention='causal')")
@@ -249,6 +255,32 @@ class DecoderGraph:
             cos, sin = rope_cache(spec, cache_len, local=True)
             self._init('cos_cache_local', cos.astype(self.np_dtype))
             self._init('sin_cache_local', sin.astype(self.np_dtype))
+        if spec.rope_sections:
+            self._mrope_tables()
+
+    def _mrope_tables(self) -> None:
+        """Add cos_tokens / sin_tokens [T, half]: each packed token's M-RoPE rows.
+
+        Pair k of a token turns by its position of section sec(k) (t, h or w: llama.cpp's
+        rope_multi, sector k mod the sections' sum): cos_cache[rope_positions[sec(k), t], k],
+        one GatherElements per table; the attention reads them a row per token.
+        """
+        s0, s1, _ = self.spec.rope_sections
+        total = sum(self.spec.rope_sections)
+        sector = np.arange(self.spec.rotary_dims // 2) % total
+        section = np.where(sector < s0, 0, np.where(sector < s0 + s1, 1, 2)).astype(np.int64)
+        which = self._init('mrope_section', section)
+        per_pair = self._name('mrope/positions')
+        self.nodes.append(helper.make_node('Gather', [ROPE_POSITIONS_INPUT, which],
+                                           [per_pair], axis=0))   # [half, T]
+        index = self._name('mrope/index')
+        self.nodes.append(helper.make_node('Transpose', [per_pair], [self._name('mrope/t')],
+                                           perm=[1, 0]))
+        self.nodes.append(helper.make_node('Cast', [self.nodes[-1].output[0]], [index],
+                                           to=TensorProto.INT64))   # [T, half]
+        for table in ('cos', 'sin'):
+            self.nodes.append(helper.make_node('GatherElements', [f'{table}_cache', index],
+                                               [f'{table}_tokens'], axis=0))
 
     # --- helpers -------------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -460,6 +492,8 @@ class DecoderGraph:
         q_k_v = self._qkv(h, lw, p)
         local = s.is_local(i)
         rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        if s.rope_sections:   # a row per packed token (M-RoPE), not per KV position
+            rope = ('cos_tokens', 'sin_tokens')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
@@ -474,6 +508,8 @@ class DecoderGraph:
             norms = {} if lw.q_norm is None else {
                 'q_norm': lw.q_norm.astype(np.float32).tolist(),
                 'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
+            if s.rope_sections:
+                norms['rope_per_token'] = 1
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
                                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,

@@ -578,6 +578,17 @@ struct CausalAttentionKernel {
                            "model", ORT_INVALID_ARGUMENT);
     }
     if (!q_norm_.empty()) norm_eps_ = kernel_info.GetAttribute<float>("norm_epsilon");
+    // Optional: 1 when cos/sin hold a row per packed token (M-RoPE graphs), 0 or absent when
+    // a row per KV position.
+    try {
+      rope_per_token_ = kernel_info.GetAttribute<int64_t>("rope_per_token");
+    } catch (const Ort::Exception &) {
+      rope_per_token_ = 0;
+    }
+    if (rope_per_token_ != 0 && rope_per_token_ != 1) {
+      throw Ort::Exception("CausalAttention: rope_per_token must be 0 or 1: reconvert the "
+                           "model", ORT_INVALID_ARGUMENT);
+    }
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0 || window_ < 0) {
       throw Ort::Exception("CausalAttention: num_heads " + std::to_string(heads_) +
                            " must be a positive multiple of kv_num_heads " +
@@ -639,9 +650,13 @@ struct CausalAttentionKernel {
     } else {
       table = batched_table("CausalAttention", seqlens, batch, seq, bidirectional);
     }
+    if (rope_per_token_ && rope_shape[0] != batch * seq) {
+      fail("cos/sin hold " + std::to_string(rope_shape[0]) + " rows, not one per token (" +
+           std::to_string(batch * seq) + ")");
+    }
     for (size_t r = 0; r < table.size(); ++r) {
       const int64_t end = table[r].start + table[r].length;
-      if (end > capacity || end > rope_shape[0]) {
+      if (end > capacity || (!rope_per_token_ && end > rope_shape[0])) {
         fail("row " + std::to_string(r) + " writes positions " +
              std::to_string(table[r].start) + ".." + std::to_string(end - 1) +
              " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
@@ -692,7 +707,8 @@ struct CausalAttentionKernel {
     AttentionWork work{};
     work.shape = elk_attention_shape{heads_, kv_heads_, d, capacity, scale_, window_,
                                      q_norm_.empty() ? nullptr : q_norm_.data(),
-                                     k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_};
+                                     k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_,
+                                     rope_per_token_};
     work.q = q;
     work.q_stride = width;
     if (packed) {
@@ -725,7 +741,7 @@ struct CausalAttentionKernel {
   }
 
  private:
-  int64_t heads_ = 0, kv_heads_ = 0, window_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0, window_ = 0, rope_per_token_ = 0;
   float scale_ = 1.0f, norm_eps_ = 0.0f;
   std::vector<float> q_norm_, k_norm_;  // attributes: read-only while Computes run
 };
