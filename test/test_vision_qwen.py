@@ -190,3 +190,21 @@ def test_a_reused_prefix_with_an_image_keeps_its_positions(tmp_path, qwen_engine
     assert second.timings.cached_prompt_tokens > 0
     assert first.token_ids == second.token_ids == [int(t) for t in data['tokens']]
     assert gap <= tolerance
+
+
+def test_an_image_over_the_context_is_refused_before_any_model_work(qwen_engine):
+    """A 1080p frame is 39 x 69 = 2,691 tokens: a typed error first, then text works."""
+    from edge_llm_ros.errors import ContextOverflowError
+    from edge_llm_ros.runtime.media import ImageInputError
+    from edge_llm_ros.runtime.types import GenerationRequest
+    _, _, make = qwen_engine
+    engine = make(prefix_reuse=False)
+    frame = np.zeros((1080, 1920, 3), np.uint8)
+    with pytest.raises(ContextOverflowError, match='images take'):
+        engine.prepare(GenerationRequest(prompt='<__media__> what?', use_chat_template=False,
+                                         images=[frame], max_tokens=8))
+    with pytest.raises(ImageInputError, match='not pre-encoded rows'):
+        engine.vision.encoded_shape(1080, 1920)
+    result = engine.generate(GenerationRequest(prompt='the sky', use_chat_template=False,
+                                               max_tokens=3)).run_to_end()
+    assert result.error == '' and result.completion_tokens == 3
