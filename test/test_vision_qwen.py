@@ -208,3 +208,66 @@ def test_an_image_over_the_context_is_refused_before_any_model_work(qwen_engine)
     result = engine.generate(GenerationRequest(prompt='the sky', use_chat_template=False,
                                                max_tokens=3)).run_to_end()
     assert result.error == '' and result.completion_tokens == 3
+
+
+def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen_engine):
+    """Two slots, each row with its own M-RoPE positions, in the same decoder calls."""
+    from test_vision_llm_parity import image as vimage, mtmd_run
+    from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+    from edge_llm_ros.serving.scheduler import Goal
+    text, mmproj, make = qwen_engine
+    engine = make(prefix_reuse=False, parallel_sequences=2)
+    goals, expected = [], []
+    for n, (sizes, prompt) in enumerate(LM_CASES[1:]):
+        images = [vimage(7 + i, h, w) for i, (h, w) in enumerate(sizes)]
+        (tmp_path / str(n)).mkdir()
+        expected.append([int(t) for t in mtmd_run(text, mmproj, images, prompt,
+                                                  tmp_path / str(n))['tokens']])
+        goals.append(Goal(engine.prepare(GenerationRequest(
+            prompt=prompt, use_chat_template=False, images=images, max_tokens=32,
+            sampling=SamplingConfig(temperature=0.0)))))
+    for g in goals:
+        engine.scheduler().submit(g)
+    while not all(g.done for g in goals):
+        engine.run_plan()
+    assert [g.result.token_ids for g in goals] == expected
+
+
+def test_prompt_lookup_speculation_after_an_image_decodes_as_mtmd(tmp_path, qwen_engine):
+    """Verify passes of k + 1 tokens after an image take the shifted positions too."""
+    from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
+    text, mmproj, make = qwen_engine
+    engine = make(prefix_reuse=False, speculative=SpeculativeConfig(mode='prompt_lookup'))
+    sizes, prompt = [(150, 230)], 'Hi <__media__> the sky is 0123456789 abcdefgh'
+    result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, sizes, prompt,
+                                                       tmp_path)
+    assert result.timings.draft_passes > 0
+    assert result.token_ids == [int(t) for t in data['tokens']]
+
+
+def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen_engine):
+    """The second turn reads the stored image's rows and grid: as the whole chat at once.
+
+    The first reply is one of two choices, so its text tokenizes back to its own ids (a free
+    reply of the random model is bytes that do not).
+    """
+    from test_vision_llm_parity import image as vimage
+    from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
+    _, _, make = qwen_engine
+    engine = make()
+    frame, look = vimage(7, 150, 230), 'What is in <__media__> this?'
+    greedy = SamplingConfig(logprobs=True, top_logprobs=4)
+
+    def ask(messages, images=(), session='', **kw):
+        return engine.generate(GenerationRequest(
+            messages=messages, images=list(images), max_tokens=12, session_id=session,
+            sampling=greedy, **kw)).run_to_end()
+    first = ask([ChatMessage('user', look)], [frame], 'qwen', choices=('a red box', 'blue'))
+    second = ask([ChatMessage('user', 'And the color?')], session='qwen')
+    assert first.error == '' and second.error == '' and second.timings.cached_prompt_tokens
+    turns = [ChatMessage('user', look), ChatMessage('assistant', first.text),
+             ChatMessage('user', 'And the color?')]
+    whole = ask(turns, [frame])
+    assert second.token_ids == whole.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, whole.logprobs)) \
+        < 1e-3

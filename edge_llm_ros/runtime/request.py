@@ -188,7 +188,8 @@ class PreparedRequest:
                 # A copy: the conversation outlives this request's array.
                 rows = self.embeds[row:row + placed.rows].copy()
                 out.append(conv.StoredImage(at, tuple(placed.items), digest, rows,
-                                            bool(placed.bidirectional)))
+                                            bool(placed.bidirectional),
+                                            tuple(getattr(placed, 'grid', (0, 0)))))
             row += placed.rows
         return tuple(out)
 
