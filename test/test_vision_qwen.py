@@ -192,7 +192,7 @@ def test_a_reused_prefix_with_an_image_keeps_its_positions(tmp_path, qwen_engine
     assert gap <= tolerance
 
 
-def test_an_image_over_the_context_is_refused_before_any_model_work(qwen_engine):
+def test_an_image_over_the_context_or_its_cap_is_refused_before_any_model_work(qwen_engine):
     """A 1080p frame is 39 x 69 = 2,691 tokens: a typed error first, then text works."""
     from edge_llm_ros.errors import ContextOverflowError
     from edge_llm_ros.runtime.media import ImageInputError
@@ -205,6 +205,16 @@ def test_an_image_over_the_context_is_refused_before_any_model_work(qwen_engine)
                                          images=[frame], max_tokens=8))
     with pytest.raises(ImageInputError, match='not pre-encoded rows'):
         engine.vision.encoded_shape(1080, 1920)
+    # A request's own cap: a 640x480 frame (17 x 23 = 391 tokens) over 300.
+    vga = np.zeros((480, 640, 3), np.uint8)
+    with pytest.raises(ImageInputError, match='images.0. takes 391 tokens, over '
+                                              'max_image_tokens 300'):
+        engine.prepare(GenerationRequest(prompt='<__media__> what?', use_chat_template=False,
+                                         images=[vga], max_tokens=8, max_image_tokens=300))
+    small = np.zeros((112, 112, 3), np.uint8)   # 16 tokens: under the cap
+    assert engine.prepare(GenerationRequest(prompt='<__media__> what?', use_chat_template=False,
+                                            images=[small], max_tokens=8,
+                                            max_image_tokens=16)).prompt_tokens > 16
     result = engine.generate(GenerationRequest(prompt='the sky', use_chat_template=False,
                                                max_tokens=3)).run_to_end()
     assert result.error == '' and result.completion_tokens == 3

@@ -305,6 +305,7 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                    f'prompt in the context of {capacity} tokens: lower it')
     declared, array = _embeddings(request.prefix_embeddings, hidden_size)
     placements = media.check_images(request.images, layout)
+    _check_image_cap(placements, int(getattr(request, 'max_image_tokens', 0) or 0))
     if placements and declared is not None:
         raise InvalidRequestError('a request takes images or prefix_embeddings, not both')
     rows = sum(p.rows for p in placements) if placements else (
@@ -370,6 +371,17 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                output=output, chat=chat if session else None,
                                speculative=bool(getattr(request, 'speculative', True)))
     return prepared.bind(array) if array is not None else prepared
+
+
+def _check_image_cap(placements: Sequence[media.Placement], cap: int) -> None:
+    """Raise ImageInputError for an image of more rows than max_image_tokens (0: no cap)."""
+    if cap < 0:
+        raise InvalidRequestError(f'max_image_tokens must be >= 0 (0: no cap), got {cap}')
+    for i, placed in enumerate(placements):
+        if cap and placed.rows > cap:
+            raise media.ImageInputError(
+                f'images[{i}] takes {placed.rows} tokens, over max_image_tokens {cap}: send '
+                'a smaller image or raise the cap')
 
 
 def span_grids(placements: Sequence[media.Placement]) -> Tuple[Tuple[int, int], ...]:
