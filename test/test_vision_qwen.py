@@ -160,7 +160,8 @@ def _check_against_mtmd(engine, text, mmproj, sizes, prompt, work):
 
 
 @pytest.mark.parametrize('sizes, prompt', LM_CASES)
-def test_greedy_ids_match_mtmd_with_mrope_positions(tmp_path, qwen_engine, sizes, prompt):
+def test_greedy_ids_match_mtmd_with_mrope_positions(tmp_path, qwen_engine, sizes, prompt, compat):
+    compat('qwen2vl', QWEN_LM.wtype, 'vision')
     text, mmproj, make = qwen_engine
     engine = make(prefix_reuse=False)
     result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, sizes, prompt,
@@ -220,8 +221,9 @@ def test_an_image_over_the_context_or_its_cap_is_refused_before_any_model_work(q
     assert result.error == '' and result.completion_tokens == 3
 
 
-def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen_engine):
+def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen_engine, compat):
     """Two slots, each row with its own M-RoPE positions, in the same decoder calls."""
+    compat('qwen2vl', QWEN_LM.wtype, 'batching')
     from test_vision_llm_parity import image as vimage, mtmd_run
     from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
     from edge_llm_ros.serving.scheduler import Goal
@@ -243,8 +245,9 @@ def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen_
     assert [g.result.token_ids for g in goals] == expected
 
 
-def test_prompt_lookup_speculation_after_an_image_decodes_as_mtmd(tmp_path, qwen_engine):
+def test_prompt_lookup_speculation_after_an_image_decodes_as_mtmd(tmp_path, qwen_engine, compat):
     """Verify passes of k + 1 tokens after an image take the shifted positions too."""
+    compat('qwen2vl', QWEN_LM.wtype, 'speculation')
     from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
     text, mmproj, make = qwen_engine
     engine = make(prefix_reuse=False, speculative=SpeculativeConfig(mode='prompt_lookup'))
@@ -255,12 +258,13 @@ def test_prompt_lookup_speculation_after_an_image_decodes_as_mtmd(tmp_path, qwen
     assert result.token_ids == [int(t) for t in data['tokens']]
 
 
-def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen_engine):
+def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen_engine, compat):
     """The second turn reads the stored image's rows and grid: as the whole chat at once.
 
     The first reply is one of two choices, so its text tokenizes back to its own ids (a free
     reply of the random model is bytes that do not).
     """
+    compat('qwen2vl', QWEN_LM.wtype, 'sessions')
     from test_vision_llm_parity import image as vimage
     from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
     _, _, make = qwen_engine
