@@ -7,10 +7,12 @@ test/mtmd_runner.py) preprocesses and encodes the same image. First images of on
 runtime/mmproj_preprocess.py (gemma3's letterbox, idefics3's tiles and overview, internvl's tiles
 and thumbnail, mlp's grey letterbox), read from model.yaml's vision section: every image chunk
 mtmd makes must match ours, and grid_for must count them from the size alone. Stated
-tolerance: cosine >= 0.9999 per token and max |difference| <= 1 % of the embeddings' RMS
-(llama.cpp's CPU GELU is an fp16 table, ours exact). Measured: cosine 1.0000 on every chunk;
-resizing the height before the width (Pillow's own order for a tall image) already fails it at
-0.9994.
+tolerance: cosine >= 0.9999 per token, max |difference| <= 1 % of the embeddings' RMS and the
+mean |difference| <= 3e-5 of it (the graph keeps llama.cpp's float16 roundings: the im2col of
+the patch embedding and the GELU table; without them the mean is 5e-5 to 2.4e-4). Measured:
+cosine 1.0000 on every chunk, the mean at most 1.1e-5 of the RMS (a few float16 rounding
+flips: one GELU input rounded to the other neighbour than in ggml); resizing the height before
+the width (Pillow's own order for a tall image) already fails it at 0.9994.
 """
 import pathlib
 import subprocess
@@ -76,11 +78,17 @@ def test_image_embeddings_match_llamacpps_mtmd(tmp_path, text_model, projector, 
     assert len(theirs) == chunks
     for chunk in theirs:
         assert chunk.shape == ours.shape
-        cosine = (ours * chunk).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
-            chunk, axis=-1)
-        assert cosine.min() >= 0.9999, cosine
-        rms = float(np.sqrt((chunk ** 2).mean()))
-        assert np.abs(ours - chunk).max() <= 0.01 * rms
+        _close(ours, chunk)
+
+
+def _close(ours: np.ndarray, chunk: np.ndarray) -> None:
+    """Check one chunk against mtmd's at the module's stated tolerance."""
+    cosine = (ours * chunk).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
+        chunk, axis=-1)
+    assert cosine.min() >= 0.9999, cosine
+    rms = float(np.sqrt((chunk ** 2).mean()))
+    diff = np.abs(ours - chunk)
+    assert diff.max() <= 0.01 * rms and diff.mean() <= 3e-5 * rms, diff.mean() / rms
 
 
 @pytest.mark.parametrize('projector, scale, weight_type', [
@@ -89,10 +97,12 @@ def test_quantized_mmproj_files_match_llamacpps_mtmd(tmp_path, text_model, proje
                                                      weight_type):
     """F16 and Q8_0 mmproj files (as downloaded) are read exactly.
 
-    llama.cpp then rounds its activations to F16 / Q8_0 in those matmuls (this graph computes
-    F16 in float32; Q8_0 matrices stay 8-bit blocks with int8 activations per block, rounded
-    by onnxruntime's quantizer), so the stated tolerance is wider: cosine >= 0.999, 5 % of the
-    RMS (measured: F16 cosine 1.0000 and 0.1 % of the RMS, Q8_0 0.99998 and 1.9 %).
+    llama.cpp then rounds its activations to F16 / Q8_0 in those matmuls (this graph rounds
+    them to float16 before an F16 matrix too; Q8_0 matrices stay 8-bit blocks with int8
+    activations per block, rounded by onnxruntime's quantizer, whose block scale is float32
+    where ggml's is float16), so the stated tolerance is wider: cosine >= 0.999, 5 % of the
+    RMS; F16 also a mean |difference| <= 3e-5 of the RMS (measured: F16 cosine 1.0000, 1.7e-4
+    of the RMS, mean 6.6e-6, 2.4e-4 without the float16 activations; Q8_0 0.99998 and 1.9 %).
     """
     mmproj = write_mmproj(tmp_path / f'{projector}.gguf', projector, n_text=TEXT_WIDTH,
                           scale=scale, longest_edge=32, seed=5, weight_type=weight_type)
@@ -104,6 +114,8 @@ def test_quantized_mmproj_files_match_llamacpps_mtmd(tmp_path, text_model, proje
         assert cosine.min() >= 0.999, cosine
         rms = float(np.sqrt((chunk ** 2).mean()))
         assert np.abs(ours - chunk).max() <= 0.05 * rms, np.abs(ours - chunk).max() / rms
+        if weight_type == 'F16':
+            assert np.abs(ours - chunk).mean() <= 3e-5 * rms, np.abs(ours - chunk).mean() / rms
     # The file's own values, not a requantization: the graph holds gguf's dequantization.
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -128,11 +140,7 @@ def test_quantized_mmproj_files_match_llamacpps_mtmd(tmp_path, text_model, proje
 def _tiles_match(mmproj: pathlib.Path, tiles: list, theirs: list) -> None:
     assert len(theirs) == len(tiles)
     for tile, chunk in zip(tiles, theirs):
-        ours = our_embeddings(mmproj, tile)
-        cosine = (ours * chunk).sum(-1) / np.linalg.norm(ours, axis=-1) / np.linalg.norm(
-            chunk, axis=-1)
-        assert cosine.min() >= 0.9999, cosine
-        assert np.abs(ours - chunk).max() <= 0.01 * float(np.sqrt((chunk ** 2).mean()))
+        _close(our_embeddings(mmproj, tile), chunk)
 
 
 @pytest.mark.parametrize('height, width', [(30, 45), (50, 20), (7, 9)])
