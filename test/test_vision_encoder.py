@@ -311,3 +311,56 @@ def test_a_vision_graph_that_takes_float_pixels_is_refused_with_what_to_do(tmp_p
     with pytest.raises(ModelLoadError, match="not uint8 tiles 'pixels'.*reconvert the model "
                                              'with --mmproj'):
         ImageEncoder(tmp_path, {'file': 'vision.onnx', 'embedding_size': 8})
+
+
+GGML_TABLES = """
+import ctypes, os, sys
+import llama_cpp
+import numpy as np
+lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib', 'libggml-cpu.so'))
+lib.ggml_cpu_init()
+np.savez(sys.argv[1], **{name: np.ctypeslib.as_array((ctypes.c_uint16 * 65536).in_dll(
+    lib, f'ggml_table_{name}_f16')).copy() for name in ('gelu', 'gelu_quick')})
+"""
+
+
+def test_the_graph_gelu_is_llamacpps_float16_table(tmp_path):
+    """GELU and quick GELU as ggml's CPU tables (read from llama.cpp's library) give them.
+
+    GELU: equal for every input from -2 up (x itself from 10, where ggml skips the table);
+    below -2, where ggml's 1 + tanhf cancels, 343 of the 37 376 float16 inputs in (-10, 10)
+    differ, by at most 2^-15 (one float16 step at -2; a few steps of the tiny values below
+    -3.7). Quick GELU: 3 inputs from -2 up one step away; below, within 2^-15. Without the
+    float16 roundings either fails.
+    """
+    from onnx import helper, TensorProto
+    from edge_llm_ros.convert.vision_graph import _gelu, _quick_gelu
+    out = tmp_path / 'tables.npz'
+    proc = subprocess.run([peer_python(), '-c', GGML_TABLES, str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tables = {k: v.view(np.float16).astype(np.float32) for k, v in np.load(out).items()}
+    half = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    x = np.concatenate([half[np.isfinite(half)], [9.9999, 10.0, 10.3, 12.0, -10.0, -10.3,
+                                                  0.3333333, -1.2345678]]).astype(np.float32)
+    for name, build in (('gelu', _gelu), ('gelu_quick', _quick_gelu)):
+        g = _Graph()
+        y = build(g, 'x')
+        graph = helper.make_graph(
+            g.nodes, name, [helper.make_tensor_value_info('x', TensorProto.FLOAT, [None])],
+            [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], list(g.inits.values()))
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', 20)])
+        (got,) = ort.InferenceSession(model.SerializeToString(),
+                                      providers=['CPUExecutionProvider']).run(None, {'x': x})
+        want = tables[name][x.astype(np.float16).view(np.uint16)]
+        if name == 'gelu':
+            want = np.where(x <= -10, 0.0, np.where(x >= 10, x, want))
+            assert np.array_equal(got[x >= -2], want[x >= -2])
+            assert np.abs(got - want).max() <= 2 ** -15
+            continue
+        above = x >= -2   # quick GELU: ORT's sigmoid and expf disagree in the far tail
+        with np.errstate(over='ignore'):   # the step above 65504 is infinite
+            step = np.abs(np.spacing(want[above].astype(np.float16))).astype(np.float32)
+        assert (got[above] != want[above]).sum() <= 8
+        assert (np.abs(got - want)[above] <= step).all()
+        assert np.abs(got - want)[~above].max() <= 2 ** -15
