@@ -26,7 +26,7 @@ from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.mmproj import Mmproj
 from edge_llm_ros.convert.onnx_graph import MS_DOMAIN
-from edge_llm_ros.convert.vision_graph import _Graph, _linear, _normalized, OPSET
+from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph, _linear, _normalized, OPSET
 from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_ROPE_INPUTS,
                                        VISION_WINDOW_MASK)
 
@@ -43,23 +43,6 @@ def _rms_norm(g: _Graph, mm: Mmproj, x: str, prefix: str) -> str:
     if prefix + '.bias' in mm.tensors:
         y = g.node('Add', [y, g.init(prefix + '.bias', mm.array(prefix + '.bias'))])
     return y
-
-
-def _fp16(g: _Graph, x: str) -> str:
-    """Return x rounded to float16 (nearest even) and widened back to float32."""
-    return g.node('Cast', [g.node('Cast', [x], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
-
-
-def _table_gelu(g: _Graph, x: str) -> str:
-    """Return GELU (tanh) as ggml's CPU computes it: its fp16 table where |x| < 10.
-
-    y = fp16(gelu(fp16(x))), and x or 0 (relu) beyond: the table's rounding is ~5e-4 of a
-    value, which the merger's last matmul spreads over the embeddings (0.4 % of them on the
-    tiny fixture computed exactly).
-    """
-    table = _fp16(g, g.node('Gelu', [_fp16(g, x)], approximate='tanh'))
-    inside = g.node('Less', [g.node('Abs', [x]), g.const(10.0, np.float32)])
-    return g.node('Where', [inside, table, g.node('Relu', [x])])
 
 
 def _rotated(g: _Graph, x: str, half: int) -> str:
@@ -108,7 +91,7 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
     p, c, s = cfg.patch_size, cfg.n_embd, cfg.scale_factor
     # ggml_conv_2d is im2col in F16 then a matmul: the pixels and the kernel both rounded
     # to fp16, products summed in float32 (exact float32 is 3e-3 off libmtmd's embeddings).
-    x = _fp16(g, _normalized(g, cfg))  # [1, 3, H, W]
+    x = _f16(g, _normalized(g, cfg))  # [1, 3, H, W]
     frames = [g.node('Conv', [x, g.init(w, mm.array(w).astype(np.float16).astype(np.float32))],
                      kernel_shape=[p, p], strides=[p, p])
               for w in ('v.patch_embd.weight', 'v.patch_embd.weight.1')]
@@ -126,7 +109,7 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
         x = _block(g, mm, x, i)
     x = _rms_norm(g, mm, x, 'v.post_ln')
     x = g.node('Reshape', [x, g.const([1, -1, c * s * s])])
-    x = _table_gelu(g, _linear(g, mm, x, 'mm.0'))
+    x = _gelu(g, _linear(g, mm, x, 'mm.0'))
     out = _linear(g, mm, x, 'mm.2')
     g.nodes.append(helper.make_node('Identity', [out], ['image_embeds'], name='image_embeds'))
     half = c // cfg.n_head // 2
