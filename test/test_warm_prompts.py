@@ -14,7 +14,9 @@ import sqlite3
 import pytest
 from tiny_model import tiny_model_dir
 
+from edge_llm_msgs.srv import GetModelInfo
 from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.nodes import llm_services
 from edge_llm_ros.runtime.decoder import OnnxDecoder
 from edge_llm_ros.runtime.kv_cache import KVCache
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
@@ -172,6 +174,8 @@ def test_a_restart_restores_the_warm_prompt_without_a_prefill(tiny_dir, tmp_path
     assert (again.ids, again.nbytes, again.restored, prompt.restored) == \
         (prompt.ids, prompt.nbytes, True, False)
     assert again.status == 'restored from sessions.store' and not again.stored_error
+    answer = llm_services.model_info(second, GetModelInfo.Response(), 'unloaded')
+    assert answer.warm_prompts == [again.label]   # no status beside a label that is fine
     # Live in a slot already: the first goal reuses it there, without a restore copy.
     assert second.kv_occupancy()[0] == prompt.tokens
     restores = []
@@ -219,6 +223,9 @@ def test_another_model_or_converter_prefills_again(tiny_dir, tmp_path, decoder_c
         assert words in prompt.status and not prompt.restored
         assert f'model hash {model_hash(str(model))[:16]}' in prompt.stored_error
         assert engine.model_info()['warm_prompts'][0]['status'] == prompt.status
+        # ~/get_model_info shows it beside the label.
+        answer = llm_services.model_info(engine, GetModelInfo.Response(), 'unloaded')
+        assert answer.warm_prompts == [f'{prompt.label} ({prompt.status})']
         result = ask(engine, 'Where is room 4?')   # and it serves, from the new prefill
         engine.close()
         assert result.timings.cached_prompt_tokens == engine.warm_prompts()[0].tokens

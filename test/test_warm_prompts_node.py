@@ -44,7 +44,8 @@ def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
         assert info.warm_prompts == [SYSTEM[:40] + '...'] and info.warm_prompt_bytes[0] > 0
         status = client.next_status('/' + name, timeout=30)
         assert status['warm_prompts'] == '1', status
-        assert status['warm_prompt_0'].startswith(f'{tokens} tokens, ')
+        assert status['warm_prompt_0'].startswith(f'{tokens} tokens, '), status
+        assert ', prefilled: ' in status['warm_prompt_0'], status
         # Bad input on the service: a typed error saying what to change; the node serves on.
         for kwargs, words in (({'path': str(tmp_path / 'map.txt')}, 'cannot be read'),
                               ({'text': 'corridor ' * 600}, 'raise kv.max_context')):
@@ -61,6 +62,10 @@ def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
         log = proc.log()
         # The run-time one is gone (not in kv.warm_prompts); the configured one came back.
         assert list(llm.model_info(timeout=30).warm_prompt_tokens) == [tokens]
+        status = client.next_status('/' + name, timeout=30)
+        assert status['warm_prompt_0'].startswith(
+            f'{tokens} tokens, {info.warm_prompt_bytes[0]} bytes, restored from sessions.store'
+            ': '), status
         second = ask(llm, 'Take me to room 4.')
         # ~/reset_session '' empties the live caches too: only the pinned copy is left.
         assert llm.reset_session(timeout=30).success
