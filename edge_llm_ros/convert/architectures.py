@@ -45,6 +45,10 @@ class Architecture:
     # M-RoPE (qwen2vl): rope.dimension_sections splits each head's rotary pairs into t, h, w
     # sections, each turned by its own position (equal for text: plain NEOX RoPE).
     mrope: bool = False
+    # Hybrid: Gated DeltaNet layers (qwen35: llama.cpp's build_layer_attn_linear) beside
+    # gated full-attention layers (q rows interleave each head's query and output gate); every
+    # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
+    recurrent_layers: bool = False
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -61,6 +65,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,
                          final_norm='token_embd_norm.weight'),
+    'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
+                           'DeltaNet and gated attention)', recurrent_layers=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).
