@@ -419,7 +419,7 @@ def write_qwen35_gguf(path: pathlib.Path, case: ParityCase) -> pathlib.Path:
                        ('vocab_size', len(vocab))):
         getattr(writer, f'add_{key}')(value)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    add_tokenizer(writer, vocab, 'qwen2')
+    add_tokenizer(writer, vocab, 'qwen35', pre='qwen35')
 
     def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
         if not matrix or wtype == 'F32':

@@ -7,6 +7,15 @@
 #include <cmath>
 #include <cstring>
 
+// x86-64: an AVX2 clone next to the baseline one, picked at load time (ifunc). Every loop
+// below that the compiler may vectorize runs across independent elements (value dims j,
+// channels), each summed in the same order in either clone: the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ELK_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define ELK_CLONES
+#endif
+
 namespace {
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
@@ -32,7 +41,7 @@ void l2_norm(const float *x, int64_t n, float eps, float *y) {
 
 extern "C" {
 
-void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
+ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
                        const float *qkv, const float *weight, int64_t state_floats,
                        float *state, float *conv) {
   constexpr int64_t kBlock = ELK_GDN_CHANNELS;
@@ -73,7 +82,7 @@ void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c
   }
 }
 
-void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t h,
+ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t h,
                         const float *conv, const float *z, const float *alpha,
                         const float *beta, const float *dt_bias, const float *a,
                         const float *norm, int64_t state_floats, float *state, float *y) {
@@ -81,8 +90,8 @@ void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t 
   const int64_t channels = (2 * hk + hv) * d;
   const int64_t kh = h % hk;  // ggml_gated_delta_net: value head h reads key head h % k_heads
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float *s_mat = state + row->slot * state_floats + (shape->kernel - 1) * channels +
-                 h * d * d;  // [j][i] = S[i][j]
+  // S [i][j] (i: key dim, j: value dim), so every step below runs across j.
+  float *s_mat = state + row->slot * state_floats + (shape->kernel - 1) * channels + h * d * d;
   if (row->start == 0) std::memset(s_mat, 0, static_cast<size_t>(d * d) * sizeof(float));
   float q[ELK_GDN_MAX_HEAD], k[ELK_GDN_MAX_HEAD], delta[ELK_GDN_MAX_HEAD], o[ELK_GDN_MAX_HEAD];
   for (int64_t s = 0; s < row->length; ++s) {
@@ -94,22 +103,24 @@ void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t 
     const float decay = std::exp(softplus(alpha[t * hv + h] + dt_bias[h]) * a[h]);
     const float b = sigmoid(beta[t * hv + h]);
     for (int64_t e = 0; e < d * d; ++e) s_mat[e] *= decay;
-    for (int64_t j = 0; j < d; ++j) {
-      const float *m = s_mat + j * d;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < d; ++i) sum += m[i] * k[i];
-      delta[j] = (v[j] - sum) * b;
+    // delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, the sum from i = 0 up, from 0.0f.
+    for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+      const float *m = s_mat + i * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * k[i];
     }
-    for (int64_t j = 0; j < d; ++j) {
-      float *m = s_mat + j * d;
-      for (int64_t i = 0; i < d; ++i) m[i] += k[i] * delta[j];
+    for (int64_t j = 0; j < d; ++j) delta[j] = (v[j] - o[j]) * b;
+    // S[i][j] += k[i] * delta[j]; then o[j] = (sum_i S[i][j] q[i]) * scale, in the same order.
+    for (int64_t i = 0; i < d; ++i) {
+      float *m = s_mat + i * d;
+      for (int64_t j = 0; j < d; ++j) m[j] += k[i] * delta[j];
     }
-    for (int64_t j = 0; j < d; ++j) {
-      const float *m = s_mat + j * d;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < d; ++i) sum += m[i] * q[i];
-      o[j] = sum * scale;
+    for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+      const float *m = s_mat + i * d;
+      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * q[i];
     }
+    for (int64_t j = 0; j < d; ++j) o[j] = o[j] * scale;
     // Gated RMSNorm: ggml_rms_norm (squares summed in double), the weight, then silu(z).
     double sq = 0.0;
     for (int64_t j = 0; j < d; ++j) sq += static_cast<double>(o[j] * o[j]);

@@ -27,8 +27,8 @@ extern "C" {
 // k_heads; value head h reads key head h % k_heads, as ggml_gated_delta_net); the conv runs
 // over channels = (2 * k_heads + v_heads) * head_dim (q, k, v) with `kernel` positions.
 // A slot's state is conv_floats() = (kernel - 1) * channels floats of conv inputs, oldest
-// position first, then v_heads * head_dim * head_dim floats of delta state, per head [j][i]
-// = S[i][j] (i: key dim, j: value dim: ggml's transposed layout).
+// position first, then v_heads * head_dim * head_dim floats of delta state, per head S[i][j]
+// (i: key dim, j: value dim; ggml keeps its transpose).
 typedef struct {
   int64_t k_heads, v_heads, head_dim, kernel;
   float eps;  // the gated RMSNorm's epsilon (and the L2 norms', as llama.cpp passes it)
