@@ -24,7 +24,8 @@ import numpy as np
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
-                                             GraphOptions, LayerWeights, OPSET, Weight)
+                                             GraphOptions, LayerWeights, OPSET,
+                                             RecurrentLayerWeights, Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, LayerState,
@@ -275,6 +276,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         for i in range(s.num_layers):
             if s.architecture == 'gemma4':
                 graph.add_gemma4_layer(i, _gemma4_layer(ckpt, i, opts))
+            elif s.is_recurrent(i):
+                graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
             elif s.is_conv(i):
                 graph.add_conv_layer(i, _conv_layer(ckpt, i, opts))
             else:
@@ -314,7 +317,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'rotary_dims': s.rotary_dims,
                          'attn_factor': float(s.rope_attn_factor),
                          # LongRoPE short factors: valid up to this KV length (0: any)
-                         'max_context': int(s.rope_factors_max_context)},
+                         'max_context': int(s.rope_factors_max_context),
+                         # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
@@ -353,6 +358,8 @@ def layer_state(spec, layer: int) -> LayerState:
     """Return what `layer` keeps per sequence slot (model.yaml `layer_states`)."""
     if spec.is_conv(layer):
         return LayerState('conv', shape=(spec.conv_kernel - 1, spec.hidden_size))
+    if spec.is_recurrent(layer):
+        return LayerState('recurrent', shape=(spec.recurrent_state_floats,))
     if spec.kv_owner(layer) >= 0:
         return LayerState('shared', owner=spec.kv_owner(layer))
     window = spec.sliding_window if spec.is_local(layer) else 0
@@ -396,9 +403,11 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
     and GroupQueryAttention, faster at prefill, is kept. A VLM whose image tokens attend
     both ways always gets the library's op: GroupQueryAttention is causal only. So does a
-    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph.
+    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph, and an
+    M-RoPE model (qwen2vl): its rotary positions are not the KV index after an image.
     """
-    if _bidirectional(vision) or ckpt.spec.layer_kinds or _native_layers(ckpt.spec):
+    if (_bidirectional(vision) or ckpt.spec.layer_kinds or ckpt.spec.rope_sections
+            or _native_layers(ckpt.spec)):
         # A hybrid's conv states need the row table only the library's graphs have.
         return 'causal'
     if opts.weight_format != 'kquant':
@@ -441,7 +450,25 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
         post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
-        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms),
+        attn_gate=(_blocks(ckpt, p + 'attn_gate', opts) if ckpt.spec.gated_attention
+                   else None))
+
+
+def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> RecurrentLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    return RecurrentLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        qkv=_blocks(ckpt, p + 'gdn_qkv', opts), z=_blocks(ckpt, p + 'gdn_z', opts),
+        alpha=_blocks(ckpt, p + 'ssm_alpha', opts), beta=_blocks(ckpt, p + 'ssm_beta', opts),
+        conv=vector('ssm_conv'), dt_bias=vector('ssm_dt'), a=vector('ssm_a'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
 
 
 def _native_layers(spec) -> bool:
