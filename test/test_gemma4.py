@@ -66,7 +66,8 @@ def kquant_dir(work, native_library) -> pathlib.Path:
 
 
 @pytest.mark.parametrize('case, level, weights', PARITY, ids=lambda v: getattr(v, 'tag', v))
-def test_greedy_ids_and_logits_match_llama_cpp(work, native_library, case, level, weights):
+def test_greedy_ids_and_logits_match_llama_cpp(work, native_library, case, level, weights,
+                                               compat):
     result = compare(gguf_of(work, case), work, accuracy_level=level, weights=weights)
     print(f'{case.tag} level {level} {weights}: {result.summary()}')
     top2 = np.sort(llama_logits(work, case), axis=-1)[:, -2:]
@@ -74,6 +75,7 @@ def test_greedy_ids_and_logits_match_llama_cpp(work, native_library, case, level
     assert margin > MIN_MARGIN, 'fixture has a near-tie'
     assert result.greedy_equal, (result.llama_tokens, result.engine_tokens)
     assert result.max_abs_diff <= MAX_ABS_DIFF, result.summary()
+    compat('gemma4', case.wtype, 'text')
 
 
 @pytest.mark.parametrize('variant', [{'per_layer': 0}, {'shared': 0}, {'proportional': False}],
@@ -181,7 +183,7 @@ def alone(kquant_dir) -> dict:
         eng.close()
 
 
-def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
     from edge_llm_ros.serving.goal import Goal
     eng = engine(kquant_dir, 3, prefill_chunk=3, prefix_reuse=False)
     try:
@@ -197,6 +199,7 @@ def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
         eng.close()
     for g, text in zip(goals, TEXTS):
         assert bits(g.result) == alone[text], text
+    compat('gemma4', CASE.wtype, 'batching')
 
 
 def test_prefix_reuse_equals_the_uncached_run(kquant_dir, alone):
@@ -210,7 +213,7 @@ def test_prefix_reuse_equals_the_uncached_run(kquant_dir, alone):
     assert bits(result) == alone[TEXTS[0]]
 
 
-def test_a_session_continues_bit_for_bit(kquant_dir):
+def test_a_session_continues_bit_for_bit(kquant_dir, compat):
     user1 = ChatMessage('user', TEXTS[0])
     user2 = ChatMessage('user', 'What color is the sky?')
 
@@ -235,6 +238,7 @@ def test_a_session_continues_bit_for_bit(kquant_dir):
     assert bits(a1) == bits(first)
     assert bits(a2) == bits(second)
     assert a2.timings.cached_prompt_tokens > 0
+    compat('gemma4', CASE.wtype, 'sessions')
 
 
 # --- family: template switch, tool format ------------------------------------------------------
@@ -339,7 +343,7 @@ def draft_dir(work, native_library) -> pathlib.Path:
     return convert(str(gguf_of(work, case)), str(work / 'draft'), progress=False)
 
 
-def test_speculation_equals_plain_decoding(kquant_dir, draft_dir):
+def test_speculation_equals_plain_decoding(kquant_dir, draft_dir, compat):
     """Verify passes over shared-KV layers give a decode step's bits (greedy and seeded)."""
     from edge_llm_ros.runtime.speculative import SpeculativeConfig
     from edge_llm_ros.serving.goal import Goal
@@ -365,3 +369,4 @@ def test_speculation_equals_plain_decoding(kquant_dir, draft_dir):
         for mode, (spec, stats) in runs.items():
             assert spec == plain, mode
             assert stats.passes > 0 and stats.accepted > 0, (mode, stats)
+    compat('gemma4', CASE.wtype, 'speculation')
