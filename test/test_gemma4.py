@@ -153,6 +153,13 @@ def test_an_mmproj_is_refused_before_anything_is_written(work, tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
+def test_float16_activations_are_refused_with_what_to_do(work, tmp_path):
+    from edge_llm_ros.errors import ConversionError
+    with pytest.raises(ConversionError, match='attention layers run in float32'):
+        convert(str(gguf_of(work, CASE)), str(tmp_path / 'out'), progress=False,
+                activation_dtype='float16')
+
+
 # --- engine ------------------------------------------------------------------------------------
 TEXTS = ('once upon a time there was a robot', 'the blue sky is blue', 'Hello robot arm')
 

@@ -112,11 +112,12 @@ class ConvertOptions:
         if s.layer_kinds or _native_layers(s):
             # Conv layers run the op library's ShortConv whatever the weight format, gemma4
             # layers its CausalAttention (per-layer head sizes, shared KV).
+            layers = 'attention layers' if _native_layers(s) else 'conv layers'
             if self.activation_dtype != 'float32':
-                raise ConversionError(f'{s.architecture} conv layers run in float32: convert '
+                raise ConversionError(f'{s.architecture} {layers} run in float32: convert '
                                       'it with --dtype float32')
             try:
-                native_ops.require_library(f'a {s.architecture} model (its conv layers)')
+                native_ops.require_library(f'a {s.architecture} model (its {layers})')
             except native_ops.NativeLibraryMissingError as exc:
                 raise ConversionError(str(exc)) from None
         if self.weights == 'kquant':
