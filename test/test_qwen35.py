@@ -250,8 +250,9 @@ def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir):
 @pytest.fixture(scope='module')
 def draft_dir(work, native_library) -> pathlib.Path:
     """Give another qwen35 of the same vocabulary (other weights): a draft it often rejects."""
-    return converted(gguf_of(work, qwen35_case('Q8_0', seed=3)), work, accuracy_level=4,
-                     weights='kquant')
+    # A weaker next-token term than the target's: it disagrees at some steps.
+    return converted(gguf_of(work, qwen35_case('Q8_0', seed=3, chain=0.1)), work,
+                     accuracy_level=4, weights='kquant')
 
 
 def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
@@ -274,5 +275,6 @@ def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
             eng.close()
     plain, _ = runs.pop('off')
     for mode, (spec, stats) in runs.items():
+        print(mode, stats)
         assert spec == plain, mode
         assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)

@@ -102,23 +102,27 @@ ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *ro
     const float *v = in + (2 * hk + h) * d;
     const float decay = std::exp(softplus(alpha[t * hv + h] + dt_bias[h]) * a[h]);
     const float b = sigmoid(beta[t * hv + h]);
-    for (int64_t e = 0; e < d * d; ++e) s_mat[e] *= decay;
-    // delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, the sum from i = 0 up, from 0.0f.
+    // Two passes over the state (it is the op's memory traffic: 64 KiB a head at d = 128):
+    // S *= decay with delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, then S[i][j] += k[i] *
+    // delta[j] with o[j] = (sum_i S[i][j] q[i]) * scale; each sum from i = 0 up, from 0.0f.
     for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-      const float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * k[i];
-    }
-    for (int64_t j = 0; j < d; ++j) delta[j] = (v[j] - o[j]) * b;
-    // S[i][j] += k[i] * delta[j]; then o[j] = (sum_i S[i][j] q[i]) * scale, in the same order.
     for (int64_t i = 0; i < d; ++i) {
       float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) m[j] += k[i] * delta[j];
+      for (int64_t j = 0; j < d; ++j) {
+        m[j] *= decay;
+        o[j] += m[j] * k[i];
+      }
     }
-    for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
+    for (int64_t j = 0; j < d; ++j) {
+      delta[j] = (v[j] - o[j]) * b;
+      o[j] = 0.0f;
+    }
     for (int64_t i = 0; i < d; ++i) {
-      const float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * q[i];
+      float *m = s_mat + i * d;
+      for (int64_t j = 0; j < d; ++j) {
+        m[j] += k[i] * delta[j];
+        o[j] += m[j] * q[i];
+      }
     }
     for (int64_t j = 0; j < d; ++j) o[j] = o[j] * scale;
     // Gated RMSNorm: ggml_rms_norm (squares summed in double), the weight, then silu(z).
