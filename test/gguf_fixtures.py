@@ -380,17 +380,33 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
 QWEN35_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
                        context=1024, rms_eps=1e-6, key_length=64, rope_theta=1e7)
 QWEN35_GDN = {'kernel': 4, 'k_heads': 2, 'v_heads': 4, 'head_dim': 64, 'interval': 2}
-QWEN35_ROPE_SECTIONS = [3, 3, 2, 0]  # pairs per IMROPE section: rotary dims 16 / 2
+
+
+def rope_sections(rotary_dims: int) -> list:
+    """IMROPE sections as Qwen3.5 writes them: 3 of the rotated pairs' share, the last 0."""
+    pairs = rotary_dims // 2
+    first = -(-pairs // 3)
+    return [first, first, pairs - 2 * first, 0]
 
 
 def qwen35_case(wtype: str, seed: int = 0, **options) -> ParityCase:
     """Return the qwen35 parity case of `wtype` (QWEN35_DIMS, a quarter of each head rotated)."""
-    return ParityCase('qwen35', wtype, seed, dims=QWEN35_DIMS, rotary=0.25, **options)
+    return ParityCase('qwen35', wtype, seed, **dict({'dims': QWEN35_DIMS, 'rotary': 0.25},
+                                                    **options))
 
 
-def write_qwen35_gguf(path: pathlib.Path, case: ParityCase) -> pathlib.Path:
-    """Write a tiny random qwen35 GGUF as llama.cpp's converter lays it out."""
-    c, d, g = case, case.dims, QWEN35_GDN
+# Qwen3.5-0.8B's layer shapes (hidden 1024, FFN 3584; DeltaNet 16 key and 16 value heads of
+# 128; attention 8/2 heads of 256, 64 dims rotated, RoPE base 1e7; every 4th layer attends),
+# over 4 layers: 3 DeltaNet layers and an attention layer.
+QWEN35_08B_DIMS = TinyDims(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=3584,
+                           context=1024, rms_eps=1e-6, key_length=256, rope_theta=1e7)
+QWEN35_08B_GDN = {'kernel': 4, 'k_heads': 16, 'v_heads': 16, 'head_dim': 128, 'interval': 4}
+
+
+def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
+                      gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
+    """Write a random qwen35 GGUF as llama.cpp's converter lays it out (gdn: QWEN35_GDN)."""
+    c, d, g = case, case.dims, gdn or QWEN35_GDN
     rng = np.random.default_rng(c.seed)
     qrng = np.random.default_rng(c.seed + 1000)
     vocab = tiny_vocab(c.vision)
@@ -411,7 +427,7 @@ def write_qwen35_gguf(path: pathlib.Path, case: ParityCase) -> pathlib.Path:
                        ('key_length', hd), ('value_length', hd),
                        ('rope_freq_base', d.rope_theta), ('layer_norm_rms_eps', d.rms_eps),
                        ('rope_dimension_count', c.rope_dims),
-                       ('rope_dimension_sections', QWEN35_ROPE_SECTIONS),
+                       ('rope_dimension_sections', rope_sections(c.rope_dims)),
                        ('ssm_conv_kernel', g['kernel']), ('ssm_state_size', gd),
                        ('ssm_group_count', g['k_heads']), ('ssm_time_step_rank', g['v_heads']),
                        ('ssm_inner_size', g['v_heads'] * gd),
