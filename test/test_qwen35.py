@@ -8,7 +8,9 @@ partial rotary (q/k dims reordered, checkpoint.rotary_order). Checked against ll
 greedy ids of 32 steps are equal for F16 (MatMulNBits at level 0) and every type the op
 library holds (kquant), with every logit on llama.cpp's path within the parity bounds of
 test_llama_cpp_parity. Control: the same graph with its DeltaNet states cleared after the
-prompt moves the logits far past the bound.
+prompt moves the logits far past the bound. At Qwen3.5-0.8B's layer shapes (4 layers) the
+exact graph equals a float64 transcription of llama.cpp's graph within float32 rounding, and
+the kquant graph stays within KL 2e-3 of llama.cpp on average.
 
 Engine (the state machinery lfm2's conv states use, unchanged): a prompt in chunks gives the
 bits of one call; goals batched (prompt chunks beside decode rows) equal each alone, bit for
