@@ -15,7 +15,8 @@ the kquant graph stays within KL 2e-3 of llama.cpp on average.
 Engine (the state machinery lfm2's conv states use, unchanged): a prompt in chunks gives the
 bits of one call; goals batched (prompt chunks beside decode rows) equal each alone, bit for
 bit, and so does a preempted goal; prefix reuse stops at kept states and equals the uncached
-run; a session continues from its saved states bit for bit; speculation goes back to the
+run; a session continues from its saved states bit for bit, in memory and in SQLite after a
+restart; speculation goes back to the
 states at the verify's start (output equal to plain decoding).
 """
 import pathlib
@@ -30,7 +31,8 @@ import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
-from test_lfm2 import batched, bits, eng_goal, engine, goal, result_bits, run, TEXTS, turn
+from test_lfm2 import (batched, bits, eng_goal, engine, goal, result_bits, run, TEXTS, turn,
+                       USER1, USER2)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -344,21 +346,43 @@ def test_prefix_reuse_stops_at_kept_states_and_equals_the_uncached_run(kquant_di
         eng.close()
 
 
-USER1 = ChatMessage('user', 'once upon a time there was a robot')
-USER2 = ChatMessage('user', 'What color is the sky?')
-
-
-def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir):
+@pytest.fixture(scope='module')
+def two_turns_whole(kquant_dir) -> tuple:
+    """Give both turns of a conversation sent whole, with nothing cached."""
     plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
     try:
         first = turn(plain, [USER1])
-        second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
+        return first, turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
     finally:
         plain.close()
+
+
+def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_turns_whole):
+    first, second = two_turns_whole
     eng = engine(kquant_dir, max_context=256)
     try:
         a1 = turn(eng, [USER1], 'a')
         turn(eng, [USER2], 'b', max_tokens=3)   # b takes the slot; a is saved
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
+        kquant_dir, tmp_path, two_turns_whole):
+    first, second = two_turns_whole
+    store = str(tmp_path / 'sessions.db')
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+    finally:
+        eng.close()
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        assert eng.saved_sessions() == ['a']
         a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
     finally:
         eng.close()
