@@ -23,8 +23,8 @@ import pathlib
 
 from decoder_calls import record_calls
 import gguf
-from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_GDN,
-                           write_gguf, write_qwen35_gguf)
+from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_DIMS,
+                           QWEN35_GDN, write_gguf, write_qwen35_gguf)
 from llama_cpp_parity import (compare, converted, engine_logits, kl_divergence,
                               llama_cpp_greedy, PROMPT)
 import numpy as np
@@ -41,6 +41,7 @@ from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage
+from edge_llm_ros.serving.engine import kv_budget_bytes
 from edge_llm_ros.serving.scheduler import Park, Unpark
 
 CASE = qwen35_case('Q8_0')
@@ -96,6 +97,12 @@ def test_the_folder_declares_recurrent_states_and_runs_gated_delta_net(kquant_di
     assert ops.count('Sigmoid') == 1   # the attention output gate
     names = {i.name for i in graph.input}
     assert {'past_conv.0', 'past_conv.2', 'past_key_values.1.key'} <= names
+
+
+def test_the_kv_budget_counts_the_recurrent_states(kquant_dir):
+    info = load_model_info(str(kquant_dir))
+    kv = 2 * QWEN35_DIMS.kv_heads * 64 * QWEN35_DIMS.head_dim   # one attention layer
+    assert kv_budget_bytes(info, 64, 3) == 3 * (kv + 2 * state_floats()) * 4
 
 
 def test_the_rotary_reorder_pairs_the_rotated_dims_across_the_half():
