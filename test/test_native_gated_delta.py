@@ -8,8 +8,12 @@ rounding), and for the bits the engine relies on: one call over a prompt equals 
 positions in chunks or one at a time, a row equals itself alone in any batch and on any
 number of threads, a row that starts its sequence reads zeros whatever its slot holds, and
 the state after a call is what the next call continues from. Bad shapes are ORT errors that
-say what is wrong.
+say what is wrong. The AVX2 clone gives the baseline code's bits
+(native/tests/gated_delta_check.cpp, built both ways).
 """
+import pathlib
+import subprocess
+
 from native_build import op_session
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
@@ -161,3 +165,21 @@ def test_bad_shapes_are_errors_that_say_what_is_wrong(weights):
             ('rows', np.array([[0, 0, 3, 0]], np.int32), 'sum to 3, not')):
         with pytest.raises(Exception, match=message):
             sess.run(None, dict(good, **{key: value}))
+
+
+def test_the_avx2_clone_gives_the_baseline_bits(tmp_path):
+    """native/tests/gated_delta_check built with the AVX2 clone and without: one hash."""
+    if 'avx2' not in pathlib.Path('/proc/cpuinfo').read_text():
+        pytest.skip('this CPU has no AVX2: the library runs the baseline code only')
+    root = pathlib.Path(__file__).resolve().parents[1] / 'native'
+    hashes = []
+    for flags in ([], ['-DELK_GDN_BASELINE']):
+        exe = tmp_path / f'check{len(flags)}'
+        subprocess.run(['g++', '-O3', '-std=gnu++17', '-ffp-contract=off', *flags,
+                        f'-I{root / "include"}', str(root / 'tests' / 'gated_delta_check.cpp'),
+                        str(root / 'src' / 'gated_delta.cpp'), '-o', str(exe)], check=True)
+        symbols = subprocess.run(['nm', str(exe)], capture_output=True, text=True).stdout
+        assert ('elk_gdn_delta_rows.avx2' in symbols) == (not flags)
+        hashes.append(subprocess.run([str(exe)], capture_output=True, text=True,
+                                     check=True).stdout)
+    assert hashes[0] == hashes[1]

@@ -9,8 +9,10 @@
 
 // x86-64: an AVX2 clone next to the baseline one, picked at load time (ifunc). Every loop
 // below that the compiler may vectorize runs across independent elements (value dims j,
-// channels), each summed in the same order in either clone: the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// channels), each summed in the same order in either clone: the same bits (ELK_GDN_BASELINE
+// builds the baseline alone: native/tests/gated_delta_check.cpp compares the two).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(ELK_GDN_BASELINE)
 #define ELK_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define ELK_CLONES
@@ -41,9 +43,9 @@ void l2_norm(const float *x, int64_t n, float eps, float *y) {
 
 extern "C" {
 
-ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
-                       const float *qkv, const float *weight, int64_t state_floats,
-                       float *state, float *conv) {
+ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0,
+                                  int64_t c1, const float *qkv, const float *weight,
+                                  int64_t state_floats, float *state, float *conv) {
   constexpr int64_t kBlock = ELK_GDN_CHANNELS;
   const int64_t d = shape->head_dim, kernel = shape->kernel;
   const int64_t channels = (2 * shape->k_heads + shape->v_heads) * d;
@@ -83,9 +85,10 @@ ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row
 }
 
 ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t h,
-                        const float *conv, const float *z, const float *alpha,
-                        const float *beta, const float *dt_bias, const float *a,
-                        const float *norm, int64_t state_floats, float *state, float *y) {
+                                   const float *conv, const float *z, const float *alpha,
+                                   const float *beta, const float *dt_bias, const float *a,
+                                   const float *norm, int64_t state_floats, float *state,
+                                   float *y) {
   const int64_t d = shape->head_dim, hk = shape->k_heads, hv = shape->v_heads;
   const int64_t channels = (2 * hk + hv) * d;
   const int64_t kh = h % hk;  // ggml_gated_delta_net: value head h reads key head h % k_heads
