@@ -113,7 +113,8 @@ def test_the_rotary_reorder_pairs_the_rotated_dims_across_the_half():
 
 
 @pytest.mark.parametrize('wtype', ['F16'] + list(KQUANT_TYPES))
-def test_greedy_ids_equal_llama_cpp(work, native_library, wtype):
+def test_greedy_ids_equal_llama_cpp(work, native_library, wtype, compat):
+    compat('qwen35', wtype, 'text')
     case = qwen35_case(wtype)
     path = gguf_of(work, case)
     exact = wtype == 'F16'
@@ -304,7 +305,8 @@ def alone(kquant_dir) -> dict:
         eng.close()
 
 
-def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
+    compat('qwen35', CASE.wtype, 'batching')
     eng = engine(kquant_dir, 3, prefill_chunk=3)
     recorded = record_calls(eng._decoder)
     try:
@@ -379,7 +381,8 @@ def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_t
 
 
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
-        kquant_dir, tmp_path, two_turns_whole):
+        kquant_dir, tmp_path, two_turns_whole, compat):
+    compat('qwen35', CASE.wtype, 'sessions')
     first, second = two_turns_whole
     store = str(tmp_path / 'sessions.db')
     eng = engine(kquant_dir, max_context=256, session_store=store)
@@ -407,8 +410,9 @@ def draft_dir(work, native_library) -> pathlib.Path:
 
 
 def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
-        kquant_dir, draft_dir):
+        kquant_dir, draft_dir, compat):
     """Rejected drafts (prompt lookup, a qwen35 draft model): output equals plain decoding."""
+    compat('qwen35', CASE.wtype, 'speculation')
     texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
     modes = {'off': SpeculativeConfig(mode='off'),
              'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
