@@ -107,8 +107,9 @@ KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weig
 def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
     """Bytes of the per-slot state buffers the decoder preallocates.
 
-    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the conv layers' states,
-    kernel - 1 positions x hidden each: model.yaml layer_states).
+    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the fixed-size states:
+    a conv layer's kernel - 1 positions x hidden, a recurrent layer's conv inputs and
+    delta-rule state: model.yaml layer_states).
     """
     kv_len = info.kv_max_context or max_context
     itemsize = 2 if info.activation_dtype == 'float16' else 4

@@ -9,8 +9,10 @@
 
 // x86-64: an AVX2 clone next to the baseline one, picked at load time (ifunc). Every loop
 // below that the compiler may vectorize runs across independent elements (value dims j,
-// channels), each summed in the same order in either clone: the same bits.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// channels), each summed in the same order in either clone: the same bits (ELK_GDN_BASELINE
+// builds the baseline alone: native/tests/gated_delta_check.cpp compares the two).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(ELK_GDN_BASELINE)
 #define ELK_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define ELK_CLONES
@@ -41,9 +43,9 @@ void l2_norm(const float *x, int64_t n, float eps, float *y) {
 
 extern "C" {
 
-ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
-                       const float *qkv, const float *weight, int64_t state_floats,
-                       float *state, float *conv) {
+ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0,
+                                  int64_t c1, const float *qkv, const float *weight,
+                                  int64_t state_floats, float *state, float *conv) {
   constexpr int64_t kBlock = ELK_GDN_CHANNELS;
   const int64_t d = shape->head_dim, kernel = shape->kernel;
   const int64_t channels = (2 * shape->k_heads + shape->v_heads) * d;
@@ -83,9 +85,10 @@ ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row
 }
 
 ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t h,
-                        const float *conv, const float *z, const float *alpha,
-                        const float *beta, const float *dt_bias, const float *a,
-                        const float *norm, int64_t state_floats, float *state, float *y) {
+                                   const float *conv, const float *z, const float *alpha,
+                                   const float *beta, const float *dt_bias, const float *a,
+                                   const float *norm, int64_t state_floats, float *state,
+                                   float *y) {
   const int64_t d = shape->head_dim, hk = shape->k_heads, hv = shape->v_heads;
   const int64_t channels = (2 * hk + hv) * d;
   const int64_t kh = h % hk;  // ggml_gated_delta_net: value head h reads key head h % k_heads
@@ -102,23 +105,27 @@ ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *ro
     const float *v = in + (2 * hk + h) * d;
     const float decay = std::exp(softplus(alpha[t * hv + h] + dt_bias[h]) * a[h]);
     const float b = sigmoid(beta[t * hv + h]);
-    for (int64_t e = 0; e < d * d; ++e) s_mat[e] *= decay;
-    // delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, the sum from i = 0 up, from 0.0f.
+    // Two passes over the state (it is the op's memory traffic: 64 KiB a head at d = 128):
+    // S *= decay with delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, then S[i][j] += k[i] *
+    // delta[j] with o[j] = (sum_i S[i][j] q[i]) * scale; each sum from i = 0 up, from 0.0f.
     for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-      const float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * k[i];
-    }
-    for (int64_t j = 0; j < d; ++j) delta[j] = (v[j] - o[j]) * b;
-    // S[i][j] += k[i] * delta[j]; then o[j] = (sum_i S[i][j] q[i]) * scale, in the same order.
     for (int64_t i = 0; i < d; ++i) {
       float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) m[j] += k[i] * delta[j];
+      for (int64_t j = 0; j < d; ++j) {
+        m[j] *= decay;
+        o[j] += m[j] * k[i];
+      }
     }
-    for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
+    for (int64_t j = 0; j < d; ++j) {
+      delta[j] = (v[j] - o[j]) * b;
+      o[j] = 0.0f;
+    }
     for (int64_t i = 0; i < d; ++i) {
-      const float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) o[j] += m[j] * q[i];
+      float *m = s_mat + i * d;
+      for (int64_t j = 0; j < d; ++j) {
+        m[j] += k[i] * delta[j];
+        o[j] += m[j] * q[i];
+      }
     }
     for (int64_t j = 0; j < d; ++j) o[j] = o[j] * scale;
     // Gated RMSNorm: ggml_rms_norm (squares summed in double), the weight, then silu(z).
