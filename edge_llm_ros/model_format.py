@@ -40,7 +40,7 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl', 'qwen35')
+                                  'qwen2vl', 'qwen35', 'gemma4')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -53,7 +53,11 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
 # (qwen35), its conv inputs then its delta-rule state in one float32 vector per slot (shape
 # [floats], the op library's GatedDeltaNet layout), bound as past_conv.{i} / present_conv.{i}
 # like a conv state and kept, snapshotted and undone by the same machinery (FIXED_STATES).
-STATE_KINDS: Tuple[str, ...] = ('kv', 'conv', 'recurrent')
+# A 'kv' entry may give its own `head_dim` and `kv_heads` (gemma4: its sliding-window and
+# global layers differ; 0 or absent: the model's). 'shared': the layer keeps nothing and
+# reads layer `owner`'s KV (gemma4's shared-KV layers: the graph feeds it present.{owner}.*,
+# so the buffers and the KV budget count it once).
+STATE_KINDS: Tuple[str, ...] = ('kv', 'conv', 'recurrent', 'shared')
 # The kinds of fixed-size state (no positions): the runtime treats them alike.
 FIXED_STATES: Tuple[str, ...] = ('conv', 'recurrent')
 CONV_STATE_PAST = 'past_conv.{}'
@@ -100,12 +104,20 @@ class LayerState:
     kind: str = 'kv'
     window: int = 0              # 'kv': a sliding window of this many positions (0: all)
     shape: Tuple[int, ...] = ()  # 'conv': the state's shape per slot, [kernel - 1, hidden]
+    head_dim: int = 0            # 'kv': this layer's head size (0: the model's head_dim)
+    kv_heads: int = 0            # 'kv': this layer's KV heads (0: the model's num_kv_heads)
+    owner: int = -1              # 'shared': the layer whose KV this one reads
 
     def as_yaml(self) -> dict:
         """Return the model.yaml entry."""
         if self.kind in FIXED_STATES:
             return {'kind': self.kind, 'shape': list(self.shape)}
-        return {'kind': self.kind, 'window': int(self.window)}
+        if self.kind == 'shared':
+            return {'kind': self.kind, 'owner': int(self.owner)}
+        out = {'kind': self.kind, 'window': int(self.window)}
+        if self.head_dim or self.kv_heads:
+            out.update(head_dim=int(self.head_dim), kv_heads=int(self.kv_heads))
+        return out
 
 
 @dataclass(frozen=True)
@@ -151,6 +163,16 @@ class ModelInfo:
         """Return the layers that keep a fixed-size state (conv or recurrent), in order."""
         return tuple(i for i in range(self.num_layers)
                      if self.state_of(i).kind in FIXED_STATES)
+
+    def kv_dims(self, layer: int) -> Tuple[int, int]:
+        """Return (kv_heads, head_dim) of a 'kv' layer's buffers."""
+        state = self.state_of(layer)
+        return (state.kv_heads or self.num_kv_heads, state.head_dim or self.head_dim)
+
+    @property
+    def kv_values_per_position(self) -> int:
+        """Return the K and V values one position keeps over every 'kv' layer."""
+        return sum(2 * h * d for h, d in (self.kv_dims(i) for i in self.kv_layers))
 
     @property
     def rewindable(self) -> bool:
@@ -236,7 +258,14 @@ def _layer_states(raw, layers: int, path: str) -> Tuple[LayerState, ...]:
             raise ValueError(f'a conv layer state of shape {list(shape)}')
         if kind == 'recurrent' and (len(shape) != 1 or shape[0] < 1):
             raise ValueError(f'a recurrent layer state of shape {list(shape)}')
-        out.append(LayerState(kind, int(entry.get('window') or 0), shape))
+        owner = int(entry.get('owner', -1))
+        if kind == 'shared' and not 0 <= owner < len(out):
+            raise ValueError(f'a shared layer reads layer {owner}, not an earlier layer')
+        if kind == 'shared' and out[owner].kind != 'kv':
+            raise ValueError(f'a shared layer reads layer {owner}, which keeps no KV')
+        out.append(LayerState(kind, int(entry.get('window') or 0), shape,
+                              int(entry.get('head_dim') or 0), int(entry.get('kv_heads') or 0),
+                              owner))
     return tuple(out)
 
 

@@ -39,9 +39,14 @@ class OrtDriver:
                 buf = np.zeros((1, *state['shape']), self.dtype)
                 self.bound.append((f'past_conv.{i}', f'present_conv.{i}', buf))
                 continue
+            if state['kind'] == 'shared':
+                continue   # reads its owner's buffers inside the graph (gemma4)
+            # A layer may have its own heads and head size (gemma4).
+            layer_shape = (1, state.get('kv_heads') or shape[1], max_ctx,
+                           state.get('head_dim') or shape[3])
             for kind in ('key', 'value'):
                 self.bound.append((f'past_key_values.{i}.{kind}', f'present.{i}.{kind}',
-                                   np.zeros(shape, self.dtype)))
+                                   np.zeros(layer_shape, self.dtype)))
         self.kv = [buf for _, _, buf in self.bound]
         self.kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv]
         self.max_ctx = max_ctx

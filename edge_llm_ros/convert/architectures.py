@@ -67,6 +67,10 @@ ARCHITECTURES: Dict[str, Architecture] = {
                          final_norm='token_embd_norm.weight'),
     'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
                            'DeltaNet and gated attention)', recurrent_layers=True),
+    # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
+    'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
+                           'embeddings, shared-KV layers)', post_norms=True,
+                           activation='gelu_tanh', embed_scale=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).

@@ -131,6 +131,41 @@ class ModelSpec:
     # half-split rotary over the whole head, identity beyond rotary_dims (the graph pads
     # cos/sin with 1/0): the op library's attention rotates whole heads (qwen35).
     rotary_permuted: bool = False
+    # gemma4 (convert/gemma4.py): sliding-window layers' own head size and KV heads (0: as
+    # the global layers'), the first layer that reads an earlier layer's KV (0: none), each
+    # layer's MLP width (empty: intermediate_size), the per-layer embedding width (0: none),
+    # and V normalized (RMSNorm without weights) as llama.cpp's gemma4 graph does.
+    local_head_dim: int = 0
+    local_kv_heads: int = 0
+    kv_shared_from: int = 0
+    layer_intermediate: Tuple[int, ...] = ()
+    per_layer_embed: int = 0
+    v_norm: bool = False
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Return `layer`'s head size."""
+        return self.local_head_dim if self.is_local(layer) and self.local_head_dim \
+            else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Return `layer`'s KV head count."""
+        return self.local_kv_heads if self.is_local(layer) and self.local_kv_heads \
+            else self.num_kv_heads
+
+    def layer_ff(self, layer: int) -> int:
+        """Return `layer`'s MLP width."""
+        return self.layer_intermediate[layer] if self.layer_intermediate \
+            else self.intermediate_size
+
+    def kv_owner(self, layer: int) -> int:
+        """Return the layer whose KV `layer` reads (-1: it keeps its own; llama.cpp's reuse).
+
+        Shared layers read the last layer of their kind (sliding-window or global) before
+        kv_shared_from.
+        """
+        if not self.kv_shared_from or layer < self.kv_shared_from:
+            return -1
+        return self.kv_shared_from - (2 if self.is_local(layer) else 1)
 
     @property
     def rotary_dims(self) -> int:
@@ -323,6 +358,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     reader = open_gguf(path)
     arch = gguf_field(reader, 'general.architecture', required=True)
     family = architecture(arch, str(path))
+    if family.name == 'gemma4':
+        from edge_llm_ros.convert.gemma4 import load_gemma4_gguf
+        return load_gemma4_gguf(path, reader)
 
     def key(k: str, default=None, required: bool = False):
         return gguf_field(reader, f'{arch}.{k}', default, required)
@@ -678,6 +716,11 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
     model_type = cfg.get('model_type')
+    from edge_llm_ros.convert import gemma4
+    if model_type in gemma4.HF_MODEL_TYPES:
+        from edge_llm_ros.convert.gemma4 import load_gemma4_hf
+        return load_gemma4_hf(folder, cfg, _read_safetensors,
+                              lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '

@@ -138,6 +138,11 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
             pre = 'default'
         tokenizer, add_bos_default = _byte_level_bpe(tokens, meta, pre)
         add_space_prefix = False
+    elif kind == 'gemma4':
+        pre = 'gemma4'
+        tokenizer = _gemma4_bpe(tokens, meta)
+        add_space_prefix = False
+        add_bos_default = False
     elif kind == 'llama':
         pre = meta.get('tokenizer.ggml.pre') or 'default'
         add_space_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', True))
@@ -146,7 +151,7 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
     else:
         raise UnsupportedModelError(
             f'tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), '
-            'llama (SentencePiece)')
+            'llama (SentencePiece), gemma4 (SentencePiece-style BPE with merges)')
 
     _register_added_tokens(tokenizer, tokens, types)
 
@@ -240,6 +245,22 @@ def _sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int], meta: _Metad
     if add_space_prefix:
         dec.append(decoders.Strip(' ', 1, 0))
     tokenizer.decoder = decoders.Sequence(dec)
+    return tokenizer
+
+
+def _gemma4_bpe(tokens: Sequence[str], meta: _Metadata) -> Tokenizer:
+    """Gemma 4's vocabulary as llama.cpp reads it (tokenizer model 'gemma4').
+
+    Spaces become '▁', the text is split only at newlines, and BPE merges (the GGUF's) run on
+    raw UTF-8 with <0xXX> byte pieces for the rest; no space is prefixed.
+    """
+    merges = [_split_merge(m) for m in meta.require('tokenizer.ggml.merges')]
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=merges, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.Replace(' ', '▁')
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex('[^\n]+|[\n]+'), 'isolated')
+    tokenizer.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(),
+                                           decoders.Fuse()])
     return tokenizer
 
 

@@ -159,6 +159,28 @@ class RecurrentLayerWeights:
     down: Weight
 
 
+@dataclass
+class Gemma4LayerWeights:
+    """One gemma4 layer, ready for the graph (k, v, k_norm None on a shared-KV layer)."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    q: Weight
+    k: Optional[Weight]
+    v: Optional[Weight]
+    o: Weight
+    gate_up: List[Weight]
+    down: Weight
+    q_norm: np.ndarray
+    k_norm: Optional[np.ndarray]
+    post_attn_norm: np.ndarray
+    post_ffn_norm: np.ndarray
+    ple_gate: Optional[Weight] = None   # per-layer embeddings (None: the model has none)
+    ple_proj: Optional[Weight] = None
+    ple_post_norm: Optional[np.ndarray] = None
+    out_scale: Optional[float] = None   # layer_output_scale
+
+
 def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
     """cos/sin tables [length, rotary_dims/2] for NEOX RoPE (float64 math, float32 out).
 
@@ -167,7 +189,7 @@ def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
     and sin times rope_attn_factor. Sliding-window layers (local) use their own base and
     scale and no factors (gemma3 passes none).
     """
-    dims = spec.rotary_dims
+    dims = spec.local_head_dim if local and spec.local_head_dim else spec.rotary_dims
     half = dims // 2
     theta = spec.local_rope_theta if local else spec.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / dims))
@@ -206,10 +228,10 @@ class DecoderGraph:
         self._residual = ''  # residual stream (empty before layer 0)
         self._data = data_file
         self._embed: Optional[WeightRef] = None
+        self._per_layer = ''  # gemma4: the per-layer inputs [1, S, layers, E]
         kv_len = opts.max_context if opts.max_context else 'max_ctx'
         # 'batch' is symbolic: one row per sequence slot (the reshapes use 0, so the body is
         # batch-generic).
-        kv_shape = [BATCH_DIM, spec.num_kv_heads, kv_len, spec.head_dim]
         t = self.onnx_dtype
         # The library's attention takes a row table: a varlen graph (the rows of a step
         # packed into batch 1, each over its own slot: runtime/rows.py). GroupQueryAttention
@@ -262,6 +284,10 @@ class DecoderGraph:
                 self.outputs.append(helper.make_tensor_value_info(
                     CONV_STATE_PRESENT.format(i), t, shape))
                 continue
+            if spec.kv_owner(i) >= 0:
+                continue  # a shared-KV layer (gemma4) reads its owner's present.*
+            # Each layer its own heads and head size (gemma4's local and global layers differ).
+            kv_shape = [BATCH_DIM, spec.layer_kv_heads(i), kv_len, spec.layer_head_dim(i)]
             for kind in ('key', 'value'):
                 self.inputs.append(helper.make_tensor_value_info(
                     f'past_key_values.{i}.{kind}', t, kv_shape))
@@ -440,37 +466,40 @@ class DecoderGraph:
     # --- model pieces --------------------------------------------------------------------------
     def add_embedding(self, embed: Weight) -> None:
         """Token embeddings (GatherBlockQuantized), with inputs_embeds concatenated ahead."""
-        s = self.spec
         self._embed = self._weights('embed', embed, gathered=True)
-        names = self._embed.names
-        self.weight_bytes -= self._embed.nbytes  # one row per token, not the table
-        if isinstance(embed, GgufWeights):
+        self._finish_embedding(self._gather(embed, self._embed, 'embed'))
+
+    def _gather(self, table: Weight, ref: WeightRef, prefix: str) -> str:
+        """Gather input_ids' rows [*, S, width] of a table (never the whole table a token)."""
+        width = ref.k
+        names = ref.names
+        self.weight_bytes -= ref.nbytes  # one row per token, not the table
+        if isinstance(table, GgufWeights):
             (rows,) = self._node('KQuantGather', [names['W'], 'input_ids'],
-                                 domain=KQUANT_DOMAIN, name='embed',
-                                 quant_type=embed.type_id, K=s.hidden_size)
-            self._finish_embedding(rows)
-            return
-        flat = self._const_i64('shape_embed_rows',
-                               [s.vocab_size, s.hidden_size * embed.bits // 8])
-        (table,) = self._node('Reshape', [names['B'], flat])
+                                 domain=KQUANT_DOMAIN, name=prefix,
+                                 quant_type=table.type_id, K=width)
+            return rows
+        flat = self._const_i64(f'shape_{prefix}_rows', [ref.n, width * table.bits // 8])
+        (packed,) = self._node('Reshape', [names['B'], flat])
         (rows,) = self._node('GatherBlockQuantized',
-                             [table, 'input_ids', names['scales'], names['zp']],
-                             domain=MS_DOMAIN, name='embed',
-                             bits=embed.bits, block_size=embed.block_size, gather_axis=0,
+                             [packed, 'input_ids', names['scales'], names['zp']],
+                             domain=MS_DOMAIN, name=prefix,
+                             bits=table.bits, block_size=table.block_size, gather_axis=0,
                              quantize_axis=1)
-        if embed.offsets is not None:
-            bs = embed.block_size
-            nb = s.hidden_size // bs
-            off = self._init('embed.offsets', embed.offsets.astype(self.np_dtype))
+        if table.offsets is not None:
+            bs = table.block_size
+            nb = width // bs
+            off = self._init(f'{prefix}.offsets', table.offsets.astype(self.np_dtype))
             (off_rows,) = self._node('Gather', [off, 'input_ids'], axis=0)
             axes = self._const_i64('axes_last', [-1])
             (off_rows,) = self._node('Unsqueeze', [off_rows, axes])
             blocks = self._const_i64(f'shape_blocks_{nb}x{bs}', [0, 0, nb, bs])
             (r,) = self._node('Reshape', [rows, blocks])
             (r,) = self._node('Add', [r, off_rows])
-            back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
+            back_name = 'shape_hidden' if prefix == 'embed' else f'shape_{prefix}_width'
+            back = self._const_i64(back_name, [0, 0, width])
             (rows,) = self._node('Reshape', [r, back])
-        self._finish_embedding(rows)
+        return rows
 
     def _finish_embedding(self, rows: str) -> None:
         s = self.spec
@@ -596,6 +625,92 @@ class DecoderGraph:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
         self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
 
+    def add_per_layer_inputs(self, table: Weight, model_proj: Weight,
+                             proj_norm: np.ndarray) -> None:
+        """Gemma 4's per-layer inputs [1, S, layers, E], after add_embedding (llama.cpp's).
+
+        The table's rows of the tokens (gathered, in its GGUF type) times sqrt(E), plus the
+        embedding projected (times 1/sqrt(hidden)) and normalized per layer, times 1/sqrt(2).
+        """
+        s = self.spec
+        e = s.per_layer_embed
+        rows = self._gather(table, self._weights('ple_embed', table, gathered=True),
+                            'ple_embed')
+        per_layer = self._const_i64(f'shape_layers_{e}', [0, 0, s.num_layers, e])
+        scale = self._init('ple_embed_scale', np.array(np.sqrt(np.float32(e)), self.np_dtype))
+        (rows,) = self._node('Mul', [rows, scale])
+        (rows,) = self._node('Reshape', [rows, per_layer])
+        proj = self._linear(self._x, model_proj, 'ple_model_proj')
+        inv = self._init('ple_proj_scale', np.array(1 / np.sqrt(np.float32(s.hidden_size)),
+                                                    self.np_dtype))
+        (proj,) = self._node('Mul', [proj, inv])
+        (proj,) = self._node('Reshape', [proj, per_layer])
+        proj = self._plain_norm(proj, proj_norm, 'ple_proj_norm')
+        (mixed,) = self._node('Add', [proj, rows])
+        half = self._init('ple_input_scale', np.array(1 / np.sqrt(np.float32(2)),
+                                                      self.np_dtype))
+        (self._per_layer,) = self._node('Mul', [mixed, half])
+
+    def add_gemma4_layer(self, i: int, lw: Gemma4LayerWeights) -> None:
+        """One gemma4 layer (llama.cpp's src/models/gemma4.cpp), varlen graphs only.
+
+        Its own head size and KV heads; q, k normalized by the op, V without weights here;
+        a shared-KV layer reads its owner's present.* (stored by the owner's node earlier in
+        the same run) and stores nothing. Then the gemma3-like post-norms and MLP, the
+        per-layer input gated in, and the layer's output scale.
+        """
+        s = self.spec
+        if not self.varlen:
+            raise ValueError("gemma4 layers need the op library's attention "
+                             "(attention='causal')")
+        eps = float(s.rms_norm_eps)
+        p = f'layers.{i}'
+        d, kv_heads = s.layer_head_dim(i), s.layer_kv_heads(i)
+        h, residual = self._input_norm(lw.attn_norm, p)
+        q = self._linear(h, lw.q, f'{p}.attn.q_proj')
+        local = s.is_local(i)
+        rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        owner = s.kv_owner(i)
+        attrs = {'num_heads': s.num_heads, 'kv_num_heads': kv_heads,
+                 'scale': float(s.attention_scale or 1.0 / math.sqrt(d)),
+                 'window': s.sliding_window if local else 0,
+                 'q_norm': lw.q_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
+        self.ops_used.add(KQUANT_DOMAIN)
+        if owner < 0:
+            k = self._linear(h, lw.k, f'{p}.attn.k_proj')
+            v = self._linear(h, lw.v, f'{p}.attn.v_proj')
+            ones = np.ones(d, np.float32)
+            v = self._head_norm(v, ones, f'{p}.attn.v_norm', d)
+            inputs = [q, k, v, f'past_key_values.{i}.key', f'past_key_values.{i}.value',
+                      '', '', *rope, '', ROWS_INPUT]
+            outputs = [self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value']
+            attrs['k_norm'] = lw.k_norm.astype(np.float32).tolist()
+        else:
+            inputs = [q, '', '', f'present.{owner}.key', f'present.{owner}.value', '', '',
+                      *rope, '', ROWS_INPUT]
+            outputs = [self._name(f'{p}/attn/out')]
+            attrs['shared_kv'] = 1
+        (attn,) = self._node('CausalAttention', inputs, outputs=outputs,
+                             domain=KQUANT_DOMAIN, name=f'{p}/attn', **attrs)[:1]
+        o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
+        o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
+        self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
+        (out,) = self._node('Add', [self._x, self._residual])
+        if lw.ple_gate is not None:
+            g = self._linear(out, lw.ple_gate, f'{p}.ple.gate')
+            (g,) = self._node('Gelu', [g], approximate='tanh')
+            index = self._const_i64(f'{p}.ple.index', [i])
+            (this,) = self._node('Gather', [self._per_layer, index], axis=2)
+            (this,) = self._node('Squeeze', [this, self._const_i64('axes_2', [2])])
+            (g,) = self._node('Mul', [g, this])
+            y = self._linear(g, lw.ple_proj, f'{p}.ple.proj')
+            y = self._plain_norm(y, lw.ple_post_norm, f'{p}.ple.post_norm')
+            (out,) = self._node('Add', [out, y])
+        if lw.out_scale is not None:
+            scale = self._init(f'{p}.out_scale', np.array(lw.out_scale, self.np_dtype))
+            (out,) = self._node('Mul', [out, scale])
+        self._x, self._residual = out, ''
+
     def _mlp(self, o: str, residual: str, ffn_norm: np.ndarray, gate_up: List[Weight],
              down: Weight, p: str, post_ffn_norm: Optional[np.ndarray] = None) -> None:
         """Add the mixer's output `o` to the residual, then the gated MLP of the layer."""
@@ -664,9 +779,9 @@ class DecoderGraph:
             outs[1] = self._head_norm(outs[1], lw.k_norm, f'{p}.attn.k_norm')
         return outs
 
-    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
-        """Apply RMSNorm to every head of x [1, S, heads*head_dim] over head_dim."""
-        d = self.spec.head_dim
+    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str, d: int = 0) -> str:
+        """Apply RMSNorm to every head of x [1, S, heads*d] over d (0: head_dim)."""
+        d = d or self.spec.head_dim
         heads = self._const_i64(f'shape_heads_of_{d}', [0, 0, -1, d])
         (r,) = self._node('Reshape', [x, heads])
         (n,) = self._node('SimplifiedLayerNormalization', [r, self._norm(gamma, prefix)],
@@ -682,19 +797,27 @@ class DecoderGraph:
         Those are logits_at (varlen), or the last logits_count positions of each row.
         """
         s = self.spec
+        r_last = None
         if self.varlen:
             (x_last,) = self._node('Gather', [self._x, 'logits_at'], axis=1)
-            (r_last,) = self._node('Gather', [self._residual, 'logits_at'], axis=1)
+            if self._residual:
+                (r_last,) = self._node('Gather', [self._residual, 'logits_at'], axis=1)
         else:
             (starts,) = self._node('Neg', ['logits_count'])
             ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
             axes = self._const_i64('slice_axis_seq', [1])
             (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
-            (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
+            if self._residual:
+                (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
         gamma = self._norm(final_norm, 'final_norm')
-        h, _, _, _ = self._node('SkipSimplifiedLayerNormalization', [x_last, r_last, gamma],
-                                n_out=4, domain=MS_DOMAIN, name='final_norm',
-                                epsilon=float(s.rms_norm_eps))
+        if r_last is None:  # the last layer's output is whole (gemma4)
+            (h,) = self._node('SimplifiedLayerNormalization', [x_last, gamma],
+                              name='final_norm', axis=-1, epsilon=float(s.rms_norm_eps),
+                              stash_type=1)
+        else:
+            h, _, _, _ = self._node('SkipSimplifiedLayerNormalization',
+                                    [x_last, r_last, gamma], n_out=4, domain=MS_DOMAIN,
+                                    name='final_norm', epsilon=float(s.rms_norm_eps))
         if lm_head is None:
             self.weight_bytes += self._embed.nbytes
             logits = self._linear(h, None, 'lm_head', ref=self._embed)

@@ -155,11 +155,12 @@ class OnnxDecoder:
         self.capacity = config.max_context
         self.slots = config.slots
         kv_len = spec.kv_max_context or config.max_context
-        kv_shape = (self.slots, spec.num_kv_heads, kv_len, spec.head_dim)
         # Owned here for the session's life: the OrtValues below point into these arrays.
-        # K and V of each attention layer (spec.kv_layers, in order) ...
+        # K and V of each attention layer (spec.kv_layers, in order; each its own heads and
+        # head size: gemma4's differ by layer; a shared-KV layer has none) ...
         self.kv_buffers: List[np.ndarray] = [
-            np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * len(spec.kv_layers))]
+            np.zeros((self.slots, spec.kv_dims(i)[0], kv_len, spec.kv_dims(i)[1]),
+                     dtype=self._kv_dtype) for i in spec.kv_layers for _ in range(2)]
         # ... and the state of each conv layer (spec.conv_layers, in order).
         self.state_buffers: List[np.ndarray] = [
             np.zeros((self.slots,) + spec.state_of(i).shape, dtype=self._kv_dtype)

@@ -24,7 +24,8 @@ from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PRECISIONS
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
 
-TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'generic_json', 'none')
+TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
+                     'none')
 ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
 # The family part of a display name when no family's name matches the model's (see
 # family_label): the architecture as its makers write it.
@@ -55,6 +56,10 @@ class ReasoningConfig:
     disable_kwarg: Optional[str] = None
     # Text forced when a reasoning budget is spent (tokenized with the model's tokenizer).
     force_close_text: str = '\n</think>\n\n'
+    # Template kwarg that turns reasoning on when True and off when False (Gemma 4:
+    # enable_thinking; its template does not reason when the kwarg is left out). Set, it is
+    # always passed: True unless the request turns reasoning off.
+    enable_kwarg: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -83,13 +88,16 @@ class ModelFamilyConfig:
 
     @property
     def can_disable_reasoning(self) -> bool:
-        return self.reasoning is not None and self.reasoning.disable_kwarg is not None
+        return self.reasoning is not None and (self.reasoning.disable_kwarg is not None or
+                                               self.reasoning.enable_kwarg is not None)
 
     def template_kwargs(self, reasoning: bool = True) -> Dict[str, Any]:
         """Extra chat-template variables: how to ask for no reasoning (see ReasoningConfig).
 
         Raises InvalidRequestError when reasoning=False and the family cannot turn it off.
         """
+        if self.reasoning is not None and self.reasoning.enable_kwarg is not None:
+            return {self.reasoning.enable_kwarg: bool(reasoning)}
         if reasoning or self.reasoning is None:
             return {}
         if self.reasoning.disable_kwarg is None:
@@ -226,7 +234,8 @@ def resolve_model(spec: str, config_dir: Optional[os.PathLike] = None) -> ModelF
 _TOP_KEYS = {'family', 'description', 'display_name', 'display_names', 'architectures',
              'match_names', 'fallback', 'chat_template', 'stop_tokens', 'reasoning',
              'tool_call_format', 'recommended', 'conversion'}
-_REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text'}
+_REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text',
+                   'enable_kwarg'}
 _RECOMMENDED_KEYS = {'board', 'context'}
 
 
@@ -299,7 +308,8 @@ def _reasoning(doc: Mapping[str, Any], src: str) -> Optional[ReasoningConfig]:
                           starts_open=_get(sec, 'starts_open', bool, where, False),
                           disable_kwarg=_get(sec, 'disable_kwarg', str, where, None),
                           force_close_text=_get(sec, 'force_close_text', str, where,
-                                                '\n</think>\n\n'))
+                                                '\n</think>\n\n'),
+                          enable_kwarg=_get(sec, 'enable_kwarg', str, where, None))
     if not cfg.open_tag or not cfg.close_tag or cfg.open_tag == cfg.close_tag:
         raise ModelConfigError(f'{where}: open_tag and close_tag must be two different '
                                'non-empty strings')

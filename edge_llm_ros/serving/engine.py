@@ -113,7 +113,7 @@ def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
     """
     kv_len = info.kv_max_context or max_context
     itemsize = 2 if info.activation_dtype == 'float16' else 4
-    kv = len(info.kv_layers) * 2 * info.num_kv_heads * kv_len * info.head_dim
+    kv = info.kv_values_per_position * kv_len  # a shared-KV layer (gemma4) counted once
     states = sum(math.prod(info.state_of(i).shape) for i in info.conv_layers)
     return slots * (kv + states) * itemsize
 

@@ -574,7 +574,16 @@ struct CausalAttentionKernel {
     // Optional per-head q/k RMSNorm weights (both or neither) and their epsilon.
     q_norm_ = optional_floats(kernel_info, "q_norm");
     k_norm_ = optional_floats(kernel_info, "k_norm");
-    if (q_norm_.empty() != k_norm_.empty()) {
+    // Optional shared_kv = 1: a layer that reads another layer's keys and values (gemma4's
+    // shared-KV layers): no key/value inputs, nothing stored, the present outputs absent; the
+    // past inputs are the owner's present outputs (already holding this call's positions).
+    // Such a node normalizes its queries only (q_norm without k_norm).
+    try {
+      shared_ = kernel_info.GetAttribute<int64_t>("shared_kv") != 0;
+    } catch (const Ort::Exception &) {
+      shared_ = false;
+    }
+    if (q_norm_.empty() != k_norm_.empty() && !(shared_ && k_norm_.empty())) {
       throw Ort::Exception("CausalAttention: q_norm and k_norm come together: reconvert the "
                            "model", ORT_INVALID_ARGUMENT);
     }
@@ -618,7 +627,8 @@ struct CausalAttentionKernel {
     if (q_shape.size() != 3 || kv_shape.size() != 4) fail("query is not [B, S, W] or the "
                                                           "KV buffers not [B, kv, L, D]");
     const int64_t batch = q_shape[0], seq = q_shape[1], d = kv_shape[3];
-    const bool packed = !given(key);
+    const bool packed = !given(key) && !shared_;
+    if (shared_ && (given(key) || given(value))) fail("a shared_kv node takes no key or value");
     const int64_t width = packed ? (heads_ + 2 * kv_heads_) * d : heads_ * d;
     // With rows the buffers hold any number of slots; batched, one per batch row.
     if ((!varlen && kv_shape[0] != batch) || kv_shape[1] != kv_heads_ ||
@@ -629,7 +639,7 @@ struct CausalAttentionKernel {
     }
     if (rope_shape.size() != 2 || rope_shape[1] != d / 2) fail("cos/sin are not [P, D/2]");
     if (!q_norm_.empty() && (static_cast<int64_t>(q_norm_.size()) != d ||
-                             static_cast<int64_t>(k_norm_.size()) != d)) {
+                             (!shared_ && static_cast<int64_t>(k_norm_.size()) != d))) {
       fail("q_norm / k_norm hold " + std::to_string(q_norm_.size()) + " / " +
            std::to_string(k_norm_.size()) + " weights for heads of " + std::to_string(d));
     }
@@ -663,18 +673,26 @@ struct CausalAttentionKernel {
              " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
       }
     }
-    Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
-    Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
-    float *keys = present_key.GetTensorMutableData<float>();
-    float *values = present_value.GetTensorMutableData<float>();
-    const size_t buffer_bytes =
-        static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity * d) * sizeof(float);
-    // The engine binds present to past's memory (nothing to copy); otherwise start from past.
-    if (keys != past_key.GetTensorData<float>()) {
-      std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
-    }
-    if (values != past_value.GetTensorData<float>()) {
-      std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
+    float *keys = nullptr, *values = nullptr;
+    if (shared_) {
+      // Read only: the owner layer's buffers, written by its node earlier in this call.
+      keys = const_cast<float *>(past_key.GetTensorData<float>());
+      values = const_cast<float *>(past_value.GetTensorData<float>());
+    } else {
+      Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
+      Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
+      keys = present_key.GetTensorMutableData<float>();
+      values = present_value.GetTensorMutableData<float>();
+      const size_t buffer_bytes =
+          static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity * d) * sizeof(float);
+      // The engine binds present to past's memory (nothing to copy); otherwise start from
+      // past.
+      if (keys != past_key.GetTensorData<float>()) {
+        std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
+      }
+      if (values != past_value.GetTensorData<float>()) {
+        std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
+      }
     }
     Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, heads_ * d});
     const int64_t tokens = batch * seq;
@@ -712,7 +730,10 @@ struct CausalAttentionKernel {
                                      rope_per_token_};
     work.q = q;
     work.q_stride = width;
-    if (packed) {
+    if (shared_) {
+      work.k = work.v = nullptr;
+      work.kv_stride = 0;
+    } else if (packed) {
       work.k = q + heads_ * d;
       work.v = q + (heads_ + kv_heads_) * d;
       work.kv_stride = width;
@@ -732,7 +753,7 @@ struct CausalAttentionKernel {
     work.values = values;
     work.out = out.GetTensorMutableData<float>();
     // A decode step's few new positions are cheaper written here than handed to the pool.
-    const size_t store_tasks = static_cast<size_t>(row_count * kv_heads_);
+    const size_t store_tasks = shared_ ? 0 : static_cast<size_t>(row_count * kv_heads_);
     if (tokens <= kQueryRowsPerTask) {
       for (size_t t = 0; t < store_tasks; ++t) store_keys(&work, t);
     } else {
@@ -744,6 +765,7 @@ struct CausalAttentionKernel {
  private:
   int64_t heads_ = 0, kv_heads_ = 0, window_ = 0, rope_per_token_ = 0;
   float scale_ = 1.0f, norm_eps_ = 0.0f;
+  bool shared_ = false;
   std::vector<float> q_norm_, k_norm_;  // attributes: read-only while Computes run
 };
 
@@ -771,6 +793,10 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
   size_t GetOutputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetOutputType(size_t) const {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  // The present outputs are absent on a shared_kv node (it stores nothing).
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
 };
 // edge_llm_ros.ShortConv: LFM2's gated short convolution (llama.cpp's build_shortconv_block
