@@ -38,6 +38,10 @@ TEMPLATES = {
         '{%- if enable_thinking is defined and not enable_thinking %}'
         '{{- "<think>\\n\\n</think>\\n\\n" }}{%- endif %}{%- endif %}'),
     'lfm2': '{{- bos_token }}' + CHATML,
+    'qwen35': CHATML[:-len('{%- endif %}')] + (
+        '{%- if enable_thinking is defined and not enable_thinking %}'
+        '{{- "<think>\\n\\n</think>\\n\\n" }}{%- else %}{{- "<think>\\n" }}{%- endif %}'
+        '{%- endif %}'),
     'deepseek_r1_distill_qwen': R1,
     'deepseek_r1_distill_llama': R1,
     'llama3': ('{{- bos_token }}{%- if messages[0]["role"] == "system" %}'
