@@ -1,0 +1,81 @@
+"""The memory node as a real process: ~/remember, ~/recall, ~/forget, typed errors, diagnostics.
+
+The embedding node is memory_harness.StandInEmbedder: a real rclpy node in this process that
+serves Embed/Rerank with a deterministic hashed-trigram embedding. It stands in for the
+embedding llm_node, whose own tests live with it.
+"""
+import time
+
+from geometry_msgs.msg import PoseStamped
+from memory_harness import served_memory
+import pytest
+
+from edge_llm_ros.memory_client import MemoryClientError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pose(frame, x, y):
+    msg = PoseStamped()
+    msg.header.frame_id = frame
+    msg.pose.position.x, msg.pose.position.y = float(x), float(y)
+    msg.pose.orientation.w = 1.0
+    return msg
+
+
+@pytest.fixture(scope='module')
+def served(tmp_path_factory):
+    with served_memory(tmp_path_factory.mktemp('memory'), 'node') as made:
+        yield made
+
+
+def refused(call, kind):
+    with pytest.raises(MemoryClientError) as info:
+        call()
+    assert info.value.error_kind == kind, str(info.value)
+    return str(info.value)
+
+
+def test_remember_and_recall_with_a_pose(served):
+    _, _, memory, _ = served
+    charger = memory.remember('the charger is behind the kitchen door', pose('map', 1, 2),
+                              ['place'])
+    memory.remember('the charger cable is in the red box', pose('map', 40, 0), ['object'])
+    memory.remember('grandma likes tea at five', tags=['person'], stamp=time.time() - 3600)
+    hits = memory.recall('where is the charger behind the door', k=2)
+    assert hits[0]['id'] == charger and hits[0]['tags'] == ['place']
+    assert hits[0]['pose'] == {'frame_id': 'map', 'x': 1.0, 'y': 2.0, 'z': 0.0, 'qx': 0.0,
+                               'qy': 0.0, 'qz': 0.0, 'qw': 1.0}
+    near = memory.recall('charger', k=5, near=pose('map', 38, 0), radius_m=5.0)
+    assert [h['text'] for h in near] == ['the charger cable is in the red box']
+    old = memory.recall('tea', k=5, until=time.time() - 60)
+    assert [h['text'] for h in old] == ['grandma likes tea at five']
+    ranked = memory.recall('red box cable', k=3, rerank=True)
+    assert ranked[0]['text'] == 'the charger cable is in the red box'
+    assert ranked[0]['rerank_score'] == 3.0
+    assert memory.forget(tags=['person']) == 1
+    assert all(h['text'] != 'grandma likes tea at five' for h in memory.recall('tea', k=5))
+
+
+def test_bad_requests_get_typed_errors_and_the_node_serves_on(served):
+    _, client, memory, embedder = served
+    memory.remember('pallet at dock 3', pose('map', 0, 0))
+    refused(lambda: memory.remember('  '), 'EmptyInputError')
+    refused(lambda: memory.recall('', k=1), 'EmptyInputError')
+    assert 'max_k' in refused(lambda: memory.recall('pallet', k=0), 'InvalidMemoryRequestError')
+    refused(lambda: memory.recall('pallet', k=21), 'InvalidMemoryRequestError')
+    text = refused(lambda: memory.recall('pallet', k=1, near=pose('odom', 0, 0), radius_m=2.0),
+                   'FrameMismatchError')
+    assert "transform the query pose into 'map'" in text
+    refused(lambda: memory.forget(), 'InvalidMemoryRequestError')
+    # The embedding node restarted with another model: refused with the re-embed command.
+    embedder.model_id = 'other-embedder'
+    try:
+        text = refused(lambda: memory.recall('pallet', k=1), 'StoreModelMismatchError')
+        assert 'edge-llm-memory-reembed --store' in text
+    finally:
+        embedder.model_id = 'test-hashed-trigrams-64'
+    assert memory.recall('pallet at dock', k=1)[0]['text'] == 'pallet at dock 3'
+    status = client.next_status(served[0].fqn)
+    assert status['state'] == 'active' and int(status['rows']) >= 1
+    assert 'StoreModelMismatchError' in status['last_error']
