@@ -4,12 +4,19 @@ The embedding node is memory_harness.StandInEmbedder: a real rclpy node in this 
 serves Embed/Rerank with a deterministic hashed-trigram embedding. It stands in for the
 embedding llm_node, whose own tests live with it.
 """
+import os
+import subprocess
+import sys
 import time
 
 from geometry_msgs.msg import PoseStamped
-from memory_harness import served_memory
+from lifecycle_msgs.msg import Transition
+from memory_embed import hashed_embed, MODEL_ID
+from memory_harness import served_memory, StandInEmbedder
 import pytest
 
+from edge_llm_ros.memory.memory import Memory
+from edge_llm_ros.memory.store import MemoryStore, Pose, StoreConfig
 from edge_llm_ros.memory_client import MemoryClientError
 
 pytestmark = pytest.mark.timeout(300)
@@ -79,3 +86,35 @@ def test_bad_requests_get_typed_errors_and_the_node_serves_on(served):
     status = client.next_status(served[0].fqn)
     assert status['state'] == 'active' and int(status['rows']) >= 1
     assert 'StoreModelMismatchError' in status['last_error']
+
+
+def test_outside_active_the_services_answer_not_active(served):
+    proc, client, memory, _ = served
+    assert client.transition(proc.fqn, Transition.TRANSITION_DEACTIVATE)
+    try:
+        assert 'activate it' in refused(lambda: memory.recall('pallet', k=1), 'NotActiveError')
+    finally:
+        assert client.transition(proc.fqn, Transition.TRANSITION_ACTIVATE)
+    assert memory.recall('pallet at dock', k=1)
+
+
+def test_the_reembed_command_moves_a_store_to_the_new_model(ros, tmp_path):
+    """The command a model mismatch names, run as the user would, against a stand-in Embed."""
+    path = tmp_path / 'memory.db'
+    old = Memory(MemoryStore(StoreConfig(str(path))), hashed_embed)
+    old.remember('the red door leads to the lab', Pose('map', 1.0, 2.0, 0.0), ('door',), 5.0)
+    old.store.close()
+    embedder = StandInEmbedder(ros('reembed_embedder'), f'reembed_embedder_{os.getpid()}')
+    embedder.model_id, embedder.dims = 'other-embedder', 32
+    done = subprocess.run([sys.executable, '-m', 'edge_llm_ros.nodes.memory_reembed',
+                           '--store', str(path), '--embed-service', embedder.embed_service],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert 're-embedded 1 memories' in done.stdout
+    assert (tmp_path / f'memory.db.{MODEL_ID}.bak').is_file()
+    store = MemoryStore(StoreConfig(str(path)))
+    assert (store.model_id, store.dimensions) == ('other-embedder', 32)
+    (row,) = store.all_rows()
+    assert (row.text, row.stamp, row.tags, row.pose.x) == ('the red door leads to the lab', 5.0,
+                                                           ('door',), 1.0)
+    store.close()
