@@ -17,7 +17,8 @@ import pytest
 
 from edge_llm_ros.memory.memory import Memory
 from edge_llm_ros.memory.store import MemoryStore, Pose, StoreConfig
-from edge_llm_ros.memory_client import MemoryClientError
+from edge_llm_ros.memory_client import MemoryClient, MemoryClientError
+from edge_llm_ros.node_process import NodeProcess
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -118,3 +119,29 @@ def test_the_reembed_command_moves_a_store_to_the_new_model(ros, tmp_path):
     assert (row.text, row.stamp, row.tags, row.pose.x) == ('the red door leads to the lab', 5.0,
                                                            ('door',), 1.0)
     store.close()
+
+
+def test_every_acknowledged_remember_survives_kill_9_of_the_node(served, tmp_path):
+    _, client, _, embedder = served
+    name = f'memory_crash_{os.getpid()}'
+    params = {'store': str(tmp_path / 'crash.db'), 'embed.service': embedder.embed_service}
+    acked = {}
+    proc = NodeProcess('memory', name=name, params=params)
+    try:
+        client.wait_state('/' + name, 'active', timeout=60)
+        memory = MemoryClient(client.node, '/' + name, timeout_s=30.0)
+        assert memory.wait_ready(30), proc.log()
+        for i in range(12):
+            acked[memory.remember(f'crash note {i}', tags=[f'c{i}'])] = i
+        proc.kill()    # SIGKILL right after the last answer
+    finally:
+        if proc.alive():
+            proc.kill()
+    with NodeProcess('memory', name=name, params=params) as again:
+        client.wait_state('/' + name, 'active', timeout=60)
+        memory = MemoryClient(client.node, '/' + name, timeout_s=30.0)
+        assert memory.wait_ready(30), again.log()
+        for row_id, i in acked.items():
+            hits = memory.recall(f'crash note {i}', k=1, tags=[f'c{i}'])
+            assert [(h['id'], h['text']) for h in hits] == [(row_id, f'crash note {i}')]
+        assert memory.remember('after the crash') > max(acked)
