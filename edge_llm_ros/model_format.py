@@ -81,6 +81,10 @@ VISION_INPUT = 'pixels'
 # (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
 VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
 VISION_WINDOW_MASK = 'window_mask'
+# A Qwen3-VL vision.onnx takes, instead of the window mask, its learned position embeddings'
+# bilinear interpolation to the image's grid: per patch (merge order) the 4 source rows
+# (int64 [N, 4]) and their weights (float32 [N, 4]).
+VISION_POS_INPUTS = ('pos_index', 'pos_weight')
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).

@@ -1,0 +1,115 @@
+"""Qwen3-VL (mmproj `qwen3vl_merger`) against llama.cpp's libmtmd: encoder and resize.
+
+A tiny random Qwen3-VL mmproj (test/mmproj_fixtures.py: patch 16 as Qwen3-VL's, learned
+positions for an 8 x 8 grid interpolated to every image's, DeepStack after layers 1 and 2)
+beside a tiny qwen3vl text GGUF (n_deepstack_layers 2, three layers: llama.cpp adds the
+DeepStack rows after layers 0 and 1, and needs a layer after them). llama.cpp's own multimodal
+library (test/mtmd_runner.py in the peer venv) resizes and encodes the same image; ours is
+convert/vision_qwen.py's graph fed by runtime/mmproj_qwen.py. Each image row is the main
+merger's 256 values, then each DeepStack merger's 256 (768 wide, as mtmd's).
+
+Stated tolerance (not Qwen2.5-VL's per-token rule, see why): every value within 4e-4 x the
+embeddings' peak and the mean difference within 3e-5 x the peak. libmtmd rounds the pixels
+and patch kernel to fp16 (im2col) and takes GELU from an fp16 table, and Qwen3-VL has that
+GELU in every encoder layer as well as in its three mergers: a float32 ulp moving one GELU
+input across an fp16 rounding boundary moves its output one fp16 step, and the following
+layers' attention spreads it over every token. Measured on the sizes below: ours against
+mtmd 1.4-2.9e-4 x the peak at most, mean 1.0-2.1e-5; our own graph with each GELU input
+moved by one ulp, against itself, up to 2.3e-4, mean up to 1.8e-5 (so Qwen2.5-VL's "90 % of
+the tokens within 1e-4" cannot hold: 29-69 % here, 46-100 % from the one-ulp move alone);
+exact float32 GELU instead of the table 3.5-5.4e-4, mean 6-9e-5; no fp16 im2col 3.9-7.3e-4
+(both fail the rule); another image's embeddings are over 1e-2 x the peak off.
+"""
+from gguf_fixtures import ParityCase, write_gguf
+from mmproj_fixtures import write_qwen3vl_mmproj
+import numpy as np
+import pytest
+from test_vision_qwen import image, mtmd, our_embeddings
+from tiny_model import TinyDims
+
+from edge_llm_ros.convert.mmproj import MmprojError, read_mmproj
+from edge_llm_ros.convert.vision_graph import model_yaml_section
+from edge_llm_ros.runtime.mmproj_preprocess import grid_for
+from edge_llm_ros.runtime.mmproj_qwen import smart_size
+
+# Qwen3-VL's text sections (24, 20, 20 of 64 pairs) scaled to 32 pairs; three layers.
+QWEN3_TEXT = ParityCase(arch='qwen3vl', wtype='F32', vision='qwen', deepstack=2,
+                        rope_sections=(12, 10, 10, 0),
+                        dims=TinyDims(hidden=256, layers=3, intermediate=512, rms_eps=1e-6,
+                                      key_length=64))
+MAX_OF_PEAK, MEAN_OF_PEAK = 4e-4, 3e-5
+
+
+@pytest.fixture(scope='module')
+def qwen3_pair(tmp_path_factory):
+    work = tmp_path_factory.mktemp('qwen3')
+    text = write_gguf(work / 'text.gguf', QWEN3_TEXT)
+    mmproj = write_qwen3vl_mmproj(work / 'mmproj.gguf', n_text=QWEN3_TEXT.dims.hidden, seed=3)
+    return text, mmproj
+
+
+@pytest.mark.parametrize('height, width', [
+    (128, 128),   # square: the learned positions' own 8 x 8 grid, no interpolation
+    (96, 128),    # wide, no resize: 3 x 4 tokens
+    (150, 230),   # wide, resized to 160 x 224 (letterboxed by a few columns)
+    (250, 100),   # tall, resized to 256 x 96
+    (97, 131),    # odd sides
+    (224, 320),   # larger than the position grid: interpolated up
+])
+def test_image_embeddings_match_llamacpps_mtmd(tmp_path, qwen3_pair, height, width):
+    text, mmproj = qwen3_pair
+    img = image(7, height, width)
+    data = mtmd(text, mmproj, img, tmp_path)
+    assert int(data['n_chunks']) == 1
+    theirs, ours = data['embeds_0'], our_embeddings(mmproj, img)
+    assert ours.shape == theirs.shape == (theirs.shape[0], 3 * QWEN3_TEXT.dims.hidden)
+    peak = float(np.abs(theirs).max())
+    diff = np.abs(ours - theirs)
+    assert float(diff.max()) <= MAX_OF_PEAK * peak
+    assert float(diff.mean()) <= MEAN_OF_PEAK * peak
+    # The max covers each part of the row (main merger, DeepStack after layers 1 and 2):
+    # a wrong layer or merger is O(peak) off. Each part moves with the pixels:
+    other = our_embeddings(mmproj, image(8, height, width))
+    for part_ours, part_other in zip(np.split(ours, 3, axis=1), np.split(other, 3, axis=1)):
+        assert float(np.abs(part_ours - part_other).max()) > 25 * MAX_OF_PEAK * peak
+
+
+@pytest.mark.parametrize('height, width', [
+    (10, 10),       # under the 8-token minimum: scaled up
+    (20, 300),      # a thin strip
+    (480, 640),     # VGA: 15 x 20 tokens
+    (1080, 1920),   # 1080p: over 4096 tokens, scaled down
+    (3000, 41),     # tall and thin, over the limit
+    (333, 517),     # odd sides
+])
+def test_smart_resize_to_multiples_of_32_gives_mtmds_token_counts(
+        tmp_path, qwen3_pair, height, width):
+    text, mmproj = qwen3_pair
+    data = mtmd(text, mmproj, np.zeros((height, width, 3), np.uint8), tmp_path,
+                '--layout-only')
+    vision = model_yaml_section(read_mmproj(mmproj), 'vision.onnx')
+    cols, rows, tiles = grid_for(height, width, vision)
+    types = list(data['chunk_types'])
+    assert types.count(1) == 1 and tiles == 1
+    assert int(data[f'chunk_{types.index(1)}'][0]) == cols * rows
+    h, w = smart_size(height, width, 16)
+    assert (h % 32, w % 32) == (0, 0) and 8 <= cols * rows <= 4096
+
+
+def test_the_mmproj_reading_finds_deepstack_layers_and_the_row_width(qwen3_pair):
+    _, mmproj = qwen3_pair
+    cfg = read_mmproj(mmproj).config
+    assert (cfg.deepstack, cfg.n_out, cfg.row_width, cfg.wa_pattern) == ((1, 2), 256, 768, 0)
+    vision = model_yaml_section(read_mmproj(mmproj), 'vision.onnx')
+    assert (vision['position_grid'], vision['deepstack_layers']) == (8, 2)
+
+
+@pytest.mark.parametrize('skip, missing', [
+    (('v.blk.1.attn_qkv.weight',), r'v\.blk\.1\.attn_qkv\.weight'),
+    (('v.position_embd.weight',), r'v\.position_embd\.weight'),
+    (('v.deepstack.2.fc2.weight',), r'v\.deepstack\.2\.fc2\.weight'),
+])
+def test_a_qwen3vl_mmproj_without_a_tensor_it_needs_is_refused(tmp_path, skip, missing):
+    bad = write_qwen3vl_mmproj(tmp_path / 'bad.gguf', skip=skip)
+    with pytest.raises(MmprojError, match=missing):
+        read_mmproj(bad)
