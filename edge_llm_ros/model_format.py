@@ -40,7 +40,7 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl')
+                                  'qwen2vl', 'qwen3vl')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -149,6 +149,11 @@ class ModelInfo:
     def conv_layers(self) -> Tuple[int, ...]:
         """Return the layers that keep a conv state, in order."""
         return tuple(i for i in range(self.num_layers) if self.state_of(i).kind == 'conv')
+
+    @property
+    def embed_width(self) -> int:
+        """Return an inputs_embeds row's width: hidden_size x (1 + DeepStack layers)."""
+        return self.hidden_size * (1 + int(self.extra.get('deepstack_layers', 0) or 0))
 
     @property
     def rewindable(self) -> bool:

@@ -113,3 +113,121 @@ def test_a_qwen3vl_mmproj_without_a_tensor_it_needs_is_refused(tmp_path, skip, m
     bad = write_qwen3vl_mmproj(tmp_path / 'bad.gguf', skip=skip)
     with pytest.raises(MmprojError, match=missing):
         read_mmproj(bad)
+
+
+# --- the language model: interleaved M-RoPE and DeepStack through the engine's rows ----------
+# chain 0.1 as test_vision_qwen's: the greedy path follows the image's positions and rows.
+# Stated tolerance: log probs within 1.5 % of mtmd's peak logit (Qwen2.5-VL's test: 1 %).
+# The text path alone is that far from llama.cpp on these tiny qwen3 weights: with no image,
+# the plain qwen3 family's logits differ from llama.cpp's by up to 0.29 of a 28.3 peak (1.0 %;
+# qwen3vl's 0.34, qwen2vl's 0.27 of 23.2), and here the image steps measure 0.22-0.29 of
+# 21.5-30 (with mtmd's own image rows fed in instead of ours: the same, so not the encoder).
+# Removing the DeepStack rows moves them 3-34, plain (non-interleaved) sections 0.3-29: the
+# check sees both. Two images in the other order ((97, 131) then (250, 100)) leave mtmd's
+# path at a near tie, where mtmd's choice leads by 0.03-0.08 (under that noise), so the cases
+# below are ones without such a tie.
+QWEN3_LM = ParityCase(arch='qwen3vl', wtype='F32', vision='qwen', deepstack=2, chain=0.1,
+                      rope_sections=QWEN3_TEXT.rope_sections, dims=QWEN3_TEXT.dims)
+LM_CASES = [
+    ([(128, 128)], 'Hi <__media__> the sky is'),                   # square: 4 x 4 tokens
+    ([(150, 230)], 'Hi <__media__> the sky is'),                   # wide: 7 x 5 tokens
+    ([(250, 100), (97, 131)], '<__media__>Hi<__media__> the sky'),  # tall, then odd-sized
+]
+LOGPROB_OF_PEAK = 0.015
+
+
+@pytest.fixture(scope='module')
+def qwen3_engine(tmp_path_factory):
+    from edge_llm_ros.convert.converter import convert
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    work = tmp_path_factory.mktemp('qwen3_lm')
+    text = write_gguf(work / 'text.gguf', QWEN3_LM)
+    mmproj = write_qwen3vl_mmproj(work / 'mmproj.gguf', n_text=QWEN3_LM.dims.hidden, seed=3)
+    folder = convert(str(text), str(work / 'vlm'), mmproj=str(mmproj), progress=False)
+    engines = []
+
+    def make(**kw):
+        engines.append(Engine(EngineConfig(model_dir=str(folder), max_context=256,
+                                           intra_op_threads=1, **kw)))
+        return engines[-1]
+    yield text, mmproj, make
+    for engine in engines:
+        engine.close()
+
+
+def _check(engine, text, mmproj, sizes, prompt, work):
+    from test_vision_qwen import _check_against_mtmd
+    result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, sizes, prompt,
+                                                       work)
+    return result, data, gap, tolerance / 0.01 * LOGPROB_OF_PEAK
+
+
+@pytest.mark.parametrize('sizes, prompt', LM_CASES)
+def test_greedy_ids_match_mtmd_with_interleaved_mrope_and_deepstack(
+        tmp_path, qwen3_engine, sizes, prompt, compat):
+    compat('qwen3vl', QWEN3_LM.wtype, 'vision')
+    text, mmproj, make = qwen3_engine
+    engine = make(prefix_reuse=False)
+    result, data, gap, tolerance = _check(engine, text, mmproj, sizes, prompt, tmp_path)
+    assert result.token_ids == [int(t) for t in data['tokens']]
+    assert gap <= tolerance
+
+
+def test_a_reused_prefix_with_an_image_keeps_its_positions_and_deepstack(tmp_path, qwen3_engine):
+    """The second run reuses the first's KV (image included) and decodes the same ids."""
+    text, mmproj, make = qwen3_engine
+    engine = make(prefix_reuse=True)
+    first, data, _, _ = _check(engine, text, mmproj, *LM_CASES[1], tmp_path)
+    second, _, gap, tolerance = _check(engine, text, mmproj, *LM_CASES[1], tmp_path)
+    assert second.timings.cached_prompt_tokens > 0
+    assert first.token_ids == second.token_ids == [int(t) for t in data['tokens']]
+    assert gap <= tolerance
+
+
+def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen3_engine, compat):
+    """Two slots, each row with its own positions and DeepStack rows, in the same calls."""
+    compat('qwen3vl', QWEN3_LM.wtype, 'batching')
+    from test_vision_llm_parity import image as vimage, mtmd_run
+    from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+    from edge_llm_ros.serving.scheduler import Goal
+    text, mmproj, make = qwen3_engine
+    engine = make(prefix_reuse=False, parallel_sequences=2)
+    goals, expected = [], []
+    for n, (sizes, prompt) in enumerate(LM_CASES[1:]):
+        images = [vimage(7 + i, h, w) for i, (h, w) in enumerate(sizes)]
+        (tmp_path / str(n)).mkdir()
+        expected.append([int(t) for t in mtmd_run(text, mmproj, images, prompt,
+                                                  tmp_path / str(n))['tokens']])
+        goals.append(Goal(engine.prepare(GenerationRequest(
+            prompt=prompt, use_chat_template=False, images=images, max_tokens=32,
+            sampling=SamplingConfig(temperature=0.0)))))
+    for g in goals:
+        engine.scheduler().submit(g)
+    while not all(g.done for g in goals):
+        engine.run_plan()
+    assert [g.result.token_ids for g in goals] == expected
+
+
+def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen3_engine, compat):
+    """The second turn reads the stored image's rows (DeepStack too) and grid: as one chat."""
+    compat('qwen3vl', QWEN3_LM.wtype, 'sessions')
+    from test_vision_llm_parity import image as vimage
+    from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
+    _, _, make = qwen3_engine
+    engine = make()
+    frame, look = vimage(7, 150, 230), 'What is in <__media__> this?'
+    greedy = SamplingConfig(logprobs=True, top_logprobs=4)
+
+    def ask(messages, images=(), session='', **kw):
+        return engine.generate(GenerationRequest(
+            messages=messages, images=list(images), max_tokens=12, session_id=session,
+            sampling=greedy, **kw)).run_to_end()
+    first = ask([ChatMessage('user', look)], [frame], 'qwen3', choices=('a red box', 'blue'))
+    second = ask([ChatMessage('user', 'And the color?')], session='qwen3')
+    assert first.error == '' and second.error == '' and second.timings.cached_prompt_tokens
+    turns = [ChatMessage('user', look), ChatMessage('assistant', first.text),
+             ChatMessage('user', 'And the color?')]
+    whole = ask(turns, [frame])
+    assert second.token_ids == whole.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, whole.logprobs)) \
+        < 1e-3

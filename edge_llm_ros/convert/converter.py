@@ -302,7 +302,11 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          # LongRoPE short factors: valid up to this KV length (0: any)
                          'max_context': int(s.rope_factors_max_context),
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
-                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
+                         # qwen3vl: the sections interleaved pair by pair (ggml's IMROPE)
+                         **({'interleaved': True} if s.mrope_interleaved else {})},
+        # qwen3vl: image rows carry this many hidden-size rows more (added after layers 0..)
+        **({'deepstack_layers': int(s.deepstack_layers)} if s.deepstack_layers else {}),
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
