@@ -208,6 +208,30 @@ def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(tmp_path, qwen3
     assert [g.result.token_ids for g in goals] == expected
 
 
+def test_prompt_lookup_speculation_after_an_image_decodes_as_mtmd(tmp_path, qwen3_engine, compat):
+    """Verify passes of k + 1 tokens after an image take the shifted positions too."""
+    compat('qwen3vl', QWEN3_LM.wtype, 'speculation')
+    from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
+    text, mmproj, make = qwen3_engine
+    engine = make(prefix_reuse=False, speculative=SpeculativeConfig(mode='prompt_lookup'))
+    # Square: with the wide image this prompt has a near tie at step 2 (mtmd's lead 0.012),
+    # speculation or not.
+    sizes, prompt = [(128, 128)], 'Hi <__media__> the sky is 0123456789 abcdefgh'
+    result, data, _, _ = _check(engine, text, mmproj, sizes, prompt, tmp_path)
+    assert result.timings.draft_passes > 0
+    assert result.token_ids == [int(t) for t in data['tokens']]
+
+
+def test_kv_index_positions_would_not_match(tmp_path, qwen3_engine, monkeypatch):
+    """The check above sees the positions: rows at their KV index leave mtmd's path."""
+    from edge_llm_ros.runtime.sequence import Sequence
+    text, mmproj, make = qwen3_engine
+    monkeypatch.setattr(Sequence, 'rope_positions', lambda self, start, length: None)
+    engine = make(prefix_reuse=False)
+    result, data, gap, tolerance = _check(engine, text, mmproj, *LM_CASES[2], tmp_path)
+    assert result.token_ids != [int(t) for t in data['tokens']] and gap > 5 * tolerance
+
+
 def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen3_engine, compat):
     """The second turn reads the stored image's rows (DeepStack too) and grid: as one chat."""
     compat('qwen3vl', QWEN3_LM.wtype, 'sessions')
