@@ -255,3 +255,26 @@ def test_a_session_turn_after_a_stored_image_keeps_its_positions(qwen3_engine, c
     assert second.token_ids == whole.token_ids
     assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, whole.logprobs)) \
         < 1e-3
+
+
+def test_a_pair_whose_deepstack_counts_differ_is_refused_before_anything_is_written(tmp_path):
+    """An mmproj with 2 DeepStack mergers beside a language model that takes 1 (or 0)."""
+    import dataclasses
+    from edge_llm_ros.convert.converter import convert
+    mmproj = write_qwen3vl_mmproj(tmp_path / 'mmproj.gguf', n_text=QWEN3_TEXT.dims.hidden)
+    for arch, deepstack in (('qwen3vl', 1), ('qwen3', 0)):
+        text = write_gguf(tmp_path / f'{arch}.gguf', dataclasses.replace(
+            QWEN3_TEXT, arch=arch, deepstack=deepstack))
+        with pytest.raises(MmprojError, match=f'2 DeepStack rows .* takes {deepstack}'):
+            convert(str(text), str(tmp_path / arch), mmproj=str(mmproj), progress=False)
+        assert not (tmp_path / arch).exists()
+
+
+def test_n_deepstack_layers_not_under_the_layer_count_is_refused(tmp_path):
+    """llama.cpp adds the rows after layers 0..D-1 and needs a layer after them."""
+    import dataclasses
+    from edge_llm_ros.convert.converter import convert
+    from edge_llm_ros.errors import UnsupportedModelError
+    text = write_gguf(tmp_path / 'text.gguf', dataclasses.replace(QWEN3_TEXT, deepstack=3))
+    with pytest.raises(UnsupportedModelError, match='n_deepstack_layers 3 must be under the 3'):
+        convert(str(text), str(tmp_path / 'out'), progress=False)

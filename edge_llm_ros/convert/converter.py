@@ -237,7 +237,7 @@ def _read_vision(path: str, ckpt: Checkpoint, source: str):
     """Read and check the mmproj against the language model; nothing is written yet."""
     from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
     mm = read_mmproj(path)
-    check_pair(mm, ckpt.spec.hidden_size, source)
+    check_pair(mm, ckpt.spec.hidden_size, source, ckpt.spec.deepstack_layers)
     return mm
 
 

@@ -292,8 +292,19 @@ def read_mmproj(path: os.PathLike) -> Mmproj:
     return Mmproj(path, cfg, tensors)
 
 
-def check_pair(mmproj: Mmproj, llm_hidden: int, llm_path: str) -> None:
-    """Raise MmprojError unless the projector feeds embeddings as wide as the language model's."""
+def check_pair(mmproj: Mmproj, llm_hidden: int, llm_path: str, llm_deepstack: int = 0) -> None:
+    """Raise MmprojError unless the projector feeds embeddings as wide as the language model's.
+
+    Qwen3-VL: the mmproj's DeepStack layers must be as many as the language model's
+    n_deepstack_layers (llama.cpp checks the rows' whole width, n_embd x (1 + D)).
+    """
+    deepstack = len(mmproj.config.deepstack)
+    if deepstack != llm_deepstack:
+        raise MmprojError(
+            f'{mmproj.path}: its {mmproj.config.projector} projector makes {deepstack} '
+            f'DeepStack rows per image token, but the language model {llm_path} takes '
+            f'{llm_deepstack} (n_deepstack_layers): they are not a pair; use the mmproj '
+            'published with this model')
     if mmproj.config.n_out != llm_hidden:
         raise MmprojError(
             f'{mmproj.path}: its {mmproj.config.projector} projector makes '
