@@ -51,6 +51,10 @@ class Architecture:
     # DeepStack (qwen3vl): n_deepstack_layers image rows more per image token, added to the
     # hidden states after the first layers (llama.cpp's n_deepstack_layers key).
     deepstack: bool = False
+    # Hybrid: Gated DeltaNet layers (qwen35: llama.cpp's build_layer_attn_linear) beside
+    # gated full-attention layers (q rows interleave each head's query and output gate); every
+    # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
+    recurrent_layers: bool = False
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -70,6 +74,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,
                          final_norm='token_embd_norm.weight'),
+    'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
+                           'DeltaNet and gated attention)', recurrent_layers=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).

@@ -24,7 +24,8 @@ import numpy as np
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, GraphOptions,
-                                             LayerWeights, OPSET, Weight)
+                                             LayerWeights, OPSET, RecurrentLayerWeights,
+                                             Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, LayerState,
@@ -261,7 +262,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         bar.update()
         ckpt.release()
         for i in range(s.num_layers):
-            if s.is_conv(i):
+            if s.is_recurrent(i):
+                graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
+            elif s.is_conv(i):
                 graph.add_conv_layer(i, _conv_layer(ckpt, i, opts))
             else:
                 graph.add_layer(i, _layer(ckpt, i, opts))
@@ -345,6 +348,8 @@ def layer_state(spec, layer: int) -> LayerState:
     """Return what `layer` keeps per sequence slot (model.yaml `layer_states`)."""
     if spec.is_conv(layer):
         return LayerState('conv', shape=(spec.conv_kernel - 1, spec.hidden_size))
+    if spec.is_recurrent(layer):
+        return LayerState('recurrent', shape=(spec.recurrent_state_floats,))
     return LayerState('kv', window=spec.sliding_window if spec.is_local(layer) else 0)
 
 
@@ -427,7 +432,25 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
         post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
-        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms),
+        attn_gate=(_blocks(ckpt, p + 'attn_gate', opts) if ckpt.spec.gated_attention
+                   else None))
+
+
+def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> RecurrentLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    return RecurrentLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        qkv=_blocks(ckpt, p + 'gdn_qkv', opts), z=_blocks(ckpt, p + 'gdn_z', opts),
+        alpha=_blocks(ckpt, p + 'ssm_alpha', opts), beta=_blocks(ckpt, p + 'ssm_beta', opts),
+        conv=vector('ssm_conv'), dt_bias=vector('ssm_dt'), a=vector('ssm_a'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
 
 
 def _conv_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> ConvLayerWeights:

@@ -37,7 +37,8 @@ from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.mmproj import Mmproj, QWEN3VL
 from edge_llm_ros.convert.onnx_graph import MS_DOMAIN
-from edge_llm_ros.convert.vision_graph import _Graph, _layer_norm, _linear, _normalized, OPSET
+from edge_llm_ros.convert.vision_graph import (_f16, _gelu, _Graph, _layer_norm, _linear,
+                                               _normalized, OPSET)
 from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
                                        VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
 
@@ -55,23 +56,6 @@ def _rms_norm(g: _Graph, mm: Mmproj, x: str, prefix: str) -> str:
     if prefix + '.bias' in mm.tensors:
         y = g.node('Add', [y, g.init(prefix + '.bias', mm.array(prefix + '.bias'))])
     return y
-
-
-def _fp16(g: _Graph, x: str) -> str:
-    """Return x rounded to float16 (nearest even) and widened back to float32."""
-    return g.node('Cast', [g.node('Cast', [x], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
-
-
-def _table_gelu(g: _Graph, x: str) -> str:
-    """Return GELU (tanh) as ggml's CPU computes it: its fp16 table where |x| < 10.
-
-    y = fp16(gelu(fp16(x))), and x or 0 (relu) beyond: the table's rounding is ~5e-4 of a
-    value, which the merger's last matmul spreads over the embeddings (0.4 % of them on the
-    tiny fixture computed exactly).
-    """
-    table = _fp16(g, g.node('Gelu', [_fp16(g, x)], approximate='tanh'))
-    inside = g.node('Less', [g.node('Abs', [x]), g.const(10.0, np.float32)])
-    return g.node('Where', [inside, table, g.node('Relu', [x])])
 
 
 def _rotated(g: _Graph, x: str, half: int) -> str:
@@ -129,13 +113,13 @@ def _block3(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     """Return Qwen3-VL's layer i: LayerNorm, attention, LayerNorm, GELU MLP."""
     b = f'v.blk.{i}'
     x = g.node('Add', [_attention(g, mm, _layer_norm(g, mm, x, f'{b}.ln1'), i), x])
-    h = _table_gelu(g, _linear(g, mm, _layer_norm(g, mm, x, f'{b}.ln2'), f'{b}.ffn_up'))
+    h = _gelu(g, _linear(g, mm, _layer_norm(g, mm, x, f'{b}.ln2'), f'{b}.ffn_up'))
     return g.node('Add', [x, _linear(g, mm, h, f'{b}.ffn_down')])
 
 
 def _merged_mlp(g: _Graph, mm: Mmproj, x: str, first: str, second: str) -> str:
     """Return second(GELU(first(x))) of x [1, N / 4, 4 C]: a merger's MLP."""
-    return _linear(g, mm, _table_gelu(g, _linear(g, mm, x, first)), second)
+    return _linear(g, mm, _gelu(g, _linear(g, mm, x, first)), second)
 
 
 def _positions(g: _Graph, mm: Mmproj, x: str) -> str:
@@ -155,7 +139,7 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
     p, c, s = cfg.patch_size, cfg.n_embd, cfg.scale_factor
     # ggml_conv_2d is im2col in F16 then a matmul: the pixels and the kernel both rounded
     # to fp16, products summed in float32 (exact float32 is 3e-3 off libmtmd's embeddings).
-    x = _fp16(g, _normalized(g, cfg))  # [1, 3, H, W]
+    x = _f16(g, _normalized(g, cfg))  # [1, 3, H, W]
     frames = [g.node('Conv', [x, g.init(w, mm.array(w).astype(np.float16).astype(np.float32))],
                      kernel_shape=[p, p], strides=[p, p])
               for w in ('v.patch_embd.weight', 'v.patch_embd.weight.1')]
