@@ -192,7 +192,7 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
                          n_ff: int = 96, n_layer: int = 4, n_head: int = 4,
                          image_size: int = 128, patch: int = 16,
                          deepstack: tuple = (1, 2), seed: int = 0,
-                         skip: tuple = ()) -> pathlib.Path:
+                         skip: tuple = (), weight_type: str = 'F32') -> pathlib.Path:
     """Write a tiny Qwen3-VL mmproj (`qwen3vl_merger`) as llama.cpp's converter does.
 
     Qwen3VLVisionModel's layout: the two-frame patch embedding with a bias, learned position
@@ -201,7 +201,9 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
     (clip.use_gelu), v.post_ln (the merger's norm) and the merger mm.0 [4C, 4C], mm.2
     [n_text, 4C]; DeepStack: after each layer in `deepstack`, v.deepstack.<layer>.norm (over
     4C), fc1 [4C, 4C], fc2 [n_text, 4C] (clip.vision.is_deepstack_layers says which).
-    Patch 16 as Qwen3-VL's: images are resized to multiples of 32.
+    Patch 16 as Qwen3-VL's: images are resized to multiples of 32. weight_type 'F16' stores
+    the matrices (2-D and more, not the position embeddings) as F16, as the mmproj-F16 files
+    people download have them.
     """
     rng = np.random.default_rng(seed)
 
@@ -254,8 +256,11 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
         tensors[f'{name}.weight'] = r(rows, c4, scale_=0.1)
         tensors[f'{name}.bias'] = r(rows)
     for name, value in tensors.items():
-        if name not in skip:
-            w.add_tensor(name, value)
+        if name in skip:
+            continue
+        matrix = value.ndim >= 2 and 'position_embd' not in name
+        w.add_tensor(name, value.astype(np.float16) if matrix and weight_type == 'F16'
+                     else value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
