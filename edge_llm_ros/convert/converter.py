@@ -247,7 +247,7 @@ def _read_vision(path: str, ckpt: Checkpoint, source: str):
     """Read and check the mmproj against the language model; nothing is written yet."""
     from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
     mm = read_mmproj(path)
-    check_pair(mm, ckpt.spec.hidden_size, source)
+    check_pair(mm, ckpt.spec.hidden_size, source, ckpt.spec.deepstack_layers)
     return mm
 
 
@@ -320,7 +320,11 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          # LongRoPE short factors: valid up to this KV length (0: any)
                          'max_context': int(s.rope_factors_max_context),
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
-                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
+                         # qwen3vl: the sections interleaved pair by pair (ggml's IMROPE)
+                         **({'interleaved': True} if s.mrope_interleaved else {})},
+        # qwen3vl: image rows carry this many hidden-size rows more (added after layers 0..)
+        **({'deepstack_layers': int(s.deepstack_layers)} if s.deepstack_layers else {}),
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),

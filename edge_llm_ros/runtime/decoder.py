@@ -283,7 +283,7 @@ class _VarlenCalls:
         self._dec = dec
         self._session = dec._session
         self._binding = dec._state_binding(slice(0, dec.slots))
-        self._hidden = dec.info.hidden_size
+        self._hidden = dec.info.embed_width   # qwen3vl: the DeepStack rows too
         self._logits = np.zeros((1, 0, dec.info.vocab_size), dtype=np.float32)
         self._logit_values: Dict[int, ort.OrtValue] = {}   # K -> view of self._logits
         self._inputs: tuple = ()   # the last call's packed arrays (their OrtValues read them)
