@@ -6,14 +6,12 @@ attention reads them directly. Greedy answers stay coherent, and since a snapsho
 copy of the live rows, a session restored after a restart (sessions.store) continues with the
 uninterrupted int8 run's tokens and log probabilities, bit for bit.
 """
-import os
 import pathlib
-import shutil
 
 import numpy as np
 import pytest
 
-from edge_llm_ros.convert.kv_int8_graph import write_int8_kv_graph
+from edge_llm_ros.convert.kv_int8_graph import linked_folder
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import KV_INT8_MODEL_FILE, load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
@@ -26,27 +24,17 @@ USER1 = ChatMessage('user', 'Name three colors of the rainbow.')
 USER2 = ChatMessage('user', 'Which of them is the color of grass?')
 
 
-def linked_model(source: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
-    """Make a folder of hard links to (or copies of) source's files, not its int8-KV graph.
-
-    Not symbolic links: onnxruntime refuses external data that resolves outside the folder.
-    """
-    folder.mkdir()
-    for path in source.iterdir():
-        if path.name != KV_INT8_MODEL_FILE:
-            try:
-                os.link(path.resolve(), folder / path.name)
-            except OSError:   # another file system
-                shutil.copy2(path, folder / path.name)
+def without_int8_graph(source: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """Make a linked copy of source (linked_folder) less its int8-KV graph."""
+    linked_folder(source, folder)
+    (folder / KV_INT8_MODEL_FILE).unlink()
     return folder
 
 
 @pytest.fixture(scope='module')
 def int8_dir(tmp_path_factory):
     from edge_llm_ros.convert.default_model import ensure_default_model
-    folder = linked_model(ensure_default_model(), tmp_path_factory.mktemp('smol') / 'model')
-    write_int8_kv_graph(folder)
-    return folder
+    return linked_folder(ensure_default_model(), tmp_path_factory.mktemp('smol') / 'model')
 
 
 def config(folder, **kw):
@@ -102,7 +90,7 @@ def test_a_restored_int8_session_continues_bit_equal(int8_dir, tmp_path):
 
 
 def test_without_the_int8_graph_the_live_kv_stays_float(int8_dir, tmp_path, caplog):
-    folder = linked_model(int8_dir, tmp_path / 'model')
+    folder = without_int8_graph(int8_dir, tmp_path / 'model')
     eng = Engine(config(folder))
     try:
         assert eng.live_kv_dtype == 'float32'

@@ -15,7 +15,9 @@ the converter wrote it.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import shutil
 import sys
 
 import onnx
@@ -78,6 +80,23 @@ def write_int8_kv_graph(folder: pathlib.Path) -> pathlib.Path:
     onnx.save_model(int8_kv_graph(model), str(tmp))
     tmp.replace(path)
     return path
+
+
+def linked_folder(source: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
+    """Make `folder`: hard links to (or copies of) source's files, and its int8-KV graph.
+
+    For a folder that must stay as it is (a shared cache): not symbolic links, since
+    onnxruntime refuses external data that resolves outside the model's folder.
+    """
+    folder.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.is_file() and path.name != KV_INT8_MODEL_FILE:
+            try:
+                os.link(path.resolve(), folder / path.name)
+            except OSError:   # another file system
+                shutil.copy2(path, folder / path.name)
+    write_int8_kv_graph(folder)
+    return folder
 
 
 def main(argv=None) -> int:
