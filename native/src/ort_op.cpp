@@ -719,6 +719,7 @@ struct CausalAttentionKernel {
     start_from(values, past_value.GetTensorRawData(), buffer_bytes);
     elk_kv_i8 i8{};
     if (int8) {
+      if (ctx.GetOutputCount() < 5) fail("int8 KV buffers need the present scale outputs 3, 4");
       const std::vector<int64_t> scale_shape{kv_shape[0], kv_heads_, capacity, 1};
       for (const Ort::ConstValue *scale : {&past_key_scale, &past_value_scale}) {
         if (scale->GetTensorTypeAndShapeInfo().GetShape() != scale_shape) {
