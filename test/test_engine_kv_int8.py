@@ -100,3 +100,22 @@ def test_without_the_int8_graph_the_live_kv_stays_float(int8_dir, tmp_path, capl
         eng.close()
     with pytest.raises(ModelLoadError, match='kv_int8_graph'):   # the decoder alone refuses
         OnnxDecoder(str(folder), load_model_info(str(folder)), SessionConfig(kv_dtype='int8'))
+
+
+def test_rows_saved_beside_float_live_kv_restore_into_int8_live_kv(int8_dir, tmp_path):
+    """An int8 snapshot of float32 buffers is the same BLOB and layout: it stays readable."""
+    store = str(tmp_path / 'sessions.db')
+    before = Engine(config(without_int8_graph(int8_dir, tmp_path / 'model'),
+                           session_store=store))
+    try:
+        assert before.live_kv_dtype == 'float32'
+        first = turn(before, [USER1])
+    finally:
+        before.close()
+    after = Engine(config(int8_dir, session_store=store))
+    try:
+        assert after.live_kv_dtype == 'int8' and after.saved_sessions() == ['chat']
+        second = turn(after, [USER1, ChatMessage('assistant', first.text), USER2])
+    finally:
+        after.close()
+    assert second.timings.cached_prompt_tokens > 0   # restored, not dropped
