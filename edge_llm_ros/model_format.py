@@ -41,7 +41,8 @@ MODEL_YAML = 'model.yaml'
 CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
-ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2')
+ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
+                                  'qwen2vl', 'qwen35')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -50,8 +51,13 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
 # both input and output and updated in place. A conv state holds no positions, so it cannot
 # be rewound by position: a folder with one is not `rewindable` (ModelInfo.rewindable), and
 # the engine refuses what would need that (docs/architectures.md, lfm2). A folder without
-# the key (before lfm2) has 'kv' layers only.
-STATE_KINDS: Tuple[str, ...] = ('kv', 'conv')
+# the key (before lfm2) has 'kv' layers only. 'recurrent': a Gated DeltaNet layer's state
+# (qwen35), its conv inputs then its delta-rule state in one float32 vector per slot (shape
+# [floats], the op library's GatedDeltaNet layout), bound as past_conv.{i} / present_conv.{i}
+# like a conv state and kept, snapshotted and undone by the same machinery (FIXED_STATES).
+STATE_KINDS: Tuple[str, ...] = ('kv', 'conv', 'recurrent')
+# The kinds of fixed-size state (no positions): the runtime treats them alike.
+FIXED_STATES: Tuple[str, ...] = ('conv', 'recurrent')
 CONV_STATE_PAST = 'past_conv.{}'
 CONV_STATE_PRESENT = 'present_conv.{}'
 # Weight precisions of a conversion: 'source' keeps GGUF's own types, 'int4' requantizes.
@@ -70,11 +76,18 @@ BIDIRECTIONAL_INPUT = 'bidirectional'
 ROWS_INPUT = 'rows'
 VARLEN_INPUTS: Tuple[str, ...] = ('input_ids', 'inputs_embeds', 'embeds_at', ROWS_INPUT,
                                   'logits_at')
+# M-RoPE graphs (qwen2vl) also take each packed token's (t, h, w) rotary position.
+ROPE_POSITIONS_INPUT = 'rope_positions'
 BATCHED_INPUTS: Tuple[str, ...] = ('input_ids', 'seqlens_k', 'total_sequence_length',
                                    'logits_count')
 # vision.onnx's input: uint8 image tiles [B, S, S, 3] (RGB, cut as the family's preprocessing
 # cuts them); the graph normalizes them itself.
 VISION_INPUT = 'pixels'
+# A Qwen-VL vision.onnx (any image size) also takes the 2-D rotary tables of its patches and
+# the windowed attention's additive mask, which depend on the image's size only
+# (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
+VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
+VISION_WINDOW_MASK = 'window_mask'
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
@@ -92,7 +105,7 @@ class LayerState:
 
     def as_yaml(self) -> dict:
         """Return the model.yaml entry."""
-        if self.kind == 'conv':
+        if self.kind in FIXED_STATES:
             return {'kind': self.kind, 'shape': list(self.shape)}
         return {'kind': self.kind, 'window': int(self.window)}
 
@@ -137,8 +150,9 @@ class ModelInfo:
 
     @property
     def conv_layers(self) -> Tuple[int, ...]:
-        """Return the layers that keep a conv state, in order."""
-        return tuple(i for i in range(self.num_layers) if self.state_of(i).kind == 'conv')
+        """Return the layers that keep a fixed-size state (conv or recurrent), in order."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.state_of(i).kind in FIXED_STATES)
 
     @property
     def rewindable(self) -> bool:
@@ -222,6 +236,8 @@ def _layer_states(raw, layers: int, path: str) -> Tuple[LayerState, ...]:
         shape = tuple(int(d) for d in entry.get('shape') or ())
         if kind == 'conv' and (len(shape) != 2 or min(shape) < 1):
             raise ValueError(f'a conv layer state of shape {list(shape)}')
+        if kind == 'recurrent' and (len(shape) != 1 or shape[0] < 1):
+            raise ValueError(f'a recurrent layer state of shape {list(shape)}')
         out.append(LayerState(kind, int(entry.get('window') or 0), shape))
     return tuple(out)
 

@@ -64,3 +64,42 @@ def native_library() -> pathlib.Path:
     """
     from native_build import native_build
     return native_build() / 'libedge_llm_ort_ops.so'
+
+
+# --- the compatibility matrix (test/compat_matrix.py writes docs/models.md) ---------------------
+_PENDING_CELLS: dict = {}
+_PASSED_CELLS: list = []
+
+
+@pytest.fixture
+def compat(request):
+    """Give record(family, gguf_type, capability): counted only if this test passes."""
+    import compat_matrix
+    return compat_matrix.Recorder(request.node.nodeid, _PENDING_CELLS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep a test's matrix cells when its call passed; drop them otherwise."""
+    import compat_matrix
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == 'call':
+        compat_matrix.settle(_PENDING_CELLS, _PASSED_CELLS, item.nodeid, report.passed)
+
+
+def _whole_suite(config) -> bool:
+    """Whether this run collected all of test/ with no selection."""
+    opt = config.option
+    if opt.keyword or opt.markexpr or getattr(opt, 'deselect', None) or \
+            getattr(opt, 'lf', False) or getattr(opt, 'failedfirst', False):
+        return False
+    return {pathlib.Path(a).resolve() for a in config.args} == {ROOT / 'test'}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Save the run's matrix cells; a whole passing suite rewrites docs/models.md from them."""
+    import compat_matrix
+    compat_matrix.save(_PASSED_CELLS)
+    if exitstatus == 0 and session.testsfailed == 0 and _whole_suite(session.config):
+        compat_matrix.write_doc(_PASSED_CELLS)

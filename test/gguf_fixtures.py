@@ -12,7 +12,7 @@ the wanted spread: a valid block of that type, just not one llama-quantize would
 """
 from dataclasses import dataclass
 import pathlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import gguf
 import numpy as np
@@ -70,7 +70,9 @@ class ParityCase:
     longrope: bool = False
     rotary: float = 1.0
     softcap: float = 0.0  # gemma3 final_logit_softcapping key (llama.cpp uses it without SWA)
-    vision: bool = False  # the vocabulary has the image wrapper tokens (tiny_vocab(vision))
+    vision: Union[bool, str] = False  # the image wrapper tokens: tiny_vocab(vision)
+    # qwen2vl: rope.dimension_sections (t, h, w, 0) in rotary pairs (Qwen2.5-VL's 16:24:24).
+    rope_sections: Tuple[int, ...] = (8, 12, 12, 0)
 
     @property
     def tag(self) -> str:
@@ -130,7 +132,7 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         w[p + 'gate'] = mat(d.intermediate, d.hidden)
         w[p + 'up'] = mat(d.intermediate, d.hidden)
         w[p + 'down'] = mat(d.hidden, d.intermediate)
-        if c.arch == 'qwen2':
+        if c.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
         if c.arch in ('qwen3', 'gemma3', 'lfm2'):
@@ -184,6 +186,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     whose name contains one of its strings; tokenizer: add_tokenizer's pre / template.
     """
     path = pathlib.Path(path)
+    if case.arch == 'qwen35':
+        return write_qwen35_gguf(path, case)
     c, d = case, case.dims
     w = random_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
@@ -206,6 +210,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         meta['rope_freq_base_swa'] = c.swa_base
     if c.softcap:
         meta['final_logit_softcapping'] = c.softcap
+    if c.arch == 'qwen2vl':
+        meta['rope_dimension_sections'] = list(c.rope_sections)
     if c.arch == 'phi3':
         meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
     if c.arch == 'lfm2':
@@ -364,3 +370,123 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         for key in ('head_dim', 'rms_norm_eps', 'rope_scaling', 'hidden_act'):
             del config[key]
     return write_hf_folder(folder, w, config)
+
+
+# qwen35 (Qwen3.5 dense): hidden 256, a Gated DeltaNet layer on either side of a gated
+# attention layer (full_attention_interval 2), DeltaNet heads of 64 (2 key heads, 4 value
+# heads: value head h reads key head h % 2), a conv kernel of 4 (Qwen3.5's), attention heads
+# of 64 (4 query, 2 KV) with a quarter of each head rotated (Qwen3.5's partial rotary, as
+# llama.cpp's IMROPE sections over text positions).
+QWEN35_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
+                       context=1024, rms_eps=1e-6, key_length=64, rope_theta=1e7)
+QWEN35_GDN = {'kernel': 4, 'k_heads': 2, 'v_heads': 4, 'head_dim': 64, 'interval': 2}
+
+
+def rope_sections(rotary_dims: int) -> list:
+    """IMROPE sections as Qwen3.5 writes them: 3 of the rotated pairs' share, the last 0."""
+    pairs = rotary_dims // 2
+    first = -(-pairs // 3)
+    return [first, first, pairs - 2 * first, 0]
+
+
+def qwen35_case(wtype: str, seed: int = 0, **options) -> ParityCase:
+    """Return the qwen35 parity case of `wtype` (QWEN35_DIMS, a quarter of each head rotated)."""
+    return ParityCase('qwen35', wtype, seed, **dict({'dims': QWEN35_DIMS, 'rotary': 0.25},
+                                                    **options))
+
+
+# Qwen3.5-0.8B's layer shapes (hidden 1024, FFN 3584; DeltaNet 16 key and 16 value heads of
+# 128; attention 8/2 heads of 256, 64 dims rotated, RoPE base 1e7; every 4th layer attends),
+# over 4 layers: 3 DeltaNet layers and an attention layer.
+QWEN35_08B_DIMS = TinyDims(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=3584,
+                           context=1024, rms_eps=1e-6, key_length=256, rope_theta=1e7)
+QWEN35_08B_GDN = {'kernel': 4, 'k_heads': 16, 'v_heads': 16, 'head_dim': 128, 'interval': 4}
+
+
+def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
+                      gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
+    """Write a random qwen35 GGUF as llama.cpp's converter lays it out (gdn: QWEN35_GDN)."""
+    c, d, g = case, case.dims, gdn or QWEN35_GDN
+    rng = np.random.default_rng(c.seed)
+    qrng = np.random.default_rng(c.seed + 1000)
+    vocab = tiny_vocab(c.vision)
+    hd, gd = d.head_dim, g['head_dim']
+    channels = (2 * g['k_heads'] + g['v_heads']) * gd
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), 'qwen35')
+    writer.add_name(f'tiny-{c.tag}')
+    for key, value in (('block_count', d.layers), ('context_length', d.context),
+                       ('embedding_length', d.hidden), ('feed_forward_length', d.intermediate),
+                       ('head_count', d.heads), ('head_count_kv', d.kv_heads),
+                       ('key_length', hd), ('value_length', hd),
+                       ('rope_freq_base', d.rope_theta), ('layer_norm_rms_eps', d.rms_eps),
+                       ('rope_dimension_count', c.rope_dims),
+                       ('rope_dimension_sections', rope_sections(c.rope_dims)),
+                       ('ssm_conv_kernel', g['kernel']), ('ssm_state_size', gd),
+                       ('ssm_group_count', g['k_heads']), ('ssm_time_step_rank', g['v_heads']),
+                       ('ssm_inner_size', g['v_heads'] * gd),
+                       ('full_attention_interval', g['interval']),
+                       ('vocab_size', len(vocab))):
+        getattr(writer, f'add_{key}')(value)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_tokenizer(writer, vocab, 'qwen35', pre='qwen35')
+
+    def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
+        if not matrix or wtype == 'F32':
+            data, qtype = x.astype(np.float32), None
+        elif wtype == 'F16':
+            data, qtype = x.astype(np.float16), None
+        elif wtype in RAW_SCALE_FIELDS:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), qrng)
+        else:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if qtype is None:
+            return data.astype(np.float32)
+        return gguf.quants.dequantize(data, qtype).reshape(x.shape)
+
+    edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
+    embed = put('token_embd.weight', rng.standard_normal((len(vocab), d.hidden))
+                .astype(np.float32), wtype=edge_type)
+    put('output_norm.weight', norm(d.hidden), matrix=False)
+    head = mat(len(vocab), d.hidden, 4.0) + c.chain * np.roll(embed, 1, axis=0)
+    put('output.weight', head, wtype=edge_type)
+    for i in range(d.layers):
+        b = f'blk.{i}.'
+        put(b + 'attn_norm.weight', norm(d.hidden), matrix=False)
+        put(b + 'post_attention_norm.weight', norm(d.hidden), matrix=False)
+        if (i + 1) % g['interval']:
+            put(b + 'attn_qkv.weight', mat(channels, d.hidden))
+            put(b + 'attn_gate.weight', mat(g['v_heads'] * gd, d.hidden))
+            put(b + 'ssm_conv1d.weight', mat(channels, g['kernel'], 2.0), matrix=False)
+            put(b + 'ssm_dt.bias', (0.5 * rng.standard_normal(g['v_heads'])).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_a', -rng.uniform(0.2, 2.0, g['v_heads']).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_beta.weight', mat(g['v_heads'], d.hidden))
+            put(b + 'ssm_alpha.weight', mat(g['v_heads'], d.hidden))
+            put(b + 'ssm_norm.weight', norm(gd), matrix=False)
+            put(b + 'ssm_out.weight', mat(d.hidden, g['v_heads'] * gd))
+        else:
+            put(b + 'attn_q.weight', mat(2 * d.heads * hd, d.hidden))
+            put(b + 'attn_k.weight', mat(d.kv_heads * hd, d.hidden))
+            put(b + 'attn_v.weight', mat(d.kv_heads * hd, d.hidden))
+            put(b + 'attn_output.weight', mat(d.hidden, d.heads * hd))
+            put(b + 'attn_q_norm.weight', norm(hd), matrix=False)
+            put(b + 'attn_k_norm.weight', norm(hd), matrix=False)
+        put(b + 'ffn_gate.weight', mat(d.intermediate, d.hidden))
+        put(b + 'ffn_up.weight', mat(d.intermediate, d.hidden))
+        put(b + 'ffn_down.weight', mat(d.hidden, d.intermediate))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 
 FAMILIES = ('idefics3', 'gemma3', 'internvl', 'mlp')
+QWEN25VL = 'qwen2.5vl_merger'
 
 
 def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: int = 32,
@@ -113,6 +114,69 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
             q8 = gguf.GGMLQuantizationType.Q8_0
             w.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
         else:
+            w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_qwen25vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64,
+                          n_ff: int = 96, n_layer: int = 4, n_head: int = 4,
+                          image_size: int = 56, patch: int = 14, wa_pattern: int = 2,
+                          seed: int = 0, skip: tuple = ()) -> pathlib.Path:
+    """Write a tiny Qwen2.5-VL mmproj (`qwen2.5vl_merger`) as llama.cpp's converter does.
+
+    Qwen2VLVisionModel's layout: the Conv3D patch embedding split into two frames
+    (v.patch_embd.weight, v.patch_embd.weight.1, no bias), RMSNorm blocks (weights only) with
+    biased q/k/v/out and a biased SwiGLU MLP (clip.use_silu), every wa_pattern-th layer full
+    attention (clip.vision.n_wa_pattern), v.post_ln (the merger's ln_q), and the merger MLP
+    mm.0 [4C, 4C], mm.2 [n_text, 4C]. Patch 14 as Qwen's: llama.cpp's windows are 112 pixels
+    (4 x 4 merged tokens), so an image over 112 pixels a side has several.
+    """
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale_).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), 'clip')
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(QWEN25VL)
+    w.add_vision_projection_dim(n_text)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.48145466, 0.4578275, 0.40821073])
+    w.add_vision_image_std([0.26862954, 0.26130258, 0.27577711])
+    w.add_vision_use_silu(True)
+    w.add_vision_n_wa_pattern(wa_pattern)
+    tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch),
+               'v.patch_embd.weight.1': r(n_embd, 3, patch, patch)}
+    for i in range(n_layer):
+        b = f'v.blk.{i}'
+        tensors[f'{b}.ln1.weight'] = 1 + r(n_embd, scale_=0.1)
+        tensors[f'{b}.ln2.weight'] = 1 + r(n_embd, scale_=0.1)
+        for n in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
+            tensors[f'{b}.{n}.weight'] = r(n_embd, n_embd, scale_=0.15)
+            tensors[f'{b}.{n}.bias'] = r(n_embd)
+        for n in ('ffn_gate', 'ffn_up'):
+            tensors[f'{b}.{n}.weight'] = r(n_ff, n_embd, scale_=0.15)
+            tensors[f'{b}.{n}.bias'] = r(n_ff)
+        tensors[f'{b}.ffn_down.weight'] = r(n_embd, n_ff, scale_=0.15)
+        tensors[f'{b}.ffn_down.bias'] = r(n_embd)
+    tensors['v.post_ln.weight'] = 1 + r(n_embd, scale_=0.1)
+    tensors['mm.0.weight'] = r(4 * n_embd, 4 * n_embd, scale_=0.1)
+    tensors['mm.0.bias'] = r(4 * n_embd)
+    tensors['mm.2.weight'] = r(n_text, 4 * n_embd, scale_=0.1)
+    tensors['mm.2.bias'] = r(n_text)
+    for name, value in tensors.items():
+        if name not in skip:
             w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()

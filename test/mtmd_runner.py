@@ -2,6 +2,7 @@
 
     <peer python> test/mtmd_runner.py text.gguf mmproj.gguf a.npy[,b.npy...] out.npz
         [--prompt TEXT] [--tokens N] [--add-special] [--threads N] [--timings]
+        [--layout-only]
 
 Run by the vision tests with the python of bench/llama_peer.py's venv (llama-cpp-python's
 mtmd bindings over libmtmd), so it imports only llama_cpp and numpy. Each image is an
@@ -17,6 +18,8 @@ preprocessing and encoder (CPU, flash attention off). Saved:
   bitmaps' layout, resizing and tiling), `encode_s` (every image chunk through the encoder)
   and `first_token_s` (a fresh mtmd_helper_eval_chunks, which encodes again and prefills,
   plus the first greedy pick), in seconds.
+With --layout-only the chunks are recorded but no image is encoded (token counts of large
+images, test/test_vision_qwen.py).
 """
 import argparse
 import ctypes
@@ -85,6 +88,7 @@ def main(argv=None) -> int:
     p.add_argument('--add-special', action='store_true')
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--timings', action='store_true')
+    p.add_argument('--layout-only', action='store_true')
     args = p.parse_args(argv)
     model = load_model(args.text_model)  # the sibling runner's: quiet logs, CPU only
     if not model:
@@ -126,7 +130,7 @@ def main(argv=None) -> int:
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)
         types.append(int(mtmd.mtmd_input_chunk_get_type(chunk)))
         out[f'chunk_{i}'] = _chunk_record(chunk)
-        if types[-1] != 1:  # an image
+        if types[-1] != 1 or args.layout_only:  # an image, to encode
             continue
         t0 = time.perf_counter()
         if mtmd.mtmd_encode_chunk(ctx, chunk) != 0:

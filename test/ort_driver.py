@@ -35,7 +35,7 @@ class OrtDriver:
         # state (B * x of its last kernel - 1 positions).
         self.bound = []
         for i, state in enumerate(states):
-            if state['kind'] == 'conv':
+            if state['kind'] in ('conv', 'recurrent'):  # one vector per slot: qwen35
                 buf = np.zeros((1, *state['shape']), self.dtype)
                 self.bound.append((f'past_conv.{i}', f'present_conv.{i}', buf))
                 continue

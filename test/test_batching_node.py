@@ -8,6 +8,7 @@ import threading
 import time
 from typing import List
 
+from compat_matrix import SMOLLM2_TYPES
 from llm_node_harness import served, wait_feedback_delivered
 import pytest
 import yaml
@@ -79,7 +80,8 @@ class Tracked:
         return self.handle.result(timeout=timeout)
 
 
-def test_concurrent_goals_equal_each_goal_run_alone(llm, no_eos):
+def test_concurrent_goals_equal_each_goal_run_alone(llm, no_eos, compat):
+    compat('llama', SMOLLM2_TYPES, 'batching')
     alone = [llm.generate(p, max_tokens=24, logit_bias=no_eos).result(timeout=120)
              for p in PROMPTS]
     # Three at once on two slots: one waits, joins when a slot frees.

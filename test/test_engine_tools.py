@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 
+from compat_matrix import SMOLLM2_TYPES
 import jsonschema
 import pytest
 from tiny_model import tiny_model_dir
@@ -102,7 +103,8 @@ def split_at_close(engine, result, budget):
 
 
 @pytest.mark.slow
-def test_required_call_parses_and_validates(smol):
+def test_required_call_parses_and_validates(smol, compat):
+    compat('llama', SMOLLM2_TYPES, 'tools')
     events, result = generate(smol, prompt='Go to the kitchen slowly.', tools=TOOLS,
                               tool_choice='required', max_tokens=200)
     assert result.stop_reason == StopReason.TOOL_CALLS, result
@@ -176,7 +178,8 @@ def test_tool_choice_none_renders_no_tools(smol):
 
 # --- reasoning ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_reasoning_budget_forces_the_close_tag(r1):
+def test_reasoning_budget_forces_the_close_tag(r1, compat):
+    compat('llama', SMOLLM2_TYPES, 'reasoning')
     budget = 6
     events, result = generate(r1, prompt='Should the robot go to the dock?',
                               reasoning_budget=budget, max_tokens=40)

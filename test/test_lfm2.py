@@ -283,7 +283,8 @@ def batched(eng: Engine) -> tuple:
     return [first] + rest, plans
 
 
-def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone):
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
+    compat('lfm2', CASE.wtype, 'batching')
     eng = engine(kquant_dir, 3, prefill_chunk=3)
     recorded = record_calls(eng._decoder)
     try:
@@ -420,7 +421,8 @@ def test_int8_kv_sessions_with_conv_states_continue_bit_for_bit(kquant_dir):
 
 
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
-        kquant_dir, tmp_path, two_turns_whole):
+        kquant_dir, tmp_path, two_turns_whole, compat):
+    compat('lfm2', CASE.wtype, 'sessions')
     first, second = two_turns_whole
     store = str(tmp_path / 'sessions.db')
     eng = engine(kquant_dir, max_context=256, session_store=store)
@@ -448,11 +450,12 @@ def draft_dir(work, native_library) -> pathlib.Path:
 
 
 @pytest.mark.parametrize('slots', [1, 3])
-def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, draft_dir, slots):
+def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, draft_dir, slots, compat):
     """Rejected drafts: the conv states go back to the verify's start, accepted tokens again.
 
     With an lfm2 draft model its own slots go back to a position they kept states at too.
     """
+    compat('lfm2', CASE.wtype, 'speculation')
     texts = [' '.join([t] * 4) for t in TEXTS[:3]]   # repetitive: prompt lookup drafts
     seeded = SamplingConfig(temperature=0.8, top_k=20, seed=3, logprobs=True)
     modes = {'off': SpeculativeConfig(mode='off'),
@@ -515,7 +518,8 @@ def test_the_kv_budget_counts_the_conv_states(kquant_dir):
         eng.close()
 
 
-def test_the_lfm2_family_names_the_model_and_forces_its_tool_calls(kquant_dir):
+def test_the_lfm2_family_names_the_model_and_forces_its_tool_calls(kquant_dir, compat):
+    compat('lfm2', CASE.wtype, 'tools')
     tools = [{'type': 'function', 'function': {
         'name': 'move_to', 'description': 'Drive to a point.',
         'parameters': {'type': 'object',

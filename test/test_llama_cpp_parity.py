@@ -129,18 +129,21 @@ def check(work: pathlib.Path, case: ParityCase, accuracy_level: int,
 
 
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.tag)
-def test_exact_settings_match_llama_cpp(work, case):
+def test_exact_settings_match_llama_cpp(work, case, compat):
     check(work, case, accuracy_level=0)
+    compat(case.arch, case.wtype, 'text')
 
 
 @pytest.mark.parametrize('case', FAST_CASES, ids=lambda c: c.tag)
-def test_fast_default_matches_llama_cpp(work, case):
+def test_fast_default_matches_llama_cpp(work, case, compat):
     check(work, case, accuracy_level=4)
+    compat(case.arch, case.wtype, 'text')
 
 
 @pytest.mark.parametrize('case', KQUANT_CASES, ids=lambda c: c.tag)
-def test_kquant_weights_match_llama_cpp(work, native_library, case):
+def test_kquant_weights_match_llama_cpp(work, native_library, case, compat):
     check(work, case, accuracy_level=4, weights='kquant', bound=KQUANT_MAX_ABS_DIFF)
+    compat(case.arch, case.wtype, 'text')
 
 
 @pytest.mark.parametrize('variant', [{'llama3_rope': True}, {'linear_rope': 2.0}])

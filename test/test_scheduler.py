@@ -9,6 +9,7 @@ import pathlib
 import shutil
 from typing import Optional
 
+from compat_matrix import TINY_TYPES
 import numpy as np
 import onnx
 import pytest
@@ -134,8 +135,9 @@ def test_batch_of_four_matches_the_reference_token_for_token(eng4, ref):
     assert len({id(e.seq) for e in events if e.token is not None}) == 4
 
 
-def test_alone_and_in_a_batch_are_bit_identical(eng4):
+def test_alone_and_in_a_batch_are_bit_identical(eng4, compat):
     """A sequence alone on an N>1 engine runs >= 2 rows, like in any batch (MIN_ROWS)."""
+    compat('llama', TINY_TYPES, 'batching')
     sched = stepper(eng4)
     prompt = PROMPTS[0]
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from compat_matrix import TINY_TYPES
 import numpy as np
 import pytest
 from session_store_child import BUFFERS, HEAD_DIM, HEADS, POSITIONS, session_of
@@ -44,7 +45,8 @@ def two_turns(engine):
     return first, turn(engine, [USER1, ChatMessage('assistant', first.text), USER2])
 
 
-def test_a_restored_session_continues_as_without_restart(tiny_dir, tmp_path):
+def test_a_restored_session_continues_as_without_restart(tiny_dir, tmp_path, compat):
+    compat('llama', TINY_TYPES, 'sessions')
     store = tmp_path / 'sessions.db'
     e1 = Engine(config(tiny_dir, store))
     first = turn(e1, [USER1])

@@ -256,7 +256,7 @@ def test_a_verify_pass_gives_each_position_the_bits_of_a_decode_step(family_mode
 
 # --- whole generations: speculation on == off ---------------------------------------------
 @pytest.mark.parametrize('arch', list(FAMILIES))
-def test_greedy_output_is_plain_greedy_output_for_every_family(family_models, arch):
+def test_greedy_output_is_plain_greedy_output_for_every_family(family_models, arch, compat):
     prompts = PROMPTS + [RawPrompt(p) for p in quoting(family_models[arch])]
     plain, _ = run(family_models[arch], 'off', prompts)
     spec, stats = run(family_models[arch], 'prompt_lookup', prompts)
@@ -266,6 +266,7 @@ def test_greedy_output_is_plain_greedy_output_for_every_family(family_models, ar
     assert stats.passes > 0 and stats.accepted > 0, stats   # it did speculate
     timed = [r.timings for r in spec if r.timings.draft_passes]
     assert timed and all(t.accepted_draft_tokens <= t.draft_tokens for t in timed)
+    compat(arch, 'Q4_K', 'speculation')
 
 
 def test_a_draft_model_gives_plain_output_and_is_checked_for_its_tokenizer(

@@ -2,8 +2,10 @@
 
 A warm prompt is prefilled at init and pinned: a goal whose system message is that prompt
 reuses every one of its tokens and answers bit for bit as without it; eviction never takes
-it; sessions.store keeps it across a restart without a prefill (decoder calls counted); a
-changed model or converter version prefills it again; each bad input is a WarmPromptError.
+it; sessions.store keeps it across a restart without a prefill (decoder calls counted), live
+in a slot when configure returns; a stored state of a changed model, converter version or KV
+layout is a StoredWarmStateError that the engine reports as the prompt's status while it
+prefills the prompt again and serves; each other bad input is a WarmPromptError.
 """
 import logging
 import shutil
@@ -12,11 +14,16 @@ import sqlite3
 import pytest
 from tiny_model import tiny_model_dir
 
+from edge_llm_msgs.srv import GetModelInfo
 from edge_llm_ros.model_format import load_model_info
+from edge_llm_ros.nodes import llm_services
 from edge_llm_ros.runtime.decoder import OnnxDecoder
+from edge_llm_ros.runtime.kv_cache import KVCache
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
-from edge_llm_ros.serving.warm_prompts import snapshot_bytes, WarmPromptError
+from edge_llm_ros.serving.session_store import KVLayout, model_hash, SessionStore
+from edge_llm_ros.serving.warm_prompts import (snapshot_bytes, StoredWarmStateError,
+                                               WarmPromptError)
 
 SYSTEM = 'You are a delivery robot in a hospital. Answer in one short sentence.'
 OTHER = 'You are a lawn mower. Say what you cut.'
@@ -146,24 +153,38 @@ def test_a_warm_prompt_added_at_run_time(tiny_dir, tmp_path):
 
 
 def test_a_restart_restores_the_warm_prompt_without_a_prefill(tiny_dir, tmp_path,
-                                                              decoder_calls):
+                                                              decoder_calls, monkeypatch):
     store = tmp_path / 'sessions.db'
     Engine(config(tiny_dir)).close()
     plain = len(decoder_calls)            # engine init alone: the row probe
     first = Engine(config(tiny_dir, [SYSTEM], store))
     prefilled = len(decoder_calls) - plain
     (prompt,) = first.warm_prompts()
+    # Written before init returned: the first goals do not share the CPU with the write.
+    db = sqlite3.connect(store)
+    assert db.execute('SELECT key FROM warm_prompts').fetchall() == [(prompt.key,)]
+    db.close()
+    want = ask(first, 'Where is room 4?')
     first.close()
-    assert prefilled > plain
+    assert prefilled > plain and prompt.status == 'prefilled'
     before = len(decoder_calls)
     second = Engine(config(tiny_dir, [SYSTEM], store))
     assert len(decoder_calls) - before == plain   # no prefill: restored from the store
     (again,) = second.warm_prompts()
     assert (again.ids, again.nbytes, again.restored, prompt.restored) == \
         (prompt.ids, prompt.nbytes, True, False)
+    assert again.status == 'restored from sessions.store' and not again.stored_error
+    answer = llm_services.model_info(second, GetModelInfo.Response(), 'unloaded')
+    assert answer.warm_prompts == [again.label]   # no status beside a label that is fine
+    # Live in a slot already: the first goal reuses it there, without a restore copy.
+    assert second.kv_occupancy()[0] == prompt.tokens
+    restores = []
+    monkeypatch.setattr(KVCache, '_restore', lambda *a: restores.append(a))
     result = ask(second, 'Where is room 4?')
     second.close()
-    assert result.timings.cached_prompt_tokens == prompt.tokens
+    assert result.timings.cached_prompt_tokens == prompt.tokens and restores == []
+    assert result.token_ids == want.token_ids
+    assert [lp.logprob for lp in result.logprobs] == [lp.logprob for lp in want.logprobs]
     # Without it in kv.warm_prompts, its row goes.
     Engine(config(tiny_dir, [], store)).close()
     db = sqlite3.connect(store)
@@ -196,10 +217,58 @@ def test_another_model_or_converter_prefills_again(tiny_dir, tmp_path, decoder_c
         assert len(decoder_calls) - before > plain   # prefilled again
         assert f'warm prompt {engine.warm_prompts()[0].key}' in caplog.text
         assert words in caplog.text and 'prefilled again' in caplog.text
-        result = ask(engine, 'Where is room 4?')
+        # Reported: the typed error is the prompt's status, in model_info too.
+        (prompt,) = engine.warm_prompts()
+        assert prompt.status.startswith('re-prefilled: StoredWarmStateError: sessions.store ')
+        assert words in prompt.status and not prompt.restored
+        assert f'model hash {model_hash(str(model))[:16]}' in prompt.stored_error
+        assert engine.model_info()['warm_prompts'][0]['status'] == prompt.status
+        # ~/get_model_info shows it beside the label.
+        answer = llm_services.model_info(engine, GetModelInfo.Response(), 'unloaded')
+        assert answer.warm_prompts == [f'{prompt.label} ({prompt.status})']
+        result = ask(engine, 'Where is room 4?')   # and it serves, from the new prefill
         engine.close()
         assert result.timings.cached_prompt_tokens == engine.warm_prompts()[0].tokens
         caplog.clear()
+    # Saved anew: the next configure restores it.
+    engine = Engine(config(copy, [SYSTEM], store))
+    (prompt,) = engine.warm_prompts()
+    engine.close()
+    assert prompt.restored and not prompt.stored_error
+
+
+def test_a_stored_warm_state_of_another_model_is_a_typed_error(tiny_dir, tmp_path):
+    store = tmp_path / 'sessions.db'
+    engine = Engine(config(tiny_dir, [SYSTEM], store))
+    (prompt,) = engine.warm_prompts()
+    engine.close()
+    info = load_model_info(str(tiny_dir))
+    layout = KVLayout(2 * len(info.kv_layers), info.num_kv_heads, info.head_dim, 'float32',
+                      'float32')
+    here = model_hash(str(tiny_dir))
+    for model_id, kv_layout, words in (
+            (here, layout, None),
+            ('f' * 64, layout, 'of another model (model hash differs). It was written for '
+                               f'model hash {here[:16]} by converter version'),
+            (here, KVLayout(layout.buffers, info.num_kv_heads, info.head_dim, 'float32',
+                            'int8'), 'of another KV layout or kv.dtype')):
+        sink = SessionStore(str(store), model_id, kv_layout)
+        try:
+            sink.restore_warm(256)
+            if words is None:
+                assert sink.warm_row(prompt.key).keys == prompt.ids
+                continue
+            with pytest.raises(StoredWarmStateError) as raised:
+                sink.warm_row(prompt.key)
+            assert words in str(raised.value) and 'prefilled again' in str(raised.value)
+            assert f'this is model hash {model_id[:16]}' in str(raised.value)
+            assert isinstance(raised.value, WarmPromptError)
+            assert sink.warm_row(prompt.key) is None   # raised once; its row is gone
+        finally:
+            sink.close()
+        engine = Engine(config(tiny_dir, [SYSTEM], store))   # writes it back for model A
+        assert engine.warm_prompts()[0].status.startswith('prefilled')
+        engine.close()
 
 
 def test_system_prompt_field_session_goals_and_int8_reuse_it(tiny_dir):

@@ -2,8 +2,9 @@
 
 The agent's system prompt is a warm prompt: prefilled at the first configure, restored from
 sessions.store at the second without a prefill, and the first goal after the restart reuses
-all of its tokens. ~/get_model_info and /diagnostics list it; ~/warm_prompt adds one at run
-time and answers bad input with what to change while the node keeps serving. A request
+all of its tokens. ~/get_model_info and /diagnostics list it (prefilled, then restored);
+~/warm_prompt adds one at run time and answers bad input (unreadable, longer than the
+context, over kv.memory_limit) with what to change while the node keeps serving. A request
 through the OpenAI bridge with that system message reuses it too (its transcript says so).
 """
 import os
@@ -14,8 +15,12 @@ from llm_node_harness import NodeProcess, served_process
 import pytest
 
 from edge_llm_msgs.msg import Transcript
+from edge_llm_ros.convert.default_model import ensure_default_model
+from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.node_process import NodeProcess as AnyNodeProcess
 from edge_llm_ros.nodes.openai_bridge import wait_serving
+from edge_llm_ros.serving.engine import kv_budget_bytes
+from edge_llm_ros.serving.warm_prompts import snapshot_bytes
 
 pytestmark = pytest.mark.slow
 SYSTEM = ('You are the voice of a hospital delivery robot. You can go to the pharmacy, the '
@@ -36,18 +41,24 @@ def ask(llm, question):
 def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
     name = f'llm_warm_{os.getpid()}'
     store = tmp_path / 'sessions.db'
+    # Room for 100 tokens of warm prompts beside the KV slot and sessions.max_bytes.
+    info = load_model_info(str(ensure_default_model()))
+    limit = kv_budget_bytes(info, 512, 1) + (256 << 20) + snapshot_bytes(info, 100, 'float32')
     params = {'autostart': True, 'sessions.store': str(store), 'max_tokens': 4,
-              'kv.max_context': 512, 'kv.warm_prompts': [SYSTEM]}
+              'kv.max_context': 512, 'kv.warm_prompts': [SYSTEM], 'kv.memory_limit': limit,
+              'sessions.max_bytes': 256 << 20, 'engine.parallel_sequences': 1}
     with node(name, params, 'warm_client_1') as (proc, client, llm):
         info = llm.model_info(timeout=30)
         (tokens,) = info.warm_prompt_tokens
         assert info.warm_prompts == [SYSTEM[:40] + '...'] and info.warm_prompt_bytes[0] > 0
         status = client.next_status('/' + name, timeout=30)
         assert status['warm_prompts'] == '1', status
-        assert status['warm_prompt_0'].startswith(f'{tokens} tokens, ')
+        assert status['warm_prompt_0'].startswith(f'{tokens} tokens, '), status
+        assert ', prefilled: ' in status['warm_prompt_0'], status
         # Bad input on the service: a typed error saying what to change; the node serves on.
         for kwargs, words in (({'path': str(tmp_path / 'map.txt')}, 'cannot be read'),
-                              ({'text': 'corridor ' * 600}, 'raise kv.max_context')):
+                              ({'text': 'corridor ' * 600}, 'raise kv.max_context'),
+                              ({'text': 'corridor ' * 100}, 'raise kv.memory_limit')):
             answer = llm.warm_prompt(**kwargs, timeout=120)
             assert not answer.success and words in answer.message, answer
         (tmp_path / 'map.txt').write_text('You are a hospital map. Name the floor of a room.')
@@ -61,6 +72,10 @@ def test_a_warm_prompt_survives_a_node_restart(tmp_path, native_library):
         log = proc.log()
         # The run-time one is gone (not in kv.warm_prompts); the configured one came back.
         assert list(llm.model_info(timeout=30).warm_prompt_tokens) == [tokens]
+        status = client.next_status('/' + name, timeout=30)
+        assert status['warm_prompt_0'].startswith(
+            f'{tokens} tokens, {info.warm_prompt_bytes[0]} bytes, restored from sessions.store'
+            ': '), status
         second = ask(llm, 'Take me to room 4.')
         # ~/reset_session '' empties the live caches too: only the pinned copy is left.
         assert llm.reset_session(timeout=30).success

@@ -42,6 +42,13 @@ class Architecture:
     conv_layers: bool = False
     # The final norm's GGUF tensor (lfm2 stores it as token_embd_norm: llama.cpp's name fix).
     final_norm: str = 'output_norm.weight'
+    # M-RoPE (qwen2vl): rope.dimension_sections splits each head's rotary pairs into t, h, w
+    # sections, each turned by its own position (equal for text: plain NEOX RoPE).
+    mrope: bool = False
+    # Hybrid: Gated DeltaNet layers (qwen35: llama.cpp's build_layer_attn_linear) beside
+    # gated full-attention layers (q rows interleave each head's query and output gate); every
+    # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
+    recurrent_layers: bool = False
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -52,10 +59,14 @@ ARCHITECTURES: Dict[str, Architecture] = {
     'gemma3': Architecture('gemma3', False, True, 'Gemma 3 270M/1B/4B text',
                            post_norms=True, activation='gelu_tanh', embed_scale=True,
                            hf_norm_shift=1.0, swa_period=6, swa_rope_base=10000.0),
+    'qwen2vl': Architecture('qwen2vl', False, False, 'Qwen2-VL / Qwen2.5-VL language model '
+                            '(qwen2 with M-RoPE)', mrope=True),
     'phi3': Architecture('phi3', False, False, 'Phi-3/3.5 mini, Phi-4-mini'),
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,
                          final_norm='token_embd_norm.weight'),
+    'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
+                           'DeltaNet and gated attention)', recurrent_layers=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).

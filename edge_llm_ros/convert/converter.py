@@ -22,10 +22,11 @@ from typing import List, Optional
 import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
-from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, KQUANT_TYPES
+from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, GraphOptions,
-                                             LayerWeights, OPSET, Weight)
+                                             LayerWeights, OPSET, RecurrentLayerWeights,
+                                             Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name,
@@ -175,15 +176,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
         raise ConversionError(f'{out} already exists; remove it or pass overwrite=True '
                               '(--force)')
     ckpt = load_checkpoint(source)
-    opts.check(ckpt)
-    if mmproj and ckpt.spec.layer_kinds:
-        raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
-                              'convert the language model alone')
-    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
-    if _bidirectional(vision) and opts.activation_dtype != 'float32':
-        raise ConversionError(
-            f'a {vision.config.projector} VLM needs the op library attention over its '
-            'images, which runs in float32: convert it with --dtype float32')
+    vision = preflight(ckpt, opts, mmproj, source)
     opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -215,6 +208,23 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
             raise
         raise ConversionError(f'converting {source} failed: {exc!r}') from exc
     return out
+
+
+def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], source: str):
+    """Refuse what cannot be converted before any work; return the mmproj's vision (or None).
+
+    Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change.
+    """
+    opts.check(ckpt)
+    if mmproj and ckpt.spec.layer_kinds:
+        raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
+                              'convert the language model alone')
+    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
+    if _bidirectional(vision) and opts.activation_dtype != 'float32':
+        raise ConversionError(
+            f'a {vision.config.projector} VLM needs the op library attention over its '
+            'images, which runs in float32: convert it with --dtype float32')
+    return vision
 
 
 def _free_bytes(folder: pathlib.Path) -> Optional[int]:
@@ -253,7 +263,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         bar.update()
         ckpt.release()
         for i in range(s.num_layers):
-            if s.is_conv(i):
+            if s.is_recurrent(i):
+                graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
+            elif s.is_conv(i):
                 graph.add_conv_layer(i, _conv_layer(ckpt, i, opts))
             else:
                 graph.add_layer(i, _layer(ckpt, i, opts))
@@ -294,7 +306,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'rotary_dims': s.rotary_dims,
                          'attn_factor': float(s.rope_attn_factor),
                          # LongRoPE short factors: valid up to this KV length (0: any)
-                         'max_context': int(s.rope_factors_max_context)},
+                         'max_context': int(s.rope_factors_max_context),
+                         # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
@@ -333,6 +347,8 @@ def layer_state(spec, layer: int) -> LayerState:
     """Return what `layer` keeps per sequence slot (model.yaml `layer_states`)."""
     if spec.is_conv(layer):
         return LayerState('conv', shape=(spec.conv_kernel - 1, spec.hidden_size))
+    if spec.is_recurrent(layer):
+        return LayerState('recurrent', shape=(spec.recurrent_state_floats,))
     return LayerState('kv', window=spec.sliding_window if spec.is_local(layer) else 0)
 
 
@@ -369,16 +385,15 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     docs/speculative.md); a MatMulNBits fallback matrix (Q2_K, F16, ...) makes it not so,
     and GroupQueryAttention, faster at prefill, is kept. A VLM whose image tokens attend
     both ways always gets the library's op: GroupQueryAttention is causal only. So does a
-    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph.
+    hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph, and an
+    M-RoPE model (qwen2vl): its rotary positions are not the KV index after an image.
     """
-    if _bidirectional(vision) or ckpt.spec.layer_kinds:
+    if _bidirectional(vision) or ckpt.spec.layer_kinds or ckpt.spec.rope_sections:
         # A hybrid's conv states need the row table only the library's graphs have.
         return 'causal'
     if opts.weight_format != 'kquant':
         return 'gqa'
-    held = all(t.qtype in KQUANT_TYPES and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0
-               for t in ckpt.matrices())
-    return 'causal' if held else 'gqa'
+    return 'causal' if all(keeps_blocks(t) for t in ckpt.matrices()) else 'gqa'
 
 
 def _blocks(ckpt: Checkpoint, key: str, opts: ConvertOptions) -> Weight:
@@ -416,7 +431,25 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
         post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
-        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms),
+        attn_gate=(_blocks(ckpt, p + 'attn_gate', opts) if ckpt.spec.gated_attention
+                   else None))
+
+
+def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> RecurrentLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    return RecurrentLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        qkv=_blocks(ckpt, p + 'gdn_qkv', opts), z=_blocks(ckpt, p + 'gdn_z', opts),
+        alpha=_blocks(ckpt, p + 'ssm_alpha', opts), beta=_blocks(ckpt, p + 'ssm_beta', opts),
+        conv=vector('ssm_conv'), dt_bias=vector('ssm_dt'), a=vector('ssm_a'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
 
 
 def _conv_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> ConvLayerWeights:
@@ -522,7 +555,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     'gemma3, phi3, lfm2) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
-    p.add_argument('out_dir', help='model folder to create')
+    p.add_argument('out_dir', nargs='?', help='model folder to create (not with --check)')
+    p.add_argument('--check', action='store_true',
+                   help='only say whether the source (and --mmproj) would convert with these '
+                        'options, how each tensor type is stored, and what would be refused; '
+                        'writes nothing (exit 0: would convert, 1: would refuse)')
     p.add_argument('--block-size', type=int, default=32, help='INT4 block size (default 32)')
     p.add_argument('--dtype', default='float32', choices=('float32', 'float16'),
                    help='activation and KV dtype (default float32)')
@@ -561,7 +598,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point: 0 on success, 1 for a bad/unsupported model, 2 for usage errors."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    if args.check:
+        return _check(args)
+    if args.out_dir is None:
+        parser.error('the model folder to create (out_dir) is required, unless --check')
     try:
         out = convert(args.source, args.out_dir, block_size=args.block_size,
                       activation_dtype=args.dtype, max_context=args.max_context,
@@ -578,6 +620,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     print(out)
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from edge_llm_ros.convert.check import check_source
+    opts = ConvertOptions(args.block_size, args.dtype, args.max_context, args.accuracy_level,
+                          not args.requantize_q4_1, args.precision, args.offset_levels,
+                          args.weights)
+    report = check_source(args.source, args.mmproj, opts)
+    print(report.render())
+    return 0 if report.ok else 1
 
 
 if __name__ == '__main__':

@@ -50,6 +50,9 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words.
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r'| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 _GPT4O = (r'[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+'
           r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r'|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*'
@@ -63,6 +66,7 @@ _FAMILIES: Dict[str, Tuple[Tuple[str, ...], bool, bool]] = {
     'llama3': ((_LLAMA3,), True, True),
     'dbrx': ((_LLAMA3,), False, False),
     'qwen2': ((_QWEN2,), False, False),
+    'qwen35': ((_QWEN35,), False, False),
     'gpt4o': ((_GPT4O,), False, False),
     'default': ((r'[\p{P}\$\+<=>\^~\|]+', _GPT2, r'\p{N}+', '[0-9][0-9][0-9]'), False, False),
 }
@@ -79,6 +83,7 @@ _PRE_FAMILY: Dict[str, str] = {
     'pixtral': 'llama3', 'lfm2': 'llama3',
     'dbrx': 'dbrx', 'smaug-bpe': 'dbrx',
     'qwen2': 'qwen2', 'deepseek-r1-qwen': 'qwen2', 'stablelm2': 'qwen2', 'megrez': 'qwen2',
+    'qwen35': 'qwen35',
     'gpt-4o': 'gpt4o', 'llama4': 'gpt4o',
 }
 

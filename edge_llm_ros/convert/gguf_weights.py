@@ -39,13 +39,17 @@ class GgufWeights:
         return int(self.raw.nbytes)
 
 
+def keeps_blocks(t: SourceTensor) -> bool:
+    """Whether the op holds this matrix in its GGUF blocks (else the MatMulNBits path)."""
+    # A row that is not whole blocks: llama-quantize never writes one; MatMulNBits decides.
+    return (t.qtype in KQUANT_TYPES and len(t.shape) == 2
+            and t.shape[1] % KQUANT_TYPES[t.qtype][1] == 0)
+
+
 def gguf_weights(t: SourceTensor) -> Optional[GgufWeights]:
     """Return the tensor's blocks for the op, or None for a type the op does not hold."""
-    if t.qtype not in KQUANT_TYPES or len(t.shape) != 2:
+    if not keeps_blocks(t):
         return None
-    block = KQUANT_TYPES[t.qtype][1]
-    if t.shape[1] % block:
-        return None  # llama-quantize never writes such a row; the MatMulNBits path decides
     raw = np.ascontiguousarray(t.values(), dtype=np.uint8)  # Q/K permutation undone
     return GgufWeights(raw.reshape(t.shape[0], -1), t.qtype, int(t.shape[1]))
 

@@ -11,7 +11,11 @@ Families (`clip.projector_type`), with the language models they come with:
 - idefics3 (SmolVLM, Idefics3): SigLIP, pixel unshuffle by `scale_factor`, one linear layer;
 - gemma3: SigLIP, average pooling by `scale_factor` (default 4), an RMSNorm, a projection;
 - internvl (InternVL 2.5/3): InternViT with a CLS token, pixel unshuffle, LayerNorm + MLP;
-- mlp (LLaVA-1.5 style): CLIP ViT with a CLS token, a two-layer MLP.
+- mlp (LLaVA-1.5 style): CLIP ViT with a CLS token, a two-layer MLP;
+- qwen2.5vl_merger (Qwen2.5-VL): a ViT over any image size (multiples of patch x merge),
+  the patch embedding split in two frames (v.patch_embd.weight and .weight.1: Qwen's temporal
+  patch of 2), RMSNorm, 2-D RoPE, windowed attention with every n_wa_pattern-th layer full,
+  a SwiGLU MLP, then the 2 x 2 patch merger (mm.0, GELU, mm.2).
 The key and tensor layout is docs/design/issue22_mmproj_research.md, sections 1 and 5.
 """
 from dataclasses import dataclass
@@ -24,11 +28,15 @@ import numpy as np
 from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
 from edge_llm_ros.errors import UnsupportedModelError
 
-PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp')
+QWEN25VL = 'qwen2.5vl_merger'
+PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp', QWEN25VL)
 # The families whose loader swaps ffn_up / ffn_down when ffn_down reads n_embd wide (legacy
 # fc1 / fc2 names), as clip.cpp does.
-_FFN_SWAP = ('idefics3', 'gemma3', 'mlp')
+_FFN_SWAP = ('idefics3', 'gemma3', 'mlp', 'qwen2.5vl_merger')
 _GEMMA3_POOL = 4  # clip.cpp's n_merge default for gemma3
+# clip.cpp's Qwen-VL defaults: a 2 x 2 merge, images of 8 to 4096 merged tokens (its
+# set_limit_image_tokens), windows of 112 pixels (attn_window_size unset for qwen2.5vl).
+QWEN_MERGE, QWEN_MIN_TOKENS, QWEN_MAX_TOKENS, QWEN_WINDOW = 2, 8, 4096, 112
 
 
 class MmprojError(UnsupportedModelError):
@@ -55,6 +63,12 @@ class VisionConfig:
     n_out: int           # the projector's output width: the language model's hidden size
     min_tiles: int = 1   # internvl's preproc_min_tiles / preproc_max_tiles (clip.cpp's defaults)
     max_tiles: int = 12
+    wa_pattern: int = 0  # qwen2.5vl: layer i attends fully when (i + 1) % wa_pattern == 0
+
+    @property
+    def dynamic(self) -> bool:
+        """Say whether the encoder takes any image size (Qwen-VL), not fixed tiles."""
+        return self.projector == QWEN25VL
 
     @property
     def patches_per_side(self) -> int:
@@ -64,7 +78,7 @@ class VisionConfig:
     def tokens_per_tile(self) -> int:
         """Embeddings one tile of image_size x image_size becomes (clip_n_output_tokens)."""
         n = self.patches_per_side ** 2
-        if self.projector in ('idefics3', 'internvl', 'gemma3'):
+        if self.projector in ('idefics3', 'internvl', 'gemma3', QWEN25VL):
             return n // self.scale_factor ** 2
         return n
 
@@ -105,16 +119,23 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         gguf_field(reader, 'clip.use_silu', False))
     if gelu and silu:
         raise MmprojError(f'{path}: clip.use_gelu and clip.use_silu are both set')
+    qwen = projector == QWEN25VL
     cfg = VisionConfig(
         projector=projector, image_size=u32('image_size'), patch_size=u32('patch_size'),
         n_embd=u32('embedding_length'), n_ff=u32('feed_forward_length'),
         n_layer=u32('block_count'), n_head=u32('attention.head_count'),
         eps=float(_required(path, reader, 'clip.vision.attention.layer_norm_epsilon')),
         image_mean=tuple(float(v) for v in mean[:3]), image_std=tuple(float(v) for v in std[:3]),
-        scale_factor=u32('projector.scale_factor', _GEMMA3_POOL if projector == 'gemma3' else 1),
+        scale_factor=(u32('spatial_merge_size', QWEN_MERGE) if qwen else u32(
+            'projector.scale_factor', _GEMMA3_POOL if projector == 'gemma3' else 1)),
         activation='gelu_tanh' if gelu else 'silu' if silu else 'quick_gelu',
         longest_edge=u32('preproc_image_size', 0), n_out=0,
-        min_tiles=u32('preproc_min_tiles', 1), max_tiles=u32('preproc_max_tiles', 12))
+        min_tiles=u32('preproc_min_tiles', 1), max_tiles=u32('preproc_max_tiles', 12),
+        wa_pattern=u32('n_wa_pattern') if qwen else 0)
+    if qwen and (cfg.scale_factor != QWEN_MERGE or cfg.wa_pattern <= 0):
+        raise MmprojError(f'{path}: a qwen2.5vl_merger mmproj needs spatial_merge_size 2 and '
+                          f'n_wa_pattern > 0 (got {cfg.scale_factor} and {cfg.wa_pattern}), '
+                          "as llama.cpp's encoder does")
     if not (0 < cfg.patch_size <= cfg.image_size <= 8192) or cfg.image_size % cfg.patch_size:
         raise MmprojError(f'{path}: image_size {cfg.image_size} is not a whole number of '
                           f'{cfg.patch_size}-pixel patches')
@@ -147,19 +168,28 @@ _PROJECTOR_TENSORS = {
                   'v.class_embd'), ('mm.model.mlp.3.weight', 0)),
     'mlp': (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.class_embd'),
             ('mm.2.weight', 0)),
+    QWEN25VL: (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.post_ln.weight'),
+               ('mm.2.weight', 0)),
 }
 
 
 def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]) -> None:
     """Raise MmprojError where a tensor the family needs is missing or of the wrong shape."""
     c, ff, p, s = cfg.n_embd, cfg.n_ff, cfg.patch_size, cfg.scale_factor
-    expected = {'v.patch_embd.weight': (c, 3, p, p), 'v.position_embd.weight': None}
+    qwen = cfg.projector == QWEN25VL
+    expected = {'v.patch_embd.weight': (c, 3, p, p)}
+    if qwen:  # the temporal patch's second frame; no learned position embeddings (RoPE)
+        expected['v.patch_embd.weight.1'] = (c, 3, p, p)
+    else:
+        expected['v.position_embd.weight'] = None
     for i in range(cfg.n_layer):
         b = f'v.blk.{i}'
         for name in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
             expected[f'{b}.{name}.weight'] = (c, c)
         expected[f'{b}.ffn_up.weight'] = (ff, c)
         expected[f'{b}.ffn_down.weight'] = (c, ff)
+        if qwen:
+            expected[f'{b}.ffn_gate.weight'] = (ff, c)
     names, _ = _PROJECTOR_TENSORS[cfg.projector]
     for name in names:
         expected.setdefault(name, None)
@@ -170,6 +200,8 @@ def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]
         expected['mm.input_projection.weight'] = (c, None)
     elif cfg.projector == 'internvl':
         expected['mm.model.mlp.1.weight'] = (None, merged)
+    elif qwen:
+        expected['mm.0.weight'] = (None, merged)
     else:
         expected['mm.0.weight'] = (None, c)
     missing = sorted(n for n in expected if n not in tensors)

@@ -32,7 +32,7 @@ from edge_llm_ros.convert.checkpoint import ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
 from edge_llm_ros.model_format import (CONV_STATE_PAST, CONV_STATE_PRESENT, DATA_FILE,
-                                       ROWS_INPUT)
+                                       ROPE_POSITIONS_INPUT, ROWS_INPUT)
 
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default; onnxruntime accepts <= 10 everywhere
@@ -124,6 +124,7 @@ class LayerWeights:
     k_norm: Optional[np.ndarray] = None
     post_attn_norm: Optional[np.ndarray] = None  # gemma3: norms of the attention / MLP output
     post_ffn_norm: Optional[np.ndarray] = None
+    attn_gate: Optional[Weight] = None  # qwen35: attention output times sigmoid(h @ gate.T)
 
 
 @dataclass
@@ -135,6 +136,25 @@ class ConvLayerWeights:
     in_proj: Weight         # [3 * hidden, hidden]: B, C, x rows
     conv: np.ndarray        # [hidden, kernel] float32, the oldest position first
     out_proj: Weight
+    gate_up: List[Weight]
+    down: Weight
+
+
+@dataclass
+class RecurrentLayerWeights:
+    """One Gated DeltaNet layer of a hybrid (qwen35), ready for the graph."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    qkv: Weight             # [(2 Hk + Hv) D, hidden]: the conv input (q, k, v channels)
+    z: Weight               # [Hv D, hidden]: the output gate
+    alpha: Weight           # [Hv, hidden]: the decay's input
+    beta: Weight            # [Hv, hidden]: the update strength's input
+    conv: np.ndarray        # [(2 Hk + Hv) D, kernel] float32, the oldest position first
+    dt_bias: np.ndarray     # [Hv]
+    a: np.ndarray           # [Hv] (-exp(A_log), as the GGUF stores it)
+    norm: np.ndarray        # [D]: the gated RMSNorm's weight
+    out: Weight             # [hidden, Hv D]
     gate_up: List[Weight]
     down: Weight
 
@@ -220,6 +240,17 @@ class DecoderGraph:
         self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
                                                       logits_shape)]
         for i in range(spec.num_layers):
+            if spec.is_recurrent(i):
+                if not self.varlen:
+                    raise ValueError("Gated DeltaNet layers need the op library's attention "
+                                     "(attention='causal')")
+                # Conv inputs and delta state in one vector per slot (GatedDeltaNet).
+                shape = [BATCH_DIM, spec.recurrent_state_floats]
+                self.inputs.append(helper.make_tensor_value_info(CONV_STATE_PAST.format(i),
+                                                                 TensorProto.FLOAT, shape))
+                self.outputs.append(helper.make_tensor_value_info(
+                    CONV_STATE_PRESENT.format(i), TensorProto.FLOAT, shape))
+                continue
             if spec.is_conv(i):
                 if not self.varlen:
                     raise ValueError("conv layers need the op library's attention "
@@ -236,19 +267,56 @@ class DecoderGraph:
                     f'past_key_values.{i}.{kind}', t, kv_shape))
                 self.outputs.append(helper.make_tensor_value_info(f'present.{i}.{kind}', t,
                                                                   kv_shape))
+        if spec.rope_sections:
+            if not self.varlen:
+                raise ValueError("M-RoPE (rope_sections) needs the op library's attention "
+                                 "(attention='causal')")
+            self.inputs.append(helper.make_tensor_value_info(
+                ROPE_POSITIONS_INPUT, TensorProto.INT32, [3, 'tokens']))
         if opts.bidirectional_images and not self.varlen:
             raise ValueError('bidirectional_images needs the op library attention '
                              "(attention='causal')")
         cache_len = opts.max_context or spec.max_position_embeddings
-        local = [spec.is_local(i) for i in range(spec.num_layers) if not spec.is_conv(i)]
+        local = [spec.is_local(i) for i in range(spec.num_layers) if spec.is_attention(i)]
         if not all(local):
             cos, sin = rope_cache(spec, cache_len)
+            if spec.rotary_permuted:
+                # Dims past rotary_dims rotate by angle 0 (checkpoint.rotary_order).
+                pad = spec.head_dim // 2 - cos.shape[1]
+                cos = np.pad(cos, ((0, 0), (0, pad)), constant_values=1.0)
+                sin = np.pad(sin, ((0, 0), (0, pad)), constant_values=0.0)
             self._init('cos_cache', cos.astype(self.np_dtype))
             self._init('sin_cache', sin.astype(self.np_dtype))
         if any(local):
             cos, sin = rope_cache(spec, cache_len, local=True)
             self._init('cos_cache_local', cos.astype(self.np_dtype))
             self._init('sin_cache_local', sin.astype(self.np_dtype))
+        if spec.rope_sections:
+            self._mrope_tables()
+
+    def _mrope_tables(self) -> None:
+        """Add cos_tokens / sin_tokens [T, half]: each packed token's M-RoPE rows.
+
+        Pair k of a token turns by its position of section sec(k) (t, h or w: llama.cpp's
+        rope_multi, sector k mod the sections' sum): cos_cache[rope_positions[sec(k), t], k],
+        one GatherElements per table; the attention reads them a row per token.
+        """
+        s0, s1, _ = self.spec.rope_sections
+        total = sum(self.spec.rope_sections)
+        sector = np.arange(self.spec.rotary_dims // 2) % total
+        section = np.where(sector < s0, 0, np.where(sector < s0 + s1, 1, 2)).astype(np.int64)
+        which = self._init('mrope_section', section)
+        per_pair = self._name('mrope/positions')
+        self.nodes.append(helper.make_node('Gather', [ROPE_POSITIONS_INPUT, which],
+                                           [per_pair], axis=0))   # [half, T]
+        index = self._name('mrope/index')
+        self.nodes.append(helper.make_node('Transpose', [per_pair], [self._name('mrope/t')],
+                                           perm=[1, 0]))
+        self.nodes.append(helper.make_node('Cast', [self.nodes[-1].output[0]], [index],
+                                           to=TensorProto.INT64))   # [T, half]
+        for table in ('cos', 'sin'):
+            self.nodes.append(helper.make_node('GatherElements', [f'{table}_cache', index],
+                                               [f'{table}_tokens'], axis=0))
 
     # --- helpers -------------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -451,6 +519,35 @@ class DecoderGraph:
         o = self._linear(y, cw.out_proj, f'{p}.conv.out_proj')
         self._mlp(o, residual, cw.ffn_norm, cw.gate_up, cw.down, p)
 
+    def add_recurrent_layer(self, i: int, rw: RecurrentLayerWeights) -> None:
+        """One Gated DeltaNet layer (qwen35) reading/writing its state past_conv.{i}.
+
+        qkv, z, alpha, beta projections; the op library's GatedDeltaNet gives the conv, the
+        delta rule and the gated norm over the state (= present_conv.{i}, updated in place)
+        -> ssm_out; then the MLP (llama.cpp's build_layer_attn_linear).
+        """
+        s = self.spec
+        p = f'layers.{i}'
+        h, residual = self._input_norm(rw.attn_norm, p)
+        qkv = self._linear(h, rw.qkv, f'{p}.gdn.qkv_proj')
+        z = self._linear(h, rw.z, f'{p}.gdn.z_proj')
+        alpha = self._linear(h, rw.alpha, f'{p}.gdn.alpha_proj')
+        beta = self._linear(h, rw.beta, f'{p}.gdn.beta_proj')
+        self.ops_used.add(KQUANT_DOMAIN)
+        f32 = np.float32
+        consts = [self._init(f'{p}.gdn.{name}', np.ascontiguousarray(v, f32))
+                  for name, v in (('conv', rw.conv), ('dt_bias', rw.dt_bias), ('a', rw.a),
+                                  ('norm', rw.norm))]
+        y, _ = self._node('GatedDeltaNet',
+                          [qkv, z, alpha, beta, *consts, CONV_STATE_PAST.format(i), '',
+                           ROWS_INPUT],
+                          outputs=[self._name(f'{p}/gdn/out'), CONV_STATE_PRESENT.format(i)],
+                          domain=KQUANT_DOMAIN, name=f'{p}/gdn', k_heads=s.ssm_k_heads,
+                          v_heads=s.ssm_v_heads, head_dim=s.ssm_head_dim,
+                          epsilon=float(s.rms_norm_eps))
+        o = self._linear(y, rw.out, f'{p}.gdn.out_proj')
+        self._mlp(o, residual, rw.ffn_norm, rw.gate_up, rw.down, p)
+
     def add_layer(self, i: int, lw: LayerWeights) -> None:
         """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
         s = self.spec
@@ -460,6 +557,8 @@ class DecoderGraph:
         q_k_v = self._qkv(h, lw, p)
         local = s.is_local(i)
         rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        if s.rope_sections:   # a row per packed token (M-RoPE), not per KV position
+            rope = ('cos_tokens', 'sin_tokens')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
@@ -474,6 +573,8 @@ class DecoderGraph:
             norms = {} if lw.q_norm is None else {
                 'q_norm': lw.q_norm.astype(np.float32).tolist(),
                 'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
+            if s.rope_sections:
+                norms['rope_per_token'] = 1
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
                                     num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
@@ -486,6 +587,10 @@ class DecoderGraph:
                 'GroupQueryAttention', inputs, outputs=outputs, domain=MS_DOMAIN,
                 name=f'{p}/attn', num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
                 scale=scale, do_rotary=1, rotary_interleaved=0, **window)
+        if lw.attn_gate is not None:
+            gate = self._linear(h, lw.attn_gate, f'{p}.attn.gate_proj')
+            (sig,) = self._node('Sigmoid', [gate])
+            (attn,) = self._node('Mul', [attn, sig])
         o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
         if lw.post_attn_norm is not None:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')

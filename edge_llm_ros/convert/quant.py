@@ -278,6 +278,23 @@ def quantize_blocks(w: np.ndarray, block_size: int, bits: int = 4,
                         scale.astype(np.float32), zp.astype(np.uint8), block_size, bits)
 
 
+def repack_plan(qtype: str, block_size: int = 32, precision: str = 'source',
+                exact: bool = True) -> Tuple[str, int]:
+    """How to_blocks stores a matrix of `qtype`: (how, bits).
+
+    how: 'exact' (the file's own codes and scales, repacked) or 'requantized' (dequantized,
+    then quantized again to `bits`: lossy).
+    """
+    bits = 8 if precision == 'source' and qtype in WIDE_TYPES else 4
+    if block_size != 32:
+        return 'requantized', bits
+    if qtype in ('Q4_0', 'Q4_1') or (qtype == 'Q8_0' and bits == 8):
+        return ('requantized' if qtype == 'Q4_1' and not exact else 'exact'), bits
+    layout = EXACT_LAYOUTS.get(qtype)
+    return ('exact' if layout is not None and layout.storage_bits <= bits
+            else 'requantized'), bits
+
+
 def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
               exact: bool = True) -> BlockWeights:
     """Convert a 2-D source tensor; exact repacks where the source blocks allow it.
@@ -290,8 +307,9 @@ def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
     if precision not in PRECISIONS:
         raise ValueError(f'precision must be one of {PRECISIONS}')
     cols = t.shape[1]
-    bits = 8 if precision == 'source' and t.qtype in WIDE_TYPES else 4
-    if t.permute_heads:  # llama Q/K rows: undo llama.cpp's permutation once, here
+    how, bits = repack_plan(t.qtype, block_size, precision, exact)
+    if t.permute_heads or t.row_order is not None:
+        # llama Q/K rows (llama.cpp's permutation undone), qwen35's gathered rows: once, here
         t = SourceTensor(t.name, t.qtype, t.shape, t.values(), shift=t.shift)
     if block_size == 32 and t.qtype == 'Q4_0':
         return from_q4_0(t.data, cols)
@@ -302,8 +320,7 @@ def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
     # Dequantize (and requantize or probe) a slab of rows at a time: a large embedding as
     # float32 plus the temporaries would otherwise need several GB.
     step = max(1, _SLAB_ELEMENTS // cols)
-    layout = EXACT_LAYOUTS.get(t.qtype)
-    if block_size == 32 and layout is not None and layout.storage_bits <= bits:
+    if how == 'exact':
         with np.errstate(invalid='ignore', divide='ignore'):  # NaN scales: reported below
             slabs = [from_affine_blocks(t.data[i:i + step], cols, t.qtype)
                      for i in range(0, t.shape[0], step)]

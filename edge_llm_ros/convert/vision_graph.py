@@ -22,6 +22,14 @@ and mlp runs one layer fewer than stored (#25817), keeping CLS and dropping patc
 MLP_SKIPS_LAST_LAYER; a libmtmd with the fixes needs them flipped, and the parity tests will
 say so). Weights are float32 (F16 tensors widened exactly), except Q8_0 matrices, which stay
 in their blocks (MatMulNBits, 8 bits, blocks of 32: the file's codes and scales).
+Two roundings of llama.cpp's CPU ops are kept, as they move every embedding by about 1e-3 of
+its size (docs/vision.md, "Parity with mtmd"):
+- the patch embedding: ggml_conv_2d unfolds the pixels into an F16 im2col (unless the kernel
+  is BF16), so the normalized pixels and the kernel are rounded to float16 before the
+  products (summed in float32);
+- GELU (tanh) and quick GELU: ggml looks them up in a float16 table, the input rounded to
+  float16 and the result too (GELU passes x >= 10 through and gives 0 for x <= -10);
+- an F16 matrix: ggml's matmul rounds the activations to float16 as well.
 """
 from typing import BinaryIO, Dict, List, Optional
 
@@ -29,14 +37,15 @@ import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
-from edge_llm_ros.convert.mmproj import Mmproj, MmprojError
+from edge_llm_ros.convert.mmproj import (Mmproj, MmprojError, QWEN_MAX_TOKENS,
+                                         QWEN_MIN_TOKENS)
 from edge_llm_ros.convert.onnx_graph import initializer, MS_DOMAIN
 from edge_llm_ros.convert.quant import from_q8_0
 from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
-BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp')
+BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger')
 # As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
 # CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
 # `mlp` graph runs (n_layer - 1: the last stored layer is skipped).
@@ -78,6 +87,44 @@ def _normalized(g: _Graph, cfg) -> str:
     return g.node('Transpose', [x], perm=[0, 3, 1, 2])
 
 
+def _f16(g: _Graph, x: str) -> str:
+    """Return x rounded to float16 (to nearest, ties to even) and widened back to float32."""
+    return g.node('Cast', [g.node('Cast', [x], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
+
+
+def _patch_embedding(g: _Graph, mm: Mmproj, pixels: str) -> str:
+    """Return the stride-p convolution [B, C, P, P] as ggml_conv_2d computes it.
+
+    Its im2col is F16 unless the kernel is BF16: the pixels and the kernel are rounded to
+    float16 (exact products, float32 sums), then the bias is added in float32.
+    """
+    p = mm.config.patch_size
+    kernel = mm.array('v.patch_embd.weight')
+    if mm.tensors['v.patch_embd.weight'].qtype != 'BF16':
+        pixels = _f16(g, pixels)
+        kernel = kernel.astype(np.float16).astype(np.float32)
+    bias = ([g.init('v.patch_embd.bias', mm.array('v.patch_embd.bias'))]
+            if 'v.patch_embd.bias' in mm.tensors else [])
+    return g.node('Conv', [pixels, g.init('v.patch_embd.weight', kernel)] + bias,
+                  kernel_shape=[p, p], strides=[p, p])
+
+
+def _gelu(g: _Graph, x: str) -> str:
+    """Return ggml's GELU (tanh): its float16 table between -10 and 10, x above, 0 below."""
+    table = _f16(g, g.node('Gelu', [_f16(g, x)], approximate='tanh'))
+    ten = g.const(10.0, np.float32)
+    high = g.node('Where', [g.node('GreaterOrEqual', [x, ten]), x, table])
+    low = g.node('LessOrEqual', [x, g.node('Neg', [ten])])
+    return g.node('Where', [low, g.const(0.0, np.float32), high])
+
+
+def _quick_gelu(g: _Graph, x: str) -> str:
+    """Return ggml's quick GELU, x * sigmoid(1.702 x), from its float16 table."""
+    x = _f16(g, x)
+    scaled = g.node('Mul', [x, g.const(1.702, np.float32)])
+    return _f16(g, g.node('Mul', [x, g.node('Sigmoid', [scaled])]))
+
+
 def _linear(g: _Graph, mm: Mmproj, x: str, prefix: str, transposed: bool = True) -> str:
     """Add x @ W.T (+ b) for a [out, in] GGUF matrix (x @ W when `transposed` is False).
 
@@ -97,6 +144,8 @@ def _linear(g: _Graph, mm: Mmproj, x: str, prefix: str, transposed: bool = True)
                       domain=MS_DOMAIN, K=k, N=n, bits=8, block_size=32,
                       accuracy_level=INT8_ACTIVATIONS)
     w = mm.array(prefix + '.weight')
+    if source.qtype == 'F16':  # ggml's F16 matmul takes the activations as float16 too
+        x = _f16(g, x)
     y = g.node('MatMul', [x, g.init(prefix + '.weight.t', w.T if transposed else w)])
     if bias:
         y = g.node('Add', [y] + bias)
@@ -133,12 +182,11 @@ def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     h = _layer_norm(g, mm, x, f'{b}.ln2')
     up = _linear(g, mm, h, f'{b}.ffn_up')
     if cfg.activation == 'gelu_tanh':
-        act = g.node('Gelu', [up], approximate='tanh')
+        act = _gelu(g, up)
     elif cfg.activation == 'silu':
         act = g.node('Mul', [up, g.node('Sigmoid', [up])])
-    else:  # quick GELU: x * sigmoid(1.702 x)
-        scaled = g.node('Mul', [up, g.const(1.702, np.float32)])
-        act = g.node('Mul', [up, g.node('Sigmoid', [scaled])])
+    else:
+        act = _quick_gelu(g, up)
     down = _linear(g, mm, act, f'{b}.ffn_down')
     if f'{b}.ls2.weight' in mm.tensors:
         down = g.node('Mul', [down, g.init(f'{b}.ls2.weight',
@@ -189,14 +237,14 @@ def _internvl_projector(g: _Graph, mm: Mmproj, x: str) -> str:
     bias = g.init('mm.model.mlp.0.bias', mm.array('mm.model.mlp.0.bias'))
     # eps 1e-5: llama.cpp's (PyTorch's default), not the encoder's.
     y = g.node('LayerNormalization', [y, weight, bias], axis=-1, epsilon=1e-5)
-    y = g.node('Gelu', [_linear(g, mm, y, 'mm.model.mlp.1')], approximate='tanh')
+    y = _gelu(g, _linear(g, mm, y, 'mm.model.mlp.1'))
     return _linear(g, mm, y, 'mm.model.mlp.3')
 
 
 def _mlp_projector(g: _Graph, mm: Mmproj, x: str) -> str:
     # Rows 1..N: with the CLS token last (llama.cpp), patch 0 is dropped and CLS is kept.
     rows = _patch_rows(g, x, 1, mm.config.patches_per_side ** 2)
-    y = g.node('Gelu', [_linear(g, mm, rows, 'mm.0')], approximate='tanh')
+    y = _gelu(g, _linear(g, mm, rows, 'mm.0'))
     return _linear(g, mm, y, 'mm.2')
 
 
@@ -211,13 +259,11 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
     if cfg.projector not in BUILT:  # a projector convert/mmproj.py reads but not built here
         raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built (built: '
                           f'{", ".join(BUILT)})')
+    if cfg.dynamic:  # Qwen-VL: one image of any size, its own graph
+        from edge_llm_ros.convert.vision_qwen import build_qwen_encoder
+        return build_qwen_encoder(mm, name, data, location)
     g = _Graph(data, location)
-    p = cfg.patch_size
-    weight = g.init('v.patch_embd.weight', mm.array('v.patch_embd.weight'))
-    conv = g.node('Conv', [_normalized(g, cfg), weight]
-                  + ([g.init('v.patch_embd.bias', mm.array('v.patch_embd.bias'))]
-                     if 'v.patch_embd.bias' in mm.tensors else []),
-                  kernel_shape=[p, p], strides=[p, p])  # [B, C, P, P]
+    conv = _patch_embedding(g, mm, _normalized(g, cfg))  # [B, C, P, P]
     x = g.node('Transpose', [g.node('Reshape', [conv, g.const([0, cfg.n_embd, -1])])],
                perm=[0, 2, 1])  # [B, N, C], patch y * P + x
     if 'v.class_embd' in mm.tensors:
@@ -262,6 +308,8 @@ _LAYOUT = {
     'internvl': {'preprocess': 'internvl_tiles', 'attention': 'causal',
                  'wrapper': ['<img>', '</img>']},
     'mlp': {'preprocess': 'letterbox_bicubic', 'attention': 'causal', 'wrapper': []},
+    'qwen2.5vl_merger': {'preprocess': 'qwen_smart_resize', 'attention': 'causal',
+                         'wrapper': ['<|vision_start|>', '<|vision_end|>']},
 }
 
 
@@ -278,4 +326,7 @@ def model_yaml_section(mm: Mmproj, file: str) -> dict:
             'embedding_size': cfg.n_out, 'image_mean': list(cfg.image_mean),
             'image_std': list(cfg.image_std), 'longest_edge': cfg.longest_edge,
             'min_tiles': cfg.min_tiles, 'max_tiles': cfg.max_tiles,
-            **_LAYOUT[cfg.projector], 'source': mm.path}
+            **_LAYOUT[cfg.projector], 'source': mm.path,
+            **({'head_dim': cfg.n_embd // cfg.n_head, 'merge': cfg.scale_factor,
+                'min_tokens': QWEN_MIN_TOKENS, 'max_tokens': QWEN_MAX_TOKENS,
+                'positions': 'mrope'} if cfg.dynamic else {})}

@@ -72,8 +72,8 @@ class Health:
                        else f'{mode}: off ({speculation.why_off})'),)
         warm = engine.warm_prompts() if hasattr(engine, 'warm_prompts') else ()
         extra += (('warm_prompts', str(len(warm))),)
-        extra += tuple((f'warm_prompt_{i}', f'{p.tokens} tokens, {p.nbytes} bytes: {p.label}')
-                       for i, p in enumerate(warm))
+        extra += tuple((f'warm_prompt_{i}', f'{p.tokens} tokens, {p.nbytes} bytes, '
+                        f'{p.status}: {p.label}') for i, p in enumerate(warm))
         rows: Optional[Any] = getattr(engine, 'rows', None)
         if rows is not None:
             extra += (('decode_rows_min', str(rows.min_rows)),

@@ -146,9 +146,9 @@ class LLMNode(LifecycleNode):
             self.get_logger().info(f'sessions.store {config.engine.session_store}: '
                                    f'{len(engine.sessions())} saved sessions restored')
         for prompt in engine.warm_prompts() if hasattr(engine, 'warm_prompts') else ():
-            self.get_logger().info(
-                f'warm prompt {prompt.label!r}: {prompt.tokens} tokens, {prompt.nbytes} bytes '
-                'pinned, ' + ('restored from sessions.store' if prompt.restored else 'prefilled'))
+            log = self.get_logger().warning if prompt.stored_error else self.get_logger().info
+            log(f'warm prompt {prompt.label!r}: {prompt.tokens} tokens, {prompt.nbytes} bytes '
+                f'pinned, {prompt.status}')
         return TransitionCallbackReturn.SUCCESS
 
     def _configure_failed(self, message: str) -> TransitionCallbackReturn:

@@ -66,7 +66,10 @@ def model_info(engine: Any, response: GetModelInfo.Response,
     response.supports_reasoning = bool(caps.get('reasoning'))
     response.supports_embeddings_input = bool(caps.get('embeddings_input'))
     warm = info.get('warm_prompts', ())
-    response.warm_prompts = [str(w['label']) for w in warm]
+    # A prompt whose stored state could not be used says so beside its label (the status:
+    # 're-prefilled: StoredWarmStateError: ...'), so an operator sees why it was prefilled.
+    response.warm_prompts = [str(w['label']) + (f" ({w['status']})" if str(
+        w.get('status', '')).startswith('re-prefilled') else '') for w in warm]
     response.warm_prompt_tokens = [int(w['tokens']) for w in warm]
     response.warm_prompt_bytes = [int(w['bytes']) for w in warm]
     family = getattr(engine, 'family', None)

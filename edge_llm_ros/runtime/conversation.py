@@ -57,6 +57,7 @@ class StoredImage:
     digest: str                                      # content digest (media.image_digest)
     embeds: np.ndarray = field(compare=False, repr=False)   # [rows, hidden]
     bidirectional: bool = False
+    grid: Tuple[int, int] = (0, 0)   # Qwen-VL: (columns, rows) of its M-RoPE positions
 
     @property
     def rows(self) -> int:
@@ -70,7 +71,8 @@ class StoredImage:
     def meta(self) -> Dict[str, Any]:
         return {'at': self.at, 'digest': self.digest, 'bidirectional': self.bidirectional,
                 'items': [list(i) if isinstance(i, tuple) else i for i in self.items],
-                'shape': list(self.embeds.shape), 'dtype': self.embeds.dtype.name}
+                'shape': list(self.embeds.shape), 'dtype': self.embeds.dtype.name,
+                **({'grid': list(self.grid)} if self.grid != (0, 0) else {})}
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Conversation:
                 images.append(StoredImage(
                     at=int(meta['at']), digest=str(meta['digest']), embeds=embeds,
                     bidirectional=bool(meta['bidirectional']),
+                    grid=tuple(int(n) for n in meta.get('grid', (0, 0))),
                     items=tuple(tuple(int(i) for i in item) if isinstance(item, list)
                                 else int(item) for item in meta['items'])))
             if offset != len(media_bytes):

@@ -41,7 +41,8 @@ import onnxruntime as ort
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import (BATCHED_INPUTS, BIDIRECTIONAL_INPUT, CONV_STATE_PAST,
                                        CONV_STATE_PRESENT, KV_INT8_MODEL_FILE, MODEL_FILE,
-                                       ModelInfo, REGENERATE_HINT, ROWS_INPUT, VARLEN_INPUTS)
+                                       ModelInfo, REGENERATE_HINT, ROPE_POSITIONS_INPUT,
+                                       ROWS_INPUT, VARLEN_INPUTS)
 from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.runtime.rows import check_rows, pack, Row
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
@@ -204,6 +205,7 @@ class OnnxDecoder:
         # A varlen graph (converter 9) runs rows; an older or GroupQueryAttention graph a
         # batch of equal-length rows (_BatchedCalls).
         self.varlen = ROWS_INPUT in inputs
+        self.mrope = ROPE_POSITIONS_INPUT in inputs   # qwen2vl: rows carry 3-D positions
         want_in = list(VARLEN_INPUTS if self.varlen else BATCHED_INPUTS)
         want_out = ['logits']
         for i in spec.kv_layers:
@@ -351,7 +353,7 @@ class _VarlenCalls:
     def run(self, rows: Sequence[Row]) -> np.ndarray:
         if all(row.decode_step for row in rows):
             return self._run_steps(rows)
-        packed = pack(rows, self._hidden, self._dec.act_dtype)
+        packed = pack(rows, self._hidden, self._dec.act_dtype, self._dec.mrope)
         self._inputs = packed.arrays()
         k = packed.logits_at.shape[0]
         self._bind(self._inputs, k)
@@ -361,7 +363,7 @@ class _VarlenCalls:
 
     def _bind(self, arrays: tuple, k: int) -> None:
         binding = self._binding
-        for name, array in zip(VARLEN_INPUTS, arrays):
+        for name, array in zip(VARLEN_INPUTS + (ROPE_POSITIONS_INPUT,), arrays):
             binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
         binding.bind_ortvalue_output('logits', self._logits_value(k))
 
@@ -371,12 +373,15 @@ class _VarlenCalls:
         arrays = self._steps.get(r)
         if arrays is None:   # the layout of any R decode steps; tokens and slots vary
             arrays = self._steps[r] = pack([Row(i, 0, np.zeros(1, np.int64)) for i in range(r)],
-                                           self._hidden, self._dec.act_dtype).arrays()
+                                           self._hidden, self._dec.act_dtype,
+                                           self._dec.mrope).arrays()
         ids, table = arrays[0], arrays[3]
         for i, row in enumerate(rows):
             ids[0, i] = row.ids[0]
             table[i, 0] = row.slot
             table[i, 1] = row.start
+            if self._dec.mrope:
+                arrays[5][:, i] = row.rope_positions()[:, 0]
         if self._bound_steps != r:
             self._bind(arrays, r)
             self._bound_steps = r

@@ -159,7 +159,12 @@ class SnapshotSink(Protocol):
 
     # Pinned snapshots (warm prompts): read back at open, keyed; saved; rows of keys not kept
     # deleted.
-    warm_rows: Dict[str, _Snapshot]
+    def warm_row(self, key: str) -> Optional[_Snapshot]:
+        """Return the snapshot read back for key at open (None: none).
+
+        Raises the sink's own error (a ModelLoadError) when key's row was there but could not
+        be used (another model, converter version or layout): the caller prefills it again.
+        """
 
     def save_warm(self, key: str, snap: _Snapshot) -> None: ...
 
@@ -259,8 +264,11 @@ class SnapshotStore:
             self._sink.save_warm(key, snap)
 
     def stored_pin(self, key: str) -> Optional[_Snapshot]:
-        """Return the snapshot the sink read back for key at open (None: none, or no sink)."""
-        return self._sink.warm_rows.get(key) if self._sink is not None else None
+        """Return the snapshot the sink read back for key at open (None: none, or no sink).
+
+        Raises what the sink's warm_row raises for a stored row this model cannot use.
+        """
+        return self._sink.warm_row(key) if self._sink is not None else None
 
     def keep_pinned_rows(self) -> None:
         """Delete the sink's rows of snapshots that are not pinned now."""

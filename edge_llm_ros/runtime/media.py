@@ -120,7 +120,9 @@ def declared_encoding(image: ImageInput, name: str) -> Optional[DeclaredEncoded]
     else:
         return None
     shape = encoded.shape
-    if len(shape) != 4 or min(shape) < 1 or (shape[0] == 1) != (shape[1] == 1):
+    # A tiled image has grid_rows + 1 >= 2 rows of any number of columns (one for a tall
+    # image); a single tile is [1, 1, ...].
+    if len(shape) != 4 or min(shape) < 1 or (shape[0] == 1 and shape[1] != 1):
         raise ImageInputError(
             f'{name} is an encoded image of shape {list(shape)}: send [grid_rows + 1, '
             'grid_cols, tile_rows, hidden] (a tiled image) or [1, 1, tile_rows, hidden] (one '

@@ -21,7 +21,8 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
-from edge_llm_ros.model_format import VISION_INPUT as PIXELS
+from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_ROPE_INPUTS,
+                                       VISION_WINDOW_MASK)
 from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
                                         image_digest, ImageInputError)
@@ -63,7 +64,10 @@ class ImageEncoder:
         except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
             raise ModelLoadError(f'cannot load {path}: {exc}') from exc
         inputs = [(i.name, i.type) for i in self._session.get_inputs()]
-        if inputs != [(PIXELS, 'tensor(uint8)')]:
+        # Qwen-VL (any image size) also takes its RoPE tables and window mask.
+        self._mrope = vision.get('positions') == 'mrope'
+        extra = [(n, 'tensor(float)') for n in (*VISION_ROPE_INPUTS, VISION_WINDOW_MASK)]
+        if inputs != [(PIXELS, 'tensor(uint8)')] + (extra if self._mrope else []):
             raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
                                  'graph from before the normalization moved into it): '
                                  'reconvert the model with --mmproj')
@@ -83,7 +87,11 @@ class ImageEncoder:
         tiles = preprocess(image, self.vision)
         pixels = np.stack(tiles.tiles)  # uint8: the graph normalizes them
         t1 = time.perf_counter()
-        (out,) = self._session.run(None, {PIXELS: pixels})
+        feeds = {PIXELS: pixels}
+        if self._mrope:
+            from edge_llm_ros.runtime.mmproj_qwen import encoder_inputs
+            feeds.update(encoder_inputs(tiles.tiles[0], self.vision))
+        (out,) = self._session.run(None, feeds)
         rows = np.ascontiguousarray(out.reshape(-1, out.shape[-1]))
         t2 = time.perf_counter()
         self._cache[digest] = rows
@@ -110,6 +118,9 @@ class ImageEncoder:
 
     def encoded_shape(self, height: int, width: int) -> Tuple[int, int, int, int]:
         """Return the wire form's shape for a height x width image (media.DeclaredEncoded)."""
+        if self._mrope:
+            raise ImageInputError('a Qwen-VL model takes frames, not pre-encoded rows (its '
+                                  'rows per image vary with the size): send the pixels')
         cols, rows, _ = grid_for(height, width, self.vision)
         return (rows + 1, max(cols, 1), int(self.vision['tokens_per_tile']), self.n_out)
 

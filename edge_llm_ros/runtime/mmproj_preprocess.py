@@ -37,7 +37,8 @@ LLAVA_GREY = (122, 116, 104)
 # clip.cpp's defaults for an InternVL mmproj without clip.vision.preproc_min/max_tiles.
 INTERNVL_MIN_TILES, INTERNVL_MAX_TILES = 1, 12
 # model.yaml's vision.preprocess values (convert/vision_graph.py writes them).
-PREPROCESS = ('letterbox_bilinear', 'idefics3_tiles', 'internvl_tiles', 'letterbox_bicubic')
+PREPROCESS = ('letterbox_bilinear', 'idefics3_tiles', 'internvl_tiles', 'letterbox_bicubic',
+              'qwen_smart_resize')
 
 
 class ImageShapeError(ValueError):
@@ -214,6 +215,10 @@ def preprocess(img: np.ndarray, vision: Mapping) -> Tiles:
         return mlp_tiles(img, size)
     if name == 'idefics3_tiles':
         return idefics3_tiles(img, size, int(vision.get('longest_edge') or 0))
+    if name == 'qwen_smart_resize':  # one image of its own size (runtime/mmproj_qwen.py)
+        from edge_llm_ros.runtime.mmproj_qwen import qwen_image, token_grid
+        return Tiles([qwen_image(_check(img), vision)],
+                     token_grid(img.shape[0], img.shape[1], vision))
     return internvl_tiles(img, size, *_tile_range(vision))
 
 
@@ -229,6 +234,9 @@ def grid_for(height: int, width: int, vision: Mapping) -> Tuple[int, int, int]:
         raise ImageShapeError(f'an image must be at least 1 x 1 pixels, got {h} x {w}')
     if name in ('letterbox_bilinear', 'letterbox_bicubic'):
         return 0, 0, 1
+    if name == 'qwen_smart_resize':  # (columns, rows) of merged tokens: one image
+        from edge_llm_ros.runtime.mmproj_qwen import token_grid
+        return (*token_grid(h, w, vision), 1)
     if name == 'idefics3_tiles':
         longest = int(vision.get('longest_edge') or 0)
         if longest > 0:

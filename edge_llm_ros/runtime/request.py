@@ -73,6 +73,9 @@ class PreparedRequest:
     image_rows: Tuple[int, ...] = ()
     # Each span is prefilled as one forward whose rows see all of it (gemma3's images).
     whole_spans: bool = False
+    # Per span, the (columns, rows) grid of an M-RoPE image (Qwen-VL), (0, 0) otherwise:
+    # runtime/mrope.py gives its rows and the text after it their rotary positions.
+    grids: Tuple[Tuple[int, int], ...] = ()
     # A session goal's stored images in its prompt (rows known; before `images`' rows), and
     # once bound, the content digest of every image in the prompt, in order.
     kept_images: Tuple[conv.StoredImage, ...] = ()
@@ -185,7 +188,8 @@ class PreparedRequest:
                 # A copy: the conversation outlives this request's array.
                 rows = self.embeds[row:row + placed.rows].copy()
                 out.append(conv.StoredImage(at, tuple(placed.items), digest, rows,
-                                            bool(placed.bidirectional)))
+                                            bool(placed.bidirectional),
+                                            tuple(getattr(placed, 'grid', (0, 0)))))
             row += placed.rows
         return tuple(out)
 
@@ -301,6 +305,7 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                    f'prompt in the context of {capacity} tokens: lower it')
     declared, array = _embeddings(request.prefix_embeddings, hidden_size)
     placements = media.check_images(request.images, layout)
+    _check_image_cap(placements, int(getattr(request, 'max_image_tokens', 0) or 0))
     if placements and declared is not None:
         raise InvalidRequestError('a request takes images or prefix_embeddings, not both')
     rows = sum(p.rows for p in placements) if placements else (
@@ -362,9 +367,27 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                embeddings=declared, keys=() if waits else tuple(ids),
                                spans=spans, images=images, image_rows=image_rows,
                                whole_spans=any(p.bidirectional for p in placements),
+                               grids=span_grids(placements) if placements else (),
                                output=output, chat=chat if session else None,
                                speculative=bool(getattr(request, 'speculative', True)))
     return prepared.bind(array) if array is not None else prepared
+
+
+def _check_image_cap(placements: Sequence[media.Placement], cap: int) -> None:
+    """Raise ImageInputError for an image of more rows than max_image_tokens (0: no cap)."""
+    if cap < 0:
+        raise InvalidRequestError(f'max_image_tokens must be >= 0 (0: no cap), got {cap}')
+    for i, placed in enumerate(placements):
+        if cap and placed.rows > cap:
+            raise media.ImageInputError(
+                f'images[{i}] takes {placed.rows} tokens, over max_image_tokens {cap}: send '
+                'a smaller image or raise the cap')
+
+
+def span_grids(placements: Sequence[media.Placement]) -> Tuple[Tuple[int, int], ...]:
+    """Return each embedding span's M-RoPE grid (ImagePlacement.grid; (0, 0) for others)."""
+    return tuple(tuple(getattr(p, 'grid', (0, 0))) for p in placements
+                 for item in p.items if not isinstance(item, tuple))
 
 
 def _encode_raw(tokenizer: TextTokenizer, text: str) -> List[int]:
@@ -427,7 +450,7 @@ def bind_conversation(prepared: PreparedRequest, stored: conv.Conversation,
         images=tuple(prepared.images[i] for i in bound.goal_images),
         image_rows=tuple(p.rows for p in bound.placed[len(kept):]),
         whole_spans=prepared.whole_spans or any(k.bidirectional for k in kept),
-        keys=bound.ids if not bound.placed else ())
+        grids=span_grids(bound.placed), keys=bound.ids if not bound.placed else ())
     if kept and not bound_request.images:
         return bound_request.bind_images((), ())
     return bound_request

@@ -8,7 +8,10 @@ the positions each row asks for, in row order.
 `pack` lays the rows out as a varlen graph's inputs: the tokens of every row packed one after
 the other (batch 1), the embeddings scattered into their packed positions, a row table the
 op library's CausalAttention and ShortConv read (slot, start, length, bidirectional), and the
-packed positions that get logits.
+packed positions that get logits. A graph of an M-RoPE model (qwen2vl) also takes each packed
+token's rotary position (t, h, w) (`rope_positions` [3, T]): a row's own `rope` where it
+has one (an image's grid, or text after an image, whose rotary position is not its KV
+index), else its KV positions on all three.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Row:
     embeds: Optional[np.ndarray] = None   # [e, hidden]
     logits: int = 1
     bidirectional: bool = False
+    rope: Optional[np.ndarray] = None   # int32 [3, length]: M-RoPE positions (None: start..)
 
     @property
     def n_embeds(self) -> int:
@@ -48,6 +52,13 @@ class Row:
         """One token with its logits: what a batched graph runs in its many-row call."""
         return self.embeds is None and self.ids.shape[0] == 1 and self.logits == 1 \
             and not self.bidirectional
+
+    def rope_positions(self) -> np.ndarray:
+        """Return the row's M-RoPE positions, int32 [3, length]."""
+        if self.rope is not None:
+            return self.rope
+        return np.broadcast_to(np.arange(self.start, self.start + self.length,
+                                         dtype=np.int32), (3, self.length))
 
 
 def decode_row(slot: int, token: int, position: int) -> Row:
@@ -84,13 +95,15 @@ class Packed:
     embeds_at: np.ndarray     # int64 [E, 1]: packed positions of the embeddings
     table: np.ndarray         # int32 [R, 4]: slot, start, length, bidirectional
     logits_at: np.ndarray     # int64 [K]: packed positions that get logits, in row order
+    rope: Optional[np.ndarray] = None  # int32 [3, T]: M-RoPE graphs only
 
     def arrays(self) -> tuple:
-        """Return the inputs in the graph's order (model_format.VARLEN_INPUTS)."""
-        return self.input_ids, self.embeds, self.embeds_at, self.table, self.logits_at
+        """Return the inputs in the graph's order (model_format.VARLEN_INPUTS, then M-RoPE's)."""
+        out = (self.input_ids, self.embeds, self.embeds_at, self.table, self.logits_at)
+        return out if self.rope is None else out + (self.rope,)
 
 
-def pack(rows: Sequence[Row], hidden: int, dtype: type) -> Packed:
+def pack(rows: Sequence[Row], hidden: int, dtype: type, mrope: bool = False) -> Packed:
     """Lay the rows out one after the other (row order kept)."""
     lengths = [row.length for row in rows]
     total = sum(lengths)
@@ -114,4 +127,6 @@ def pack(rows: Sequence[Row], hidden: int, dtype: type) -> Packed:
         embeds_at=(np.concatenate(embeds_at).astype(np.int64).reshape(-1, 1) if embeds_at
                    else np.zeros((0, 1), dtype=np.int64)),
         table=table,
-        logits_at=np.concatenate(logits_at).astype(np.int64))
+        logits_at=np.concatenate(logits_at).astype(np.int64),
+        rope=(np.ascontiguousarray(np.concatenate([row.rope_positions() for row in rows], 1),
+                                   dtype=np.int32) if mrope else None))

@@ -38,7 +38,7 @@ from typing import Callable, Deque, Iterable, List, Optional, Sequence as Seq, T
 
 import numpy as np
 
-from edge_llm_ros.runtime import media
+from edge_llm_ros.runtime import media, mrope
 from edge_llm_ros.runtime.output import Output
 from edge_llm_ros.runtime.request import PreparedRequest, split_chunks
 from edge_llm_ros.runtime.sampling import build_sampler, LogprobSampler, Sampler, TokenLogprobs
@@ -92,6 +92,16 @@ class Sequence:
     @property
     def request(self) -> PreparedRequest:
         return self._req
+
+    def rope_positions(self, start: int, length: int) -> Optional[np.ndarray]:
+        """Return M-RoPE positions [3, length] of KV positions start.. (None: the KV index).
+
+        Only a prompt with an M-RoPE image (Qwen-VL) has positions of its own.
+        """
+        req = self._req
+        if not mrope.shifted(req.spans, req.grids):
+            return None
+        return mrope.positions(req.spans, req.grids, start, length)
 
     # --- the prompt --------------------------------------------------------------------------
     def chunks(self, reused: int, chunk: int) -> List[Tuple[int, int]]:

@@ -119,6 +119,9 @@ class GenerationRequest:
     reasoning_budget: Optional[int] = None
     # False: this request decodes plainly even where the engine speculates.
     speculative: bool = True
+    # Embedding rows (tokens) one image may take, at most; 0: no cap but the context's. An
+    # image over it is refused before any model work (a 1080p frame is 2,691 Qwen-VL tokens).
+    max_image_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ one slot. A new ``generate`` call ends a previous generation that was not iterat
 
 Warm prompts (EngineConfig.warm_prompts, add_warm_prompt; serving/warm_prompts.py) are
 system prompts prefilled at init, each as one goal through the same scheduler, and pinned in
-the prefix cache; with session_store they are restored from it instead.
+the prefix cache; with session_store they are restored from it instead (into an empty slot,
+so the first goal copies nothing), unless the stored state is of another model, converter
+version or KV layout: that StoredWarmStateError is logged, the prompt prefilled again, and
+model_info() reports it as the prompt's status.
 
 The model's family (config/models: reasoning tags, tool-call format) is found from model.yaml,
 or named by EngineConfig.model_family; a model no family matches still runs, with generic JSON
@@ -39,7 +42,7 @@ from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, KV_IN
 from edge_llm_ros.runtime import constraint as constraint_mod
 from edge_llm_ros.runtime.conversation import committed, Conversation, reply_turn
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
-from edge_llm_ros.runtime.kv_cache import KVCache, SNAPSHOT_DTYPES
+from edge_llm_ros.runtime.kv_cache import KVCache, Reuse, SNAPSHOT_DTYPES
 from edge_llm_ros.runtime.mmproj_encoder import open_vision
 from edge_llm_ros.runtime.model_config import (family_for_model_dir, load_family, ModelConfigError,
                                                ModelFamilyConfig)
@@ -55,7 +58,8 @@ from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
 from edge_llm_ros.serving.scheduler import Checkpoint, Commit, Report, Scheduler
 from edge_llm_ros.serving.session_store import open_sessions
-from edge_llm_ros.serving.warm_prompts import WarmPrompt, WarmPromptError
+from edge_llm_ros.serving.warm_prompts import (StoredWarmStateError, WarmPrompt,
+                                               WarmPromptError)
 
 _log = logging.getLogger(__name__)
 
@@ -104,9 +108,10 @@ def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int,
                     kv_dtype: str = 'float32') -> int:
     """Bytes of the per-slot state buffers the decoder preallocates.
 
-    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the conv layers' states,
-    kernel - 1 positions x hidden each: model.yaml layer_states). With kv_dtype int8 each
-    (head, position) row of K or V is head_dim bytes plus its float32 scale.
+    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the fixed-size states:
+    a conv layer's kernel - 1 positions x hidden, a recurrent layer's conv inputs and
+    delta-rule state: model.yaml layer_states). With kv_dtype int8 each (head, position) row
+    of K or V is head_dim bytes plus its float32 scale.
     """
     kv_len = info.kv_max_context or max_context
     itemsize = 2 if info.activation_dtype == 'float16' else 4
@@ -251,7 +256,7 @@ class Engine:
         self._warm: Dict[str, WarmPrompt] = {}   # by key, in the order they were added
         try:
             for prompt in warm:
-                self._pin(prompt)
+                self._pin(prompt, at_configure=True)
         except BaseException:
             self.close()   # releases sessions.store for the next configure
             raise
@@ -268,12 +273,27 @@ class Engine:
             prompts.setdefault(prompt.key, prompt)
         return list(prompts.values())
 
-    def _pin(self, prompt: WarmPrompt) -> WarmPrompt:
-        """Pin a warm prompt's KV: restored from the store, else prefilled as one goal."""
+    def _pin(self, prompt: WarmPrompt, at_configure: bool = False) -> WarmPrompt:
+        """Pin a warm prompt's KV: restored from the store, else prefilled as one goal.
+
+        A stored state this model cannot use (StoredWarmStateError) is logged and kept as the
+        prompt's status; the prompt is prefilled again and saved anew. A prefilled prompt is
+        on disk before this returns, so the first goals do not share the CPU with its write.
+        At configure a restored prompt is also made live in an empty slot (the prefilled one
+        is live in its slot already): the first goal reuses it there without a restore copy.
+        """
         t0 = time.perf_counter()
-        snap = self._store.stored_pin(prompt.key)
+        stored_error = ''
+        try:
+            snap = self._store.stored_pin(prompt.key)
+        except StoredWarmStateError as exc:
+            stored_error = f'{type(exc).__name__}: {exc}'
+            _log.warning('warm prompt %r: %s', prompt.label, stored_error)
+            snap = None
         if snap is not None and tuple(snap.keys) == prompt.ids:
             self._store.pin(prompt.key, snap, save=False)
+            if at_configure:
+                self._make_live(snap)
             how = 'restored from sessions.store'
         else:
             # The normal run path: a goal of the prompt's ids and one token, then its KV.
@@ -290,13 +310,29 @@ class Engine:
             if tuple(snap.keys) != prompt.ids:
                 raise EngineError(f'warm prompt {prompt.label!r}: slot '
                                   f'{generation.goal.slot} does not hold its prefill')
-            self._store.pin(prompt.key, snap)
             how = f'prefilled in {time.perf_counter() - t0:.2f} s'
+            self._store.pin(prompt.key, snap)
+            if self._store.persistent:
+                t1 = time.perf_counter()
+                saved = threading.Event()
+                self._store.when_saved(saved.set)
+                saved.wait()
+                how += f', saved in {time.perf_counter() - t1:.2f} s'
+            if stored_error:
+                how = 're-' + how
         _log.info('warm prompt %r: %d tokens, %d bytes of KV pinned, %s', prompt.label,
                   prompt.tokens, snap.nbytes, how)
-        pinned = replace(prompt, nbytes=snap.nbytes, restored=how.startswith('restored'))
+        pinned = replace(prompt, nbytes=snap.nbytes, restored=how.startswith('restored'),
+                         stored_error=stored_error)
         self._warm[prompt.key] = pinned
         return pinned
+
+    def _make_live(self, snap) -> None:
+        """Copy a restored warm prompt's KV into the first empty slot (none empty: nothing)."""
+        for cache in self._caches:
+            if cache.length == 0:
+                cache.apply(Reuse(len(snap.keys), snap))
+                return
 
     def add_warm_prompt(self, text: str = '', path: str = '') -> WarmPrompt:
         """Prefill and pin one more warm prompt (text, 'file:<path>', or a file path).
@@ -513,8 +549,8 @@ class Engine:
             'family': family.family if family is not None else '',
             'family_error': self.family_error,
             'tool_call_format': fmt,
-            'warm_prompts': [{'label': p.label, 'tokens': p.tokens, 'bytes': p.nbytes}
-                             for p in self._warm.values()],
+            'warm_prompts': [{'label': p.label, 'tokens': p.tokens, 'bytes': p.nbytes,
+                              'status': p.status} for p in self._warm.values()],
             'capabilities': {
                 'tools': fmt != 'none',
                 'reasoning': reasoning is not None,

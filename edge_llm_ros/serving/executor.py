@@ -163,19 +163,20 @@ class Executor:
                 step = plan_rows[i]
                 goal = step.goal
                 if isinstance(step, PrefillRow):
+                    n = len(step.ids) + (0 if step.embeds is None else len(step.embeds))
                     rows.append(Row(goal.slot, step.start, step.ids, step.embeds,
                                     logits=1 if step.last else 0,
-                                    bidirectional=step.bidirectional))
+                                    bidirectional=step.bidirectional,
+                                    rope=self._rope(goal, step.start, n)))
                 else:
                     draft = tuple(drafts.get(goal.slot, ()))
                     if draft:
                         out.drafts[i] = draft
                         # A conv state cannot be cut back: keep the verify's start.
                         self._caches[goal.slot].keep_undo()
-                    rows.append(Row(goal.slot, step.start,
-                                    np.array(step.replay + (step.token,) + draft,
-                                             dtype=np.int64),
-                                    logits=1 + len(draft)))
+                    ids = np.array(step.replay + (step.token,) + draft, dtype=np.int64)
+                    rows.append(Row(goal.slot, step.start, ids, logits=1 + len(draft),
+                                    rope=self._rope(goal, step.start, len(ids))))
                 ran.append(i)
             if not rows:
                 return
@@ -194,6 +195,12 @@ class Executor:
             out.error = exc
         finally:
             out.seconds = time.perf_counter() - out.started
+
+    def _rope(self, goal, start: int, length: int):
+        """Return a row's M-RoPE positions (None: its KV positions, or a decoder without)."""
+        if not getattr(self._decoder, 'mrope', False):
+            return None
+        return goal.sequence.rope_positions(start, length)
 
     def _drafts(self, steps: Sequence) -> dict:
         """Draft for every speculating decode row at once: {slot: draft tokens}."""

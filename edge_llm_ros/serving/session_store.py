@@ -24,7 +24,8 @@
 * Warm prompts (serving/warm_prompts.py) have their own table, keyed by a digest of their
   token ids: read at open (warm_rows), each restored at configure without a prefill when it
   was written for this model, converter version and KV layout; another one is dropped with
-  one log line, and the engine prefills and saves it again. Eviction and clear() never
+  one log line and a StoredWarmStateError that warm_row() raises: the engine prefills and
+  saves it again, and reports the error as the warm prompt's status. Eviction and clear() never
   touch them; the engine deletes the rows of prompts no longer configured.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import CONVERTER_VERSION
 from edge_llm_ros.runtime.conversation import Conversation
 from edge_llm_ros.runtime.kv_cache import _Snapshot, SnapshotStore
+from edge_llm_ros.serving.warm_prompts import StoredWarmStateError
 
 _log = logging.getLogger(__name__)
 APPLICATION_ID = 0x454C5353  # 'ELSS': PRAGMA application_id of an edge_llm_ros session store
@@ -256,6 +258,8 @@ class SessionStore:
         self.last_error = ''
         # Warm prompts read back by restore_warm: key -> snapshot (this model's rows only).
         self.warm_rows: Dict[str, _Snapshot] = {}
+        # ... and the rows it dropped: key -> why (warm_row raises it).
+        self.warm_errors: Dict[str, StoredWarmStateError] = {}
         self._warm_keys: set = set()   # every key with a row on disk
 
     # --- opening -----------------------------------------------------------------------------
@@ -436,35 +440,62 @@ class SessionStore:
         """Read the warm prompts' rows into warm_rows; drop the others, one log line each.
 
         A row of another model, converter version or KV layout (or longer than the context,
-        or unreadable) is deleted: the engine prefills that prompt again and saves it anew.
-        Returns the number read back.
+        or unreadable) is deleted, and its StoredWarmStateError kept for warm_row() to raise:
+        the engine prefills that prompt again, saves it anew and reports why. Returns the
+        number read back.
         """
         for key, model_id, version, layout, keys_text, blob, ends_text in self._db.execute(
                 'SELECT key, model_hash, converter_version, layout, keys, data, state_ends '
                 'FROM warm_prompts'):
-            keys: Tuple[Hashable, ...] = ()
             try:
-                keys = decode_keys(keys_text)
-            except ValueError as exc:
-                reason: Optional[str] = f'unreadable ({exc})'
+                self.warm_rows[key] = self._read_warm_row(
+                    _Row(key, model_id, version, layout, 0, 0, 0), keys_text, blob, ends_text,
+                    capacity)
+            except StoredWarmStateError as exc:
+                self.warm_errors[key] = exc
+                _log.warning('%s', exc)
+                self._db.execute('BEGIN IMMEDIATE')
+                self._db.execute('DELETE FROM warm_prompts WHERE key = ?', (key,))
+                self._db.execute('COMMIT')
             else:
-                reason = self._mismatch(_Row(key, model_id, version, layout, len(keys), 0, 0),
-                                        capacity)
-            if reason is None:
-                try:
-                    self.warm_rows[key] = self.layout.decode(keys, blob, _ends(ends_text))
-                except ValueError as exc:
-                    reason = f'unreadable ({exc})'
-            if reason is None:
                 self._warm_keys.add(key)
-                continue
-            _log.warning('sessions.store %s: the stored warm prompt %s (%d tokens) is %s: '
-                         'dropped; it is prefilled again if it is still configured',
-                         self.path, key, len(keys), reason)
-            self._db.execute('BEGIN IMMEDIATE')
-            self._db.execute('DELETE FROM warm_prompts WHERE key = ?', (key,))
-            self._db.execute('COMMIT')
         return len(self.warm_rows)
+
+    def _read_warm_row(self, row: _Row, keys_text: str, blob: bytes, ends_text: str,
+                       capacity: int) -> _Snapshot:
+        """Decode one warm prompt's row (StoredWarmStateError when this model cannot use it)."""
+        keys: Tuple[Hashable, ...] = ()
+        try:
+            keys = decode_keys(keys_text)
+        except ValueError as exc:
+            reason: Optional[str] = f'unreadable ({exc})'
+        else:
+            row.positions = len(keys)
+            reason = self._mismatch(row, capacity)
+        if reason is None:
+            try:
+                return self.layout.decode(keys, blob, _ends(ends_text))
+            except ValueError as exc:
+                reason = f'unreadable ({exc})'
+        raise StoredWarmStateError(
+            f'sessions.store {self.path}: the stored warm prompt {row.session_id} '
+            f'({len(keys)} tokens) is {reason}. It was written for model hash '
+            f'{row.model_hash[:16]} by converter version {row.converter_version} with KV '
+            f'layout {row.layout}; this is model hash {self.model_id[:16]}, converter version '
+            f'{CONVERTER_VERSION}, KV layout {self._layout_text}. Its KV is dropped and the '
+            'prompt is prefilled again at configure (if it is still configured) and saved '
+            'anew: nothing to do, unless the model changed by mistake (then point model_dir '
+            'back at the model this store was written for)')
+
+    def warm_row(self, key: str) -> Optional[_Snapshot]:
+        """Return the warm prompt's snapshot read back at open (None: none stored).
+
+        Raises StoredWarmStateError (once) when its row was stored but could not be used.
+        """
+        error = self.warm_errors.pop(key, None)
+        if error is not None:
+            raise error
+        return self.warm_rows.get(key)
 
     def save_warm(self, key: str, snap: _Snapshot) -> None:
         """Record a warm prompt's row (written by the writer thread, as a session's)."""

@@ -43,6 +43,16 @@ class WarmPromptError(ModelLoadError):
     """A warm prompt cannot be used: unreadable file, empty, too long, or over the KV budget."""
 
 
+class StoredWarmStateError(WarmPromptError):
+    """sessions.store holds a warm prompt's KV that this model cannot use.
+
+    Written for another model (its folder's hash differs), by another converter version, for
+    another KV layout or kv.dtype, longer than the context, or unreadable. Not fatal: the
+    engine catches it at configure (or on ~/warm_prompt), prefills the prompt again, saves it
+    anew and reports the error as the warm prompt's status.
+    """
+
+
 @dataclass(frozen=True)
 class WarmPrompt:
     """One warm prompt: where it came from, its text and tokens, and its pinned KV bytes."""
@@ -52,6 +62,17 @@ class WarmPrompt:
     ids: Tuple[int, ...]
     nbytes: int = 0            # of its pinned snapshot (0 until pinned)
     restored: bool = False     # read back from sessions.store (no prefill) when pinned
+    # Why its stored state could not be used (a StoredWarmStateError's text; '' = none).
+    stored_error: str = ''
+
+    @property
+    def status(self) -> str:
+        """Return how it was pinned: restored, prefilled, or re-prefilled with the reason."""
+        if self.restored:
+            return 'restored from sessions.store'
+        if self.stored_error:
+            return f're-prefilled: {self.stored_error}'
+        return 'prefilled'
 
     @property
     def key(self) -> str:

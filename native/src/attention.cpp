@@ -192,8 +192,9 @@ ELK_CLONES void elk_attention_store(const elk_attention_shape *shape, const elk_
   for (int64_t s = 0; s < row->length; ++s) {
     const int64_t pos = row->start + s;
     const int64_t token = (row->offset + s) * kv_stride + h * d;
-    rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + pos * half,
-           sin + pos * half, d, key_buffer + base + pos * d);
+    const int64_t r = rope_row(shape, row, s);
+    rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + r * half,
+           sin + r * half, d, key_buffer + base + pos * d);
     std::memcpy(value_buffer + base + pos * d, v + token, static_cast<size_t>(d) * sizeof(float));
   }
 }
@@ -209,9 +210,10 @@ ELK_CLONES void elk_attention_row(const elk_attention_shape *shape, const elk_ro
   const float *keys = key_buffer + (row->slot * shape->kv_heads + kv) * shape->capacity * d;
   const float *values = value_buffer + (row->slot * shape->kv_heads + kv) * shape->capacity * d;
   float normed[512], rotated[512];  // head_dim <= 512, checked by the op
+  const int64_t r = rope_row(shape, row, s);
   rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
                    d, normed),
-         cos + pos * half, sin + pos * half, d, rotated);
+         cos + r * half, sin + r * half, d, rotated);
   // The last key the query sees: itself, or its row's last position when bidirectional.
   const int64_t last = row->bidirectional ? row->start + row->length - 1 : pos;
   const int64_t n = last + 1 - first;
@@ -269,10 +271,11 @@ ELK_CLONES void elk_attention_block(const elk_attention_shape *shape, const elk_
   float *rotated = scratch, *inv = scratch + count * d, *scores = inv + count;
   float normed[512];  // head_dim <= 512, checked by the op
   for (int64_t c = 0; c < count; ++c) {
-    const int64_t s = s_begin + c / heads, h = h_begin + c % heads, pos = row->start + s;
+    const int64_t s = s_begin + c / heads, h = h_begin + c % heads;
+    const int64_t r = rope_row(shape, row, s);
     rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
                      d, normed),
-           cos + pos * half, sin + pos * half, d, rotated + c * d);
+           cos + r * half, sin + r * half, d, rotated + c * d);
   }
   // Query c sees positions first_key(pos) .. last (its own, or the row's last when
   // bidirectional); a tile outside them is skipped for that query alone.

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "edge_llm_kquant/attention.h"
+#include "edge_llm_kquant/row.h"
 
 namespace {
 
@@ -62,6 +63,11 @@ inline const float *head_norm(const float *x, const float *weight, float eps, in
 // The first key position a query at pos sees (the window's start, or 0).
 inline int64_t first_key(const elk_attention_shape *shape, int64_t pos) {
   return shape->window > 0 && pos + 1 > shape->window ? pos + 1 - shape->window : 0;
+}
+
+// The cos/sin row that rotates token s of `row` (see elk_attention_shape.rope_per_token).
+inline int64_t rope_row(const elk_attention_shape *shape, const elk_row *row, int64_t s) {
+  return shape->rope_per_token ? row->offset + s : row->start + s;
 }
 
 }  // namespace

@@ -59,11 +59,11 @@ inline void accumulate_i8(float *y, const float *w, const int8_t *v, int64_t d, 
 inline float quantized_query(const elk_attention_shape *shape, const elk_row *row, int64_t s,
                              int64_t h, const float *q, int64_t q_stride, const float *cos,
                              const float *sin, int8_t *q8) {
-  const int64_t d = shape->head_dim, half = d / 2, pos = row->start + s;
+  const int64_t d = shape->head_dim, half = d / 2, r = rope_row(shape, row, s);
   float normed[512], rotated[512];  // head_dim <= 512, checked by the op
   rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
                    d, normed),
-         cos + pos * half, sin + pos * half, d, rotated);
+         cos + r * half, sin + r * half, d, rotated);
   return elk_quantize_i8(rotated, d, q8) * shape->scale;
 }
 
@@ -95,10 +95,10 @@ ELK_CLONES void elk_attention_store_i8(const elk_attention_shape *shape, const e
   const int64_t d = shape->head_dim, half = d / 2, base = head_base(shape, row, h);
   float normed[512], rotated[512];  // head_dim <= 512, checked by the op
   for (int64_t s = 0; s < row->length; ++s) {
-    const int64_t pos = row->start + s, at = base + pos;
+    const int64_t at = base + row->start + s, r = rope_row(shape, row, s);
     const int64_t token = (row->offset + s) * kv_stride + h * d;
-    rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + pos * half,
-           sin + pos * half, d, rotated);
+    rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + r * half,
+           sin + r * half, d, rotated);
     kv->key_scales[at] = elk_quantize_i8(rotated, d, kv->keys + at * d);
     kv->value_scales[at] = elk_quantize_i8(v + token, d, kv->values + at * d);
   }

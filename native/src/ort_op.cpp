@@ -27,6 +27,7 @@
 #include "edge_llm_kquant/attention_i8.h"
 #include "edge_llm_kquant/ref.h"
 #include "edge_llm_kquant/shortconv.h"
+#include "edge_llm_kquant/gated_delta.h"
 #include "glu.h"
 
 namespace {
@@ -609,6 +610,17 @@ struct CausalAttentionKernel {
                            "model", ORT_INVALID_ARGUMENT);
     }
     if (!q_norm_.empty()) norm_eps_ = kernel_info.GetAttribute<float>("norm_epsilon");
+    // Optional: 1 when cos/sin hold a row per packed token (M-RoPE graphs), 0 or absent when
+    // a row per KV position.
+    try {
+      rope_per_token_ = kernel_info.GetAttribute<int64_t>("rope_per_token");
+    } catch (const Ort::Exception &) {
+      rope_per_token_ = 0;
+    }
+    if (rope_per_token_ != 0 && rope_per_token_ != 1) {
+      throw Ort::Exception("CausalAttention: rope_per_token must be 0 or 1: reconvert the "
+                           "model", ORT_INVALID_ARGUMENT);
+    }
     if (heads_ <= 0 || kv_heads_ <= 0 || heads_ % kv_heads_ != 0 || window_ < 0) {
       throw Ort::Exception("CausalAttention: num_heads " + std::to_string(heads_) +
                            " must be a positive multiple of kv_num_heads " +
@@ -700,9 +712,13 @@ struct CausalAttentionKernel {
     } else {
       table = batched_table("CausalAttention", seqlens, batch, seq, bidirectional);
     }
+    if (rope_per_token_ && rope_shape[0] != batch * seq) {
+      fail("cos/sin hold " + std::to_string(rope_shape[0]) + " rows, not one per token (" +
+           std::to_string(batch * seq) + ")");
+    }
     for (size_t r = 0; r < table.size(); ++r) {
       const int64_t end = table[r].start + table[r].length;
-      if (end > capacity || end > rope_shape[0]) {
+      if (end > capacity || (!rope_per_token_ && end > rope_shape[0])) {
         fail("row " + std::to_string(r) + " writes positions " +
              std::to_string(table[r].start) + ".." + std::to_string(end - 1) +
              " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
@@ -765,7 +781,8 @@ struct CausalAttentionKernel {
     AttentionWork work{};
     work.shape = elk_attention_shape{heads_, kv_heads_, d, capacity, scale_, window_,
                                      q_norm_.empty() ? nullptr : q_norm_.data(),
-                                     k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_};
+                                     k_norm_.empty() ? nullptr : k_norm_.data(), norm_eps_,
+                                     rope_per_token_};
     work.q = q;
     work.q_stride = width;
     if (packed) {
@@ -801,7 +818,7 @@ struct CausalAttentionKernel {
   }
 
  private:
-  int64_t heads_ = 0, kv_heads_ = 0, window_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0, window_ = 0, rope_per_token_ = 0;
   float scale_ = 1.0f, norm_eps_ = 0.0f;
   std::vector<float> q_norm_, k_norm_;  // attributes: read-only while Computes run
 };
@@ -971,6 +988,168 @@ struct ShortConvOp : Ort::CustomOpBase<ShortConvOp, ShortConvKernel, true> {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// edge_llm_ros.GatedDeltaNet: Qwen3.5's linear-attention layer after its projections
+// (llama.cpp's build_layer_attn_linear): the causal depthwise conv + SiLU over q, k, v, the
+// gated delta rule token by token, the gated RMSNorm (gated_delta.h). One state buffer per
+// layer ([N, state floats]: conv inputs, then the delta state), bound as both past_state and
+// present_state and updated in place; a row that starts its sequence (start 0) reads zeros.
+// Two parallel steps (conv by channel blocks, then the recurrence by value head), each a fixed
+// order per element: a row's bits do not depend on the rows beside it or the call's form.
+struct GatedDeltaWork {
+  elk_gdn_shape shape;
+  const elk_row *rows;
+  const float *qkv, *weight, *z, *alpha, *beta, *dt_bias, *a, *norm;
+  float *state, *conv, *y;
+  int64_t state_floats, blocks, channels;
+};
+
+void gdn_conv_task(void *data, size_t task) {
+  const GatedDeltaWork &w = *static_cast<const GatedDeltaWork *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.blocks;
+  const int64_t c0 = static_cast<int64_t>(task) % w.blocks * ELK_GDN_CHANNELS;
+  const int64_t c1 = std::min(w.channels, c0 + ELK_GDN_CHANNELS);
+  elk_gdn_conv_rows(&w.shape, &w.rows[r], c0, c1, w.qkv, w.weight, w.state_floats, w.state,
+                    w.conv);
+}
+
+void gdn_delta_task(void *data, size_t task) {
+  const GatedDeltaWork &w = *static_cast<const GatedDeltaWork *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.shape.v_heads;
+  const int64_t h = static_cast<int64_t>(task) % w.shape.v_heads;
+  elk_gdn_delta_rows(&w.shape, &w.rows[r], h, w.conv, w.z, w.alpha, w.beta, w.dt_bias, w.a,
+                     w.norm, w.state_floats, w.state, w.y);
+}
+
+struct GatedDeltaKernel {
+  GatedDeltaKernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo i(info);
+    k_heads_ = i.GetAttribute<int64_t>("k_heads");
+    v_heads_ = i.GetAttribute<int64_t>("v_heads");
+    head_dim_ = i.GetAttribute<int64_t>("head_dim");
+    eps_ = i.GetAttribute<float>("epsilon");
+    if (k_heads_ < 1 || v_heads_ < 1 || v_heads_ % k_heads_ != 0 || head_dim_ < 1 ||
+        head_dim_ > ELK_GDN_MAX_HEAD) {
+      fail("k_heads " + std::to_string(k_heads_) + ", v_heads " + std::to_string(v_heads_) +
+           ", head_dim " + std::to_string(head_dim_) + " (v_heads a multiple of k_heads, "
+           "head_dim 1.." + std::to_string(ELK_GDN_MAX_HEAD) + ")");
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  static void fail(const std::string &what) {
+    throw Ort::Exception("GatedDeltaNet: " + what + ": reconvert the model",
+                         ORT_INVALID_ARGUMENT);
+  }
+
+  static std::vector<int64_t> shape_of(const Ort::ConstValue &v) {
+    return v.GetTensorTypeAndShapeInfo().GetShape();
+  }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue qkv = ctx.GetInput(0), z = ctx.GetInput(1), alpha = ctx.GetInput(2),
+                          beta = ctx.GetInput(3), weight = ctx.GetInput(4),
+                          dt_bias = ctx.GetInput(5), a = ctx.GetInput(6),
+                          norm = ctx.GetInput(7), past = ctx.GetInput(8),
+                          seqlens = optional_input(ctx, 9), rows = optional_input(ctx, 10);
+    const bool varlen = rows_form("GatedDeltaNet", seqlens, rows);
+    const int64_t d = head_dim_, value = v_heads_ * d;
+    const int64_t channels = (2 * k_heads_ + v_heads_) * d;
+    const std::vector<int64_t> x_shape = shape_of(qkv), w_shape = shape_of(weight),
+                               s_shape = shape_of(past);
+    if (w_shape.size() != 2 || w_shape[0] != channels || w_shape[1] < 2 ||
+        w_shape[1] > ELK_GDN_MAX_KERNEL) {
+      fail("the conv weight is not [" + std::to_string(channels) + ", kernel] with a kernel "
+           "of 2.." + std::to_string(ELK_GDN_MAX_KERNEL) + " positions");
+    }
+    const int64_t kernel = w_shape[1];
+    if (x_shape.size() != 3 || x_shape[2] != channels) {
+      fail("qkv is not [batch, seq, " + std::to_string(channels) + "]");
+    }
+    const int64_t batch = x_shape[0], seq = x_shape[1];
+    const auto check = [&](const Ort::ConstValue &v, const char *name,
+                           const std::vector<int64_t> &want) {
+      if (shape_of(v) != want) {
+        std::string dims;
+        for (int64_t n : want) dims += (dims.empty() ? "" : ", ") + std::to_string(n);
+        fail(std::string(name) + " is not [" + dims + "]");
+      }
+    };
+    check(z, "z", {batch, seq, value});
+    check(alpha, "alpha", {batch, seq, v_heads_});
+    check(beta, "beta", {batch, seq, v_heads_});
+    check(dt_bias, "dt_bias", {v_heads_});
+    check(a, "a", {v_heads_});
+    check(norm, "norm", {d});
+    const int64_t state_floats = (kernel - 1) * channels + v_heads_ * d * d;
+    if (s_shape.size() != 2 || (!varlen && s_shape[0] != batch) ||
+        s_shape[1] != state_floats) {
+      fail("the state is not [" + std::string(varlen ? "slots" : "batch") + ", " +
+           std::to_string(state_floats) + "]");
+    }
+    std::vector<elk_row> table = varlen
+        ? row_table("GatedDeltaNet", rows, s_shape[0], batch, seq)
+        : batched_table("GatedDeltaNet", seqlens, batch, seq, 0);
+    Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
+    float *state = present.GetTensorMutableData<float>();
+    if (state != past.GetTensorData<float>()) {
+      std::memcpy(state, past.GetTensorData<float>(),
+                  static_cast<size_t>(s_shape[0] * state_floats) * sizeof(float));
+    }
+    Ort::UnownedValue y = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, value});
+    const int64_t tokens = batch * seq;
+    if (tokens == 0) return;
+    std::vector<float> conv(static_cast<size_t>(tokens * channels));
+    GatedDeltaWork work{elk_gdn_shape{k_heads_, v_heads_, d, kernel, eps_}, table.data(),
+                        qkv.GetTensorData<float>(), weight.GetTensorData<float>(),
+                        z.GetTensorData<float>(), alpha.GetTensorData<float>(),
+                        beta.GetTensorData<float>(), dt_bias.GetTensorData<float>(),
+                        a.GetTensorData<float>(), norm.GetTensorData<float>(), state,
+                        conv.data(), y.GetTensorMutableData<float>(), state_floats,
+                        (channels + ELK_GDN_CHANNELS - 1) / ELK_GDN_CHANNELS, channels};
+    const size_t conv_tasks = table.size() * static_cast<size_t>(work.blocks);
+    const size_t delta_tasks = table.size() * static_cast<size_t>(v_heads_);
+    if (tokens * channels <= kInline) {
+      for (size_t t = 0; t < conv_tasks; ++t) gdn_conv_task(&work, t);
+    } else {
+      ctx.ParallelFor(gdn_conv_task, conv_tasks, 0, &work);
+    }
+    if (delta_tasks == 1) {
+      gdn_delta_task(&work, 0);
+    } else {
+      ctx.ParallelFor(gdn_delta_task, delta_tasks, 0, &work);
+    }
+  }
+
+ private:
+  static constexpr int64_t kInline = 1 << 14;
+  int64_t k_heads_ = 0, v_heads_ = 0, head_dim_ = 0;
+  float eps_ = 0.0f;
+};
+
+struct GatedDeltaOp : Ort::CustomOpBase<GatedDeltaOp, GatedDeltaKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<GatedDeltaKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "GatedDeltaNet"; }
+  // 0 qkv [B, S, (2 Hk + Hv) D], 1 z [B, S, Hv D], 2 alpha [B, S, Hv], 3 beta [B, S, Hv],
+  // 4 conv weight [(2 Hk + Hv) D, L], 5 dt_bias [Hv], 6 a [Hv], 7 norm [D], 8 past state
+  // [B or N, F], 9 seqlens_k [B] (optional), 10 rows [R, 4] (optional): one of 9 and 10.
+  size_t GetInputTypeCount() const { return 11; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index >= 9 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= 9 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // y [B, S, Hv D] and the present state [B or N, F].
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
@@ -982,6 +1161,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
   static KQuantGatherOp gather;
   static CausalAttentionOp attention;
   static ShortConvOp shortconv;
+  static GatedDeltaOp gated_delta;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
@@ -990,6 +1170,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
       domain->Add(&gather);
       domain->Add(&attention);
       domain->Add(&shortconv);
+      domain->Add(&gated_delta);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {

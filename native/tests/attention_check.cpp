@@ -24,6 +24,7 @@ struct Case {
   int64_t heads, kv_heads, head_dim, capacity, window;
   bool norms;
   elk_row row;
+  int64_t rope_per_token;  // 1: cos/sin rows by packed token (M-RoPE), not by position
 };
 
 std::vector<float> normal(std::mt19937 &rng, size_t n, float sigma) {
@@ -64,7 +65,7 @@ int check(std::mt19937 &rng, const Case &c, int blocks) {
   for (auto &x : k_norm) x += 1.0f;
   elk_attention_shape shape{c.heads, c.kv_heads, d, c.capacity, 0.7f / static_cast<float>(d),
                             c.window, c.norms ? q_norm.data() : nullptr,
-                            c.norms ? k_norm.data() : nullptr, 1e-6f};
+                            c.norms ? k_norm.data() : nullptr, 1e-6f, c.rope_per_token};
   // Keys and values all over the buffers (history, and garbage no query may read).
   const size_t buffer = static_cast<size_t>(slots * c.kv_heads * c.capacity * d);
   std::vector<float> keys = normal(rng, buffer, 3.0f), values = normal(rng, buffer, 2.0f);
@@ -191,6 +192,7 @@ int main() {
       {12, 2, 128, 1000, 0, false, {0, 700, 5, 300, 0}},   // a 300-token chunk mid-buffer
       {12, 2, 128, 1000, 0, false, {0, 999, 2, 1, 0}},     // a decode step at 1000
       {9, 3, 64, 1000, 0, true, {0, 37, 11, 300, 0}},      // group 3, q/k norms
+      {9, 3, 64, 1000, 0, false, {0, 37, 11, 300, 0}, 1},  // rotary rows by token (M-RoPE)
       {9, 3, 64, 1000, 0, false, {1, 400, 3, 150, 1}},     // bidirectional mid-buffer
       {8, 8, 64, 300, 0, false, {0, 0, 0, 300, 0}},        // no grouping (MHA)
       {8, 2, 80, 1000, 100, false, {0, 600, 1, 300, 0}},   // windowed, d 80

@@ -32,6 +32,10 @@ typedef struct {
   // weight); nullptr: none. norm_eps is the norm's epsilon.
   const float *q_norm, *k_norm;
   float norm_eps;
+  // 0: cos/sin row p rotates KV position p. 1: cos/sin hold one row per packed token of the
+  // call (token offset + s), for positions other than the KV index (M-RoPE: the graph
+  // gathered each token's t/h/w sections).
+  int64_t rope_per_token;
 } elk_attention_shape;
 
 // Normalize (k_norm, when set) and rotate the new keys of `row` (half-split rotary from

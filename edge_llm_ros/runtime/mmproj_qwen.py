@@ -1,0 +1,109 @@
+"""Qwen2.5-VL images as llama.cpp's libmtmd prepares them: smart resize, RoPE tables, windows.
+
+- `smart_size`: clip.cpp's calc_size_preserved_ratio for Qwen-VL (mtmd's dyn_size
+  preprocessor): each side rounded to a multiple of patch x merge (28), then, where the area
+  is over max_pixels or under min_pixels, both sides scaled by the square root of the ratio
+  and floored (over) or ceiled (under) to multiples of 28; float32 arithmetic as clip.cpp's.
+  The limits are 8 and 4096 merged tokens (clip.cpp's set_limit_image_tokens for Qwen-VL).
+- `qwen_image`: the image letterboxed into that size on black (Pillow's BICUBIC, the width
+  first: mmproj_preprocess.letterbox, which is libmtmd's PAD_CEIL resize).
+- `encoder_inputs`: vision.onnx's `vision_cos` / `vision_sin` (ggml's GGML_ROPE_TYPE_VISION:
+  pair k < d/4 turns by row x base^(-4k/d), the next d/4 by column, the angles multiplied up
+  in float32 as ggml does) and `window_mask` (0 between patches of one window of 112 pixels,
+  float32 lowest otherwise), for the patches in merge order (2 x 2 blocks row by row).
+"""
+import math
+from typing import Dict, Mapping, Tuple
+
+import numpy as np
+
+from edge_llm_ros.model_format import VISION_ROPE_INPUTS, VISION_WINDOW_MASK
+
+MERGE = 2            # clip.cpp's merge_ratio for the positions and windows
+WINDOW_PIXELS = 112  # clip.cpp's attn_window_size default (qwen2.5vl sets none)
+MIN_TOKENS, MAX_TOKENS = 8, 4096
+ROPE_BASE = 10000.0
+
+
+def _round_half_away(x: np.float32) -> int:
+    return int(math.floor(float(x) + 0.5))
+
+
+def smart_size(height: int, width: int, patch: int, min_tokens: int = MIN_TOKENS,
+               max_tokens: int = MAX_TOKENS) -> Tuple[int, int]:
+    """Return (height, width) libmtmd resizes a Qwen-VL image to (multiples of patch x 2)."""
+    f32 = np.float32
+    align = patch * MERGE
+    min_pixels, max_pixels = min_tokens * align * align, max_tokens * align * align
+
+    def by(x, how) -> int:
+        return int(how(float(f32(x) / f32(align)))) * align
+
+    w_bar = max(align, by(width, _round_half_away))
+    h_bar = max(align, by(height, _round_half_away))
+    if h_bar * w_bar > max_pixels:
+        beta = np.sqrt(f32(height) * f32(width) / f32(max_pixels))
+        h_bar = max(align, by(f32(height) / beta, math.floor))
+        w_bar = max(align, by(f32(width) / beta, math.floor))
+    elif h_bar * w_bar < min_pixels:
+        beta = np.sqrt(f32(min_pixels) / (f32(height) * f32(width)))
+        h_bar = by(f32(height) * beta, math.ceil)
+        w_bar = by(f32(width) * beta, math.ceil)
+    return h_bar, w_bar
+
+
+def token_grid(height: int, width: int, vision: Mapping) -> Tuple[int, int]:
+    """Return the (columns, rows) of merged tokens an image of height x width becomes."""
+    patch = int(vision['patch_size'])
+    h, w = smart_size(height, width, patch, int(vision.get('min_tokens') or MIN_TOKENS),
+                      int(vision.get('max_tokens') or MAX_TOKENS))
+    return w // (patch * MERGE), h // (patch * MERGE)
+
+
+def qwen_image(img: np.ndarray, vision: Mapping) -> np.ndarray:
+    """Return the image resized as libmtmd does (uint8 [H', W', 3], sides multiples of 28)."""
+    from edge_llm_ros.runtime.mmproj_preprocess import letterbox
+    cols, rows = token_grid(img.shape[0], img.shape[1], vision)
+    side = int(vision['patch_size']) * MERGE
+    return letterbox(img, cols * side, rows * side, 'bicubic')
+
+
+def _merge_order(rows: int, cols: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Return each patch's (row, column) in merge order, for a grid of merged tokens."""
+    by, bx, dy, dx = np.meshgrid(np.arange(rows), np.arange(cols), np.arange(MERGE),
+                                 np.arange(MERGE), indexing='ij')
+    return (by * MERGE + dy).reshape(-1), (bx * MERGE + dx).reshape(-1)
+
+
+def rope_tables(rows: int, cols: int, head_dim: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Return cos, sin [N, head_dim / 2] of the patches in merge order (ggml's vision RoPE)."""
+    y, x = _merge_order(rows, cols)
+    half, quarter = head_dim // 2, head_dim // 4
+    scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / half)
+    theta = np.empty((y.shape[0], half), np.float32)
+    t_y, t_x = y.astype(np.float32), x.astype(np.float32)
+    for k in range(half):
+        theta[:, k] = t_y if k < quarter else t_x
+        if k < quarter:
+            t_y = t_y * scale
+        else:
+            t_x = t_x * scale
+    return np.cos(theta), np.sin(theta)
+
+
+def window_mask(rows: int, cols: int, patch: int) -> np.ndarray:
+    """Return the windowed layers' additive mask [N, N] of the patches in merge order."""
+    grid = max(WINDOW_PIXELS // patch // MERGE, 1)
+    uy, ux = np.meshgrid(np.arange(rows), np.arange(cols), indexing='ij')
+    window = np.repeat(((uy // grid) * (cols + grid) + ux // grid).reshape(-1), MERGE * MERGE)
+    same = window[:, None] == window[None, :]
+    return np.where(same, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
+
+
+def encoder_inputs(image: np.ndarray, vision: Mapping) -> Dict[str, np.ndarray]:
+    """Return vision.onnx's inputs beside the pixels for a resized image [H', W', 3]."""
+    patch = int(vision['patch_size'])
+    rows, cols = image.shape[0] // (patch * MERGE), image.shape[1] // (patch * MERGE)
+    cos, sin = rope_tables(rows, cols, int(vision['head_dim']))
+    return {VISION_ROPE_INPUTS[0]: cos, VISION_ROPE_INPUTS[1]: sin,
+            VISION_WINDOW_MASK: window_mask(rows, cols, patch)}
