@@ -18,6 +18,8 @@ import yaml
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 MODEL_FILE = 'model.onnx'
+# model.onnx over int8 KV buffers and their scales (kv.dtype int8; convert/kv_int8_graph.py).
+KV_INT8_MODEL_FILE = 'model_kv_int8.onnx'
 DATA_FILE = 'model.onnx.data'
 TOKENIZER_FILE = 'tokenizer.json'
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'

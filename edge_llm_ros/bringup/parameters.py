@@ -306,7 +306,10 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'the bytes needed above it; 0 = 80 % of the memory available at configure',
               range=Range(0, 1 << 42)),
     ParamSpec('kv.dtype', ParamType.STRING, 'float32',
-              'Storage type of saved per-session KV prefixes', choices=('float32', 'int8')),
+              'KV precision: int8 keeps the live KV cache in int8 rows with a float32 scale '
+              'each (attention reads them directly; models with model_kv_int8.onnx) and saves '
+              'prefixes as plain copies of them; float32 keeps both at full precision',
+              choices=('float32', 'int8')),
     ParamSpec('kv.prefix_reuse', ParamType.BOOL, True,
               'Reuse the KV of a shared prompt prefix (system prompt, earlier turns)'),
     ParamSpec('kv.max_sessions', ParamType.INTEGER, 8,
