@@ -99,6 +99,13 @@ def test_minimal_file_gets_defaults(tmp_path):
     assert cfg.reasoning is None and cfg.chat_template is None and not cfg.fallback
     assert cfg.conversion == {'precision': 'source'} and cfg.recommended_context == 2048
     assert cfg.template_path() is None
+    assert cfg.grounding == ''   # no grounding unless the family says so
+
+
+def test_grounding_families():
+    """Qwen2.5-VL's JSON boxes are in the pixels it saw (vision/grounding.py's frames)."""
+    configs = mc.load_all()
+    assert {n: c.grounding for n, c in configs.items() if c.grounding} == {'qwen2': 'absolute'}
 
 
 @pytest.mark.parametrize('edit, words', [
@@ -110,6 +117,8 @@ def test_minimal_file_gets_defaults(tmp_path):
     (lambda t: t.replace('[llama]', '[mamba]'), "architectures: 'mamba' is not one of"),
     (lambda t: t.replace('[llama]', '[]'), 'architectures must be a list .* at least one'),
     (lambda t: t.replace('hermes', 'xml'), "tool_call_format: 'xml' is not one of hermes"),
+    (lambda t: t + 'grounding: pixels\n', "grounding: 'pixels' is not one of absolute, "
+     'normalized_1000'),
     (lambda t: t.replace('context: 2048', 'context: true'), 'context must be int, not bool'),
     (lambda t: t.replace('context: 2048', 'context: 0'), 'context must be >= 1'),
     (lambda t: t.replace('precision: source', 'precision: int2'), 'conversion.precision'),

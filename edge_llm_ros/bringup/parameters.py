@@ -298,6 +298,17 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'Goals decoded together in one batch (continuous batching); each has its own '
               'kv.max_context KV slot, reserved at configure (docs/batching.md)',
               range=Range(1, 16)),
+    ParamSpec('vision.max_image_tokens', ParamType.INTEGER, 0,
+              "Tokens one image may take when a goal's max_image_tokens is 0 (any-resolution "
+              'VLMs: a 1080p frame is 2,691 Qwen2.5-VL tokens); a larger image is refused as '
+              "invalid_request before any model work; 0 = no cap but the context's; board "
+              'profiles set one (docs/vision.md)', range=Range(0, 131072)),
+    ParamSpec('detections.publish', ParamType.STRING, 'auto',
+              'Grounded answers on ~/detections (vision_msgs or edge_llm_msgs '
+              "Detection2DArray): 'auto' = when the model's family grounds (config/models "
+              "`grounding`), 'on' = required (configure fails for a model that does not "
+              "ground), 'off' = never (results still carry their detections)",
+              choices=('auto', 'on', 'off')),
     ParamSpec('kv.max_context', ParamType.INTEGER, 2048,
               "KV-cache capacity in tokens (must not exceed the model's context length)",
               range=Range(64, 131072)),
@@ -665,6 +676,11 @@ def check_consistency(values: Mapping[str, Any], source: str = '') -> None:
     if values['cuda.kernel_set'] != 'none' and not values['cuda.sm_arch']:
         raise ParameterRangeError('%scuda.kernel_set %r needs cuda.sm_arch (e.g. sm_87)' % (
             where, values['cuda.kernel_set']))
+    cap = values.get('vision.max_image_tokens', 0)
+    if cap >= values['kv.max_context']:
+        raise ParameterRangeError(
+            '%svision.max_image_tokens = %d leaves no room in kv.max_context = %d: lower the '
+            'cap (or 0: the context bounds images)' % (where, cap, values['kv.max_context']))
 
 
 def resolved_threads(values: Mapping[str, Any]) -> int:
@@ -704,6 +720,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'kv_memory_limit': values['kv.memory_limit'],
         'warm_prompts': tuple(values['kv.warm_prompts']),
         'kernel': values['cpu.kernel'],
+        'max_image_tokens': values['vision.max_image_tokens'],
     }
 
 

@@ -42,6 +42,9 @@ class ImagePlacement:
     tiles: int
     bidirectional: bool = False   # each span is one forward that sees all of itself
     grid: Tuple[int, int] = (0, 0)  # Qwen-VL: the image's (columns, rows) of tokens (M-RoPE)
+    # Qwen-VL: (width, height) in pixels of the image as the model saw it (its smart resize),
+    # which its grounded answers' absolute coordinates refer to; (0, 0) for other families.
+    input_size: Tuple[int, int] = (0, 0)
 
 
 class PromptLayout:
@@ -114,7 +117,10 @@ class PromptLayout:
         if self.projector in QWEN:
             t = cols * rows
             items = [(ids['<|vision_start|>'],), t, (ids['<|vision_end|>'],)]
-            return ImagePlacement(tuple(items), t, 1, False, (cols, rows))
+            from edge_llm_ros.runtime.mmproj_qwen import MERGE
+            side = int(self._vision['patch_size']) * MERGE
+            return ImagePlacement(tuple(items), t, 1, False, (cols, rows),
+                                  (cols * side, rows * side))
         if self.projector == 'gemma3':
             items = [(ids['<start_of_image>'],), t, (ids['<end_of_image>'],)]
         elif self.projector == 'idefics3':

@@ -23,6 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PRECISIONS
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
+from edge_llm_ros.vision.grounding import GROUNDING_FRAMES
 
 TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
                      'none')
@@ -86,6 +87,9 @@ class ModelFamilyConfig:
     # A generation's own label, by the match_names entry that matched ({'qwen2.5': 'Qwen2.5'}).
     display_names: Mapping[str, str] = field(default_factory=dict)
     source: str = ''  # the file it was read from
+    # Grounding VLMs (Qwen-VL): the coordinate frame of the boxes and points their JSON answers
+    # hold (vision/grounding.GROUNDING_FRAMES); '' = the family does not ground.
+    grounding: str = ''
 
     @property
     def can_disable_reasoning(self) -> bool:
@@ -234,7 +238,7 @@ def resolve_model(spec: str, config_dir: Optional[os.PathLike] = None) -> ModelF
 
 _TOP_KEYS = {'family', 'description', 'display_name', 'display_names', 'architectures',
              'match_names', 'fallback', 'chat_template', 'stop_tokens', 'reasoning',
-             'tool_call_format', 'recommended', 'conversion'}
+             'tool_call_format', 'recommended', 'conversion', 'grounding'}
 _REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text',
                    'enable_kwarg'}
 _RECOMMENDED_KEYS = {'board', 'context'}
@@ -264,6 +268,10 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
     if template is not None and not (path.parent / 'templates' / template).is_file():
         raise ModelConfigError(f'{src}: chat_template: {path.parent / "templates" / template} '
                                'does not exist')
+    grounding = _get(doc, 'grounding', str, src, '')
+    if grounding and grounding not in GROUNDING_FRAMES:
+        raise ModelConfigError(f'{src}: grounding: {grounding!r} is not one of '
+                               f'{", ".join(GROUNDING_FRAMES)} (or leave it out: no grounding)')
     rec = _section(doc, 'recommended', _RECOMMENDED_KEYS, src)
     # A board profile's name; bringup, which owns the boards, checks it names one
     # (profiles.check_recommended_board, at launch).
@@ -278,7 +286,7 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
         tool_call_format=fmt, recommended_board=board, recommended_context=context,
         conversion=_conversion(doc, src), description=_get(doc, 'description', str, src, ''),
         display_name=_get(doc, 'display_name', str, src, ''),
-        display_names=_display_names(doc, src), source=src)
+        display_names=_display_names(doc, src), source=src, grounding=grounding)
 
 
 def _display_names(doc: Mapping[str, Any], src: str) -> Dict[str, str]:

@@ -96,6 +96,9 @@ class EngineConfig:
     # System prompts prefilled at init and pinned in the prefix cache: text, or 'file:<path>'
     # (serving/warm_prompts.py). They need prefix_reuse.
     warm_prompts: Tuple[str, ...] = ()
+    # Tokens one image may take when a request sets no max_image_tokens of its own; 0 = no cap
+    # but the context's (a 1080p frame is 2,691 Qwen-VL tokens: board profiles set one).
+    max_image_tokens: int = 0
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -200,6 +203,9 @@ class Engine:
             raise ModelLoadError(f'prefill_chunk must be >= 1, got {config.prefill_chunk}')
         if config.max_sessions < 0:
             raise ModelLoadError(f'max_sessions must be >= 0, got {config.max_sessions}')
+        if config.max_image_tokens < 0:
+            raise ModelLoadError(f'max_image_tokens must be >= 0 (0: no cap), got '
+                                 f'{config.max_image_tokens}')
         model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
@@ -401,6 +407,8 @@ class Engine:
             raise InvalidRequestError(
                 'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '
                 'send the whole conversation without a session_id, or enable them')
+        if not getattr(request, 'max_image_tokens', 0) and self.config.max_image_tokens:
+            request = replace(request, max_image_tokens=self.config.max_image_tokens)
         return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
                        self._compile_schema, decoder.act_dtype, family=self.family,
                        vocab_size=self.vocab_size, layout=self._layout)
