@@ -141,6 +141,8 @@ class ModelSpec:
     layer_intermediate: Tuple[int, ...] = ()
     per_layer_embed: int = 0
     v_norm: bool = False
+    # Layers that attend without RoPE (smollm3's every fourth); empty: every layer rotates.
+    nope_layers: Tuple[bool, ...] = ()
 
     def layer_head_dim(self, layer: int) -> int:
         """Return `layer`'s head size."""
@@ -190,6 +192,10 @@ class ModelSpec:
         d = self.ssm_head_dim
         channels = (2 * self.ssm_k_heads + self.ssm_v_heads) * d
         return (self.conv_kernel - 1) * channels + self.ssm_v_heads * d * d
+
+    def is_nope(self, layer: int) -> bool:
+        """Whether `layer` attends without RoPE (its q and k are not rotated)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
@@ -600,6 +606,9 @@ def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int,
                    softcap: float) -> dict:
     """Return the ModelSpec fields a family adds to the llama skeleton (as llama.cpp)."""
     out = {'post_norms': family.post_norms, 'activation': family.activation}
+    if family.no_rope_period:
+        # llama.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0.
+        out['nope_layers'] = tuple((i + 1) % family.no_rope_period == 0 for i in range(layers))
     if family.embed_scale:
         out['embed_scale'] = float(np.sqrt(np.float32(hidden)))  # sqrtf(n_embd)
     if family.name == 'gemma3':

@@ -320,7 +320,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          # LongRoPE short factors: valid up to this KV length (0: any)
                          'max_context': int(s.rope_factors_max_context),
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
-                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
+                         # smollm3: layers that attend without RoPE
+                         **({'no_rope_layers': [i for i in range(s.num_layers) if s.is_nope(i)]}
+                            if s.nope_layers else {})},
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
