@@ -347,6 +347,8 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         config.update(partial_rotary_factor=c.rotary)
         if c.longrope:  # as the GGUF: trained at 256, extended to 4096
             config.update(original_max_position_embeddings=256, max_position_embeddings=4096)
+    if c.arch == 'smollm3':   # SmolLM3Config: 1 = the layer rotates
+        config['no_rope_layers'] = [int((i + 1) % 4 != 0) for i in range(d.layers)]
     if c.arch == 'gemma3':
         # HF stores Gemma norms minus 1 (Gemma3RMSNorm computes x * (1 + w)).
         w = {k: v - 1 if k.endswith('norm') else v for k, v in w.items()}

@@ -10,13 +10,15 @@ test_llama_cpp_parity's bounds. Control: llama.cpp's logits of the same weights 
 file (every layer rotated) are 10x the parity difference away from the smollm3 ones, so the
 fixture does show the unrotated layer. Engine: goals batched equal each alone, bit for bit;
 a session continues from its snapshot bit for bit; speculation (prompt lookup, a draft
-model) gives plain decoding's output.
+model) gives plain decoding's output. An HF folder (config no_rope_layers) converts to the
+GGUF's graph, byte for byte.
 """
+import json
 import pathlib
 
 from decoder_calls import record_calls
-from gguf_fixtures import ParityCase, smollm3_case, SMOLLM3_DIMS, write_gguf
-from llama_cpp_parity import compare, converted, llama_cpp_greedy
+from gguf_fixtures import ParityCase, smollm3_case, SMOLLM3_DIMS, write_gguf, write_hf
+from llama_cpp_parity import compare, converted, engine_logits, llama_cpp_greedy, PROMPT
 import numpy as np
 import onnx
 import pytest
@@ -27,6 +29,7 @@ import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint
 from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.runtime import model_config as mc
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
@@ -171,3 +174,24 @@ def test_speculation_equals_plain_decoding(work, kquant_dir, compat):
     for mode, (spec, stats) in runs.items():
         assert spec == plain, mode
         assert stats.passes > 0 and stats.accepted > 0, (mode, stats)
+
+
+def test_an_hf_folder_converts_to_the_ggufs_graph(work):
+    case = smollm3_case('F32')
+    gguf_dir = convert(str(gguf_of(work, case)), str(work / 'f32-gguf'), progress=False,
+                       overwrite=True)
+    hf_dir = convert(str(write_hf(work / 'hf', case)), str(work / 'f32-hf'), progress=False,
+                     overwrite=True)
+    for name in ('model.onnx', 'model.onnx.data'):
+        assert (hf_dir / name).read_bytes() == (gguf_dir / name).read_bytes(), name
+    np.testing.assert_array_equal(engine_logits(hf_dir, PROMPT, [7, 8]),
+                                  engine_logits(gguf_dir, PROMPT, [7, 8]))
+
+
+def test_a_bad_no_rope_layers_list_is_refused(work):
+    folder = write_hf(work / 'hf-bad', smollm3_case('F32'))
+    config = json.loads((folder / 'config.json').read_text())
+    config['no_rope_layers'] = [1, 1, 0]
+    (folder / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match='one 0 or 1 per layer'):
+        load_checkpoint(str(folder))

@@ -80,7 +80,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).
 HF_MODEL_TYPES: Dict[str, str] = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2',
-                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3'}
+                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3',
+                                  'smollm3': 'smollm3'}
 # rope.scaling.type values the converter computes (llama.cpp's names); llama3 scaling has no
 # type key in a GGUF: it is the rope_freqs tensor, and Phi-3 LongRoPE is its
 # rope_factors_short/long tensors.

@@ -796,6 +796,8 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
                             float(cfg.get('final_logit_softcapping') or 0.0))
     if arch == 'gemma3':
         extras.update(_hf_gemma3(cfg, layers, rope))
+    if family.no_rope_period:
+        extras['nope_layers'] = _hf_nope_layers(folder, cfg, layers, family.no_rope_period)
     extras.update(hybrid)
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
@@ -814,6 +816,23 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _hf_nope_layers(folder: pathlib.Path, cfg: dict, layers: int,
+                    period: int) -> Tuple[bool, ...]:
+    """Return the layers without RoPE of an HF SmolLM3 config.
+
+    no_rope_layers holds 1 for a layer that rotates and 0 for one that does not; without it,
+    every no_rope_layer_interval-th layer (default: the family's period) does not.
+    """
+    flags = cfg.get('no_rope_layers')
+    if flags is None:
+        step = int(cfg.get('no_rope_layer_interval') or period)
+        return tuple((i + 1) % step == 0 for i in range(layers))
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f'{folder}: no_rope_layers must hold one 0 or 1 per layer '
+                             f'({layers}); got {flags!r}: the config.json is corrupt')
+    return tuple(f == 0 for f in flags)
 
 
 # HF hidden_act / hidden_activation -> the family's activation name.
