@@ -18,6 +18,8 @@ import yaml
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 MODEL_FILE = 'model.onnx'
+# model.onnx over int8 KV buffers and their scales (kv.dtype int8; convert/kv_int8_graph.py).
+KV_INT8_MODEL_FILE = 'model_kv_int8.onnx'
 DATA_FILE = 'model.onnx.data'
 TOKENIZER_FILE = 'tokenizer.json'
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
@@ -40,7 +42,7 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl', 'qwen35', 'gemma4', 'smollm3')
+                                  'qwen2vl', 'qwen35', 'gemma4', 'qwen3vl', 'smollm3')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -90,6 +92,10 @@ VISION_INPUT = 'pixels'
 # (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
 VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
 VISION_WINDOW_MASK = 'window_mask'
+# A Qwen3-VL vision.onnx takes, instead of the window mask, its learned position embeddings'
+# bilinear interpolation to the image's grid: per patch (merge order) the 4 source rows
+# (int64 [N, 4]) and their weights (float32 [N, 4]).
+VISION_POS_INPUTS = ('pos_index', 'pos_weight')
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
@@ -173,6 +179,11 @@ class ModelInfo:
     def kv_values_per_position(self) -> int:
         """Return the K and V values one position keeps over every 'kv' layer."""
         return sum(2 * h * d for h, d in (self.kv_dims(i) for i in self.kv_layers))
+
+    @property
+    def embed_width(self) -> int:
+        """Return an inputs_embeds row's width: hidden_size x (1 + DeepStack layers)."""
+        return self.hidden_size * (1 + int(self.extra.get('deepstack_layers', 0) or 0))
 
     @property
     def rewindable(self) -> bool:

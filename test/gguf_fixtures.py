@@ -74,6 +74,8 @@ class ParityCase:
     vision: Union[bool, str] = False  # the image wrapper tokens: tiny_vocab(vision)
     # qwen2vl: rope.dimension_sections (t, h, w, 0) in rotary pairs (Qwen2.5-VL's 16:24:24).
     rope_sections: Tuple[int, ...] = (8, 12, 12, 0)
+    # qwen3vl: n_deepstack_layers (the image rows are this many hidden widths wider).
+    deepstack: int = 0
 
     @property
     def tag(self) -> str:
@@ -136,7 +138,7 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         if c.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
-        if c.arch in ('qwen3', 'gemma3', 'lfm2'):
+        if c.arch in ('qwen3', 'qwen3vl', 'gemma3', 'lfm2'):
             w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
         if c.arch == 'gemma3':  # GGUF values: llama.cpp's converter has added HF's +1
             # Large post-norms, as trained Gemmas have: the blocks' outputs then weigh
@@ -211,8 +213,10 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         meta['rope_freq_base_swa'] = c.swa_base
     if c.softcap:
         meta['final_logit_softcapping'] = c.softcap
-    if c.arch == 'qwen2vl':
+    if c.arch in ('qwen2vl', 'qwen3vl'):
         meta['rope_dimension_sections'] = list(c.rope_sections)
+    if c.arch == 'qwen3vl':
+        meta['num_deepstack_layers'] = c.deepstack
     if c.arch == 'phi3':
         meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
     if c.arch == 'lfm2':

@@ -45,6 +45,12 @@ class Architecture:
     # M-RoPE (qwen2vl): rope.dimension_sections splits each head's rotary pairs into t, h, w
     # sections, each turned by its own position (equal for text: plain NEOX RoPE).
     mrope: bool = False
+    # Interleaved M-RoPE (qwen3vl, ggml's GGML_ROPE_TYPE_IMROPE): pair k turns with t, h, w
+    # by k mod 3 while k < 3 x that section, else with the fourth position (0: unrotated).
+    mrope_interleaved: bool = False
+    # DeepStack (qwen3vl): n_deepstack_layers image rows more per image token, added to the
+    # hidden states after the first layers (llama.cpp's n_deepstack_layers key).
+    deepstack: bool = False
     # Hybrid: Gated DeltaNet layers (qwen35: llama.cpp's build_layer_attn_linear) beside
     # gated full-attention layers (q rows interleave each head's query and output gate); every
     # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
@@ -64,6 +70,9 @@ ARCHITECTURES: Dict[str, Architecture] = {
                            hf_norm_shift=1.0, swa_period=6, swa_rope_base=10000.0),
     'qwen2vl': Architecture('qwen2vl', False, False, 'Qwen2-VL / Qwen2.5-VL language model '
                             '(qwen2 with M-RoPE)', mrope=True),
+    'qwen3vl': Architecture('qwen3vl', False, True, 'Qwen3-VL dense language model (qwen3 '
+                            'with interleaved M-RoPE and DeepStack)', mrope=True,
+                            mrope_interleaved=True, deepstack=True),
     'phi3': Architecture('phi3', False, False, 'Phi-3/3.5 mini, Phi-4-mini'),
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,

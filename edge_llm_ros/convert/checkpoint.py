@@ -121,6 +121,10 @@ class ModelSpec:
     # M-RoPE (qwen2vl): rotary pairs per section (t, h, w), llama.cpp's rope.dimension_sections
     # without its unused fourth; empty: one position for every pair.
     rope_sections: Tuple[int, ...] = ()
+    mrope_interleaved: bool = False   # qwen3vl: sections interleaved pair by pair
+    # qwen3vl: an image row carries this many hidden-size rows more, added to the hidden
+    # states after layers 0 .. deepstack_layers - 1 (llama.cpp's n_deepstack_layers).
+    deepstack_layers: int = 0
     # Gated DeltaNet layers (qwen35): key/query heads, value heads and their size (d_k = d_v).
     ssm_k_heads: int = 0
     ssm_v_heads: int = 0
@@ -441,8 +445,13 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
             raise UnsupportedModelError(
                 f'{path}: rope.dimension_sections {raw} must split the {rope_dims // 2} '
                 'rotary pairs into t, h, w sections (the fourth 0), as Qwen2-VL / Qwen2.5-VL '
-                'GGUFs do')
+                '/ Qwen3-VL GGUFs do')
         sections = tuple(raw[:3])
+    deepstack = int(key('n_deepstack_layers', 0) or 0) if family.deepstack else 0
+    if not 0 <= deepstack < layers:
+        raise UnsupportedModelError(f'{path}: n_deepstack_layers {deepstack} must be under the '
+                                    f'{layers} layers (llama.cpp adds the DeepStack rows after '
+                                    'the first layers and needs one after them)')
     spec = ModelSpec(
         architecture=arch,
         name=str(gguf_field(reader, 'general.name', path.stem)),
@@ -457,7 +466,8 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         rope_dims=0 if rope_dims == head_dim else rope_dims,
         rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
         rope_factors_max_context=factors_ctx, layer_kinds=kinds, conv_kernel=conv_kernel,
-        rope_sections=sections,
+        rope_sections=sections, mrope_interleaved=family.mrope_interleaved,
+        deepstack_layers=deepstack,
         **recurrent,
         **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
                          float(key('final_logit_softcapping', 0.0) or 0.0)))

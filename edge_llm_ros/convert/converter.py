@@ -23,14 +23,15 @@ import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
+from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
                                              GraphOptions, LayerWeights, OPSET,
                                              RecurrentLayerWeights, Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
-from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, LayerState,
-                                       MODEL_FILE, MODEL_YAML, PRECISIONS, WEIGHT_FORMATS,
-                                       weight_types_text)
+from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name,
+                                       KV_INT8_MODEL_FILE, LayerState, MODEL_FILE, MODEL_YAML,
+                                       PRECISIONS, WEIGHT_FORMATS, weight_types_text)
 from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
@@ -247,7 +248,7 @@ def _read_vision(path: str, ckpt: Checkpoint, source: str):
     """Read and check the mmproj against the language model; nothing is written yet."""
     from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
     mm = read_mmproj(path)
-    check_pair(mm, ckpt.spec.hidden_size, source)
+    check_pair(mm, ckpt.spec.hidden_size, source, ckpt.spec.deepstack_layers)
     return mm
 
 
@@ -296,6 +297,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                                                'GatherBlockQuantized'))
     bar.set_description('writing model.onnx')
     onnx.save_model(model, str(tmp / MODEL_FILE))
+    # The op library's attention: kv.dtype int8 loads this graph instead (not built for
+    # gemma4's shared-KV layers: such a folder keeps float32 live KV, and says so).
+    if graph.varlen and not any(s.kv_owner(i) >= 0 for i in range(s.num_layers)):
+        onnx.save_model(int8_kv_graph(model), str(tmp / KV_INT8_MODEL_FILE))
     bar.update()
     bar.close()
     quantization = {'bits': 4, 'block_size': opts.block_size,
@@ -321,9 +326,13 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          'max_context': int(s.rope_factors_max_context),
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
                          **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
+                         # qwen3vl: the sections interleaved pair by pair (ggml's IMROPE)
+                         **({'interleaved': True} if s.mrope_interleaved else {}),
                          # smollm3: layers that attend without RoPE
                          **({'no_rope_layers': [i for i in range(s.num_layers) if s.is_nope(i)]}
                             if s.nope_layers else {})},
+        # qwen3vl: image rows carry this many hidden-size rows more (added after layers 0..)
+        **({'deepstack_layers': int(s.deepstack_layers)} if s.deepstack_layers else {}),
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),

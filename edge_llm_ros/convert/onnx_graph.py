@@ -226,6 +226,7 @@ class DecoderGraph:
         self._consts: Dict[str, str] = {}
         self._x = ''         # hidden state entering the next layer's norm
         self._residual = ''  # residual stream (empty before layer 0)
+        self._deepstack: List[str] = []   # qwen3vl: each DeepStack layer's rows [1, T, H]
         self._data = data_file
         self._embed: Optional[WeightRef] = None
         self._per_layer = ''  # gemma4: the per-layer inputs [1, S, layers, E]
@@ -237,11 +238,16 @@ class DecoderGraph:
         # packed into batch 1, each over its own slot: runtime/rows.py). GroupQueryAttention
         # takes a batch of equal-length rows over slots 0..B-1.
         self.varlen = opts.attention == 'causal'
+        if spec.deepstack_layers and not self.varlen:
+            raise ValueError("DeepStack (deepstack_layers) needs the op library's attention "
+                             "(attention='causal')")
         if self.varlen:
+            # qwen3vl: an embedding row is hidden x (1 + deepstack_layers) wide (the image's
+            # main row, then one per DeepStack layer).
             self.inputs = [
                 helper.make_tensor_value_info('input_ids', TensorProto.INT64, [1, 'tokens']),
-                helper.make_tensor_value_info('inputs_embeds', t,
-                                              ['embeds', spec.hidden_size]),
+                helper.make_tensor_value_info('inputs_embeds', t, [
+                    'embeds', spec.hidden_size * (1 + spec.deepstack_layers)]),
                 helper.make_tensor_value_info('embeds_at', TensorProto.INT64, ['embeds', 1]),
                 helper.make_tensor_value_info(ROWS_INPUT, TensorProto.INT32, ['rows', 4]),
                 helper.make_tensor_value_info('logits_at', TensorProto.INT64, ['logits']),
@@ -331,14 +337,25 @@ class DecoderGraph:
         rope_multi, sector k mod the sections' sum): cos_cache[rope_positions[sec(k), t], k],
         one GatherElements per table; the attention reads them a row per token.
         """
-        s0, s1, _ = self.spec.rope_sections
+        s0, s1, s2 = self.spec.rope_sections
         total = sum(self.spec.rope_sections)
         sector = np.arange(self.spec.rotary_dims // 2) % total
         section = np.where(sector < s0, 0, np.where(sector < s0 + s1, 1, 2)).astype(np.int64)
-        which = self._init('mrope_section', section)
+        if self.spec.mrope_interleaved:
+            # qwen3vl (ggml's IMROPE): t, h, w by k mod 3 while k < 3 x that section, else
+            # the fourth position, 0 for text and images (such a pair is not rotated).
+            section = np.full_like(section, 3)
+            for j, size in enumerate((s0, s1, s2)):
+                section[(sector % 3 == j) & (sector < 3 * size) & (section == 3)] = j
+        which = self._init('mrope_section', np.minimum(section, 2))
         per_pair = self._name('mrope/positions')
         self.nodes.append(helper.make_node('Gather', [ROPE_POSITIONS_INPUT, which],
                                            [per_pair], axis=0))   # [half, T]
+        if (section == 3).any():
+            kept = self._init('mrope_rotated', (section < 3).astype(np.int32)[:, None])
+            self.nodes.append(helper.make_node('Mul', [per_pair, kept],
+                                               [self._name('mrope/fourth')]))
+            per_pair = self.nodes[-1].output[0]
         index = self._name('mrope/index')
         self.nodes.append(helper.make_node('Transpose', [per_pair], [self._name('mrope/t')],
                                            perm=[1, 0]))
@@ -517,9 +534,32 @@ class DecoderGraph:
         # The embeddings take their packed places (embeds_at) among the token rows.
         flat = self._const_i64('shape_tokens_hidden', [-1, s.hidden_size])
         (rows,) = self._node('Reshape', [rows, flat])
-        (rows,) = self._node('ScatterND', [rows, 'embeds_at', 'inputs_embeds'])
+        embeds = 'inputs_embeds'
+        if s.deepstack_layers:
+            embeds = self._deepstack_rows(rows)
+        (rows,) = self._node('ScatterND', [rows, 'embeds_at', embeds])
         batch1 = self._const_i64('shape_batch1_hidden', [1, -1, s.hidden_size])
         (self._x,) = self._node('Reshape', [rows, batch1])
+
+    def _deepstack_rows(self, rows: str) -> str:
+        """Split the wide inputs_embeds; return its main rows, keep `deepstack_<i>` [1, T, H].
+
+        Each DeepStack part is scattered to its image tokens' places over zeros (text adds
+        nothing), to be added after layer i (llama.cpp's qwen3vl graph).
+        """
+        s = self.spec
+        h = s.hidden_size
+        parts = self._node('Split', ['inputs_embeds'], n_out=1 + s.deepstack_layers, axis=1,
+                           num_outputs=1 + s.deepstack_layers)
+        (zeros,) = self._node('Mul', [rows, self._init('deepstack_zero',
+                                                       np.array(0, self.np_dtype))])
+        batch1 = self._const_i64('shape_batch1_hidden', [1, -1, h])
+        self._deepstack = []
+        for i, part in enumerate(parts[1:]):
+            (placed,) = self._node('ScatterND', [zeros, 'embeds_at', part])
+            (placed,) = self._node('Reshape', [placed, batch1])
+            self._deepstack.append(placed)
+        return parts[0]
 
     def _input_norm(self, gamma: np.ndarray, p: str) -> tuple:
         """Normalize the layer's input (the residual add fused in): (h, residual)."""
@@ -630,6 +670,10 @@ class DecoderGraph:
         if lw.post_attn_norm is not None:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
         self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
+        if i < len(self._deepstack):
+            # The layer's output (residual + MLP) plus its DeepStack rows: added to the MLP
+            # part, which the next norm adds to the residual.
+            (self._x,) = self._node('Add', [self._x, self._deepstack[i]])
 
     def add_per_layer_inputs(self, table: Weight, model_proj: Weight,
                              proj_norm: np.ndarray) -> None:

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "edge_llm_kquant/attention.h"
+#include "edge_llm_kquant/attention_i8.h"
 #include "edge_llm_kquant/ref.h"
 #include "edge_llm_kquant/shortconv.h"
 #include "edge_llm_kquant/gated_delta.h"
@@ -464,6 +465,9 @@ bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstV
 // one position (decode steps), and every row when pinned to the scalar reference
 // (elk_select_kernel), take tasks (row, head, kQueryRowsPerTask queries) of
 // elk_attention_row, the per-query reference the tests compare with.
+// int8 KV buffers (kv.dtype int8: past key/value int8 with their per-row float32 scales,
+// inputs 11 and 12, outputs 3 and 4) run attention_i8.h's entries in the same tasks, their
+// int8 dots the best this CPU has (all give the same bits), the scalar ones when pinned.
 constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
 // Queries a block task takes at most, and its scratch (scores of every query over the row's
 // keys) at most, in floats: 2 MiB, so a long context takes fewer queries a task.
@@ -493,6 +497,9 @@ struct AttentionWork {
   const int64_t *first_task, *row_block;  // row_block[r] 0: row r runs per query
   int64_t row_count, heads_per_task;
   float *keys, *values, *out;
+  bool int8;          // the buffers are int8 (i8; keys and values are then unused)
+  elk_kv_i8 i8;
+  elk_i8_dots_fn dots;
 };
 
 int64_t row_blocks(const elk_row &row) {
@@ -503,6 +510,11 @@ void store_keys(void *data, size_t task) {
   const AttentionWork &w = *static_cast<const AttentionWork *>(data);
   const int64_t r = static_cast<int64_t>(task) / w.shape.kv_heads;
   const int64_t h = static_cast<int64_t>(task) % w.shape.kv_heads;
+  if (w.int8) {
+    elk_attention_store_i8(&w.shape, &w.rows[r], h, w.k, w.v, w.kv_stride, w.cos, w.sin,
+                           &w.i8);
+    return;
+  }
   elk_attention_store(&w.shape, &w.rows[r], h, w.k, w.v, w.kv_stride, w.cos, w.sin, w.keys,
                       w.values);
 }
@@ -517,8 +529,18 @@ void query_rows(void *data, size_t task) {
   const elk_row &row = w.rows[r];
   const int64_t blocks = row_blocks(row), local = t - w.first_task[r];
   const int64_t h = local / blocks, block = local % blocks;
-  std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
   const int64_t last = std::min(row.length, (block + 1) * kQueryRowsPerTask);
+  if (w.int8) {
+    thread_local std::vector<char> bytes;
+    const size_t need = elk_attention_row_i8_scratch(&w.shape);
+    if (bytes.size() < need) bytes.resize(need);
+    for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
+      elk_attention_row_i8(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, &w.i8, w.dots,
+                           bytes.data(), w.out);
+    }
+    return;
+  }
+  std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
   for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
     elk_attention_row(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, w.keys, w.values,
                       scratch.data(), w.out);
@@ -538,6 +560,15 @@ void query_blocks(void *data, size_t task) {
   const int64_t h_end = std::min(kv * group + group, h_begin + w.heads_per_task);
   const int64_t s_begin = block * size, s_end = std::min(row.length, s_begin + size);
   // One buffer a pool thread, grown as needed: a fresh one a task would fault its pages in.
+  if (w.int8) {
+    thread_local std::vector<char> bytes;
+    const size_t need =
+        elk_attention_block_i8_scratch(&w.shape, &row, s_begin, s_end, h_end - h_begin);
+    if (bytes.size() < need) bytes.resize(need);
+    elk_attention_block_i8(&w.shape, &row, s_begin, s_end, h_begin, h_end, w.q, w.q_stride,
+                           w.cos, w.sin, &w.i8, w.dots, bytes.data(), w.out);
+    return;
+  }
   thread_local std::vector<float> scratch;
   const size_t need = static_cast<size_t>(
       elk_attention_block_scratch(&w.shape, &row, s_begin, s_end, h_end - h_begin));
@@ -613,14 +644,44 @@ struct CausalAttentionKernel {
     throw Ort::Exception("CausalAttention: " + what, ORT_INVALID_ARGUMENT);
   }
 
+  // Whether the KV buffers are int8 (with both scales given) or float32 (with neither).
+  static bool kv_int8(const Ort::ConstValue &key, const Ort::ConstValue &value,
+                      const Ort::ConstValue &key_scale, const Ort::ConstValue &value_scale) {
+    const auto type = key.GetTensorTypeAndShapeInfo().GetElementType();
+    if (type != value.GetTensorTypeAndShapeInfo().GetElementType() ||
+        (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)) {
+      fail("the past key and value buffers must both be float32 or both int8");
+    }
+    const bool int8 = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    for (const Ort::ConstValue *scale : {&key_scale, &value_scale}) {
+      if (given(*scale) != int8) {
+        fail(int8 ? "int8 KV buffers need both past key and value scales (inputs 11, 12)"
+                  : "float32 KV buffers take no scales (inputs 11, 12 absent)");
+      }
+      if (int8 && scale->GetTensorTypeAndShapeInfo().GetElementType() !=
+                      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        fail("the int8 KV scales must be float32");
+      }
+    }
+    return int8;
+  }
+
+  // present = past: a copy unless the engine bound them to the same memory.
+  static void start_from(void *present, const void *past, size_t bytes) {
+    if (present != past) std::memcpy(present, past, bytes);
+  }
+
   void Compute(OrtKernelContext *context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1),
                           value = ctx.GetInput(2), past_key = ctx.GetInput(3),
                           past_value = ctx.GetInput(4), seqlens = ctx.GetInput(5),
                           cos = ctx.GetInput(7), sin = ctx.GetInput(8),
-                          flag = optional_input(ctx, 9), rows = optional_input(ctx, 10);
+                          flag = optional_input(ctx, 9), rows = optional_input(ctx, 10),
+                          past_key_scale = optional_input(ctx, 11),
+                          past_value_scale = optional_input(ctx, 12);
     const bool varlen = rows_form("CausalAttention", seqlens, rows);
+    const bool int8 = kv_int8(past_key, past_value, past_key_scale, past_value_scale);
     const std::vector<int64_t> q_shape = query.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> kv_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> rope_shape = cos.GetTensorTypeAndShapeInfo().GetShape();
@@ -673,25 +734,40 @@ struct CausalAttentionKernel {
              " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
       }
     }
-    float *keys = nullptr, *values = nullptr;
+    void *keys = nullptr, *values = nullptr;
+    elk_kv_i8 i8{};
     if (shared_) {
       // Read only: the owner layer's buffers, written by its node earlier in this call.
-      keys = const_cast<float *>(past_key.GetTensorData<float>());
-      values = const_cast<float *>(past_value.GetTensorData<float>());
+      if (int8) fail("a shared_kv node reads float32 KV only (int8 KV is not built for it)");
+      keys = const_cast<void *>(past_key.GetTensorRawData());
+      values = const_cast<void *>(past_value.GetTensorRawData());
     } else {
       Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
       Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
-      keys = present_key.GetTensorMutableData<float>();
-      values = present_value.GetTensorMutableData<float>();
-      const size_t buffer_bytes =
-          static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity * d) * sizeof(float);
+      keys = present_key.GetTensorMutableRawData();
+      values = present_value.GetTensorMutableRawData();
+      const size_t rows_total = static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity);
+      const size_t buffer_bytes = rows_total * d * (int8 ? sizeof(int8_t) : sizeof(float));
       // The engine binds present to past's memory (nothing to copy); otherwise start from
       // past.
-      if (keys != past_key.GetTensorData<float>()) {
-        std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
-      }
-      if (values != past_value.GetTensorData<float>()) {
-        std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
+      start_from(keys, past_key.GetTensorRawData(), buffer_bytes);
+      start_from(values, past_value.GetTensorRawData(), buffer_bytes);
+      if (int8) {
+        if (ctx.GetOutputCount() < 5) {
+          fail("int8 KV buffers need the present scale outputs 3, 4");
+        }
+        const std::vector<int64_t> scale_shape{kv_shape[0], kv_heads_, capacity, 1};
+        for (const Ort::ConstValue *scale : {&past_key_scale, &past_value_scale}) {
+          if (scale->GetTensorTypeAndShapeInfo().GetShape() != scale_shape) {
+            fail("the int8 KV scales are not [N, kv_heads, L, 1] of the KV buffers");
+          }
+        }
+        float *key_scales = ctx.GetOutput(3, scale_shape).GetTensorMutableData<float>();
+        float *value_scales = ctx.GetOutput(4, scale_shape).GetTensorMutableData<float>();
+        start_from(key_scales, past_key_scale.GetTensorRawData(), rows_total * sizeof(float));
+        start_from(value_scales, past_value_scale.GetTensorRawData(), rows_total * sizeof(float));
+        i8 = elk_kv_i8{static_cast<int8_t *>(keys), static_cast<int8_t *>(values), key_scales,
+                       value_scales};
       }
     }
     Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, heads_ * d});
@@ -749,8 +825,11 @@ struct CausalAttentionKernel {
     work.row_block = row_block.data();
     work.row_count = row_count;
     work.heads_per_task = heads_per_task;
-    work.keys = keys;
-    work.values = values;
+    work.int8 = int8;
+    work.i8 = i8;
+    work.dots = elk_i8_dots(reference ? "scalar" : elk_i8_dots_best());
+    work.keys = int8 ? nullptr : static_cast<float *>(keys);
+    work.values = int8 ? nullptr : static_cast<float *>(values);
     work.out = out.GetTensorMutableData<float>();
     // A decode step's few new positions are cheaper written here than handed to the pool.
     const size_t store_tasks = shared_ ? 0 : static_cast<size_t>(row_count * kv_heads_);
@@ -770,6 +849,23 @@ struct CausalAttentionKernel {
 };
 
 struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel, true> {
+  // Present key / value (outputs 1, 2) have the past's type and shape (float32 or int8):
+  // ORT infers a dynamically typed output from one such input only, so the op says it.
+  CausalAttentionOp() { OrtCustomOp::InferOutputShapeFn = present_like_past; }
+  static OrtStatusPtr present_like_past(const OrtCustomOp *, OrtShapeInferContext *ctx) {
+    const OrtApi &api = Ort::GetApi();
+    for (size_t past = 3; past <= 4; ++past) {
+      OrtTensorTypeAndShapeInfo *info = nullptr;
+      if (OrtStatusPtr status = api.ShapeInferContext_GetInputTypeShape(ctx, past, &info)) {
+        return status;
+      }
+      // info stays the context's (ORT frees it; releasing it here frees it twice).
+      if (OrtStatusPtr status = api.ShapeInferContext_SetOutputTypeShape(ctx, past - 2, info)) {
+        return status;
+      }
+    }
+    return nullptr;
+  }
   OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
                               void **kernel) const {
     return create<CausalAttentionKernel>(api, info, kernel);
@@ -778,9 +874,14 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
   // 0 query (or packed QKV), 1 key, 2 value (both absent when packed), 3 past key, 4 past
   // value, 5 seqlens_k, 6 total_sequence_length (unread; both optional: absent with rows),
   // 7 cos, 8 sin, 9 bidirectional (optional: graphs of models whose image tokens attend both
-  // ways; absent means causal), 10 rows (optional: the row table, instead of seqlens_k).
-  size_t GetInputTypeCount() const { return 11; }
+  // ways; absent means causal), 10 rows (optional: the row table, instead of seqlens_k),
+  // 11 past key scales, 12 past value scales (optional: float32 [N, kv, L, 1], given exactly
+  // when the past key and value are int8, kv.dtype int8; otherwise those are float32).
+  // Outputs: 0 attention, 1 present key, 2 present value (the past's type), 3 present key
+  // scales, 4 present value scales (int8 KV only).
+  size_t GetInputTypeCount() const { return 13; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
+    if (index == 3 || index == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     return index == 5 || index == 6 || index == 9 || index == 10
                ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -790,11 +891,13 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
                ? INPUT_OUTPUT_REQUIRED
                : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  size_t GetOutputTypeCount() const { return 5; }
+  ONNXTensorElementDataType GetOutputType(size_t index) const {
+    return index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED
+                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
-  // The present outputs are absent on a shared_kv node (it stores nothing).
+  // The present outputs are absent on a shared_kv node (it stores nothing), the scales on a
+  // float32 KV node.
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
     return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
