@@ -42,7 +42,7 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl', 'qwen35', 'gemma4', 'qwen3vl')
+                                  'qwen2vl', 'qwen35', 'gemma4', 'qwen3vl', 'smollm3')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last

@@ -296,7 +296,7 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
             if p + role not in w:
                 continue   # lfm2: a conv layer has no q/k/v/o, an attention layer no conv
             x = w[p + role]
-            if c.arch == 'llama' and role in ('q', 'k'):
+            if c.arch in ('llama', 'smollm3') and role in ('q', 'k'):
                 x = llama_cpp_permute(x, d.heads if role == 'q' else d.kv_heads)
             put(f'blk.{i}.{gname}.weight', x)
         if p + 'conv' in w:   # F32, as llama.cpp's ggml_ssm_conv reads it
@@ -351,6 +351,8 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         config.update(partial_rotary_factor=c.rotary)
         if c.longrope:  # as the GGUF: trained at 256, extended to 4096
             config.update(original_max_position_embeddings=256, max_position_embeddings=4096)
+    if c.arch == 'smollm3':   # SmolLM3Config: 1 = the layer rotates
+        config['no_rope_layers'] = [int((i + 1) % 4 != 0) for i in range(d.layers)]
     if c.arch == 'gemma3':
         # HF stores Gemma norms minus 1 (Gemma3RMSNorm computes x * (1 + w)).
         w = {k: v - 1 if k.endswith('norm') else v for k, v in w.items()}
@@ -375,6 +377,17 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         for key in ('head_dim', 'rms_norm_eps', 'rope_scaling', 'hidden_act'):
             del config[key]
     return write_hf_folder(folder, w, config)
+
+
+# smollm3: the llama skeleton with 4 layers, so that the fourth attends without RoPE
+# (llama.cpp's n_no_rope_layer_step 4); heads of 64, GQA 4/2.
+SMOLLM3_DIMS = TinyDims(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512,
+                        rms_eps=1e-6, key_length=64)
+
+
+def smollm3_case(wtype: str, seed: int = 0, **options) -> ParityCase:
+    """Return the smollm3 parity case of `wtype` (SMOLLM3_DIMS)."""
+    return ParityCase('smollm3', wtype, seed, **dict({'dims': SMOLLM3_DIMS}, **options))
 
 
 # qwen35 (Qwen3.5 dense): hidden 256, a Gated DeltaNet layer on either side of a gated

@@ -85,15 +85,29 @@ TEMPLATES = {
                '{%- endfor %}{%- if add_generation_prompt %}{{- "<|turn>model\\n" }}'
                '{%- if not think %}{{- "<|channel>thought\\n<channel|>" }}{%- endif %}'
                '{%- endif %}'),
+    # The reasoning switch in the system turn's header, the system text in its custom
+    # instructions; with reasoning off the generation prompt holds the empty think block.
+    'smollm3': ('{%- set think = enable_thinking is not defined or enable_thinking %}'
+                '{{- "<|im_start|>system\\n## Metadata\\n\\nReasoning Mode: " + '
+                '("/think" if think else "/no_think") + "\\n\\n## Custom Instructions\\n\\n" }}'
+                '{%- if messages[0]["role"] == "system" %}'
+                '{{- messages[0]["content"] + "\\n\\n" }}{%- set loop_messages = messages[1:] %}'
+                '{%- else %}{{- "You are a helpful AI assistant named SmolLM.\\n\\n" }}'
+                '{%- set loop_messages = messages %}{%- endif %}{{- "<|im_end|>\\n" }}'
+                '{%- for m in loop_messages %}{{- "<|im_start|>" + m["role"] + "\\n" + '
+                'm["content"] + "<|im_end|>\\n" }}{%- endfor %}{%- if add_generation_prompt %}'
+                '{{- "<|im_start|>assistant\\n" }}{%- if not think %}'
+                '{{- "<think>\\n\\n</think>\\n" }}{%- endif %}{%- endif %}'),
     'phi3': ('{%- for m in messages %}{{- "<|" + m["role"] + "|>" + m["content"] + "<|end|>" }}'
              '{%- endfor %}{%- if add_generation_prompt %}{{- "<|assistant|>" }}'
              '{%- else %}{{- eos_token }}{%- endif %}'),
 }
 # Families whose template moves the system message (mistral: into the last user turn).
 FIRST_TURN_ONLY = {'mistral'}
-# Families whose reasoning switch opens the system turn (gemma4's <|think|>): a warm prompt
-# (rendered with reasoning on, the default) serves the requests that keep it on.
-SWITCH_IN_SYSTEM_TURN = {'gemma4'}
+# Families whose reasoning switch is in the system turn (gemma4's <|think|>, smollm3's
+# Reasoning Mode line): a warm prompt (rendered with reasoning on, the default) serves the
+# requests that keep it on.
+SWITCH_IN_SYSTEM_TURN = {'gemma4', 'smollm3'}
 QUESTIONS = ('Where is room 4?', 'go', '12 steps', '"quoted"', '  spaces', 'Ünïcode ✓')
 
 

@@ -55,6 +55,9 @@ class Architecture:
     # gated full-attention layers (q rows interleave each head's query and output gate); every
     # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
     recurrent_layers: bool = False
+    # Every no_rope_period-th layer (1-based) attends without RoPE (smollm3: llama.cpp's
+    # n_no_rope_layer_step, fixed at 4 for the family; the GGUF has no key for it). 0: none.
+    no_rope_period: int = 0
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -76,6 +79,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
                          final_norm='token_embd_norm.weight'),
     'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
                            'DeltaNet and gated attention)', recurrent_layers=True),
+    'smollm3': Architecture('smollm3', True, False, 'SmolLM3 3B (llama with no RoPE on every '
+                            'fourth layer)', no_rope_period=4),
     # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
     'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
                            'embeddings, shared-KV layers)', post_norms=True,
@@ -84,7 +89,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).
 HF_MODEL_TYPES: Dict[str, str] = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2',
-                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3'}
+                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3',
+                                  'smollm3': 'smollm3'}
 # rope.scaling.type values the converter computes (llama.cpp's names); llama3 scaling has no
 # type key in a GGUF: it is the rope_freqs tensor, and Phi-3 LongRoPE is its
 # rope_factors_short/long tensors.

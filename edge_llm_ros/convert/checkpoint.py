@@ -145,6 +145,8 @@ class ModelSpec:
     layer_intermediate: Tuple[int, ...] = ()
     per_layer_embed: int = 0
     v_norm: bool = False
+    # Layers that attend without RoPE (smollm3's every fourth); empty: every layer rotates.
+    nope_layers: Tuple[bool, ...] = ()
 
     def layer_head_dim(self, layer: int) -> int:
         """Return `layer`'s head size."""
@@ -194,6 +196,10 @@ class ModelSpec:
         d = self.ssm_head_dim
         channels = (2 * self.ssm_k_heads + self.ssm_v_heads) * d
         return (self.conv_kernel - 1) * channels + self.ssm_v_heads * d * d
+
+    def is_nope(self, layer: int) -> bool:
+        """Whether `layer` attends without RoPE (its q and k are not rotated)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
@@ -610,6 +616,9 @@ def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int,
                    softcap: float) -> dict:
     """Return the ModelSpec fields a family adds to the llama skeleton (as llama.cpp)."""
     out = {'post_norms': family.post_norms, 'activation': family.activation}
+    if family.no_rope_period:
+        # llama.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0.
+        out['nope_layers'] = tuple((i + 1) % family.no_rope_period == 0 for i in range(layers))
     if family.embed_scale:
         out['embed_scale'] = float(np.sqrt(np.float32(hidden)))  # sqrtf(n_embd)
     if family.name == 'gemma3':
@@ -797,6 +806,8 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
                             float(cfg.get('final_logit_softcapping') or 0.0))
     if arch == 'gemma3':
         extras.update(_hf_gemma3(cfg, layers, rope))
+    if family.no_rope_period:
+        extras['nope_layers'] = _hf_nope_layers(folder, cfg, layers, family.no_rope_period)
     extras.update(hybrid)
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
@@ -815,6 +826,23 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _hf_nope_layers(folder: pathlib.Path, cfg: dict, layers: int,
+                    period: int) -> Tuple[bool, ...]:
+    """Return the layers without RoPE of an HF SmolLM3 config.
+
+    no_rope_layers holds 1 for a layer that rotates and 0 for one that does not; without it,
+    every no_rope_layer_interval-th layer (default: the family's period) does not.
+    """
+    flags = cfg.get('no_rope_layers')
+    if flags is None:
+        step = int(cfg.get('no_rope_layer_interval') or period)
+        return tuple((i + 1) % step == 0 for i in range(layers))
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f'{folder}: no_rope_layers must hold one 0 or 1 per layer '
+                             f'({layers}); got {flags!r}: the config.json is corrupt')
+    return tuple(f == 0 for f in flags)
 
 
 # HF hidden_act / hidden_activation -> the family's activation name.

@@ -327,7 +327,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
                          **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
                          # qwen3vl: the sections interleaved pair by pair (ggml's IMROPE)
-                         **({'interleaved': True} if s.mrope_interleaved else {})},
+                         **({'interleaved': True} if s.mrope_interleaved else {}),
+                         # smollm3: layers that attend without RoPE
+                         **({'no_rope_layers': [i for i in range(s.num_layers) if s.is_nope(i)]}
+                            if s.nope_layers else {})},
         # qwen3vl: image rows carry this many hidden-size rows more (added after layers 0..)
         **({'deepstack_layers': int(s.deepstack_layers)} if s.deepstack_layers else {}),
         'qk_norm': bool(s.qk_norm),

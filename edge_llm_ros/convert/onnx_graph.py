@@ -319,6 +319,10 @@ class DecoderGraph:
                 sin = np.pad(sin, ((0, 0), (0, pad)), constant_values=0.0)
             self._init('cos_cache', cos.astype(self.np_dtype))
             self._init('sin_cache', sin.astype(self.np_dtype))
+            if any(spec.is_nope(i) for i in range(spec.num_layers)):
+                # Layers without RoPE (smollm3) turn by angle 0: x * 1 - y * 0 is x exactly.
+                self._init('cos_cache_nope', np.ones_like(cos, dtype=self.np_dtype))
+                self._init('sin_cache_nope', np.zeros_like(sin, dtype=self.np_dtype))
         if any(local):
             cos, sin = rope_cache(spec, cache_len, local=True)
             self._init('cos_cache_local', cos.astype(self.np_dtype))
@@ -628,6 +632,8 @@ class DecoderGraph:
         rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
         if s.rope_sections:   # a row per packed token (M-RoPE), not per KV position
             rope = ('cos_tokens', 'sin_tokens')
+        if s.is_nope(i):
+            rope = ('cos_cache_nope', 'sin_cache_nope')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
