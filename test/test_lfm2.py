@@ -23,15 +23,17 @@ states' bytes.
 """
 import json
 import pathlib
-from typing import List
 
-from decoder_calls import record_calls
 import gguf
 from gguf_fixtures import layer_kinds, LFM2_CONV_KERNEL, LFM2_DIMS, ParityCase, write_gguf
 import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
+from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
+                                 check_sqlite_session_after_restart, eng_goal, engine, goal,
+                                 result_bits, run, TEXTS, turn, two_turns_sent_whole, USER1,
+                                 USER2)
 import yaml
 
 from edge_llm_ros.convert.converter import convert
@@ -39,8 +41,8 @@ from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedMode
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import DraftModel, SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
-from edge_llm_ros.serving.engine import Engine, EngineConfig, kv_budget_bytes
-from edge_llm_ros.serving.goal import Goal, GoalState
+from edge_llm_ros.serving.engine import kv_budget_bytes
+from edge_llm_ros.serving.goal import Goal
 from edge_llm_ros.serving.scheduler import Park, Unpark
 
 CASE = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=6, chain=0.3)
@@ -211,93 +213,18 @@ def test_an_mmproj_is_refused(tmp_path, source, native_library):
 
 
 # --- engine ------------------------------------------------------------------------------------
-TEXTS = ('once upon a time there was a robot', 'the blue sky is blue', 'Hello robot arm',
-         'What color is the sky?')
-
-
-def engine(model_dir: pathlib.Path, n: int = 1, **kw) -> Engine:
-    kw.setdefault('max_context', 96)
-    return Engine(EngineConfig(model_dir=str(model_dir), intra_op_threads=1,
-                               parallel_sequences=n, **kw))
-
-
-def goal(eng: Engine, text: str, max_tokens: int = 12, **kw) -> Goal:
-    request = GenerationRequest(prompt=text, max_tokens=max_tokens, use_chat_template=False,
-                                sampling=SamplingConfig(temperature=0.0, logprobs=True))
-    return Goal(eng.prepare(request), **kw)
-
-
-def bits(g: Goal) -> tuple:
-    return g.result.token_ids, [lp.logprob for lp in g.result.logprobs]
 
 
 @pytest.fixture(scope='module')
 def alone(kquant_dir) -> dict:
-    """Give each text's tokens and logprobs when it runs by itself on one slot."""
-    eng = engine(kquant_dir)
-    try:
-        out = {}
-        for text in TEXTS:
-            g = goal(eng, text, max_tokens=16)
-            eng.scheduler().submit(g)
-            while not g.done:
-                eng.run_plan()
-            out[text] = bits(g)
-        return out
-    finally:
-        eng.close()
-
-
-def run(eng: Engine, steps) -> List[object]:
-    """Run plans until the scheduler idles; return the plans the executor ran."""
-    plans = []
-    executor = eng.loop.executor
-    run_plan = executor.run
-
-    def recording(plan):
-        plans.append(plan)
-        return run_plan(plan)
-    executor.run = recording
-    try:
-        for _ in range(steps):
-            if eng.scheduler().idle():
-                return plans
-            eng.run_plan()
-    finally:
-        executor.run = run_plan
-    raise AssertionError('the scheduler did not drain')
-
-
-def batched(eng: Engine) -> tuple:
-    """Run a decoding goal and two whose prompts prefill in chunks beside it.
-
-    Their prompt chunks share model calls with the decode rows. Returns the goals and the
-    plans.
-    """
-    sched = eng.scheduler()
-    first = sched.submit(goal(eng, TEXTS[0], max_tokens=6))
-    while first.state is not GoalState.DECODE:
-        eng.run_plan()
-    rest = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[1:3]]
-    plans = run(eng, 5000)
-    return [first] + rest, plans
+    return alone_bits(kquant_dir)
 
 
 def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
     compat('lfm2', CASE.wtype, 'batching')
-    eng = engine(kquant_dir, 3, prefill_chunk=3)
-    recorded = record_calls(eng._decoder)
-    try:
-        goals, plans = batched(eng)
-    finally:
-        eng.close()
-    calls = [[(row.slot, row.length) for row in call] for call in recorded]
-    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
-    for g, text in zip(goals[1:], TEXTS[1:3]):
-        assert bits(g) == alone[text], text
-    # Decode rows and prompt chunks of other slots ran in one call; no call touched a slot
-    # it had no row for (the conv states of a slot between chunks stay as they were).
-    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+    calls = check_batched_equals_alone(kquant_dir, alone)
+    # No call touched a slot it had no row for (the conv states of a slot between chunks stay
+    # as they were).
     assert all(len({slot for slot, _ in call}) == len(call) for call in calls)
 
 
@@ -345,38 +272,9 @@ def test_prefix_reuse_stops_at_kept_conv_states_and_equals_the_uncached_run(kqua
         eng.close()
 
 
-def eng_goal(eng: Engine, text: str, max_tokens: int = 12) -> Goal:
-    g = eng.scheduler().submit(goal(eng, text, max_tokens=max_tokens))
-    while not g.done:
-        eng.run_plan()
-    return g
-
-
-USER1 = ChatMessage('user', 'once upon a time there was a robot')
-USER2 = ChatMessage('user', 'What color is the sky?')
-
-
-def turn(eng: Engine, messages, session: str = '', max_tokens: int = 8):
-    return eng.generate(GenerationRequest(
-        messages=list(messages), session_id=session, max_tokens=max_tokens,
-        sampling=SamplingConfig(temperature=0.0, logprobs=True))).run_to_end()
-
-
-def result_bits(result) -> tuple:
-    return result.token_ids, [lp.logprob for lp in result.logprobs]
-
-
 @pytest.fixture(scope='module')
 def two_turns_whole(kquant_dir) -> tuple:
-    """Give both turns of a conversation sent whole, with nothing cached."""
-    plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
-    try:
-        first = turn(plain, [USER1])
-        second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
-    finally:
-        plain.close()
-    assert second.timings.cached_prompt_tokens == 0
-    return first, second
+    return two_turns_sent_whole(kquant_dir)
 
 
 def test_a_session_continues_from_its_saved_conv_states_bit_for_bit(kquant_dir, two_turns_whole):
@@ -423,22 +321,8 @@ def test_int8_kv_sessions_with_conv_states_continue_bit_for_bit(kquant_dir):
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
         kquant_dir, tmp_path, two_turns_whole, compat):
     compat('lfm2', CASE.wtype, 'sessions')
-    first, second = two_turns_whole
-    store = str(tmp_path / 'sessions.db')
-    eng = engine(kquant_dir, max_context=256, session_store=store)
-    try:
-        a1 = turn(eng, [USER1], 'a')
-    finally:
-        eng.close()
-    eng = engine(kquant_dir, max_context=256, session_store=store)
-    try:
-        assert eng.saved_sessions() == ['a']
-        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
-    finally:
-        eng.close()
-    assert result_bits(a1) == result_bits(first)
-    assert result_bits(a2) == result_bits(second)
-    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    check_sqlite_session_after_restart(kquant_dir, str(tmp_path / 'sessions.db'),
+                                       two_turns_whole)
 
 
 @pytest.fixture(scope='module')

@@ -21,7 +21,6 @@ states at the verify's start (output equal to plain decoding).
 """
 import pathlib
 
-from decoder_calls import record_calls
 import gguf
 from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_DIMS,
                            QWEN35_GDN, write_gguf, write_qwen35_gguf)
@@ -31,8 +30,10 @@ import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
-from test_lfm2 import (batched, bits, eng_goal, engine, goal, result_bits, run, TEXTS, turn,
-                       USER1, USER2)
+from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
+                                 check_sqlite_session_after_restart, eng_goal, engine, goal,
+                                 result_bits, run, TEXTS, turn, two_turns_sent_whole, USER1,
+                                 USER2)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -297,27 +298,12 @@ def test_a_moe_gguf_is_refused_by_name(tmp_path):
 
 @pytest.fixture(scope='module')
 def alone(kquant_dir) -> dict:
-    """Give each text's tokens and logprobs when it runs by itself on one slot."""
-    eng = engine(kquant_dir)
-    try:
-        return {text: bits(eng_goal(eng, text, max_tokens=16)) for text in TEXTS}
-    finally:
-        eng.close()
+    return alone_bits(kquant_dir)
 
 
 def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
     compat('qwen35', CASE.wtype, 'batching')
-    eng = engine(kquant_dir, 3, prefill_chunk=3)
-    recorded = record_calls(eng._decoder)
-    try:
-        goals, _ = batched(eng)
-    finally:
-        eng.close()
-    calls = [[(row.slot, row.length) for row in call] for call in recorded]
-    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
-    for g, text in zip(goals[1:], TEXTS[1:3]):
-        assert bits(g) == alone[text], text
-    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+    check_batched_equals_alone(kquant_dir, alone)
 
 
 def test_a_preempted_goal_resumes_with_its_recurrent_states(kquant_dir, alone):
@@ -357,13 +343,7 @@ def test_prefix_reuse_stops_at_kept_states_and_equals_the_uncached_run(kquant_di
 
 @pytest.fixture(scope='module')
 def two_turns_whole(kquant_dir) -> tuple:
-    """Give both turns of a conversation sent whole, with nothing cached."""
-    plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
-    try:
-        first = turn(plain, [USER1])
-        return first, turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
-    finally:
-        plain.close()
+    return two_turns_sent_whole(kquant_dir)
 
 
 def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_turns_whole):
@@ -383,22 +363,8 @@ def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_t
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
         kquant_dir, tmp_path, two_turns_whole, compat):
     compat('qwen35', CASE.wtype, 'sessions')
-    first, second = two_turns_whole
-    store = str(tmp_path / 'sessions.db')
-    eng = engine(kquant_dir, max_context=256, session_store=store)
-    try:
-        a1 = turn(eng, [USER1], 'a')
-    finally:
-        eng.close()
-    eng = engine(kquant_dir, max_context=256, session_store=store)
-    try:
-        assert eng.saved_sessions() == ['a']
-        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
-    finally:
-        eng.close()
-    assert result_bits(a1) == result_bits(first)
-    assert result_bits(a2) == result_bits(second)
-    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    check_sqlite_session_after_restart(kquant_dir, str(tmp_path / 'sessions.db'),
+                                       two_turns_whole)
 
 
 @pytest.fixture(scope='module')

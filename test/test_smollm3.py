@@ -16,14 +16,13 @@ GGUF's graph, byte for byte.
 import json
 import pathlib
 
-from decoder_calls import record_calls
 from gguf_fixtures import ParityCase, smollm3_case, SMOLLM3_DIMS, write_gguf, write_hf
 from llama_cpp_parity import compare, converted, engine_logits, llama_cpp_greedy, PROMPT
 import numpy as np
 import onnx
 import pytest
-from test_lfm2 import (batched, bits, eng_goal, engine, result_bits, TEXTS, turn, USER1,
-                       USER2)
+from state_family_checks import (alone_bits, check_batched_equals_alone, engine, result_bits,
+                                 TEXTS, turn, USER1, USER2)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -106,27 +105,12 @@ def test_llama_cpp_leaves_the_fourth_layer_unrotated(work):
 
 @pytest.fixture(scope='module')
 def alone(kquant_dir) -> dict:
-    """Give each text's tokens and logprobs when it runs by itself on one slot."""
-    eng = engine(kquant_dir)
-    try:
-        return {text: bits(eng_goal(eng, text, max_tokens=16)) for text in TEXTS}
-    finally:
-        eng.close()
+    return alone_bits(kquant_dir)
 
 
 def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
     compat('smollm3', CASE.wtype, 'batching')
-    eng = engine(kquant_dir, 3, prefill_chunk=3)
-    recorded = record_calls(eng._decoder)
-    try:
-        goals, _ = batched(eng)
-    finally:
-        eng.close()
-    calls = [[(row.slot, row.length) for row in call] for call in recorded]
-    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
-    for g, text in zip(goals[1:], TEXTS[1:3]):
-        assert bits(g) == alone[text], text
-    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+    check_batched_equals_alone(kquant_dir, alone)
 
 
 def test_a_session_continues_from_its_snapshot_bit_for_bit(kquant_dir, compat):

@@ -1,0 +1,155 @@
+"""Engine checks shared by the families tested on tiny models (lfm2, qwen35, smollm3).
+
+Each family's test file converts its own tiny model and runs these: goals batched with prompt
+chunks beside decode rows give each goal's bits alone, and a session stored in SQLite
+continues after a restart as the conversation sent whole. The primitives (an engine on one
+thread, a greedy goal with logprobs, a chat turn) are the ones every such test uses.
+"""
+import pathlib
+from typing import List
+
+from decoder_calls import record_calls
+
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+from edge_llm_ros.serving.goal import Goal, GoalState
+
+TEXTS = ('once upon a time there was a robot', 'the blue sky is blue', 'Hello robot arm',
+         'What color is the sky?')
+USER1 = ChatMessage('user', 'once upon a time there was a robot')
+USER2 = ChatMessage('user', 'What color is the sky?')
+
+
+def engine(model_dir: pathlib.Path, n: int = 1, **kw) -> Engine:
+    """Open an engine on one thread with n slots (max_context 96 unless given)."""
+    kw.setdefault('max_context', 96)
+    return Engine(EngineConfig(model_dir=str(model_dir), intra_op_threads=1,
+                               parallel_sequences=n, **kw))
+
+
+def goal(eng: Engine, text: str, max_tokens: int = 12, **kw) -> Goal:
+    """Prepare a greedy raw-prompt goal that keeps its logprobs."""
+    request = GenerationRequest(prompt=text, max_tokens=max_tokens, use_chat_template=False,
+                                sampling=SamplingConfig(temperature=0.0, logprobs=True))
+    return Goal(eng.prepare(request), **kw)
+
+
+def bits(g: Goal) -> tuple:
+    """Return a goal's token ids and logprobs."""
+    return g.result.token_ids, [lp.logprob for lp in g.result.logprobs]
+
+
+def eng_goal(eng: Engine, text: str, max_tokens: int = 12) -> Goal:
+    """Run one goal to its end on the engine's own loop."""
+    g = eng.scheduler().submit(goal(eng, text, max_tokens=max_tokens))
+    while not g.done:
+        eng.run_plan()
+    return g
+
+
+def alone_bits(model_dir: pathlib.Path) -> dict:
+    """Give each text's tokens and logprobs when it runs by itself on one slot."""
+    eng = engine(model_dir)
+    try:
+        return {text: bits(eng_goal(eng, text, max_tokens=16)) for text in TEXTS}
+    finally:
+        eng.close()
+
+
+def run(eng: Engine, steps) -> List[object]:
+    """Run plans until the scheduler idles; return the plans the executor ran."""
+    plans = []
+    executor = eng.loop.executor
+    run_plan = executor.run
+
+    def recording(plan):
+        plans.append(plan)
+        return run_plan(plan)
+    executor.run = recording
+    try:
+        for _ in range(steps):
+            if eng.scheduler().idle():
+                return plans
+            eng.run_plan()
+    finally:
+        executor.run = run_plan
+    raise AssertionError('the scheduler did not drain')
+
+
+def batched(eng: Engine) -> tuple:
+    """Run a decoding goal and two whose prompts prefill in chunks beside it.
+
+    Their prompt chunks share model calls with the decode rows. Returns the goals and the
+    plans.
+    """
+    sched = eng.scheduler()
+    first = sched.submit(goal(eng, TEXTS[0], max_tokens=6))
+    while first.state is not GoalState.DECODE:
+        eng.run_plan()
+    rest = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[1:3]]
+    plans = run(eng, 5000)
+    return [first] + rest, plans
+
+
+def check_batched_equals_alone(model_dir: pathlib.Path, alone: dict) -> list:
+    """Batch three goals (chunks beside decode rows); each gives its bits alone.
+
+    Returns the model calls as [(slot, rows)] per call, for further checks.
+    """
+    eng = engine(model_dir, 3, prefill_chunk=3)
+    recorded = record_calls(eng._decoder)
+    try:
+        goals, _ = batched(eng)
+    finally:
+        eng.close()
+    calls = [[(row.slot, row.length) for row in call] for call in recorded]
+    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
+    for g, text in zip(goals[1:], TEXTS[1:3]):
+        assert bits(g) == alone[text], text
+    # Decode rows and prompt chunks of other slots ran in one call.
+    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+    return calls
+
+
+def turn(eng: Engine, messages, session: str = '', max_tokens: int = 8):
+    """Run one greedy chat turn to its end, its logprobs kept."""
+    return eng.generate(GenerationRequest(
+        messages=list(messages), session_id=session, max_tokens=max_tokens,
+        sampling=SamplingConfig(temperature=0.0, logprobs=True))).run_to_end()
+
+
+def result_bits(result) -> tuple:
+    """Return a result's token ids and logprobs."""
+    return result.token_ids, [lp.logprob for lp in result.logprobs]
+
+
+def two_turns_sent_whole(model_dir: pathlib.Path) -> tuple:
+    """Give both turns of a conversation sent whole, with nothing cached."""
+    plain = engine(model_dir, max_context=256, prefix_reuse=False)
+    try:
+        first = turn(plain, [USER1])
+        second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
+    finally:
+        plain.close()
+    assert second.timings.cached_prompt_tokens == 0
+    return first, second
+
+
+def check_sqlite_session_after_restart(model_dir: pathlib.Path, store: str,
+                                       whole: tuple) -> None:
+    """Store a session's first turn, restart, continue it: equal to the whole conversation."""
+    first, second = whole
+    eng = engine(model_dir, max_context=256, session_store=store)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+    finally:
+        eng.close()
+    eng = engine(model_dir, max_context=256, session_store=store)
+    try:
+        assert eng.saved_sessions() == ['a']
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
