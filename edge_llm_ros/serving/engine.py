@@ -53,6 +53,7 @@ from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, GenerationResult,
                                         StopReason, TokenEvent)
 from edge_llm_ros.serving import warm_prompts as warm_mod
+from edge_llm_ros.serving.adapters import AdapterLimits, Adapters
 from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
 from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
@@ -96,6 +97,10 @@ class EngineConfig:
     # System prompts prefilled at init and pinned in the prefix cache: text, or 'file:<path>'
     # (serving/warm_prompts.py). They need prefix_reuse.
     warm_prompts: Tuple[str, ...] = ()
+    # LoRA adapters loaded at init: (name, LoRA GGUF or PEFT folder, default scale) each, and
+    # what a goal may ask of them (serving/adapters.py).
+    lora_adapters: Tuple[Tuple[str, str, float], ...] = ()
+    lora: AdapterLimits = field(default_factory=AdapterLimits)
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -203,6 +208,10 @@ class Engine:
                 f'{self._layout.projector} images need bidirectional attention over their '
                 'tokens, and this model.onnx was converted without it: reconvert the model '
                 'with --mmproj and a current edge-llm-convert (text still works)')
+        # LoRA adapters per goal (registered on the decoder's op nodes at the first load).
+        self.adapters = Adapters(self._decoder.enable_lora, self.info, config.lora)
+        for name, path, scale in config.lora_adapters:
+            self.adapters.load(name, path, scale)
         self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
                                              model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
@@ -374,9 +383,12 @@ class Engine:
             raise InvalidRequestError(
                 'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '
                 'send the whole conversation without a session_id, or enable them')
-        return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
-                       self._compile_schema, decoder.act_dtype, family=self.family,
-                       vocab_size=self.vocab_size, layout=self._layout)
+        # Adapters first: an unknown name or a bad scale is refused before any tokenizing.
+        uses, lora_set = self.adapters.resolve(getattr(request, 'lora', None) or {})
+        prepared = prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
+                           self._compile_schema, decoder.act_dtype, family=self.family,
+                           vocab_size=self.vocab_size, layout=self._layout)
+        return replace(prepared, lora=uses, lora_set=lora_set) if uses else prepared
 
     def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
         """Build the runtime state of a goal that got a slot (the executor's Start).
@@ -384,6 +396,7 @@ class Engine:
         A session goal's prompt is built here, after the goals before it in its session
         ended: the stored turns first, then its own (runtime/conversation.py).
         """
+        self.adapters.acquire(request.lora)   # released at the goal's end (_end_ops)
         if request.awaits_conversation:
             stored = self._store.conversation(request.session_id) or Conversation()
             request = bind_conversation(request, stored, self.tokenizer, self.context_length)
@@ -411,6 +424,7 @@ class Engine:
         cancelled or failed one leaves it as it was.
         """
         request, result = goal.sequence.request, goal.sequence.result
+        self.adapters.release(request.lora)
         if request.session is None or result.stop_reason not in _COMMITTED:
             return [Checkpoint(slot)]
         reply = reply_turn(result.text, result.tool_calls)
