@@ -15,7 +15,6 @@ import pytest
 
 from edge_llm_ros.errors import AdapterRequestError
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
-from edge_llm_ros.serving.adapters import AdapterLimits
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 CASE = ParityCase('llama', 'Q8_0', chain=0.0)   # no next-token chain: adapters move ids
@@ -36,7 +35,7 @@ def engine(files, **kw) -> Engine:
     model, (a1, a2) = files
     return Engine(EngineConfig(model_dir=str(model), max_context=128, parallel_sequences=3,
                                lora_adapters=(('one', str(a1), 1.0), ('two', str(a2), 0.5)),
-                               lora=AdapterLimits(max_per_goal=2, max_scale=4.0), **kw))
+                               lora_max_per_goal=2, lora_max_scale=4.0, **kw))
 
 
 def ask(eng: Engine, lora=None, tokens: int = 12):
@@ -114,3 +113,22 @@ def test_another_base_is_refused_at_load(files, tmp_path):
         assert len(ask(eng, {'one': 1.0})) == 12
     finally:
         eng.close()
+
+
+def test_cli_generate_with_adapters(files):
+    import json
+    import subprocess
+    import sys
+    model, (a1, _) = files
+    cmd = [sys.executable, '-c', 'import sys; from edge_llm_ros.cli import main; sys.exit(main())',
+           'generate', PROMPT, '--raw', '--model', str(model), '--max-tokens', '12',
+           '--max-context', '128', '--json', '--lora', f'{a1}@1.0']
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    eng = engine(files)
+    try:
+        assert json.loads(proc.stdout)['token_ids'] == ask(eng, {'one': 1.0})
+    finally:
+        eng.close()
+    bad = subprocess.run(cmd[:-1] + [f'{a1}@nan'], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and 'scale' in bad.stderr

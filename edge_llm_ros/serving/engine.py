@@ -100,7 +100,8 @@ class EngineConfig:
     # LoRA adapters loaded at init: (name, LoRA GGUF or PEFT folder, default scale) each, and
     # what a goal may ask of them (serving/adapters.py).
     lora_adapters: Tuple[Tuple[str, str, float], ...] = ()
-    lora: AdapterLimits = field(default_factory=AdapterLimits)
+    lora_max_per_goal: int = 4
+    lora_max_scale: float = 4.0
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -209,7 +210,8 @@ class Engine:
                 'tokens, and this model.onnx was converted without it: reconvert the model '
                 'with --mmproj and a current edge-llm-convert (text still works)')
         # LoRA adapters per goal (registered on the decoder's op nodes at the first load).
-        self.adapters = Adapters(self._decoder.enable_lora, self.info, config.lora)
+        self.adapters = Adapters(self._decoder.enable_lora, self.info,
+                                 AdapterLimits(config.lora_max_per_goal, config.lora_max_scale))
         for name, path, scale in config.lora_adapters:
             self.adapters.load(name, path, scale)
         self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
