@@ -16,13 +16,17 @@ from llama_cpp_parity import converted, llama_cpp_greedy, PROMPT, TOKENS
 from lora_fixtures import random_pairs, write_lora_gguf
 import numpy as np
 import pytest
+from tiny_model import TinyDims
 
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 from edge_llm_ros.runtime.lora_adapter import check_base, load_adapter
 from edge_llm_ros.runtime.rows import Row
 
-CASES = [ParityCase('llama', 'Q8_0'), ParityCase('qwen2', 'Q8_0')]
+GEMMA_DIMS = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64,
+                      rope_theta=1e6)   # test_llama_cpp_parity's gemma3 case
+CASES = [ParityCase('llama', 'Q8_0'), ParityCase('qwen2', 'Q8_0'), ParityCase('qwen3', 'Q8_0'),
+         ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2)]
 RANK = 8
 STD = 0.06   # the adapters move the logits by > 5 * MAX_ABS_DIFF (asserted)
 MAX_ABS_DIFF = 0.4   # test_llama_cpp_parity's KQUANT_MAX_ABS_DIFF: llama.cpp's own rounding
