@@ -14,7 +14,9 @@ import numpy as np
 from tiny_model import llama_cpp_permute, TinyDims
 
 GGUF_NAMES = {'q': 'attn_q', 'k': 'attn_k', 'v': 'attn_v', 'o': 'attn_output',
-              'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down'}
+              'gate': 'ffn_gate', 'up': 'ffn_up', 'down': 'ffn_down',
+              'qkv': 'attn_qkv', 'gate_up': 'ffn_up'}   # phi3's fused tensors
+FUSED_ROLES = ('qkv', 'o', 'gate_up', 'down')   # phi3's projections
 PEFT_NAMES = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
               'o': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj',
               'down': 'mlp.down_proj'}
@@ -26,7 +28,7 @@ def role_shape(dims: TinyDims, role: str) -> Tuple[int, int]:
     q, kv, h, f = dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.hidden, \
         dims.intermediate
     return {'q': (h, q), 'k': (h, kv), 'v': (h, kv), 'o': (q, h), 'gate': (h, f), 'up': (h, f),
-            'down': (f, h)}[role]
+            'down': (f, h), 'qkv': (h, q + 2 * kv), 'gate_up': (h, 2 * f)}[role]
 
 
 def random_pairs(dims: TinyDims, rank: int = 4, seed: int = 1, roles: Iterable[str] = ALL_ROLES,

@@ -13,7 +13,7 @@ from typing import List, Sequence, Tuple
 
 from gguf_fixtures import ParityCase, write_gguf
 from llama_cpp_parity import converted, llama_cpp_greedy, PROMPT, TOKENS
-from lora_fixtures import random_pairs, write_lora_gguf
+from lora_fixtures import ALL_ROLES, FUSED_ROLES, random_pairs, write_lora_gguf
 import numpy as np
 import pytest
 from tiny_model import TinyDims
@@ -26,7 +26,8 @@ from edge_llm_ros.runtime.rows import Row
 GEMMA_DIMS = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64,
                       rope_theta=1e6)   # test_llama_cpp_parity's gemma3 case
 CASES = [ParityCase('llama', 'Q8_0'), ParityCase('qwen2', 'Q8_0'), ParityCase('qwen3', 'Q8_0'),
-         ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2)]
+         ParityCase('gemma3', 'Q8_0', dims=GEMMA_DIMS, window=6, swa_pattern=2),
+         ParityCase('phi3', 'Q8_0')]   # fused attn_qkv and gate|up ffn_up adapters
 RANK = 8
 STD = 0.06   # the adapters move the logits by > 5 * MAX_ABS_DIFF (asserted)
 MAX_ABS_DIFF = 0.4   # test_llama_cpp_parity's KQUANT_MAX_ABS_DIFF: llama.cpp's own rounding
@@ -46,8 +47,10 @@ def setup_case(work: pathlib.Path, case: ParityCase):
     for seed in (1, 2):
         path = work / f'{case.tag}-lora{seed}.gguf'
         if not path.is_file():
+            roles = FUSED_ROLES if case.arch == 'phi3' else ALL_ROLES
             write_lora_gguf(path, case.arch, case.dims,
-                            random_pairs(case.dims, RANK, seed=seed, std=STD), alpha=16.0)
+                            random_pairs(case.dims, RANK, seed=seed, std=STD, roles=roles),
+                            alpha=16.0)
         adapters.append(path)
     model = converted(base, work, accuracy_level=4, weights='kquant')
     dec = OnnxDecoder(str(model), load_model_info(str(model)),
