@@ -39,6 +39,8 @@ setup(
             'ask = edge_llm_ros.nodes.ask:main',
             'frame_source = edge_llm_ros.nodes.frame_source:main',
             'perception = edge_llm_ros.nodes.perception:main',
+            'memory = edge_llm_ros.nodes.memory:main',
+            'edge-llm-memory-reembed = edge_llm_ros.nodes.memory_reembed:main',
             'edge-llm = edge_llm_ros.cli:main',
             'edge-llm-convert = edge_llm_ros.convert.converter:main',
             'edge-llm-update = edge_llm_ros.update.cli:main',

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_long_prompt.py [--runs default=1024,2048,4096]
         [--runs qwen2-1.5b=1024,4096] [--threads 2] [--repeats 1] [--new-tokens 16]
-        [--chunk 256] [--peer-batch 512] [--library LABEL=PATH ...]
+        [--chunk 256] [--peer-batch 512] [--library LABEL=PATH ...] [--kv-dtype int8]
         [--json-out bench/results/bench_long_prompt.json]
 
 Shapes (--runs SHAPE=LENGTHS, repeatable; default: default and qwen2-1.5b at 1k/2k/4k):
@@ -14,7 +14,9 @@ our decoder (OnnxDecoder as the Engine loads it) prefills the prompt from positi
 fresh slot in chunks of --chunk positions (the Engine's prefill_chunk), then takes
 --new-tokens - 1 greedy decode steps at the prompt's end; llama.cpp (bench/llama_peer.py's
 portable llama-cpp-python, C API) does the same on the same ids with the same threads, its
-prompt in batches of --peer-batch (n_batch = n_ubatch), f16 KV cache as it defaults. Each
+prompt in batches of --peer-batch (n_batch = n_ubatch), f16 KV cache as it defaults. With
+--kv-dtype int8 our decoder keeps its KV in int8 (kv.dtype int8: model_kv_int8.onnx, written
+into the model folder when missing) and llama.cpp its KV in q8_0 with flash attention. Each
 side runs in its own process per repeat (a warm-up of 8 tokens first: "cold" is the prompt,
 not the process). --library LABEL=PATH runs our side once per op library (EDGE_LLM_NATIVE_LIB,
 e.g. a base commit's build next to this one): the rows say which; the sides alternate, the
@@ -27,14 +29,17 @@ after every shape. Timings are this shared machine's: read the ratios and the lo
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -62,7 +67,8 @@ def ours_main(args) -> Dict:
     lengths = [int(n) for n in args.lengths.split(',')]
     info = load_model_info(args.model)
     decoder = OnnxDecoder(args.model, info, SessionConfig(
-        intra_op_threads=args.threads, max_context=max(lengths) + args.new_tokens))
+        intra_op_threads=args.threads, max_context=max(lengths) + args.new_tokens,
+        kv_dtype=args.kv_dtype))
 
     def prefill(prompt: Sequence[int]) -> int:
         logits = None
@@ -83,7 +89,8 @@ def ours_main(args) -> Dict:
         out.append({'prompt_tokens': n, 'prefill_tok_s': n / (t1 - t0),
                     'decode_tok_s': (args.new_tokens - 1) / (t2 - t1)})
     path = native_ops.library_path()
-    return {'engine': 'ours', 'library': str(path), 'kernel': decoder.kernel, 'runs': out}
+    return {'engine': 'ours', 'library': str(path), 'kernel': decoder.kernel,
+            'kv_dtype': args.kv_dtype, 'runs': out}
 
 
 def peer_main(args) -> Dict:
@@ -92,8 +99,9 @@ def peer_main(args) -> Dict:
     ids = json.loads(args.prompt_ids)
     lengths = [int(n) for n in args.lengths.split(',')]
     from bench_models import open_peer
+    kv_type = 'q8_0' if args.kv_dtype == 'int8' else 'f16'
     model, ctx, n_vocab = open_peer(args.gguf, max(lengths) + args.new_tokens, args.peer_batch,
-                                    args.threads)
+                                    args.threads, kv_type)
     memory = llama_cpp.llama_get_memory(ctx)
 
     def step(batch: List[int]) -> int:
@@ -124,7 +132,8 @@ def peer_main(args) -> Dict:
                     'decode_tok_s': (args.new_tokens - 1) / (t2 - t1)})
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
-    return {'engine': f'llama-cpp-python {llama_cpp.__version__} (C API)', 'runs': out}
+    return {'engine': f'llama-cpp-python {llama_cpp.__version__} (C API)', 'kv_type': kv_type,
+            'runs': out}
 
 
 def _argmax(row, n: int) -> int:
@@ -152,8 +161,17 @@ def measure_shape(shape: str, lengths: List[int], libraries: Dict[str, str], pee
     ids = bench_models.prompt_ids(files['dir'], max(lengths))
     if len(ids) < max(lengths):
         raise BenchFailed(f'{shape}: the prompt has {len(ids)} ids, not {max(lengths)}')
+    if args.kv_dtype == 'int8':   # a folder with the graph over int8 KV (cache left as is)
+        from edge_llm_ros.convert.kv_int8_graph import linked_folder
+        from edge_llm_ros.model_format import KV_INT8_MODEL_FILE
+        if not (pathlib.Path(files['dir']) / KV_INT8_MODEL_FILE).exists():
+            scratch = pathlib.Path(tempfile.mkdtemp(prefix='bench_long_prompt_'))
+            atexit.register(shutil.rmtree, scratch, True)
+            files = dict(files, dir=str(linked_folder(pathlib.Path(files['dir']),
+                                                      scratch / shape)))
     common = ['--prompt-ids', json.dumps(ids), '--lengths', ','.join(map(str, lengths)),
-              '--threads', str(args.threads), '--new-tokens', str(args.new_tokens)]
+              '--threads', str(args.threads), '--new-tokens', str(args.new_tokens),
+              '--kv-dtype', args.kv_dtype]
     sides = list(libraries) + ['llama.cpp']
     runs: Dict[str, List[Dict]] = {side: [] for side in sides}
     load = {'start': os.getloadavg()}
@@ -184,7 +202,9 @@ def measure_shape(shape: str, lengths: List[int], libraries: Dict[str, str], pee
     return {'shape': shape, 'gguf': files['gguf'], 'model_dir': files['dir'],
             'libraries': {s: runs[s][0].get('library') for s in libraries},
             'kernel': runs[sides[0]][0].get('kernel'),
-            'llama_cpp': runs['llama.cpp'][0]['engine'], 'loadavg': load, 'rows': rows}
+            'llama_cpp': runs['llama.cpp'][0]['engine'],
+            'llama_cpp_kv': runs['llama.cpp'][0].get('kv_type', 'f16'), 'loadavg': load,
+            'rows': rows}
 
 
 def summarize(row: Dict, libraries: Sequence[str]) -> Dict:
@@ -262,6 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument('--peer-batch', type=int, default=512, help="llama.cpp's n_batch")
     p.add_argument('--library', action='append', default=[],
                    help='LABEL=PATH of an op library to run our side with (repeatable)')
+    p.add_argument('--kv-dtype', choices=('float32', 'int8'), default='float32',
+                   help='our KV (kv.dtype); int8 also gives llama.cpp a q8_0 KV cache')
     p.add_argument('--json-out', default=str(DEFAULT_JSON))
     p.add_argument('--child', choices=('ours', 'peer'), help=argparse.SUPPRESS)
     p.add_argument('--prompt-ids', help=argparse.SUPPRESS)
@@ -290,6 +312,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = {'bench': 'bench_long_prompt', 'cpu': cpu_model(), 'cores': os.cpu_count(),
               'threads': args.threads, 'repeats': args.repeats, 'new_tokens': args.new_tokens,
               'chunk': args.chunk, 'peer_batch': args.peer_batch, 'libraries': libraries,
+              'kv_dtype': args.kv_dtype,
               'shapes': []}
     for shape, lengths in parse_runs(args.runs or DEFAULT_RUNS).items():
         result['shapes'].append(measure_shape(shape, lengths, libraries, peer_python, args))

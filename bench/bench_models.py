@@ -154,11 +154,12 @@ class OursRunner:
 
 
 # --- llama.cpp (runs in the peer venv: stdlib, llama_cpp, numpy, psutil only) ------------------
-def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int):
+def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int, kv_type: str = 'f16'):
     """Load a GGUF into llama.cpp on the CPU; return (model, context, vocabulary size).
 
     One sequence, n_batch = n_ubatch, `threads` for decode and batches; SystemExit when
-    llama.cpp cannot load it or make the context.
+    llama.cpp cannot load it or make the context. kv_type 'q8_0': its KV cache in q8_0 (K and
+    V, with flash attention on, which a quantized V needs), else llama.cpp's default f16.
     """
     import llama_cpp
     llama_cpp.llama_backend_init()
@@ -172,6 +173,11 @@ def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int):
     cparams.n_batch = cparams.n_ubatch = n_batch
     cparams.n_seq_max = 1
     cparams.n_threads = cparams.n_threads_batch = threads
+    if kv_type == 'q8_0':
+        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_Q8_0
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif kv_type != 'f16':
+        raise SystemExit(f'open_peer: kv_type {kv_type!r} is not f16 or q8_0')
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise SystemExit('llama.cpp could not create a context')

@@ -144,6 +144,8 @@ class GenerationOutcome:
     reasoning: str = ''
     logprobs: tuple = ()        # edge_llm_msgs TokenLogprob messages
     dropped_turns: int = 0      # session turns left out: the conversation outgrew the context
+    # A grounding model's boxes and points (edge_llm_msgs Detection2D, the frame's pixels).
+    detections: tuple = ()
 
     @property
     def ok(self) -> bool:
@@ -168,7 +170,8 @@ def _outcome(result: Generate.Result, status: int) -> GenerationOutcome:
         timings=result.timings, error_message=result.error_message,
         status=STATUS_NAMES.get(status, str(status)), error_kind=result.error_kind,
         tool_calls=tuple(result.tool_calls), reasoning=result.reasoning,
-        logprobs=tuple(result.logprobs), dropped_turns=int(result.dropped_turns))
+        logprobs=tuple(result.logprobs), dropped_turns=int(result.dropped_turns),
+        detections=tuple(getattr(result, 'detections', ())))
 
 
 class _GoalClient(FeedbackListenersMixin, LockedActionClient):
@@ -569,8 +572,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               reasoning_budget: Optional[int] = None, priority: int = 0,
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
               no_speculation: bool = False, images: Sequence[Any] = (),
-              raw_prompt: bool = False, lora: Optional[Mapping[str, float]] = None,
-              **sampling) -> Any:
+              raw_prompt: bool = False, max_image_tokens: int = 0,
+              lora: Optional[Mapping[str, float]] = None, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -586,8 +589,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     `no_speculation` (Generate only) decodes this goal plainly where the node speculates.
     `images` (Generate only): TensorHandle messages of RGB [H, W, 3] uint8 frames in a pool,
     one per `<__media__>` marker of the prompt; `raw_prompt` (Generate only): the prompt is
-    fed as is, without the chat template. `lora` (Generate only): adapter name -> scale,
-    the LoRA adapters of this goal (the node's lora.adapters / ~/load_adapter).
+    fed as is, without the chat template; `max_image_tokens` (Generate only): the most tokens
+    one image may take, 0 = the node's vision.max_image_tokens. `lora` (Generate only):
+    adapter name -> scale, the LoRA adapters of this goal (lora.adapters / ~/load_adapter).
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -600,10 +604,13 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.no_speculation = bool(no_speculation)
         goal.images = list(images)
         goal.raw_prompt = bool(raw_prompt)
+        goal.max_image_tokens = int(max_image_tokens)
         goal.lora = [LoraScale(name=str(n), scale=float(s)) for n, s in (lora or {}).items()]
-    elif priority or preempt or no_speculation or images or raw_prompt or lora:
+    elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens \
+            or lora:
         raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt/'
-                        'lora: send a Generate goal (LLMClient.generate) for those')
+                        'max_image_tokens/lora: '
+                        'send a Generate goal (LLMClient.generate) for those')
     goal.prompt = prompt
     goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])
                      for m in messages]

@@ -18,6 +18,8 @@ import yaml
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 MODEL_FILE = 'model.onnx'
+# model.onnx over int8 KV buffers and their scales (kv.dtype int8; convert/kv_int8_graph.py).
+KV_INT8_MODEL_FILE = 'model_kv_int8.onnx'
 DATA_FILE = 'model.onnx.data'
 TOKENIZER_FILE = 'tokenizer.json'
 CHAT_TEMPLATE_FILE = 'chat_template.jinja'
@@ -40,7 +42,7 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl')
+                                  'qwen2vl', 'qwen35', 'gemma4', 'qwen3vl', 'smollm3')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -49,8 +51,17 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
 # both input and output and updated in place. A conv state holds no positions, so it cannot
 # be rewound by position: a folder with one is not `rewindable` (ModelInfo.rewindable), and
 # the engine refuses what would need that (docs/architectures.md, lfm2). A folder without
-# the key (before lfm2) has 'kv' layers only.
-STATE_KINDS: Tuple[str, ...] = ('kv', 'conv')
+# the key (before lfm2) has 'kv' layers only. 'recurrent': a Gated DeltaNet layer's state
+# (qwen35), its conv inputs then its delta-rule state in one float32 vector per slot (shape
+# [floats], the op library's GatedDeltaNet layout), bound as past_conv.{i} / present_conv.{i}
+# like a conv state and kept, snapshotted and undone by the same machinery (FIXED_STATES).
+# A 'kv' entry may give its own `head_dim` and `kv_heads` (gemma4: its sliding-window and
+# global layers differ; 0 or absent: the model's). 'shared': the layer keeps nothing and
+# reads layer `owner`'s KV (gemma4's shared-KV layers: the graph feeds it present.{owner}.*,
+# so the buffers and the KV budget count it once).
+STATE_KINDS: Tuple[str, ...] = ('kv', 'conv', 'recurrent', 'shared')
+# The kinds of fixed-size state (no positions): the runtime treats them alike.
+FIXED_STATES: Tuple[str, ...] = ('conv', 'recurrent')
 CONV_STATE_PAST = 'past_conv.{}'
 CONV_STATE_PRESENT = 'present_conv.{}'
 # Weight precisions of a conversion: 'source' keeps GGUF's own types, 'int4' requantizes.
@@ -81,6 +92,10 @@ VISION_INPUT = 'pixels'
 # (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
 VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
 VISION_WINDOW_MASK = 'window_mask'
+# A Qwen3-VL vision.onnx takes, instead of the window mask, its learned position embeddings'
+# bilinear interpolation to the image's grid: per patch (merge order) the 4 source rows
+# (int64 [N, 4]) and their weights (float32 [N, 4]).
+VISION_POS_INPUTS = ('pos_index', 'pos_weight')
 REGENERATE_HINT = ('regenerate it with `edge-llm-convert` (or run scripts/setup.sh for the '
                    'embedded model)')
 # The embedded default model (SmolLM2-135M-Instruct, converted by scripts/setup.sh).
@@ -95,12 +110,20 @@ class LayerState:
     kind: str = 'kv'
     window: int = 0              # 'kv': a sliding window of this many positions (0: all)
     shape: Tuple[int, ...] = ()  # 'conv': the state's shape per slot, [kernel - 1, hidden]
+    head_dim: int = 0            # 'kv': this layer's head size (0: the model's head_dim)
+    kv_heads: int = 0            # 'kv': this layer's KV heads (0: the model's num_kv_heads)
+    owner: int = -1              # 'shared': the layer whose KV this one reads
 
     def as_yaml(self) -> dict:
         """Return the model.yaml entry."""
-        if self.kind == 'conv':
+        if self.kind in FIXED_STATES:
             return {'kind': self.kind, 'shape': list(self.shape)}
-        return {'kind': self.kind, 'window': int(self.window)}
+        if self.kind == 'shared':
+            return {'kind': self.kind, 'owner': int(self.owner)}
+        out = {'kind': self.kind, 'window': int(self.window)}
+        if self.head_dim or self.kv_heads:
+            out.update(head_dim=int(self.head_dim), kv_heads=int(self.kv_heads))
+        return out
 
 
 @dataclass(frozen=True)
@@ -143,8 +166,24 @@ class ModelInfo:
 
     @property
     def conv_layers(self) -> Tuple[int, ...]:
-        """Return the layers that keep a conv state, in order."""
-        return tuple(i for i in range(self.num_layers) if self.state_of(i).kind == 'conv')
+        """Return the layers that keep a fixed-size state (conv or recurrent), in order."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.state_of(i).kind in FIXED_STATES)
+
+    def kv_dims(self, layer: int) -> Tuple[int, int]:
+        """Return (kv_heads, head_dim) of a 'kv' layer's buffers."""
+        state = self.state_of(layer)
+        return (state.kv_heads or self.num_kv_heads, state.head_dim or self.head_dim)
+
+    @property
+    def kv_values_per_position(self) -> int:
+        """Return the K and V values one position keeps over every 'kv' layer."""
+        return sum(2 * h * d for h, d in (self.kv_dims(i) for i in self.kv_layers))
+
+    @property
+    def embed_width(self) -> int:
+        """Return an inputs_embeds row's width: hidden_size x (1 + DeepStack layers)."""
+        return self.hidden_size * (1 + int(self.extra.get('deepstack_layers', 0) or 0))
 
     @property
     def rewindable(self) -> bool:
@@ -228,7 +267,16 @@ def _layer_states(raw, layers: int, path: str) -> Tuple[LayerState, ...]:
         shape = tuple(int(d) for d in entry.get('shape') or ())
         if kind == 'conv' and (len(shape) != 2 or min(shape) < 1):
             raise ValueError(f'a conv layer state of shape {list(shape)}')
-        out.append(LayerState(kind, int(entry.get('window') or 0), shape))
+        if kind == 'recurrent' and (len(shape) != 1 or shape[0] < 1):
+            raise ValueError(f'a recurrent layer state of shape {list(shape)}')
+        owner = int(entry.get('owner', -1))
+        if kind == 'shared' and not 0 <= owner < len(out):
+            raise ValueError(f'a shared layer reads layer {owner}, not an earlier layer')
+        if kind == 'shared' and out[owner].kind != 'kv':
+            raise ValueError(f'a shared layer reads layer {owner}, which keeps no KV')
+        out.append(LayerState(kind, int(entry.get('window') or 0), shape,
+                              int(entry.get('head_dim') or 0), int(entry.get('kv_heads') or 0),
+                              owner))
     return tuple(out)
 
 

@@ -14,3 +14,10 @@ TRANSCRIPT_DEPTH = 100
 TRANSCRIPT_QOS = QoSProfile(depth=TRANSCRIPT_DEPTH, history=HistoryPolicy.KEEP_LAST,
                             reliability=ReliabilityPolicy.RELIABLE,
                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+
+# ~/detections: one message per grounded answer, each an event a consumer must not miss
+# (reliable), and only for those listening when it is answered (volatile: a late subscriber
+# must not act on where the cup was minutes ago).
+DETECTIONS_QOS = QoSProfile(depth=10, history=HistoryPolicy.KEEP_LAST,
+                            reliability=ReliabilityPolicy.RELIABLE,
+                            durability=DurabilityPolicy.VOLATILE)

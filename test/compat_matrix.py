@@ -5,7 +5,7 @@ fixture (conftest.py): ``compat('qwen2', 'Q4_K', 'speculation')``. A record coun
 that test's call passed (conftest's report hook settles it). At the end of a whole-suite run
 that passed (every test collected from test/, no selection), conftest calls `write_doc`, which
 renders docs/models.md from the records alone: a cell is filled only where a test that ran
-says so, and names that test. Every run also leaves its records in .cache/compat/last_run.json.
+says so, and names that test. Every run also leaves its records in build/compat/last_run.json.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Dict, Iterable, List, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / 'docs' / 'models.md'
-LAST_RUN = ROOT / '.cache' / 'compat' / 'last_run.json'
+LAST_RUN = ROOT / 'build' / 'compat' / 'last_run.json'   # per checkout
 # The GGUF types of the models the engine tests use: the embedded SmolLM2-135M file, and
 # tiny_model.py's default ('mixed') tiny GGUF.
 SMOLLM2_TYPES = 'Q4_1+Q8_0'

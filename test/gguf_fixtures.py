@@ -11,8 +11,9 @@ encode, blocks are random bytes with their fp16 super-scales set so the dequanti
 the wanted spread: a valid block of that type, just not one llama-quantize would pick.
 """
 from dataclasses import dataclass
+import json
 import pathlib
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import gguf
 import numpy as np
@@ -73,6 +74,8 @@ class ParityCase:
     vision: Union[bool, str] = False  # the image wrapper tokens: tiny_vocab(vision)
     # qwen2vl: rope.dimension_sections (t, h, w, 0) in rotary pairs (Qwen2.5-VL's 16:24:24).
     rope_sections: Tuple[int, ...] = (8, 12, 12, 0)
+    # qwen3vl: n_deepstack_layers (the image rows are this many hidden widths wider).
+    deepstack: int = 0
 
     @property
     def tag(self) -> str:
@@ -135,7 +138,7 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         if c.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
-        if c.arch in ('qwen3', 'gemma3', 'lfm2'):
+        if c.arch in ('qwen3', 'qwen3vl', 'gemma3', 'lfm2'):
             w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
         if c.arch == 'gemma3':  # GGUF values: llama.cpp's converter has added HF's +1
             # Large post-norms, as trained Gemmas have: the blocks' outputs then weigh
@@ -186,6 +189,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     whose name contains one of its strings; tokenizer: add_tokenizer's pre / template.
     """
     path = pathlib.Path(path)
+    if case.arch == 'qwen35':
+        return write_qwen35_gguf(path, case)
     c, d = case, case.dims
     w = random_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
@@ -208,8 +213,10 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         meta['rope_freq_base_swa'] = c.swa_base
     if c.softcap:
         meta['final_logit_softcapping'] = c.softcap
-    if c.arch == 'qwen2vl':
+    if c.arch in ('qwen2vl', 'qwen3vl'):
         meta['rope_dimension_sections'] = list(c.rope_sections)
+    if c.arch == 'qwen3vl':
+        meta['num_deepstack_layers'] = c.deepstack
     if c.arch == 'phi3':
         meta['sliding_window'] = 0  # what llama.cpp's converter writes for Phi-4
     if c.arch == 'lfm2':
@@ -289,7 +296,7 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
             if p + role not in w:
                 continue   # lfm2: a conv layer has no q/k/v/o, an attention layer no conv
             x = w[p + role]
-            if c.arch == 'llama' and role in ('q', 'k'):
+            if c.arch in ('llama', 'smollm3') and role in ('q', 'k'):
                 x = llama_cpp_permute(x, d.heads if role == 'q' else d.kv_heads)
             put(f'blk.{i}.{gname}.weight', x)
         if p + 'conv' in w:   # F32, as llama.cpp's ggml_ssm_conv reads it
@@ -344,6 +351,8 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         config.update(partial_rotary_factor=c.rotary)
         if c.longrope:  # as the GGUF: trained at 256, extended to 4096
             config.update(original_max_position_embeddings=256, max_position_embeddings=4096)
+    if c.arch == 'smollm3':   # SmolLM3Config: 1 = the layer rotates
+        config['no_rope_layers'] = [int((i + 1) % 4 != 0) for i in range(d.layers)]
     if c.arch == 'gemma3':
         # HF stores Gemma norms minus 1 (Gemma3RMSNorm computes x * (1 + w)).
         w = {k: v - 1 if k.endswith('norm') else v for k, v in w.items()}
@@ -368,3 +377,417 @@ def write_hf(folder, case: ParityCase) -> pathlib.Path:
         for key in ('head_dim', 'rms_norm_eps', 'rope_scaling', 'hidden_act'):
             del config[key]
     return write_hf_folder(folder, w, config)
+
+
+# smollm3: the llama skeleton with 4 layers, so that the fourth attends without RoPE
+# (llama.cpp's n_no_rope_layer_step 4); heads of 64, GQA 4/2.
+SMOLLM3_DIMS = TinyDims(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512,
+                        rms_eps=1e-6, key_length=64)
+
+
+def smollm3_case(wtype: str, seed: int = 0, **options) -> ParityCase:
+    """Return the smollm3 parity case of `wtype` (SMOLLM3_DIMS)."""
+    return ParityCase('smollm3', wtype, seed, **dict({'dims': SMOLLM3_DIMS}, **options))
+
+
+# qwen35 (Qwen3.5 dense): hidden 256, a Gated DeltaNet layer on either side of a gated
+# attention layer (full_attention_interval 2), DeltaNet heads of 64 (2 key heads, 4 value
+# heads: value head h reads key head h % 2), a conv kernel of 4 (Qwen3.5's), attention heads
+# of 64 (4 query, 2 KV) with a quarter of each head rotated (Qwen3.5's partial rotary, as
+# llama.cpp's IMROPE sections over text positions).
+QWEN35_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
+                       context=1024, rms_eps=1e-6, key_length=64, rope_theta=1e7)
+QWEN35_GDN = {'kernel': 4, 'k_heads': 2, 'v_heads': 4, 'head_dim': 64, 'interval': 2}
+
+
+def rope_sections(rotary_dims: int) -> list:
+    """IMROPE sections as Qwen3.5 writes them: 3 of the rotated pairs' share, the last 0."""
+    pairs = rotary_dims // 2
+    first = -(-pairs // 3)
+    return [first, first, pairs - 2 * first, 0]
+
+
+def qwen35_case(wtype: str, seed: int = 0, **options) -> ParityCase:
+    """Return the qwen35 parity case of `wtype` (QWEN35_DIMS, a quarter of each head rotated)."""
+    return ParityCase('qwen35', wtype, seed, **dict({'dims': QWEN35_DIMS, 'rotary': 0.25},
+                                                    **options))
+
+
+# Qwen3.5-0.8B's layer shapes (hidden 1024, FFN 3584; DeltaNet 16 key and 16 value heads of
+# 128; attention 8/2 heads of 256, 64 dims rotated, RoPE base 1e7; every 4th layer attends),
+# over 4 layers: 3 DeltaNet layers and an attention layer.
+QWEN35_08B_DIMS = TinyDims(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=3584,
+                           context=1024, rms_eps=1e-6, key_length=256, rope_theta=1e7)
+QWEN35_08B_GDN = {'kernel': 4, 'k_heads': 16, 'v_heads': 16, 'head_dim': 128, 'interval': 4}
+
+
+def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
+                      gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
+    """Write a random qwen35 GGUF as llama.cpp's converter lays it out (gdn: QWEN35_GDN)."""
+    c, d, g = case, case.dims, gdn or QWEN35_GDN
+    rng = np.random.default_rng(c.seed)
+    qrng = np.random.default_rng(c.seed + 1000)
+    vocab = tiny_vocab(c.vision)
+    hd, gd = d.head_dim, g['head_dim']
+    channels = (2 * g['k_heads'] + g['v_heads']) * gd
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), 'qwen35')
+    writer.add_name(f'tiny-{c.tag}')
+    for key, value in (('block_count', d.layers), ('context_length', d.context),
+                       ('embedding_length', d.hidden), ('feed_forward_length', d.intermediate),
+                       ('head_count', d.heads), ('head_count_kv', d.kv_heads),
+                       ('key_length', hd), ('value_length', hd),
+                       ('rope_freq_base', d.rope_theta), ('layer_norm_rms_eps', d.rms_eps),
+                       ('rope_dimension_count', c.rope_dims),
+                       ('rope_dimension_sections', rope_sections(c.rope_dims)),
+                       ('ssm_conv_kernel', g['kernel']), ('ssm_state_size', gd),
+                       ('ssm_group_count', g['k_heads']), ('ssm_time_step_rank', g['v_heads']),
+                       ('ssm_inner_size', g['v_heads'] * gd),
+                       ('full_attention_interval', g['interval']),
+                       ('vocab_size', len(vocab))):
+        getattr(writer, f'add_{key}')(value)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_tokenizer(writer, vocab, 'qwen35', pre='qwen35')
+
+    def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
+        if not matrix or wtype == 'F32':
+            data, qtype = x.astype(np.float32), None
+        elif wtype == 'F16':
+            data, qtype = x.astype(np.float16), None
+        elif wtype in RAW_SCALE_FIELDS:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), qrng)
+        else:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if qtype is None:
+            return data.astype(np.float32)
+        return gguf.quants.dequantize(data, qtype).reshape(x.shape)
+
+    edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
+    embed = put('token_embd.weight', rng.standard_normal((len(vocab), d.hidden))
+                .astype(np.float32), wtype=edge_type)
+    put('output_norm.weight', norm(d.hidden), matrix=False)
+    head = mat(len(vocab), d.hidden, 4.0) + c.chain * np.roll(embed, 1, axis=0)
+    put('output.weight', head, wtype=edge_type)
+    for i in range(d.layers):
+        b = f'blk.{i}.'
+        put(b + 'attn_norm.weight', norm(d.hidden), matrix=False)
+        put(b + 'post_attention_norm.weight', norm(d.hidden), matrix=False)
+        if (i + 1) % g['interval']:
+            put(b + 'attn_qkv.weight', mat(channels, d.hidden))
+            put(b + 'attn_gate.weight', mat(g['v_heads'] * gd, d.hidden))
+            put(b + 'ssm_conv1d.weight', mat(channels, g['kernel'], 2.0), matrix=False)
+            put(b + 'ssm_dt.bias', (0.5 * rng.standard_normal(g['v_heads'])).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_a', -rng.uniform(0.2, 2.0, g['v_heads']).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_beta.weight', mat(g['v_heads'], d.hidden))
+            put(b + 'ssm_alpha.weight', mat(g['v_heads'], d.hidden))
+            put(b + 'ssm_norm.weight', norm(gd), matrix=False)
+            put(b + 'ssm_out.weight', mat(d.hidden, g['v_heads'] * gd))
+        else:
+            put(b + 'attn_q.weight', mat(2 * d.heads * hd, d.hidden))
+            put(b + 'attn_k.weight', mat(d.kv_heads * hd, d.hidden))
+            put(b + 'attn_v.weight', mat(d.kv_heads * hd, d.hidden))
+            put(b + 'attn_output.weight', mat(d.hidden, d.heads * hd))
+            put(b + 'attn_q_norm.weight', norm(hd), matrix=False)
+            put(b + 'attn_k_norm.weight', norm(hd), matrix=False)
+        put(b + 'ffn_gate.weight', mat(d.intermediate, d.hidden))
+        put(b + 'ffn_up.weight', mat(d.intermediate, d.hidden))
+        put(b + 'ffn_down.weight', mat(d.hidden, d.intermediate))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# --- gemma4 -----------------------------------------------------------------------------------
+# Four layers: sliding-window, global, then two shared-KV layers (a sliding-window one
+# reading layer 0, a global one reading layer 1, as llama.cpp picks them). Global heads of
+# 128 with 1 KV head and proportional RoPE (a quarter rotated: the rope_freqs divisors of
+# 1e30 stop the rest), sliding-window heads of 64 with 2 KV heads,
+# per-layer embeddings of 256, the shared layers' MLPs twice as wide (use_double_wide_mlp).
+GEMMA4_PATTERN = (True, False, True, False)
+
+
+@dataclass(frozen=True)
+class Gemma4Case:
+    """One tiny gemma4 model: tensor type of the matrices, seed and the family's options."""
+
+    wtype: str = 'Q8_0'
+    # Seed, next-token term and a written soft cap of 100 (llama.cpp caps at 30 without the
+    # key, where random heads saturate into near-ties) picked on llama.cpp's margins alone.
+    seed: int = 3
+    hidden: int = 256
+    heads: int = 4
+    head_dim: int = 128
+    kv_heads: int = 1
+    local_head_dim: int = 64
+    local_kv_heads: int = 2
+    intermediate: int = 512
+    per_layer: int = 256
+    shared: int = 2
+    window: int = 6
+    softcap: float = 100.0
+    chain: float = 0.5
+    pattern: Tuple[bool, ...] = GEMMA4_PATTERN
+    proportional: bool = True   # rope_freqs stops 3/4 of the global heads' pairs
+    out_scale: bool = True      # layer_output_scale tensors
+    post_gain: float = 2.0      # the post-norms' weights (8 as gemma3's: near-ties)
+    arch: str = 'gemma4'
+
+    @property
+    def tag(self) -> str:
+        import hashlib
+        # Every option in the name: files (and llama.cpp's cached logits) never collide.
+        digest = hashlib.sha256(repr(self).encode()).hexdigest()[:8]
+        return f'gemma4-{self.wtype.lower()}-s{self.seed}-{digest}'
+
+    @property
+    def layers(self) -> int:
+        return len(self.pattern)
+
+    def layer_dims(self, i: int) -> Tuple[int, int]:
+        """(head size, KV heads) of layer i."""
+        if self.pattern[i]:
+            return self.local_head_dim, self.local_kv_heads
+        return self.head_dim, self.kv_heads
+
+    def layer_ff(self, i: int) -> int:
+        return self.intermediate * (2 if i >= self.layers - self.shared else 1)
+
+    def owns_kv(self, i: int) -> bool:
+        return i < self.layers - self.shared
+
+
+def gemma4_weights(case: Gemma4Case) -> Dict[str, np.ndarray]:
+    """Float32 weights under GGUF names (NEOX Q/K rows), scaled 1/sqrt(fan_in)."""
+    rng = np.random.default_rng(case.seed)
+    vocab = len(tiny_vocab())
+    c, h, e = case, case.hidden, case.per_layer
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int, gain: float = 1.0) -> np.ndarray:
+        return (gain * (1.0 + 0.1 * rng.standard_normal(n))).astype(np.float32)
+
+    w = {'token_embd.weight': rng.standard_normal((vocab, h)).astype(np.float32),
+         'output_norm.weight': norm(h), 'output.weight': mat(vocab, h, 4.0)}
+    if e:
+        w.update({'per_layer_token_embd.weight': rng.standard_normal(
+                      (vocab, e * c.layers)).astype(np.float32),
+                  'per_layer_model_proj.weight': mat(e * c.layers, h),
+                  'per_layer_proj_norm.weight': norm(e)})
+    rot = c.head_dim // 8 if c.proportional else c.head_dim // 2
+    w['rope_freqs.weight'] = np.array([1.0] * rot + [1e30] * (c.head_dim // 2 - rot),
+                                      np.float32)
+    for i in range(c.layers):
+        p = f'blk.{i}.'
+        d, kv = c.layer_dims(i)
+        ff = c.layer_ff(i)
+        w[p + 'attn_norm.weight'], w[p + 'ffn_norm.weight'] = norm(h), norm(h)
+        w[p + 'attn_q.weight'] = mat(c.heads * d, h)
+        # q/k norm weights of d**-0.25 each: attention scores of 1/sqrt(d) spread under
+        # Gemma 4's scale of 1 (ones would make every softmax a near one-hot).
+        w[p + 'attn_q_norm.weight'] = norm(d, d ** -0.25)
+        if c.owns_kv(i):
+            w[p + 'attn_k.weight'] = mat(kv * d, h, 4.0)
+            w[p + 'attn_v.weight'] = mat(kv * d, h)
+            w[p + 'attn_k_norm.weight'] = norm(d, d ** -0.25)
+        w[p + 'attn_output.weight'] = mat(h, c.heads * d)
+        w[p + 'ffn_gate.weight'] = mat(ff, h)
+        w[p + 'ffn_up.weight'] = mat(ff, h)
+        w[p + 'ffn_down.weight'] = mat(h, ff)
+        # Large post-norms as trained Gemmas have (see random_weights' gemma3).
+        w[p + 'post_attention_norm.weight'] = norm(h, c.post_gain)
+        w[p + 'post_ffw_norm.weight'] = norm(h, c.post_gain)
+        if e:
+            w[p + 'inp_gate.weight'] = mat(e, h)
+            w[p + 'proj.weight'] = mat(h, e)
+            w[p + 'post_norm.weight'] = norm(h, c.post_gain / 2)
+        if c.out_scale:
+            w[p + 'layer_output_scale.weight'] = np.array([0.6 + 0.1 * i], np.float32)
+    return w
+
+
+def gemma4_vocab() -> Tuple[List[str], List[int], List[str]]:
+    """Return a tiny vocabulary of Gemma 4's kind (tokenizer model 'gemma4').
+
+    Tokens, their types and the merges: its specials and markers, <0xXX> byte pieces, '▁'
+    for spaces, letters and newline runs, and merges building a few words; padded with
+    unused pieces to tiny_vocab()'s size (the fixture's embedding rows).
+    """
+    specials = ['<pad>', '<eos>', '<bos>', '<unk>', '<|turn>', '<turn|>', '<|tool_call>',
+                '<tool_call|>', '<|"|>', '<|channel>', '<channel|>', '<|think|>']
+    merges = ['▁ t', 'h e', '▁t he', 'i n', '▁ a', 'r o', 'b o', 'bo t', '▁ ro', '▁ro bot',
+              'a r', 'ar m', '▁ arm', 'é t', '\n \n']
+    pieces = ['▁'] + [chr(c) for c in range(ord('a'), ord('z') + 1)] + ['é', '\n']
+    pieces += [m.replace(' ', '') for m in merges]
+    # Byte pieces for control bytes and UTF-8 sequences (what the texts fall back to): the
+    # vocabulary stays within the fixture's embedding rows.
+    byte_values = list(range(0x20)) + list(range(0x80, 0x100))
+    tokens = specials + [f'<0x{b:02X}>' for b in byte_values] + pieces
+    types = ([gguf.TokenType.CONTROL] * len(specials) + [gguf.TokenType.BYTE] * len(byte_values)
+             + [gguf.TokenType.NORMAL] * len(pieces))
+    types[specials.index('<unk>')] = gguf.TokenType.UNKNOWN
+    for t in ('<|tool_call>', '<tool_call|>', '<|"|>', '<|channel>', '<channel|>'):
+        types[tokens.index(t)] = gguf.TokenType.USER_DEFINED   # as llama.cpp's converter
+    size = len(tiny_vocab())
+    assert len(tokens) <= size
+    extra = size - len(tokens)
+    return (tokens + [f'<unused{i}>' for i in range(extra)],
+            [int(t) for t in types] + [int(gguf.TokenType.UNUSED)] * extra, merges)
+
+
+def add_gemma4_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """Write gemma4_vocab() as llama.cpp's converter writes Gemma 4's."""
+    tokens, types, merges = gemma4_vocab()
+    writer.add_tokenizer_model('gemma4')
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+
+
+def write_gemma4_gguf(path, case: Gemma4Case, gemma4_tokenizer: bool = False) -> pathlib.Path:
+    """Write the case's gemma4 GGUF (matrices in case.wtype) and return its path.
+
+    gemma4_tokenizer: Gemma 4's own kind of vocabulary (gemma4_vocab) instead of tiny_vocab's
+    byte-level BPE.
+    """
+    path = pathlib.Path(path)
+    c = case
+    w = gemma4_weights(c)
+    rng = np.random.default_rng(c.seed + 1000)
+    vocab = tiny_vocab()
+    writer = gguf.GGUFWriter(str(path), 'gemma4')
+    writer.add_name(f'tiny-{c.tag}')
+    writer.add_block_count(c.layers)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(c.hidden)
+    writer.add_feed_forward_length([c.layer_ff(i) for i in range(c.layers)])
+    writer.add_head_count(c.heads)
+    writer.add_head_count_kv([c.layer_dims(i)[1] for i in range(c.layers)])
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_key_length_swa(c.local_head_dim)
+    writer.add_value_length_swa(c.local_head_dim)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_dimension_count_swa(c.local_head_dim)
+    writer.add_rope_freq_base(1e6)
+    writer.add_rope_freq_base_swa(1e4)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(c.window)
+    writer.add_sliding_window_pattern(list(c.pattern))
+    writer.add_shared_kv_layers(c.shared)
+    writer.add_embedding_length_per_layer_input(c.per_layer)
+    if c.softcap:
+        writer.add_final_logit_softcapping(c.softcap)
+    writer.add_vocab_size(len(vocab))
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if gemma4_tokenizer:
+        add_gemma4_tokenizer(writer)
+    else:
+        add_tokenizer(writer, vocab, c.arch)
+    edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
+    embed = None
+    for name, x in w.items():
+        if x.ndim == 1:
+            writer.add_tensor(name, x.astype(np.float32))
+            continue
+        wtype = edge_type if name in ('token_embd.weight', 'output.weight',
+                                      'per_layer_token_embd.weight') else c.wtype
+        if name == 'output.weight':
+            x = x + c.chain * np.roll(embed, 1, axis=0)   # the next-token term (write_gguf)
+        if wtype == 'F32':
+            data, qtype = x, None
+        elif wtype == 'F16':
+            data, qtype = x.astype(np.float16), None
+        elif wtype in RAW_SCALE_FIELDS:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), rng)
+        else:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if name == 'token_embd.weight':
+            embed = (data.astype(np.float32) if qtype is None
+                     else gguf.quants.dequantize(data, qtype).reshape(x.shape))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+_GEMMA4_HF = {'attn_norm': 'input_layernorm', 'ffn_norm': 'pre_feedforward_layernorm',
+              'post_attention_norm': 'post_attention_layernorm',
+              'post_ffw_norm': 'post_feedforward_layernorm', 'attn_q': 'self_attn.q_proj',
+              'attn_k': 'self_attn.k_proj', 'attn_v': 'self_attn.v_proj',
+              'attn_output': 'self_attn.o_proj', 'attn_q_norm': 'self_attn.q_norm',
+              'attn_k_norm': 'self_attn.k_norm', 'ffn_gate': 'mlp.gate_proj',
+              'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj',
+              'inp_gate': 'per_layer_input_gate', 'proj': 'per_layer_projection',
+              'post_norm': 'post_per_layer_input_norm'}
+
+
+def write_gemma4_hf(folder, case: Gemma4Case, multimodal: bool = False) -> pathlib.Path:
+    """Write the case's float32 weights as a Gemma 4 HF folder (the GGUF's F32 twin).
+
+    multimodal: Gemma4ForConditionalGeneration's layout (text_config, language_model prefix).
+    """
+    from safetensors.numpy import save_file
+    c = case
+    w = gemma4_weights(c)
+    embed = w['token_embd.weight']
+    prefix = 'model.language_model.' if multimodal else 'model.'
+    folder = write_hf_folder(folder, {'embed': embed, 'final_norm': w['output_norm.weight']},
+                             {'model_type': 'gemma4_text', 'num_hidden_layers': 0})
+    (folder / 'model.safetensors').unlink()
+    out = {prefix + 'embed_tokens.weight': embed, prefix + 'norm.weight': w['output_norm.weight'],
+           'lm_head.weight': w['output.weight'] + c.chain * np.roll(embed, 1, axis=0),
+           prefix + 'embed_tokens_per_layer.weight': w['per_layer_token_embd.weight'],
+           prefix + 'per_layer_model_projection.weight': w['per_layer_model_proj.weight'],
+           prefix + 'per_layer_projection_norm.weight': w['per_layer_proj_norm.weight']}
+    for name, x in w.items():
+        if not name.startswith('blk.'):
+            continue
+        _, i, role, _ = name.split('.')
+        hname = 'layer_scalar' if role == 'layer_output_scale' else \
+            f'{_GEMMA4_HF[role]}.weight'
+        out[f'{prefix}layers.{i}.{hname}'] = x
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in out.items()},
+              str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    text = {'model_type': 'gemma4_text', 'num_hidden_layers': c.layers,
+            'hidden_size': c.hidden, 'intermediate_size': c.intermediate,
+            'num_attention_heads': c.heads, 'num_key_value_heads': c.local_kv_heads,
+            'num_global_key_value_heads': c.kv_heads, 'head_dim': c.local_head_dim,
+            'global_head_dim': c.head_dim, 'rms_norm_eps': 1e-6, 'sliding_window': c.window,
+            'layer_types': ['sliding_attention' if p else 'full_attention'
+                            for p in c.pattern],
+            'num_kv_shared_layers': c.shared, 'use_double_wide_mlp': True,
+            'hidden_size_per_layer_input': c.per_layer, 'final_logit_softcapping': c.softcap,
+            'max_position_embeddings': 1024, 'tie_word_embeddings': False,
+            'hidden_activation': 'gelu_pytorch_tanh', 'vocab_size': len(tiny_vocab()),
+            'rope_parameters': {
+                'full_attention': {'rope_type': 'proportional', 'rope_theta': 1e6,
+                                   'partial_rotary_factor': 0.25 if c.proportional else 1.0},
+                'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}}
+    config = {'model_type': 'gemma4', 'text_config': text} if multimodal else text
+    (folder / 'config.json').write_text(json.dumps(config, indent=2))
+    return folder

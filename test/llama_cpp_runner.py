@@ -7,7 +7,9 @@ built portably), so it imports only llama_cpp and numpy. Token ids go in directl
 tokenizer), the KV cache is float32 and flash attention is off, so what is left of llama.cpp's
 own rounding is its weight formats and the activation quantization of its matmuls. Writes
 `logits` [steps, vocab] (the prompt's last position, then one row per generated token) and
-`tokens` [n] to out.npz.
+`tokens` [n] to out.npz. --kv q8_0 gives it a q8_0 KV cache with flash attention instead (what
+kv.dtype int8 is compared with); --follow feeds those ids after the prompt instead of its own
+greedy choices (teacher forcing: rows comparable with another model's on the same ids).
 """
 import argparse
 import ctypes
@@ -17,6 +19,7 @@ import llama_cpp
 import numpy as np
 
 GGML_TYPE_F32 = 0
+GGML_TYPE_Q8_0 = 8
 
 
 @llama_cpp.llama_log_callback
@@ -63,7 +66,10 @@ def main(argv=None) -> int:
     p.add_argument('--ctx', type=int, default=256)
     p.add_argument('--lora', action='append', default=[],
                    help='PATH:SCALE, a LoRA GGUF applied at SCALE (repeatable)')
+    p.add_argument('--kv', choices=('f32', 'q8_0'), default='f32')
+    p.add_argument('--follow', default='', help='comma-separated ids fed after the prompt')
     args = p.parse_args(argv)
+    follow = [int(t) for t in args.follow.split(',') if t]
     model = load_model(args.model)
     if not model:
         print(f'llama.cpp could not load {args.model}', file=sys.stderr)
@@ -75,9 +81,12 @@ def main(argv=None) -> int:
     cparams.n_seq_max = 1
     cparams.n_threads = args.threads
     cparams.n_threads_batch = args.threads
-    cparams.type_k = GGML_TYPE_F32
-    cparams.type_v = GGML_TYPE_F32
-    cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    if args.kv == 'q8_0':   # a quantized V needs flash attention
+        cparams.type_k = cparams.type_v = GGML_TYPE_Q8_0
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    else:
+        cparams.type_k = cparams.type_v = GGML_TYPE_F32
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         print('llama.cpp could not create a context', file=sys.stderr)
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
         rows.append(np.ctypeslib.as_array(ptr, shape=(vocab,)).copy())
         if len(out) == args.tokens:
             break
-        out.append(int(np.argmax(rows[-1])))
+        out.append(follow[len(out)] if follow else int(np.argmax(rows[-1])))
         ids = [out[-1]]
     np.savez(args.out, logits=np.stack(rows), tokens=np.array(out, np.int64))
     llama_cpp.llama_free(ctx)

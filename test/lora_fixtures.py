@@ -20,7 +20,7 @@ FUSED_ROLES = ('qkv', 'o', 'gate_up', 'down')   # phi3's projections
 PEFT_NAMES = {'q': 'self_attn.q_proj', 'k': 'self_attn.k_proj', 'v': 'self_attn.v_proj',
               'o': 'self_attn.o_proj', 'gate': 'mlp.gate_proj', 'up': 'mlp.up_proj',
               'down': 'mlp.down_proj'}
-ALL_ROLES = tuple(GGUF_NAMES)
+ALL_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 
 
 def role_shape(dims: TinyDims, role: str) -> Tuple[int, int]:

@@ -183,3 +183,86 @@ def write_qwen25vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 6
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+QWEN3VL = 'qwen3vl_merger'
+
+
+def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64,
+                         n_ff: int = 96, n_layer: int = 4, n_head: int = 4,
+                         image_size: int = 128, patch: int = 16,
+                         deepstack: tuple = (1, 2), seed: int = 0,
+                         skip: tuple = (), weight_type: str = 'F32') -> pathlib.Path:
+    """Write a tiny Qwen3-VL mmproj (`qwen3vl_merger`) as llama.cpp's converter does.
+
+    Qwen3VLVisionModel's layout: the two-frame patch embedding with a bias, learned position
+    embeddings for an image_size grid ((image_size / patch)^2 rows, interpolated to each
+    image's grid), LayerNorm blocks with a fused biased attn_qkv, a biased GELU MLP
+    (clip.use_gelu), v.post_ln (the merger's norm) and the merger mm.0 [4C, 4C], mm.2
+    [n_text, 4C]; DeepStack: after each layer in `deepstack`, v.deepstack.<layer>.norm (over
+    4C), fc1 [4C, 4C], fc2 [n_text, 4C] (clip.vision.is_deepstack_layers says which).
+    Patch 16 as Qwen3-VL's: images are resized to multiples of 32. weight_type 'F16' stores
+    the matrices (2-D and more, not the position embeddings) as F16, as the mmproj-F16 files
+    people download have them.
+    """
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale_).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), 'clip')
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(QWEN3VL)
+    w.add_vision_projection_dim(n_text)
+    w.add_vision_image_size(image_size)
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.5, 0.5, 0.5])
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_use_gelu(True)
+    w.add_vision_spatial_merge_size(2)
+    w.add_vision_is_deepstack_layers([i in deepstack for i in range(n_layer)])
+    c4 = 4 * n_embd
+    tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch),
+               'v.patch_embd.weight.1': r(n_embd, 3, patch, patch),
+               'v.patch_embd.bias': r(n_embd),
+               'v.position_embd.weight': r((image_size // patch) ** 2, n_embd, scale_=0.5)}
+    for i in range(n_layer):
+        b = f'v.blk.{i}'
+        for n in ('ln1', 'ln2'):
+            tensors[f'{b}.{n}.weight'] = 1 + r(n_embd, scale_=0.1)
+            tensors[f'{b}.{n}.bias'] = r(n_embd)
+        tensors[f'{b}.attn_qkv.weight'] = r(3 * n_embd, n_embd, scale_=0.15)
+        tensors[f'{b}.attn_qkv.bias'] = r(3 * n_embd)
+        tensors[f'{b}.attn_out.weight'] = r(n_embd, n_embd, scale_=0.15)
+        tensors[f'{b}.attn_out.bias'] = r(n_embd)
+        tensors[f'{b}.ffn_up.weight'] = r(n_ff, n_embd, scale_=0.15)
+        tensors[f'{b}.ffn_up.bias'] = r(n_ff)
+        tensors[f'{b}.ffn_down.weight'] = r(n_embd, n_ff, scale_=0.15)
+        tensors[f'{b}.ffn_down.bias'] = r(n_embd)
+    tensors['v.post_ln.weight'] = 1 + r(n_embd, scale_=0.1)
+    tensors['v.post_ln.bias'] = r(n_embd)
+    merger = [('mm.0', c4), ('mm.2', n_text)]
+    for i in deepstack:
+        tensors[f'v.deepstack.{i}.norm.weight'] = 1 + r(c4, scale_=0.1)
+        tensors[f'v.deepstack.{i}.norm.bias'] = r(c4)
+        merger += [(f'v.deepstack.{i}.fc1', c4), (f'v.deepstack.{i}.fc2', n_text)]
+    for name, rows in merger:
+        tensors[f'{name}.weight'] = r(rows, c4, scale_=0.1)
+        tensors[f'{name}.bias'] = r(rows)
+    for name, value in tensors.items():
+        if name in skip:
+            continue
+        matrix = value.ndim >= 2 and 'position_embd' not in name
+        w.add_tensor(name, value.astype(np.float16) if matrix and weight_type == 'F16'
+                     else value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

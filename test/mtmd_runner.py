@@ -9,7 +9,8 @@ mtmd bindings over libmtmd), so it imports only llama_cpp and numpy. Each image 
 [H, W, 3] uint8 array; the prompt (default: one media marker per image) is split by mtmd at
 its `<__media__>` markers, with special tokens parsed, and every image goes through mtmd's own
 preprocessing and encoder (CPU, flash attention off). Saved:
-- `n_chunks` and `embeds_<i>` [n_tokens, n_embd]: every image chunk's embeddings, in order;
+- `n_chunks` and `embeds_<i>` [n_tokens, n_embd_inp]: every image chunk's embeddings, in
+  order (Qwen3-VL's rows carry its DeepStack features after the main n_embd);
 - `chunk_types` (0 text, 1 image), and per chunk `chunk_<j>`: a text chunk's token ids, or
   an image chunk's token count as a one-element array;
 - with --tokens N: `tokens`, N greedy ids after mtmd_helper_eval_chunks evaluated the prompt
@@ -124,7 +125,8 @@ def main(argv=None) -> int:
     if rc != 0:
         print(f'mtmd_tokenize failed ({rc})', file=sys.stderr)
         return 2
-    n_embd = llama_cpp.llama_model_n_embd(model)
+    # The image rows' width: n_embd, or Qwen3-VL's n_embd x (1 + n_deepstack_layers).
+    n_embd = llama_cpp.llama_model_n_embd_inp(model)
     out, types, embeds, encode_s = {}, [], 0, 0.0
     for i in range(mtmd.mtmd_input_chunks_size(chunks)):
         chunk = mtmd.mtmd_input_chunks_get(chunks, i)

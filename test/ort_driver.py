@@ -35,23 +35,30 @@ class OrtDriver:
         # state (B * x of its last kernel - 1 positions).
         self.bound = []
         for i, state in enumerate(states):
-            if state['kind'] == 'conv':
+            if state['kind'] in ('conv', 'recurrent'):  # one vector per slot: qwen35
                 buf = np.zeros((1, *state['shape']), self.dtype)
                 self.bound.append((f'past_conv.{i}', f'present_conv.{i}', buf))
                 continue
+            if state['kind'] == 'shared':
+                continue   # reads its owner's buffers inside the graph (gemma4)
+            # A layer may have its own heads and head size (gemma4).
+            layer_shape = (1, state.get('kv_heads') or shape[1], max_ctx,
+                           state.get('head_dim') or shape[3])
             for kind in ('key', 'value'):
                 self.bound.append((f'past_key_values.{i}.{kind}', f'present.{i}.{kind}',
-                                   np.zeros(shape, self.dtype)))
+                                   np.zeros(layer_shape, self.dtype)))
         self.kv = [buf for _, _, buf in self.bound]
         self.kv_values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.kv]
         self.max_ctx = max_ctx
         self.pos = 0
         # A graph of the op library's attention runs rows (runtime/rows.py: converter 9).
-        self.varlen = 'rows' in {i.name for i in self.sess.get_inputs()}
+        self.inputs = {i.name for i in self.sess.get_inputs()}
+        self.varlen = 'rows' in self.inputs
 
     def step(self, ids: Sequence[int], embeds: Optional[np.ndarray] = None) -> np.ndarray:
         """Run the new tokens; return logits [vocab] of the last one."""
-        hidden = self.meta['hidden_size']
+        # qwen3vl: an embedding row also carries its DeepStack rows.
+        hidden = self.meta['hidden_size'] * (1 + int(self.meta.get('deepstack_layers', 0)))
         if embeds is None:
             embeds = np.zeros((0, hidden), self.dtype)
         n = len(ids) + len(embeds)
@@ -67,6 +74,9 @@ class OrtDriver:
             io.bind_cpu_input('embeds_at', np.arange(e, dtype=np.int64).reshape(e, 1))
             io.bind_cpu_input('rows', np.array([[0, self.pos, n, 0]], np.int32))
             io.bind_cpu_input('logits_at', np.array([n - 1], np.int64))
+            if 'rope_positions' in self.inputs:   # M-RoPE: text is t = h = w
+                io.bind_cpu_input('rope_positions', np.repeat(
+                    np.arange(self.pos, total, dtype=np.int32)[None], 3, axis=0))
         else:
             io.bind_cpu_input('input_ids', np.asarray(ids, np.int64).reshape(1, -1))
             io.bind_cpu_input('inputs_embeds', np.asarray(embeds, self.dtype)[None])

@@ -41,7 +41,7 @@ def test_profile_loads_strictly_and_sets_board_essentials(board):
                 'kv.max_context', 'kv.dtype', 'kv.prefix_reuse', 'model.default_size',
                 'model.quantization', 'feedback.period_tokens', 'feedback.period_ms',
                 'cpu.kernel', 'cuda.kernel_set', 'cuda.sm_arch', 'thermal.limit_c',
-                'thermal.resume_c', 'thermal.zones'):
+                'thermal.resume_c', 'thermal.zones', 'vision.max_image_tokens'):
         assert key in llm, '%s does not set %s' % (board, key)
     assert set(profile) == {'llm_node', 'perception'}
     values = dict(parameters.schema('llm_node').defaults(), **llm)
@@ -52,6 +52,8 @@ def test_profile_loads_strictly_and_sets_board_essentials(board):
         assert llm['cuda.kernel_set'] == 'kquant'
     if board.startswith('orin'):
         assert llm['cuda.sm_arch'] == 'sm_87'
+    # A 640x480 frame (391 Qwen2.5-VL tokens) fits on every board; none is left uncapped.
+    assert 391 <= llm['vision.max_image_tokens'] < llm['kv.max_context']
 
 
 def test_profiles_are_plain_ros_param_files():
@@ -239,6 +241,8 @@ def test_bad_values_name_key_and_fix(tmp_path, key, value, error, words):
     ({'engine.provider_options': ['CUDAExecutionProvider:device_id=0']}, ParameterRangeError,
      ('not in engine.providers',)),
     ({'cuda.kernel_set': 'int4_decode'}, ParameterRangeError, ('needs cuda.sm_arch',)),
+    ({'vision.max_image_tokens': 4096}, ParameterRangeError,
+     ('vision.max_image_tokens = 4096 leaves no room in kv.max_context = 4096',)),
 ])
 def test_inconsistent_settings_are_rejected(overrides, error, words):
     with pytest.raises(error) as err:

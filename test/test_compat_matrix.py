@@ -6,7 +6,7 @@ docs/models.md is written by test/compat_matrix.py at the end of a whole-suite r
 import ast
 import pathlib
 
-from compat_matrix import Cell, CAPABILITIES, DOC, parse_tests, Recorder, render, settle
+from compat_matrix import CAPABILITIES, Cell, DOC, parse_tests, Recorder, render, settle
 import pytest
 
 from edge_llm_ros.convert.architectures import SUPPORTED_ARCHITECTURES

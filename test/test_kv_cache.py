@@ -133,6 +133,62 @@ def test_int8_snapshot_restore_within_tolerance():
         assert not np.array_equal(got, want)  # int8 is lossy: the test would notice exact
 
 
+class Int8LiveModel:
+    """Writes quantize_int8(fake_kv) into int8 live buffers and their scales (the op's job)."""
+
+    def __init__(self, store=None):
+        self.buffers = [np.zeros((1, KV_HEADS, CAP, HEAD_DIM), np.int8) for _ in range(4)]
+        self.scales = [np.zeros((1, KV_HEADS, CAP, 1), np.float32) for _ in range(4)]
+        self.cache = KVCache(self.buffers, CAP, 'int8', 4, store=store, scales=self.scales)
+
+    def run(self, keys, session=''):
+        start = self.cache.plan(keys, session)
+        for i, (buf, scale) in enumerate(zip(self.buffers, self.scales)):
+            q, s = quantize_int8(fake_kv(keys, i))
+            buf[:, :, start:len(keys)] = q[:, :, start:]
+            scale[:, :, start:len(keys)] = s[:, :, start:]
+        self.cache.append(keys[start:])
+        return start
+
+
+def test_int8_live_snapshots_are_plain_copies_and_restore_exactly():
+    m = Int8LiveModel()
+    a = [1, 10, 11, 12, 13, 14, 15, 16]
+    m.run(a, 'A')
+    want = [b[:, :, :len(a)].copy() for b in m.cache.buffers]
+    m.run([1, 2, 3], 'B')   # overwrites A's live rows after position 0: A is saved first
+    snap = m.cache.store.get('A')
+    assert snap is not None and snap.scales is not None
+    assert all(d.dtype == np.int8 for d in snap.data)
+    # The snapshot format of int8 snapshots (one int8 a value, one float32 scale a row).
+    assert m.cache.store.nbytes() == len(m.buffers) * KV_HEADS * len(a) * (HEAD_DIM + 4)
+    assert m.cache.live_bytes() == len(m.buffers) * KV_HEADS * 3 * (HEAD_DIM + 4)
+    assert m.run(a + [17], 'A') == len(a)   # restored, not recomputed
+    for got, expected in zip(m.cache.buffers, want):
+        assert got[:, :, :len(a)].tobytes() == expected.tobytes()
+
+
+def test_int8_live_rows_move_between_slots_with_their_scales():
+    store = SnapshotStore(4)
+    one, two = Int8LiveModel(store), Int8LiveModel(store)
+    keys = [3, 4, 5, 6, 7]
+    one.run(keys, 'A')
+    reuse = two.cache.find_reuse(keys, block_hashes(keys), len(keys), others=[one.cache])
+    assert reuse.source is one.cache
+    assert two.cache.apply(reuse, 'A') == len(keys)   # copied from the other slot
+    for a, b in zip(one.cache.buffers, two.cache.buffers):
+        assert a[:, :, :len(keys)].tobytes() == b[:, :, :len(keys)].tobytes()
+
+
+def test_int8_live_buffers_need_int8_kv_dtype_and_a_scale_each():
+    bufs = [np.zeros((1, KV_HEADS, CAP, HEAD_DIM), np.int8) for _ in range(2)]
+    scales = [np.zeros((1, KV_HEADS, CAP, 1), np.float32) for _ in range(2)]
+    with pytest.raises(ValueError, match='one scale buffer each'):
+        KVCache(bufs, CAP, 'float32', scales=scales)
+    with pytest.raises(ValueError, match='one scale buffer each'):
+        KVCache(bufs, CAP, 'int8', scales=scales[:1])
+
+
 def test_quantize_int8_roundtrip_and_zero_rows():
     x = np.random.default_rng(1).standard_normal((1, 2, 5, 16)).astype(np.float32)
     x[0, 1, 2] = 0.0

@@ -7,8 +7,9 @@ from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.runtime import model_config as mc
 from edge_llm_ros.runtime.model_config import ModelConfigError
 
-FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'lfm2',
-            'llama3', 'mistral', 'phi3', 'qwen2', 'qwen3', 'smollm2')
+FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'gemma4', 'lfm2',
+            'llama3', 'mistral', 'phi3', 'qwen2', 'qwen3', 'qwen35', 'smollm2',
+            'smollm3')
 GOOD = """family: {name}
 architectures: [llama]
 stop_tokens: ['</s>']
@@ -99,6 +100,13 @@ def test_minimal_file_gets_defaults(tmp_path):
     assert cfg.reasoning is None and cfg.chat_template is None and not cfg.fallback
     assert cfg.conversion == {'precision': 'source'} and cfg.recommended_context == 2048
     assert cfg.template_path() is None
+    assert cfg.grounding == ''   # no grounding unless the family says so
+
+
+def test_grounding_families():
+    """Qwen2.5-VL's JSON boxes are in the pixels it saw (vision/grounding.py's frames)."""
+    configs = mc.load_all()
+    assert {n: c.grounding for n, c in configs.items() if c.grounding} == {'qwen2': 'absolute'}
 
 
 @pytest.mark.parametrize('edit, words', [
@@ -110,6 +118,8 @@ def test_minimal_file_gets_defaults(tmp_path):
     (lambda t: t.replace('[llama]', '[mamba]'), "architectures: 'mamba' is not one of"),
     (lambda t: t.replace('[llama]', '[]'), 'architectures must be a list .* at least one'),
     (lambda t: t.replace('hermes', 'xml'), "tool_call_format: 'xml' is not one of hermes"),
+    (lambda t: t + 'grounding: pixels\n', "grounding: 'pixels' is not one of absolute, "
+     'normalized_1000'),
     (lambda t: t.replace('context: 2048', 'context: true'), 'context must be int, not bool'),
     (lambda t: t.replace('context: 2048', 'context: 0'), 'context must be >= 1'),
     (lambda t: t.replace('precision: source', 'precision: int2'), 'conversion.precision'),

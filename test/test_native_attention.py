@@ -156,3 +156,86 @@ def test_the_op_equals_float64_attention_with_numpys_exp():
         p = np.exp(scores - scores.max(-1, keepdims=True))
         want[:, h] = (p / p.sum(-1, keepdims=True)) @ vv[:, h // group]
     np.testing.assert_allclose(got.reshape(t, heads, d), want, rtol=1e-4, atol=1e-5)
+
+
+def shared_pair(heads: int, kv_heads: int, d: int, cap: int, window: int, q_norms, k_norm):
+    """Build an owner node storing this call's K/V and a shared_kv node reading its present."""
+    common = {'num_heads': heads, 'kv_num_heads': kv_heads, 'scale': 1.0, 'window': window,
+              'norm_epsilon': 1e-6}
+    owner = helper.make_node('CausalAttention', ['q', 'k', 'v', 'pk', 'pv', '', '', 'cos', 'sin',
+                                                 '', 'rows'], ['o', 'ok', 'ov'],
+                             domain='edge_llm_ros', q_norm=q_norms[0], k_norm=k_norm, **common)
+    reader = helper.make_node('CausalAttention', ['q2', '', '', 'ok', 'ov', '', '', 'cos', 'sin',
+                                                  '', 'rows'], ['o2'], domain='edge_llm_ros',
+                              q_norm=q_norms[1], shared_kv=1, **common)
+    shapes = {'q': [1, 't', heads * d], 'q2': [1, 't', heads * d], 'k': [1, 't', kv_heads * d],
+              'v': [1, 't', kv_heads * d], 'pk': ['n', kv_heads, cap, d],
+              'pv': ['n', kv_heads, cap, d], 'cos': [cap, d // 2], 'sin': [cap, d // 2],
+              'rows': ['r', 4]}
+    graph = helper.make_graph(
+        [owner, reader], 'shared',
+        [helper.make_tensor_value_info(n, I32 if n == 'rows' else F, s)
+         for n, s in shapes.items()],
+        [helper.make_tensor_value_info('o', F, [1, 't', heads * d]),
+         helper.make_tensor_value_info('o2', F, [1, 't', heads * d]),
+         helper.make_tensor_value_info('ok', F, ['n', kv_heads, cap, d]),
+         helper.make_tensor_value_info('ov', F, ['n', kv_heads, cap, d])])
+    return op_session(graph, 1)
+
+
+@pytest.mark.parametrize('window', [0, 40])
+def test_a_shared_kv_node_reads_the_owners_keys_as_storing_them_again_would(window):
+    """shared_kv (gemma4): the owner's present is read in the same run, nothing is stored.
+
+    Its output equals, bit for bit, a plain node fed the same keys and values (which stores
+    them again, the same bits) with the reader's queries and q_norm.
+    """
+    import onnxruntime as ort
+    heads, kv_heads, d, cap = 4, 2, 64, 300
+    rng = np.random.default_rng(11 + window)
+    angle = np.arange(cap)[:, None] / (1e4 ** (np.arange(d // 2) / (d // 2)))
+    cos, sin = np.cos(angle).astype(np.float32), np.sin(angle).astype(np.float32)
+    q_norms = [list(rng.uniform(0.2, 0.4, d).astype(np.float32)) for _ in range(2)]
+    k_norm = list(rng.uniform(0.2, 0.4, d).astype(np.float32))
+    pair = shared_pair(heads, kv_heads, d, cap, window, q_norms, k_norm)
+    names = ['q', 'k', 'v', 'pk', 'pv', '', '', 'cos', 'sin', '', 'rows']
+    node = helper.make_node('CausalAttention', names, ['o', 'ok', 'ov'], domain='edge_llm_ros',
+                            num_heads=heads, kv_num_heads=kv_heads, scale=1.0, window=window,
+                            q_norm=q_norms[1], k_norm=k_norm, norm_epsilon=1e-6)
+    shapes = {'q': [1, 't', heads * d], 'k': [1, 't', kv_heads * d],
+              'v': [1, 't', kv_heads * d], 'pk': ['n', kv_heads, cap, d],
+              'pv': ['n', kv_heads, cap, d], 'cos': [cap, d // 2], 'sin': [cap, d // 2],
+              'rows': ['r', 4]}
+    reference = op_session(helper.make_graph(
+        [node], 'reference',
+        [helper.make_tensor_value_info(n, I32 if n == 'rows' else F, shapes[n])
+         for n in names if n],
+        [helper.make_tensor_value_info('o', F, [1, 't', heads * d]),
+         helper.make_tensor_value_info('ok', F, ['n', kv_heads, cap, d]),
+         helper.make_tensor_value_info('ov', F, ['n', kv_heads, cap, d])]), 1)
+    keys = rng.standard_normal((2, kv_heads, cap, d)).astype(np.float32) * 50
+    values = rng.standard_normal((2, kv_heads, cap, d)).astype(np.float32) * 50
+    want_k, want_v = keys.copy(), values.copy()
+    for rows in ([(0, 0, 120, 0), (1, 0, 70, 0)], [(1, 70, 25, 0), (0, 120, 1, 0)],
+                 [(0, 121, 1, 0)]):
+        t = sum(r[2] for r in rows)
+        feeds = {'q': rng.standard_normal((1, t, heads * d)).astype(np.float32),
+                 'k': rng.standard_normal((1, t, kv_heads * d)).astype(np.float32),
+                 'v': rng.standard_normal((1, t, kv_heads * d)).astype(np.float32),
+                 'cos': cos, 'sin': sin, 'rows': np.array(rows, np.int32)}
+        q2 = rng.standard_normal((1, t, heads * d)).astype(np.float32)
+        io = pair.io_binding()
+        k, v = ort.OrtValue.ortvalue_from_numpy(keys), ort.OrtValue.ortvalue_from_numpy(values)
+        for name, value in dict(feeds, q2=q2).items():
+            io.bind_cpu_input(name, value)
+        io.bind_ortvalue_input('pk', k)
+        io.bind_ortvalue_input('pv', v)
+        io.bind_output('o')
+        io.bind_output('o2')
+        io.bind_ortvalue_output('ok', k)
+        io.bind_ortvalue_output('ov', v)
+        pair.run_with_iobinding(io)
+        got = io.copy_outputs_to_cpu()[1]
+        want = run(reference, dict(feeds, q=q2), want_k, want_v)
+        assert got.tobytes() == want.tobytes(), rows
+        assert keys.tobytes() == want_k.tobytes() and values.tobytes() == want_v.tobytes()

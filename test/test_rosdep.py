@@ -46,7 +46,10 @@ PIP_ONLY = {'onnx': 'onnx', 'tokenizers': 'tokenizers', 'gguf': 'gguf',
             # The bridge needs pydantic 2; jammy's python3-pydantic is 1.x.
             'pydantic': 'pydantic',
             # Model update deltas (edge_llm_ros.update.delta).
-            'bsdiff4': 'bsdiff4'}
+            'bsdiff4': 'bsdiff4',
+            # The memory node's vectors (edge_llm_ros.memory); pysqlite3 only where Python's
+            # sqlite3 cannot load extensions (memory/sqlite_db.py).
+            'sqlite_vec': 'sqlite-vec', 'pysqlite3': 'pysqlite3-binary'}
 # Import-guarded extras that only exist on a CUDA board (JetPack ships them).
 BOARD_ONLY = {'cuda', 'pycuda'}
 

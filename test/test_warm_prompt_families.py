@@ -38,6 +38,10 @@ TEMPLATES = {
         '{%- if enable_thinking is defined and not enable_thinking %}'
         '{{- "<think>\\n\\n</think>\\n\\n" }}{%- endif %}{%- endif %}'),
     'lfm2': '{{- bos_token }}' + CHATML,
+    'qwen35': CHATML[:-len('{%- endif %}')] + (
+        '{%- if enable_thinking is defined and not enable_thinking %}'
+        '{{- "<think>\\n\\n</think>\\n\\n" }}{%- else %}{{- "<think>\\n" }}{%- endif %}'
+        '{%- endif %}'),
     'deepseek_r1_distill_qwen': R1,
     'deepseek_r1_distill_llama': R1,
     'llama3': ('{{- bos_token }}{%- if messages[0]["role"] == "system" %}'
@@ -68,12 +72,42 @@ TEMPLATES = {
                '{{- "<start_of_turn>" + role + "\\n" + (prefix if loop.first else "") + '
                'm["content"] | trim + "<end_of_turn>\\n" }}{%- endfor %}'
                '{%- if add_generation_prompt %}{{- "<start_of_turn>model\\n" }}{%- endif %}'),
+    # A system turn of its own, opened by <|think|> when reasoning is on.
+    'gemma4': ('{{- bos_token }}{%- set think = enable_thinking is defined and enable_thinking %}'
+               '{%- set loop_messages = messages %}'
+               '{%- if think or messages[0]["role"] == "system" %}{{- "<|turn>system\\n" }}'
+               '{%- if think %}{{- "<|think|>\\n" }}{%- endif %}'
+               '{%- if messages[0]["role"] == "system" %}{{- messages[0]["content"] | trim }}'
+               '{%- set loop_messages = messages[1:] %}{%- endif %}{{- "<turn|>\\n" }}'
+               '{%- endif %}{%- for m in loop_messages %}'
+               '{%- set role = "model" if m["role"] == "assistant" else m["role"] %}'
+               '{{- "<|turn>" + role + "\\n" + m["content"] | trim + "<turn|>\\n" }}'
+               '{%- endfor %}{%- if add_generation_prompt %}{{- "<|turn>model\\n" }}'
+               '{%- if not think %}{{- "<|channel>thought\\n<channel|>" }}{%- endif %}'
+               '{%- endif %}'),
+    # The reasoning switch in the system turn's header, the system text in its custom
+    # instructions; with reasoning off the generation prompt holds the empty think block.
+    'smollm3': ('{%- set think = enable_thinking is not defined or enable_thinking %}'
+                '{{- "<|im_start|>system\\n## Metadata\\n\\nReasoning Mode: " + '
+                '("/think" if think else "/no_think") + "\\n\\n## Custom Instructions\\n\\n" }}'
+                '{%- if messages[0]["role"] == "system" %}'
+                '{{- messages[0]["content"] + "\\n\\n" }}{%- set loop_messages = messages[1:] %}'
+                '{%- else %}{{- "You are a helpful AI assistant named SmolLM.\\n\\n" }}'
+                '{%- set loop_messages = messages %}{%- endif %}{{- "<|im_end|>\\n" }}'
+                '{%- for m in loop_messages %}{{- "<|im_start|>" + m["role"] + "\\n" + '
+                'm["content"] + "<|im_end|>\\n" }}{%- endfor %}{%- if add_generation_prompt %}'
+                '{{- "<|im_start|>assistant\\n" }}{%- if not think %}'
+                '{{- "<think>\\n\\n</think>\\n" }}{%- endif %}{%- endif %}'),
     'phi3': ('{%- for m in messages %}{{- "<|" + m["role"] + "|>" + m["content"] + "<|end|>" }}'
              '{%- endfor %}{%- if add_generation_prompt %}{{- "<|assistant|>" }}'
              '{%- else %}{{- eos_token }}{%- endif %}'),
 }
 # Families whose template moves the system message (mistral: into the last user turn).
 FIRST_TURN_ONLY = {'mistral'}
+# Families whose reasoning switch is in the system turn (gemma4's <|think|>, smollm3's
+# Reasoning Mode line): a warm prompt (rendered with reasoning on, the default) serves the
+# requests that keep it on.
+SWITCH_IN_SYSTEM_TURN = {'gemma4', 'smollm3'}
 QUESTIONS = ('Where is room 4?', 'go', '12 steps', '"quoted"', '  spaces', 'Ünïcode ✓')
 
 
@@ -105,10 +139,14 @@ def test_conversations_start_with_the_warm_prompt_tokens(family, model_dir, tmp_
                               ChatMessage('assistant', 'On my way.'),
                               ChatMessage('user', 'Now the lift.')])
     for messages in conversations:
-        for reasoning in (True, False) if config.can_disable_reasoning else (True,):
+        both = config.can_disable_reasoning and family not in SWITCH_IN_SYSTEM_TURN
+        for reasoning in (True, False) if both else (True,):
             ids = plan_request(tok, config, messages, reasoning=reasoning).prompt_ids
             assert ids[:len(warm)] == warm, (family, messages, tok.decode(list(ids)))
             assert len(ids) > len(warm)
+        if family in SWITCH_IN_SYSTEM_TURN:
+            off = plan_request(tok, config, messages, reasoning=False).prompt_ids
+            assert off[:len(warm)] != warm
     # Another system prompt shares at most the template's opening with it.
     other = plan_request(tok, config, [ChatMessage('system', 'Be brief.'),
                                        ChatMessage('user', 'go')]).prompt_ids

@@ -229,7 +229,8 @@ def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str,
     A vocabulary with the vision tokens (tiny_vocab(vision=True)) gets their merge too.
     """
     writer.add_tokenizer_model('gpt2')
-    writer.add_tokenizer_pre(pre or ('qwen2' if arch in ('qwen2', 'qwen3', 'qwen2vl') else
+    qwen = ('qwen2', 'qwen3', 'qwen2vl', 'qwen3vl')
+    writer.add_tokenizer_pre(pre or ('qwen2' if arch in qwen else
                                      'lfm2' if arch == 'lfm2' else 'smollm'))
     writer.add_token_list(list(vocab))
     control = set(SPECIAL_TOKENS) | set(VISION_TOKENS) | set(QWEN_VISION_TOKENS)

@@ -267,6 +267,36 @@ OPENAI_BRIDGE_SPECS: Tuple[ParamSpec, ...] = (
 )
 
 
+_SERVICE_PATTERN = r'(/?[A-Za-z_][A-Za-z0-9_]*)(/[A-Za-z_][A-Za-z0-9_]*)*'
+MEMORY_SPECS: Tuple[ParamSpec, ...] = (
+    ParamSpec('store', ParamType.STRING, '',
+              "SQLite file of the memories (created if missing); '' = "
+              '$ROS_HOME/edge_llm/memory.db (ROS_HOME defaults to ~/.ros)'),
+    ParamSpec('max_rows', ParamType.INTEGER, 100_000,
+              'Most memories kept; the oldest are evicted (logged)', range=Range(1, 1 << 40)),
+    ParamSpec('max_bytes', ParamType.INTEGER, 512 << 20,
+              'Most bytes of text, tags and vectors kept; the oldest are evicted (logged)',
+              range=Range(1024, 1 << 50)),
+    ParamSpec('max_k', ParamType.INTEGER, 50, 'Largest k a recall may ask for',
+              range=Range(1, 10_000)),
+    ParamSpec('max_text_bytes', ParamType.INTEGER, 16384,
+              'Longest text or query accepted (UTF-8 bytes)', range=Range(1, 1 << 24)),
+    ParamSpec('embed.service', ParamType.STRING, '/llm_node/embed',
+              "The embedding node's ~/embed service (edge_llm_msgs/srv/Embed)",
+              pattern=_SERVICE_PATTERN),
+    ParamSpec('embed.timeout_s', ParamType.DOUBLE, 10.0,
+              'Longest wait for the embedding service (its discovery included)',
+              range=Range(0.1, 600.0)),
+    ParamSpec('rerank.service', ParamType.STRING, '',
+              "A reranker's ~/rerank service (edge_llm_msgs/srv/Rerank) for recalls that ask "
+              "to rerank; '' = none (such a recall is refused)",
+              pattern='|' + _SERVICE_PATTERN),
+    ParamSpec('diagnostics.period_s', ParamType.DOUBLE, 1.0,
+              'Period of the /diagnostics status', range=Range(0.05, 3600.0)),
+    ParamSpec('autostart', ParamType.BOOL, True,
+              'Configure and activate at start (else wait for lifecycle transitions)'),
+)
+
 LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('board.name', ParamType.STRING, '',
               'Board profile these settings came from (reported in diagnostics)'),
@@ -291,6 +321,17 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'Goals decoded together in one batch (continuous batching); each has its own '
               'kv.max_context KV slot, reserved at configure (docs/batching.md)',
               range=Range(1, 16)),
+    ParamSpec('vision.max_image_tokens', ParamType.INTEGER, 0,
+              "Tokens one image may take when a goal's max_image_tokens is 0 (any-resolution "
+              'VLMs: a 1080p frame is 2,691 Qwen2.5-VL tokens); a larger image is refused as '
+              "invalid_request before any model work; 0 = no cap but the context's; board "
+              'profiles set one (docs/vision.md)', range=Range(0, 131072)),
+    ParamSpec('detections.publish', ParamType.STRING, 'auto',
+              'Grounded answers on ~/detections (vision_msgs or edge_llm_msgs '
+              "Detection2DArray): 'auto' = when the model's family grounds (config/models "
+              "`grounding`), 'on' = required (configure fails for a model that does not "
+              "ground), 'off' = never (results still carry their detections)",
+              choices=('auto', 'on', 'off')),
     ParamSpec('kv.max_context', ParamType.INTEGER, 2048,
               "KV-cache capacity in tokens (must not exceed the model's context length)",
               range=Range(64, 131072)),
@@ -299,7 +340,10 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'the bytes needed above it; 0 = 80 % of the memory available at configure',
               range=Range(0, 1 << 42)),
     ParamSpec('kv.dtype', ParamType.STRING, 'float32',
-              'Storage type of saved per-session KV prefixes', choices=('float32', 'int8')),
+              'KV precision: int8 keeps the live KV cache in int8 rows with a float32 scale '
+              'each (attention reads them directly; models with model_kv_int8.onnx) and saves '
+              'prefixes as plain copies of them; float32 keeps both at full precision',
+              choices=('float32', 'int8')),
     ParamSpec('kv.prefix_reuse', ParamType.BOOL, True,
               'Reuse the KV of a shared prompt prefix (system prompt, earlier turns)'),
     ParamSpec('kv.max_sessions', ParamType.INTEGER, 8,
@@ -566,6 +610,7 @@ SCHEMAS: Dict[str, NodeSchema] = {
     'frame_source': NodeSchema('frame_source', FRAME_SOURCE_SPECS, complete=False),
     'perception': NodeSchema('perception', PERCEPTION_SPECS, complete=False),
     'openai_bridge': NodeSchema('openai_bridge', OPENAI_BRIDGE_SPECS, complete=False),
+    'memory': NodeSchema('memory', MEMORY_SPECS, complete=False),
 }
 
 
@@ -662,6 +707,11 @@ def check_consistency(values: Mapping[str, Any], source: str = '') -> None:
     if values['cuda.kernel_set'] != 'none' and not values['cuda.sm_arch']:
         raise ParameterRangeError('%scuda.kernel_set %r needs cuda.sm_arch (e.g. sm_87)' % (
             where, values['cuda.kernel_set']))
+    cap = values.get('vision.max_image_tokens', 0)
+    if cap >= values['kv.max_context']:
+        raise ParameterRangeError(
+            '%svision.max_image_tokens = %d leaves no room in kv.max_context = %d: lower the '
+            'cap (or 0: the context bounds images)' % (where, cap, values['kv.max_context']))
 
 
 def resolved_threads(values: Mapping[str, Any]) -> int:
@@ -704,6 +754,7 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'lora_adapters': parse_lora_adapters(values['lora.adapters']),
         'lora_max_per_goal': values['lora.max_per_goal'],
         'lora_max_scale': values['lora.max_scale'],
+        'max_image_tokens': values['vision.max_image_tokens'],
     }
 
 

@@ -45,6 +45,19 @@ class Architecture:
     # M-RoPE (qwen2vl): rope.dimension_sections splits each head's rotary pairs into t, h, w
     # sections, each turned by its own position (equal for text: plain NEOX RoPE).
     mrope: bool = False
+    # Interleaved M-RoPE (qwen3vl, ggml's GGML_ROPE_TYPE_IMROPE): pair k turns with t, h, w
+    # by k mod 3 while k < 3 x that section, else with the fourth position (0: unrotated).
+    mrope_interleaved: bool = False
+    # DeepStack (qwen3vl): n_deepstack_layers image rows more per image token, added to the
+    # hidden states after the first layers (llama.cpp's n_deepstack_layers key).
+    deepstack: bool = False
+    # Hybrid: Gated DeltaNet layers (qwen35: llama.cpp's build_layer_attn_linear) beside
+    # gated full-attention layers (q rows interleave each head's query and output gate); every
+    # full_attention_interval-th layer attends. Its FFN input norm is post_attention_norm.
+    recurrent_layers: bool = False
+    # Every no_rope_period-th layer (1-based) attends without RoPE (smollm3: llama.cpp's
+    # n_no_rope_layer_step, fixed at 4 for the family; the GGUF has no key for it). 0: none.
+    no_rope_period: int = 0
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -57,15 +70,27 @@ ARCHITECTURES: Dict[str, Architecture] = {
                            hf_norm_shift=1.0, swa_period=6, swa_rope_base=10000.0),
     'qwen2vl': Architecture('qwen2vl', False, False, 'Qwen2-VL / Qwen2.5-VL language model '
                             '(qwen2 with M-RoPE)', mrope=True),
+    'qwen3vl': Architecture('qwen3vl', False, True, 'Qwen3-VL dense language model (qwen3 '
+                            'with interleaved M-RoPE and DeepStack)', mrope=True,
+                            mrope_interleaved=True, deepstack=True),
     'phi3': Architecture('phi3', False, False, 'Phi-3/3.5 mini, Phi-4-mini'),
     'lfm2': Architecture('lfm2', False, True, 'LFM2 / LFM2.5 350M-2.6B (hybrid: gated short '
                          'convolutions and GQA)', conv_layers=True,
                          final_norm='token_embd_norm.weight'),
+    'qwen35': Architecture('qwen35', False, True, 'Qwen3.5 dense 0.8B-27B text (hybrid: Gated '
+                           'DeltaNet and gated attention)', recurrent_layers=True),
+    'smollm3': Architecture('smollm3', True, False, 'SmolLM3 3B (llama with no RoPE on every '
+                            'fourth layer)', no_rope_period=4),
+    # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
+    'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
+                           'embeddings, shared-KV layers)', post_norms=True,
+                           activation='gelu_tanh', embed_scale=True),
 }
 SUPPORTED_ARCHITECTURES: Tuple[str, ...] = tuple(ARCHITECTURES)
 # HF config model_type -> family (same tensors and graph).
 HF_MODEL_TYPES: Dict[str, str] = {'llama': 'llama', 'mistral': 'llama', 'qwen2': 'qwen2',
-                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3'}
+                                  'qwen3': 'qwen3', 'gemma3_text': 'gemma3', 'phi3': 'phi3',
+                                  'smollm3': 'smollm3'}
 # rope.scaling.type values the converter computes (llama.cpp's names); llama3 scaling has no
 # type key in a GGUF: it is the rope_freqs tensor, and Phi-3 LongRoPE is its
 # rope_factors_short/long tensors.

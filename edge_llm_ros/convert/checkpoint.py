@@ -24,8 +24,9 @@ from edge_llm_ros.gguf_file import open_gguf, unpermute_llama_rows
 SUPPORTED_GGML_TYPES = ('F32', 'F16', 'BF16', 'Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0',
                         'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K', 'IQ4_NL', 'IQ4_XS')
 LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
-# A hybrid layer's kind (ModelSpec.layer_kinds): GQA, or a gated short convolution (lfm2).
-ATTENTION, CONV = 'attention', 'conv'
+# A hybrid layer's kind (ModelSpec.layer_kinds): GQA, a gated short convolution (lfm2), or a
+# Gated DeltaNet layer (qwen35).
+ATTENTION, CONV, RECURRENT = 'attention', 'conv', 'recurrent'
 _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
                'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
@@ -34,7 +35,13 @@ _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
                'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight',
                'in_proj': 'shortconv.in_proj.weight', 'conv': 'shortconv.conv.weight',
-               'out_proj': 'shortconv.out_proj.weight'}
+               'out_proj': 'shortconv.out_proj.weight',
+               # qwen35's Gated DeltaNet layers (its attn_qkv is their conv input, read as
+               # gdn_qkv) and the output gate of its attention layers (split from attn_q).
+               'gdn_z': 'attn_gate.weight', 'ssm_conv': 'ssm_conv1d.weight',
+               'ssm_dt': 'ssm_dt.bias', 'ssm_a': 'ssm_a', 'ssm_beta': 'ssm_beta.weight',
+               'ssm_alpha': 'ssm_alpha.weight', 'ssm_norm': 'ssm_norm.weight',
+               'ssm_out': 'ssm_out.weight'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
@@ -115,6 +122,57 @@ class ModelSpec:
     # M-RoPE (qwen2vl): rotary pairs per section (t, h, w), llama.cpp's rope.dimension_sections
     # without its unused fourth; empty: one position for every pair.
     rope_sections: Tuple[int, ...] = ()
+    mrope_interleaved: bool = False   # qwen3vl: sections interleaved pair by pair
+    # qwen3vl: an image row carries this many hidden-size rows more, added to the hidden
+    # states after layers 0 .. deepstack_layers - 1 (llama.cpp's n_deepstack_layers).
+    deepstack_layers: int = 0
+    # Gated DeltaNet layers (qwen35): key/query heads, value heads and their size (d_k = d_v).
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    # Attention output times sigmoid(gate), the gate rows read beside q (qwen35).
+    gated_attention: bool = False
+    # The reader reordered each q/k head's dims so that the partial NEOX rotary is a
+    # half-split rotary over the whole head, identity beyond rotary_dims (the graph pads
+    # cos/sin with 1/0): the op library's attention rotates whole heads (qwen35).
+    rotary_permuted: bool = False
+    # gemma4 (convert/gemma4.py): sliding-window layers' own head size and KV heads (0: as
+    # the global layers'), the first layer that reads an earlier layer's KV (0: none), each
+    # layer's MLP width (empty: intermediate_size), the per-layer embedding width (0: none),
+    # and V normalized (RMSNorm without weights) as llama.cpp's gemma4 graph does.
+    local_head_dim: int = 0
+    local_kv_heads: int = 0
+    kv_shared_from: int = 0
+    layer_intermediate: Tuple[int, ...] = ()
+    per_layer_embed: int = 0
+    v_norm: bool = False
+    # Layers that attend without RoPE (smollm3's every fourth); empty: every layer rotates.
+    nope_layers: Tuple[bool, ...] = ()
+
+    def layer_head_dim(self, layer: int) -> int:
+        """Return `layer`'s head size."""
+        return self.local_head_dim if self.is_local(layer) and self.local_head_dim \
+            else self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """Return `layer`'s KV head count."""
+        return self.local_kv_heads if self.is_local(layer) and self.local_kv_heads \
+            else self.num_kv_heads
+
+    def layer_ff(self, layer: int) -> int:
+        """Return `layer`'s MLP width."""
+        return self.layer_intermediate[layer] if self.layer_intermediate \
+            else self.intermediate_size
+
+    def kv_owner(self, layer: int) -> int:
+        """Return the layer whose KV `layer` reads (-1: it keeps its own; llama.cpp's reuse).
+
+        Shared layers read the last layer of their kind (sliding-window or global) before
+        kv_shared_from.
+        """
+        if not self.kv_shared_from or layer < self.kv_shared_from:
+            return -1
+        return self.kv_shared_from - (2 if self.is_local(layer) else 1)
 
     @property
     def rotary_dims(self) -> int:
@@ -124,6 +182,25 @@ class ModelSpec:
     def is_conv(self, layer: int) -> bool:
         """Whether `layer` is a gated short convolution (no attention, no KV)."""
         return bool(self.layer_kinds) and self.layer_kinds[layer] == CONV
+
+    def is_recurrent(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet layer (no attention, no KV)."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] == RECURRENT
+
+    def is_attention(self, layer: int) -> bool:
+        """Whether `layer` attends (keeps KV)."""
+        return not self.layer_kinds or self.layer_kinds[layer] == ATTENTION
+
+    @property
+    def recurrent_state_floats(self) -> int:
+        """Floats of one Gated DeltaNet layer's state per slot (conv inputs, delta state)."""
+        d = self.ssm_head_dim
+        channels = (2 * self.ssm_k_heads + self.ssm_v_heads) * d
+        return (self.conv_kernel - 1) * channels + self.ssm_v_heads * d * d
+
+    def is_nope(self, layer: int) -> bool:
+        """Whether `layer` attends without RoPE (its q and k are not rotated)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     def is_local(self, layer: int) -> bool:
         """Whether `layer` is a sliding-window layer."""
@@ -146,12 +223,18 @@ class SourceTensor:
     # (0: none). Kept lazy so that loading maps the file without copying any tensor.
     permute_heads: int = 0
     shift: float = 0.0  # added to every value by dequantize (Gemma's HF norm weights)
+    # Rows taken, in this order, of the stored ones (None: all): qwen35's q/gate split and
+    # rotary reorder (row gathers, exact on quantized rows). Kept lazy as permute_heads.
+    row_order: Optional[np.ndarray] = None
 
     def values(self) -> np.ndarray:
         """Return the stored rows (raw blocks or floats), Q/K permutation undone."""
+        data = self.data
         if self.permute_heads:
-            return unpermute_llama_rows(np.asarray(self.data), self.permute_heads)
-        return self.data
+            data = unpermute_llama_rows(np.asarray(data), self.permute_heads)
+        if self.row_order is not None:
+            data = np.asarray(data)[self.row_order]
+        return data
 
     def rows(self, start: int, stop: int) -> 'SourceTensor':
         """Rows [start, stop) of a matrix (blocks run along rows, so this is exact)."""
@@ -202,7 +285,7 @@ class Checkpoint:
     def matrices(self) -> List[SourceTensor]:
         """Return the tensors the graph multiplies by (2-D; an lfm2 conv kernel is not one)."""
         return [t for k, t in self.tensors.items() if len(t.shape) == 2
-                and not k.endswith('.conv')]
+                and not k.endswith(('.conv', '.ssm_conv'))]
 
     def source_types(self) -> List[str]:
         """Sorted tensor types of the matrices (what the quantization came from)."""
@@ -242,6 +325,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     reader = open_gguf(path)
     arch = gguf_field(reader, 'general.architecture', required=True)
     family = architecture(arch, str(path))
+    if family.name == 'gemma4':
+        from edge_llm_ros.convert.gemma4 import load_gemma4_gguf
+        return load_gemma4_gguf(path, reader)
 
     def key(k: str, default=None, required: bool = False):
         return gguf_field(reader, f'{arch}.{k}', default, required)
@@ -274,11 +360,18 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     conv_kernel = 0
     if family.conv_layers:
         conv_kernel = _check_hybrid(path, key, names)
+    recurrent: dict = {}
+    if family.recurrent_layers:
+        layers -= int(key('nextn_predict_layers', 0) or 0)  # MTP blocks: not run, not read
+        kinds, recurrent = _check_recurrent(path, key, names, layers)
+        conv_kernel = recurrent.pop('conv_kernel')
     for i in range(layers):
         for role, suffix in _GGUF_LAYER.items():
             wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
     tensors = {ckey: gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
                if gname in names}
+    if family.recurrent_layers:
+        _qwen35_tensors(tensors, kinds, heads, kv_heads, head_dim, rope_dims)
     if family.gguf_permuted_qk:
         # llama.cpp stored Q/K with interleaved RoPE pairs; read them back as NEOX halves.
         for i in range(layers):
@@ -309,8 +402,13 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
             raise UnsupportedModelError(
                 f'{path}: rope.dimension_sections {raw} must split the {rope_dims // 2} '
                 'rotary pairs into t, h, w sections (the fourth 0), as Qwen2-VL / Qwen2.5-VL '
-                'GGUFs do')
+                '/ Qwen3-VL GGUFs do')
         sections = tuple(raw[:3])
+    deepstack = int(key('n_deepstack_layers', 0) or 0) if family.deepstack else 0
+    if not 0 <= deepstack < layers:
+        raise UnsupportedModelError(f'{path}: n_deepstack_layers {deepstack} must be under the '
+                                    f'{layers} layers (llama.cpp adds the DeepStack rows after '
+                                    'the first layers and needs one after them)')
     spec = ModelSpec(
         architecture=arch,
         name=str(gguf_field(reader, 'general.name', path.stem)),
@@ -325,7 +423,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         rope_dims=0 if rope_dims == head_dim else rope_dims,
         rope_attn_factor=_f32(key('rope.scaling.attn_factor', 1.0)),
         rope_factors_max_context=factors_ctx, layer_kinds=kinds, conv_kernel=conv_kernel,
-        rope_sections=sections,
+        rope_sections=sections, mrope_interleaved=family.mrope_interleaved,
+        deepstack_layers=deepstack,
+        **recurrent,
         **_family_extras(family, hidden, heads, head_dim, layers, window, local, local_theta,
                          float(key('final_logit_softcapping', 0.0) or 0.0)))
 
@@ -382,11 +482,100 @@ def _check_hybrid(path: pathlib.Path, key, names: dict) -> int:
     return kernel
 
 
+def _check_recurrent(path: pathlib.Path, key, names: dict,
+                     layers: int) -> Tuple[Tuple[str, ...], dict]:
+    """Read a qwen35 GGUF's Gated DeltaNet hyper-parameters (llama.cpp's keys).
+
+    Returns the layer kinds (attention.recurrent_layers, else every full_attention_interval-th
+    layer attends) and the ModelSpec fields of the DeltaNet layers.
+    """
+    if any('ffn_gate_exps' in n or 'ffn_gate_inp' in n for n in names):
+        raise UnsupportedModelError(f'{path}: a Qwen3.5 mixture-of-experts model (qwen35moe '
+                                    'layers) is not supported; use a dense Qwen3.5 GGUF')
+    kernel = int(key('ssm.conv_kernel', 0) or 0)
+    state = int(key('ssm.state_size', 0) or 0)
+    k_heads = int(key('ssm.group_count', 0) or 0)
+    v_heads = int(key('ssm.time_step_rank', 0) or 0)
+    inner = int(key('ssm.inner_size', 0) or 0)
+    if not (2 <= kernel <= MAX_CONV_KERNEL and 0 < state <= 256 and k_heads > 0 and
+            v_heads > 0 and v_heads % k_heads == 0 and inner == v_heads * state):
+        raise ModelLoadError(
+            f'{path}: ssm.conv_kernel {kernel}, ssm.state_size {state}, ssm.group_count '
+            f'{k_heads}, ssm.time_step_rank {v_heads}, ssm.inner_size {inner} do not describe '
+            f'Gated DeltaNet layers the op library runs (kernel 2..{MAX_CONV_KERNEL}, heads of '
+            'at most 256, value heads a multiple of key heads, inner = value heads x state); '
+            'the GGUF is incomplete or corrupt')
+    flags = key('attention.recurrent_layers')
+    if flags is not None:
+        kinds = tuple(RECURRENT if bool(f) else ATTENTION for f in list(flags)[:layers])
+    else:
+        interval = int(key('full_attention_interval', 4) or 4)
+        kinds = tuple(ATTENTION if (i + 1) % interval == 0 else RECURRENT
+                      for i in range(layers))
+    if len(kinds) != layers or ATTENTION not in kinds:
+        raise UnsupportedModelError(f'{path}: {kinds.count(ATTENTION)} attention layers of '
+                                    f'{layers}: the converter needs at least one')
+    return kinds, {'conv_kernel': kernel, 'ssm_k_heads': k_heads, 'ssm_v_heads': v_heads,
+                   'ssm_head_dim': state, 'gated_attention': True, 'rotary_permuted': True}
+
+
+def rotary_order(head_dim: int, rotary: int) -> np.ndarray:
+    """Return one head's dims reordered for a half-split rotary over the whole head.
+
+    A partial NEOX rotary of `rotary` dims (pairs i, i + rotary / 2) becomes the pairs
+    i, i + head_dim / 2; the other dims are paired with each other (rotated by angle 0, cos 1
+    and sin 0: unchanged, exactly).
+    """
+    half, rest = rotary // 2, (head_dim - rotary) // 2
+    return np.concatenate([np.arange(half), rotary + np.arange(rest),
+                           half + np.arange(half), rotary + rest + np.arange(rest)])
+
+
+def _qwen35_tensors(tensors: Dict[str, SourceTensor], kinds: Tuple[str, ...], heads: int,
+                    kv_heads: int, head_dim: int, rope_dims: int) -> None:
+    """Name qwen35's tensors as the graph reads them (all lazy row gathers, no copies).
+
+    A DeltaNet layer's attn_qkv is its conv input (gdn_qkv); an attention layer's attn_q holds
+    each head's query then its output gate (split into q and gate), its q/k rows and norms are
+    reordered by rotary_order; post_attention_norm is the FFN's input norm.
+    """
+    order = rotary_order(head_dim, rope_dims)
+    for i, kind in enumerate(kinds):
+        p = f'{i}.'
+        if p + 'post_attn_norm' in tensors:
+            tensors[p + 'ffn_norm'] = tensors.pop(p + 'post_attn_norm')
+        if kind == RECURRENT:
+            if p + 'qkv' in tensors:
+                tensors[p + 'gdn_qkv'] = tensors.pop(p + 'qkv')
+            continue
+        q = tensors.get(p + 'q')
+        if q is None or q.shape[0] != 2 * heads * head_dim:
+            continue  # _check_shapes names what is wrong
+        base = np.arange(heads)[:, None] * 2 * head_dim
+        q_rows = (base + order[None, :]).reshape(-1)
+        gate_rows = (base + head_dim + np.arange(head_dim)[None, :]).reshape(-1)
+        shape = (heads * head_dim,) + tuple(q.shape[1:])
+        tensors[p + 'q'] = SourceTensor(q.name, q.qtype, shape, q.data, row_order=q_rows)
+        tensors[p + 'attn_gate'] = SourceTensor(q.name, q.qtype, shape, q.data,
+                                                row_order=gate_rows)
+        k = tensors.get(p + 'k')
+        if k is not None and k.shape[0] == kv_heads * head_dim:
+            k_rows = (np.arange(kv_heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+            k.row_order = k_rows
+        for norm in ('q_norm', 'k_norm'):
+            t = tensors.get(p + norm)
+            if t is not None and t.shape == (head_dim,):
+                t.row_order = order
+
+
 def _family_extras(family: Architecture, hidden: int, heads: int, head_dim: int, layers: int,
                    window: int, local: Tuple[bool, ...], local_theta: float,
                    softcap: float) -> dict:
     """Return the ModelSpec fields a family adds to the llama skeleton (as llama.cpp)."""
     out = {'post_norms': family.post_norms, 'activation': family.activation}
+    if family.no_rope_period:
+        # llama.cpp: use_rope = (il + 1) % n_no_rope_layer_step != 0.
+        out['nope_layers'] = tuple((i + 1) % family.no_rope_period == 0 for i in range(layers))
     if family.embed_scale:
         out['embed_scale'] = float(np.sqrt(np.float32(hidden)))  # sqrtf(n_embd)
     if family.name == 'gemma3':
@@ -503,6 +692,11 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f'{cfg_path}: not valid JSON ({exc})') from exc
     model_type = cfg.get('model_type')
+    from edge_llm_ros.convert import gemma4
+    if model_type in gemma4.HF_MODEL_TYPES:
+        from edge_llm_ros.convert.gemma4 import load_gemma4_hf
+        return load_gemma4_hf(folder, cfg, _read_safetensors,
+                              lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '
@@ -569,6 +763,8 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
                             float(cfg.get('final_logit_softcapping') or 0.0))
     if arch == 'gemma3':
         extras.update(_hf_gemma3(cfg, layers, rope))
+    if family.no_rope_period:
+        extras['nope_layers'] = _hf_nope_layers(folder, cfg, layers, family.no_rope_period)
     extras.update(hybrid)
     spec = ModelSpec(
         architecture=arch, name=folder.name, num_layers=layers, hidden_size=hidden,
@@ -587,6 +783,23 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def _hf_nope_layers(folder: pathlib.Path, cfg: dict, layers: int,
+                    period: int) -> Tuple[bool, ...]:
+    """Return the layers without RoPE of an HF SmolLM3 config.
+
+    no_rope_layers holds 1 for a layer that rotates and 0 for one that does not; without it,
+    every no_rope_layer_interval-th layer (default: the family's period) does not.
+    """
+    flags = cfg.get('no_rope_layers')
+    if flags is None:
+        step = int(cfg.get('no_rope_layer_interval') or period)
+        return tuple((i + 1) % step == 0 for i in range(layers))
+    if len(flags) != layers or any(f not in (0, 1) for f in flags):
+        raise ModelLoadError(f'{folder}: no_rope_layers must hold one 0 or 1 per layer '
+                             f'({layers}); got {flags!r}: the config.json is corrupt')
+    return tuple(f == 0 for f in flags)
 
 
 # HF hidden_act / hidden_activation -> the family's activation name.
@@ -811,6 +1024,16 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             f'{i}.gate': (s.intermediate_size, s.hidden_size),
             f'{i}.up': (s.intermediate_size, s.hidden_size),
             f'{i}.down': (s.hidden_size, s.intermediate_size)})
+        if s.is_recurrent(i):
+            d, hk, hv = s.ssm_head_dim, s.ssm_k_heads, s.ssm_v_heads
+            expect.update({f'{i}.gdn_qkv': ((2 * hk + hv) * d, s.hidden_size),
+                           f'{i}.gdn_z': (hv * d, s.hidden_size),
+                           f'{i}.ssm_conv': ((2 * hk + hv) * d, s.conv_kernel),
+                           f'{i}.ssm_dt': (hv,), f'{i}.ssm_a': (hv,),
+                           f'{i}.ssm_beta': (hv, s.hidden_size),
+                           f'{i}.ssm_alpha': (hv, s.hidden_size),
+                           f'{i}.ssm_norm': (d,), f'{i}.ssm_out': (s.hidden_size, hv * d)})
+            continue
         if s.is_conv(i):
             expect.update({f'{i}.in_proj': (3 * s.hidden_size, s.hidden_size),
                            f'{i}.conv': (s.hidden_size, s.conv_kernel),
@@ -833,6 +1056,7 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             raise ModelLoadError(f'{ckpt.source_path}: tensor {t.name} has shape {t.shape}, '
                                  f"but the header's hyper-parameters need {shape}: the file "
                                  'contradicts itself; convert the model again')
-        if (len(shape) == 1 or k.endswith('.conv')) and t.qtype not in ('F32', 'F16', 'BF16'):
+        if (len(shape) == 1 or k.endswith(('.conv', '.ssm_conv'))) and \
+                t.qtype not in ('F32', 'F16', 'BF16'):
             raise UnsupportedModelError(f'{ckpt.source_path}: vector {t.name} is stored as '
                                         f'{t.qtype}; only float vectors are supported')

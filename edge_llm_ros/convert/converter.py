@@ -23,13 +23,15 @@ import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
-from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, GraphOptions,
-                                             LayerWeights, OPSET, Weight)
+from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
+from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
+                                             GraphOptions, LayerWeights, OPSET,
+                                             RecurrentLayerWeights, Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
-from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name, LayerState,
-                                       MODEL_FILE, MODEL_YAML, PRECISIONS, WEIGHT_FORMATS,
-                                       weight_types_text)
+from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name,
+                                       KV_INT8_MODEL_FILE, LayerState, MODEL_FILE, MODEL_YAML,
+                                       PRECISIONS, WEIGHT_FORMATS, weight_types_text)
 from edge_llm_ros.runtime import native_ops
 
 _TMP_MARK = '.tmp-'
@@ -79,7 +81,10 @@ class ConvertOptions:
             raise ConversionError(f'block size {bs} is not a power of two >= 16 (use 32)')
         for dim, what in ((s.hidden_size, 'hidden size'),
                           (s.intermediate_size, 'intermediate size'),
-                          (s.num_heads * s.head_dim, 'attention width')):
+                          (s.num_heads * s.head_dim, 'attention width'),
+                          (s.num_heads * (s.local_head_dim or s.head_dim),
+                           'sliding-window attention width'),
+                          (s.per_layer_embed or bs, 'per-layer embedding width')):
             if dim % bs:
                 raise ConversionError(f'{what} {dim} is not a multiple of block size {bs}; '
                                       'use --block-size 32')
@@ -105,13 +110,15 @@ class ConvertOptions:
             raise ConversionError(f'offset levels {self.offset_levels} is not 0..3 (0 = exact)')
         if self.weights is not None and self.weights not in WEIGHT_FORMATS:
             raise ConversionError(f'weights {self.weights!r} is not one of {WEIGHT_FORMATS}')
-        if s.layer_kinds:
-            # Conv layers run the op library's ShortConv whatever the weight format.
+        if s.layer_kinds or _native_layers(s):
+            # Conv layers run the op library's ShortConv whatever the weight format, gemma4
+            # layers its CausalAttention (per-layer head sizes, shared KV).
+            layers = 'attention layers' if _native_layers(s) else 'conv layers'
             if self.activation_dtype != 'float32':
-                raise ConversionError(f'{s.architecture} conv layers run in float32: convert '
+                raise ConversionError(f'{s.architecture} {layers} run in float32: convert '
                                       'it with --dtype float32')
             try:
-                native_ops.require_library(f'a {s.architecture} model (its conv layers)')
+                native_ops.require_library(f'a {s.architecture} model (its {layers})')
             except native_ops.NativeLibraryMissingError as exc:
                 raise ConversionError(str(exc)) from None
         if self.weights == 'kquant':
@@ -186,7 +193,8 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
         _write_folder(ckpt, tmp, opts, progress, vision)
         if verify:
             # Conv layers (lfm2) run the op library's ShortConv in either weight format.
-            native = opts.weight_format == 'kquant' or bool(ckpt.spec.layer_kinds)
+            native = (opts.weight_format == 'kquant' or bool(ckpt.spec.layer_kinds)
+                      or _native_layers(ckpt.spec))
             _verify(tmp, 'kquant' if native else opts.weight_format, vision is not None)
         _replace(tmp, out)
     except BaseException as exc:
@@ -214,6 +222,9 @@ def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], sou
     Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change.
     """
     opts.check(ckpt)
+    if mmproj and _native_layers(ckpt.spec):
+        raise ConversionError('Gemma 4 vision and audio (a gemma4v / gemma4a mmproj) are not '
+                              'converted yet: convert the language model alone')
     if mmproj and ckpt.spec.layer_kinds:
         raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
                               'convert the language model alone')
@@ -237,7 +248,7 @@ def _read_vision(path: str, ckpt: Checkpoint, source: str):
     """Read and check the mmproj against the language model; nothing is written yet."""
     from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
     mm = read_mmproj(path)
-    check_pair(mm, ckpt.spec.hidden_size, source)
+    check_pair(mm, ckpt.spec.hidden_size, source, ckpt.spec.deepstack_layers)
     return mm
 
 
@@ -258,10 +269,18 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                                              bidirectional_images=_bidirectional(vision)),
                              data)
         graph.add_embedding(_blocks(ckpt, 'embed', opts))
+        if s.per_layer_embed:
+            graph.add_per_layer_inputs(_blocks(ckpt, 'ple_embed', opts),
+                                       _blocks(ckpt, 'ple_model_proj', opts),
+                                       ckpt.tensor('ple_proj_norm').dequantize())
         bar.update()
         ckpt.release()
         for i in range(s.num_layers):
-            if s.is_conv(i):
+            if s.architecture == 'gemma4':
+                graph.add_gemma4_layer(i, _gemma4_layer(ckpt, i, opts))
+            elif s.is_recurrent(i):
+                graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
+            elif s.is_conv(i):
                 graph.add_conv_layer(i, _conv_layer(ckpt, i, opts))
             else:
                 graph.add_layer(i, _layer(ckpt, i, opts))
@@ -278,6 +297,10 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                                                'GatherBlockQuantized'))
     bar.set_description('writing model.onnx')
     onnx.save_model(model, str(tmp / MODEL_FILE))
+    # The op library's attention: kv.dtype int8 loads this graph instead (not built for
+    # gemma4's shared-KV layers: such a folder keeps float32 live KV, and says so).
+    if graph.varlen and not any(s.kv_owner(i) >= 0 for i in range(s.num_layers)):
+        onnx.save_model(int8_kv_graph(model), str(tmp / KV_INT8_MODEL_FILE))
     bar.update()
     bar.close()
     quantization = {'bits': 4, 'block_size': opts.block_size,
@@ -302,7 +325,14 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
                          # LongRoPE short factors: valid up to this KV length (0: any)
                          'max_context': int(s.rope_factors_max_context),
                          # M-RoPE (qwen2vl): rotary pairs of the t, h, w sections
-                         **({'sections': list(s.rope_sections)} if s.rope_sections else {})},
+                         **({'sections': list(s.rope_sections)} if s.rope_sections else {}),
+                         # qwen3vl: the sections interleaved pair by pair (ggml's IMROPE)
+                         **({'interleaved': True} if s.mrope_interleaved else {}),
+                         # smollm3: layers that attend without RoPE
+                         **({'no_rope_layers': [i for i in range(s.num_layers) if s.is_nope(i)]}
+                            if s.nope_layers else {})},
+        # qwen3vl: image rows carry this many hidden-size rows more (added after layers 0..)
+        **({'deepstack_layers': int(s.deepstack_layers)} if s.deepstack_layers else {}),
         'qk_norm': bool(s.qk_norm),
         'post_norms': bool(s.post_norms), 'activation': s.activation,
         'embed_scale': float(s.embed_scale),
@@ -341,7 +371,16 @@ def layer_state(spec, layer: int) -> LayerState:
     """Return what `layer` keeps per sequence slot (model.yaml `layer_states`)."""
     if spec.is_conv(layer):
         return LayerState('conv', shape=(spec.conv_kernel - 1, spec.hidden_size))
-    return LayerState('kv', window=spec.sliding_window if spec.is_local(layer) else 0)
+    if spec.is_recurrent(layer):
+        return LayerState('recurrent', shape=(spec.recurrent_state_floats,))
+    if spec.kv_owner(layer) >= 0:
+        return LayerState('shared', owner=spec.kv_owner(layer))
+    window = spec.sliding_window if spec.is_local(layer) else 0
+    if spec.layer_head_dim(layer) != spec.head_dim or \
+            spec.layer_kv_heads(layer) != spec.num_kv_heads:
+        return LayerState('kv', window=window, head_dim=spec.layer_head_dim(layer),
+                          kv_heads=spec.layer_kv_heads(layer))
+    return LayerState('kv', window=window)
 
 
 def parameter_count(ckpt: Checkpoint) -> int:
@@ -380,7 +419,8 @@ def _attention(ckpt: Checkpoint, opts: ConvertOptions, vision=None) -> str:
     hybrid (lfm2): its ShortConv needs the row table of the library's varlen graph, and an
     M-RoPE model (qwen2vl): its rotary positions are not the KV index after an image.
     """
-    if _bidirectional(vision) or ckpt.spec.layer_kinds or ckpt.spec.rope_sections:
+    if (_bidirectional(vision) or ckpt.spec.layer_kinds or ckpt.spec.rope_sections
+            or _native_layers(ckpt.spec)):
         # A hybrid's conv states need the row table only the library's graphs have.
         return 'causal'
     if opts.weight_format != 'kquant':
@@ -423,7 +463,54 @@ def _layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> LayerWeights:
         q_norm=ckpt.tensor(p + 'q_norm').dequantize() if ckpt.spec.qk_norm else None,
         k_norm=ckpt.tensor(p + 'k_norm').dequantize() if ckpt.spec.qk_norm else None,
         post_attn_norm=_vector(ckpt, p + 'post_attn_norm', ckpt.spec.post_norms),
-        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms))
+        post_ffn_norm=_vector(ckpt, p + 'post_ffn_norm', ckpt.spec.post_norms),
+        attn_gate=(_blocks(ckpt, p + 'attn_gate', opts) if ckpt.spec.gated_attention
+                   else None))
+
+
+def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> RecurrentLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    return RecurrentLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        qkv=_blocks(ckpt, p + 'gdn_qkv', opts), z=_blocks(ckpt, p + 'gdn_z', opts),
+        alpha=_blocks(ckpt, p + 'ssm_alpha', opts), beta=_blocks(ckpt, p + 'ssm_beta', opts),
+        conv=vector('ssm_conv'), dt_bias=vector('ssm_dt'), a=vector('ssm_a'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
+
+
+def _native_layers(spec) -> bool:
+    """Whether the family's layers exist only with the op library's attention (gemma4)."""
+    return spec.architecture == 'gemma4'
+
+
+def _gemma4_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> Gemma4LayerWeights:
+    p = f'{i}.'
+    own = ckpt.spec.kv_owner(i) < 0
+    ple = bool(ckpt.spec.per_layer_embed)
+    scale = ckpt.tensors.get(p + 'out_scale')
+    return Gemma4LayerWeights(
+        attn_norm=ckpt.tensor(p + 'attn_norm').dequantize(),
+        ffn_norm=ckpt.tensor(p + 'ffn_norm').dequantize(),
+        q=_blocks(ckpt, p + 'q', opts),
+        k=_blocks(ckpt, p + 'k', opts) if own else None,
+        v=_blocks(ckpt, p + 'v', opts) if own else None,
+        o=_blocks(ckpt, p + 'o', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts),
+        q_norm=ckpt.tensor(p + 'q_norm').dequantize(),
+        k_norm=ckpt.tensor(p + 'k_norm').dequantize() if own else None,
+        post_attn_norm=ckpt.tensor(p + 'post_attn_norm').dequantize(),
+        post_ffn_norm=ckpt.tensor(p + 'post_ffn_norm').dequantize(),
+        ple_gate=_blocks(ckpt, p + 'ple_gate', opts) if ple else None,
+        ple_proj=_blocks(ckpt, p + 'ple_proj', opts) if ple else None,
+        ple_post_norm=ckpt.tensor(p + 'ple_post_norm').dequantize() if ple else None,
+        out_scale=None if scale is None else float(scale.dequantize().reshape(-1)[0]))
 
 
 def _conv_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> ConvLayerWeights:
@@ -526,7 +613,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog='edge-llm-convert',
         description='Convert a GGUF file or an HF safetensors folder (llama, qwen2, qwen3, '
-                    'gemma3, phi3, lfm2) '
+                    'gemma3, phi3, lfm2, gemma4) '
                     'into an ONNX Runtime INT4 model folder for edge_llm_ros.')
     p.add_argument('source', help='a .gguf file or an HF folder (config.json + *.safetensors)')
     p.add_argument('out_dir', nargs='?', help='model folder to create (not with --check)')

@@ -50,6 +50,9 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r'| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
+# Qwen3.5's: Qwen2's with combining marks (\p{M}) kept inside words.
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r'| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+')
 _GPT4O = (r'[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+'
           r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
           r'|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*'
@@ -63,6 +66,7 @@ _FAMILIES: Dict[str, Tuple[Tuple[str, ...], bool, bool]] = {
     'llama3': ((_LLAMA3,), True, True),
     'dbrx': ((_LLAMA3,), False, False),
     'qwen2': ((_QWEN2,), False, False),
+    'qwen35': ((_QWEN35,), False, False),
     'gpt4o': ((_GPT4O,), False, False),
     'default': ((r'[\p{P}\$\+<=>\^~\|]+', _GPT2, r'\p{N}+', '[0-9][0-9][0-9]'), False, False),
 }
@@ -79,6 +83,7 @@ _PRE_FAMILY: Dict[str, str] = {
     'pixtral': 'llama3', 'lfm2': 'llama3',
     'dbrx': 'dbrx', 'smaug-bpe': 'dbrx',
     'qwen2': 'qwen2', 'deepseek-r1-qwen': 'qwen2', 'stablelm2': 'qwen2', 'megrez': 'qwen2',
+    'qwen35': 'qwen35',
     'gpt-4o': 'gpt4o', 'llama4': 'gpt4o',
 }
 
@@ -133,6 +138,11 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
             pre = 'default'
         tokenizer, add_bos_default = _byte_level_bpe(tokens, meta, pre)
         add_space_prefix = False
+    elif kind == 'gemma4':
+        pre = 'gemma4'
+        tokenizer = _gemma4_bpe(tokens, meta)
+        add_space_prefix = False
+        add_bos_default = False
     elif kind == 'llama':
         pre = meta.get('tokenizer.ggml.pre') or 'default'
         add_space_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', True))
@@ -141,7 +151,7 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
     else:
         raise UnsupportedModelError(
             f'tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), '
-            'llama (SentencePiece)')
+            'llama (SentencePiece), gemma4 (SentencePiece-style BPE with merges)')
 
     _register_added_tokens(tokenizer, tokens, types)
 
@@ -235,6 +245,22 @@ def _sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int], meta: _Metad
     if add_space_prefix:
         dec.append(decoders.Strip(' ', 1, 0))
     tokenizer.decoder = decoders.Sequence(dec)
+    return tokenizer
+
+
+def _gemma4_bpe(tokens: Sequence[str], meta: _Metadata) -> Tokenizer:
+    """Gemma 4's vocabulary as llama.cpp reads it (tokenizer model 'gemma4').
+
+    Spaces become '▁', the text is split only at newlines, and BPE merges (the GGUF's) run on
+    raw UTF-8 with <0xXX> byte pieces for the rest; no space is prefixed.
+    """
+    merges = [_split_merge(m) for m in meta.require('tokenizer.ggml.merges')]
+    model = models.BPE(vocab=_vocab_dict(tokens), merges=merges, byte_fallback=True)
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.Replace(' ', '▁')
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex('[^\n]+|[\n]+'), 'isolated')
+    tokenizer.decoder = decoders.Sequence([decoders.Replace('▁', ' '), decoders.ByteFallback(),
+                                           decoders.Fuse()])
     return tokenizer
 
 

@@ -15,7 +15,12 @@ Families (`clip.projector_type`), with the language models they come with:
 - qwen2.5vl_merger (Qwen2.5-VL): a ViT over any image size (multiples of patch x merge),
   the patch embedding split in two frames (v.patch_embd.weight and .weight.1: Qwen's temporal
   patch of 2), RMSNorm, 2-D RoPE, windowed attention with every n_wa_pattern-th layer full,
-  a SwiGLU MLP, then the 2 x 2 patch merger (mm.0, GELU, mm.2).
+  a SwiGLU MLP, then the 2 x 2 patch merger (mm.0, GELU, mm.2);
+- qwen3vl_merger (Qwen3-VL): the same two-frame patch embedding (with a bias) and 2-D RoPE,
+  plus learned position embeddings interpolated to the image's grid, LayerNorm blocks with a
+  fused attn_qkv and a GELU MLP, no windows, the 2 x 2 merger (v.post_ln, mm.0, GELU, mm.2)
+  and DeepStack: after each layer with v.deepstack.<layer>.* tensors, its own merger
+  (LayerNorm over the 4 merged patches, fc1, GELU, fc2), whose rows go after the main ones.
 The key and tensor layout is docs/design/issue22_mmproj_research.md, sections 1 and 5.
 """
 from dataclasses import dataclass
@@ -28,8 +33,9 @@ import numpy as np
 from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
 from edge_llm_ros.errors import UnsupportedModelError
 
-QWEN25VL = 'qwen2.5vl_merger'
-PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp', QWEN25VL)
+QWEN25VL, QWEN3VL = 'qwen2.5vl_merger', 'qwen3vl_merger'
+PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp', QWEN25VL, QWEN3VL)
+QWEN_PROJECTORS = (QWEN25VL, QWEN3VL)
 # The families whose loader swaps ffn_up / ffn_down when ffn_down reads n_embd wide (legacy
 # fc1 / fc2 names), as clip.cpp does.
 _FFN_SWAP = ('idefics3', 'gemma3', 'mlp', 'qwen2.5vl_merger')
@@ -64,11 +70,17 @@ class VisionConfig:
     min_tiles: int = 1   # internvl's preproc_min_tiles / preproc_max_tiles (clip.cpp's defaults)
     max_tiles: int = 12
     wa_pattern: int = 0  # qwen2.5vl: layer i attends fully when (i + 1) % wa_pattern == 0
+    deepstack: Tuple[int, ...] = ()  # qwen3vl: the encoder layers whose outputs DeepStack takes
 
     @property
     def dynamic(self) -> bool:
         """Say whether the encoder takes any image size (Qwen-VL), not fixed tiles."""
-        return self.projector == QWEN25VL
+        return self.projector in QWEN_PROJECTORS
+
+    @property
+    def row_width(self) -> int:
+        """Return an image row's width: n_out, then n_out per DeepStack layer (Qwen3-VL)."""
+        return self.n_out * (1 + len(self.deepstack))
 
     @property
     def patches_per_side(self) -> int:
@@ -78,7 +90,7 @@ class VisionConfig:
     def tokens_per_tile(self) -> int:
         """Embeddings one tile of image_size x image_size becomes (clip_n_output_tokens)."""
         n = self.patches_per_side ** 2
-        if self.projector in ('idefics3', 'internvl', 'gemma3', QWEN25VL):
+        if self.projector in ('idefics3', 'internvl', 'gemma3', *QWEN_PROJECTORS):
             return n // self.scale_factor ** 2
         return n
 
@@ -119,7 +131,7 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         gguf_field(reader, 'clip.use_silu', False))
     if gelu and silu:
         raise MmprojError(f'{path}: clip.use_gelu and clip.use_silu are both set')
-    qwen = projector == QWEN25VL
+    qwen = projector in QWEN_PROJECTORS
     cfg = VisionConfig(
         projector=projector, image_size=u32('image_size'), patch_size=u32('patch_size'),
         n_embd=u32('embedding_length'), n_ff=u32('feed_forward_length'),
@@ -131,11 +143,13 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         activation='gelu_tanh' if gelu else 'silu' if silu else 'quick_gelu',
         longest_edge=u32('preproc_image_size', 0), n_out=0,
         min_tiles=u32('preproc_min_tiles', 1), max_tiles=u32('preproc_max_tiles', 12),
-        wa_pattern=u32('n_wa_pattern') if qwen else 0)
-    if qwen and (cfg.scale_factor != QWEN_MERGE or cfg.wa_pattern <= 0):
-        raise MmprojError(f'{path}: a qwen2.5vl_merger mmproj needs spatial_merge_size 2 and '
-                          f'n_wa_pattern > 0 (got {cfg.scale_factor} and {cfg.wa_pattern}), '
-                          "as llama.cpp's encoder does")
+        wa_pattern=u32('n_wa_pattern') if projector == QWEN25VL else 0)
+    if qwen and cfg.scale_factor != QWEN_MERGE:
+        raise MmprojError(f'{path}: a {projector} mmproj needs spatial_merge_size 2 (got '
+                          f"{cfg.scale_factor}), as llama.cpp's encoder does")
+    if projector == QWEN25VL and cfg.wa_pattern <= 0:
+        raise MmprojError(f'{path}: a qwen2.5vl_merger mmproj needs n_wa_pattern > 0 (got '
+                          f"{cfg.wa_pattern}), as llama.cpp's encoder does")
     if not (0 < cfg.patch_size <= cfg.image_size <= 8192) or cfg.image_size % cfg.patch_size:
         raise MmprojError(f'{path}: image_size {cfg.image_size} is not a whole number of '
                           f'{cfg.patch_size}-pixel patches')
@@ -170,26 +184,50 @@ _PROJECTOR_TENSORS = {
             ('mm.2.weight', 0)),
     QWEN25VL: (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.post_ln.weight'),
                ('mm.2.weight', 0)),
+    QWEN3VL: (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.post_ln.weight',
+               'v.post_ln.bias', 'v.patch_embd.bias'), ('mm.2.weight', 0)),
 }
+# Qwen3-VL's DeepStack merger after encoder layer i: v.deepstack.<i>.<part>.weight / .bias.
+_DEEPSTACK_PARTS = ('norm', 'fc1', 'fc2')
+
+
+def deepstack_layers(tensors: Dict[str, SourceTensor], n_layer: int) -> Tuple[int, ...]:
+    """Return the encoder layers with DeepStack tensors, as clip.cpp finds them."""
+    return tuple(i for i in range(n_layer)
+                 if any(f'v.deepstack.{i}.{part}.weight' in tensors for part in _DEEPSTACK_PARTS))
 
 
 def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]) -> None:
     """Raise MmprojError where a tensor the family needs is missing or of the wrong shape."""
     c, ff, p, s = cfg.n_embd, cfg.n_ff, cfg.patch_size, cfg.scale_factor
-    qwen = cfg.projector == QWEN25VL
+    qwen = cfg.dynamic
     expected = {'v.patch_embd.weight': (c, 3, p, p)}
-    if qwen:  # the temporal patch's second frame; no learned position embeddings (RoPE)
+    if qwen:  # the temporal patch's second frame
         expected['v.patch_embd.weight.1'] = (c, 3, p, p)
-    else:
+    if cfg.projector != QWEN25VL:  # Qwen2.5-VL has no learned position embeddings (RoPE)
         expected['v.position_embd.weight'] = None
+    if cfg.projector == QWEN3VL:   # a square grid of them, interpolated to each image's
+        expected['v.position_embd.weight'] = (cfg.patches_per_side ** 2, c)
     for i in range(cfg.n_layer):
         b = f'v.blk.{i}'
-        for name in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
-            expected[f'{b}.{name}.weight'] = (c, c)
+        if cfg.projector == QWEN3VL:
+            expected[f'{b}.attn_qkv.weight'] = (3 * c, c)
+            expected[f'{b}.attn_qkv.bias'] = (3 * c,)
+            expected[f'{b}.attn_out.weight'] = (c, c)
+        else:
+            for name in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
+                expected[f'{b}.{name}.weight'] = (c, c)
         expected[f'{b}.ffn_up.weight'] = (ff, c)
         expected[f'{b}.ffn_down.weight'] = (c, ff)
-        if qwen:
+        if cfg.projector == QWEN25VL:
             expected[f'{b}.ffn_gate.weight'] = (ff, c)
+    for i in cfg.deepstack:
+        for part in _DEEPSTACK_PARTS:
+            expected[f'v.deepstack.{i}.{part}.weight'] = None
+            expected[f'v.deepstack.{i}.{part}.bias'] = None
+        expected[f'v.deepstack.{i}.norm.weight'] = (c * s * s,)
+        expected[f'v.deepstack.{i}.fc1.weight'] = (None, c * s * s)
+        expected[f'v.deepstack.{i}.fc2.weight'] = (cfg.n_out or None, None)
     names, _ = _PROJECTOR_TENSORS[cfg.projector]
     for name in names:
         expected.setdefault(name, None)
@@ -246,14 +284,27 @@ def read_mmproj(path: os.PathLike) -> Mmproj:
                         tensors[f'{down}.{suffix}'] = a
                     if b is not None:
                         tensors[f'{up}.{suffix}'] = b
-    _check_shapes(path, cfg, tensors)
     name, axis = _PROJECTOR_TENSORS[projector][1]
-    n_out = int(tensors[name].shape[axis])
-    return Mmproj(path, VisionConfig(**{**cfg.__dict__, 'n_out': n_out}), tensors)
+    n_out = int(tensors[name].shape[axis]) if name in tensors else 0
+    deepstack = deepstack_layers(tensors, cfg.n_layer) if projector == QWEN3VL else ()
+    cfg = VisionConfig(**{**cfg.__dict__, 'n_out': n_out, 'deepstack': deepstack})
+    _check_shapes(path, cfg, tensors)
+    return Mmproj(path, cfg, tensors)
 
 
-def check_pair(mmproj: Mmproj, llm_hidden: int, llm_path: str) -> None:
-    """Raise MmprojError unless the projector feeds embeddings as wide as the language model's."""
+def check_pair(mmproj: Mmproj, llm_hidden: int, llm_path: str, llm_deepstack: int = 0) -> None:
+    """Raise MmprojError unless the projector feeds embeddings as wide as the language model's.
+
+    Qwen3-VL: the mmproj's DeepStack layers must be as many as the language model's
+    n_deepstack_layers (llama.cpp checks the rows' whole width, n_embd x (1 + D)).
+    """
+    deepstack = len(mmproj.config.deepstack)
+    if deepstack != llm_deepstack:
+        raise MmprojError(
+            f'{mmproj.path}: its {mmproj.config.projector} projector makes {deepstack} '
+            f'DeepStack rows per image token, but the language model {llm_path} takes '
+            f'{llm_deepstack} (n_deepstack_layers): they are not a pair; use the mmproj '
+            'published with this model')
     if mmproj.config.n_out != llm_hidden:
         raise MmprojError(
             f'{mmproj.path}: its {mmproj.config.projector} projector makes '

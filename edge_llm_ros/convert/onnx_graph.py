@@ -124,6 +124,7 @@ class LayerWeights:
     k_norm: Optional[np.ndarray] = None
     post_attn_norm: Optional[np.ndarray] = None  # gemma3: norms of the attention / MLP output
     post_ffn_norm: Optional[np.ndarray] = None
+    attn_gate: Optional[Weight] = None  # qwen35: attention output times sigmoid(h @ gate.T)
 
 
 @dataclass
@@ -139,6 +140,47 @@ class ConvLayerWeights:
     down: Weight
 
 
+@dataclass
+class RecurrentLayerWeights:
+    """One Gated DeltaNet layer of a hybrid (qwen35), ready for the graph."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    qkv: Weight             # [(2 Hk + Hv) D, hidden]: the conv input (q, k, v channels)
+    z: Weight               # [Hv D, hidden]: the output gate
+    alpha: Weight           # [Hv, hidden]: the decay's input
+    beta: Weight            # [Hv, hidden]: the update strength's input
+    conv: np.ndarray        # [(2 Hk + Hv) D, kernel] float32, the oldest position first
+    dt_bias: np.ndarray     # [Hv]
+    a: np.ndarray           # [Hv] (-exp(A_log), as the GGUF stores it)
+    norm: np.ndarray        # [D]: the gated RMSNorm's weight
+    out: Weight             # [hidden, Hv D]
+    gate_up: List[Weight]
+    down: Weight
+
+
+@dataclass
+class Gemma4LayerWeights:
+    """One gemma4 layer, ready for the graph (k, v, k_norm None on a shared-KV layer)."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    q: Weight
+    k: Optional[Weight]
+    v: Optional[Weight]
+    o: Weight
+    gate_up: List[Weight]
+    down: Weight
+    q_norm: np.ndarray
+    k_norm: Optional[np.ndarray]
+    post_attn_norm: np.ndarray
+    post_ffn_norm: np.ndarray
+    ple_gate: Optional[Weight] = None   # per-layer embeddings (None: the model has none)
+    ple_proj: Optional[Weight] = None
+    ple_post_norm: Optional[np.ndarray] = None
+    out_scale: Optional[float] = None   # layer_output_scale
+
+
 def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
     """cos/sin tables [length, rotary_dims/2] for NEOX RoPE (float64 math, float32 out).
 
@@ -147,7 +189,7 @@ def rope_cache(spec: ModelSpec, length: int, local: bool = False) -> tuple:
     and sin times rope_attn_factor. Sliding-window layers (local) use their own base and
     scale and no factors (gemma3 passes none).
     """
-    dims = spec.rotary_dims
+    dims = spec.local_head_dim if local and spec.local_head_dim else spec.rotary_dims
     half = dims // 2
     theta = spec.local_rope_theta if local else spec.rope_theta
     inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) * 2 / dims))
@@ -184,22 +226,28 @@ class DecoderGraph:
         self._consts: Dict[str, str] = {}
         self._x = ''         # hidden state entering the next layer's norm
         self._residual = ''  # residual stream (empty before layer 0)
+        self._deepstack: List[str] = []   # qwen3vl: each DeepStack layer's rows [1, T, H]
         self._data = data_file
         self._embed: Optional[WeightRef] = None
+        self._per_layer = ''  # gemma4: the per-layer inputs [1, S, layers, E]
         kv_len = opts.max_context if opts.max_context else 'max_ctx'
         # 'batch' is symbolic: one row per sequence slot (the reshapes use 0, so the body is
         # batch-generic).
-        kv_shape = [BATCH_DIM, spec.num_kv_heads, kv_len, spec.head_dim]
         t = self.onnx_dtype
         # The library's attention takes a row table: a varlen graph (the rows of a step
         # packed into batch 1, each over its own slot: runtime/rows.py). GroupQueryAttention
         # takes a batch of equal-length rows over slots 0..B-1.
         self.varlen = opts.attention == 'causal'
+        if spec.deepstack_layers and not self.varlen:
+            raise ValueError("DeepStack (deepstack_layers) needs the op library's attention "
+                             "(attention='causal')")
         if self.varlen:
+            # qwen3vl: an embedding row is hidden x (1 + deepstack_layers) wide (the image's
+            # main row, then one per DeepStack layer).
             self.inputs = [
                 helper.make_tensor_value_info('input_ids', TensorProto.INT64, [1, 'tokens']),
-                helper.make_tensor_value_info('inputs_embeds', t,
-                                              ['embeds', spec.hidden_size]),
+                helper.make_tensor_value_info('inputs_embeds', t, [
+                    'embeds', spec.hidden_size * (1 + spec.deepstack_layers)]),
                 helper.make_tensor_value_info('embeds_at', TensorProto.INT64, ['embeds', 1]),
                 helper.make_tensor_value_info(ROWS_INPUT, TensorProto.INT32, ['rows', 4]),
                 helper.make_tensor_value_info('logits_at', TensorProto.INT64, ['logits']),
@@ -220,6 +268,17 @@ class DecoderGraph:
         self.outputs = [helper.make_tensor_value_info('logits', TensorProto.FLOAT,
                                                       logits_shape)]
         for i in range(spec.num_layers):
+            if spec.is_recurrent(i):
+                if not self.varlen:
+                    raise ValueError("Gated DeltaNet layers need the op library's attention "
+                                     "(attention='causal')")
+                # Conv inputs and delta state in one vector per slot (GatedDeltaNet).
+                shape = [BATCH_DIM, spec.recurrent_state_floats]
+                self.inputs.append(helper.make_tensor_value_info(CONV_STATE_PAST.format(i),
+                                                                 TensorProto.FLOAT, shape))
+                self.outputs.append(helper.make_tensor_value_info(
+                    CONV_STATE_PRESENT.format(i), TensorProto.FLOAT, shape))
+                continue
             if spec.is_conv(i):
                 if not self.varlen:
                     raise ValueError("conv layers need the op library's attention "
@@ -231,6 +290,10 @@ class DecoderGraph:
                 self.outputs.append(helper.make_tensor_value_info(
                     CONV_STATE_PRESENT.format(i), t, shape))
                 continue
+            if spec.kv_owner(i) >= 0:
+                continue  # a shared-KV layer (gemma4) reads its owner's present.*
+            # Each layer its own heads and head size (gemma4's local and global layers differ).
+            kv_shape = [BATCH_DIM, spec.layer_kv_heads(i), kv_len, spec.layer_head_dim(i)]
             for kind in ('key', 'value'):
                 self.inputs.append(helper.make_tensor_value_info(
                     f'past_key_values.{i}.{kind}', t, kv_shape))
@@ -246,11 +309,20 @@ class DecoderGraph:
             raise ValueError('bidirectional_images needs the op library attention '
                              "(attention='causal')")
         cache_len = opts.max_context or spec.max_position_embeddings
-        local = [spec.is_local(i) for i in range(spec.num_layers) if not spec.is_conv(i)]
+        local = [spec.is_local(i) for i in range(spec.num_layers) if spec.is_attention(i)]
         if not all(local):
             cos, sin = rope_cache(spec, cache_len)
+            if spec.rotary_permuted:
+                # Dims past rotary_dims rotate by angle 0 (checkpoint.rotary_order).
+                pad = spec.head_dim // 2 - cos.shape[1]
+                cos = np.pad(cos, ((0, 0), (0, pad)), constant_values=1.0)
+                sin = np.pad(sin, ((0, 0), (0, pad)), constant_values=0.0)
             self._init('cos_cache', cos.astype(self.np_dtype))
             self._init('sin_cache', sin.astype(self.np_dtype))
+            if any(spec.is_nope(i) for i in range(spec.num_layers)):
+                # Layers without RoPE (smollm3) turn by angle 0: x * 1 - y * 0 is x exactly.
+                self._init('cos_cache_nope', np.ones_like(cos, dtype=self.np_dtype))
+                self._init('sin_cache_nope', np.zeros_like(sin, dtype=self.np_dtype))
         if any(local):
             cos, sin = rope_cache(spec, cache_len, local=True)
             self._init('cos_cache_local', cos.astype(self.np_dtype))
@@ -265,14 +337,25 @@ class DecoderGraph:
         rope_multi, sector k mod the sections' sum): cos_cache[rope_positions[sec(k), t], k],
         one GatherElements per table; the attention reads them a row per token.
         """
-        s0, s1, _ = self.spec.rope_sections
+        s0, s1, s2 = self.spec.rope_sections
         total = sum(self.spec.rope_sections)
         sector = np.arange(self.spec.rotary_dims // 2) % total
         section = np.where(sector < s0, 0, np.where(sector < s0 + s1, 1, 2)).astype(np.int64)
-        which = self._init('mrope_section', section)
+        if self.spec.mrope_interleaved:
+            # qwen3vl (ggml's IMROPE): t, h, w by k mod 3 while k < 3 x that section, else
+            # the fourth position, 0 for text and images (such a pair is not rotated).
+            section = np.full_like(section, 3)
+            for j, size in enumerate((s0, s1, s2)):
+                section[(sector % 3 == j) & (sector < 3 * size) & (section == 3)] = j
+        which = self._init('mrope_section', np.minimum(section, 2))
         per_pair = self._name('mrope/positions')
         self.nodes.append(helper.make_node('Gather', [ROPE_POSITIONS_INPUT, which],
                                            [per_pair], axis=0))   # [half, T]
+        if (section == 3).any():
+            kept = self._init('mrope_rotated', (section < 3).astype(np.int32)[:, None])
+            self.nodes.append(helper.make_node('Mul', [per_pair, kept],
+                                               [self._name('mrope/fourth')]))
+            per_pair = self.nodes[-1].output[0]
         index = self._name('mrope/index')
         self.nodes.append(helper.make_node('Transpose', [per_pair], [self._name('mrope/t')],
                                            perm=[1, 0]))
@@ -404,37 +487,40 @@ class DecoderGraph:
     # --- model pieces --------------------------------------------------------------------------
     def add_embedding(self, embed: Weight) -> None:
         """Token embeddings (GatherBlockQuantized), with inputs_embeds concatenated ahead."""
-        s = self.spec
         self._embed = self._weights('embed', embed, gathered=True)
-        names = self._embed.names
-        self.weight_bytes -= self._embed.nbytes  # one row per token, not the table
-        if isinstance(embed, GgufWeights):
+        self._finish_embedding(self._gather(embed, self._embed, 'embed'))
+
+    def _gather(self, table: Weight, ref: WeightRef, prefix: str) -> str:
+        """Gather input_ids' rows [*, S, width] of a table (never the whole table a token)."""
+        width = ref.k
+        names = ref.names
+        self.weight_bytes -= ref.nbytes  # one row per token, not the table
+        if isinstance(table, GgufWeights):
             (rows,) = self._node('KQuantGather', [names['W'], 'input_ids'],
-                                 domain=KQUANT_DOMAIN, name='embed',
-                                 quant_type=embed.type_id, K=s.hidden_size)
-            self._finish_embedding(rows)
-            return
-        flat = self._const_i64('shape_embed_rows',
-                               [s.vocab_size, s.hidden_size * embed.bits // 8])
-        (table,) = self._node('Reshape', [names['B'], flat])
+                                 domain=KQUANT_DOMAIN, name=prefix,
+                                 quant_type=table.type_id, K=width)
+            return rows
+        flat = self._const_i64(f'shape_{prefix}_rows', [ref.n, width * table.bits // 8])
+        (packed,) = self._node('Reshape', [names['B'], flat])
         (rows,) = self._node('GatherBlockQuantized',
-                             [table, 'input_ids', names['scales'], names['zp']],
-                             domain=MS_DOMAIN, name='embed',
-                             bits=embed.bits, block_size=embed.block_size, gather_axis=0,
+                             [packed, 'input_ids', names['scales'], names['zp']],
+                             domain=MS_DOMAIN, name=prefix,
+                             bits=table.bits, block_size=table.block_size, gather_axis=0,
                              quantize_axis=1)
-        if embed.offsets is not None:
-            bs = embed.block_size
-            nb = s.hidden_size // bs
-            off = self._init('embed.offsets', embed.offsets.astype(self.np_dtype))
+        if table.offsets is not None:
+            bs = table.block_size
+            nb = width // bs
+            off = self._init(f'{prefix}.offsets', table.offsets.astype(self.np_dtype))
             (off_rows,) = self._node('Gather', [off, 'input_ids'], axis=0)
             axes = self._const_i64('axes_last', [-1])
             (off_rows,) = self._node('Unsqueeze', [off_rows, axes])
             blocks = self._const_i64(f'shape_blocks_{nb}x{bs}', [0, 0, nb, bs])
             (r,) = self._node('Reshape', [rows, blocks])
             (r,) = self._node('Add', [r, off_rows])
-            back = self._const_i64('shape_hidden', [0, 0, s.hidden_size])
+            back_name = 'shape_hidden' if prefix == 'embed' else f'shape_{prefix}_width'
+            back = self._const_i64(back_name, [0, 0, width])
             (rows,) = self._node('Reshape', [r, back])
-        self._finish_embedding(rows)
+        return rows
 
     def _finish_embedding(self, rows: str) -> None:
         s = self.spec
@@ -448,9 +534,32 @@ class DecoderGraph:
         # The embeddings take their packed places (embeds_at) among the token rows.
         flat = self._const_i64('shape_tokens_hidden', [-1, s.hidden_size])
         (rows,) = self._node('Reshape', [rows, flat])
-        (rows,) = self._node('ScatterND', [rows, 'embeds_at', 'inputs_embeds'])
+        embeds = 'inputs_embeds'
+        if s.deepstack_layers:
+            embeds = self._deepstack_rows(rows)
+        (rows,) = self._node('ScatterND', [rows, 'embeds_at', embeds])
         batch1 = self._const_i64('shape_batch1_hidden', [1, -1, s.hidden_size])
         (self._x,) = self._node('Reshape', [rows, batch1])
+
+    def _deepstack_rows(self, rows: str) -> str:
+        """Split the wide inputs_embeds; return its main rows, keep `deepstack_<i>` [1, T, H].
+
+        Each DeepStack part is scattered to its image tokens' places over zeros (text adds
+        nothing), to be added after layer i (llama.cpp's qwen3vl graph).
+        """
+        s = self.spec
+        h = s.hidden_size
+        parts = self._node('Split', ['inputs_embeds'], n_out=1 + s.deepstack_layers, axis=1,
+                           num_outputs=1 + s.deepstack_layers)
+        (zeros,) = self._node('Mul', [rows, self._init('deepstack_zero',
+                                                       np.array(0, self.np_dtype))])
+        batch1 = self._const_i64('shape_batch1_hidden', [1, -1, h])
+        self._deepstack = []
+        for i, part in enumerate(parts[1:]):
+            (placed,) = self._node('ScatterND', [zeros, 'embeds_at', part])
+            (placed,) = self._node('Reshape', [placed, batch1])
+            self._deepstack.append(placed)
+        return parts[0]
 
     def _input_norm(self, gamma: np.ndarray, p: str) -> tuple:
         """Normalize the layer's input (the residual add fused in): (h, residual)."""
@@ -483,6 +592,35 @@ class DecoderGraph:
         o = self._linear(y, cw.out_proj, f'{p}.conv.out_proj')
         self._mlp(o, residual, cw.ffn_norm, cw.gate_up, cw.down, p)
 
+    def add_recurrent_layer(self, i: int, rw: RecurrentLayerWeights) -> None:
+        """One Gated DeltaNet layer (qwen35) reading/writing its state past_conv.{i}.
+
+        qkv, z, alpha, beta projections; the op library's GatedDeltaNet gives the conv, the
+        delta rule and the gated norm over the state (= present_conv.{i}, updated in place)
+        -> ssm_out; then the MLP (llama.cpp's build_layer_attn_linear).
+        """
+        s = self.spec
+        p = f'layers.{i}'
+        h, residual = self._input_norm(rw.attn_norm, p)
+        qkv = self._linear(h, rw.qkv, f'{p}.gdn.qkv_proj')
+        z = self._linear(h, rw.z, f'{p}.gdn.z_proj')
+        alpha = self._linear(h, rw.alpha, f'{p}.gdn.alpha_proj')
+        beta = self._linear(h, rw.beta, f'{p}.gdn.beta_proj')
+        self.ops_used.add(KQUANT_DOMAIN)
+        f32 = np.float32
+        consts = [self._init(f'{p}.gdn.{name}', np.ascontiguousarray(v, f32))
+                  for name, v in (('conv', rw.conv), ('dt_bias', rw.dt_bias), ('a', rw.a),
+                                  ('norm', rw.norm))]
+        y, _ = self._node('GatedDeltaNet',
+                          [qkv, z, alpha, beta, *consts, CONV_STATE_PAST.format(i), '',
+                           ROWS_INPUT],
+                          outputs=[self._name(f'{p}/gdn/out'), CONV_STATE_PRESENT.format(i)],
+                          domain=KQUANT_DOMAIN, name=f'{p}/gdn', k_heads=s.ssm_k_heads,
+                          v_heads=s.ssm_v_heads, head_dim=s.ssm_head_dim,
+                          epsilon=float(s.rms_norm_eps))
+        o = self._linear(y, rw.out, f'{p}.gdn.out_proj')
+        self._mlp(o, residual, rw.ffn_norm, rw.gate_up, rw.down, p)
+
     def add_layer(self, i: int, lw: LayerWeights) -> None:
         """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
         s = self.spec
@@ -494,6 +632,8 @@ class DecoderGraph:
         rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
         if s.rope_sections:   # a row per packed token (M-RoPE), not per KV position
             rope = ('cos_tokens', 'sin_tokens')
+        if s.is_nope(i):
+            rope = ('cos_cache_nope', 'sin_cache_nope')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
@@ -522,10 +662,104 @@ class DecoderGraph:
                 'GroupQueryAttention', inputs, outputs=outputs, domain=MS_DOMAIN,
                 name=f'{p}/attn', num_heads=s.num_heads, kv_num_heads=s.num_kv_heads,
                 scale=scale, do_rotary=1, rotary_interleaved=0, **window)
+        if lw.attn_gate is not None:
+            gate = self._linear(h, lw.attn_gate, f'{p}.attn.gate_proj')
+            (sig,) = self._node('Sigmoid', [gate])
+            (attn,) = self._node('Mul', [attn, sig])
         o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
         if lw.post_attn_norm is not None:
             o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
         self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
+        if i < len(self._deepstack):
+            # The layer's output (residual + MLP) plus its DeepStack rows: added to the MLP
+            # part, which the next norm adds to the residual.
+            (self._x,) = self._node('Add', [self._x, self._deepstack[i]])
+
+    def add_per_layer_inputs(self, table: Weight, model_proj: Weight,
+                             proj_norm: np.ndarray) -> None:
+        """Gemma 4's per-layer inputs [1, S, layers, E], after add_embedding (llama.cpp's).
+
+        The table's rows of the tokens (gathered, in its GGUF type) times sqrt(E), plus the
+        embedding projected (times 1/sqrt(hidden)) and normalized per layer, times 1/sqrt(2).
+        """
+        s = self.spec
+        e = s.per_layer_embed
+        rows = self._gather(table, self._weights('ple_embed', table, gathered=True),
+                            'ple_embed')
+        per_layer = self._const_i64(f'shape_layers_{e}', [0, 0, s.num_layers, e])
+        scale = self._init('ple_embed_scale', np.array(np.sqrt(np.float32(e)), self.np_dtype))
+        (rows,) = self._node('Mul', [rows, scale])
+        (rows,) = self._node('Reshape', [rows, per_layer])
+        proj = self._linear(self._x, model_proj, 'ple_model_proj')
+        inv = self._init('ple_proj_scale', np.array(1 / np.sqrt(np.float32(s.hidden_size)),
+                                                    self.np_dtype))
+        (proj,) = self._node('Mul', [proj, inv])
+        (proj,) = self._node('Reshape', [proj, per_layer])
+        proj = self._plain_norm(proj, proj_norm, 'ple_proj_norm')
+        (mixed,) = self._node('Add', [proj, rows])
+        half = self._init('ple_input_scale', np.array(1 / np.sqrt(np.float32(2)),
+                                                      self.np_dtype))
+        (self._per_layer,) = self._node('Mul', [mixed, half])
+
+    def add_gemma4_layer(self, i: int, lw: Gemma4LayerWeights) -> None:
+        """One gemma4 layer (llama.cpp's src/models/gemma4.cpp), varlen graphs only.
+
+        Its own head size and KV heads; q, k normalized by the op, V without weights here;
+        a shared-KV layer reads its owner's present.* (stored by the owner's node earlier in
+        the same run) and stores nothing. Then the gemma3-like post-norms and MLP, the
+        per-layer input gated in, and the layer's output scale.
+        """
+        s = self.spec
+        if not self.varlen:
+            raise ValueError("gemma4 layers need the op library's attention "
+                             "(attention='causal')")
+        eps = float(s.rms_norm_eps)
+        p = f'layers.{i}'
+        d, kv_heads = s.layer_head_dim(i), s.layer_kv_heads(i)
+        h, residual = self._input_norm(lw.attn_norm, p)
+        q = self._linear(h, lw.q, f'{p}.attn.q_proj')
+        local = s.is_local(i)
+        rope = ('cos_cache_local', 'sin_cache_local') if local else ('cos_cache', 'sin_cache')
+        owner = s.kv_owner(i)
+        attrs = {'num_heads': s.num_heads, 'kv_num_heads': kv_heads,
+                 'scale': float(s.attention_scale or 1.0 / math.sqrt(d)),
+                 'window': s.sliding_window if local else 0,
+                 'q_norm': lw.q_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
+        self.ops_used.add(KQUANT_DOMAIN)
+        if owner < 0:
+            k = self._linear(h, lw.k, f'{p}.attn.k_proj')
+            v = self._linear(h, lw.v, f'{p}.attn.v_proj')
+            ones = np.ones(d, np.float32)
+            v = self._head_norm(v, ones, f'{p}.attn.v_norm', d)
+            inputs = [q, k, v, f'past_key_values.{i}.key', f'past_key_values.{i}.value',
+                      '', '', *rope, '', ROWS_INPUT]
+            outputs = [self._name(f'{p}/attn/out'), f'present.{i}.key', f'present.{i}.value']
+            attrs['k_norm'] = lw.k_norm.astype(np.float32).tolist()
+        else:
+            inputs = [q, '', '', f'present.{owner}.key', f'present.{owner}.value', '', '',
+                      *rope, '', ROWS_INPUT]
+            outputs = [self._name(f'{p}/attn/out')]
+            attrs['shared_kv'] = 1
+        (attn,) = self._node('CausalAttention', inputs, outputs=outputs,
+                             domain=KQUANT_DOMAIN, name=f'{p}/attn', **attrs)[:1]
+        o = self._linear(attn, lw.o, f'{p}.attn.o_proj')
+        o = self._plain_norm(o, lw.post_attn_norm, f'{p}.post_attn_norm')
+        self._mlp(o, residual, lw.ffn_norm, lw.gate_up, lw.down, p, lw.post_ffn_norm)
+        (out,) = self._node('Add', [self._x, self._residual])
+        if lw.ple_gate is not None:
+            g = self._linear(out, lw.ple_gate, f'{p}.ple.gate')
+            (g,) = self._node('Gelu', [g], approximate='tanh')
+            index = self._const_i64(f'{p}.ple.index', [i])
+            (this,) = self._node('Gather', [self._per_layer, index], axis=2)
+            (this,) = self._node('Squeeze', [this, self._const_i64('axes_2', [2])])
+            (g,) = self._node('Mul', [g, this])
+            y = self._linear(g, lw.ple_proj, f'{p}.ple.proj')
+            y = self._plain_norm(y, lw.ple_post_norm, f'{p}.ple.post_norm')
+            (out,) = self._node('Add', [out, y])
+        if lw.out_scale is not None:
+            scale = self._init(f'{p}.out_scale', np.array(lw.out_scale, self.np_dtype))
+            (out,) = self._node('Mul', [out, scale])
+        self._x, self._residual = out, ''
 
     def _mlp(self, o: str, residual: str, ffn_norm: np.ndarray, gate_up: List[Weight],
              down: Weight, p: str, post_ffn_norm: Optional[np.ndarray] = None) -> None:
@@ -595,9 +829,9 @@ class DecoderGraph:
             outs[1] = self._head_norm(outs[1], lw.k_norm, f'{p}.attn.k_norm')
         return outs
 
-    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str) -> str:
-        """Apply RMSNorm to every head of x [1, S, heads*head_dim] over head_dim."""
-        d = self.spec.head_dim
+    def _head_norm(self, x: str, gamma: np.ndarray, prefix: str, d: int = 0) -> str:
+        """Apply RMSNorm to every head of x [1, S, heads*d] over d (0: head_dim)."""
+        d = d or self.spec.head_dim
         heads = self._const_i64(f'shape_heads_of_{d}', [0, 0, -1, d])
         (r,) = self._node('Reshape', [x, heads])
         (n,) = self._node('SimplifiedLayerNormalization', [r, self._norm(gamma, prefix)],
@@ -613,19 +847,27 @@ class DecoderGraph:
         Those are logits_at (varlen), or the last logits_count positions of each row.
         """
         s = self.spec
+        r_last = None
         if self.varlen:
             (x_last,) = self._node('Gather', [self._x, 'logits_at'], axis=1)
-            (r_last,) = self._node('Gather', [self._residual, 'logits_at'], axis=1)
+            if self._residual:
+                (r_last,) = self._node('Gather', [self._residual, 'logits_at'], axis=1)
         else:
             (starts,) = self._node('Neg', ['logits_count'])
             ends = self._const_i64('slice_last_end', [np.iinfo(np.int64).max])
             axes = self._const_i64('slice_axis_seq', [1])
             (x_last,) = self._node('Slice', [self._x, starts, ends, axes])
-            (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
+            if self._residual:
+                (r_last,) = self._node('Slice', [self._residual, starts, ends, axes])
         gamma = self._norm(final_norm, 'final_norm')
-        h, _, _, _ = self._node('SkipSimplifiedLayerNormalization', [x_last, r_last, gamma],
-                                n_out=4, domain=MS_DOMAIN, name='final_norm',
-                                epsilon=float(s.rms_norm_eps))
+        if r_last is None:  # the last layer's output is whole (gemma4)
+            (h,) = self._node('SimplifiedLayerNormalization', [x_last, gamma],
+                              name='final_norm', axis=-1, epsilon=float(s.rms_norm_eps),
+                              stash_type=1)
+        else:
+            h, _, _, _ = self._node('SkipSimplifiedLayerNormalization',
+                                    [x_last, r_last, gamma], n_out=4, domain=MS_DOMAIN,
+                                    name='final_norm', epsilon=float(s.rms_norm_eps))
         if lm_head is None:
             self.weight_bytes += self._embed.nbytes
             logits = self._linear(h, None, 'lm_head', ref=self._embed)

@@ -308,7 +308,8 @@ def to_blocks(t: SourceTensor, block_size: int = 32, precision: str = 'source',
         raise ValueError(f'precision must be one of {PRECISIONS}')
     cols = t.shape[1]
     how, bits = repack_plan(t.qtype, block_size, precision, exact)
-    if t.permute_heads:  # llama Q/K rows: undo llama.cpp's permutation once, here
+    if t.permute_heads or t.row_order is not None:
+        # llama Q/K rows (llama.cpp's permutation undone), qwen35's gathered rows: once, here
         t = SourceTensor(t.name, t.qtype, t.shape, t.values(), shift=t.shift)
     if block_size == 32 and t.qtype == 'Q4_0':
         return from_q4_0(t.data, cols)

@@ -45,7 +45,7 @@ from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
-BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger')
+BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger', 'qwen3vl_merger')
 # As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
 # CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
 # `mlp` graph runs (n_layer - 1: the last stored layer is skipped).
@@ -310,6 +310,8 @@ _LAYOUT = {
     'mlp': {'preprocess': 'letterbox_bicubic', 'attention': 'causal', 'wrapper': []},
     'qwen2.5vl_merger': {'preprocess': 'qwen_smart_resize', 'attention': 'causal',
                          'wrapper': ['<|vision_start|>', '<|vision_end|>']},
+    'qwen3vl_merger': {'preprocess': 'qwen_smart_resize', 'attention': 'causal',
+                       'wrapper': ['<|vision_start|>', '<|vision_end|>']},
 }
 
 
@@ -329,4 +331,8 @@ def model_yaml_section(mm: Mmproj, file: str) -> dict:
             **_LAYOUT[cfg.projector], 'source': mm.path,
             **({'head_dim': cfg.n_embd // cfg.n_head, 'merge': cfg.scale_factor,
                 'min_tokens': QWEN_MIN_TOKENS, 'max_tokens': QWEN_MAX_TOKENS,
-                'positions': 'mrope'} if cfg.dynamic else {})}
+                'positions': 'mrope'} if cfg.dynamic else {}),
+            # Qwen3-VL: the learned positions' square grid, and the DeepStack rows that follow
+            # each image row's embedding_size main values (embedding_size x (1 + D) wide).
+            **({'position_grid': cfg.patches_per_side, 'deepstack_layers': len(cfg.deepstack)}
+               if cfg.projector == 'qwen3vl_merger' else {})}

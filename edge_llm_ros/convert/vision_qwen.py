@@ -17,6 +17,17 @@ any size whose sides are multiples of patch x merge (28 for Qwen2.5-VL):
 llama.cpp regroups the patches window by window and back; attention with the mask over the
 patches in their own order is the same computation (test/test_vision_qwen.py checks it
 against libmtmd). Output `image_embeds` [1, N / 4, n_out], merged tokens row by row.
+
+Qwen3-VL (`qwen3vl_merger`, clip_graph_qwen3vl) shares the patch embedding (plus its bias),
+the merge order and the 2-D RoPE, and differs in:
+- learned position embeddings, bilinearly interpolated (align corners) from their square grid
+  to the image's and added after the patch bias: `pos_index` / `pos_weight` pick and weigh
+  each patch's 4 source rows (runtime/mmproj_qwen.py);
+- LayerNorm (weight and bias), a fused biased attn_qkv, full attention in every layer, a
+  GELU MLP (ggml's fp16 table, as the merger's);
+- DeepStack: after each layer in `deepstack`, its 4 merged patches side by side through
+  v.deepstack.<i>.norm (LayerNorm over 4 C), fc1, GELU, fc2; those rows follow the main
+  merger's (v.post_ln LayerNorm, mm.0, GELU, mm.2) in each token: [1, N / 4, n_out x (1 + D)].
 """
 from typing import BinaryIO, Optional
 
@@ -24,13 +35,15 @@ import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
-from edge_llm_ros.convert.mmproj import Mmproj
+from edge_llm_ros.convert.mmproj import Mmproj, QWEN3VL
 from edge_llm_ros.convert.onnx_graph import MS_DOMAIN
-from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph, _linear, _normalized, OPSET
-from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_ROPE_INPUTS,
-                                       VISION_WINDOW_MASK)
+from edge_llm_ros.convert.vision_graph import (_f16, _gelu, _Graph, _layer_norm, _linear,
+                                               _normalized, OPSET)
+from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
+                                       VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
 
 COS, SIN = VISION_ROPE_INPUTS
+POS_INDEX, POS_WEIGHT = VISION_POS_INPUTS
 
 
 def _rms_norm(g: _Graph, mm: Mmproj, x: str, prefix: str) -> str:
@@ -54,15 +67,22 @@ def _rotated(g: _Graph, x: str, half: int) -> str:
     return g.node('Concat', [first, second], axis=3)
 
 
-def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
+def _attention(g: _Graph, mm: Mmproj, h: str, i: int) -> str:
+    """Return layer i's attention output (before the residual) of the normed patches h."""
     cfg = mm.config
-    heads, d = cfg.n_head, cfg.n_embd // cfg.n_head
+    heads, d, c = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.n_embd
     b = f'v.blk.{i}'
-    h = _rms_norm(g, mm, x, f'{b}.ln1')
     split = g.const([0, -1, heads, d])
+    if cfg.projector == QWEN3VL:  # one fused q|k|v matmul
+        qkv = _linear(g, mm, h, f'{b}.attn_qkv')
+        parts = {n: g.node('Slice', [qkv, g.const([j * c]), g.const([(j + 1) * c]),
+                                     g.const([2])])
+                 for j, n in enumerate(('attn_q', 'attn_k', 'attn_v'))}
+    else:
+        parts = {n: _linear(g, mm, h, f'{b}.{n}') for n in ('attn_q', 'attn_k', 'attn_v')}
 
     def heads_of(name: str) -> str:
-        t = g.node('Reshape', [_linear(g, mm, h, f'{b}.{name}'), split])
+        t = g.node('Reshape', [parts[name], split])
         return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [1, H, N, d]
 
     q = _rotated(g, heads_of('attn_q'), d // 2)
@@ -70,12 +90,18 @@ def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     v = heads_of('attn_v')
     scores = g.node('Mul', [g.node('MatMul', [q, g.node('Transpose', [k], perm=[0, 1, 3, 2])]),
                             g.const(1.0 / np.sqrt(d), np.float32)])
-    if (i + 1) % cfg.wa_pattern:
+    if cfg.wa_pattern and (i + 1) % cfg.wa_pattern:
         scores = g.node('Add', [scores, VISION_WINDOW_MASK])
     attn = g.node('MatMul', [g.node('Softmax', [scores], axis=-1), v])
     merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
-                                g.const([0, -1, cfg.n_embd])])
-    x = g.node('Add', [_linear(g, mm, merged, f'{b}.attn_out'), x])
+                                g.const([0, -1, c])])
+    return _linear(g, mm, merged, f'{b}.attn_out')
+
+
+def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
+    """Return Qwen2.5-VL's layer i: RMSNorm, attention, RMSNorm, SwiGLU."""
+    b = f'v.blk.{i}'
+    x = g.node('Add', [_attention(g, mm, _rms_norm(g, mm, x, f'{b}.ln1'), i), x])
     h = _rms_norm(g, mm, x, f'{b}.ln2')
     gate = _linear(g, mm, h, f'{b}.ffn_gate')
     up = _linear(g, mm, h, f'{b}.ffn_up')
@@ -83,9 +109,31 @@ def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
     return g.node('Add', [x, _linear(g, mm, act, f'{b}.ffn_down')])
 
 
+def _block3(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
+    """Return Qwen3-VL's layer i: LayerNorm, attention, LayerNorm, GELU MLP."""
+    b = f'v.blk.{i}'
+    x = g.node('Add', [_attention(g, mm, _layer_norm(g, mm, x, f'{b}.ln1'), i), x])
+    h = _gelu(g, _linear(g, mm, _layer_norm(g, mm, x, f'{b}.ln2'), f'{b}.ffn_up'))
+    return g.node('Add', [x, _linear(g, mm, h, f'{b}.ffn_down')])
+
+
+def _merged_mlp(g: _Graph, mm: Mmproj, x: str, first: str, second: str) -> str:
+    """Return second(GELU(first(x))) of x [1, N / 4, 4 C]: a merger's MLP."""
+    return _linear(g, mm, _gelu(g, _linear(g, mm, x, first)), second)
+
+
+def _positions(g: _Graph, mm: Mmproj, x: str) -> str:
+    """Return x [1, N, C] plus the interpolated learned position embeddings (Qwen3-VL)."""
+    table = g.init('v.position_embd.weight', mm.array('v.position_embd.weight'))
+    rows = g.node('Gather', [table, POS_INDEX], axis=0)  # [N, 4, C]
+    weight = g.node('Unsqueeze', [POS_WEIGHT, g.const([2])])
+    pos = g.node('ReduceSum', [g.node('Mul', [rows, weight]), g.const([1])], keepdims=0)
+    return g.node('Add', [x, g.node('Unsqueeze', [pos, g.const([0])])])
+
+
 def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryIO] = None,
                        location: str = '') -> onnx.ModelProto:
-    """Return the Qwen2.5-VL encoder + merger as an ONNX model (see the module docstring)."""
+    """Return the Qwen2.5-VL or Qwen3-VL encoder + merger(s) as ONNX (the module docstring)."""
     cfg = mm.config
     g = _Graph(data, location)
     p, c, s = cfg.patch_size, cfg.n_embd, cfg.scale_factor
@@ -103,25 +151,39 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
     grid = g.node('Concat', [g.const([1, c]), py, g.const([s]), px, g.const([s])], axis=0)
     x = g.node('Transpose', [g.node('Reshape', [conv, grid])], perm=[0, 2, 4, 3, 5, 1])
     x = g.node('Reshape', [x, g.const([1, -1, c])])
+    qwen3 = cfg.projector == QWEN3VL
+    if qwen3:
+        x = _positions(g, mm, g.node('Add', [x, g.init('v.patch_embd.bias',
+                                                       mm.array('v.patch_embd.bias'))]))
     if 'v.pre_ln.weight' in mm.tensors:
-        x = _rms_norm(g, mm, x, 'v.pre_ln')
+        x = (_layer_norm if qwen3 else _rms_norm)(g, mm, x, 'v.pre_ln')
+    deepstack = []
     for i in range(cfg.n_layer):
-        x = _block(g, mm, x, i)
-    x = _rms_norm(g, mm, x, 'v.post_ln')
-    x = g.node('Reshape', [x, g.const([1, -1, c * s * s])])
-    x = _gelu(g, _linear(g, mm, x, 'mm.0'))
-    out = _linear(g, mm, x, 'mm.2')
+        x = (_block3 if qwen3 else _block)(g, mm, x, i)
+        if i in cfg.deepstack:
+            d = f'v.deepstack.{i}'
+            merged = g.node('Reshape', [x, g.const([1, -1, c * s * s])])
+            deepstack.append(_merged_mlp(g, mm, _layer_norm(g, mm, merged, f'{d}.norm'),
+                                         f'{d}.fc1', f'{d}.fc2'))
+    x = (_layer_norm if qwen3 else _rms_norm)(g, mm, x, 'v.post_ln')
+    out = _merged_mlp(g, mm, g.node('Reshape', [x, g.const([1, -1, c * s * s])]),
+                      'mm.0', 'mm.2')
+    if deepstack:  # each token: the main rows, then each DeepStack layer's (as libmtmd's)
+        out = g.node('Concat', [out, *deepstack], axis=2)
     g.nodes.append(helper.make_node('Identity', [out], ['image_embeds'], name='image_embeds'))
     half = c // cfg.n_head // 2
+    extra = ([helper.make_tensor_value_info(POS_INDEX, TensorProto.INT64, ['patches', 4]),
+              helper.make_tensor_value_info(POS_WEIGHT, TensorProto.FLOAT, ['patches', 4])]
+             if qwen3 else
+             [helper.make_tensor_value_info(VISION_WINDOW_MASK, TensorProto.FLOAT,
+                                            ['patches', 'patches'])])
     graph = helper.make_graph(
-        g.nodes, name or 'qwen25vl_vision',
+        g.nodes, name or ('qwen3vl_vision' if qwen3 else 'qwen25vl_vision'),
         [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [1, 'height', 'width', 3]),
          helper.make_tensor_value_info(COS, TensorProto.FLOAT, ['patches', half]),
-         helper.make_tensor_value_info(SIN, TensorProto.FLOAT, ['patches', half]),
-         helper.make_tensor_value_info(VISION_WINDOW_MASK, TensorProto.FLOAT,
-                                       ['patches', 'patches'])],
+         helper.make_tensor_value_info(SIN, TensorProto.FLOAT, ['patches', half]), *extra],
         [helper.make_tensor_value_info('image_embeds', TensorProto.FLOAT,
-                                       [1, 'tokens', cfg.n_out])],
+                                       [1, 'tokens', cfg.row_width])],
         list(g.inits.values()))
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid('', OPSET),
                                                     helper.make_opsetid(MS_DOMAIN, 1)])

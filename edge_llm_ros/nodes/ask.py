@@ -6,7 +6,9 @@ and prints the partial answer. Exit status: 0 answered, 1 refused or failed, 130
 `--image FILE` (repeatable) sends images to a vision model: they are decoded here into one
 slot of a pool this command owns (its socket in the same EDGE_LLM_IPC_DIR as the node's), and
 the goal carries only their handles; llm_node maps the slot while the goal runs. The pool
-closes when the answer is in.
+closes when the answer is in. `--draw OUT.png` (one image, a grounding model such as
+Qwen2.5-VL) draws the answer's boxes and points on that image; `--max-image-tokens N` raises
+or lowers the node's cap on the tokens of one image.
 """
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--image', action='append', default=[], metavar='FILE',
                         help='an image (PNG/JPEG/...) for a vision model (repeatable); it goes '
                              f'where the prompt has {MEDIA_MARKER}, else ahead of the text')
+    parser.add_argument('--max-image-tokens', type=int, default=0, metavar='N',
+                        help="most tokens one image may take (default 0: the node's "
+                             'vision.max_image_tokens)')
+    parser.add_argument('--draw', default='', metavar='OUT',
+                        help="with one --image: draw the answer's boxes and points (a grounding "
+                             'model: Qwen2.5-VL) on it and save the picture to OUT (PNG, JPEG)')
     parser.add_argument('--raw', action='store_true',
                         help='feed the prompt as is: no chat template, special tokens parsed, '
                              f'{MEDIA_MARKER} where each image goes')
@@ -83,11 +91,33 @@ def prompt_with_markers(prompt: str, n_images: int, raw: bool) -> str:
     return prompt
 
 
+def draw_answer(outcome: GenerationOutcome, pixels: np.ndarray, path: str, err: TextIO) -> None:
+    """Save `pixels` with the outcome's detections drawn to `path` (--draw); say what was done."""
+    from edge_llm_ros.vision.draw import Box, save_drawing
+    if not outcome.detections:
+        print(f'ask: the answer holds no boxes or points: {path} not written', file=err)
+        return
+    boxes = [Box(d.bbox.center.position.x, d.bbox.center.position.y, d.bbox.size_x,
+                 d.bbox.size_y, d.results[0].class_id if d.results else '')
+             for d in outcome.detections]
+    print(f'ask: {len(boxes)} detection(s) drawn to {save_drawing(pixels, boxes, path)}',
+          file=err)
+
+
+def check_draw(args: argparse.Namespace, n_images: int) -> str:
+    """Return why --draw cannot be done with these arguments ('' when it can)."""
+    if getattr(args, 'draw', '') and n_images != 1:
+        return f'--draw needs exactly one --image (got {n_images}): boxes are drawn on it'
+    return ''
+
+
 def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys.stdout,
-                  err: TextIO = sys.stderr, images: Sequence = ()) -> int:
+                  err: TextIO = sys.stderr, images: Sequence = (),
+                  drawn_on: Optional[np.ndarray] = None) -> int:
     """Send the goal, print deltas as they come; Ctrl-C cancels. Returns the exit status.
 
-    images: TensorHandle messages of the goal's images (see image_pool).
+    images: TensorHandle messages of the goal's images (see image_pool); drawn_on: the pixels
+    --draw draws the answer's detections on.
     """
     sampling = {}
     if args.temperature is not None:
@@ -99,7 +129,9 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
                              system_prompt=args.system, max_tokens=args.max_tokens,
                              session_id=args.session,
                              json_schema=getattr(args, 'json_schema', ''),
-                             images=list(images), raw_prompt=raw, **sampling)
+                             images=list(images), raw_prompt=raw,
+                             max_image_tokens=int(getattr(args, 'max_image_tokens', 0) or 0),
+                             **sampling)
     cancelled = False
     try:
         for delta in handle.stream(timeout=args.timeout):
@@ -125,6 +157,8 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
     print(format_timings(outcome), file=err)
     if outcome.error_message:
         print(f'ask: {outcome.status}: {outcome.error_message}', file=err)
+    if outcome.ok and getattr(args, 'draw', '') and drawn_on is not None:
+        draw_answer(outcome, drawn_on, args.draw, err)
     if outcome.finish_reason == 'cancelled':
         return EXIT_CANCELLED
     return EXIT_OK if outcome.ok else EXIT_FAILED
@@ -150,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
     except InvalidRequestError as exc:
         print(f'ask: {exc}', file=sys.stderr)
         return EXIT_FAILED
+    problem = check_draw(args, len(pixels))
+    if problem:
+        print(f'ask: {problem}', file=sys.stderr)
+        return EXIT_FAILED
     # Our own Ctrl-C handling (nodes/spin.py): KeyboardInterrupt reaches the main thread, the
     # context stays up so the cancel request can still be sent.
     spin.init()
@@ -163,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         if not wait_for_node(client, args.wait):
             return EXIT_FAILED
         with image_pool(pixels, f'edge_llm_ask_{os.getpid()}') as images:
-            return stream_answer(client, args, images=images)
+            return stream_answer(client, args, images=images,
+                                 drawn_on=pixels[0] if pixels else None)
     except IpcError as exc:   # the images' pool could not be opened
         print(f'ask: cannot share the images with {args.server}: {exc}', file=sys.stderr)
         return EXIT_FAILED

@@ -16,6 +16,7 @@ import functools
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
+import uuid
 
 from rclpy.action import ActionServer, CancelResponse, GoalResponse
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
@@ -183,6 +184,8 @@ class GenerateServer:
         msg = fill_result(Generate.Result(), result, error, self._admission.token_strings,
                           error_kind(result, goal.error_kind or stopped_kind(reason), stopped,
                                      goal.refused))
+        if outcome == figures.SUCCEEDED:
+            self._ground(goal_handle, goal, msg)
         node.figures.goal_ended(outcome, msg.error_kind or msg.finish_reason, result,
                                 time.monotonic() - goal.accepted_at, goal.queued)
         self._admission.publish_transcript(Transcript.SOURCE_ACTION, goal_handle.goal_id,
@@ -190,6 +193,20 @@ class GenerateServer:
                                            accepted=True, accepted_stamp=goal.stamp,
                                            error=error, model=goal.model)
         return msg
+
+    def _ground(self, goal_handle, goal: NodeGoal, msg: Generate.Result) -> None:
+        """Give a grounding model's answer its detections, and publish them (llm_detections)."""
+        detections = self._node.detections
+        if detections is None or not detections.frame:
+            return
+        prepared = goal.ran or goal.request
+        grounded = detections.ground(msg.text, getattr(prepared, 'image_sizes', ()),
+                                     list(goal_handle.request.images))
+        if grounded is None:
+            return
+        goal_id = str(uuid.UUID(bytes=bytes(goal_handle.goal_id.uuid)))
+        msg.detections = detections.result_detections(grounded, goal_id)
+        detections.publish(grounded, goal_id)
 
     def _send_feedback(self, goal_handle, chunk: Feedback) -> None:
         """Publish one feedback message (worker thread)."""

@@ -66,6 +66,7 @@ class LLMNodeConfig:
     runtime: RuntimeConfig
     warnings: Tuple[str, ...] = ()  # soft preflight findings, for the log and diagnostics
     remote: Optional[RemoteConfig] = None   # engine.backend remote: forward goals there
+    detections: str = 'auto'        # detections.publish (nodes/llm_detections.py)
 
 
 def runtime_config(values: Dict[str, Any]) -> RuntimeConfig:
@@ -99,7 +100,8 @@ def read_config(node: Node) -> LLMNodeConfig:
                          decode_cpus=plan.decode_cpus, queue_depth=int(values['queue.depth']),
                          board=str(values['board.name']),
                          thermal=thermal, runtime=runtime_config(values),
-                         warnings=report.warnings, remote=remote_config(values))
+                         warnings=report.warnings, remote=remote_config(values),
+                         detections=str(values['detections.publish']))
 
 
 def remote_config(values: Dict[str, Any]) -> Optional[RemoteConfig]:

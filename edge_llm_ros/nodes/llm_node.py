@@ -17,6 +17,9 @@ Interfaces (all relative to the node's name):
                                                   (model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
                                                   (llm_admission.py)
+  ~/detections vision_msgs (or edge_llm_msgs) Detection2DArray  a grounding VLM's boxes and
+                                                  points in the frame's pixels
+                                                  (llm_detections.py)
   /diagnostics diagnostic_msgs/DiagnosticArray every diagnostics.period_s (llm_health.py)
 Parameters: bringup.parameters' llm_node schema (see nodes/llm_config.py).
 
@@ -60,6 +63,7 @@ from edge_llm_ros.nodes.llm_complete import CompleteService
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
                                            declare_parameters, read_config, runtime_config,
                                            RuntimeConfig)
+from edge_llm_ros.nodes.llm_detections import DetectionPublisher, DetectionsConfigError
 from edge_llm_ros.nodes.llm_health import Health
 from edge_llm_ros.nodes.llm_resources import configure, Configured, ConfigureFailed, release
 from edge_llm_ros.nodes.llm_services import LLMServices
@@ -90,6 +94,7 @@ class LLMNode(LifecycleNode):
         self.runtime: RuntimeConfig = runtime_config(current_values(self))
         add_set_parameters_callbacks(self, check_changes, self._on_parameters_set)
         self.configured: Optional[Configured] = None
+        self.detections: Optional[DetectionPublisher] = None   # ~/detections, once configured
         self.load_error = ''
         # Goal counts and latency histograms: /diagnostics and /metrics both read these.
         self.figures = FigureRecorder()
@@ -141,8 +146,14 @@ class LLMNode(LifecycleNode):
             return self._configure_failed(f'invalid parameter: {exc}')
         except ConfigureFailed as exc:
             return self._configure_failed(str(exc))
-        self.load_error = ''
         engine = self.engine
+        self._drop_detections()
+        try:
+            self.detections = DetectionPublisher(self, config.detections, engine)
+        except DetectionsConfigError as exc:
+            self.release()
+            return self._configure_failed(f'invalid parameter: {exc}')
+        self.load_error = ''
         self.get_logger().info(
             f'loaded {engine.model_name} from {engine.model_dir} in {time.monotonic() - t0:.1f}'
             f' s (context {engine.context_length}, providers {", ".join(engine.providers)})')
@@ -177,7 +188,13 @@ class LLMNode(LifecycleNode):
 
     def on_cleanup(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.release()
+        self._drop_detections()
         return super().on_cleanup(state)
+
+    def _drop_detections(self) -> None:
+        detections, self.detections = self.detections, None
+        if detections is not None:
+            detections.destroy()
 
     def on_shutdown(self, state: LifecycleState) -> TransitionCallbackReturn:
         self.release()

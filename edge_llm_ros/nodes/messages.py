@@ -174,6 +174,8 @@ def to_request(goal, defaults: RequestDefaults,
                           else int(goal.reasoning_budget)),
         # Generate goals only (a Complete request has no such field: it may speculate).
         speculative=not getattr(goal, 'no_speculation', False),
+        # Generate goals only; 0: the node's vision.max_image_tokens (EngineConfig's).
+        max_image_tokens=int(getattr(goal, 'max_image_tokens', 0)),
         lora=lora_scales(getattr(goal, 'lora', ())))
 
 
@@ -282,7 +284,8 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'tool_choice', 'no_parallel_tool_calls', 'grammar', 'regex', 'choices',
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
-GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt')
+GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt',
+                    'max_image_tokens')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 
@@ -315,6 +318,8 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
     if outcome_msg is not None:
         for name in OUTCOME_FIELDS:
             setattr(msg, name, getattr(outcome_msg, name))
+        if hasattr(outcome_msg, 'detections'):   # Generate results only
+            msg.detections = outcome_msg.detections
     else:
         msg.finish_reason = StopReason.ERROR.value
     return msg

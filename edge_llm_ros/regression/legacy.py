@@ -33,6 +33,10 @@ Interface version 6 (issue 22) only added fields: Generate.Goal/Transcript `imag
 handles of frames for a vision model) and `raw_prompt`. An older record reads them as no
 images and false (the chat template applies), which is how every older goal was served: it
 needs no translation.
+
+Interface version 7 (issue 40) only added fields: Generate.Goal/Transcript `max_image_tokens`
+and the result's `detections`. An older record reads 0 (the node's cap: older nodes had none)
+and no detections; it needs no translation.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 6
+INTERFACE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,7 @@ class TranscriptRecord:
     no_speculation: bool = False       # version 5: Generate.Goal.no_speculation
     images: list = field(default_factory=list)   # version 6: TensorHandleRecord per image
     raw_prompt: bool = False           # version 6: prompt fed without the chat template
+    max_image_tokens: int = 0          # version 7: one image's token cap; 0 = node default
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -274,6 +275,7 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         history_mode=int(getattr(msg, 'history_mode', 0)),
         images=[tensor_handle_from_msg(h) for h in getattr(msg, 'images', ())],
         raw_prompt=bool(getattr(msg, 'raw_prompt', False)),
+        max_image_tokens=int(getattr(msg, 'max_image_tokens', 0)),
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),
         text=str(msg.text),

@@ -143,6 +143,7 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 session_id=record.session_id, history_mode=history_mode,
                 prefix_embeddings=handle_msgs(record.prefix_embeddings),
                 images=handle_msgs(record.images), raw_prompt=record.raw_prompt,
+                max_image_tokens=record.max_image_tokens,
                 tools=[ToolSpec(name=t.name, description=t.description,
                                 parameters=t.parameters) for t in record.tools],
                 tool_choice=record.tool_choice,

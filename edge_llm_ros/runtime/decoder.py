@@ -15,6 +15,11 @@ one length over slots 0..b-1 (``seqlens_k [B]``, ``total_sequence_length``,
 ``logits_count``): its decode steps go in one call and every other row in a call of its own
 (_BatchedCalls).
 
+With ``kv_dtype`` int8 (kv.dtype, docs/sessions.md) the decoder loads model_kv_int8.onnx
+(convert/kv_int8_graph.py): the same graph over int8 KV buffers, each with a float32 scale
+buffer ``past_key_values.{i}.key_scale`` [N, kv_heads, L, 1] (one scale per row); the op
+library's attention quantizes new rows as it writes them and reads the int8 directly.
+
 The state buffers are allocated once and bound as BOTH past and present: the attention (and
 ShortConv) ops write the new positions in place and nothing is copied between steps. Slot i
 of a buffer is the contiguous view ``buf[i:i+1]`` (what its KVCache tracks).
@@ -35,13 +40,14 @@ import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import (BATCHED_INPUTS, BIDIRECTIONAL_INPUT, CONV_STATE_PAST,
-                                       CONV_STATE_PRESENT, MODEL_FILE, ModelInfo,
-                                       REGENERATE_HINT, ROPE_POSITIONS_INPUT, ROWS_INPUT,
-                                       VARLEN_INPUTS)
+                                       CONV_STATE_PRESENT, KV_INT8_MODEL_FILE, MODEL_FILE,
+                                       ModelInfo, REGENERATE_HINT, ROPE_POSITIONS_INPUT,
+                                       ROWS_INPUT, VARLEN_INPUTS)
 from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.runtime.lora_ops import LoraOps
 from edge_llm_ros.runtime.rows import check_rows, pack, Row
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
+KV_DTYPES = ('float32', 'int8')   # SessionConfig.kv_dtype
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class SessionConfig:
     # The native op library's kernels (native_ops.KERNEL_CHOICES): 'auto' = the best this
     # CPU has; a board profile may pin one (an unsupported pin is a KernelPinError).
     kernel: str = 'auto'
+    # The live KV buffers' dtype: 'float32' (the graph's, model.onnx) or 'int8' (int8 rows
+    # with float32 scales, model_kv_int8.onnx).
+    kv_dtype: str = 'float32'
 
 
 def check_providers(providers: Sequence[str], provider_options: Sequence[dict]) -> None:
@@ -107,9 +116,20 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: str, spec: ModelInfo, config: SessionConfig) -> None:
         self.info = spec
+        if config.kv_dtype not in KV_DTYPES:
+            raise ModelLoadError(f'kv_dtype {config.kv_dtype!r} is not one of '
+                                 f'{", ".join(KV_DTYPES)}')
+        self.kv_int8 = config.kv_dtype == 'int8'
         model_path = os.path.join(model_dir, MODEL_FILE)
         if not os.path.isfile(model_path):
             raise ModelLoadError(f'{model_path} is missing: {REGENERATE_HINT}')
+        if self.kv_int8:
+            model_path = os.path.join(model_dir, KV_INT8_MODEL_FILE)
+            if not os.path.isfile(model_path):
+                raise ModelLoadError(
+                    f'kv.dtype int8 needs {model_path} (the graph over int8 KV buffers), which '
+                    'this folder lacks: run `python -m edge_llm_ros.convert.kv_int8_graph '
+                    f'{model_dir}` (or reconvert the model), or set kv.dtype float32')
         if config.max_context < 1:
             raise ModelLoadError(f'max_context must be >= 1, got {config.max_context}')
         if config.max_context > spec.max_position_embeddings:
@@ -156,14 +176,19 @@ class OnnxDecoder:
         self.capacity = config.max_context
         self.slots = config.slots
         kv_len = spec.kv_max_context or config.max_context
-        kv_shape = (self.slots, spec.num_kv_heads, kv_len, spec.head_dim)
         # Owned here for the session's life: the OrtValues below point into these arrays.
-        # K and V of each attention layer (spec.kv_layers, in order) ...
+        # K and V of each attention layer (spec.kv_layers, in order; each its own heads and
+        # head size: gemma4's differ by layer; a shared-KV layer has none) ...
         self.kv_buffers: List[np.ndarray] = [
-            np.zeros(kv_shape, dtype=self._kv_dtype) for _ in range(2 * len(spec.kv_layers))]
+            np.zeros((self.slots, spec.kv_dims(i)[0], kv_len, spec.kv_dims(i)[1]),
+                     dtype=self._kv_dtype) for i in spec.kv_layers for _ in range(2)]
+        # ... with int8 KV, one float32 scale per row of each (K, V, K, V, ... as above).
+        self.kv_scales: List[np.ndarray] = [
+            np.zeros(b.shape[:3] + (1,), dtype=np.float32) for b in self.kv_buffers
+        ] if self.kv_int8 else []
         # ... and the state of each conv layer (spec.conv_layers, in order).
         self.state_buffers: List[np.ndarray] = [
-            np.zeros((self.slots,) + spec.state_of(i).shape, dtype=self._kv_dtype)
+            np.zeros((self.slots,) + spec.state_of(i).shape, dtype=self._state_dtype)
             for i in spec.conv_layers]
         # Whether a slot's state can be cut back to an earlier position (KV only).
         self.rewindable = spec.rewindable
@@ -227,12 +252,30 @@ class OnnxDecoder:
         # a varlen graph's row table says it per row; an older graph reads one shared flag.
         self.bidirectional_images = self.varlen or BIDIRECTIONAL_INPUT in inputs
         kv_type = inputs[first].type
+        if self.kv_int8 and spec.kv_layers:
+            scale = f'past_key_values.{spec.kv_layers[0]}.key_scale'
+            if kv_type != 'tensor(int8)' or scale not in inputs:
+                raise ModelLoadError(f'{model_path} is not a graph over int8 KV buffers: '
+                                     'run `python -m edge_llm_ros.convert.kv_int8_graph` on '
+                                     'its folder again, or set kv.dtype float32')
+            self._kv_dtype = np.int8
+            # Conv states (a hybrid's) stay at the graph's activation dtype.
+            act = (inputs['inputs_embeds'].type if self.accepts_embeds else
+                   inputs[CONV_STATE_PAST.format(spec.conv_layers[0])].type
+                   if spec.conv_layers else 'tensor(float)')
+            self.act_dtype = self._state_dtype = _ORT_DTYPES.get(act, np.float32)
+            self._check_logits(model_path, outputs)
+            return
         if kv_type not in _ORT_DTYPES:
             raise UnsupportedModelError(f'{model_path}: KV inputs of type {kv_type} are not '
                                         'supported (float or float16)')
-        self._kv_dtype = _ORT_DTYPES[kv_type]
+        self._kv_dtype = self._state_dtype = _ORT_DTYPES[kv_type]
         self.act_dtype = _ORT_DTYPES.get(
             inputs['inputs_embeds'].type if self.accepts_embeds else kv_type, np.float32)
+        self._check_logits(model_path, outputs)
+
+    def _check_logits(self, model_path: str, outputs: dict) -> None:
+        spec = self.info
         logits_shape = outputs['logits'].shape
         if isinstance(logits_shape[-1], int) and logits_shape[-1] != spec.vocab_size:
             raise ModelLoadError(f'{model_path}: logits width {logits_shape[-1]} != vocab_size '
@@ -251,6 +294,10 @@ class OnnxDecoder:
                 value = self._value(self.kv_buffers[2 * n + j][rows])
                 binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}', value)
                 binding.bind_ortvalue_output(f'present.{i}.{kind}', value)
+                if self.kv_scales:
+                    value = self._value(self.kv_scales[2 * n + j][rows])
+                    binding.bind_ortvalue_input(f'past_key_values.{i}.{kind}_scale', value)
+                    binding.bind_ortvalue_output(f'present.{i}.{kind}_scale', value)
         for buf, i in zip(self.state_buffers, self.info.conv_layers):
             value = self._value(buf[rows])
             binding.bind_ortvalue_input(CONV_STATE_PAST.format(i), value)
@@ -260,6 +307,10 @@ class OnnxDecoder:
     def slot_buffers(self, slot: int) -> List[np.ndarray]:
         """Slot's KV views [1, kv_heads, L, head_dim] per buffer (what its KVCache tracks)."""
         return [buf[slot:slot + 1] for buf in self.kv_buffers]
+
+    def slot_scales(self, slot: int) -> List[np.ndarray]:
+        """Slot's int8-KV scale views [1, kv_heads, L, 1] per buffer (empty: float KV)."""
+        return [buf[slot:slot + 1] for buf in self.kv_scales]
 
     def slot_states(self, slot: int) -> List[np.ndarray]:
         """Slot's conv-state views [1, kernel - 1, hidden] (empty: a model of KV only)."""
@@ -299,7 +350,7 @@ class _VarlenCalls:
         self._dec = dec
         self._session = dec._session
         self._binding = dec._state_binding(slice(0, dec.slots))
-        self._hidden = dec.info.hidden_size
+        self._hidden = dec.info.embed_width   # qwen3vl: the DeepStack rows too
         self._logits = np.zeros((1, 0, dec.info.vocab_size), dtype=np.float32)
         self._logit_values: Dict[int, ort.OrtValue] = {}   # K -> view of self._logits
         self._inputs: tuple = ()   # the last call's packed arrays (their OrtValues read them)

@@ -25,7 +25,10 @@ Snapshot storage (``snapshot_dtype``): 'float32' keeps an exact copy of the buff
 as int8 with one float32 scale (max|x|/127): 3.8x smaller, but a restored prefix differs from a
 fresh prefill by up to half a quantization step per value (~0.4 % of the row's max), so logits
 after a restore are close to, not bit-equal with, a fresh run; near-ties in greedy decoding can
-flip. The live cache itself always stays at full precision.
+flip. That holds for float32 live buffers (a decoder of kv_dtype float32). A decoder of kv_dtype
+int8 keeps the live cache itself in int8 rows of the same format (``scales``: one float32 per
+row, [1, kv_heads, L, 1] per buffer; the attention op writes and reads them): a snapshot is then
+a plain copy of its rows and a restore continues bit-equal with the uninterrupted run.
 
 Conv states (a hybrid's conv layers, lfm2: ``states``, one [1, kernel - 1, hidden] view per
 conv layer) hold the state after the last live position only, so they cannot be cut back by
@@ -435,14 +438,19 @@ class KVCache:
                  snapshot_dtype: str = 'float32', max_sessions: int = 8,
                  store: Optional[SnapshotStore] = None,
                  max_bytes: Optional[int] = None,
-                 states: Sequence[np.ndarray] = ()) -> None:
+                 states: Sequence[np.ndarray] = (),
+                 scales: Sequence[np.ndarray] = ()) -> None:
         if snapshot_dtype not in SNAPSHOT_DTYPES:
             raise ValueError(f'kv_dtype must be one of {SNAPSHOT_DTYPES}, got {snapshot_dtype!r}')
+        if scales and (snapshot_dtype != 'int8' or len(scales) != len(buffers) or
+                       any(b.dtype != np.int8 for b in buffers)):
+            raise ValueError('int8 live buffers need one scale buffer each and kv_dtype int8')
         for buf in buffers:
             if buf.ndim != 4 or buf.shape[2] < capacity:
                 raise ValueError(
                     f'KV buffer of shape {buf.shape} cannot hold {capacity} positions')
         self._buffers = list(buffers)
+        self._scales = list(scales)   # int8 live KV: each buffer's row scales
         self._states = list(states)   # conv states: the state after the last live position
         self._capacity = capacity
         self._snapshot_dtype = snapshot_dtype
@@ -473,7 +481,8 @@ class KVCache:
 
     @property
     def buffers(self) -> List[np.ndarray]:
-        return self._buffers
+        """Return every array holding positions (axis 2): the KV buffers, then their scales."""
+        return self._buffers + self._scales
 
     @property
     def states(self) -> List[np.ndarray]:
@@ -526,7 +535,7 @@ class KVCache:
 
     def live_bytes(self) -> int:
         """Bytes the live positions take in the buffers (at their own precision)."""
-        per = sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in self._buffers)
+        per = sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in self.buffers)
         return per * len(self._keys)
 
     def sessions(self) -> List[str]:
@@ -770,7 +779,9 @@ class KVCache:
         start = len(self._keys)
         if n > self._capacity:
             raise ContextOverflowError(f'{n} positions > capacity {self._capacity}')
-        for buf, src in zip(self._buffers, data):
+        if len(data) != len(self.buffers):
+            raise ValueError(f'{len(data)} arrays for a cache of {len(self.buffers)}')
+        for buf, src in zip(self.buffers, data):
             buf[:, :, start:n] = src[:, :, start:n]
         self._keys.extend(keys[start:n])
         self._hashes = block_hashes(self._keys, self._hashes)
@@ -816,6 +827,9 @@ class KVCache:
 
     def _copy(self, n: int) -> _Snapshot:
         """Copy the first n positions' KV at the snapshot precision (no conv states yet)."""
+        if self._scales:   # int8 live rows: the snapshot's format already
+            return _Snapshot(tuple(self._keys[:n]), [b[:, :, :n].copy() for b in self._buffers],
+                             [s[:, :, :n].copy() for s in self._scales])
         if self._snapshot_dtype == 'int8':
             pairs = [quantize_int8(buf[:, :, :n]) for buf in self._buffers]
             return _Snapshot(tuple(self._keys[:n]), [q for q, _ in pairs], [s for _, s in pairs])
@@ -836,6 +850,11 @@ class KVCache:
 
     def _restore(self, snap: _Snapshot, n: int) -> None:
         # The live cache was rewound to what it shares with the snapshot: copy only the rest.
+        if self._scales:   # int8 rows into int8 rows: a plain copy
+            if snap.scales is None:
+                raise ValueError('a float32 snapshot cannot be restored into int8 live KV')
+            self.copy_positions(list(snap.data) + list(snap.scales), snap.keys, n)
+            return
         if snap.scales is None:
             self.copy_positions(snap.data, snap.keys, n)
             return

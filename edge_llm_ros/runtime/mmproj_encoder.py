@@ -21,8 +21,8 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
-from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_ROPE_INPUTS,
-                                       VISION_WINDOW_MASK)
+from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
+                                       VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
 from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
                                         image_digest, ImageInputError)
@@ -64,9 +64,12 @@ class ImageEncoder:
         except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
             raise ModelLoadError(f'cannot load {path}: {exc}') from exc
         inputs = [(i.name, i.type) for i in self._session.get_inputs()]
-        # Qwen-VL (any image size) also takes its RoPE tables and window mask.
+        # Qwen-VL (any image size) also takes its RoPE tables and window mask (Qwen2.5-VL)
+        # or its learned positions' interpolation (Qwen3-VL).
         self._mrope = vision.get('positions') == 'mrope'
-        extra = [(n, 'tensor(float)') for n in (*VISION_ROPE_INPUTS, VISION_WINDOW_MASK)]
+        extra = [(n, 'tensor(float)') for n in VISION_ROPE_INPUTS] + (
+            [(VISION_POS_INPUTS[0], 'tensor(int64)'), (VISION_POS_INPUTS[1], 'tensor(float)')]
+            if vision.get('position_grid') else [(VISION_WINDOW_MASK, 'tensor(float)')])
         if inputs != [(PIXELS, 'tensor(uint8)')] + (extra if self._mrope else []):
             raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
                                  'graph from before the normalization moved into it): '

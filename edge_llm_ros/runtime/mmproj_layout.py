@@ -7,8 +7,8 @@ llama.cpp's multimodal library replaces each media marker of the prompt by the i
   `<fake_token_around_image><global-img>` [overview] `<fake_token_around_image>`;
 - internvl: `<img>` [tiles, then the overview] `</img>`;
 - mlp (LLaVA-1.5): the image alone;
-- qwen2.5vl_merger: `<|vision_start|>` [the image's columns x rows merged tokens, row by row]
-  `<|vision_end|>`; the placement keeps the grid for the M-RoPE positions.
+- qwen2.5vl_merger, qwen3vl_merger: `<|vision_start|>` [the image's columns x rows merged
+  tokens, row by row] `<|vision_end|>`; the placement keeps the grid for the M-RoPE positions.
 The wrapper pieces are single tokens of the language model's vocabulary; a model that lacks
 one is refused when it loads (llama.cpp would silently put token -1 there).
 (test/test_vision_llm_parity.py compares the token ids and chunk sizes with mtmd's.)
@@ -28,8 +28,9 @@ _PIECES: Dict[str, Tuple[str, ...]] = {
     'internvl': ('<img>', '</img>'),
     'mlp': (),
     'qwen2.5vl_merger': ('<|vision_start|>', '<|vision_end|>'),
+    'qwen3vl_merger': ('<|vision_start|>', '<|vision_end|>'),
 }
-QWEN = 'qwen2.5vl_merger'
+QWEN = ('qwen2.5vl_merger', 'qwen3vl_merger')
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class ImagePlacement:
     tiles: int
     bidirectional: bool = False   # each span is one forward that sees all of itself
     grid: Tuple[int, int] = (0, 0)  # Qwen-VL: the image's (columns, rows) of tokens (M-RoPE)
+    # Qwen-VL: (width, height) in pixels of the image as the model saw it (its smart resize),
+    # which its grounded answers' absolute coordinates refer to; (0, 0) for other families.
+    input_size: Tuple[int, int] = (0, 0)
 
 
 class PromptLayout:
@@ -89,7 +93,7 @@ class PromptLayout:
         """
         if self.refusal:
             raise ImageInputError(self.refusal)
-        if self.projector == QWEN:
+        if self.projector in QWEN:
             raise ImageInputError(f'{name} is an encoded image, which a Qwen-VL model does '
                                   'not take (its rows vary with the size): send the pixels')
         _, _, tile_rows, hidden = encoded.shape
@@ -110,10 +114,13 @@ class PromptLayout:
     def _place_grid(self, cols: int, rows: int, tiles: int) -> ImagePlacement:
         t, ids = self.tokens_per_tile, self._ids
         items: List[Item] = []
-        if self.projector == QWEN:
+        if self.projector in QWEN:
             t = cols * rows
             items = [(ids['<|vision_start|>'],), t, (ids['<|vision_end|>'],)]
-            return ImagePlacement(tuple(items), t, 1, False, (cols, rows))
+            from edge_llm_ros.runtime.mmproj_qwen import MERGE
+            side = int(self._vision['patch_size']) * MERGE
+            return ImagePlacement(tuple(items), t, 1, False, (cols, rows),
+                                  (cols * side, rows * side))
         if self.projector == 'gemma3':
             items = [(ids['<start_of_image>'],), t, (ids['<end_of_image>'],)]
         elif self.projector == 'idefics3':

@@ -10,14 +10,17 @@
 - `encoder_inputs`: vision.onnx's `vision_cos` / `vision_sin` (ggml's GGML_ROPE_TYPE_VISION:
   pair k < d/4 turns by row x base^(-4k/d), the next d/4 by column, the angles multiplied up
   in float32 as ggml does) and `window_mask` (0 between patches of one window of 112 pixels,
-  float32 lowest otherwise), for the patches in merge order (2 x 2 blocks row by row).
+  float32 lowest otherwise), for the patches in merge order (2 x 2 blocks row by row);
+  for Qwen3-VL (vision `position_grid`) no window mask but `pos_index` / `pos_weight`: the
+  learned position embeddings' bilinear interpolation from their square grid to the image's
+  (ggml_interpolate with align corners, clip.cpp's resize_position_embeddings).
 """
 import math
 from typing import Dict, Mapping, Tuple
 
 import numpy as np
 
-from edge_llm_ros.model_format import VISION_ROPE_INPUTS, VISION_WINDOW_MASK
+from edge_llm_ros.model_format import VISION_POS_INPUTS, VISION_ROPE_INPUTS, VISION_WINDOW_MASK
 
 MERGE = 2            # clip.cpp's merge_ratio for the positions and windows
 WINDOW_PIXELS = 112  # clip.cpp's attn_window_size default (qwen2.5vl sets none)
@@ -100,10 +103,45 @@ def window_mask(rows: int, cols: int, patch: int) -> np.ndarray:
     return np.where(same, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
 
 
+def _axis_weights(n_out: int, n_in: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return each output index's (lower, upper) source index and upper weight (float32).
+
+    ggml's bilinear upscale with align corners: x = i / ((n_out - 1) / (n_in - 1)) in float32.
+    """
+    f32 = np.float32
+    sf = f32(n_out - 1) / f32(n_in - 1) if n_out > 1 and n_in > 1 else f32(n_out) / f32(n_in)
+    x = np.arange(n_out, dtype=f32) / sf
+    lo = np.floor(x).astype(np.int64)
+    hi = np.clip(lo + 1, 0, n_in - 1)
+    lo = np.clip(lo, 0, n_in - 1)
+    return lo, hi, np.clip(x - lo.astype(f32), 0, 1).astype(f32)
+
+
+def position_interpolation(rows: int, cols: int, grid: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Return `pos_index` [N, 4] and `pos_weight` [N, 4] of the patches in merge order.
+
+    Each patch's learned position is the bilinear mix of 4 rows of the grid x grid table
+    (row y * grid + x); rows x cols are merged tokens, so the patches are twice as many a side.
+    """
+    y, x = _merge_order(rows, cols)
+    y0, y1, dy = _axis_weights(rows * MERGE, grid)
+    x0, x1, dx = _axis_weights(cols * MERGE, grid)
+    y0, y1, dy, x0, x1, dx = y0[y], y1[y], dy[y], x0[x], x1[x], dx[x]
+    one = np.float32(1)
+    index = np.stack([y0 * grid + x0, y0 * grid + x1, y1 * grid + x0, y1 * grid + x1], 1)
+    weight = np.stack([(one - dx) * (one - dy), dx * (one - dy), (one - dx) * dy, dx * dy], 1)
+    return index.astype(np.int64), weight.astype(np.float32)
+
+
 def encoder_inputs(image: np.ndarray, vision: Mapping) -> Dict[str, np.ndarray]:
     """Return vision.onnx's inputs beside the pixels for a resized image [H', W', 3]."""
     patch = int(vision['patch_size'])
     rows, cols = image.shape[0] // (patch * MERGE), image.shape[1] // (patch * MERGE)
     cos, sin = rope_tables(rows, cols, int(vision['head_dim']))
-    return {VISION_ROPE_INPUTS[0]: cos, VISION_ROPE_INPUTS[1]: sin,
-            VISION_WINDOW_MASK: window_mask(rows, cols, patch)}
+    feeds = {VISION_ROPE_INPUTS[0]: cos, VISION_ROPE_INPUTS[1]: sin}
+    if vision.get('position_grid'):  # Qwen3-VL: learned positions, no windows
+        index, weight = position_interpolation(rows, cols, int(vision['position_grid']))
+        feeds.update({VISION_POS_INPUTS[0]: index, VISION_POS_INPUTS[1]: weight})
+    else:
+        feeds[VISION_WINDOW_MASK] = window_mask(rows, cols, patch)
+    return feeds

@@ -21,16 +21,19 @@ import sys
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.model_format import PRECISIONS
+from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PRECISIONS
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
+from edge_llm_ros.vision.grounding import GROUNDING_FRAMES
 
-TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'generic_json', 'none')
-ARCHITECTURES = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2', 'qwen2vl')
+TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
+                     'none')
+ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
 # The family part of a display name when no family's name matches the model's (see
 # family_label): the architecture as its makers write it.
 ARCHITECTURE_LABELS = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3',
                        'gemma3': 'Gemma 3', 'phi3': 'Phi-3', 'lfm2': 'LFM2',
-                       'qwen2vl': 'Qwen2.5-VL'}
+                       'qwen2vl': 'Qwen2.5-VL', 'qwen35': 'Qwen3.5', 'qwen3vl': 'Qwen3-VL',
+                       'gemma4': 'Gemma 4', 'smollm3': 'SmolLM3'}
 # Converter flags a family may preset (edge-llm-convert's options of the same names).
 CONVERSION_FLAGS = {'precision': str, 'block_size': int, 'dtype': str, 'accuracy_level': int,
                     'max_context': int}
@@ -55,6 +58,10 @@ class ReasoningConfig:
     disable_kwarg: Optional[str] = None
     # Text forced when a reasoning budget is spent (tokenized with the model's tokenizer).
     force_close_text: str = '\n</think>\n\n'
+    # Template kwarg that turns reasoning on when True and off when False (Gemma 4:
+    # enable_thinking; its template does not reason when the kwarg is left out). Set, it is
+    # always passed: True unless the request turns reasoning off.
+    enable_kwarg: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -80,16 +87,22 @@ class ModelFamilyConfig:
     # A generation's own label, by the match_names entry that matched ({'qwen2.5': 'Qwen2.5'}).
     display_names: Mapping[str, str] = field(default_factory=dict)
     source: str = ''  # the file it was read from
+    # Grounding VLMs (Qwen-VL): the coordinate frame of the boxes and points their JSON answers
+    # hold (vision/grounding.GROUNDING_FRAMES); '' = the family does not ground.
+    grounding: str = ''
 
     @property
     def can_disable_reasoning(self) -> bool:
-        return self.reasoning is not None and self.reasoning.disable_kwarg is not None
+        return self.reasoning is not None and (self.reasoning.disable_kwarg is not None or
+                                               self.reasoning.enable_kwarg is not None)
 
     def template_kwargs(self, reasoning: bool = True) -> Dict[str, Any]:
         """Extra chat-template variables: how to ask for no reasoning (see ReasoningConfig).
 
         Raises InvalidRequestError when reasoning=False and the family cannot turn it off.
         """
+        if self.reasoning is not None and self.reasoning.enable_kwarg is not None:
+            return {self.reasoning.enable_kwarg: bool(reasoning)}
         if reasoning or self.reasoning is None:
             return {}
         if self.reasoning.disable_kwarg is None:
@@ -225,8 +238,9 @@ def resolve_model(spec: str, config_dir: Optional[os.PathLike] = None) -> ModelF
 
 _TOP_KEYS = {'family', 'description', 'display_name', 'display_names', 'architectures',
              'match_names', 'fallback', 'chat_template', 'stop_tokens', 'reasoning',
-             'tool_call_format', 'recommended', 'conversion'}
-_REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text'}
+             'tool_call_format', 'recommended', 'conversion', 'grounding'}
+_REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text',
+                   'enable_kwarg'}
 _RECOMMENDED_KEYS = {'board', 'context'}
 
 
@@ -254,6 +268,10 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
     if template is not None and not (path.parent / 'templates' / template).is_file():
         raise ModelConfigError(f'{src}: chat_template: {path.parent / "templates" / template} '
                                'does not exist')
+    grounding = _get(doc, 'grounding', str, src, '')
+    if grounding and grounding not in GROUNDING_FRAMES:
+        raise ModelConfigError(f'{src}: grounding: {grounding!r} is not one of '
+                               f'{", ".join(GROUNDING_FRAMES)} (or leave it out: no grounding)')
     rec = _section(doc, 'recommended', _RECOMMENDED_KEYS, src)
     # A board profile's name; bringup, which owns the boards, checks it names one
     # (profiles.check_recommended_board, at launch).
@@ -268,7 +286,7 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
         tool_call_format=fmt, recommended_board=board, recommended_context=context,
         conversion=_conversion(doc, src), description=_get(doc, 'description', str, src, ''),
         display_name=_get(doc, 'display_name', str, src, ''),
-        display_names=_display_names(doc, src), source=src)
+        display_names=_display_names(doc, src), source=src, grounding=grounding)
 
 
 def _display_names(doc: Mapping[str, Any], src: str) -> Dict[str, str]:
@@ -299,7 +317,8 @@ def _reasoning(doc: Mapping[str, Any], src: str) -> Optional[ReasoningConfig]:
                           starts_open=_get(sec, 'starts_open', bool, where, False),
                           disable_kwarg=_get(sec, 'disable_kwarg', str, where, None),
                           force_close_text=_get(sec, 'force_close_text', str, where,
-                                                '\n</think>\n\n'))
+                                                '\n</think>\n\n'),
+                          enable_kwarg=_get(sec, 'enable_kwarg', str, where, None))
     if not cfg.open_tag or not cfg.close_tag or cfg.open_tag == cfg.close_tag:
         raise ModelConfigError(f'{where}: open_tag and close_tag must be two different '
                                'non-empty strings')

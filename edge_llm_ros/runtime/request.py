@@ -93,6 +93,9 @@ class PreparedRequest:
     # ((name@digest, scale) each), which the prefix keys carry (cache_keys).
     lora: Tuple[Tuple[int, float], ...] = ()
     lora_set: Tuple[Tuple[str, float], ...] = ()
+    # Per request image: ((width, height) of the frame, (width, height) the model saw it at),
+    # the second (0, 0) where the family does not say (grounding maps answers with both).
+    image_sizes: Tuple[Tuple[Tuple[int, int], Tuple[int, int]], ...] = ()
 
     @property
     def prompt_tokens(self) -> int:
@@ -385,7 +388,8 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                whole_spans=any(p.bidirectional for p in placements),
                                grids=span_grids(placements) if placements else (),
                                output=output, chat=chat if session else None,
-                               speculative=bool(getattr(request, 'speculative', True)))
+                               speculative=bool(getattr(request, 'speculative', True)),
+                               image_sizes=image_sizes(request.images, placements))
     return prepared.bind(array) if array is not None else prepared
 
 
@@ -398,6 +402,22 @@ def _check_image_cap(placements: Sequence[media.Placement], cap: int) -> None:
             raise media.ImageInputError(
                 f'images[{i}] takes {placed.rows} tokens, over max_image_tokens {cap}: send '
                 'a smaller image or raise the cap')
+
+
+def image_sizes(images: Sequence[media.ImageInput], placements: Sequence[media.Placement]
+                ) -> Tuple[Tuple[Tuple[int, int], Tuple[int, int]], ...]:
+    """Return PreparedRequest.image_sizes: each pixel image's frame and model-input sizes.
+
+    An encoded image (no pixels) has ((0, 0), (0, 0)).
+    """
+    out = []
+    for i, (image, placed) in enumerate(zip(images, placements)):
+        if media.declared_encoding(image, f'images[{i}]') is not None:
+            out.append(((0, 0), (0, 0)))
+            continue
+        height, width = media.image_size(image, f'images[{i}]')
+        out.append(((width, height), tuple(getattr(placed, 'input_size', (0, 0)))))
+    return tuple(out)
 
 
 def span_grids(placements: Sequence[media.Placement]) -> Tuple[Tuple[int, int], ...]:

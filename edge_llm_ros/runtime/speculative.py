@@ -358,7 +358,9 @@ def build_speculation(config: SpeculativeConfig, decoder, tokenizer, model_dir: 
     if config.draft_model and config.mode in ('draft', 'auto'):
         # One draft slot per target slot: every speculating goal drafts in its own.
         draft = DraftModel(_load_draft(config.draft_model, decoder, tokenizer,
-                                       replace(session, slots=decoder.slots)))
+                                       # the draft's own KV stays float32
+                                       replace(session, slots=decoder.slots,
+                                               kv_dtype='float32')))
     return Speculation(config, True, draft, measure_break_even(decoder, config.max_draft))
 
 

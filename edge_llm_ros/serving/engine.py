@@ -37,8 +37,8 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
                     Union)
 
 from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
-from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, load_model_info,
-                                       ModelInfo)
+from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, KV_INT8_MODEL_FILE,
+                                       load_model_info, ModelInfo)
 from edge_llm_ros.runtime import constraint as constraint_mod
 from edge_llm_ros.runtime.conversation import committed, Conversation, reply_turn
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
@@ -102,6 +102,9 @@ class EngineConfig:
     lora_adapters: Tuple[Tuple[str, str, float], ...] = ()
     lora_max_per_goal: int = 4
     lora_max_scale: float = 4.0
+    # Tokens one image may take when a request sets no max_image_tokens of its own; 0 = no cap
+    # but the context's (a 1080p frame is 2,691 Qwen-VL tokens: board profiles set one).
+    max_image_tokens: int = 0
 
 
 PARALLEL_SEQUENCES_MAX = 64
@@ -110,17 +113,42 @@ _COMMITTED = (StopReason.STOP, StopReason.LENGTH, StopReason.TOOL_CALLS)
 KV_MEMORY_FRACTION = 0.8   # of psutil's available memory, leaving room for weights and Python
 
 
-def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int) -> int:
+def kv_budget_bytes(info: ModelInfo, max_context: int, slots: int,
+                    kv_dtype: str = 'float32') -> int:
     """Bytes of the per-slot state buffers the decoder preallocates.
 
-    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the conv layers' states,
-    kernel - 1 positions x hidden each: model.yaml layer_states).
+    slots x (attention layers x (K, V) x kv_heads x L x head_dim + the fixed-size states:
+    a conv layer's kernel - 1 positions x hidden, a recurrent layer's conv inputs and
+    delta-rule state: model.yaml layer_states). With kv_dtype int8 each (head, position) row
+    of K or V is head_dim bytes plus its float32 scale.
     """
     kv_len = info.kv_max_context or max_context
     itemsize = 2 if info.activation_dtype == 'float16' else 4
-    kv = len(info.kv_layers) * 2 * info.num_kv_heads * kv_len * info.head_dim
+    if kv_dtype == 'int8':   # a (head, position) row: head_dim bytes and its float32 scale
+        kv = sum(2 * heads * (dim + 4) for heads, dim in map(info.kv_dims, info.kv_layers))
+    else:                    # a shared-KV layer (gemma4) keeps none: counted once
+        kv = info.kv_values_per_position * itemsize
+    kv *= kv_len
     states = sum(math.prod(info.state_of(i).shape) for i in info.conv_layers)
-    return slots * (kv + states) * itemsize
+    return slots * (kv + states * itemsize)
+
+
+def live_kv_dtype(kv_dtype: str, model_dir: str) -> str:
+    """Return the live KV buffers' dtype for kv.dtype: int8 where the folder has the int8 graph.
+
+    A GroupQueryAttention graph, or a folder converted before model_kv_int8.onnx existed,
+    keeps float32 live buffers with int8 snapshots (what kv.dtype int8 meant before), with
+    one WARNING saying how to get the int8 live KV where the op library's attention runs.
+    """
+    if kv_dtype != 'int8' or os.path.isfile(os.path.join(model_dir, KV_INT8_MODEL_FILE)):
+        return kv_dtype
+    _log.warning('kv.dtype int8: %s has no %s, so the live KV stays float32 and only saved '
+                 'prefixes are int8 (a restore is then close to, not bit-equal with, the '
+                 'uninterrupted run). For int8 live KV run `python -m '
+                 'edge_llm_ros.convert.kv_int8_graph %s` (models converted with the op '
+                 "library's attention only) or reconvert the model", model_dir,
+                 KV_INT8_MODEL_FILE, model_dir)
+    return 'float32'
 
 
 def kv_limit(config: 'EngineConfig') -> Tuple[int, str]:
@@ -133,13 +161,14 @@ def kv_limit(config: 'EngineConfig') -> Tuple[int, str]:
 
 
 def check_kv_budget(info: ModelInfo, config: 'EngineConfig', pinned: int = 0,
-                    limit: Optional[Tuple[int, str]] = None) -> int:
+                    limit: Optional[Tuple[int, str]] = None, live: str = 'float32') -> int:
     """Return the KV bytes of parallel_sequences slots, or raise ModelLoadError if too many.
 
     Runs before anything is allocated; the budget is the slots' KV buffers plus the bound of
     the saved session prefixes (session_max_bytes, when prefixes are kept) plus `pinned`, the
     warm prompts' bytes (over the budget with them: WarmPromptError), and the message names
-    the bytes and what to lower. limit: kv_limit(config), when already known.
+    the bytes and what to lower. limit: kv_limit(config), when already known; live: the
+    live KV buffers' dtype (live_kv_dtype).
     """
     n = config.parallel_sequences
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= PARALLEL_SEQUENCES_MAX:
@@ -147,7 +176,7 @@ def check_kv_budget(info: ModelInfo, config: 'EngineConfig', pinned: int = 0,
                              f'1..{PARALLEL_SEQUENCES_MAX}, got {n!r}')
     if config.kv_memory_limit < 0:
         raise ModelLoadError(f'kv_memory_limit must be >= 0, got {config.kv_memory_limit}')
-    need = kv_budget_bytes(info, config.max_context, n)
+    need = kv_budget_bytes(info, config.max_context, n, live)
     saved = config.session_max_bytes if config.prefix_reuse and config.max_sessions else 0
     limit, source = limit or kv_limit(config)
     if need + saved <= limit < need + saved + pinned:
@@ -157,7 +186,7 @@ def check_kv_budget(info: ModelInfo, config: 'EngineConfig', pinned: int = 0,
             f'more than {limit} bytes ({source}): drop or shorten warm prompts, or lower '
             'session_max_bytes, parallel_sequences or max_context')
     if need + saved > limit:
-        one = kv_budget_bytes(info, config.max_context, 1)
+        one = kv_budget_bytes(info, config.max_context, 1, live)
         raise ModelLoadError(
             f'the KV cache (and conv states) of {n} parallel sequence(s) x '
             f'{config.max_context} positions needs '
@@ -180,6 +209,9 @@ class Engine:
             raise ModelLoadError(f'prefill_chunk must be >= 1, got {config.prefill_chunk}')
         if config.max_sessions < 0:
             raise ModelLoadError(f'max_sessions must be >= 0, got {config.max_sessions}')
+        if config.max_image_tokens < 0:
+            raise ModelLoadError(f'max_image_tokens must be >= 0 (0: no cap), got '
+                                 f'{config.max_image_tokens}')
         model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
         self.info = load_model_info(model_dir)
@@ -191,9 +223,10 @@ class Engine:
         self.family, self.family_error = _family(model_dir, config.model_family)
         warm = self._load_warm_prompts(config)
         self._kv_limit = kv_limit(config)   # add_warm_prompt checks against it too
+        self.live_kv_dtype = live_kv_dtype(config.kv_dtype, model_dir)
         self.kv_bytes = check_kv_budget(self.info, config, sum(
             warm_mod.snapshot_bytes(self.info, p.tokens, config.kv_dtype) for p in warm),
-            self._kv_limit)
+            self._kv_limit, self.live_kv_dtype)
         self._eos = _end_ids(self.tokenizer, self.family)
         self._decoder: Optional[OnnxDecoder] = OnnxDecoder(model_dir, self.info,
                                                            self._session_config(config))
@@ -223,7 +256,8 @@ class Engine:
         # whichever slot is free).
         self._caches = [KVCache(self._decoder.slot_buffers(i), self._decoder.capacity,
                                 snapshot_dtype=config.kv_dtype, store=store,
-                                states=self._decoder.slot_states(i))
+                                states=self._decoder.slot_states(i),
+                                scales=self._decoder.slot_scales(i))
                         for i in range(config.parallel_sequences)]
         self._lock = threading.RLock()
         self._store = store
@@ -356,13 +390,12 @@ class Engine:
         """Return the warm prompts pinned, in the order they were added."""
         return list(self._warm.values())
 
-    @staticmethod
-    def _session_config(config: EngineConfig) -> SessionConfig:
+    def _session_config(self, config: EngineConfig) -> SessionConfig:
         return SessionConfig(
             providers=tuple(config.providers), provider_options=tuple(config.provider_options),
             intra_op_threads=config.intra_op_threads,
             intra_op_affinity=config.intra_op_affinity, max_context=config.max_context,
-            slots=config.parallel_sequences, kernel=config.kernel)
+            slots=config.parallel_sequences, kernel=config.kernel, kv_dtype=self.live_kv_dtype)
 
     # --- requests ----------------------------------------------------------------------------
     def _compile(self, schema_text: str) -> object:
@@ -385,6 +418,8 @@ class Engine:
             raise InvalidRequestError(
                 'this node keeps no sessions (kv.prefix_reuse false or kv.max_sessions 0): '
                 'send the whole conversation without a session_id, or enable them')
+        if not getattr(request, 'max_image_tokens', 0) and self.config.max_image_tokens:
+            request = replace(request, max_image_tokens=self.config.max_image_tokens)
         # Adapters first: an unknown name or a bad scale is refused before any tokenizing.
         uses, lora_set = self.adapters.resolve(getattr(request, 'lora', None) or {})
         prepared = prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,

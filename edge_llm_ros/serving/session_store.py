@@ -121,7 +121,16 @@ class KVLayout:
     def of(cls, buffers: Sequence[np.ndarray], snapshot_dtype: str,
            states: Sequence[np.ndarray] = ()) -> 'KVLayout':
         b = buffers[0]
-        return cls(len(buffers), int(b.shape[1]), int(b.shape[3]), np.dtype(b.dtype).name,
+        if any((x.shape[1], x.shape[3]) != (b.shape[1], b.shape[3]) for x in buffers):
+            from edge_llm_ros.errors import UnsupportedModelError
+            raise UnsupportedModelError(
+                'the persistent session store keeps KV layers of one shape; this model '
+                '(gemma4) has layers of different heads: leave engine.session_store unset '
+                '(in-memory sessions work)')
+        # Live int8 buffers (a decoder of kv.dtype int8) hold the rows an int8 snapshot of the
+        # op's float32 buffers holds: the same BLOB, so the same layout (rows stay readable).
+        dtype = 'float32' if b.dtype == np.int8 else np.dtype(b.dtype).name
+        return cls(len(buffers), int(b.shape[1]), int(b.shape[3]), dtype,
                    snapshot_dtype, tuple(tuple(int(d) for d in s.shape) for s in states),
                    np.dtype(states[0].dtype).name if len(states) else '')
 

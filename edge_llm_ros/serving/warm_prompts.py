@@ -148,7 +148,8 @@ def snapshot_bytes(info: ModelInfo, positions: int, kv_dtype: str) -> int:
     int8 with one float32 scale per row), plus a hybrid's conv states at its end.
     """
     itemsize = 2 if info.activation_dtype == 'float16' else 4
-    rows = len(info.kv_layers) * 2 * info.num_kv_heads * positions
-    kv = rows * (info.head_dim + 4) if kv_dtype == 'int8' else rows * info.head_dim * itemsize
+    rows = sum(2 * info.kv_dims(i)[0] for i in info.kv_layers) * positions
+    values = info.kv_values_per_position * positions
+    kv = values + rows * 4 if kv_dtype == 'int8' else values * itemsize
     states = sum(math.prod(info.state_of(i).shape) for i in info.conv_layers) * itemsize
     return kv + states

@@ -24,8 +24,10 @@
 #include <vector>
 
 #include "edge_llm_kquant/attention.h"
+#include "edge_llm_kquant/attention_i8.h"
 #include "edge_llm_kquant/ref.h"
 #include "edge_llm_kquant/shortconv.h"
+#include "edge_llm_kquant/gated_delta.h"
 #include "glu.h"
 #include "kernels.h"
 
@@ -498,6 +500,9 @@ bool rows_form(const char *op, const Ort::ConstValue &seqlens, const Ort::ConstV
 // one position (decode steps), and every row when pinned to the scalar reference
 // (elk_select_kernel), take tasks (row, head, kQueryRowsPerTask queries) of
 // elk_attention_row, the per-query reference the tests compare with.
+// int8 KV buffers (kv.dtype int8: past key/value int8 with their per-row float32 scales,
+// inputs 11 and 12, outputs 3 and 4) run attention_i8.h's entries in the same tasks, their
+// int8 dots the best this CPU has (all give the same bits), the scalar ones when pinned.
 constexpr int64_t kMaxHeadDim = 512, kQueryRowsPerTask = 8;
 // Queries a block task takes at most, and its scratch (scores of every query over the row's
 // keys) at most, in floats: 2 MiB, so a long context takes fewer queries a task.
@@ -527,6 +532,9 @@ struct AttentionWork {
   const int64_t *first_task, *row_block;  // row_block[r] 0: row r runs per query
   int64_t row_count, heads_per_task;
   float *keys, *values, *out;
+  bool int8;          // the buffers are int8 (i8; keys and values are then unused)
+  elk_kv_i8 i8;
+  elk_i8_dots_fn dots;
 };
 
 int64_t row_blocks(const elk_row &row) {
@@ -537,6 +545,11 @@ void store_keys(void *data, size_t task) {
   const AttentionWork &w = *static_cast<const AttentionWork *>(data);
   const int64_t r = static_cast<int64_t>(task) / w.shape.kv_heads;
   const int64_t h = static_cast<int64_t>(task) % w.shape.kv_heads;
+  if (w.int8) {
+    elk_attention_store_i8(&w.shape, &w.rows[r], h, w.k, w.v, w.kv_stride, w.cos, w.sin,
+                           &w.i8);
+    return;
+  }
   elk_attention_store(&w.shape, &w.rows[r], h, w.k, w.v, w.kv_stride, w.cos, w.sin, w.keys,
                       w.values);
 }
@@ -551,8 +564,18 @@ void query_rows(void *data, size_t task) {
   const elk_row &row = w.rows[r];
   const int64_t blocks = row_blocks(row), local = t - w.first_task[r];
   const int64_t h = local / blocks, block = local % blocks;
-  std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
   const int64_t last = std::min(row.length, (block + 1) * kQueryRowsPerTask);
+  if (w.int8) {
+    thread_local std::vector<char> bytes;
+    const size_t need = elk_attention_row_i8_scratch(&w.shape);
+    if (bytes.size() < need) bytes.resize(need);
+    for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
+      elk_attention_row_i8(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, &w.i8, w.dots,
+                           bytes.data(), w.out);
+    }
+    return;
+  }
+  std::vector<float> scratch(static_cast<size_t>(w.shape.capacity));
   for (int64_t s = block * kQueryRowsPerTask; s < last; ++s) {
     elk_attention_row(&w.shape, &row, s, h, w.q, w.q_stride, w.cos, w.sin, w.keys, w.values,
                       scratch.data(), w.out);
@@ -572,6 +595,15 @@ void query_blocks(void *data, size_t task) {
   const int64_t h_end = std::min(kv * group + group, h_begin + w.heads_per_task);
   const int64_t s_begin = block * size, s_end = std::min(row.length, s_begin + size);
   // One buffer a pool thread, grown as needed: a fresh one a task would fault its pages in.
+  if (w.int8) {
+    thread_local std::vector<char> bytes;
+    const size_t need =
+        elk_attention_block_i8_scratch(&w.shape, &row, s_begin, s_end, h_end - h_begin);
+    if (bytes.size() < need) bytes.resize(need);
+    elk_attention_block_i8(&w.shape, &row, s_begin, s_end, h_begin, h_end, w.q, w.q_stride,
+                           w.cos, w.sin, &w.i8, w.dots, bytes.data(), w.out);
+    return;
+  }
   thread_local std::vector<float> scratch;
   const size_t need = static_cast<size_t>(
       elk_attention_block_scratch(&w.shape, &row, s_begin, s_end, h_end - h_begin));
@@ -608,7 +640,16 @@ struct CausalAttentionKernel {
     // Optional per-head q/k RMSNorm weights (both or neither) and their epsilon.
     q_norm_ = optional_floats(kernel_info, "q_norm");
     k_norm_ = optional_floats(kernel_info, "k_norm");
-    if (q_norm_.empty() != k_norm_.empty()) {
+    // Optional shared_kv = 1: a layer that reads another layer's keys and values (gemma4's
+    // shared-KV layers): no key/value inputs, nothing stored, the present outputs absent; the
+    // past inputs are the owner's present outputs (already holding this call's positions).
+    // Such a node normalizes its queries only (q_norm without k_norm).
+    try {
+      shared_ = kernel_info.GetAttribute<int64_t>("shared_kv") != 0;
+    } catch (const Ort::Exception &) {
+      shared_ = false;
+    }
+    if (q_norm_.empty() != k_norm_.empty() && !(shared_ && k_norm_.empty())) {
       throw Ort::Exception("CausalAttention: q_norm and k_norm come together: reconvert the "
                            "model", ORT_INVALID_ARGUMENT);
     }
@@ -638,21 +679,52 @@ struct CausalAttentionKernel {
     throw Ort::Exception("CausalAttention: " + what, ORT_INVALID_ARGUMENT);
   }
 
+  // Whether the KV buffers are int8 (with both scales given) or float32 (with neither).
+  static bool kv_int8(const Ort::ConstValue &key, const Ort::ConstValue &value,
+                      const Ort::ConstValue &key_scale, const Ort::ConstValue &value_scale) {
+    const auto type = key.GetTensorTypeAndShapeInfo().GetElementType();
+    if (type != value.GetTensorTypeAndShapeInfo().GetElementType() ||
+        (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8)) {
+      fail("the past key and value buffers must both be float32 or both int8");
+    }
+    const bool int8 = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    for (const Ort::ConstValue *scale : {&key_scale, &value_scale}) {
+      if (given(*scale) != int8) {
+        fail(int8 ? "int8 KV buffers need both past key and value scales (inputs 11, 12)"
+                  : "float32 KV buffers take no scales (inputs 11, 12 absent)");
+      }
+      if (int8 && scale->GetTensorTypeAndShapeInfo().GetElementType() !=
+                      ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        fail("the int8 KV scales must be float32");
+      }
+    }
+    return int8;
+  }
+
+  // present = past: a copy unless the engine bound them to the same memory.
+  static void start_from(void *present, const void *past, size_t bytes) {
+    if (present != past) std::memcpy(present, past, bytes);
+  }
+
   void Compute(OrtKernelContext *context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue query = ctx.GetInput(0), key = ctx.GetInput(1),
                           value = ctx.GetInput(2), past_key = ctx.GetInput(3),
                           past_value = ctx.GetInput(4), seqlens = ctx.GetInput(5),
                           cos = ctx.GetInput(7), sin = ctx.GetInput(8),
-                          flag = optional_input(ctx, 9), rows = optional_input(ctx, 10);
+                          flag = optional_input(ctx, 9), rows = optional_input(ctx, 10),
+                          past_key_scale = optional_input(ctx, 11),
+                          past_value_scale = optional_input(ctx, 12);
     const bool varlen = rows_form("CausalAttention", seqlens, rows);
+    const bool int8 = kv_int8(past_key, past_value, past_key_scale, past_value_scale);
     const std::vector<int64_t> q_shape = query.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> kv_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
     const std::vector<int64_t> rope_shape = cos.GetTensorTypeAndShapeInfo().GetShape();
     if (q_shape.size() != 3 || kv_shape.size() != 4) fail("query is not [B, S, W] or the "
                                                           "KV buffers not [B, kv, L, D]");
     const int64_t batch = q_shape[0], seq = q_shape[1], d = kv_shape[3];
-    const bool packed = !given(key);
+    const bool packed = !given(key) && !shared_;
+    if (shared_ && (given(key) || given(value))) fail("a shared_kv node takes no key or value");
     const int64_t width = packed ? (heads_ + 2 * kv_heads_) * d : heads_ * d;
     // With rows the buffers hold any number of slots; batched, one per batch row.
     if ((!varlen && kv_shape[0] != batch) || kv_shape[1] != kv_heads_ ||
@@ -663,7 +735,7 @@ struct CausalAttentionKernel {
     }
     if (rope_shape.size() != 2 || rope_shape[1] != d / 2) fail("cos/sin are not [P, D/2]");
     if (!q_norm_.empty() && (static_cast<int64_t>(q_norm_.size()) != d ||
-                             static_cast<int64_t>(k_norm_.size()) != d)) {
+                             (!shared_ && static_cast<int64_t>(k_norm_.size()) != d))) {
       fail("q_norm / k_norm hold " + std::to_string(q_norm_.size()) + " / " +
            std::to_string(k_norm_.size()) + " weights for heads of " + std::to_string(d));
     }
@@ -697,18 +769,41 @@ struct CausalAttentionKernel {
              " outside the KV capacity " + std::to_string(capacity) + " or the rotary table");
       }
     }
-    Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
-    Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
-    float *keys = present_key.GetTensorMutableData<float>();
-    float *values = present_value.GetTensorMutableData<float>();
-    const size_t buffer_bytes =
-        static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity * d) * sizeof(float);
-    // The engine binds present to past's memory (nothing to copy); otherwise start from past.
-    if (keys != past_key.GetTensorData<float>()) {
-      std::memcpy(keys, past_key.GetTensorData<float>(), buffer_bytes);
-    }
-    if (values != past_value.GetTensorData<float>()) {
-      std::memcpy(values, past_value.GetTensorData<float>(), buffer_bytes);
+    void *keys = nullptr, *values = nullptr;
+    elk_kv_i8 i8{};
+    if (shared_) {
+      // Read only: the owner layer's buffers, written by its node earlier in this call.
+      if (int8) fail("a shared_kv node reads float32 KV only (int8 KV is not built for it)");
+      keys = const_cast<void *>(past_key.GetTensorRawData());
+      values = const_cast<void *>(past_value.GetTensorRawData());
+    } else {
+      Ort::UnownedValue present_key = ctx.GetOutput(1, kv_shape);
+      Ort::UnownedValue present_value = ctx.GetOutput(2, kv_shape);
+      keys = present_key.GetTensorMutableRawData();
+      values = present_value.GetTensorMutableRawData();
+      const size_t rows_total = static_cast<size_t>(kv_shape[0] * kv_heads_ * capacity);
+      const size_t buffer_bytes = rows_total * d * (int8 ? sizeof(int8_t) : sizeof(float));
+      // The engine binds present to past's memory (nothing to copy); otherwise start from
+      // past.
+      start_from(keys, past_key.GetTensorRawData(), buffer_bytes);
+      start_from(values, past_value.GetTensorRawData(), buffer_bytes);
+      if (int8) {
+        if (ctx.GetOutputCount() < 5) {
+          fail("int8 KV buffers need the present scale outputs 3, 4");
+        }
+        const std::vector<int64_t> scale_shape{kv_shape[0], kv_heads_, capacity, 1};
+        for (const Ort::ConstValue *scale : {&past_key_scale, &past_value_scale}) {
+          if (scale->GetTensorTypeAndShapeInfo().GetShape() != scale_shape) {
+            fail("the int8 KV scales are not [N, kv_heads, L, 1] of the KV buffers");
+          }
+        }
+        float *key_scales = ctx.GetOutput(3, scale_shape).GetTensorMutableData<float>();
+        float *value_scales = ctx.GetOutput(4, scale_shape).GetTensorMutableData<float>();
+        start_from(key_scales, past_key_scale.GetTensorRawData(), rows_total * sizeof(float));
+        start_from(value_scales, past_value_scale.GetTensorRawData(), rows_total * sizeof(float));
+        i8 = elk_kv_i8{static_cast<int8_t *>(keys), static_cast<int8_t *>(values), key_scales,
+                       value_scales};
+      }
     }
     Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, heads_ * d});
     const int64_t tokens = batch * seq;
@@ -746,7 +841,10 @@ struct CausalAttentionKernel {
                                      rope_per_token_};
     work.q = q;
     work.q_stride = width;
-    if (packed) {
+    if (shared_) {
+      work.k = work.v = nullptr;
+      work.kv_stride = 0;
+    } else if (packed) {
       work.k = q + heads_ * d;
       work.v = q + (heads_ + kv_heads_) * d;
       work.kv_stride = width;
@@ -762,11 +860,14 @@ struct CausalAttentionKernel {
     work.row_block = row_block.data();
     work.row_count = row_count;
     work.heads_per_task = heads_per_task;
-    work.keys = keys;
-    work.values = values;
+    work.int8 = int8;
+    work.i8 = i8;
+    work.dots = elk_i8_dots(reference ? "scalar" : elk_i8_dots_best());
+    work.keys = int8 ? nullptr : static_cast<float *>(keys);
+    work.values = int8 ? nullptr : static_cast<float *>(values);
     work.out = out.GetTensorMutableData<float>();
     // A decode step's few new positions are cheaper written here than handed to the pool.
-    const size_t store_tasks = static_cast<size_t>(row_count * kv_heads_);
+    const size_t store_tasks = shared_ ? 0 : static_cast<size_t>(row_count * kv_heads_);
     if (tokens <= kQueryRowsPerTask) {
       for (size_t t = 0; t < store_tasks; ++t) store_keys(&work, t);
     } else {
@@ -778,10 +879,28 @@ struct CausalAttentionKernel {
  private:
   int64_t heads_ = 0, kv_heads_ = 0, window_ = 0, rope_per_token_ = 0;
   float scale_ = 1.0f, norm_eps_ = 0.0f;
+  bool shared_ = false;
   std::vector<float> q_norm_, k_norm_;  // attributes: read-only while Computes run
 };
 
 struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionKernel, true> {
+  // Present key / value (outputs 1, 2) have the past's type and shape (float32 or int8):
+  // ORT infers a dynamically typed output from one such input only, so the op says it.
+  CausalAttentionOp() { OrtCustomOp::InferOutputShapeFn = present_like_past; }
+  static OrtStatusPtr present_like_past(const OrtCustomOp *, OrtShapeInferContext *ctx) {
+    const OrtApi &api = Ort::GetApi();
+    for (size_t past = 3; past <= 4; ++past) {
+      OrtTensorTypeAndShapeInfo *info = nullptr;
+      if (OrtStatusPtr status = api.ShapeInferContext_GetInputTypeShape(ctx, past, &info)) {
+        return status;
+      }
+      // info stays the context's (ORT frees it; releasing it here frees it twice).
+      if (OrtStatusPtr status = api.ShapeInferContext_SetOutputTypeShape(ctx, past - 2, info)) {
+        return status;
+      }
+    }
+    return nullptr;
+  }
   OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
                               void **kernel) const {
     return create<CausalAttentionKernel>(api, info, kernel);
@@ -790,9 +909,14 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
   // 0 query (or packed QKV), 1 key, 2 value (both absent when packed), 3 past key, 4 past
   // value, 5 seqlens_k, 6 total_sequence_length (unread; both optional: absent with rows),
   // 7 cos, 8 sin, 9 bidirectional (optional: graphs of models whose image tokens attend both
-  // ways; absent means causal), 10 rows (optional: the row table, instead of seqlens_k).
-  size_t GetInputTypeCount() const { return 11; }
+  // ways; absent means causal), 10 rows (optional: the row table, instead of seqlens_k),
+  // 11 past key scales, 12 past value scales (optional: float32 [N, kv, L, 1], given exactly
+  // when the past key and value are int8, kv.dtype int8; otherwise those are float32).
+  // Outputs: 0 attention, 1 present key, 2 present value (the past's type), 3 present key
+  // scales, 4 present value scales (int8 KV only).
+  size_t GetInputTypeCount() const { return 13; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
+    if (index == 3 || index == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
     return index == 5 || index == 6 || index == 9 || index == 10
                ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -802,9 +926,15 @@ struct CausalAttentionOp : Ort::CustomOpBase<CausalAttentionOp, CausalAttentionK
                ? INPUT_OUTPUT_REQUIRED
                : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const {
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  size_t GetOutputTypeCount() const { return 5; }
+  ONNXTensorElementDataType GetOutputType(size_t index) const {
+    return index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED
+                                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  // The present outputs are absent on a shared_kv node (it stores nothing), the scales on a
+  // float32 KV node.
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t index) const {
+    return index == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
 };
 // edge_llm_ros.ShortConv: LFM2's gated short convolution (llama.cpp's build_shortconv_block
@@ -920,6 +1050,168 @@ struct ShortConvOp : Ort::CustomOpBase<ShortConvOp, ShortConvKernel, true> {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// edge_llm_ros.GatedDeltaNet: Qwen3.5's linear-attention layer after its projections
+// (llama.cpp's build_layer_attn_linear): the causal depthwise conv + SiLU over q, k, v, the
+// gated delta rule token by token, the gated RMSNorm (gated_delta.h). One state buffer per
+// layer ([N, state floats]: conv inputs, then the delta state), bound as both past_state and
+// present_state and updated in place; a row that starts its sequence (start 0) reads zeros.
+// Two parallel steps (conv by channel blocks, then the recurrence by value head), each a fixed
+// order per element: a row's bits do not depend on the rows beside it or the call's form.
+struct GatedDeltaWork {
+  elk_gdn_shape shape;
+  const elk_row *rows;
+  const float *qkv, *weight, *z, *alpha, *beta, *dt_bias, *a, *norm;
+  float *state, *conv, *y;
+  int64_t state_floats, blocks, channels;
+};
+
+void gdn_conv_task(void *data, size_t task) {
+  const GatedDeltaWork &w = *static_cast<const GatedDeltaWork *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.blocks;
+  const int64_t c0 = static_cast<int64_t>(task) % w.blocks * ELK_GDN_CHANNELS;
+  const int64_t c1 = std::min(w.channels, c0 + ELK_GDN_CHANNELS);
+  elk_gdn_conv_rows(&w.shape, &w.rows[r], c0, c1, w.qkv, w.weight, w.state_floats, w.state,
+                    w.conv);
+}
+
+void gdn_delta_task(void *data, size_t task) {
+  const GatedDeltaWork &w = *static_cast<const GatedDeltaWork *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.shape.v_heads;
+  const int64_t h = static_cast<int64_t>(task) % w.shape.v_heads;
+  elk_gdn_delta_rows(&w.shape, &w.rows[r], h, w.conv, w.z, w.alpha, w.beta, w.dt_bias, w.a,
+                     w.norm, w.state_floats, w.state, w.y);
+}
+
+struct GatedDeltaKernel {
+  GatedDeltaKernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo i(info);
+    k_heads_ = i.GetAttribute<int64_t>("k_heads");
+    v_heads_ = i.GetAttribute<int64_t>("v_heads");
+    head_dim_ = i.GetAttribute<int64_t>("head_dim");
+    eps_ = i.GetAttribute<float>("epsilon");
+    if (k_heads_ < 1 || v_heads_ < 1 || v_heads_ % k_heads_ != 0 || head_dim_ < 1 ||
+        head_dim_ > ELK_GDN_MAX_HEAD) {
+      fail("k_heads " + std::to_string(k_heads_) + ", v_heads " + std::to_string(v_heads_) +
+           ", head_dim " + std::to_string(head_dim_) + " (v_heads a multiple of k_heads, "
+           "head_dim 1.." + std::to_string(ELK_GDN_MAX_HEAD) + ")");
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  static void fail(const std::string &what) {
+    throw Ort::Exception("GatedDeltaNet: " + what + ": reconvert the model",
+                         ORT_INVALID_ARGUMENT);
+  }
+
+  static std::vector<int64_t> shape_of(const Ort::ConstValue &v) {
+    return v.GetTensorTypeAndShapeInfo().GetShape();
+  }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue qkv = ctx.GetInput(0), z = ctx.GetInput(1), alpha = ctx.GetInput(2),
+                          beta = ctx.GetInput(3), weight = ctx.GetInput(4),
+                          dt_bias = ctx.GetInput(5), a = ctx.GetInput(6),
+                          norm = ctx.GetInput(7), past = ctx.GetInput(8),
+                          seqlens = optional_input(ctx, 9), rows = optional_input(ctx, 10);
+    const bool varlen = rows_form("GatedDeltaNet", seqlens, rows);
+    const int64_t d = head_dim_, value = v_heads_ * d;
+    const int64_t channels = (2 * k_heads_ + v_heads_) * d;
+    const std::vector<int64_t> x_shape = shape_of(qkv), w_shape = shape_of(weight),
+                               s_shape = shape_of(past);
+    if (w_shape.size() != 2 || w_shape[0] != channels || w_shape[1] < 2 ||
+        w_shape[1] > ELK_GDN_MAX_KERNEL) {
+      fail("the conv weight is not [" + std::to_string(channels) + ", kernel] with a kernel "
+           "of 2.." + std::to_string(ELK_GDN_MAX_KERNEL) + " positions");
+    }
+    const int64_t kernel = w_shape[1];
+    if (x_shape.size() != 3 || x_shape[2] != channels) {
+      fail("qkv is not [batch, seq, " + std::to_string(channels) + "]");
+    }
+    const int64_t batch = x_shape[0], seq = x_shape[1];
+    const auto check = [&](const Ort::ConstValue &v, const char *name,
+                           const std::vector<int64_t> &want) {
+      if (shape_of(v) != want) {
+        std::string dims;
+        for (int64_t n : want) dims += (dims.empty() ? "" : ", ") + std::to_string(n);
+        fail(std::string(name) + " is not [" + dims + "]");
+      }
+    };
+    check(z, "z", {batch, seq, value});
+    check(alpha, "alpha", {batch, seq, v_heads_});
+    check(beta, "beta", {batch, seq, v_heads_});
+    check(dt_bias, "dt_bias", {v_heads_});
+    check(a, "a", {v_heads_});
+    check(norm, "norm", {d});
+    const int64_t state_floats = (kernel - 1) * channels + v_heads_ * d * d;
+    if (s_shape.size() != 2 || (!varlen && s_shape[0] != batch) ||
+        s_shape[1] != state_floats) {
+      fail("the state is not [" + std::string(varlen ? "slots" : "batch") + ", " +
+           std::to_string(state_floats) + "]");
+    }
+    std::vector<elk_row> table = varlen
+        ? row_table("GatedDeltaNet", rows, s_shape[0], batch, seq)
+        : batched_table("GatedDeltaNet", seqlens, batch, seq, 0);
+    Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
+    float *state = present.GetTensorMutableData<float>();
+    if (state != past.GetTensorData<float>()) {
+      std::memcpy(state, past.GetTensorData<float>(),
+                  static_cast<size_t>(s_shape[0] * state_floats) * sizeof(float));
+    }
+    Ort::UnownedValue y = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, value});
+    const int64_t tokens = batch * seq;
+    if (tokens == 0) return;
+    std::vector<float> conv(static_cast<size_t>(tokens * channels));
+    GatedDeltaWork work{elk_gdn_shape{k_heads_, v_heads_, d, kernel, eps_}, table.data(),
+                        qkv.GetTensorData<float>(), weight.GetTensorData<float>(),
+                        z.GetTensorData<float>(), alpha.GetTensorData<float>(),
+                        beta.GetTensorData<float>(), dt_bias.GetTensorData<float>(),
+                        a.GetTensorData<float>(), norm.GetTensorData<float>(), state,
+                        conv.data(), y.GetTensorMutableData<float>(), state_floats,
+                        (channels + ELK_GDN_CHANNELS - 1) / ELK_GDN_CHANNELS, channels};
+    const size_t conv_tasks = table.size() * static_cast<size_t>(work.blocks);
+    const size_t delta_tasks = table.size() * static_cast<size_t>(v_heads_);
+    if (tokens * channels <= kInline) {
+      for (size_t t = 0; t < conv_tasks; ++t) gdn_conv_task(&work, t);
+    } else {
+      ctx.ParallelFor(gdn_conv_task, conv_tasks, 0, &work);
+    }
+    if (delta_tasks == 1) {
+      gdn_delta_task(&work, 0);
+    } else {
+      ctx.ParallelFor(gdn_delta_task, delta_tasks, 0, &work);
+    }
+  }
+
+ private:
+  static constexpr int64_t kInline = 1 << 14;
+  int64_t k_heads_ = 0, v_heads_ = 0, head_dim_ = 0;
+  float eps_ = 0.0f;
+};
+
+struct GatedDeltaOp : Ort::CustomOpBase<GatedDeltaOp, GatedDeltaKernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<GatedDeltaKernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "GatedDeltaNet"; }
+  // 0 qkv [B, S, (2 Hk + Hv) D], 1 z [B, S, Hv D], 2 alpha [B, S, Hv], 3 beta [B, S, Hv],
+  // 4 conv weight [(2 Hk + Hv) D, L], 5 dt_bias [Hv], 6 a [Hv], 7 norm [D], 8 past state
+  // [B or N, F], 9 seqlens_k [B] (optional), 10 rows [R, 4] (optional): one of 9 and 10.
+  size_t GetInputTypeCount() const { return 11; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index >= 9 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= 9 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // y [B, S, Hv D] and the present state [B or N, F].
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
@@ -931,6 +1223,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
   static KQuantGatherOp gather;
   static CausalAttentionOp attention;
   static ShortConvOp shortconv;
+  static GatedDeltaOp gated_delta;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
@@ -939,6 +1232,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
       domain->Add(&gather);
       domain->Add(&attention);
       domain->Add(&shortconv);
+      domain->Add(&gated_delta);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {

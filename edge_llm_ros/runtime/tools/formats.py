@@ -33,6 +33,8 @@ class ToolFormat:
     # The parser also reads a Python call list between the open and close markers
     # ([move_to(x=1), stop()]); needs a close marker, since the list is read whole there.
     python_calls: bool = False
+    # Likewise Gemma 4's call:name{key:value,...} (tools/gemma4_calls.py) between the markers.
+    gemma4_calls: bool = False
 
 
 FORMATS: Dict[str, ToolFormat] = {
@@ -53,6 +55,11 @@ FORMATS: Dict[str, ToolFormat] = {
     'lfm2': ToolFormat('lfm2', ('<|tool_call_start|>',), '<|tool_call_end|>', (), 'arguments',
                        False, '\n', 'openai', '<|tool_call_start|>[', ']<|tool_call_end|>',
                        python_calls=True),
+    # Gemma 4: <|tool_call>call:name{key:<|"|>text<|"|>,n:1}<tool_call|>, one call a marker
+    # pair, read at the close marker (gemma4_calls). The tool constraint forces a JSON object
+    # between the markers, which the parser reads as well.
+    'gemma4': ToolFormat('gemma4', ('<|tool_call>',), '<tool_call|>', (), 'arguments', False,
+                         '', 'openai', '<|tool_call>', '<tool_call|>', gemma4_calls=True),
     # Families with no trained format: the whole answer is the call(s) as JSON.
     'generic_json': ToolFormat('generic_json', (), '', ('```json', '```', '{', '['),
                                'arguments', False, '\n', 'openai', '', ''),

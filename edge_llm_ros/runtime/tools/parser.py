@@ -198,7 +198,8 @@ class ToolCallParser:
                 self._lead = None
                 self._obj = _Obj()
                 self._object_char(c)
-            elif self._fmt.python_calls and self._lead is not None and c.isidentifier():
+            elif ((self._fmt.python_calls or self._fmt.gemma4_calls) and self._lead is not None
+                  and c.isidentifier()):
                 self._mode = 'python'
                 self._py = [self._lead]
                 return i
@@ -235,9 +236,11 @@ class ToolCallParser:
         """Record the calls of a Python call list; report each bad one."""
         self._py = []
         try:
-            calls = python_calls(source)
+            calls = gemma4_python_calls(source) if self._fmt.gemma4_calls \
+                else python_calls(source)
         except ValueError as exc:
-            error = f'the tool calls are not valid Python: {exc}' if closed else _ENDED_INSIDE
+            syntax = 'Gemma 4 call syntax' if self._fmt.gemma4_calls else 'valid Python'
+            error = f'the tool calls are not {syntax}: {exc}' if closed else _ENDED_INSIDE
             self.invalid.append(InvalidToolCall(source.strip(), error))
             return
         for call in calls:
@@ -467,6 +470,12 @@ def _python_call(source: str, node: ast.expr) -> PythonCall:
         return PythonCall(raw, name, error=f'arguments of {name} hold a value JSON cannot '
                           '(a set, bytes, complex or infinite number)')
     return PythonCall(raw, name, text)
+
+
+def gemma4_python_calls(source: str) -> List[PythonCall]:
+    """Read Gemma 4's call:name{...} calls (tools/gemma4_calls.py) as PythonCalls."""
+    from edge_llm_ros.runtime.tools.gemma4_calls import gemma4_calls
+    return [PythonCall(raw, name, args, error) for raw, name, args, error in gemma4_calls(source)]
 
 
 def parse_all(text: str, fmt: ToolFormat, tools: Sequence[ToolSpec] = ()

@@ -1,0 +1,435 @@
+"""Qwen3.5 (dense): Gated DeltaNet layers with a recurrent state beside gated attention.
+
+Conversion: a qwen35 GGUF (DeltaNet, attention, DeltaNet layers; gguf_fixtures) becomes a
+folder whose model.yaml declares each DeltaNet layer's state (`recurrent`: its conv inputs
+and delta-rule state in one vector per slot), whose graph runs the op library's GatedDeltaNet
+over past_conv.{i} / present_conv.{i} and the library's attention with the output gate and a
+partial rotary (q/k dims reordered, checkpoint.rotary_order). Checked against llama.cpp: the
+greedy ids of 32 steps are equal for F16 (MatMulNBits at level 0) and every type the op
+library holds (kquant), with every logit on llama.cpp's path within the parity bounds of
+test_llama_cpp_parity. Control: the same graph with its DeltaNet states cleared after the
+prompt moves the logits far past the bound. At Qwen3.5-0.8B's layer shapes (4 layers) the
+exact graph equals a float64 transcription of llama.cpp's graph within float32 rounding, and
+the kquant graph stays within KL 2e-3 of llama.cpp on average.
+
+Engine (the state machinery lfm2's conv states use, unchanged): a prompt in chunks gives the
+bits of one call; goals batched (prompt chunks beside decode rows) equal each alone, bit for
+bit, and so does a preempted goal; prefix reuse stops at kept states and equals the uncached
+run; a session continues from its saved states bit for bit, in memory and in SQLite after a
+restart; speculation goes back to the
+states at the verify's start (output equal to plain decoding).
+"""
+import pathlib
+
+from decoder_calls import record_calls
+import gguf
+from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_DIMS,
+                           QWEN35_GDN, write_gguf, write_qwen35_gguf)
+from llama_cpp_parity import (compare, converted, engine_logits, kl_divergence,
+                              llama_cpp_greedy, PROMPT)
+import numpy as np
+import onnx
+from ort_driver import OrtDriver
+import pytest
+from test_lfm2 import (batched, bits, eng_goal, engine, goal, result_bits, run, TEXTS, turn,
+                       USER1, USER2)
+from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
+import yaml
+
+from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
+from edge_llm_ros.errors import UnsupportedModelError
+from edge_llm_ros.model_format import LayerState, load_model_info
+from edge_llm_ros.runtime.speculative import SpeculativeConfig
+from edge_llm_ros.runtime.types import ChatMessage
+from edge_llm_ros.serving.engine import kv_budget_bytes
+from edge_llm_ros.serving.scheduler import Park, Unpark
+
+CASE = qwen35_case('Q8_0')
+# kquant: llama.cpp's activation rounding, but the delta rule's sums in another order than
+# ggml's SIMD dot products and multiply-adds, carried from step to step in the state and
+# renormalized (q/k L2 norms): measured 4e-6 (Q5_K) to 0.40 (Q5_1) over peak logits of 47-55,
+# against test_llama_cpp_parity's 0.4 for attention-only families.
+QWEN35_KQUANT_MAX_ABS_DIFF = 0.5
+LONG_PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
+
+
+def state_floats() -> int:
+    g = QWEN35_GDN
+    d = g['head_dim']
+    return ((g['kernel'] - 1) * (2 * g['k_heads'] + g['v_heads']) * d
+            + g['v_heads'] * d * d)
+
+
+@pytest.fixture(scope='module')
+def work(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp('qwen35')
+
+
+def gguf_of(work: pathlib.Path, case) -> pathlib.Path:
+    path = work / f'{case.tag}.gguf'
+    if not path.is_file():
+        write_gguf(path, case)
+    return path
+
+
+@pytest.fixture(scope='module')
+def source(work) -> pathlib.Path:
+    return gguf_of(work, CASE)
+
+
+@pytest.fixture(scope='module')
+def kquant_dir(work, source, native_library) -> pathlib.Path:
+    return converted(source, work, accuracy_level=4, weights='kquant')
+
+
+def test_the_folder_declares_recurrent_states_and_runs_gated_delta_net(kquant_dir):
+    meta = yaml.safe_load((kquant_dir / 'model.yaml').read_text())
+    rec = {'kind': 'recurrent', 'shape': [state_floats()]}
+    assert meta['layer_states'] == [rec, {'kind': 'kv', 'window': 0}, rec]
+    assert meta['architecture'] == 'qwen35' and meta['attention'] == 'causal'
+    assert meta['quantization']['source_types'] == ['Q8_0']   # the F32 conv is no matrix
+    info = load_model_info(str(kquant_dir))
+    assert info.kv_layers == (1,) and info.conv_layers == (0, 2) and not info.rewindable
+    assert info.state_of(0) == LayerState('recurrent', 0, (state_floats(),))
+    graph = onnx.load(str(kquant_dir / 'model.onnx'), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count('GatedDeltaNet') == 2 and ops.count('CausalAttention') == 1
+    assert ops.count('Sigmoid') == 1   # the attention output gate
+    names = {i.name for i in graph.input}
+    assert {'past_conv.0', 'past_conv.2', 'past_key_values.1.key'} <= names
+
+
+def test_the_kv_budget_counts_the_recurrent_states(kquant_dir):
+    info = load_model_info(str(kquant_dir))
+    kv = 2 * QWEN35_DIMS.kv_heads * 64 * QWEN35_DIMS.head_dim   # one attention layer
+    assert kv_budget_bytes(info, 64, 3) == 3 * (kv + 2 * state_floats()) * 4
+
+
+def test_the_rotary_reorder_pairs_the_rotated_dims_across_the_half():
+    order = rotary_order(8, 4)
+    # rotated pairs (0, 2), (1, 3) land at (0, 4), (1, 5); dims 4..7 pair with each other.
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert sorted(rotary_order(64, 16).tolist()) == list(range(64))
+
+
+@pytest.mark.parametrize('wtype', ['F16'] + list(KQUANT_TYPES))
+def test_greedy_ids_equal_llama_cpp(work, native_library, wtype, compat):
+    compat('qwen35', wtype, 'text')
+    case = qwen35_case(wtype)
+    path = gguf_of(work, case)
+    exact = wtype == 'F16'
+    kw = ({'accuracy_level': 0, 'weights': 'matmulnbits'} if exact
+          else {'accuracy_level': 4, 'weights': 'kquant'})
+    result = compare(path, work, **kw)
+    print(f'{case.tag}: {result.summary()}')
+    logits, _ = llama_cpp_greedy(path, work / f'{path.stem}.llama_cpp.npz')
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert float((top2[:, 1] - top2[:, 0]).min()) > MIN_MARGIN, 'fixture has a near-tie'
+    assert result.greedy_equal, (result.llama_tokens, result.engine_tokens)
+    assert result.max_abs_diff <= (MAX_ABS_DIFF if exact else QWEN35_KQUANT_MAX_ABS_DIFF)
+
+
+class Reference:
+    """llama.cpp's qwen35 graph in float64 NumPy over a GGUF's dequantized tensors."""
+
+    def __init__(self, path: pathlib.Path, dims, gdn: dict) -> None:
+        reader = gguf.GGUFReader(str(path))
+        self.w = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                                     np.float64).reshape(tuple(reversed(t.shape.tolist())))
+                  for t in reader.tensors}
+        self.d, self.g = dims, gdn
+
+    def rms(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.d.rms_eps) * w
+
+    @staticmethod
+    def silu(x: np.ndarray) -> np.ndarray:
+        return x / (1 + np.exp(-x))
+
+    def rope(self, x: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """NEOX rotary of each head's first quarter (IMROPE over text positions)."""
+        rot = self.d.head_dim // 4
+        half = rot // 2
+        angle = pos[:, None] * self.d.rope_theta ** (-np.arange(0, rot, 2) / rot)
+        c, s = np.cos(angle), np.sin(angle)
+        x0, x1 = x[..., :half], x[..., half:rot]
+        return np.concatenate([x0 * c - x1 * s, x1 * c + x0 * s, x[..., rot:]], -1)
+
+    def delta_net(self, h: np.ndarray, p: str) -> np.ndarray:
+        w, g, n = self.w, self.g, h.shape[0]
+        hk, hv, d, kernel = g['k_heads'], g['v_heads'], g['head_dim'], g['kernel']
+        qkv = h @ w[p + 'attn_qkv.weight'].T
+        z = h @ w[p + 'attn_gate.weight'].T
+        beta = 1 / (1 + np.exp(-(h @ w[p + 'ssm_beta.weight'].T)))
+        alpha = h @ w[p + 'ssm_alpha.weight'].T + w[p + 'ssm_dt.bias']
+        decay = np.exp(np.log1p(np.exp(alpha)) * w[p + 'ssm_a'])
+        ext = np.concatenate([np.zeros((kernel - 1, qkv.shape[1])), qkv])
+        taps = w[p + 'ssm_conv1d.weight']
+        conv = self.silu(np.stack([sum(ext[t + j] * taps[:, j] for j in range(kernel))
+                                   for t in range(n)]))
+        state, y = np.zeros((hv, d, d)), np.zeros((n, hv, d))
+        for t in range(n):
+            q = conv[t, :hk * d].reshape(hk, d)
+            k = conv[t, hk * d:2 * hk * d].reshape(hk, d)
+            v = conv[t, 2 * hk * d:].reshape(hv, d)
+            q = q / np.sqrt((q * q).sum(-1, keepdims=True) + self.d.rms_eps)
+            k = k / np.sqrt((k * k).sum(-1, keepdims=True) + self.d.rms_eps)
+            for h in range(hv):
+                state[h] *= decay[t, h]
+                delta = (v[h] - k[h % hk] @ state[h]) * beta[t, h]
+                state[h] += np.outer(k[h % hk], delta)
+                o = (q[h % hk] @ state[h]) / np.sqrt(d)
+                y[t, h] = (self.rms(o, w[p + 'ssm_norm.weight'])
+                           * self.silu(z[t, h * d:(h + 1) * d]))
+        return y.reshape(n, -1) @ w[p + 'ssm_out.weight'].T
+
+    def attention(self, h: np.ndarray, p: str) -> np.ndarray:
+        w, d, n = self.w, self.d, h.shape[0]
+        hd = d.head_dim
+        qg = (h @ w[p + 'attn_q.weight'].T).reshape(n, d.heads, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(n, -1)
+        k = (h @ w[p + 'attn_k.weight'].T).reshape(n, d.kv_heads, hd)
+        v = (h @ w[p + 'attn_v.weight'].T).reshape(n, d.kv_heads, hd)
+        pos = np.arange(n)
+        q = self.rope(self.rms(q, w[p + 'attn_q_norm.weight']).transpose(1, 0, 2), pos)
+        k = self.rope(self.rms(k, w[p + 'attn_k_norm.weight']).transpose(1, 0, 2), pos)
+        group = d.heads // d.kv_heads
+        k, v = np.repeat(k, group, 0), np.repeat(v.transpose(1, 0, 2), group, 0)
+        att = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + np.triu(np.full((n, n), -np.inf), 1)
+        att = np.exp(att - att.max(-1, keepdims=True))
+        att /= att.sum(-1, keepdims=True)
+        o = (att @ v).transpose(1, 0, 2).reshape(n, -1) / (1 + np.exp(-gate))
+        return o @ w[p + 'attn_output.weight'].T
+
+    def logits(self, ids) -> np.ndarray:
+        """Return the logits of every position of ids."""
+        w = self.w
+        x = w['token_embd.weight'][list(ids)]
+        for i in range(self.d.layers):
+            p = f'blk.{i}.'
+            h = self.rms(x, w[p + 'attn_norm.weight'])
+            recurrent = (i + 1) % self.g['interval']
+            x = x + (self.delta_net(h, p) if recurrent else self.attention(h, p))
+            h = self.rms(x, w[p + 'post_attention_norm.weight'])
+            act = self.silu(h @ w[p + 'ffn_gate.weight'].T) * (h @ w[p + 'ffn_up.weight'].T)
+            x = x + act @ w[p + 'ffn_down.weight'].T
+        return self.rms(x, w['output_norm.weight']) @ w['output.weight'].T
+
+
+def test_qwen35_08b_layer_shapes_equal_a_float64_reference(work, native_library):
+    """Qwen3.5-0.8B's layers (4 of them): exact graph = llama.cpp's math; KL to llama.cpp.
+
+    Random weights, no next-token term. Q8_0 weights at accuracy level 0 (MatMulNBits repacks
+    Q8_0 exactly, float activations) equal a float64 transcription of llama.cpp's graph
+    within float32 rounding, over the prompt and 8 steps of llama.cpp's greedy path; the
+    kquant graph (llama.cpp's activation rounding) stays within KL 2e-3 of llama.cpp on
+    average (measured 1.1e-3 mean, 5.2e-3 max: llama.cpp is itself 0.30 off the exact
+    logits here, the exact graph 1.4e-5).
+    """
+    case = qwen35_case('Q8_0', dims=QWEN35_08B_DIMS, chain=0.0)
+    path = work / f'{case.tag}-nochain.gguf'
+    write_qwen35_gguf(path, case, QWEN35_08B_GDN)
+    ref_logits, tokens = llama_cpp_greedy(path, work / f'{path.stem}.llama_cpp.npz')
+    exact = Reference(path, QWEN35_08B_DIMS, QWEN35_08B_GDN).logits(
+        list(PROMPT) + tokens[:8])[len(PROMPT) - 1:]
+    ours = engine_logits(converted(path, work, accuracy_level=0, weights='matmulnbits'),
+                         PROMPT, tokens[:8])
+    peak = np.abs(exact).max()
+    assert np.abs(ours - exact).max() < 2e-5 * peak, (np.abs(ours - exact).max(), peak)
+    kquant = engine_logits(converted(path, work, accuracy_level=4, weights='kquant'),
+                           PROMPT, tokens)
+    kl = kl_divergence(ref_logits, kquant)
+    print(f'0.8B layers, kquant Q8_0: KL mean {kl.mean():.3g}, max {kl.max():.3g}; llama.cpp '
+          f'vs exact {np.abs(ref_logits[:9] - exact).max():.3g}')
+    assert kl.mean() < 2e-3 and kl.max() < 1e-2
+
+
+def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
+        work, source, kquant_dir):
+    """Control: the DeltaNet states cleared after the prompt move the logits past the bound."""
+    ref, tokens = llama_cpp_greedy(source, work / f'{source.stem}.llama_cpp.npz')
+    drv = OrtDriver(kquant_dir, max_ctx=64)
+    rows = [drv.step(list(PROMPT)).copy()]
+    states = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
+    assert len(states) == 2
+    for tok in tokens[:8]:
+        for buf in states:
+            buf[...] = 0
+        rows.append(drv.step([tok]).copy())
+    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
+    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
+    print(f'DeltaNet states cleared after the prompt: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
+def test_a_prompt_in_chunks_gives_the_bits_of_one_call(kquant_dir):
+    whole = OrtDriver(kquant_dir, max_ctx=64)
+    want = whole.step(LONG_PROMPT)
+    parts = OrtDriver(kquant_dir, max_ctx=64)
+    for a, b in ((0, 4), (4, 5), (5, len(LONG_PROMPT))):
+        got = parts.step(LONG_PROMPT[a:b])
+    assert np.array_equal(got, want)
+    for x, y in zip(whole.kv, parts.kv):
+        assert np.array_equal(x, y)
+
+
+def test_a_moe_gguf_is_refused_by_name(tmp_path):
+    import gguf
+    path = write_gguf(tmp_path / 'dense.gguf', CASE)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / 'moe.gguf'), 'qwen35')
+    for field in reader.fields.values():
+        if field.name.startswith(('GGUF.', 'general.architecture')):
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             field.types[-1] if field.types[0] ==
+                             gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.add_tensor('blk.0.ffn_gate_exps.weight', np.zeros((4, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
+        load_checkpoint(str(tmp_path / 'moe.gguf'))
+
+
+@pytest.fixture(scope='module')
+def alone(kquant_dir) -> dict:
+    """Give each text's tokens and logprobs when it runs by itself on one slot."""
+    eng = engine(kquant_dir)
+    try:
+        return {text: bits(eng_goal(eng, text, max_tokens=16)) for text in TEXTS}
+    finally:
+        eng.close()
+
+
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
+    compat('qwen35', CASE.wtype, 'batching')
+    eng = engine(kquant_dir, 3, prefill_chunk=3)
+    recorded = record_calls(eng._decoder)
+    try:
+        goals, _ = batched(eng)
+    finally:
+        eng.close()
+    calls = [[(row.slot, row.length) for row in call] for call in recorded]
+    assert bits(goals[0])[1] == alone[TEXTS[0]][1][:6]
+    for g, text in zip(goals[1:], TEXTS[1:3]):
+        assert bits(g) == alone[text], text
+    assert any(any(n == 1 for _, n in call) and any(n > 1 for _, n in call) for call in calls)
+
+
+def test_a_preempted_goal_resumes_with_its_recurrent_states(kquant_dir, alone):
+    eng = engine(kquant_dir, 2)
+    sched = eng.scheduler()
+    try:
+        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
+        while any(len(g.output.events) < 3 for g in low):
+            eng.run_plan()
+        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
+        plans = run(eng, 5000)
+    finally:
+        eng.close()
+    assert any(isinstance(op, Park) for p in plans for op in p.kv)
+    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
+    for g, text in zip(low + [urgent], TEXTS[:3]):
+        assert bits(g) == alone[text], text
+
+
+def test_prefix_reuse_stops_at_kept_states_and_equals_the_uncached_run(kquant_dir):
+    first = TEXTS[0]
+    later = first + ' ' + TEXTS[1]
+    plain = engine(kquant_dir, prefix_reuse=False)
+    try:
+        want = bits(eng_goal(plain, later))
+    finally:
+        plain.close()
+    eng = engine(kquant_dir, prefix_reuse=True)
+    try:
+        eng_goal(eng, first, max_tokens=4)
+        g = eng_goal(eng, later)
+        assert bits(g) == want
+        assert g.result.timings.cached_prompt_tokens == len(eng.tokenize(first))
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope='module')
+def two_turns_whole(kquant_dir) -> tuple:
+    """Give both turns of a conversation sent whole, with nothing cached."""
+    plain = engine(kquant_dir, max_context=256, prefix_reuse=False)
+    try:
+        first = turn(plain, [USER1])
+        return first, turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
+    finally:
+        plain.close()
+
+
+def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_turns_whole):
+    first, second = two_turns_whole
+    eng = engine(kquant_dir, max_context=256)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+        turn(eng, [USER2], 'b', max_tokens=3)   # b takes the slot; a is saved
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
+        kquant_dir, tmp_path, two_turns_whole, compat):
+    compat('qwen35', CASE.wtype, 'sessions')
+    first, second = two_turns_whole
+    store = str(tmp_path / 'sessions.db')
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+    finally:
+        eng.close()
+    eng = engine(kquant_dir, max_context=256, session_store=store)
+    try:
+        assert eng.saved_sessions() == ['a']
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+@pytest.fixture(scope='module')
+def draft_dir(work, native_library) -> pathlib.Path:
+    """Give another qwen35 of the same vocabulary (other weights): a draft it often rejects."""
+    # A weaker next-token term than the target's: it disagrees at some steps.
+    return converted(gguf_of(work, qwen35_case('Q8_0', seed=3, chain=0.1)), work,
+                     accuracy_level=4, weights='kquant')
+
+
+def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
+        kquant_dir, draft_dir, compat):
+    """Rejected drafts (prompt lookup, a qwen35 draft model): output equals plain decoding."""
+    compat('qwen35', CASE.wtype, 'speculation')
+    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
+    modes = {'off': SpeculativeConfig(mode='off'),
+             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
+             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
+    runs = {}
+    for mode, config in modes.items():
+        eng = engine(kquant_dir, 2, max_context=256, speculative=config)
+        try:
+            sched = eng.scheduler()
+            goals = [sched.submit(goal(eng, t, max_tokens=20)) for t in texts]
+            while not all(g.done for g in goals):
+                eng.run_plan()
+            runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
+        finally:
+            eng.close()
+    plain, _ = runs.pop('off')
+    for mode, (spec, stats) in runs.items():
+        print(mode, stats)
+        assert spec == plain, mode
+        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
