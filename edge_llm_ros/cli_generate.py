@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pathlib
 import sys
 from typing import Any, Dict
 
+from edge_llm_ros.bringup.parameters import parse_lora_adapters
 from edge_llm_ros.errors import EngineError, InvalidRequestError
 from edge_llm_ros.runtime.image_file import decode_image
 from edge_llm_ros.runtime.media import MEDIA_MARKER
@@ -52,10 +54,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='converted model with the same tokenizer that drafts')
     parser.add_argument('--verbose', action='store_true',
                         help='print the model, its weight format and the kernels that run')
+    parser.add_argument('--lora', action='append', default=[], metavar='PATH[@SCALE]',
+                        help='a LoRA adapter for this generation (a llama.cpp LoRA GGUF or a '
+                             'PEFT folder) at SCALE (default 1.0); repeatable')
     parser.add_argument('--json', action='store_true',
                         help='print one JSON object instead of the stream: text, token_ids, '
                              'stop_reason, error, prompt_tokens, completion_tokens, model, '
                              'timings (as runtime.types.Timings names them)')
+
+
+def lora_arguments(items) -> tuple:
+    """Return --lora PATH[@SCALE] items as (name, path, scale), named after their files."""
+    named = []
+    for i, item in enumerate(items):
+        stem = pathlib.Path(item.rpartition('@')[0] or item).stem or f'lora{i}'
+        named.append(f'{stem}{i}={item}')
+    try:
+        return parse_lora_adapters(named)
+    except ValueError as exc:
+        raise InvalidRequestError(f'--lora: {exc}') from None
 
 
 def result_json(result: GenerationResult, model: str) -> Dict[str, Any]:
@@ -78,8 +95,11 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
     try:
+        adapters = lora_arguments(args.lora)
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
                                      max_context=args.max_context, kernel=args.kernel,
+                                     lora_adapters=adapters, lora_max_per_goal=max(
+                                         len(adapters), 1),
                                      speculative=SpeculativeConfig(
                                          mode=args.speculative, max_draft=args.max_draft,
                                          draft_model=args.draft_model)))
@@ -96,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             images=images, use_chat_template=not args.raw,
             stop=tuple(args.stop), json_schema=schema,
             sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p,
-                                    top_k=args.top_k, seed=args.seed))
+                                    top_k=args.top_k, seed=args.seed),
+            lora={name: scale for name, _, scale in adapters})
         generation = engine.generate(request)
     except InvalidRequestError as e:
         print(f'edge-llm generate: invalid request: {e}', file=sys.stderr)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 import uuid
 
 from action_msgs.msg import GoalStatus
@@ -38,7 +38,7 @@ from rclpy.node import Node
 from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import ChatMessage, SamplingParams, Timings, ToolSpec
+from edge_llm_msgs.msg import ChatMessage, LoraScale, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import (Complete, Detokenize, GetModelInfo, GetSession, ListSessions,
                                ResetSession, Tokenize, WarmPrompt)
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
@@ -572,7 +572,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               reasoning_budget: Optional[int] = None, priority: int = 0,
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
               no_speculation: bool = False, images: Sequence[Any] = (),
-              raw_prompt: bool = False, max_image_tokens: int = 0, **sampling) -> Any:
+              raw_prompt: bool = False, max_image_tokens: int = 0,
+              lora: Optional[Mapping[str, float]] = None, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -589,7 +590,8 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     `images` (Generate only): TensorHandle messages of RGB [H, W, 3] uint8 frames in a pool,
     one per `<__media__>` marker of the prompt; `raw_prompt` (Generate only): the prompt is
     fed as is, without the chat template; `max_image_tokens` (Generate only): the most tokens
-    one image may take, 0 = the node's vision.max_image_tokens.
+    one image may take, 0 = the node's vision.max_image_tokens. `lora` (Generate only):
+    adapter name -> scale, the LoRA adapters of this goal (lora.adapters / ~/load_adapter).
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -603,9 +605,11 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.images = list(images)
         goal.raw_prompt = bool(raw_prompt)
         goal.max_image_tokens = int(max_image_tokens)
-    elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens:
+        goal.lora = [LoraScale(name=str(n), scale=float(s)) for n, s in (lora or {}).items()]
+    elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens \
+            or lora:
         raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt/'
-                        'max_image_tokens: '
+                        'max_image_tokens/lora: '
                         'send a Generate goal (LLMClient.generate) for those')
     goal.prompt = prompt
     goal.messages = [m if isinstance(m, ChatMessage) else ChatMessage(role=m[0], content=m[1])

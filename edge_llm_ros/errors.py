@@ -31,3 +31,19 @@ class InvalidSchemaError(InvalidRequestError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt (plus requested tokens) does not fit in the model's context."""
+
+
+class AdapterError(EngineError):
+    """A LoRA adapter cannot be loaded or used (runtime/lora_adapter.py)."""
+
+
+class AdapterFileError(AdapterError):
+    """A LoRA adapter file or folder is missing, corrupt, truncated or not a LoRA adapter."""
+
+
+class AdapterMismatchError(AdapterError):
+    """A LoRA adapter was made for another base model (architecture, shapes or vocabulary)."""
+
+
+class AdapterRequestError(InvalidRequestError):
+    """A goal's adapters are unusable: unknown name, bad scale, more than the limit."""

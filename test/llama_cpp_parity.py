@@ -44,12 +44,15 @@ def peer_python() -> str:
 
 
 def llama_cpp_greedy(gguf_path, out_npz, prompt: Sequence[int] = PROMPT,
-                     tokens: int = TOKENS) -> Tuple[np.ndarray, List[int]]:
-    """Greedy-decode with llama.cpp; return (logits [tokens + 1, vocab], generated ids)."""
+                     tokens: int = TOKENS, lora: Sequence[Tuple[str, float]] = ()
+                     ) -> Tuple[np.ndarray, List[int]]:
+    """Greedy-decode with llama.cpp (LoRA GGUFs at their scales); return (logits, ids)."""
     out_npz = pathlib.Path(out_npz)
     if not out_npz.is_file():
         cmd = [peer_python(), str(RUNNER), str(gguf_path), str(out_npz),
                '--prompt', ','.join(map(str, prompt)), '--tokens', str(tokens)]
+        for path, scale in lora:
+            cmd += ['--lora', f'{path}:{scale!r}']
         env = dict(os.environ, OMP_NUM_THREADS='1')
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         if proc.returncode != 0:

@@ -37,6 +37,25 @@ def load_model(path: str):
     return llama_cpp.llama_model_load_from_file(path.encode(), mparams)
 
 
+def set_adapters(model, ctx, specs) -> bool:
+    """Apply LoRA GGUFs ('path:scale' each) with llama.cpp's adapter API."""
+    adapters, scales = [], []
+    for spec in specs:
+        path, _, scale = spec.rpartition(':')
+        adapter = llama_cpp.llama_adapter_lora_init(model, path.encode())
+        if not adapter:
+            print(f'llama.cpp could not load the LoRA adapter {path}', file=sys.stderr)
+            return False
+        adapters.append(adapter)
+        scales.append(float(scale))
+    arr = (llama_cpp.llama_adapter_lora_p_ctypes * len(adapters))(*adapters)
+    rc = llama_cpp.llama_set_adapters_lora(ctx, arr, len(adapters),
+                                           (ctypes.c_float * len(scales))(*scales))
+    if rc != 0:
+        print(f'llama_set_adapters_lora returned {rc}', file=sys.stderr)
+    return rc == 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('model')
@@ -45,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument('--tokens', type=int, default=32)
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--ctx', type=int, default=256)
+    p.add_argument('--lora', action='append', default=[],
+                   help='PATH:SCALE, a LoRA GGUF applied at SCALE (repeatable)')
     p.add_argument('--kv', choices=('f32', 'q8_0'), default='f32')
     p.add_argument('--follow', default='', help='comma-separated ids fed after the prompt')
     args = p.parse_args(argv)
@@ -69,6 +90,8 @@ def main(argv=None) -> int:
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         print('llama.cpp could not create a context', file=sys.stderr)
+        return 2
+    if args.lora and not set_adapters(model, ctx, args.lora):
         return 2
     vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     ids = [int(t) for t in args.prompt.split(',') if t]

@@ -26,6 +26,7 @@ class FakeRequest:
 
     def __init__(self, keys, max_tokens=4, session_id=''):
         self.keys = tuple(keys)
+        self.cache_keys = self.keys   # no adapters: the prefix keys are the keys
         self.key_hashes = block_hashes(self.keys)
         self.max_tokens = max_tokens
         self.session_id = session_id

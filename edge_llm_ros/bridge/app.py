@@ -161,7 +161,8 @@ class _Handlers:
 
     def check_model(self, model: str) -> None:
         served = self.models()
-        if model not in served:
+        # 'base+adapter[+adapter]': the base model with LoRA adapters (convert.lora_of).
+        if model.split('+')[0] not in served:
             raise ModelNotFoundError(f"the model '{model}' does not exist here; this bridge "
                                      f"serves: {', '.join(served) or 'nothing'}",
                                      param='model')

@@ -81,6 +81,8 @@ class BackendRequest:
     # Chat only: the image_url parts' pixels (RGB [H, W, 3] uint8 arrays, decoded by the
     # bridge), in order; each part became a `<__media__>` marker in its message's content.
     images: Tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    # LoRA adapters (name, scale): the body's `lora` and the model name's base+adapter.
+    lora: Tuple[Tuple[str, float], ...] = ()
 
     @property
     def is_chat(self) -> bool:

@@ -85,10 +85,29 @@ def _sampling(body, request_id: str) -> Dict[str, Any]:
             raise InvalidRequestError(f'logit_bias values must be in [-100, 100], not {value}',
                                       param='logit_bias')
         bias[int(key)] = float(value)
-    return {'request_id': request_id, 'model': body.model, 'temperature': body.temperature,
+    return {'request_id': request_id, 'model': body.model.split('+')[0], 'lora': lora_of(body),
+            'temperature': body.temperature,
             'top_p': body.top_p, 'seed': body.seed, 'presence_penalty': body.presence_penalty,
             'frequency_penalty': body.frequency_penalty, 'logit_bias': bias, 'stop': stop,
             'stream': bool(body.stream)}
+
+
+def lora_of(body) -> Tuple[Tuple[str, float], ...]:
+    """Return the request's adapters (name, scale): `lora` entries, then base+name's (1.0)."""
+    out: Dict[str, float] = {}
+    for i, entry in enumerate(body.lora or ()):
+        if entry.name is None:
+            raise InvalidRequestError(
+                f'lora[{i}] has no name: this server names its adapters (GET ~/list_adapters '
+                'on the node); send {"name": ..., "scale": ...} instead of an id',
+                param=f'lora[{i}]')
+        out[entry.name] = float(entry.scale)
+    for name in body.model.split('+')[1:]:
+        if not name:
+            raise InvalidRequestError(f"model '{body.model}' has an empty adapter name: give "
+                                      "'base+adapter'", param='model')
+        out.setdefault(name, 1.0)
+    return tuple(out.items())
 
 
 # fetch(url, param) -> the bytes of an http(s) image URL (bridge/image_fetch.ImageFetcher).

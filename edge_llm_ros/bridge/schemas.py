@@ -101,6 +101,14 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class LoraEntry(_Request):
+    """llama-server's per-request adapter: {"id": n, "scale": s}; here by name."""
+
+    name: Optional[str] = None
+    id: Optional[int] = None   # noqa: A003 - llama-server's field name (refused: use name)
+    scale: float = 1.0
+
+
 class _Sampling(_Request):
     """Fields /v1/chat/completions and /v1/completions share."""
 
@@ -117,6 +125,8 @@ class _Sampling(_Request):
     frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: Optional[Dict[str, float]] = None
     user: Optional[str] = None
+    # LoRA adapters of this request (llama-server's field; docs/interfaces.md, LoRA adapters).
+    lora: Optional[List[LoraEntry]] = None
 
 
 class ChatCompletionRequest(_Sampling):

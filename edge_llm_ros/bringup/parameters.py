@@ -23,7 +23,7 @@ import difflib
 import enum
 import math
 import re
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from edge_llm_ros.bringup.errors import (ParameterRangeError, ParameterTypeError,
                                          UnknownParameterError)
@@ -153,6 +153,29 @@ def _check_cpu_list(text: str) -> None:
 
 def _check_provider_options(items: list) -> None:
     parse_provider_options(items)
+
+
+def parse_lora_adapters(items: Sequence[str]) -> Tuple[Tuple[str, str, float], ...]:
+    """Parse lora.adapters items 'name=path' or 'name=path@scale' (ValueError says which)."""
+    out = []
+    for item in items:
+        name, eq, rest = item.partition('=')
+        path, at, scale_text = rest.rpartition('@')
+        if not at:
+            path, scale_text = rest, '1.0'
+        try:
+            scale = float(scale_text)
+        except ValueError:
+            path, scale = rest, 1.0   # an '@' inside the path
+        if not eq or not name.strip() or not path.strip():
+            raise ValueError(f"{item!r} is no adapter: give 'name=path' or 'name=path@scale' "
+                             '(a LoRA GGUF or a PEFT folder)')
+        out.append((name.strip(), path.strip(), scale))
+    return tuple(out)
+
+
+def _check_lora_adapters(items: list) -> None:
+    parse_lora_adapters(items)
 
 
 def _check_warm_prompts(items: list) -> None:
@@ -331,6 +354,14 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               "text or 'file:<path>'; goals whose messages start with one as system message "
               'reuse its KV; counted in kv.memory_limit, kept in sessions.store '
               '(docs/sessions.md)', check=_check_warm_prompts),
+    ParamSpec('lora.adapters', ParamType.STRING_ARRAY, [],
+              "LoRA adapters loaded at configure, each 'name=path' or 'name=path@scale' (a "
+              'llama.cpp LoRA GGUF or a PEFT folder, and its default scale); goals name them '
+              'in their lora field (docs/interfaces.md)', check=_check_lora_adapters),
+    ParamSpec('lora.max_per_goal', ParamType.INTEGER, 4,
+              'LoRA adapters one goal may use at most', range=Range(1, 16)),
+    ParamSpec('lora.max_scale', ParamType.DOUBLE, 4.0,
+              'Largest |scale| a goal may give an adapter', range=Range(0.0, 100.0)),
     ParamSpec('sessions.max_bytes', ParamType.INTEGER, 256 << 20,
               'Byte bound of the saved session KV prefixes, in memory and in sessions.store '
               '(least recently used dropped first; a larger prefix is not kept)',
@@ -720,6 +751,9 @@ def engine_kwargs(values: Mapping[str, Any]) -> Dict[str, Any]:
         'kv_memory_limit': values['kv.memory_limit'],
         'warm_prompts': tuple(values['kv.warm_prompts']),
         'kernel': values['cpu.kernel'],
+        'lora_adapters': parse_lora_adapters(values['lora.adapters']),
+        'lora_max_per_goal': values['lora.max_per_goal'],
+        'lora_max_scale': values['lora.max_scale'],
         'max_image_tokens': values['vision.max_image_tokens'],
     }
 

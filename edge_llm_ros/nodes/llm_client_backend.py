@@ -91,7 +91,7 @@ def build_goal(request: BackendRequest, images: Sequence[Any] = ()) -> Generate.
         parallel_tool_calls=request.parallel_tool_calls, reasoning=request.reasoning,
         reasoning_budget=request.reasoning_budget or None, session_id=request.session_id,
         history_mode=Generate.Goal.HISTORY_AUTO, images=list(images),
-        raw_prompt=not request.is_chat, **sampling)
+        raw_prompt=not request.is_chat, lora=dict(request.lora), **sampling)
 
 
 def rejection_error(exc: GoalRejectedError) -> Exception:

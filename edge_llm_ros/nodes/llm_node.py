@@ -11,6 +11,8 @@ Interfaces (all relative to the node's name):
   ~/reset_session edge_llm_msgs/srv/ResetSession  forgets sessions between two generations
   ~/warm_prompt edge_llm_msgs/srv/WarmPrompt      pins one more warm prompt between two
                                                   generations (kv.warm_prompts at configure)
+  ~/list_adapters, ~/load_adapter, ~/unload_adapter  LoRA adapters per goal, loaded and
+                                                  unloaded at run time (llm_adapters.py)
   ~/update_model edge_llm_msgs/srv/UpdateModel  installs a signed model, swaps it in
                                                   (model_update.py)
   ~/transcript edge_llm_msgs/msg/Transcript    one message per finished or refused request
@@ -55,6 +57,7 @@ from rclpy.parameter import Parameter
 from edge_llm_ros import rclpy_internals
 from edge_llm_ros.metrics.figures import FigureRecorder
 from edge_llm_ros.nodes.llm_action import GenerateServer
+from edge_llm_ros.nodes.llm_adapters import LLMAdapterServices
 from edge_llm_ros.nodes.llm_admission import Admission
 from edge_llm_ros.nodes.llm_complete import CompleteService
 from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_values,
@@ -100,6 +103,7 @@ class LLMNode(LifecycleNode):
         self.action = GenerateServer(self, self.admission)       # ~/generate
         self.complete = CompleteService(self, self.admission)    # ~/complete
         self.llm_services = LLMServices(self)   # ~/tokenize, ~/detokenize, ...
+        self.adapter_services = LLMAdapterServices(self)   # ~/list_adapters, ~/load_adapter, ...
         self.updater = ModelUpdater(self)       # ~/update_model
         self.health = Health(self, self.get_parameter('diagnostics.period_s').value)
         self._autostart_timer = None

@@ -175,7 +175,19 @@ def to_request(goal, defaults: RequestDefaults,
         # Generate goals only (a Complete request has no such field: it may speculate).
         speculative=not getattr(goal, 'no_speculation', False),
         # Generate goals only; 0: the node's vision.max_image_tokens (EngineConfig's).
-        max_image_tokens=int(getattr(goal, 'max_image_tokens', 0)))
+        max_image_tokens=int(getattr(goal, 'max_image_tokens', 0)),
+        lora=lora_scales(getattr(goal, 'lora', ())))
+
+
+def lora_scales(entries) -> Dict[str, float]:
+    """Return a goal's LoraScale entries as name -> scale (a repeated name is refused)."""
+    out: Dict[str, float] = {}
+    for entry in entries:
+        if entry.name in out:
+            raise InvalidRequestError(f'the goal names adapter {entry.name!r} twice in lora: '
+                                      'give each adapter once, with its scale')
+        out[entry.name] = float(entry.scale)
+    return out
 
 
 def timings_to_msg(timings: Timings) -> TimingsMsg:

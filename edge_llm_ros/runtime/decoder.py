@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import onnxruntime as ort
@@ -44,6 +44,7 @@ from edge_llm_ros.model_format import (BATCHED_INPUTS, BIDIRECTIONAL_INPUT, CONV
                                        ModelInfo, REGENERATE_HINT, ROPE_POSITIONS_INPUT,
                                        ROWS_INPUT, VARLEN_INPUTS)
 from edge_llm_ros.runtime import native_ops
+from edge_llm_ros.runtime.lora_ops import LoraOps
 from edge_llm_ros.runtime.rows import check_rows, pack, Row
 _ORT_DTYPES = {'tensor(float)': np.float32, 'tensor(float16)': np.float16}
 KV_DTYPES = ('float32', 'int8')   # SessionConfig.kv_dtype
@@ -197,6 +198,19 @@ class OnnxDecoder:
         self._keep: list = []   # numpy views the OrtValues below point into
         # How rows become onnxruntime runs: chosen here, once.
         self._calls = (_VarlenCalls(self) if self.varlen else _BatchedCalls(self))
+        self._model_dir = model_dir
+        self.lora: Optional[LoraOps] = None   # enable_lora(): adapters per row
+
+    def enable_lora(self) -> LoraOps:
+        """Return the decoder's LoRA registry (made once); rows then name adapters (Row.lora)."""
+        if self.lora is None:
+            if not self.varlen or native_ops.DOMAIN not in self.info.op_domains:
+                raise UnsupportedModelError(
+                    f'{self._model_dir}: LoRA adapters need a graph of the op library '
+                    '(KQuantMatMul weights and a row table): convert the model from a GGUF '
+                    'with a current edge-llm-convert')
+            self.lora = LoraOps(self._model_dir, self.info)
+        return self.lora
 
     # --- graph checks ------------------------------------------------------------------------
     def _check_io(self, model_path: str, slots: int) -> None:
@@ -317,6 +331,9 @@ class OnnxDecoder:
             raise ModelLoadError('this model.onnx has no bidirectional input for image '
                                  'attention: reconvert it with --mmproj and a current '
                                  'edge-llm-convert')
+        if self.lora is None and any(r.lora for r in rows):
+            raise ValueError('rows name LoRA adapters, but the decoder has none: '
+                             'enable_lora() and add them first')
         return self._calls.run(rows)
 
 
@@ -359,8 +376,20 @@ class _VarlenCalls:
         k = packed.logits_at.shape[0]
         self._bind(self._inputs, k)
         self._bound_steps = 0
-        self._session.run_with_iobinding(self._binding)
+        self._session_run(rows)
         return self._logits[0, :k]
+
+    def _session_run(self, rows: Sequence[Row]) -> None:
+        """Run the bound call; rows naming adapters hand the op their table for it."""
+        lora = self._dec.lora
+        if lora is None or not any(row.lora for row in rows):
+            self._session.run_with_iobinding(self._binding)
+            return
+        lora.set_rows([row.lora for row in rows], [row.length for row in rows])
+        try:
+            self._session.run_with_iobinding(self._binding)
+        finally:
+            lora.clear()
 
     def _bind(self, arrays: tuple, k: int) -> None:
         binding = self._binding
@@ -386,7 +415,7 @@ class _VarlenCalls:
         if self._bound_steps != r:
             self._bind(arrays, r)
             self._bound_steps = r
-        self._session.run_with_iobinding(self._binding)
+        self._session_run(rows)
         return self._logits[0, :r]
 
 

@@ -89,6 +89,10 @@ class PreparedRequest:
     chat: Optional[conv.ChatTurns] = None
     session: Optional[conv.Bound] = None
     speculative: bool = True   # False: decode plainly (GenerationRequest.speculative)
+    # LoRA adapters (serving/adapters.py): every row's (adapter id, scale), and the set's key
+    # ((name@digest, scale) each), which the prefix keys carry (cache_keys).
+    lora: Tuple[Tuple[int, float], ...] = ()
+    lora_set: Tuple[Tuple[str, float], ...] = ()
     # Per request image: ((width, height) of the frame, (width, height) the model saw it at),
     # the second (0, 0) where the family does not say (grounding maps answers with both).
     image_sizes: Tuple[Tuple[Tuple[int, int], Tuple[int, int]], ...] = ()
@@ -99,9 +103,21 @@ class PreparedRequest:
         return sum(rows for _, rows in self.spans) + len(self.prompt_ids)
 
     @functools.cached_property
+    def cache_keys(self) -> Tuple[Hashable, ...]:
+        """Return the prefix-cache keys: `keys`, each tied to the adapter set when there is one.
+
+        KV written under one adapter set is then reused only under the same set (and a goal
+        without adapters keeps its plain keys: the base model's cache as before).
+        """
+        if not self.lora_set:
+            return self.keys
+        tag = ','.join(f'{name}={scale!r}' for name, scale in self.lora_set)
+        return tuple(('lora', f'{tag}|{k!r}', 0) for k in self.keys)
+
+    @functools.cached_property
     def key_hashes(self) -> List[bytes]:
-        """Block digests of `keys` (runtime/kv_cache.py's prefix matching), computed once."""
-        return block_hashes(self.keys)
+        """Block digests of `cache_keys` (runtime/kv_cache.py's prefix matching), once."""
+        return block_hashes(self.cache_keys)
 
     @property
     def bound(self) -> bool:

@@ -16,7 +16,7 @@ index), else its KV positions on all three.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -38,6 +38,8 @@ class Row:
     logits: int = 1
     bidirectional: bool = False
     rope: Optional[np.ndarray] = None   # int32 [3, length]: M-RoPE positions (None: start..)
+    # LoRA adapters of the row's positions: (id from OnnxDecoder.lora.add, the goal's scale).
+    lora: Tuple[Tuple[int, float], ...] = ()
 
     @property
     def n_embeds(self) -> int:

@@ -122,6 +122,8 @@ class GenerationRequest:
     # Embedding rows (tokens) one image may take, at most; 0: no cap but the context's. An
     # image over it is refused before any model work (a 1080p frame is 2,691 Qwen-VL tokens).
     max_image_tokens: int = 0
+    # LoRA adapters for this goal: loaded name -> scale (None: the adapter's default scale).
+    lora: Mapping[str, Optional[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ from edge_llm_ros.runtime.tokenizer import TextTokenizer
 from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, GenerationResult,
                                         StopReason, TokenEvent)
 from edge_llm_ros.serving import warm_prompts as warm_mod
+from edge_llm_ros.serving.adapters import AdapterLimits, Adapters
 from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
 from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
@@ -96,6 +97,11 @@ class EngineConfig:
     # System prompts prefilled at init and pinned in the prefix cache: text, or 'file:<path>'
     # (serving/warm_prompts.py). They need prefix_reuse.
     warm_prompts: Tuple[str, ...] = ()
+    # LoRA adapters loaded at init: (name, LoRA GGUF or PEFT folder, default scale) each, and
+    # what a goal may ask of them (serving/adapters.py).
+    lora_adapters: Tuple[Tuple[str, str, float], ...] = ()
+    lora_max_per_goal: int = 4
+    lora_max_scale: float = 4.0
     # Tokens one image may take when a request sets no max_image_tokens of its own; 0 = no cap
     # but the context's (a 1080p frame is 2,691 Qwen-VL tokens: board profiles set one).
     max_image_tokens: int = 0
@@ -236,6 +242,11 @@ class Engine:
                 f'{self._layout.projector} images need bidirectional attention over their '
                 'tokens, and this model.onnx was converted without it: reconvert the model '
                 'with --mmproj and a current edge-llm-convert (text still works)')
+        # LoRA adapters per goal (registered on the decoder's op nodes at the first load).
+        self.adapters = Adapters(self._decoder.enable_lora, self.info,
+                                 AdapterLimits(config.lora_max_per_goal, config.lora_max_scale))
+        for name, path, scale in config.lora_adapters:
+            self.adapters.load(name, path, scale)
         self.speculation = build_speculation(config.speculative, self._decoder, self.tokenizer,
                                              model_dir, self._session_config(config))
         # Restores the sessions saved for this model (SessionStoreError on a bad store).
@@ -409,9 +420,12 @@ class Engine:
                 'send the whole conversation without a session_id, or enable them')
         if not getattr(request, 'max_image_tokens', 0) and self.config.max_image_tokens:
             request = replace(request, max_image_tokens=self.config.max_image_tokens)
-        return prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
-                       self._compile_schema, decoder.act_dtype, family=self.family,
-                       vocab_size=self.vocab_size, layout=self._layout)
+        # Adapters first: an unknown name or a bad scale is refused before any tokenizing.
+        uses, lora_set = self.adapters.resolve(getattr(request, 'lora', None) or {})
+        prepared = prepare(request, self.tokenizer, self.info.hidden_size, self.context_length,
+                           self._compile_schema, decoder.act_dtype, family=self.family,
+                           vocab_size=self.vocab_size, layout=self._layout)
+        return replace(prepared, lora=uses, lora_set=lora_set) if uses else prepared
 
     def _start_sequence(self, goal: Goal, request: PreparedRequest) -> TokenSequence:
         """Build the runtime state of a goal that got a slot (the executor's Start).
@@ -419,6 +433,7 @@ class Engine:
         A session goal's prompt is built here, after the goals before it in its session
         ended: the stored turns first, then its own (runtime/conversation.py).
         """
+        self.adapters.acquire(request.lora)   # released at the goal's end (_end_ops)
         if request.awaits_conversation:
             stored = self._store.conversation(request.session_id) or Conversation()
             request = bind_conversation(request, stored, self.tokenizer, self.context_length)
@@ -446,6 +461,7 @@ class Engine:
         cancelled or failed one leaves it as it was.
         """
         request, result = goal.sequence.request, goal.sequence.result
+        self.adapters.release(request.lora)
         if request.session is None or result.stop_reason not in _COMMITTED:
             return [Checkpoint(slot)]
         reply = reply_turn(result.text, result.tool_calls)

@@ -167,7 +167,8 @@ class Executor:
                     rows.append(Row(goal.slot, step.start, step.ids, step.embeds,
                                     logits=1 if step.last else 0,
                                     bidirectional=step.bidirectional,
-                                    rope=self._rope(goal, step.start, n)))
+                                    rope=self._rope(goal, step.start, n),
+                                    lora=goal.sequence.request.lora))
                 else:
                     draft = tuple(drafts.get(goal.slot, ()))
                     if draft:
@@ -176,7 +177,8 @@ class Executor:
                         self._caches[goal.slot].keep_undo()
                     ids = np.array(step.replay + (step.token,) + draft, dtype=np.int64)
                     rows.append(Row(goal.slot, step.start, ids, logits=1 + len(draft),
-                                    rope=self._rope(goal, step.start, len(ids))))
+                                    rope=self._rope(goal, step.start, len(ids)),
+                                    lora=goal.sequence.request.lora))
                 ran.append(i)
             if not rows:
                 return

@@ -343,7 +343,7 @@ class Scheduler:
         """Make the longest reusable prefix of a started goal's prompt live in its slot."""
         request = goal.sequence.request
         slot = goal.slot
-        keys = request.keys
+        keys = request.cache_keys
         reuse = Reuse(0)
         if self._prefix_reuse:
             # A slot an earlier op of this plan changes is no source: its keys will differ.
@@ -405,8 +405,9 @@ class Scheduler:
                 b = a + budget
             budget = max(budget - (b - a), 0)
             ids, embeds = seq.prefill_inputs(a, b)
-            plan.rows.append(PrefillRow(goal, a, b, ids, embeds, tuple(seq.request.keys[a:b]),
-                                        whole, last=not goal.chunks))
+            plan.rows.append(PrefillRow(goal, a, b, ids, embeds,
+                                        tuple(seq.request.cache_keys[a:b]), whole,
+                                        last=not goal.chunks))
 
     # --- owner thread: advancing ---------------------------------------------------------------
     def update(self, plan: Plan, outputs: Outputs) -> Report:

@@ -200,7 +200,7 @@ def decode_keys(text: str) -> Tuple[Hashable, ...]:
     for k in json.loads(text):
         if isinstance(k, int) and not isinstance(k, bool):
             out.append(k)
-        elif (isinstance(k, list) and len(k) == 3 and k[0] in ('emb', 'img')
+        elif (isinstance(k, list) and len(k) == 3 and k[0] in ('emb', 'img', 'lora')
               and isinstance(k[1], str) and isinstance(k[2], int)):
             out.append((k[0], k[1], k[2]))
         else:

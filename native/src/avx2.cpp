@@ -885,4 +885,44 @@ const DotKernels *avx2_kernels() {
   return &kernels;
 }
 
+// ---- LoRA (lora.cpp): the reference's sums, 8 lanes across q (shrink) or j (expand) ------
+namespace {
+void lora_shrink_avx2(const float *x, const float *a_t, int64_t k, int64_t r, float *u) {
+  int64_t q = 0;
+  for (; q + 8 <= r; q += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(x[i]), _mm256_loadu_ps(a_t + i * r + q)));
+    }
+    _mm256_storeu_ps(u + q, acc);
+  }
+  for (; q < r; ++q) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; ++i) acc = acc + x[i] * a_t[i * r + q];
+    u[q] = acc;
+  }
+}
+
+void lora_expand_avx2(const float *u, const float *b_t, int64_t r, int64_t n, float *t) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t q = 0; q < r; ++q) {
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(u[q]), _mm256_loadu_ps(b_t + q * n + j)));
+    }
+    _mm256_storeu_ps(t + j, acc);
+  }
+  for (; j < n; ++j) {
+    float acc = 0.0f;
+    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * n + j];
+    t[j] = acc;
+  }
+}
+}  // namespace
+
+const LoraKernels *avx2_lora_kernels() {
+  static const LoraKernels kernels{"avx2", lora_shrink_avx2, lora_expand_avx2};
+  return &kernels;
+}
+
 }  // namespace elk

@@ -840,4 +840,44 @@ const DotKernels *avx512_vnni_kernels() {
   return &kernels;
 }
 
+// ---- LoRA (lora.cpp): the reference's sums, 16 lanes across q (shrink) or j (expand) ------
+namespace {
+void lora_shrink_avx512(const float *x, const float *a_t, int64_t k, int64_t r, float *u) {
+  int64_t q = 0;
+  for (; q + 16 <= r; q += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(x[i]), _mm512_loadu_ps(a_t + i * r + q)));
+    }
+    _mm512_storeu_ps(u + q, acc);
+  }
+  for (; q < r; ++q) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < k; ++i) acc = acc + x[i] * a_t[i * r + q];
+    u[q] = acc;
+  }
+}
+
+void lora_expand_avx512(const float *u, const float *b_t, int64_t r, int64_t n, float *t) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t q = 0; q < r; ++q) {
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(u[q]), _mm512_loadu_ps(b_t + q * n + j)));
+    }
+    _mm512_storeu_ps(t + j, acc);
+  }
+  for (; j < n; ++j) {
+    float acc = 0.0f;
+    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * n + j];
+    t[j] = acc;
+  }
+}
+}  // namespace
+
+const LoraKernels *avx512_lora_kernels() {
+  static const LoraKernels kernels{"avx512", lora_shrink_avx512, lora_expand_avx512};
+  return &kernels;
+}
+
 }  // namespace elk

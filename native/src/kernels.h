@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "blocks.h"
 
@@ -116,4 +118,27 @@ inline int32_t k_mins(const uint8_t *scales, const int16_t *bsums) {
   return mins;
 }
 
+}  // namespace elk
+
+// ---- LoRA (edge_llm_kquant/lora.h, lora.cpp) ------------------------------------------------
+namespace elk {
+// shrink: u[q] = sum_i x[i] * At[i * r + q]; expand: t[j] = sum_q u[q] * Bt[q * n + j]; each
+// sum from 0 in index order, a product then an add: an ISA path runs lanes across q or j.
+using LoraShrinkFn = void (*)(const float *x, const float *a_t, int64_t k, int64_t r, float *u);
+using LoraExpandFn = void (*)(const float *u, const float *b_t, int64_t r, int64_t n, float *t);
+struct LoraKernels {
+  const char *isa;
+  LoraShrinkFn shrink;
+  LoraExpandFn expand;
+};
+const LoraKernels &scalar_lora_kernels();
+const LoraKernels *avx2_lora_kernels();    // nullptr: not built (another architecture)
+const LoraKernels *avx512_lora_kernels();
+const LoraKernels &selected_lora();         // the selected dot kernels' ISA (or the reference)
+// Whether the current call's row table names any adapter (the op's base path reads only this).
+bool lora_active();
+// The deltas [rows, n_w] of `node`'s output for this call's rows (used[m]: row m has one).
+// Returns 1 (deltas written), 0 (no row of this call adapts the node), -1 (error set).
+int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
+                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error);
 }  // namespace elk

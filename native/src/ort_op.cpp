@@ -29,6 +29,7 @@
 #include "edge_llm_kquant/shortconv.h"
 #include "edge_llm_kquant/gated_delta.h"
 #include "glu.h"
+#include "kernels.h"
 
 namespace {
 
@@ -51,6 +52,10 @@ struct Work {
   int type, glu;
   int64_t columns_per_task, rows_per_task, row_tasks;
   size_t tasks;
+  // LoRA (lora.h): this call's deltas [rows, W rows] and which rows have one, or nullptr
+  // when no row of the call adapts this node (the base path).
+  const float *lora = nullptr;
+  const uint8_t *lora_used = nullptr;
 };
 
 // The tasks for rows x n outputs.
@@ -85,6 +90,17 @@ void product(const Work &w, int64_t first, int64_t cols, int64_t row, int64_t ro
   }
 }
 
+// Add the LoRA deltas of W rows [first, first + cols) to a task's outputs (rows row..).
+void add_lora(const Work &w, int64_t first, int64_t cols, int64_t row, int64_t rows, float *out,
+              int64_t ldo) {
+  const int64_t n_w = w.glu == elk::glu::kNone ? w.n : 2 * w.n;
+  for (int64_t m = 0; m < rows; ++m) {
+    if (!w.lora_used[row + m]) continue;
+    const float *d = w.lora + (row + m) * n_w + first;
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = out[m * ldo + j] + d[j];
+  }
+}
+
 void columns(void *data, size_t task) {
   const Work &w = *static_cast<const Work *>(data);
   const int64_t first = static_cast<int64_t>(task) / w.row_tasks * w.columns_per_task;
@@ -94,6 +110,7 @@ void columns(void *data, size_t task) {
   float *out = w.out + row * w.n + first;
   if (w.glu == elk::glu::kNone) {
     product(w, first, cols, row, rows, out, w.n);
+    if (w.lora != nullptr) add_lora(w, first, cols, row, rows, out, w.n);
     return;
   }
   // The gate and up columns of this task (rows first.. and n + first.. of W), then the
@@ -103,6 +120,10 @@ void columns(void *data, size_t task) {
   float *gate = scratch.data(), *up = gate + rows * cols;
   product(w, first, cols, row, rows, gate, cols);
   product(w, w.n + first, cols, row, rows, up, cols);
+  if (w.lora != nullptr) {
+    add_lora(w, first, cols, row, rows, gate, cols);
+    add_lora(w, w.n + first, cols, row, rows, up, cols);
+  }
   for (int64_t m = 0; m < rows; ++m) {
     elk_glu(w.glu, gate + m * cols, up + m * cols, out + m * w.n, cols);
   }
@@ -189,6 +210,7 @@ struct KQuantMatMulKernel {
     std::string error;
     glu_ = elk::glu::kind_of_attribute(optional_string(kernel_info, "glu"), n_, &error);
     if (glu_ < 0) throw Ort::Exception("KQuantMatMul: " + error, ORT_INVALID_ARGUMENT);
+    name_ = kernel_info.GetNodeName();  // where LoRA pairs are registered (lora.h)
     activation_type_ = elk_activation_type(type_);
     activation_row_bytes_ = static_cast<size_t>(k_ / elk_block_weights(activation_type_)) *
                             elk_block_bytes(activation_type_);
@@ -245,10 +267,23 @@ struct KQuantMatMulKernel {
     Work work = plan(w.GetTensorData<uint8_t>(), activations.data(), bias,
                      y.GetTensorMutableData<float>(), rows, out_n, k_, row_bytes_,
                      activation_row_bytes_, type_, glu_);
+    std::vector<float> lora_delta;
+    std::vector<uint8_t> lora_used;
+    if (elk::lora_active()) {  // some row of this call names an adapter
+      std::string error;
+      const int got = elk::lora_deltas(name_.c_str(), input, rows, k_, n_, &lora_delta,
+                                       &lora_used, &error);
+      if (got < 0) throw Ort::Exception("KQuantMatMul: " + error, ORT_INVALID_ARGUMENT);
+      if (got > 0) {
+        work.lora = lora_delta.data();
+        work.lora_used = lora_used.data();
+      }
+    }
     ctx.ParallelFor(columns, work.tasks, 0, &work);
   }
 
  private:
+  std::string name_;
   int type_ = 0, activation_type_ = 0, glu_ = elk::glu::kNone;
   int64_t k_ = 0, n_ = 0;
   size_t row_bytes_ = 0, activation_row_bytes_ = 0;  // the kernel holds attributes only

@@ -1,0 +1,185 @@
+"""LoRA adapters per goal (issue 43): decode cost against the base model and llama.cpp.
+
+    .venv/bin/python bench/bench_lora.py [--threads 2] [--tokens 64] [--repeats 3]
+        [--json-out bench/results/bench_lora.json]
+
+One run, same files, same threads, on the real SmolLM2 GGUF (converted with weights='kquant'):
+
+- single goal: decode tok/s with a rank-16 adapter on every projection (q, k, v, o, gate, up,
+  down of all 30 layers; random, F16, written as convert_lora_to_gguf.py does) against the
+  base model: OnnxDecoder rows, one decode step a call, after a 32-token prompt; base and
+  adapter take turns, best of --repeats;
+- 4 goals at once: 4 rows a call, each with its own adapter, against 4 rows on the base;
+- llama.cpp (the portable peer, bench/llama_peer.py) on the same GGUF and adapter file,
+  greedy, same threads: decode tok/s with and without the adapter;
+- adapter load time (read, check, register) and resident memory per adapter.
+
+Targets (judged here, never in tests): adapter >= 0.9x base; 4 adapters >= 0.85x 4 base;
+ours with the adapter >= 1.0x llama.cpp with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+from typing import Dict, List, Sequence, Tuple
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / 'bench'))
+sys.path.insert(0, str(ROOT / 'test'))
+DEFAULT_JSON = ROOT / 'bench' / 'results' / 'bench_lora.json'
+WORK = ROOT / '.cache' / 'bench_lora'
+RANK = 16
+SMOLLM2_FFN = 1536   # SmolLM2-135M's feed_forward_length (model.yaml does not keep it)
+PROMPT = [1, 504, 3101, 314, 253, 4264, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282,
+          253, 1124, 2151, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282, 253, 1124, 30]
+
+PEER_CHILD = r"""
+import json, sys, time, ctypes
+import llama_cpp
+spec = json.loads(sys.argv[1])
+out = {}
+for label, lora in (('base', ''), ('lora', spec['lora'])):
+    llm = llama_cpp.Llama(spec['gguf'], n_ctx=256, n_threads=spec['threads'],
+                          n_threads_batch=spec['threads'], verbose=False, lora_path=lora or None,
+                          lora_scale=1.0)
+    best = 0.0
+    for _ in range(spec['repeats']):
+        llm.reset()
+        llm.eval(spec['prompt'])
+        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        t0 = time.perf_counter()
+        for _ in range(spec['tokens']):
+            llm.eval([tok])
+            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        best = max(best, spec['tokens'] / (time.perf_counter() - t0))
+    out[label] = {'tok_s': best}
+    del llm
+print(json.dumps(out))
+"""
+
+
+def rss_kib() -> int:
+    with open('/proc/self/status') as f:
+        return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+
+
+def smollm2_files() -> Tuple[pathlib.Path, pathlib.Path]:
+    from edge_llm_ros.convert.converter import convert
+    from edge_llm_ros.convert.default_model import ensure_default_gguf
+    from edge_llm_ros.model_format import is_current
+    gguf = ensure_default_gguf()
+    folder = WORK / 'smollm2-kquant'
+    if not is_current(folder):
+        convert(str(gguf), str(folder), weights='kquant', progress=False)
+    return pathlib.Path(gguf), folder
+
+
+def write_adapters(info, n: int) -> List[pathlib.Path]:
+    from lora_fixtures import random_pairs, write_lora_gguf
+    from tiny_model import TinyDims
+    dims = TinyDims(hidden=info.hidden_size, layers=info.num_layers, heads=info.num_heads,
+                    kv_heads=info.num_kv_heads, intermediate=SMOLLM2_FFN,
+                    key_length=info.head_dim)
+    paths = []
+    for seed in range(1, n + 1):
+        path = WORK / f'smollm2-r{RANK}-s{seed}.gguf'
+        if not path.is_file():
+            write_lora_gguf(path, info.architecture, dims,
+                            random_pairs(dims, RANK, seed=seed, std=0.02), alpha=RANK,
+                            wtype='F16')
+        paths.append(path)
+    return paths
+
+
+def decode_tok_s(dec, uses: Sequence[tuple], tokens: int) -> float:
+    """Decode tokens/s of len(uses) rows a call (row i with uses[i]) after the prompt."""
+    import numpy as np
+
+    from edge_llm_ros.runtime.rows import Row
+    rows = [Row(s, 0, np.array(PROMPT, dtype=np.int64), lora=u) for s, u in enumerate(uses)]
+    logits = dec.run(rows)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        rows = [Row(r.slot, r.start + r.length, np.array([int(np.argmax(logits[i]))]),
+                    lora=r.lora) for i, r in enumerate(rows)]
+        logits = dec.run(rows)
+    return len(uses) * tokens / (time.perf_counter() - t0)
+
+
+def ours(folder: pathlib.Path, adapters: List[pathlib.Path], threads: int, tokens: int,
+         repeats: int) -> Dict:
+    from edge_llm_ros.model_format import load_model_info
+    from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
+    from edge_llm_ros.serving.adapters import Adapters
+    info = load_model_info(str(folder))
+    dec = OnnxDecoder(str(folder), info, SessionConfig(max_context=256, slots=4,
+                                                       intra_op_threads=threads))
+    store = Adapters(dec.enable_lora, info)
+    loads = []
+    for i, path in enumerate(adapters):
+        before = rss_kib()
+        loaded = store.load(f'a{i}', str(path))
+        loads.append({'seconds': round(loaded.load_seconds, 3),
+                      'rss_mib': round((rss_kib() - before) / 1024, 1),
+                      'pairs_mib': round(loaded.nbytes / 2 ** 20, 1),
+                      'file_mib': round(path.stat().st_size / 2 ** 20, 1)})
+    ids = [a.adapter_id for a in store.loaded()]
+    cases = {'base_1': [()], 'lora_1': [((ids[0], 1.0),)],
+             'base_4': [()] * 4, 'lora_4': [((i, 1.0),) for i in ids[:4]]}
+    best = dict.fromkeys(cases, 0.0)
+    for _ in range(repeats):
+        for name, uses in cases.items():   # take turns: load drifts hit all alike
+            best[name] = max(best[name], decode_tok_s(dec, uses, tokens))
+    return {'tok_s': {k: round(v, 2) for k, v in best.items()}, 'loads': loads,
+            'kernel': dec.kernel, 'max_rss_mib': round(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def llama_cpp(gguf: pathlib.Path, adapter: pathlib.Path, threads: int, tokens: int,
+              repeats: int) -> Dict:
+    from llama_peer import ensure_peer
+    peer = ensure_peer(install=True)
+    spec = {'gguf': str(gguf), 'lora': str(adapter), 'threads': threads, 'tokens': tokens,
+            'repeats': repeats, 'prompt': PROMPT}
+    done = subprocess.run([peer['python'], '-c', PEER_CHILD, json.dumps(spec)],
+                          capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        return {'error': done.stderr.strip().splitlines()[-1] if done.stderr else 'failed'}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--tokens', type=int, default=64)
+    p.add_argument('--repeats', type=int, default=3)
+    p.add_argument('--json-out', default=str(DEFAULT_JSON))
+    args = p.parse_args(argv)
+    WORK.mkdir(parents=True, exist_ok=True)
+    from edge_llm_ros.model_format import load_model_info
+    gguf, folder = smollm2_files()
+    adapters = write_adapters(load_model_info(str(folder)), 4)
+    res = {'model': 'SmolLM2-135M-Instruct Q4_1 (kquant)', 'rank': RANK,
+           'threads': args.threads, 'tokens': args.tokens, 'repeats': args.repeats,
+           'ours': ours(folder, adapters, args.threads, args.tokens, args.repeats),
+           'llama_cpp': llama_cpp(gguf, adapters[0], args.threads, args.tokens, args.repeats)}
+    t, peer = res['ours']['tok_s'], res['llama_cpp']
+    res['ratios'] = {'lora_vs_base': round(t['lora_1'] / t['base_1'], 3),
+                     'lora4_vs_base4': round(t['lora_4'] / t['base_4'], 3)}
+    if 'lora' in peer:
+        res['ratios']['lora_vs_llama_cpp_lora'] = round(t['lora_1'] / peer['lora']['tok_s'], 3)
+        res['ratios']['base_vs_llama_cpp_base'] = round(t['base_1'] / peer['base']['tok_s'], 3)
+    print(json.dumps(res, indent=1))
+    pathlib.Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1) + '\n')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

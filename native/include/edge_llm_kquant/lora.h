@@ -1,0 +1,55 @@
+// LoRA adapters applied per row beside the K-quant product (issue 43): y += s * B * (A * x),
+// never merged into the weights. Gathered per row, as punica / S-LoRA do: each row of a call
+// names its own adapters and scales, and a row's bits depend on its own inputs only.
+//
+// Two steps per (row, adapter pair): shrink u[q] = sum_i x[i] * At[i][q] (At = A transposed,
+// [k, r] row-major) and expand t[j] = sum_q u[q] * Bt[q][j] (Bt = B transposed, [r, n]); the
+// row's delta is d[j] += s * t[j], with s llama.cpp's scale (s * alpha / rank, or s without an
+// alpha). Each sum runs in index order, one product then one add per step (no fused
+// multiply-add), so every ISA path (avx2.cpp, avx512.cpp: lanes across q or j) gives the
+// scalar reference's bits. A row with no adapter (or scale 0) is not touched.
+//
+// The registry: adapter pairs per op node (the graph's KQuantMatMul name, e.g.
+// "layers.3.attn.q_proj"), each a segment of the node's output columns (a fused qkv or
+// gate|up node holds one per part); and the current call's table of which rows use which
+// adapters (set before a session run, cleared after). The op reads both.
+#ifndef EDGE_LLM_KQUANT_LORA_H
+#define EDGE_LLM_KQUANT_LORA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "edge_llm_kquant/ref.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// For every row m < rows with scales[m] != 0: y[m * n + j] += scales[m] * t[j], t the row's
+// expand of its shrink (x [rows, k], At [k, r], Bt [r, n]). With the selected kernels
+// (elk_select_kernel). Returns 0, or -1 for a bad shape.
+ELK_API int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t, int64_t r,
+                           const float *b_t, int64_t n, const float *scales, float *y);
+
+// Register adapter `adapter` (an id the caller chooses, > 0) on op node `node`: At [k, r] and
+// Bt [r, n_seg] (copied), for output columns [col, col + n_seg) of the node's W rows; alpha
+// and rank give llama.cpp's scale (alpha 0: the goal's scale as is). Returns 0, or -1.
+ELK_API int elk_lora_add(const char *node, int64_t adapter, int64_t k, int64_t r,
+                         const float *a_t, int64_t n_seg, const float *b_t, int64_t col,
+                         float alpha);
+// Drop every pair of `adapter`; returns how many were dropped.
+ELK_API int64_t elk_lora_remove(int64_t adapter);
+// Pairs registered, over all nodes and adapters.
+ELK_API int64_t elk_lora_pairs(void);
+
+// The next session run's rows: row m (a packed position) uses adapters ids[e] with scales
+// scales[e] for e in [offsets[m], offsets[m + 1]). rows 0 clears the table (the base model
+// runs untouched). The op refuses a call whose row count differs from a set table's.
+ELK_API int elk_lora_set_rows(int64_t rows, const int64_t *offsets, const int64_t *ids,
+                              const float *scales);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // EDGE_LLM_KQUANT_LORA_H
