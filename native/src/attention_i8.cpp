@@ -55,23 +55,10 @@ inline void accumulate_i8(float *y, const float *w, const int8_t *v, int64_t d, 
   }
 }
 
-// The query of token s, head h: normed, rotated, quantized into q8; returns q_scale x scale.
-inline float quantized_query(const elk_attention_shape *shape, const elk_row *row, int64_t s,
-                             int64_t h, const float *q, int64_t q_stride, const float *cos,
-                             const float *sin, int8_t *q8) {
-  const int64_t d = shape->head_dim, half = d / 2, r = rope_row(shape, row, s);
-  float normed[512], rotated[512];  // head_dim <= 512, checked by the op
-  rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
-                   d, normed),
-         cos + r * half, sin + r * half, d, rotated);
-  return elk_quantize_i8(rotated, d, q8) * shape->scale;
-}
-
-}  // namespace
-
-extern "C" {
-
-ELK_CLONES float elk_quantize_i8(const float *x, int64_t n, int8_t *q) {
+// max|x| / 127 per row, rounded to nearest (ties to even); inlined into each caller's clone,
+// so the library's own calls bind inside it (a call to the ifunc goes through the PLT).
+__attribute__((always_inline)) inline float quantize_row(const float *x, int64_t n,
+                                                         int8_t *q) {
   float top = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
     const float a = std::fabs(x[i]);
@@ -88,6 +75,26 @@ ELK_CLONES float elk_quantize_i8(const float *x, int64_t n, int8_t *q) {
   return scale;
 }
 
+// The query of token s, head h: normed, rotated, quantized into q8; returns q_scale x scale.
+inline float quantized_query(const elk_attention_shape *shape, const elk_row *row, int64_t s,
+                             int64_t h, const float *q, int64_t q_stride, const float *cos,
+                             const float *sin, int8_t *q8) {
+  const int64_t d = shape->head_dim, half = d / 2, r = rope_row(shape, row, s);
+  float normed[512], rotated[512];  // head_dim <= 512, checked by the op
+  rotate(head_norm(q + (row->offset + s) * q_stride + h * d, shape->q_norm, shape->norm_eps,
+                   d, normed),
+         cos + r * half, sin + r * half, d, rotated);
+  return quantize_row(rotated, d, q8) * shape->scale;
+}
+
+}  // namespace
+
+extern "C" {
+
+ELK_CLONES float elk_quantize_i8(const float *x, int64_t n, int8_t *q) {
+  return quantize_row(x, n, q);
+}
+
 ELK_CLONES void elk_attention_store_i8(const elk_attention_shape *shape, const elk_row *row,
                                        int64_t h, const float *k, const float *v,
                                        int64_t kv_stride, const float *cos, const float *sin,
@@ -99,8 +106,8 @@ ELK_CLONES void elk_attention_store_i8(const elk_attention_shape *shape, const e
     const int64_t token = (row->offset + s) * kv_stride + h * d;
     rotate(head_norm(k + token, shape->k_norm, shape->norm_eps, d, normed), cos + r * half,
            sin + r * half, d, rotated);
-    kv->key_scales[at] = elk_quantize_i8(rotated, d, kv->keys + at * d);
-    kv->value_scales[at] = elk_quantize_i8(v + token, d, kv->values + at * d);
+    kv->key_scales[at] = quantize_row(rotated, d, kv->keys + at * d);
+    kv->value_scales[at] = quantize_row(v + token, d, kv->values + at * d);
   }
 }
 
