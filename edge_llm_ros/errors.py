@@ -31,3 +31,11 @@ class InvalidSchemaError(InvalidRequestError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt (plus requested tokens) does not fit in the model's context."""
+
+
+class EmbeddingInputError(InvalidRequestError):
+    """An embed / rerank request is malformed (no texts, too long, too many, bad dimensions)."""
+
+
+class WrongModelKindError(InvalidRequestError):
+    """A request the loaded folder cannot serve: embed on a chat model, generate on an encoder."""

@@ -14,16 +14,12 @@ import numpy as np
 import onnxruntime as ort
 import yaml
 
-from edge_llm_ros.errors import EngineError, ModelLoadError
+from edge_llm_ros.errors import EmbeddingInputError, ModelLoadError, WrongModelKindError
 from edge_llm_ros.model_format import MODEL_FILE, MODEL_YAML, TOKENIZER_FILE
 from edge_llm_ros.runtime import native_ops
 
 BUCKET = 16            # rows are padded to a multiple of this many tokens
 KINDS = ('embedding', 'rerank')
-
-
-class EmbeddingInputError(EngineError):
-    """A bad embed / rerank request (empty text, too long, too many, bad dimensions)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +107,11 @@ class TextEncoder:
               truncate: bool = False) -> Embeddings:
         """Return the texts' vectors (pooled, normalized, truncated to `dimensions`)."""
         if self.kind != 'embedding':
-            raise EmbeddingInputError(f'{self.model_id} is a reranker: call rerank, or load an '
+            raise WrongModelKindError(f'{self.model_id} is a reranker: call rerank, or load an '
                                       'embedding model')
+        if self.pooling == 'none':
+            raise WrongModelKindError(f'{self.model_id} pools nothing (pooling none): its '
+                                      'per-token states are not served as embeddings')
         if dimensions < 0 or dimensions > self.dimensions:
             raise EmbeddingInputError(f"dimensions {dimensions} is above the model's "
                                       f'{self.dimensions}: ask for at most {self.dimensions} '
@@ -128,7 +127,7 @@ class TextEncoder:
     def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> np.ndarray:
         """Return one relevance score per document (the classifier's first label)."""
         if self.kind != 'rerank':
-            raise EmbeddingInputError(f'{self.model_id} is no reranker (kind {self.kind}): '
+            raise WrongModelKindError(f'{self.model_id} is no reranker (kind {self.kind}): '
                                       'load a rerank model')
         if not documents:
             raise EmbeddingInputError('rerank needs at least one document')
