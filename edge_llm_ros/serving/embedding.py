@@ -79,6 +79,8 @@ class EmbeddingEngine:
         self.model_name = self.encoder.model_id
         self.context_length = self.encoder.context
         self.dimensions = self.encoder.dimensions
+        self.providers = ('CPUExecutionProvider',)
+        self.vocab_size = self.encoder.tokenizer.get_vocab_size()
         self._lock = threading.Lock()
 
     def embed(self, texts: Sequence[str], is_query: bool = False, dimensions: int = 0,
@@ -104,6 +106,24 @@ class EmbeddingEngine:
     def generate(self, *args, **kwargs):
         """Refuse: an encoder generates nothing."""
         raise not_a_chat_model(self.model_name)
+
+    def prepare(self, *args, **kwargs):
+        """Refuse a generation request at admission, as generate does."""
+        raise not_a_chat_model(self.model_name)
+
+    def model_info(self) -> dict:
+        """Describe the model as Engine.model_info does (what ~/get_model_info reads)."""
+        return {'model_name': self.model_name, 'gguf_name': self.encoder.meta.get('gguf_name'),
+                'model_dir': self.model_dir, 'architecture': self.encoder.meta.get('architecture'),
+                'quantization': ','.join(self.encoder.meta.get('quantization', {}).get(
+                    'source_types', ())),
+                'context_length': self.context_length, 'vocab_size': self.vocab_size,
+                'providers': self.providers, 'kind': self.kind, 'dimensions': self.dimensions,
+                'capabilities': {}}
+
+    def kv_occupancy(self) -> Tuple[int, int]:
+        """Return (0, 0): an encoder keeps no KV cache."""
+        return 0, 0
 
     def close(self) -> None:
         """Nothing to free beyond the session (kept for Engine's interface)."""
