@@ -4,7 +4,10 @@ A real node process on a tiny random bert GGUF converted to an embedding folder 
 test_embed_parity.py's job): vectors come back in the response, each bad request is a typed
 refusal (error_kind) and the node answers the next request; a generate goal is refused.
 """
+import json
 import os
+import subprocess
+import sys
 
 from bert_fixture import BertCase, TEXTS, write_bert_gguf
 from llm_node_harness import served_process
@@ -61,3 +64,19 @@ def test_rerank_on_an_embedding_model_and_generate_are_refused(node):
     assert outcome.status != 'succeeded'
     assert 'embedding/rerank model' in (outcome.error_message or str(outcome))
     assert llm.embed(['still here'], timeout=60.0).vectors.shape == (1, 64)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, '-m', 'edge_llm_ros.cli', *args,
+                           '--server', '/' + NODE, '--timeout', '60'],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_embed_prints_json_lines_and_rerank_is_refused(node):
+    done = _cli('embed', 'the door', 'a cup', '--dimensions', '8')
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [d['text'] for d in lines] == ['the door', 'a cup']
+    assert all(len(d['embedding']) == 8 for d in lines)
+    refused = _cli('rerank', 'q', 'd')
+    assert refused.returncode == 1 and 'WrongModelKindError' in refused.stderr
