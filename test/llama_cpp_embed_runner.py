@@ -50,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument('--pooling', default='gguf', choices=sorted(POOLING))
     p.add_argument('--ctx', type=int, default=512)
     p.add_argument('--threads', type=int, default=1)
+    p.add_argument('--time', metavar='QUERY', default='',
+                   help='instead: time embedding all texts in one batched call, and QUERY '
+                        'alone (median of 5); print JSON seconds')
     args = p.parse_args(argv)
     with open(args.texts, encoding='utf-8') as f:
         texts = json.load(f)
@@ -57,6 +60,20 @@ def main(argv=None) -> int:
                           n_ctx=args.ctx, n_batch=args.ctx, n_ubatch=args.ctx,
                           n_threads=args.threads, n_threads_batch=args.threads,
                           flash_attn=False, n_gpu_layers=0, verbose=False)
+    if args.time:
+        import json as _json
+        import time
+        llm.embed(texts[:4], normalize=True)   # warm-up
+        t0 = time.perf_counter()
+        llm.embed(texts, normalize=True)
+        batch_s = time.perf_counter() - t0
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            llm.embed(args.time, normalize=True)
+            runs.append(time.perf_counter() - t0)
+        print(_json.dumps({'batch_s': batch_s, 'query_s': sorted(runs)[2]}))
+        return 0
     vectors, tokens, lengths = [], [], []
     for text in texts:
         if isinstance(text, list):
