@@ -5,7 +5,8 @@
 A random GGUF of bge-small's shape (bert: hidden 384, 12 layers, 12 heads, FFN 1536, context
 512; test/bert_fixture.py's small WPM vocabulary) embeds 256 sentences of 8-128 tokens: here
 through runtime/encoder.py (length-bucket batches), and through llama.cpp (the llama-cpp-python
-peer of bench/llama_peer.py, Llama.embed over the list: its own batching), the same threads.
+peer of bench/llama_peer.py, Llama.embed over the list: its own batching, 512-token ubatches
+as llama-server's default), the same threads.
 Then one short query alone (median of 5). Model load is not timed. Writes one JSON file.
 """
 import argparse
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         peer = llama_peer.ensure_peer(True)['python']
         runner = str(ROOT / 'test' / 'llama_cpp_embed_runner.py')
         done = subprocess.run([peer, runner, str(gguf), str(tmp / 'x.npz'), str(src),
-                               '--threads', str(args.threads), '--ctx', '4096',
+                               '--threads', str(args.threads), '--ctx', '4096', '--ubatch', '512',
                                '--time', QUERY], check=True, capture_output=True, text=True)
         theirs = json.loads(done.stdout.strip().splitlines()[-1])
         # Parity on a sample (every text: test_embed_parity.py's job).

@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument('--pooling', default='gguf', choices=sorted(POOLING))
     p.add_argument('--ctx', type=int, default=512)
     p.add_argument('--threads', type=int, default=1)
+    p.add_argument('--ubatch', type=int, default=0,
+                   help="tokens per ubatch (default: --ctx); llama-server's default is 512")
     p.add_argument('--time', metavar='QUERY', default='',
                    help='instead: time embedding all texts in one batched call, and QUERY '
                         'alone (median of 5); print JSON seconds')
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
     with open(args.texts, encoding='utf-8') as f:
         texts = json.load(f)
     llm = llama_cpp.Llama(args.model, embedding=True, pooling_type=POOLING[args.pooling],
-                          n_ctx=args.ctx, n_batch=args.ctx, n_ubatch=args.ctx,
+                          n_ctx=args.ctx, n_batch=args.ubatch or args.ctx,
+                          n_ubatch=args.ubatch or args.ctx,
                           n_threads=args.threads, n_threads_batch=args.threads,
                           flash_attn=False, n_gpu_layers=0, verbose=False)
     if args.time:
