@@ -21,6 +21,8 @@ from typing import Dict, List, Optional
 class Subcommand:
     module: str       # defines add_arguments(parser) and run(args) -> int
     description: str
+    add_arguments: str = 'add_arguments'   # the functions' names, when a module has several
+    run: str = 'run'
 
 
 SUBCOMMANDS: Dict[str, Subcommand] = {
@@ -28,6 +30,12 @@ SUBCOMMANDS: Dict[str, Subcommand] = {
                            'generate text on this machine with the engine (no ROS needed)'),
     'ask': Subcommand('edge_llm_ros.nodes.ask',
                       'send a prompt to a running llm_node over ROS 2 and stream the answer'),
+    'embed': Subcommand('edge_llm_ros.nodes.embed_cli',
+                        'embed texts with a running llm_node that serves an embedding model',
+                        'add_embed_arguments', 'run_embed'),
+    'rerank': Subcommand('edge_llm_ros.nodes.embed_cli',
+                         'score documents against a query with a llm_node serving a reranker',
+                         'add_rerank_arguments', 'run_rerank'),
 }
 
 
@@ -61,8 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               'with everything this command needs (ROS 2 for ask)?', file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog=f'edge-llm {name}', description=spec.description)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(rest)) or 0)
+    getattr(module, spec.add_arguments)(parser)
+    return int(getattr(module, spec.run)(parser.parse_args(rest)) or 0)
 
 
 if __name__ == '__main__':

@@ -27,20 +27,21 @@ from dataclasses import dataclass
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import uuid
 
 from action_msgs.msg import GoalStatus
 from lifecycle_msgs.msg import State
 from lifecycle_msgs.srv import GetState
+import numpy as np
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from unique_identifier_msgs.msg import UUID
 
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, LoraScale, SamplingParams, Timings, ToolSpec
-from edge_llm_msgs.srv import (Complete, Detokenize, GetModelInfo, GetSession, ListSessions,
-                               ResetSession, Tokenize, WarmPrompt)
+from edge_llm_msgs.srv import (Complete, Detokenize, Embed, GetModelInfo, GetSession,
+                               ListSessions, Rerank, ResetSession, Tokenize, WarmPrompt)
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.rclpy_internals import (accepted_goal_handle, FeedbackListenersMixin,
@@ -668,6 +669,32 @@ def tool_spec(tool: Any) -> ToolSpec:
                     parameters=parameters)
 
 
+class EmbedRefusedError(RuntimeError):
+    """~/embed or ~/rerank refused the request; kind is the node's error class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f'{kind}: {message}')
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EmbedReply:
+    """~/embed's answer: vectors [n, dimensions] float32, tokens per text, the model."""
+
+    vectors: np.ndarray
+    token_counts: Tuple[int, ...]
+    model_id: str
+
+
+@dataclass(frozen=True)
+class RerankReply:
+    """~/rerank's answer: one score per document (input order), indices best first."""
+
+    scores: np.ndarray
+    order: Tuple[int, ...]
+
+
 class LLMClient:
     """Client of one llm_node (`server` is its fully qualified name)."""
 
@@ -692,6 +719,8 @@ class LLMClient:
         self._get_session = service(GetSession, 'get_session')
         self._list_sessions = service(ListSessions, 'list_sessions')
         self._model_info = service(GetModelInfo, 'get_model_info')
+        self._embed = service(Embed, 'embed')
+        self._rerank = service(Rerank, 'rerank')
         self._get_state = service(GetState, 'get_state')
         self._live: List[GenerationHandle] = []
         self._live_lock = threading.Lock()
@@ -836,6 +865,31 @@ class LLMClient:
         """Return the served model and its capabilities (~/get_model_info, blocking)."""
         return self._call(self._model_info, GetModelInfo.Request(), timeout)
 
+    def embed(self, texts: Sequence[str], *, is_query: bool = False, dimensions: int = 0,
+              truncate: bool = False, timeout: Optional[float] = None) -> 'EmbedReply':
+        """Return the texts' vectors (~/embed, blocking); EmbedRefusedError when refused."""
+        request = Embed.Request(texts=list(texts), is_query=is_query,
+                                dimensions=int(dimensions), truncate=truncate)
+        response = self._call(self._embed, request, timeout)
+        if not response.success:
+            raise EmbedRefusedError(response.error_kind, response.message)
+        if response.handle.pool_id:
+            raise EmbedRefusedError('UnsupportedReply', 'the node sent the vectors as a '
+                                    'TensorHandle, which this client does not map yet')
+        vectors = np.asarray(response.vectors, np.float32).reshape(
+            len(texts), int(response.dimensions))
+        return EmbedReply(vectors, tuple(response.token_counts), response.model_id)
+
+    def rerank(self, query: str, documents: Sequence[str], *, top_n: int = 0,
+               truncate: bool = False, timeout: Optional[float] = None) -> 'RerankReply':
+        """Return each document's score and the order, best first (~/rerank, blocking)."""
+        request = Rerank.Request(query=query, documents=list(documents), top_n=int(top_n),
+                                 truncate=truncate)
+        response = self._call(self._rerank, request, timeout)
+        if not response.success:
+            raise EmbedRefusedError(response.error_kind, response.message)
+        return RerankReply(np.asarray(response.scores, np.float32), tuple(response.order))
+
     def _call(self, client, request, timeout: Optional[float]):
         if not client.wait_for_service(timeout_sec=timeout):
             raise ServerUnavailableError(f'{client.srv_name} not available within {timeout} s')
@@ -852,7 +906,7 @@ class LLMClient:
         self._action.destroy()
         for client in (self._complete, self._tokenize, self._detokenize, self._reset_session,
                        self._get_session, self._list_sessions, self._model_info,
-                       self._get_state):
+                       self._get_state, self._embed, self._rerank):
             self._node.destroy_client(client)
 
 

@@ -47,3 +47,11 @@ class AdapterMismatchError(AdapterError):
 
 class AdapterRequestError(InvalidRequestError):
     """A goal's adapters are unusable: unknown name, bad scale, more than the limit."""
+
+
+class EmbeddingInputError(InvalidRequestError):
+    """An embed / rerank request is malformed (no texts, too long, too many, bad dimensions)."""
+
+
+class WrongModelKindError(InvalidRequestError):
+    """A request the loaded folder cannot serve: embed on a chat model, generate on an encoder."""

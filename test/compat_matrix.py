@@ -24,7 +24,8 @@ LAST_RUN = ROOT / 'build' / 'compat' / 'last_run.json'   # per checkout
 # tiny_model.py's default ('mixed') tiny GGUF.
 SMOLLM2_TYPES = 'Q4_1+Q8_0'
 TINY_TYPES = 'Q4_0+Q4_1+Q8_0'
-CAPABILITIES = ('text', 'tools', 'reasoning', 'vision', 'sessions', 'speculation', 'batching')
+CAPABILITIES = ('text', 'tools', 'reasoning', 'vision', 'sessions', 'speculation', 'batching',
+                'embeddings', 'rerank')
 # What each capability's test proves (the doc's legend).
 MEANING = {
     'text': 'greedy ids equal to llama.cpp (32/32) on a tiny random GGUF of that type',
@@ -34,6 +35,8 @@ MEANING = {
     'sessions': 'a session continued (in memory or after a restart) equals the uninterrupted run',
     'speculation': 'speculative decoding gives the output of plain decoding',
     'batching': 'goals batched together give the bits of each goal run alone',
+    'embeddings': 'vectors with cosine >= 0.9999 to llama.cpp embeddings, per text, same pooling',
+    'rerank': 'rerank scores equal to llama.cpp rank pooling (1e-3) on the same GGUF',
 }
 
 

@@ -380,7 +380,8 @@ def test_small_byte_level_vocab(tmp_path):
 
 
 @pytest.mark.parametrize('kv, error, words', [
-    (_bpe_kv(**{'tokenizer.ggml.model': 'bert'}), UnsupportedModelError, 'bert'),
+    (_bpe_kv(**{'tokenizer.ggml.model': 'ugm'}), UnsupportedModelError, 'ugm'),
+    (_bpe_kv(**{'tokenizer.ggml.model': 'bert'}), ModelLoadError, 'unknown_token_id'),
     (_bpe_kv(**{'tokenizer.ggml.pre': 'no-such-pre'}), UnsupportedModelError, 'no-such-pre'),
     ({'general.name': 'x'}, ModelLoadError, 'tokenizer.ggml.model'),
     (_bpe_kv(**{'tokenizer.ggml.merges': ['ab']}), ModelLoadError, "'ab'"),

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from edge_llm_ros.bridge.backend import Backend, BackendRequest, Finished
 from edge_llm_ros.bridge.config import BridgeConfig
 from edge_llm_ros.bridge.convert import Body, chat_request, completion_request, parse_body
+from edge_llm_ros.bridge.embeddings import EmbeddingRoutes
 from edge_llm_ros.bridge.errors import (AuthenticationError, BodyTooLargeError, BridgeError,
                                         InvalidRequestError, MethodNotAllowedError,
                                         ModelNotFoundError, NotFoundError)
@@ -281,7 +282,7 @@ def create_app(backend: Backend, config: Optional[BridgeConfig] = None) -> FastA
         if exc.status_code == 404:
             return error_response(NotFoundError(
                 f'no route {request.url.path}: this bridge serves /v1/chat/completions, '
-                '/v1/completions and /v1/models'))
+                '/v1/completions, /v1/embeddings, /v1/rerank and /v1/models'))
         error = BridgeError(str(exc.detail))
         error.status = exc.status_code
         error.error_type = 'invalid_request_error' if exc.status_code < 500 else 'server_error'
@@ -296,4 +297,7 @@ def create_app(backend: Backend, config: Optional[BridgeConfig] = None) -> FastA
     app.add_api_route('/v1/models/{model_id:path}', handlers.get_model, methods=['GET'])
     app.add_api_route('/v1/chat/completions', handlers.chat, methods=['POST'])
     app.add_api_route('/v1/completions', handlers.completions, methods=['POST'])
+    extra = EmbeddingRoutes(handlers)   # bridge/embeddings.py
+    app.add_api_route('/v1/embeddings', extra.embeddings, methods=['POST'])
+    app.add_api_route('/v1/rerank', extra.rerank, methods=['POST'])
     return app

@@ -22,6 +22,7 @@ from typing import List, Optional
 import numpy as np
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
+from edge_llm_ros.convert.encoder import encoder_architecture, write_encoder_folder
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
@@ -180,9 +181,11 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     if out.exists() and not overwrite:
         raise ConversionError(f'{out} already exists; remove it or pass overwrite=True '
                               '(--force)')
-    ckpt = load_checkpoint(source)
-    vision = preflight(ckpt, opts, mmproj, source)
-    opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
+    encoder = encoder_architecture(source) if mmproj is None else None
+    if encoder is None:
+        ckpt = load_checkpoint(source)
+        vision = preflight(ckpt, opts, mmproj, source)
+        opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -190,8 +193,14 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     tmp = out.parent / f'.{out.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}'
     try:
         tmp.mkdir()
-        _write_folder(ckpt, tmp, opts, progress, vision)
-        if verify:
+        if encoder is not None:  # an embedding / rerank model (convert/encoder.py)
+            src = pathlib.Path(source).resolve()
+            write_encoder_folder(src, tmp, source_sha256(src))
+            if verify:
+                _verify(tmp, 'kquant' if native_ops.library_path() else 'none')
+        else:
+            _write_folder(ckpt, tmp, opts, progress, vision)
+        if verify and encoder is None:
             # Conv layers (lfm2) run the op library's ShortConv in either weight format.
             native = (opts.weight_format == 'kquant' or bool(ckpt.spec.layer_kinds)
                       or _native_layers(ckpt.spec))

@@ -5,11 +5,15 @@ trained on those ids.  The metadata keys are the `tokenizer.ggml.*` ones written
 converter; the pre-tokenizer regexes per `tokenizer.ggml.pre` follow llama.cpp's llama-vocab.cpp
 (the original Hugging Face patterns, since `tokenizers` understands `(?i:...)`).
 
-Two vocabulary kinds are supported:
+Three vocabulary kinds are supported:
 - 'gpt2': byte-level BPE (tokens, merges, token types) with a regex pre-tokenizer.
 - 'llama': SentencePiece-style vocabulary (pieces with '▁', scores, <0xXX> byte tokens).  llama.cpp
   merges the best-scoring adjacent pair whose concatenation is a piece; that is BPE whose merge
   ranks follow the merged piece's score, so the merges are derived from the scores.
+- 'bert': WordPiece (WPM) as llama.cpp stores it: word-initial pieces carry '▁', continuation
+  pieces are bare; the text is lowercased (accents stripped) unless the GGUF says otherwise,
+  split at whitespace and punctuation, and every word matched greedily, longest piece first,
+  a word with no match becoming [UNK]; [CLS] text [SEP].
 """
 from __future__ import annotations
 
@@ -148,10 +152,15 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
         add_space_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', True))
         tokenizer = _sentencepiece_bpe(tokens, types, meta, add_space_prefix)
         add_bos_default = True
+    elif kind == 'bert':
+        pre = meta.get('tokenizer.ggml.pre') or 'default'
+        tokenizer = _wordpiece(tokens, meta)
+        add_bos_default, add_space_prefix = True, False
     else:
         raise UnsupportedModelError(
             f'tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), '
-            'llama (SentencePiece), gemma4 (SentencePiece-style BPE with merges)')
+            'llama (SentencePiece), gemma4 (SentencePiece-style BPE with merges), bert '
+            '(WordPiece)')
 
     _register_added_tokens(tokenizer, tokens, types)
 
@@ -160,6 +169,12 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
     # Without the key, llama.cpp's per-vocabulary default applies (when a BOS id exists).
     add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', add_bos_default and bos is not None))
     add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', False))
+    if kind == 'bert' and meta.get('tokenizer.ggml.add_sep_token', True):
+        # llama.cpp appends the separator (not eos) to a WPM text: [CLS] text [SEP].
+        eos = _optional_id(meta, 'tokenizer.ggml.seperator_token_id', len(tokens))
+        if eos is None:
+            raise ModelLoadError('GGUF bert vocabulary has no tokenizer.ggml.seperator_token_id')
+        add_eos = True
     if add_bos and bos is None:
         raise ModelLoadError('GGUF sets add_bos_token but has no tokenizer.ggml.bos_token_id')
     if add_eos and eos is None:
@@ -276,6 +291,31 @@ def _merges_from_scores(tokens: Sequence[str], types: Sequence[int],
                 candidates.append((-scores[idx], idx, left, right))
     candidates.sort()
     return [(left, right) for _, _, left, right in candidates]
+
+
+def _wordpiece(tokens: Sequence[str], meta: _Metadata) -> Tokenizer:
+    """Return WordPiece over the GGUF's WPM vocabulary, normalized and split as llama.cpp's WPM."""
+    vocab: Dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        if t.startswith('[') and t.endswith(']'):
+            piece = t
+        elif t.startswith('\u2581'):
+            piece = t[1:]
+        else:
+            piece = '##' + t
+        vocab.setdefault(piece, i)
+    unk_id = _optional_id(meta, 'tokenizer.ggml.unknown_token_id', len(tokens))
+    if unk_id is None:
+        raise ModelLoadError('GGUF bert vocabulary has no tokenizer.ggml.unknown_token_id')
+    lowercase = bool(meta.get('tokenizer.ggml.normalizer.lowercase', True))
+    strip = bool(meta.get('tokenizer.ggml.normalizer.strip_accents', lowercase))
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=tokens[unk_id],
+                                           max_input_chars_per_word=1 << 20))
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=strip, lowercase=lowercase)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
 
 
 def _register_added_tokens(tokenizer: Tokenizer, tokens: Sequence[str],

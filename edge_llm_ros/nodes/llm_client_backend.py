@@ -44,9 +44,9 @@ from edge_llm_msgs.msg import ChatMessage, ToolCall as ToolCallMsg, ToolSpec as 
 from edge_llm_ros.bridge.backend import (BackendRequest, Event, Finished, Message, ReasoningDelta,
                                          TextDelta, TokenLogprob, ToolCallDelta, TopLogprob, Usage)
 from edge_llm_ros.bridge.errors import BackendUnavailableError, InvalidRequestError, QueueFullError
-from edge_llm_ros.client import (FEEDBACK_GRACE_S, GenerationHandle, GenerationOutcome,
-                                 GoalRejectedError, LLMClient, LLMClientError, make_goal,
-                                 QueueFullError as QueueFullRejection)
+from edge_llm_ros.client import (EmbedRefusedError, FEEDBACK_GRACE_S, GenerationHandle,
+                                 GenerationOutcome, GoalRejectedError, LLMClient, LLMClientError,
+                                 make_goal, QueueFullError as QueueFullRejection)
 from edge_llm_ros.ipc.errors import IpcError
 from edge_llm_ros.nodes.handles import image_pool
 
@@ -184,6 +184,26 @@ class LLMClientBackend:
 
     def models(self) -> Sequence[str]:
         return [self.model_id]
+
+    def embed(self, texts: Sequence[str], dimensions: int = 0):
+        """Return the node's ~/embed reply (bridge /v1/embeddings); a refusal is a 400."""
+        try:
+            return self.client.embed(texts, dimensions=dimensions,
+                                     timeout=self.discovery_timeout_s + 60.0)
+        except EmbedRefusedError as exc:
+            raise InvalidRequestError(exc.message, param='input') from None
+        except (LLMClientError, TimeoutError) as exc:
+            raise BackendUnavailableError(str(exc)) from None
+
+    def rerank(self, query: str, documents: Sequence[str], top_n: int = 0):
+        """Return the node's ~/rerank reply (bridge /v1/rerank); a refusal is a 400."""
+        try:
+            return self.client.rerank(query, documents, top_n=top_n,
+                                      timeout=self.discovery_timeout_s + 60.0)
+        except EmbedRefusedError as exc:
+            raise InvalidRequestError(exc.message, param='documents') from None
+        except (LLMClientError, TimeoutError) as exc:
+            raise BackendUnavailableError(str(exc)) from None
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

@@ -5,6 +5,8 @@ Interfaces (all relative to the node's name):
   ~/complete   edge_llm_msgs/srv/Complete      one-shot, through the same queue (llm_complete.py)
   ~/tokenize   edge_llm_msgs/srv/Tokenize      answered at once, never queued (llm_services.py)
   ~/detokenize edge_llm_msgs/srv/Detokenize    answered at once, never queued
+  ~/embed      edge_llm_msgs/srv/Embed         texts -> vectors, an embedding folder only
+  ~/rerank     edge_llm_msgs/srv/Rerank        query + documents -> scores (llm_embed.py)
   ~/get_model_info edge_llm_msgs/srv/GetModelInfo  answered at once, in every state
   ~/get_session edge_llm_msgs/srv/GetSession   one conversation: turns, tokens, KV bytes
   ~/list_sessions edge_llm_msgs/srv/ListSessions  the conversations kept
@@ -64,6 +66,7 @@ from edge_llm_ros.nodes.llm_config import (check_changes, ConfigError, current_v
                                            declare_parameters, read_config, runtime_config,
                                            RuntimeConfig)
 from edge_llm_ros.nodes.llm_detections import DetectionPublisher, DetectionsConfigError
+from edge_llm_ros.nodes.llm_embed import EmbedServices
 from edge_llm_ros.nodes.llm_health import Health
 from edge_llm_ros.nodes.llm_resources import configure, Configured, ConfigureFailed, release
 from edge_llm_ros.nodes.llm_services import LLMServices
@@ -104,6 +107,7 @@ class LLMNode(LifecycleNode):
         self.complete = CompleteService(self, self.admission)    # ~/complete
         self.llm_services = LLMServices(self)   # ~/tokenize, ~/detokenize, ...
         self.adapter_services = LLMAdapterServices(self)   # ~/list_adapters, ~/load_adapter, ...
+        self.embed_services = EmbedServices(self)   # ~/embed, ~/rerank
         self.updater = ModelUpdater(self)       # ~/update_model
         self.health = Health(self, self.get_parameter('diagnostics.period_s').value)
         self._autostart_timer = None

@@ -54,6 +54,8 @@ from edge_llm_ros.runtime.types import (ChatMessage, GenerationRequest, Generati
                                         StopReason, TokenEvent)
 from edge_llm_ros.serving import warm_prompts as warm_mod
 from edge_llm_ros.serving.adapters import AdapterLimits, Adapters
+from edge_llm_ros.serving.embedding import (is_encoder_folder, not_a_chat_model,
+                                            not_an_embedding_model)
 from edge_llm_ros.serving.executor import Executor, probe_rows, RowPolicy
 from edge_llm_ros.serving.goal import CancelReason, Goal
 from edge_llm_ros.serving.loop import StepLoop
@@ -214,6 +216,8 @@ class Engine:
                                  f'{config.max_image_tokens}')
         model_dir = config.model_dir or str(embedded_model())
         self.model_dir = model_dir
+        if is_encoder_folder(model_dir):   # serving/embedding.py serves those
+            raise not_a_chat_model(model_dir)
         self.info = load_model_info(model_dir)
         # A hybrid's conv state is that of its last position (model.yaml layer_states): its
         # slots and session snapshots keep copies at a prompt's and a turn's end, where prefix
@@ -481,6 +485,15 @@ class Engine:
             done()
             return
         self._store.when_saved(done)
+
+    def embed(self, texts, is_query: bool = False, dimensions: int = 0,
+              truncate: bool = False):
+        """Refuse: a chat folder embeds nothing (serving/embedding.EmbeddingEngine does)."""
+        raise not_an_embedding_model(self.model_name)
+
+    def rerank(self, query, documents, top_n: int = 0, truncate: bool = False):
+        """Refuse: a chat folder scores nothing (serving/embedding.EmbeddingEngine does)."""
+        raise not_an_embedding_model(self.model_name)
 
     def generate(self, request: Union[PreparedRequest, GenerationRequest]) -> 'Generation':
         """Submit one goal and return its Generation, which steps the engine as it is iterated.

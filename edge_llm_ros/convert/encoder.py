@@ -1,0 +1,56 @@
+"""Write an embedding / reranking model folder from a BERT-style GGUF (encoder_graph.py).
+
+The folder holds model.onnx (+ model.onnx.data), tokenizer.json and a model.yaml whose
+`kind: embedding` (or `rerank` for a cross-encoder) tells the runtime it is no chat model, and
+whose `embedding` section says how the states become a vector (runtime/encoder.py).
+"""
+import pathlib
+from typing import Optional
+
+from edge_llm_ros.convert.checkpoint import gguf_field, open_gguf
+from edge_llm_ros.convert.encoder_graph import build_encoder, ENCODER_ARCHITECTURES, EncoderGguf
+from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
+from edge_llm_ros.model_format import CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML
+
+KIND_EMBEDDING = 'embedding'
+KIND_RERANK = 'rerank'
+
+
+def encoder_architecture(source: str) -> Optional[str]:
+    """Return the GGUF's architecture when it is an encoder this converter builds, else None."""
+    path = pathlib.Path(source)
+    if not path.is_file() or path.suffix.lower() != '.gguf':
+        return None
+    arch = gguf_field(open_gguf(path), 'general.architecture')
+    return arch if arch in ENCODER_ARCHITECTURES else None
+
+
+def write_encoder_folder(source: pathlib.Path, tmp: pathlib.Path, sha256: str) -> None:
+    """Write the encoder's graph, tokenizer and model.yaml into the (empty) folder tmp."""
+    import onnx
+    import yaml
+    m = EncoderGguf(source)
+    s = m.spec
+    specials = write_tokenizer_files(m.reader, tmp)
+    (tmp / 'chat_template.jinja').unlink(missing_ok=True)  # not a chat model
+    with open(tmp / DATA_FILE, 'wb') as data:
+        model = build_encoder(m, data)
+    onnx.save_model(model, str(tmp / MODEL_FILE))
+    types = sorted({t.qtype for t in m.tensors.values() if len(t.shape) == 2})
+    name = gguf_field(m.reader, 'general.name') or source.stem
+    meta = {
+        'name': str(name), 'gguf_name': str(name), 'architecture': s.arch,
+        'kind': KIND_RERANK if s.pooling == 'rank' else KIND_EMBEDDING,
+        'num_layers': s.layers, 'num_heads': s.heads, 'hidden_size': s.hidden,
+        'vocab_size': s.vocab_size, 'max_position_embeddings': s.context,
+        'bos_token_id': specials.get('bos_token_id'),
+        'eos_token_ids': list(specials.get('eos_token_ids', [])),
+        'pad_token_id': specials.get('pad_token_id'),
+        'embedding': {'pooling': s.pooling, 'normalize': s.pooling != 'rank',
+                      'dimensions': s.hidden, 'labels': s.labels},
+        'quantization': {'source_types': types},
+        'op_domains': sorted({n.domain for n in model.graph.node if n.domain}),
+        'source': {'path': str(source), 'sha256': sha256},
+        'converter_version': CONVERTER_VERSION,
+    }
+    (tmp / MODEL_YAML).write_text(yaml.safe_dump(meta, sort_keys=False))

@@ -1,0 +1,246 @@
+"""A BERT-style encoder (llama.cpp's `bert` graph) as an ONNX graph: token ids in, states out.
+
+`input_ids` int64 [B, T] and `attention_mask` int64 [B, T] (1 = a token, 0 = padding) become
+`hidden` float32 [B, T, H], the last layer's states (llama.cpp's result_embd); pooling and
+normalization are the runtime's (runtime/encoder.py), as the folder's model.yaml says. With a
+classifier head (a cross-encoder, pooling 'rank') the graph also returns `rank_scores`
+[B, n_labels]: the first token through cls (+ bias), tanh, cls.output (+ bias).
+
+The graph is llama.cpp's src/models/bert.cpp: token + token-type-0 + position embeddings,
+LayerNorm, then per layer Q/K/V with biases, attention both ways over the row's tokens (padding
+masked out), the output projection, residual + LayerNorm, a GELU MLP, residual + LayerNorm
+(post-norm). Weights stay in their GGUF types: Q4_0..Q8_0 and K-quant matrices are the op
+library's KQuantMatMul over the file's blocks (activations quantized per block as ggml does),
+an F16 matrix a float32 MatMul of its widened values with the activations rounded to float16
+(ggml's F16 matmul does that), F32 a float32 MatMul. GELU is ggml's float16 table
+(vision_graph._gelu).
+"""
+from dataclasses import dataclass
+import pathlib
+from typing import BinaryIO, Dict, Optional
+
+import numpy as np
+import onnx
+from onnx import helper, TensorProto
+
+from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
+from edge_llm_ros.convert.gguf_weights import gguf_weights, KQUANT_TYPES
+from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
+from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
+from edge_llm_ros.model_format import DATA_FILE
+
+OPSET = 20  # Gelu (approximate='tanh')
+ENCODER_ARCHITECTURES = ('bert',)
+# llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
+POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
+IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """What an encoder GGUF says about its shape and pooling."""
+
+    arch: str
+    hidden: int
+    heads: int
+    layers: int
+    ff: int
+    context: int
+    eps: float
+    pooling: str
+    vocab_size: int
+    labels: int = 0  # outputs of a classifier head (rank pooling), 0 = none
+
+
+class EncoderGguf:
+    """An opened encoder GGUF: its spec and tensors (bytes mapped, not copied)."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.reader = open_gguf(path)
+        arch = gguf_field(self.reader, 'general.architecture', required=True)
+        if arch not in ENCODER_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f'{path}: {arch!r} is not an encoder architecture this converter builds '
+                f'({", ".join(ENCODER_ARCHITECTURES)})')
+        self.tensors: Dict[str, SourceTensor] = {t.name: gguf_tensor(path, t)
+                                                 for t in self.reader.tensors}
+
+        def key(name: str, default=None):
+            return gguf_field(self.reader, f'{arch}.{name}', default=default,
+                              required=default is None)
+
+        pooling = int(key('pooling_type', 0))
+        if pooling not in POOLING_NAMES:
+            raise UnsupportedModelError(f'{path}: pooling_type {pooling} is not one of '
+                                        f'{POOLING_NAMES}')
+        if bool(key('attention.causal', False)):
+            raise UnsupportedModelError(f'{path}: a causal bert is not an encoder; convert a '
+                                        'bidirectional embedding model')
+        labels = self.tensors['cls.output.weight'].shape[0] \
+            if 'cls.output.weight' in self.tensors else 0
+        tokens = gguf_field(self.reader, 'tokenizer.ggml.tokens', required=True)
+        self.spec = EncoderSpec(arch, int(key('embedding_length')),
+                                int(key('attention.head_count')),
+                                int(key('block_count')), int(key('feed_forward_length')),
+                                int(key('context_length')),
+                                float(key('attention.layer_norm_epsilon')),
+                                POOLING_NAMES[pooling], len(tokens), labels)
+        missing = [n for n in self.required() if n not in self.tensors]
+        if missing:
+            raise ModelLoadError(f'{path}: the bert GGUF lacks {", ".join(missing[:5])}; the file '
+                                 'is incomplete, convert it again with llama.cpp')
+
+    def required(self):
+        """Tensor names llama.cpp's bert loader requires."""
+        names = ['token_embd.weight', 'position_embd.weight', 'token_embd_norm.weight',
+                 'token_embd_norm.bias']
+        for i in range(self.spec.layers):
+            names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
+                                                      'ffn_up', 'ffn_down', 'layer_output_norm')]
+            names += [f'blk.{i}.{r}.bias' for r in ('attn_output_norm', 'layer_output_norm')]
+            if f'blk.{i}.attn_qkv.weight' not in self.tensors:
+                names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
+        return names
+
+    def array(self, name: str) -> np.ndarray:
+        """Return a tensor as float32 in its logical shape."""
+        return self.tensors[name].dequantize()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+
+def _linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+    """Add x @ W.T (+ b) for an [out, in] GGUF matrix, in the file's type (module docstring)."""
+    source = m.tensors[prefix + '.weight']
+    bias = m.array(prefix + '.bias') if m.has(prefix + '.bias') else None
+    blocks = gguf_weights(source)
+    if blocks is not None:
+        inputs = [x, g.init(prefix + '.gguf_blocks', blocks.raw)]
+        if bias is not None:
+            inputs.append(g.init(prefix + '.bias', bias))
+        g._n += 1
+        out = f'kquant_{g._n}'
+        g.nodes.append(helper.make_node('KQuantMatMul', inputs, [out], name=prefix,
+                                        domain=KQUANT_DOMAIN, quant_type=blocks.type_id,
+                                        K=blocks.k, N=blocks.shape[0]))
+        y = out
+    else:
+        if source.qtype not in ('F32', 'F16'):
+            raise UnsupportedModelError(
+                f'{m.path}: {prefix}.weight is {source.qtype}; encoder matrices are read as '
+                f'F32, F16 or {"/".join(KQUANT_TYPES)}: re-quantize the GGUF with llama-quantize')
+        w = m.array(prefix + '.weight')
+        if source.qtype == 'F16':
+            x = _f16(g, x)
+        y = g.node('MatMul', [x, g.init(prefix + '.weight.t', np.ascontiguousarray(w.T))])
+        if bias is not None:
+            y = g.node('Add', [y, g.init(prefix + '.bias', bias)])
+    return y
+
+
+def _layer_norm(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+    weight = g.init(prefix + '.weight', m.array(prefix + '.weight'))
+    bias = g.init(prefix + '.bias', m.array(prefix + '.bias'))
+    return g.node('LayerNormalization', [x, weight, bias], axis=-1, epsilon=m.spec.eps)
+
+
+def _embeddings(g: _Graph, m: EncoderGguf) -> str:
+    """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
+    table = m.tensors['token_embd.weight']
+    blocks = gguf_weights(table)
+    if blocks is not None:
+        g._n += 1
+        rows = f'kquant_gather_{g._n}'
+        g.nodes.append(helper.make_node('KQuantGather', [g.init('token_embd.gguf_blocks',
+                                                                blocks.raw), IDS],
+                                        [rows], name='token_embd', domain=KQUANT_DOMAIN,
+                                        quant_type=blocks.type_id, K=m.spec.hidden))
+    else:
+        rows = g.node('Gather', [g.init('token_embd.weight', m.array('token_embd.weight')), IDS],
+                      axis=0)
+    if m.has('token_types.weight'):  # llama.cpp adds row 0 ("sentence A") to every token
+        rows = g.node('Add', [rows, g.init('token_type0', m.array('token_types.weight')[0])])
+    ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
+                  value=helper.make_tensor('one', TensorProto.INT64, [1], [1]))
+    positions = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])  # [B, T]: 0..T-1
+    pos = g.node('Gather', [g.init('position_embd.weight', m.array('position_embd.weight')),
+                            positions], axis=0)
+    return _layer_norm(g, m, g.node('Add', [pos, rows]), 'token_embd_norm')
+
+
+def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+    s = m.spec
+    b = f'blk.{i}'
+    d = s.hidden // s.heads
+    split = g.const([0, 0, s.heads, d])
+
+    def heads_of(role: str) -> str:
+        t = g.node('Reshape', [_linear(g, m, x, f'{b}.attn_{role}'), split])
+        return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [B, H, T, d]
+
+    q, k, v = heads_of('q'), heads_of('k'), heads_of('v')
+    scores = g.node('Mul', [g.node('MatMul', [q, g.node('Transpose', [k], perm=[0, 1, 3, 2])]),
+                            g.const(1.0 / np.sqrt(d), np.float32)])
+    probs = g.node('Softmax', [g.node('Add', [scores, bias])], axis=-1)
+    attn = g.node('MatMul', [probs, v])
+    merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
+                                g.const([0, 0, s.hidden])])
+    return _linear(g, m, merged, f'{b}.attn_output')
+
+
+def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+    b = f'blk.{i}'
+    h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i), x]),
+                    f'{b}.attn_output_norm')
+    up = _gelu(g, _linear(g, m, h, f'{b}.ffn_up'))
+    out = g.node('Add', [_linear(g, m, up, f'{b}.ffn_down'), h])
+    return _layer_norm(g, m, out, f'{b}.layer_output_norm')
+
+
+def _mask_bias(g: _Graph) -> str:
+    """[B, 1, 1, T] additive mask: 0 for tokens, -inf-like for padding (keys only)."""
+    keep = g.node('Cast', [MASK], to=TensorProto.FLOAT)
+    neg = g.node('Mul', [g.node('Sub', [keep, g.const(1.0, np.float32)]),
+                         g.const(np.float32(3.0e38), np.float32)])
+    return g.node('Unsqueeze', [neg, g.const([1, 2])])
+
+
+def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
+    """Return the classifier of a cross-encoder on the first token ([CLS]), as llama.cpp's rank."""
+    first = g.node('Gather', [hidden, g.const(0)], axis=1)  # [B, H]
+    cur = first
+    if m.has('cls.weight'):
+        cur = g.node('Tanh', [_linear(g, m, cur, 'cls')])
+    out = _linear(g, m, cur, 'cls.output')
+    return g.node('Reshape', [out, g.const([-1, m.spec.labels])])
+
+
+def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
+    """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
+    g = _Graph(data, DATA_FILE)
+    bias = _mask_bias(g)
+    x = _embeddings(g, m)
+    for i in range(m.spec.layers):
+        x = _layer(g, m, x, bias, i)
+    g.nodes.append(helper.make_node('Identity', [x], [HIDDEN], name='hidden'))
+    outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
+                                             ['batch', 'tokens', m.spec.hidden])]
+    if m.spec.pooling == 'rank':
+        if not m.spec.labels:
+            raise UnsupportedModelError(f'{m.path}: rank pooling without a classifier head '
+                                        '(cls.output.weight): not a cross-encoder')
+        g.nodes.append(helper.make_node('Identity', [_rank_head(g, m, HIDDEN)], [RANK],
+                                        name='rank'))
+        outputs.append(helper.make_tensor_value_info(RANK, TensorProto.FLOAT,
+                                                     ['batch', m.spec.labels]))
+    inputs = [helper.make_tensor_value_info(IDS, TensorProto.INT64, ['batch', 'tokens']),
+              helper.make_tensor_value_info(MASK, TensorProto.INT64, ['batch', 'tokens'])]
+    graph = helper.make_graph(g.nodes, 'edge_llm_encoder', inputs, outputs,
+                              list(g.inits.values()))
+    opsets = [helper.make_opsetid('', OPSET), helper.make_opsetid(KQUANT_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = IR_VERSION
+    return model

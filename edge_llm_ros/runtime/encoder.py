@@ -1,0 +1,182 @@
+"""Run an embedding / rerank model folder (convert/encoder.py): texts in, vectors or scores out.
+
+Texts are tokenized, sorted by length and cut into batches whose rows are padded to a length
+bucket (the next multiple of BUCKET tokens), not to the longest text of the call; each batch
+is one model call. The states are pooled as the GGUF said (mean over the text's tokens, the
+first token (CLS), the last token, or none), as llama.cpp pools them, then L2-normalized;
+`dimensions` below the model's keeps the first ones (Matryoshka) and normalizes again.
+"""
+from dataclasses import dataclass
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import onnxruntime as ort
+import yaml
+
+from edge_llm_ros.errors import EmbeddingInputError, ModelLoadError, WrongModelKindError
+from edge_llm_ros.model_format import MODEL_FILE, MODEL_YAML, TOKENIZER_FILE
+from edge_llm_ros.runtime import native_ops
+
+BUCKET = 16            # rows are padded to a multiple of this many tokens
+KINDS = ('embedding', 'rerank')
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """How the encoder runs: threads and the largest batch a call may carry."""
+
+    threads: int = 0           # 0 = onnxruntime's default
+    max_batch: int = 256       # texts per request
+    batch_tokens: int = 4096   # padded tokens per model call
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """Vectors [n, dimensions] float32 in the request's order, and each text's token count."""
+
+    vectors: np.ndarray
+    token_counts: Tuple[int, ...]
+
+
+def is_encoder_folder(model_dir: str) -> bool:
+    """Whether model_dir's model.yaml says it is an embedding or rerank model."""
+    try:
+        with open(os.path.join(model_dir, MODEL_YAML), encoding='utf-8') as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and raw.get('kind') in KINDS
+
+
+class TextEncoder:
+    """An opened embedding / rerank folder."""
+
+    def __init__(self, model_dir: str, config: EncoderConfig = EncoderConfig()) -> None:
+        from tokenizers import Tokenizer
+        self.config = config
+        with open(os.path.join(model_dir, MODEL_YAML), encoding='utf-8') as f:
+            self.meta = yaml.safe_load(f)
+        if self.meta.get('kind') not in KINDS:
+            raise ModelLoadError(f'{model_dir} is not an embedding or rerank model (model.yaml '
+                                 f'kind {self.meta.get("kind")!r}): convert an embedding GGUF')
+        emb = self.meta['embedding']
+        self.kind = self.meta['kind']
+        self.pooling = str(emb['pooling'])
+        self.normalize = bool(emb['normalize'])
+        self.dimensions = int(emb['dimensions'])
+        self.context = int(self.meta['max_position_embeddings'])
+        self.model_id = str(self.meta.get('name', os.path.basename(model_dir)))
+        self.pad_id = int(self.meta.get('pad_token_id') or 0)
+        self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, TOKENIZER_FILE))
+        opts = ort.SessionOptions()
+        if config.threads:
+            opts.intra_op_num_threads = config.threads
+        if self.meta.get('op_domains'):
+            native_ops.register(opts, f'model {model_dir}')
+        self._session = ort.InferenceSession(os.path.join(model_dir, MODEL_FILE), opts,
+                                             providers=['CPUExecutionProvider'])
+
+    # --- requests --------------------------------------------------------------------
+    def tokenize(self, texts: Sequence[str], truncate: bool,
+                 pairs: Optional[Sequence[str]] = None) -> List[List[int]]:
+        """Token ids per text (pairs: [CLS] a [SEP] b [SEP]); too long is an error unless cut."""
+        if not texts:
+            raise EmbeddingInputError('no texts: send at least one non-empty text')
+        if len(texts) > self.config.max_batch:
+            raise EmbeddingInputError(f'{len(texts)} texts is over the limit of '
+                                      f'{self.config.max_batch} per request: split the request')
+        for i, t in enumerate(texts):
+            if not isinstance(t, str) or not t.strip():
+                raise EmbeddingInputError(f'text {i} is empty: send non-empty texts')
+        enc = (self.tokenizer.encode_batch(list(texts)) if pairs is None else
+               self.tokenizer.encode_batch(list(zip(texts, pairs))))
+        out = []
+        for i, e in enumerate(enc):
+            ids = list(e.ids)
+            if len(ids) > self.context:
+                if not truncate:
+                    raise EmbeddingInputError(
+                        f'text {i} is {len(ids)} tokens, over the context of {self.context}: '
+                        'shorten it or set truncate')
+                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP]
+            out.append(ids)
+        return out
+
+    def embed(self, texts: Sequence[str], dimensions: int = 0,
+              truncate: bool = False) -> Embeddings:
+        """Return the texts' vectors (pooled, normalized, truncated to `dimensions`)."""
+        if self.kind != 'embedding':
+            raise WrongModelKindError(f'{self.model_id} is a reranker: call rerank, or load an '
+                                      'embedding model')
+        if self.pooling == 'none':
+            raise WrongModelKindError(f'{self.model_id} pools nothing (pooling none): its '
+                                      'per-token states are not served as embeddings')
+        if dimensions < 0 or dimensions > self.dimensions:
+            raise EmbeddingInputError(f"dimensions {dimensions} is above the model's "
+                                      f'{self.dimensions}: ask for at most {self.dimensions} '
+                                      '(0 = all)')
+        ids = self.tokenize(texts, truncate)
+        vectors = self.pooled(ids)
+        if dimensions and dimensions < vectors.shape[1]:
+            vectors = vectors[:, :dimensions]
+            vectors = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return Embeddings(np.ascontiguousarray(vectors, np.float32),
+                          tuple(len(i) for i in ids))
+
+    def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> np.ndarray:
+        """Return one relevance score per document (the classifier's first label)."""
+        if self.kind != 'rerank':
+            raise WrongModelKindError(f'{self.model_id} is no reranker (kind {self.kind}): '
+                                      'load a rerank model')
+        if not documents:
+            raise EmbeddingInputError('rerank needs at least one document')
+        if not isinstance(query, str) or not query.strip():
+            raise EmbeddingInputError('the rerank query is empty: send a query text')
+        ids = self.tokenize([query] * len(documents), truncate, pairs=list(documents))
+        return self._run(ids, rank=True)[:, 0].copy()
+
+    # --- the model ---------------------------------------------------------------------
+    def pooled(self, ids: List[List[int]]) -> np.ndarray:
+        """Pooled (and normalized, where the model says) vectors per token list, in order."""
+        out = self._run(ids, rank=False)
+        if self.normalize:
+            out = out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+        return out
+
+    def _run(self, ids: List[List[int]], rank: bool) -> np.ndarray:
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        results: List[Optional[np.ndarray]] = [None] * len(ids)
+        for batch in self._batches(order, ids):
+            width = -(-max(len(ids[i]) for i in batch) // BUCKET) * BUCKET
+            width = min(width, max(self.context, max(len(ids[i]) for i in batch)))
+            tok = np.full((len(batch), width), self.pad_id, np.int64)
+            mask = np.zeros((len(batch), width), np.int64)
+            for r, i in enumerate(batch):
+                tok[r, :len(ids[i])] = ids[i]
+                mask[r, :len(ids[i])] = 1
+            outs = self._session.run(None, {'input_ids': tok, 'attention_mask': mask})
+            for r, i in enumerate(batch):
+                results[i] = outs[1][r] if rank else self._pool(outs[0][r, :len(ids[i])])
+        return np.stack(results)
+
+    def _batches(self, order: List[int], ids: List[List[int]]):
+        batch: List[int] = []
+        for i in order:
+            width = -(-len(ids[i]) // BUCKET) * BUCKET
+            if batch and (width * (len(batch) + 1) > self.config.batch_tokens
+                          or width > -(-len(ids[batch[0]]) // BUCKET) * BUCKET):
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    def _pool(self, states: np.ndarray) -> np.ndarray:
+        if self.pooling == 'mean':
+            return states.mean(axis=0)
+        if self.pooling == 'cls':
+            return states[0]
+        if self.pooling == 'last':
+            return states[-1]
+        return states  # 'none': every token's state

@@ -1,0 +1,135 @@
+"""Tiny random BERT-style GGUFs (llama.cpp's `bert` layout) for the embedding parity tests.
+
+What llama.cpp's bert loader requires: `bert.attention.layer_norm_epsilon`, the token type
+count (tokenizer.ggml.token_type_count), token_embd / token_types / position_embd, the
+embedding LayerNorm (token_embd_norm), and per layer attn_q/k/v (+ bias), attn_output,
+attn_output_norm, ffn_up, ffn_down, layer_output_norm; cls / cls.output for a reranker.
+The vocabulary is a WPM one as llama.cpp's converter writes it: word-initial pieces carry the
+phantom space '▁', continuation pieces are stored without BERT's '##'.
+"""
+from dataclasses import dataclass
+import pathlib
+import string
+from typing import List, Tuple
+
+import gguf
+import numpy as np
+
+WORDS = ('the', 'robot', 'arm', 'kitchen', 'door', 'is', 'open', 'closed', 'red', 'cup',
+         'table', 'battery', 'low', 'charge', 'dock', 'map', 'room', 'left', 'right', 'go',
+         'pick', 'up', 'put', 'down', 'where', 'what', 'a', 'an', 'of', 'in', 'on', 'to')
+SPECIALS = ('[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]')
+PAD_ID, UNK_ID, CLS_ID, SEP_ID = 0, 1, 2, 3
+POOLING = {'none': 0, 'mean': 1, 'cls': 2, 'last': 3, 'rank': 4}
+
+
+@dataclass(frozen=True)
+class BertCase:
+    """One tiny encoder: its weight type, pooling and shape."""
+
+    wtype: str = 'F32'
+    pooling: str = 'mean'
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 2
+    ff: int = 128
+    context: int = 128
+    seed: int = 0
+
+    @property
+    def tag(self) -> str:
+        return f'bert-{self.wtype}-{self.pooling}'
+
+
+def vocab() -> List[str]:
+    """Specials, whole words, single letters and digits (both forms), punctuation."""
+    toks = list(SPECIALS)
+    toks += ['\u2581' + w for w in WORDS]
+    toks += ['\u2581' + c for c in string.ascii_lowercase + string.digits]
+    toks += list(string.ascii_lowercase + string.digits)
+    toks += ['s', 'ing', 'ed', 'er']
+    toks += ['\u2581' + c for c in '.,?!:;\'"-()']
+    return list(dict.fromkeys(toks))
+
+
+def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
+    """Write the case's GGUF (matrices in case.wtype, vectors F32) and return its path."""
+    path = pathlib.Path(path)
+    rng = np.random.default_rng(case.seed)
+    toks = vocab()
+    h, ff = case.hidden, case.ff
+    w = gguf.GGUFWriter(str(path), 'bert')
+    w.add_name(f'tiny-{case.tag}')
+    w.add_block_count(case.layers)
+    w.add_context_length(case.context)
+    w.add_embedding_length(h)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(case.heads)
+    w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType(POOLING[case.pooling]))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model('bert')
+    w.add_token_list(toks)
+    w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
+    w.add_token_type_count(2)
+    w.add_bos_token_id(CLS_ID)
+    w.add_sep_token_id(SEP_ID)
+    w.add_unk_token_id(UNK_ID)
+    w.add_pad_token_id(PAD_ID)
+    w.add_mask_token_id(4)
+
+    def put(name: str, x: np.ndarray, matrix: bool = True) -> None:
+        if not matrix or case.wtype == 'F32':
+            w.add_tensor(name, x.astype(np.float32))
+        elif case.wtype == 'F16':
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[case.wtype]
+            w.add_tensor(name, gguf.quants.quantize(x.astype(np.float32), qtype), raw_dtype=qtype)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def vec(n: int, centre: float = 0.0, spread: float = 0.1) -> np.ndarray:
+        return (centre + spread * rng.standard_normal(n)).astype(np.float32)
+
+    put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
+    put('token_types.weight', 0.1 * rng.standard_normal((2, h)).astype(np.float32), False)
+    put('position_embd.weight', 0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
+    put('token_embd_norm.weight', vec(h, 1.0), False)
+    put('token_embd_norm.bias', vec(h), False)
+    for i in range(case.layers):
+        b = f'blk.{i}'
+        for r in ('attn_q', 'attn_k', 'attn_v', 'attn_output'):
+            put(f'{b}.{r}.weight', mat(h, h, 2.0 if r in ('attn_q', 'attn_k') else 1.0))
+            put(f'{b}.{r}.bias', vec(h), False)
+        put(f'{b}.attn_output_norm.weight', vec(h, 1.0), False)
+        put(f'{b}.attn_output_norm.bias', vec(h), False)
+        put(f'{b}.ffn_up.weight', mat(ff, h))
+        put(f'{b}.ffn_up.bias', vec(ff), False)
+        put(f'{b}.ffn_down.weight', mat(h, ff))
+        put(f'{b}.ffn_down.bias', vec(h), False)
+        put(f'{b}.layer_output_norm.weight', vec(h, 1.0), False)
+        put(f'{b}.layer_output_norm.bias', vec(h), False)
+    if case.pooling == 'rank':  # a cross-encoder's classifier head (one label)
+        put('cls.weight', mat(h, h))
+        put('cls.bias', vec(h), False)
+        put('cls.output.weight', mat(1, h, 4.0), False)
+        put('cls.output.bias', vec(1), False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+TEXTS: Tuple[str, ...] = (
+    'the robot arm is in the kitchen',
+    'where is the red cup?',
+    'battery low: go to the dock and charge',
+    'pick up the cup on the table, then put it down to the left of the door',
+    'a',
+    'the map of room 42 is open; the door is closed',
+    'zzq unknownish words xylophone',
+)

@@ -1,0 +1,115 @@
+"""EmbeddingEngine: requests checked once with typed errors, length-bucket batching, Matryoshka.
+
+Runs a tiny random bert GGUF (test/bert_fixture.py, F32) converted to a folder; what the
+vectors are worth is test_embed_parity.py's job (llama.cpp as the reference).
+"""
+from types import SimpleNamespace
+
+from bert_fixture import BertCase, TEXTS, write_bert_gguf
+import numpy as np
+import pytest
+
+from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.errors import EmbeddingInputError, WrongModelKindError
+from edge_llm_ros.runtime import encoder as encoder_mod
+from edge_llm_ros.serving.embedding import EmbeddingConfig, EmbeddingEngine
+from edge_llm_ros.serving.engine import Engine, EngineConfig
+
+
+@pytest.fixture(scope='module')
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('embed')
+    out = {}
+    for pooling in ('mean', 'rank'):
+        gguf = write_bert_gguf(tmp / f'{pooling}.gguf', BertCase('F32', pooling, context=64))
+        out[pooling] = str(convert(str(gguf), str(tmp / pooling), progress=False))
+    return out
+
+
+@pytest.fixture(scope='module')
+def engine(folders):
+    return EmbeddingEngine(EmbeddingConfig(folders['mean'], max_batch=8,
+                                           query_prefix='where ', document_prefix=''))
+
+
+def test_embed_shapes_norms_and_token_counts(engine):
+    out = engine.embed(list(TEXTS))
+    assert out.vectors.shape == (len(TEXTS), 64) and out.vectors.dtype == np.float32
+    assert np.allclose(np.linalg.norm(out.vectors, axis=1), 1.0, atol=1e-5)
+    assert out.token_counts[4] == 3  # [CLS] a [SEP]
+
+
+def test_batched_equals_alone_and_padding_is_by_bucket(engine, monkeypatch):
+    widths = []
+    run = engine.encoder._session.run
+
+    def spy(names, feeds):
+        widths.append(feeds['input_ids'].shape)
+        return run(names, feeds)
+
+    monkeypatch.setattr(engine.encoder._session, 'run', spy, raising=False)
+    together = engine.embed(list(TEXTS)).vectors
+    calls = list(widths)
+    alone = np.stack([engine.embed([t]).vectors[0] for t in TEXTS])
+    assert np.abs(together - alone).max() < 1e-5
+    # 7 texts of 3..29 tokens: buckets of 16 and 32 tokens, not one call padded to 29+.
+    assert sorted(w for _, w in calls) == [16, 32]
+    assert all(w % encoder_mod.BUCKET == 0 for _, w in calls)
+
+
+def test_matryoshka_truncates_and_renormalizes(engine):
+    full = engine.embed([TEXTS[0]]).vectors[0]
+    short = engine.embed([TEXTS[0]], dimensions=16).vectors[0]
+    assert short.shape == (16,)
+    assert np.allclose(short, full[:16] / np.linalg.norm(full[:16]), atol=1e-6)
+
+
+def test_query_prefix_is_prepended(engine):
+    assert engine.embed(['the door'], is_query=True).token_counts[0] == 5
+    assert engine.embed(['the door']).token_counts[0] == 4
+
+
+@pytest.mark.parametrize('call, words', [
+    (lambda e: e.embed([]), 'at least one'),
+    (lambda e: e.embed(['ok', '  ']), 'text 1 is empty'),
+    (lambda e: e.embed(['a'] * 9), 'over the limit of 8'),
+    (lambda e: e.embed(['door ' * 70]), 'over the context of 64'),
+    (lambda e: e.embed(['a'], dimensions=65), 'above the model'),
+    (lambda e: e.embed('a plain string'), 'list of strings'),
+])
+def test_bad_input_is_a_typed_error_and_the_engine_serves_on(engine, call, words):
+    with pytest.raises(EmbeddingInputError, match=words):
+        call(engine)
+    assert engine.embed(['still serving']).vectors.shape == (1, 64)
+
+
+def test_truncate_cuts_to_the_context(engine):
+    out = engine.embed(['door ' * 70], truncate=True)
+    assert out.token_counts == (64,)
+
+
+def test_rerank_scores_order_and_top_n(folders):
+    ranker = EmbeddingEngine(EmbeddingConfig(folders['rank']))
+    docs = list(TEXTS[:5])
+    out = ranker.rerank(TEXTS[1], docs)
+    assert out.scores.shape == (5,) and sorted(out.order) == list(range(5))
+    assert list(out.order) == sorted(range(5), key=lambda i: -out.scores[i])
+    assert ranker.rerank(TEXTS[1], docs, top_n=2).order == out.order[:2]
+    with pytest.raises(EmbeddingInputError, match='at least one document'):
+        ranker.rerank('q', [])
+    with pytest.raises(WrongModelKindError, match='reranker'):
+        ranker.embed(['a'])
+
+
+def test_wrong_model_kinds_are_typed_errors(folders, engine):
+    with pytest.raises(WrongModelKindError, match='embedding/rerank model'):
+        Engine(EngineConfig(model_dir=folders['mean']))
+    with pytest.raises(WrongModelKindError, match='embedding/rerank model'):
+        engine.generate(None)
+    chat = SimpleNamespace(model_name='SmolLM2')
+    with pytest.raises(WrongModelKindError, match='is a chat model'):
+        Engine.embed(chat, ['a'])
+    with pytest.raises(WrongModelKindError, match='is a chat model'):
+        Engine.rerank(chat, 'q', ['d'])
+    with pytest.raises(WrongModelKindError, match='no reranker'):
+        engine.rerank('q', ['d'])
