@@ -11,3 +11,6 @@ KERNEL_CHOICES = ('auto', 'scalar', 'avx2', 'avx512_vnni', 'amx', 'neon', 'neon_
                   'neon_i8mm')
 # Speculative decoding modes (speculative_config.SpeculativeConfig.mode, docs/speculative.md).
 SPECULATIVE_MODES = ('off', 'prompt_lookup', 'draft', 'auto')
+# How a grounding family's JSON boxes are written (config/models `grounding`,
+# vision/grounding.py): pixels of the model's input, or a 0..1000 grid.
+GROUNDING_FRAMES = ('absolute', 'normalized_1000')

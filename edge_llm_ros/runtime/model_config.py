@@ -22,8 +22,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PRECISIONS
+from edge_llm_ros.runtime.choices import GROUNDING_FRAMES
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
-from edge_llm_ros.vision.grounding import GROUNDING_FRAMES
 
 TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
                      'none')
@@ -88,7 +88,7 @@ class ModelFamilyConfig:
     display_names: Mapping[str, str] = field(default_factory=dict)
     source: str = ''  # the file it was read from
     # Grounding VLMs (Qwen-VL): the coordinate frame of the boxes and points their JSON answers
-    # hold (vision/grounding.GROUNDING_FRAMES); '' = the family does not ground.
+    # hold (runtime/choices.GROUNDING_FRAMES); '' = the family does not ground.
     grounding: str = ''
 
     @property

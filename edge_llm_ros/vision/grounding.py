@@ -31,9 +31,9 @@ import math
 import re
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from edge_llm_ros.runtime.choices import GROUNDING_FRAMES
 from edge_llm_ros.vision.errors import VisionError
 
-GROUNDING_FRAMES = ('absolute', 'normalized_1000')
 _GRID = 1000.0
 _TAGGED = re.compile(
     r'(?:<\|object_ref_start\|>(?P<label>.*?)<\|object_ref_end\|>\s*)?'
