@@ -180,13 +180,15 @@ def random_blocks(rows: int, cols: int, wtype: str, std: float,
 
 
 def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = None,
-               skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, str]] = None
-               ) -> pathlib.Path:
+               skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, object]] = None,
+               rank_rows: Tuple[int, ...] = ()) -> pathlib.Path:
     """Write the case's GGUF (all matrices in case.wtype) and return its path.
 
     header overrides what the header says (keys: head_count, rope_scaling_type, ...; the
     tensors keep the case's shapes) to make contradicting files; skip leaves out tensors
     whose name contains one of its strings; tokenizer: add_tokenizer's pre / template.
+    rank_rows: write cls.output.weight as these rows of the head, as llama.cpp's converter
+    writes a Qwen3-Reranker's (the 'yes' and 'no' rows of lm_head).
     """
     path = pathlib.Path(path)
     if case.arch == 'qwen35':
@@ -272,6 +274,10 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         # llama.cpp's own activation rounding (~1% of a logit) makes no near-tie.
         head = w['lm_head'] + c.chain * np.roll(embed, 1, axis=0)
         put('output.weight', head, wtype=edge_type)
+    if rank_rows:
+        source = head if 'lm_head' in w else w['embed']
+        # A fifth of the rows: P(yes) then spreads over (0, 1) rather than saturating.
+        put('cls.output.weight', 0.2 * source[list(rank_rows)], wtype=edge_type)
     if c.llama3_rope:
         s = LLAMA3_SCALING
         factors = llama3_rope_factors(d.head_dim, d.rope_theta, s['factor'],

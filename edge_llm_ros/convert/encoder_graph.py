@@ -31,7 +31,10 @@ from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import DATA_FILE
 
 OPSET = 20  # Gelu (approximate='tanh')
-ENCODER_ARCHITECTURES = ('bert',)
+# Decoder families whose GGUF is an embedder or reranker when it names a pooling type
+# (Qwen3-Embedding: last, Qwen3-Reranker: rank); their graph is decoder_encoder_graph.py's.
+DECODER_EMBEDDERS = ('qwen3',)
+ENCODER_ARCHITECTURES = ('bert',) + DECODER_EMBEDDERS
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
@@ -51,6 +54,10 @@ class EncoderSpec:
     pooling: str
     vocab_size: int
     labels: int = 0  # outputs of a classifier head (rank pooling), 0 = none
+    # Decoder embedders (DECODER_EMBEDDERS): grouped KV heads, head size and RoPE base.
+    kv_heads: int = 0
+    head_dim: int = 0
+    rope_base: float = 0.0
 
 
 class EncoderGguf:
@@ -71,29 +78,46 @@ class EncoderGguf:
             return gguf_field(self.reader, f'{arch}.{name}', default=default,
                               required=default is None)
 
+        decoder = arch in DECODER_EMBEDDERS
         pooling = int(key('pooling_type', 0))
         if pooling not in POOLING_NAMES:
             raise UnsupportedModelError(f'{path}: pooling_type {pooling} is not one of '
                                         f'{POOLING_NAMES}')
-        if bool(key('attention.causal', False)):
+        if decoder and not pooling:
+            raise UnsupportedModelError(f'{path}: this {arch} GGUF names no pooling type: it is '
+                                        'a chat model; convert it as one (no embedding kind)')
+        if not decoder and bool(key('attention.causal', False)):
             raise UnsupportedModelError(f'{path}: a causal bert is not an encoder; convert a '
                                         'bidirectional embedding model')
         labels = self.tensors['cls.output.weight'].shape[0] \
             if 'cls.output.weight' in self.tensors else 0
         tokens = gguf_field(self.reader, 'tokenizer.ggml.tokens', required=True)
-        self.spec = EncoderSpec(arch, int(key('embedding_length')),
-                                int(key('attention.head_count')),
-                                int(key('block_count')), int(key('feed_forward_length')),
-                                int(key('context_length')),
-                                float(key('attention.layer_norm_epsilon')),
-                                POOLING_NAMES[pooling], len(tokens), labels)
+        heads = int(key('attention.head_count'))
+        hidden = int(key('embedding_length'))
+        extra = {}
+        if decoder:
+            extra = {'kv_heads': int(key('attention.head_count_kv', heads)),
+                     'head_dim': int(key('attention.key_length', hidden // heads)),
+                     'rope_base': float(key('rope.freq_base', 10000.0))}
+        eps = key('attention.layer_norm_rms_epsilon' if decoder else
+                  'attention.layer_norm_epsilon')
+        self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
+                                int(key('feed_forward_length')), int(key('context_length')),
+                                float(eps), POOLING_NAMES[pooling], len(tokens), labels, **extra)
         missing = [n for n in self.required() if n not in self.tensors]
         if missing:
-            raise ModelLoadError(f'{path}: the bert GGUF lacks {", ".join(missing[:5])}; the file '
-                                 'is incomplete, convert it again with llama.cpp')
+            raise ModelLoadError(f'{path}: the {arch} GGUF lacks {", ".join(missing[:5])}; the '
+                                 'file is incomplete, convert it again with llama.cpp')
 
     def required(self):
-        """Tensor names llama.cpp's bert loader requires."""
+        """Tensor names llama.cpp's loader of the architecture requires."""
+        if self.spec.arch in DECODER_EMBEDDERS:
+            names = ['token_embd.weight', 'output_norm.weight']
+            for i in range(self.spec.layers):
+                names += [f'blk.{i}.{r}.weight' for r in (
+                    'attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'attn_q_norm',
+                    'attn_k_norm', 'ffn_norm', 'ffn_gate', 'ffn_up', 'ffn_down')]
+            return names
         names = ['token_embd.weight', 'position_embd.weight', 'token_embd_norm.weight',
                  'token_embd_norm.bias']
         for i in range(self.spec.layers):
@@ -112,7 +136,7 @@ class EncoderGguf:
         return name in self.tensors
 
 
-def _linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+def linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     """Add x @ W.T (+ b) for an [out, in] GGUF matrix, in the file's type (module docstring)."""
     source = m.tensors[prefix + '.weight']
     bias = m.array(prefix + '.bias') if m.has(prefix + '.bias') else None
@@ -147,8 +171,8 @@ def _layer_norm(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     return g.node('LayerNormalization', [x, weight, bias], axis=-1, epsilon=m.spec.eps)
 
 
-def _embeddings(g: _Graph, m: EncoderGguf) -> str:
-    """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
+def token_rows(g: _Graph, m: EncoderGguf) -> str:
+    """Return the token table's rows of input_ids [B, T, H] (a KQuantGather over its blocks)."""
     table = m.tensors['token_embd.weight']
     blocks = gguf_weights(table)
     if blocks is not None:
@@ -161,6 +185,12 @@ def _embeddings(g: _Graph, m: EncoderGguf) -> str:
     else:
         rows = g.node('Gather', [g.init('token_embd.weight', m.array('token_embd.weight')), IDS],
                       axis=0)
+    return rows
+
+
+def _embeddings(g: _Graph, m: EncoderGguf) -> str:
+    """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
+    rows = token_rows(g, m)
     if m.has('token_types.weight'):  # llama.cpp adds row 0 ("sentence A") to every token
         rows = g.node('Add', [rows, g.init('token_type0', m.array('token_types.weight')[0])])
     ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
@@ -178,7 +208,7 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
     split = g.const([0, 0, s.heads, d])
 
     def heads_of(role: str) -> str:
-        t = g.node('Reshape', [_linear(g, m, x, f'{b}.attn_{role}'), split])
+        t = g.node('Reshape', [linear(g, m, x, f'{b}.attn_{role}'), split])
         return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [B, H, T, d]
 
     q, k, v = heads_of('q'), heads_of('k'), heads_of('v')
@@ -188,19 +218,19 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
     attn = g.node('MatMul', [probs, v])
     merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
                                 g.const([0, 0, s.hidden])])
-    return _linear(g, m, merged, f'{b}.attn_output')
+    return linear(g, m, merged, f'{b}.attn_output')
 
 
 def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
     b = f'blk.{i}'
     h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i), x]),
                     f'{b}.attn_output_norm')
-    up = _gelu(g, _linear(g, m, h, f'{b}.ffn_up'))
-    out = g.node('Add', [_linear(g, m, up, f'{b}.ffn_down'), h])
+    up = _gelu(g, linear(g, m, h, f'{b}.ffn_up'))
+    out = g.node('Add', [linear(g, m, up, f'{b}.ffn_down'), h])
     return _layer_norm(g, m, out, f'{b}.layer_output_norm')
 
 
-def _mask_bias(g: _Graph) -> str:
+def mask_bias(g: _Graph) -> str:
     """[B, 1, 1, T] additive mask: 0 for tokens, -inf-like for padding (keys only)."""
     keep = g.node('Cast', [MASK], to=TensorProto.FLOAT)
     neg = g.node('Mul', [g.node('Sub', [keep, g.const(1.0, np.float32)]),
@@ -213,15 +243,15 @@ def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
     first = g.node('Gather', [hidden, g.const(0)], axis=1)  # [B, H]
     cur = first
     if m.has('cls.weight'):
-        cur = g.node('Tanh', [_linear(g, m, cur, 'cls')])
-    out = _linear(g, m, cur, 'cls.output')
+        cur = g.node('Tanh', [linear(g, m, cur, 'cls')])
+    out = linear(g, m, cur, 'cls.output')
     return g.node('Reshape', [out, g.const([-1, m.spec.labels])])
 
 
 def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
     """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
     g = _Graph(data, DATA_FILE)
-    bias = _mask_bias(g)
+    bias = mask_bias(g)
     x = _embeddings(g, m)
     for i in range(m.spec.layers):
         x = _layer(g, m, x, bias, i)

@@ -5,6 +5,10 @@ bucket (the next multiple of BUCKET tokens), not to the longest text of the call
 is one model call. The states are pooled as the GGUF said (mean over the text's tokens, the
 first token (CLS), the last token, or none), as llama.cpp pools them, then L2-normalized;
 `dimensions` below the model's keeps the first ones (Matryoshka) and normalizes again.
+A rerank pair is the tokenizer's pair ([CLS] query [SEP] document [SEP]), or, where the model
+has a rerank prompt (model.yaml `embedding.rerank_template`: Qwen3-Reranker), that prompt
+with {query} and {document} replaced, special tokens parsed and none added, as llama-server's
+format_prompt_rerank builds it; the score is the classifier's first output.
 """
 from dataclasses import dataclass
 import os
@@ -68,6 +72,7 @@ class TextEncoder:
         self.context = int(self.meta['max_position_embeddings'])
         self.model_id = str(self.meta.get('name', os.path.basename(model_dir)))
         self.pad_id = int(self.meta.get('pad_token_id') or 0)
+        self.rerank_template = emb.get('rerank_template')
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, TOKENIZER_FILE))
         opts = ort.SessionOptions()
         if config.threads:
@@ -89,8 +94,14 @@ class TextEncoder:
         for i, t in enumerate(texts):
             if not isinstance(t, str) or not t.strip():
                 raise EmbeddingInputError(f'text {i} is empty: send non-empty texts')
-        enc = (self.tokenizer.encode_batch(list(texts)) if pairs is None else
-               self.tokenizer.encode_batch(list(zip(texts, pairs))))
+        if pairs is None:
+            enc = self.tokenizer.encode_batch(list(texts))
+        elif self.rerank_template:
+            prompts = [self.rerank_template.replace('{query}', q).replace('{document}', d)
+                       for q, d in zip(texts, pairs)]
+            enc = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
+        else:
+            enc = self.tokenizer.encode_batch(list(zip(texts, pairs)))
         out = []
         for i, e in enumerate(enc):
             ids = list(e.ids)
@@ -99,7 +110,7 @@ class TextEncoder:
                     raise EmbeddingInputError(
                         f'text {i} is {len(ids)} tokens, over the context of {self.context}: '
                         'shorten it or set truncate')
-                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP]
+                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP] / EOS
             out.append(ids)
         return out
 

@@ -1,0 +1,154 @@
+"""A decoder family's GGUF as an embedding / rerank graph (Qwen3-Embedding, Qwen3-Reranker).
+
+Same inputs and outputs as encoder_graph.py's BERT graph: `input_ids` and `attention_mask`
+int64 [B, T] (rows right-padded) in, `hidden` float32 [B, T, H] out: the final RMSNorm's states
+(llama.cpp's result_norm, which it pools), and with rank pooling `rank_scores` [B, labels]:
+the row's last token through cls.output and a softmax, as llama.cpp's build_pooling does for
+qwen3 (the reranker's labels are 'yes' and 'no'; its score is the first, P(yes)).
+
+The layers are llama.cpp's src/models/qwen3.cpp without a KV cache: RMSNorm, q/k/v, per-head
+RMSNorm of q and k, NEOX RoPE at positions 0..T-1, causal attention over the row's own tokens
+(grouped KV heads), the output projection, RMSNorm and a SwiGLU MLP, pre-norm residuals.
+llama.cpp keeps k and v in its float16 cache and rounds q and the attention weights to
+float16 for its F16 matmuls; the graph rounds them alike. Matrices stay in their GGUF types
+(encoder_graph.linear).
+
+A separate graph, not an output added to the chat graph: the chat graph
+(onnx_graph.DecoderGraph) is the decode hot path, with its KV cache I/O, varlen rows and
+logits on the last positions only; an embedder needs none of that, only every row's states
+in one call, so it gets the plain batched graph the BERT encoders have and is served by the
+same runtime (runtime/encoder.py), while the chat graph stays as it is.
+"""
+from typing import BinaryIO, Optional
+
+import numpy as np
+import onnx
+from onnx import helper, TensorProto
+
+from edge_llm_ros.convert.encoder_graph import (EncoderGguf, HIDDEN, IDS, linear, MASK, OPSET,
+                                                RANK, token_rows)
+from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
+from edge_llm_ros.convert.vision_graph import _f16, _Graph
+from edge_llm_ros.errors import UnsupportedModelError
+from edge_llm_ros.model_format import DATA_FILE
+
+
+def _rms_norm(g: _Graph, m: EncoderGguf, x: str, name: str) -> str:
+    """Return x / sqrt(mean(x^2) + eps) * weight over the last axis (ggml_rms_norm)."""
+    mean = g.node('ReduceMean', [g.node('Mul', [x, x]), g.const([-1])], keepdims=1)
+    rstd = g.node('Reciprocal', [g.node('Sqrt', [g.node('Add', [
+        mean, g.const(np.float32(m.spec.eps), np.float32)])])])
+    return g.node('Mul', [g.node('Mul', [x, rstd]), g.init(name, m.array(name))])
+
+
+def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+    """Rotate x [B, T, heads, d] NEOX-style: pairs (i, i + d/2) by the position's angles."""
+    x1 = g.node('Slice', [x, g.const([0]), g.const([half]), g.const([-1])])
+    x2 = g.node('Slice', [x, g.const([half]), g.const([2 * half]), g.const([-1])])
+    a = g.node('Sub', [g.node('Mul', [x1, cos]), g.node('Mul', [x2, sin])])
+    b = g.node('Add', [g.node('Mul', [x2, cos]), g.node('Mul', [x1, sin])])
+    return g.node('Concat', [a, b], axis=-1)
+
+
+def _angles(g: _Graph, m: EncoderGguf) -> tuple:
+    """Return cos and sin [B, T, 1, d/2] of positions 0..T-1 (theta = p * base^(-2i/d))."""
+    half = m.spec.head_dim // 2
+    inv_freq = (1.0 / m.spec.rope_base ** (np.arange(half, dtype=np.float64) * 2
+                                           / m.spec.head_dim)).astype(np.float32)
+    ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
+                  value=helper.make_tensor('one', TensorProto.FLOAT, [1], [1.0]))
+    pos = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])      # [B, T]
+    ang = g.node('Mul', [g.node('Unsqueeze', [pos, g.const([2, 3])]),
+                         g.init('rope_inv_freq', inv_freq)])               # [B, T, 1, d/2]
+    return g.node('Cos', [ang]), g.node('Sin', [ang])
+
+
+def _causal_bias(g: _Graph) -> str:
+    """[B, 1, 1, T, T] additive mask: 0 where key j <= query i and j is a token, else -3e38."""
+    t = g.node('Gather', [g.node('Shape', [IDS]), g.const(1)], axis=0)
+    idx = g.node('Range', [g.const(0), t, g.const(1)])
+    causal = g.node('LessOrEqual', [g.node('Unsqueeze', [idx, g.const([0])]),
+                                    g.node('Unsqueeze', [idx, g.const([1])])])   # [T, T]
+    keys = g.node('Unsqueeze', [g.node('Cast', [MASK], to=TensorProto.BOOL), g.const([1])])
+    allowed = g.node('And', [causal, keys])                                      # [B, T, T]
+    bias = g.node('Where', [allowed, g.const(0.0, np.float32),
+                            g.const(np.float32(-3.0e38), np.float32)])
+    return g.node('Unsqueeze', [bias, g.const([1, 2])])
+
+
+def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int) -> str:
+    s = m.spec
+    b = f'blk.{i}'
+    d, group = s.head_dim, s.heads // s.kv_heads
+
+    def heads_of(role: str, n: int) -> str:
+        t = g.node('Reshape', [linear(g, m, x, f'{b}.attn_{role}'), g.const([0, 0, n, d])])
+        if role in 'qk':
+            t = _rope(g, _rms_norm(g, m, t, f'{b}.attn_{role}_norm.weight'), *rope, d // 2)
+        return g.node('Transpose', [_f16(g, t)], perm=[0, 2, 1, 3])   # [B, n, T, d]
+
+    q = g.node('Reshape', [heads_of('q', s.heads), g.const([0, s.kv_heads, group, -1, d])])
+    k = g.node('Unsqueeze', [heads_of('k', s.kv_heads), g.const([2])])   # [B, kv, 1, T, d]
+    v = g.node('Unsqueeze', [heads_of('v', s.kv_heads), g.const([2])])
+    kt = g.node('Transpose', [k], perm=[0, 1, 2, 4, 3])
+    scores = g.node('Mul', [g.node('MatMul', [q, kt]),
+                            g.const(np.float32(1.0 / np.sqrt(d)), np.float32)])
+    probs = _f16(g, g.node('Softmax', [g.node('Add', [scores, bias])], axis=-1))
+    attn = g.node('Reshape', [g.node('MatMul', [probs, v]), g.const([0, s.heads, -1, d])])
+    merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
+                                g.const([0, 0, s.heads * d])])
+    return linear(g, m, merged, f'{b}.attn_output')
+
+
+def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int) -> str:
+    b = f'blk.{i}'
+    h = g.node('Add', [_attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias,
+                                  rope, i), x])
+    n = _rms_norm(g, m, h, f'{b}.ffn_norm.weight')
+    gate = linear(g, m, n, f'{b}.ffn_gate')
+    act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
+                         linear(g, m, n, f'{b}.ffn_up')])
+    return g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
+
+
+def _rank_head(g: _Graph, m: EncoderGguf) -> str:
+    """Return softmax(cls.output @ the row's last state) [B, labels] (llama.cpp's qwen3 rank)."""
+    last = g.node('Sub', [g.node('ReduceSum', [MASK, g.const([1])], keepdims=1), g.const(1)])
+    idx = g.node('Expand', [g.node('Unsqueeze', [last, g.const([2])]),
+                            g.const([1, 1, m.spec.hidden])])                  # [B, 1, H]
+    state = g.node('Reshape', [g.node('GatherElements', [HIDDEN, idx], axis=1),
+                               g.const([-1, m.spec.hidden])])
+    return g.node('Softmax', [linear(g, m, state, 'cls.output')], axis=-1)
+
+
+def build_decoder_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
+    """Return the embedding / rerank graph of a decoder GGUF (module docstring)."""
+    s = m.spec
+    if s.heads % s.kv_heads or s.head_dim % 2:
+        raise UnsupportedModelError(f'{m.path}: {s.heads} query heads over {s.kv_heads} KV '
+                                    f'heads of size {s.head_dim} is not a qwen3 layout')
+    g = _Graph(data, DATA_FILE)
+    bias = _causal_bias(g)
+    rope = _angles(g, m)
+    x = token_rows(g, m)
+    for i in range(s.layers):
+        x = _layer(g, m, x, bias, rope, i)
+    g.nodes.append(helper.make_node('Identity', [_rms_norm(g, m, x, 'output_norm.weight')],
+                                    [HIDDEN], name='hidden'))
+    outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
+                                             ['batch', 'tokens', s.hidden])]
+    if s.pooling == 'rank':
+        if not s.labels:
+            raise UnsupportedModelError(f'{m.path}: rank pooling without cls.output.weight (the '
+                                        'yes/no rows): convert the reranker with llama.cpp')
+        g.nodes.append(helper.make_node('Identity', [_rank_head(g, m)], [RANK], name='rank'))
+        outputs.append(helper.make_tensor_value_info(RANK, TensorProto.FLOAT,
+                                                     ['batch', s.labels]))
+    inputs = [helper.make_tensor_value_info(IDS, TensorProto.INT64, ['batch', 'tokens']),
+              helper.make_tensor_value_info(MASK, TensorProto.INT64, ['batch', 'tokens'])]
+    graph = helper.make_graph(g.nodes, 'edge_llm_decoder_encoder', inputs, outputs,
+                              list(g.inits.values()))
+    opsets = [helper.make_opsetid('', OPSET), helper.make_opsetid(KQUANT_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = IR_VERSION
+    return model
