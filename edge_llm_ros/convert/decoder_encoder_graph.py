@@ -1,4 +1,4 @@
-"""A decoder family's GGUF as an embedding / rerank graph (Qwen3-Embedding, Qwen3-Reranker).
+"""Decoder-family GGUFs as embedding / rerank graphs: Qwen3-Embedding / -Reranker, EmbeddingGemma.
 
 Same inputs and outputs as encoder_graph.py's BERT graph: `input_ids` and `attention_mask`
 int64 [B, T] (rows right-padded) in, `hidden` float32 [B, T, H] out: the final RMSNorm's states
@@ -13,6 +13,15 @@ llama.cpp keeps k and v in its float16 cache and rounds q and the attention weig
 float16 for its F16 matmuls; the graph rounds them alike. Matrices stay in their GGUF types
 (encoder_graph.linear).
 
+EmbeddingGemma (`gemma-embedding`, llama.cpp's src/models/gemma-embedding.cpp) is gemma3
+attending both ways: embeddings times sqrt(H), q scaled by 1/sqrt(d) before q.k, a symmetric
+sliding window (|i - j| <= window / 2) on its local layers with their own RoPE base,
+post-attention and post-FFN RMSNorms, a GELU (tanh, ggml's float16 table) MLP; no KV cache in
+llama.cpp, so nothing is rounded to float16 there. Its GGUF's dense projections (dense_2,
+dense_3: sentence-transformers' Dense modules) follow the pooling, so that graph also pools:
+`pooled` [B, D] is the mean over the row's tokens through dense_2 and dense_3, which
+runtime/encoder.py then takes as the vector.
+
 A separate graph, not an output added to the chat graph: the chat graph
 (onnx_graph.DecoderGraph) is the decode hot path, with its KV cache I/O, varlen rows and
 logits on the last positions only; an embedder needs none of that, only every row's states
@@ -26,11 +35,13 @@ import onnx
 from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.encoder_graph import (EncoderGguf, HIDDEN, IDS, linear, MASK, OPSET,
-                                                RANK, token_rows)
+                                                POOLED, RANK, token_rows)
 from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
-from edge_llm_ros.convert.vision_graph import _f16, _Graph
+from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import DATA_FILE
+
+GEMMA = 'gemma-embedding'
 
 
 def _rms_norm(g: _Graph, m: EncoderGguf, x: str, name: str) -> str:
@@ -50,27 +61,36 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
     return g.node('Concat', [a, b], axis=-1)
 
 
-def _angles(g: _Graph, m: EncoderGguf) -> tuple:
+def _angles(g: _Graph, m: EncoderGguf, base: float) -> tuple:
     """Return cos and sin [B, T, 1, d/2] of positions 0..T-1 (theta = p * base^(-2i/d))."""
     half = m.spec.head_dim // 2
-    inv_freq = (1.0 / m.spec.rope_base ** (np.arange(half, dtype=np.float64) * 2
-                                           / m.spec.head_dim)).astype(np.float32)
+    inv_freq = (1.0 / base ** (np.arange(half, dtype=np.float64) * 2
+                               / m.spec.head_dim)).astype(np.float32)
     ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
                   value=helper.make_tensor('one', TensorProto.FLOAT, [1], [1.0]))
     pos = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])      # [B, T]
     ang = g.node('Mul', [g.node('Unsqueeze', [pos, g.const([2, 3])]),
-                         g.init('rope_inv_freq', inv_freq)])               # [B, T, 1, d/2]
+                         g.init(f'rope_inv_freq_{base:g}', inv_freq)])     # [B, T, 1, d/2]
     return g.node('Cos', [ang]), g.node('Sin', [ang])
 
 
-def _causal_bias(g: _Graph) -> str:
-    """[B, 1, 1, T, T] additive mask: 0 where key j <= query i and j is a token, else -3e38."""
+def _mask_bias(g: _Graph, causal: bool, window: int = 0) -> str:
+    """[B, 1, 1, T, T] additive mask: 0 where query i may see key j, else -3e38.
+
+    Key j must be a token; causal: j <= i; window: |i - j| <= window / 2 (llama.cpp's
+    symmetric sliding window).
+    """
     t = g.node('Gather', [g.node('Shape', [IDS]), g.const(1)], axis=0)
     idx = g.node('Range', [g.const(0), t, g.const(1)])
-    causal = g.node('LessOrEqual', [g.node('Unsqueeze', [idx, g.const([0])]),
-                                    g.node('Unsqueeze', [idx, g.const([1])])])   # [T, T]
-    keys = g.node('Unsqueeze', [g.node('Cast', [MASK], to=TensorProto.BOOL), g.const([1])])
-    allowed = g.node('And', [causal, keys])                                      # [B, T, T]
+    keys_at, queries_at = (g.node('Unsqueeze', [idx, g.const([0])]),
+                           g.node('Unsqueeze', [idx, g.const([1])]))
+    allowed = g.node('Unsqueeze', [g.node('Cast', [MASK], to=TensorProto.BOOL), g.const([1])])
+    if causal:
+        allowed = g.node('And', [g.node('LessOrEqual', [keys_at, queries_at]), allowed])
+    if window:
+        dist = g.node('Abs', [g.node('Sub', [keys_at, queries_at])])
+        near = g.node('LessOrEqual', [dist, g.const(window // 2)])
+        allowed = g.node('And', [near, allowed])
     bias = g.node('Where', [allowed, g.const(0.0, np.float32),
                             g.const(np.float32(-3.0e38), np.float32)])
     return g.node('Unsqueeze', [bias, g.const([1, 2])])
@@ -81,19 +101,24 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int
     b = f'blk.{i}'
     d, group = s.head_dim, s.heads // s.kv_heads
 
+    gemma = s.arch == GEMMA
+    f16 = (lambda t: t) if gemma else (lambda t: _f16(g, t))  # gemma: no F16 KV cache
+
     def heads_of(role: str, n: int) -> str:
         t = g.node('Reshape', [linear(g, m, x, f'{b}.attn_{role}'), g.const([0, 0, n, d])])
         if role in 'qk':
             t = _rope(g, _rms_norm(g, m, t, f'{b}.attn_{role}_norm.weight'), *rope, d // 2)
-        return g.node('Transpose', [_f16(g, t)], perm=[0, 2, 1, 3])   # [B, n, T, d]
+        if role == 'q' and gemma:  # q / sqrt(d) first, then q.k unscaled (as llama.cpp)
+            t = g.node('Mul', [t, g.const(np.float32(1.0 / np.sqrt(d)), np.float32)])
+        return g.node('Transpose', [f16(t)], perm=[0, 2, 1, 3])   # [B, n, T, d]
 
     q = g.node('Reshape', [heads_of('q', s.heads), g.const([0, s.kv_heads, group, -1, d])])
     k = g.node('Unsqueeze', [heads_of('k', s.kv_heads), g.const([2])])   # [B, kv, 1, T, d]
     v = g.node('Unsqueeze', [heads_of('v', s.kv_heads), g.const([2])])
-    kt = g.node('Transpose', [k], perm=[0, 1, 2, 4, 3])
-    scores = g.node('Mul', [g.node('MatMul', [q, kt]),
-                            g.const(np.float32(1.0 / np.sqrt(d)), np.float32)])
-    probs = _f16(g, g.node('Softmax', [g.node('Add', [scores, bias])], axis=-1))
+    scores = g.node('MatMul', [q, g.node('Transpose', [k], perm=[0, 1, 2, 4, 3])])
+    if not gemma:
+        scores = g.node('Mul', [scores, g.const(np.float32(1.0 / np.sqrt(d)), np.float32)])
+    probs = f16(g.node('Softmax', [g.node('Add', [scores, bias])], axis=-1))
     attn = g.node('Reshape', [g.node('MatMul', [probs, v]), g.const([0, s.heads, -1, d])])
     merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
                                 g.const([0, 0, s.heads * d])])
@@ -102,13 +127,30 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int
 
 def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int) -> str:
     b = f'blk.{i}'
-    h = g.node('Add', [_attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias,
-                                  rope, i), x])
+    gemma = m.spec.arch == GEMMA
+    attn = _attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias, rope, i)
+    if gemma:
+        attn = _rms_norm(g, m, attn, f'{b}.post_attention_norm.weight')
+    h = g.node('Add', [attn, x])
     n = _rms_norm(g, m, h, f'{b}.ffn_norm.weight')
     gate = linear(g, m, n, f'{b}.ffn_gate')
-    act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
-                         linear(g, m, n, f'{b}.ffn_up')])
-    return g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
+    act = _gelu(g, gate) if gemma else g.node('Mul', [gate, g.node('Sigmoid', [gate])])
+    out = linear(g, m, g.node('Mul', [act, linear(g, m, n, f'{b}.ffn_up')]), f'{b}.ffn_down')
+    if gemma:
+        out = _rms_norm(g, m, out, f'{b}.post_ffw_norm.weight')
+    return g.node('Add', [out, h])
+
+
+def _pooled(g: _Graph, m: EncoderGguf) -> str:
+    """Return the mean of the row's states [B, H] through dense_2 and dense_3 (gemma)."""
+    keep = g.node('Unsqueeze', [g.node('Cast', [MASK], to=TensorProto.FLOAT), g.const([2])])
+    total = g.node('ReduceSum', [g.node('Mul', [HIDDEN, keep]), g.const([1])], keepdims=0)
+    count = g.node('ReduceSum', [keep, g.const([1])], keepdims=0)                # [B, 1]
+    cur = g.node('Div', [total, count])
+    for name in ('dense_2', 'dense_3'):
+        if m.has(name + '.weight'):
+            cur = linear(g, m, cur, name)
+    return cur
 
 
 def _rank_head(g: _Graph, m: EncoderGguf) -> str:
@@ -126,13 +168,19 @@ def build_decoder_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> on
     s = m.spec
     if s.heads % s.kv_heads or s.head_dim % 2:
         raise UnsupportedModelError(f'{m.path}: {s.heads} query heads over {s.kv_heads} KV '
-                                    f'heads of size {s.head_dim} is not a qwen3 layout')
+                                    f'heads of size {s.head_dim} is not a {s.arch} layout')
     g = _Graph(data, DATA_FILE)
-    bias = _causal_bias(g)
-    rope = _angles(g, m)
+    gemma = s.arch == GEMMA
+    bias = _mask_bias(g, causal=not gemma)
+    rope = _angles(g, m, s.rope_base)
+    local = (_mask_bias(g, False, s.window), _angles(g, m, s.local_rope_base)) \
+        if any(s.local_layers) else None
     x = token_rows(g, m)
+    if gemma:  # ggml_scale by sqrtf(n_embd)
+        x = g.node('Mul', [x, g.const(np.float32(np.sqrt(np.float32(s.hidden))), np.float32)])
     for i in range(s.layers):
-        x = _layer(g, m, x, bias, rope, i)
+        on = local if local and s.local_layers[i] else (bias, rope)
+        x = _layer(g, m, x, on[0], on[1], i)
     g.nodes.append(helper.make_node('Identity', [_rms_norm(g, m, x, 'output_norm.weight')],
                                     [HIDDEN], name='hidden'))
     outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
@@ -144,6 +192,13 @@ def build_decoder_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> on
         g.nodes.append(helper.make_node('Identity', [_rank_head(g, m)], [RANK], name='rank'))
         outputs.append(helper.make_tensor_value_info(RANK, TensorProto.FLOAT,
                                                      ['batch', s.labels]))
+    if m.has('dense_2.weight') or m.has('dense_3.weight'):
+        if s.pooling != 'mean':
+            raise UnsupportedModelError(f'{m.path}: dense projections after {s.pooling} pooling; '
+                                        'EmbeddingGemma pools by the mean')
+        g.nodes.append(helper.make_node('Identity', [_pooled(g, m)], [POOLED], name='pooled'))
+        outputs.append(helper.make_tensor_value_info(POOLED, TensorProto.FLOAT,
+                                                     ['batch', s.hidden]))
     inputs = [helper.make_tensor_value_info(IDS, TensorProto.INT64, ['batch', 'tokens']),
               helper.make_tensor_value_info(MASK, TensorProto.INT64, ['batch', 'tokens'])]
     graph = helper.make_graph(g.nodes, 'edge_llm_decoder_encoder', inputs, outputs,

@@ -1,7 +1,8 @@
 """Write an embedding / reranking model folder from an encoder GGUF.
 
-A BERT-style GGUF (encoder_graph.py), or a decoder family's GGUF that names a pooling type
-(Qwen3-Embedding, Qwen3-Reranker: decoder_encoder_graph.py). The folder holds model.onnx
+A BERT-style GGUF (encoder_graph.py), a decoder family's GGUF that names a pooling type
+(Qwen3-Embedding, Qwen3-Reranker) or EmbeddingGemma (`gemma-embedding`): those two are
+decoder_encoder_graph.py's. The folder holds model.onnx
 (+ model.onnx.data), tokenizer.json and a model.yaml whose `kind: embedding` (or `rerank` for
 a cross-encoder or a yes/no reranker) tells the runtime it is no chat model, and whose
 `embedding` section says how the states become a vector (runtime/encoder.py). A reranker
@@ -14,7 +15,8 @@ from typing import Optional
 from edge_llm_ros.convert.checkpoint import gguf_field, open_gguf
 from edge_llm_ros.convert.decoder_encoder_graph import build_decoder_encoder
 from edge_llm_ros.convert.encoder_graph import (build_encoder, DECODER_EMBEDDERS,
-                                                ENCODER_ARCHITECTURES, EncoderGguf)
+                                                EMBEDDING_ONLY, ENCODER_ARCHITECTURES,
+                                                EncoderGguf)
 from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML
@@ -30,7 +32,7 @@ def encoder_architecture(source: str) -> Optional[str]:
         return None
     reader = open_gguf(path)
     arch = gguf_field(reader, 'general.architecture')
-    if arch in DECODER_EMBEDDERS:  # a chat model unless it names a pooling type
+    if arch in DECODER_EMBEDDERS and arch not in EMBEDDING_ONLY:  # chat unless it pools
         return arch if int(gguf_field(reader, f'{arch}.pooling_type', default=0)) else None
     return arch if arch in ENCODER_ARCHITECTURES else None
 

@@ -17,12 +17,13 @@ an F16 matrix a float32 MatMul of its widened values with the activations rounde
 """
 from dataclasses import dataclass
 import pathlib
-from typing import BinaryIO, Dict, Optional
+from typing import BinaryIO, Dict, Optional, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
+from edge_llm_ros.convert.architectures import swa_layers
 from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
 from edge_llm_ros.convert.gguf_weights import gguf_weights, KQUANT_TYPES
 from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
@@ -33,11 +34,14 @@ from edge_llm_ros.model_format import DATA_FILE
 OPSET = 20  # Gelu (approximate='tanh')
 # Decoder families whose GGUF is an embedder or reranker when it names a pooling type
 # (Qwen3-Embedding: last, Qwen3-Reranker: rank); their graph is decoder_encoder_graph.py's.
-DECODER_EMBEDDERS = ('qwen3',)
+DECODER_EMBEDDERS = ('qwen3', 'gemma-embedding')
+# Of those, the ones that are always embedders (EmbeddingGemma: bidirectional gemma3).
+EMBEDDING_ONLY = ('gemma-embedding',)
 ENCODER_ARCHITECTURES = ('bert',) + DECODER_EMBEDDERS
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
+POOLED = 'pooled'  # [B, D]: pooled in the graph, then dense projections (gemma)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,11 @@ class EncoderSpec:
     kv_heads: int = 0
     head_dim: int = 0
     rope_base: float = 0.0
+    # gemma-embedding: sliding-window layers (a symmetric window of `window` positions) with
+    # their own RoPE base.
+    local_layers: Tuple[bool, ...] = ()
+    window: int = 0
+    local_rope_base: float = 0.0
 
 
 class EncoderGguf:
@@ -83,7 +92,7 @@ class EncoderGguf:
         if pooling not in POOLING_NAMES:
             raise UnsupportedModelError(f'{path}: pooling_type {pooling} is not one of '
                                         f'{POOLING_NAMES}')
-        if decoder and not pooling:
+        if decoder and not pooling and arch not in EMBEDDING_ONLY:
             raise UnsupportedModelError(f'{path}: this {arch} GGUF names no pooling type: it is '
                                         'a chat model; convert it as one (no embedding kind)')
         if not decoder and bool(key('attention.causal', False)):
@@ -99,6 +108,15 @@ class EncoderGguf:
             extra = {'kv_heads': int(key('attention.head_count_kv', heads)),
                      'head_dim': int(key('attention.key_length', hidden // heads)),
                      'rope_base': float(key('rope.freq_base', 10000.0))}
+        if arch == 'gemma-embedding':
+            layers = int(key('block_count'))
+            pattern = key('attention.sliding_window_pattern', 6)  # a period or per-layer flags
+            local = (tuple(bool(x) for x in pattern) if isinstance(pattern, (list, tuple))
+                     else swa_layers(int(pattern), layers))
+            extra.update(local_layers=local,
+                         window=int(key('attention.sliding_window')),
+                         local_rope_base=float(key('rope.freq_base_swa',
+                                                   extra['rope_base'])))
         eps = key('attention.layer_norm_rms_epsilon' if decoder else
                   'attention.layer_norm_epsilon')
         self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
@@ -117,6 +135,9 @@ class EncoderGguf:
                 names += [f'blk.{i}.{r}.weight' for r in (
                     'attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'attn_q_norm',
                     'attn_k_norm', 'ffn_norm', 'ffn_gate', 'ffn_up', 'ffn_down')]
+                if self.spec.arch == 'gemma-embedding':
+                    names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
+                                                              'post_ffw_norm')]
             return names
         names = ['token_embd.weight', 'position_embd.weight', 'token_embd_norm.weight',
                  'token_embd_norm.bias']
