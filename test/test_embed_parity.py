@@ -1,6 +1,7 @@
 """BERT-style embedding and rerank models against llama.cpp's own vectors on the same GGUF.
 
 Tiny random `bert` GGUFs (test/bert_fixture.py) in F32, F16 and Q8_0, with mean, CLS and last
+pooling, `nomic-bert` ones (nomic-embed-text's layout) in F32, F16 and Q8_0 with mean
 pooling, and a cross-encoder with its classifier head (rank pooling), are converted and run by
 runtime/encoder.py; llama.cpp (the llama-cpp-python peer, test/llama_cpp_embed_runner.py)
 embeds the same texts from the same file. Each text's vector must have cosine >= 0.9999 with
@@ -24,6 +25,8 @@ RUNNER = pathlib.Path(__file__).with_name('llama_cpp_embed_runner.py')
 COSINE = 0.9999
 CASES = [BertCase('F32', 'mean'), BertCase('F16', 'mean'), BertCase('Q8_0', 'mean'),
          BertCase('F16', 'cls', seed=1), BertCase('Q8_0', 'last', seed=2)]
+# nomic-embed-text (v1, v1.5): rotary positions, fused q|k|v, SwiGLU, no biases.
+NOMIC_CASES = [BertCase(t, 'mean', seed=5, arch='nomic-bert') for t in ('F32', 'F16', 'Q8_0')]
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
                                   reason='the op library (native/) is not built')
@@ -45,7 +48,7 @@ def unit(x):
 
 
 @needs_native
-@pytest.mark.parametrize('case', CASES, ids=lambda c: c.tag)
+@pytest.mark.parametrize('case', CASES + NOMIC_CASES, ids=lambda c: c.tag)
 def test_embeddings_match_llama_cpp(case, tmp_path, compat):
     gguf = write_bert_gguf(tmp_path / f'{case.tag}.gguf', case)
     folder = convert(str(gguf), str(tmp_path / 'model'), progress=False)
@@ -56,7 +59,7 @@ def test_embeddings_match_llama_cpp(case, tmp_path, compat):
     assert [list(map(int, r)) for r in ref_ids] == ids
     cos = (ours.vectors * unit(ref)).sum(axis=1)
     assert cos.min() >= COSINE, f'{case.tag}: cosine per text {cos}'
-    compat('bert', case.wtype, 'embeddings')
+    compat(case.arch, case.wtype, 'embeddings')
 
 
 # Q8_0: one 19-token pair's states differ from llama.cpp's by 4e-3 (relative). Not ours: our

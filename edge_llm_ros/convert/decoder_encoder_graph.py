@@ -35,7 +35,7 @@ import onnx
 from onnx import helper, TensorProto
 
 from edge_llm_ros.convert.encoder_graph import (EncoderGguf, HIDDEN, IDS, linear, MASK, OPSET,
-                                                POOLED, RANK, token_rows)
+                                                POOLED, RANK, rope, rope_angles, token_rows)
 from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
 from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph
 from edge_llm_ros.errors import UnsupportedModelError
@@ -50,28 +50,6 @@ def _rms_norm(g: _Graph, m: EncoderGguf, x: str, name: str) -> str:
     rstd = g.node('Reciprocal', [g.node('Sqrt', [g.node('Add', [
         mean, g.const(np.float32(m.spec.eps), np.float32)])])])
     return g.node('Mul', [g.node('Mul', [x, rstd]), g.init(name, m.array(name))])
-
-
-def _rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
-    """Rotate x [B, T, heads, d] NEOX-style: pairs (i, i + d/2) by the position's angles."""
-    x1 = g.node('Slice', [x, g.const([0]), g.const([half]), g.const([-1])])
-    x2 = g.node('Slice', [x, g.const([half]), g.const([2 * half]), g.const([-1])])
-    a = g.node('Sub', [g.node('Mul', [x1, cos]), g.node('Mul', [x2, sin])])
-    b = g.node('Add', [g.node('Mul', [x2, cos]), g.node('Mul', [x1, sin])])
-    return g.node('Concat', [a, b], axis=-1)
-
-
-def _angles(g: _Graph, m: EncoderGguf, base: float) -> tuple:
-    """Return cos and sin [B, T, 1, d/2] of positions 0..T-1 (theta = p * base^(-2i/d))."""
-    half = m.spec.head_dim // 2
-    inv_freq = (1.0 / base ** (np.arange(half, dtype=np.float64) * 2
-                               / m.spec.head_dim)).astype(np.float32)
-    ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
-                  value=helper.make_tensor('one', TensorProto.FLOAT, [1], [1.0]))
-    pos = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])      # [B, T]
-    ang = g.node('Mul', [g.node('Unsqueeze', [pos, g.const([2, 3])]),
-                         g.init(f'rope_inv_freq_{base:g}', inv_freq)])     # [B, T, 1, d/2]
-    return g.node('Cos', [ang]), g.node('Sin', [ang])
 
 
 def _mask_bias(g: _Graph, causal: bool, window: int = 0) -> str:
@@ -96,7 +74,7 @@ def _mask_bias(g: _Graph, causal: bool, window: int = 0) -> str:
     return g.node('Unsqueeze', [bias, g.const([1, 2])])
 
 
-def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int) -> str:
+def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: int) -> str:
     s = m.spec
     b = f'blk.{i}'
     d, group = s.head_dim, s.heads // s.kv_heads
@@ -107,7 +85,7 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int
     def heads_of(role: str, n: int) -> str:
         t = g.node('Reshape', [linear(g, m, x, f'{b}.attn_{role}'), g.const([0, 0, n, d])])
         if role in 'qk':
-            t = _rope(g, _rms_norm(g, m, t, f'{b}.attn_{role}_norm.weight'), *rope, d // 2)
+            t = rope(g, _rms_norm(g, m, t, f'{b}.attn_{role}_norm.weight'), *rope_cs, d // 2)
         if role == 'q' and gemma:  # q / sqrt(d) first, then q.k unscaled (as llama.cpp)
             t = g.node('Mul', [t, g.const(np.float32(1.0 / np.sqrt(d)), np.float32)])
         return g.node('Transpose', [f16(t)], perm=[0, 2, 1, 3])   # [B, n, T, d]
@@ -125,10 +103,10 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int
     return linear(g, m, merged, f'{b}.attn_output')
 
 
-def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope: tuple, i: int) -> str:
+def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: int) -> str:
     b = f'blk.{i}'
     gemma = m.spec.arch == GEMMA
-    attn = _attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias, rope, i)
+    attn = _attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias, rope_cs, i)
     if gemma:
         attn = _rms_norm(g, m, attn, f'{b}.post_attention_norm.weight')
     h = g.node('Add', [attn, x])
@@ -172,14 +150,14 @@ def build_decoder_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> on
     g = _Graph(data, DATA_FILE)
     gemma = s.arch == GEMMA
     bias = _mask_bias(g, causal=not gemma)
-    rope = _angles(g, m, s.rope_base)
-    local = (_mask_bias(g, False, s.window), _angles(g, m, s.local_rope_base)) \
+    rope_cs = rope_angles(g, s.rope_base, s.head_dim)
+    local = (_mask_bias(g, False, s.window), rope_angles(g, s.local_rope_base, s.head_dim)) \
         if any(s.local_layers) else None
     x = token_rows(g, m)
     if gemma:  # ggml_scale by sqrtf(n_embd)
         x = g.node('Mul', [x, g.const(np.float32(np.sqrt(np.float32(s.hidden))), np.float32)])
     for i in range(s.layers):
-        on = local if local and s.local_layers[i] else (bias, rope)
+        on = local if local and s.local_layers[i] else (bias, rope_cs)
         x = _layer(g, m, x, on[0], on[1], i)
     g.nodes.append(helper.make_node('Identity', [_rms_norm(g, m, x, 'output_norm.weight')],
                                     [HIDDEN], name='hidden'))

@@ -6,6 +6,9 @@ normalization are the runtime's (runtime/encoder.py), as the folder's model.yaml
 classifier head (a cross-encoder, pooling 'rank') the graph also returns `rank_scores`
 [B, n_labels]: the first token through cls (+ bias), tanh, cls.output (+ bias).
 
+nomic-bert (nomic-embed-text) is the same graph with llama.cpp's changes for it: no position
+table but NEOX RoPE on q and k, fused q|k|v rows, a SwiGLU MLP, no biases on the matrices.
+
 The graph is llama.cpp's src/models/bert.cpp: token + token-type-0 + position embeddings,
 LayerNorm, then per layer Q/K/V with biases, attention both ways over the row's tokens (padding
 masked out), the output projection, residual + LayerNorm, a GELU MLP, residual + LayerNorm
@@ -37,7 +40,7 @@ OPSET = 20  # Gelu (approximate='tanh')
 DECODER_EMBEDDERS = ('qwen3', 'gemma-embedding')
 # Of those, the ones that are always embedders (EmbeddingGemma: bidirectional gemma3).
 EMBEDDING_ONLY = ('gemma-embedding',)
-ENCODER_ARCHITECTURES = ('bert',) + DECODER_EMBEDDERS
+ENCODER_ARCHITECTURES = ('bert', 'nomic-bert') + DECODER_EMBEDDERS
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
@@ -117,6 +120,9 @@ class EncoderGguf:
                          window=int(key('attention.sliding_window')),
                          local_rope_base=float(key('rope.freq_base_swa',
                                                    extra['rope_base'])))
+        if arch == 'nomic-bert':  # rotary positions instead of a position table
+            extra = {'head_dim': hidden // heads,
+                     'rope_base': float(key('rope.freq_base', 10000.0))}
         eps = key('attention.layer_norm_rms_epsilon' if decoder else
                   'attention.layer_norm_epsilon')
         self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
@@ -139,12 +145,14 @@ class EncoderGguf:
                     names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
                                                               'post_ffw_norm')]
             return names
-        names = ['token_embd.weight', 'position_embd.weight', 'token_embd_norm.weight',
-                 'token_embd_norm.bias']
+        nomic = self.spec.arch == 'nomic-bert'
+        names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
+        names += [] if nomic else ['position_embd.weight']
         for i in range(self.spec.layers):
             names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
                                                       'ffn_up', 'ffn_down', 'layer_output_norm')]
             names += [f'blk.{i}.{r}.bias' for r in ('attn_output_norm', 'layer_output_norm')]
+            names += [f'blk.{i}.ffn_gate.weight'] if nomic else []
             if f'blk.{i}.attn_qkv.weight' not in self.tensors:
                 names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
         return names
@@ -214,22 +222,56 @@ def _embeddings(g: _Graph, m: EncoderGguf) -> str:
     rows = token_rows(g, m)
     if m.has('token_types.weight'):  # llama.cpp adds row 0 ("sentence A") to every token
         rows = g.node('Add', [rows, g.init('token_type0', m.array('token_types.weight')[0])])
+    if m.has('position_embd.weight'):  # bert (nomic-bert rotates q and k instead)
+        ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
+                      value=helper.make_tensor('one', TensorProto.INT64, [1], [1]))
+        positions = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])  # 0..T-1
+        pos = g.node('Gather', [g.init('position_embd.weight',
+                                       m.array('position_embd.weight')), positions], axis=0)
+        rows = g.node('Add', [pos, rows])
+    return _layer_norm(g, m, rows, 'token_embd_norm')
+
+
+def rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+    """Rotate x [B, T, heads, d] NEOX-style: pairs (i, i + d/2) by the position's angles."""
+    x1 = g.node('Slice', [x, g.const([0]), g.const([half]), g.const([-1])])
+    x2 = g.node('Slice', [x, g.const([half]), g.const([2 * half]), g.const([-1])])
+    a = g.node('Sub', [g.node('Mul', [x1, cos]), g.node('Mul', [x2, sin])])
+    b = g.node('Add', [g.node('Mul', [x2, cos]), g.node('Mul', [x1, sin])])
+    return g.node('Concat', [a, b], axis=-1)
+
+
+def rope_angles(g: _Graph, base: float, head_dim: int) -> tuple:
+    """Return cos and sin [B, T, 1, d/2] of positions 0..T-1 (theta = p * base^(-2i/d))."""
+    half = head_dim // 2
+    inv_freq = (1.0 / base ** (np.arange(half, dtype=np.float64) * 2
+                               / head_dim)).astype(np.float32)
     ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
-                  value=helper.make_tensor('one', TensorProto.INT64, [1], [1]))
-    positions = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])  # [B, T]: 0..T-1
-    pos = g.node('Gather', [g.init('position_embd.weight', m.array('position_embd.weight')),
-                            positions], axis=0)
-    return _layer_norm(g, m, g.node('Add', [pos, rows]), 'token_embd_norm')
+                  value=helper.make_tensor('one', TensorProto.FLOAT, [1], [1.0]))
+    pos = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])      # [B, T]
+    ang = g.node('Mul', [g.node('Unsqueeze', [pos, g.const([2, 3])]),
+                         g.init(f'rope_inv_freq_{base:g}', inv_freq)])     # [B, T, 1, d/2]
+    return g.node('Cos', [ang]), g.node('Sin', [ang])
 
 
-def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+               rope_cs: Optional[tuple] = None) -> str:
     s = m.spec
     b = f'blk.{i}'
     d = s.hidden // s.heads
     split = g.const([0, 0, s.heads, d])
+    if m.has(f'{b}.attn_qkv.weight'):  # fused q|k|v rows (nomic-bert's Wqkv)
+        qkv = linear(g, m, x, f'{b}.attn_qkv')
+        projected = {r: g.node('Slice', [qkv, g.const([j * s.hidden]),
+                                         g.const([(j + 1) * s.hidden]), g.const([-1])])
+                     for j, r in enumerate('qkv')}
+    else:
+        projected = {r: linear(g, m, x, f'{b}.attn_{r}') for r in 'qkv'}
 
     def heads_of(role: str) -> str:
-        t = g.node('Reshape', [linear(g, m, x, f'{b}.attn_{role}'), split])
+        t = g.node('Reshape', [projected[role], split])
+        if rope_cs is not None and role in 'qk':
+            t = rope(g, t, *rope_cs, d // 2)
         return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [B, H, T, d]
 
     q, k, v = heads_of('q'), heads_of('k'), heads_of('v')
@@ -242,12 +284,18 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
     return linear(g, m, merged, f'{b}.attn_output')
 
 
-def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+           rope_cs: Optional[tuple] = None) -> str:
     b = f'blk.{i}'
-    h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i), x]),
+    h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i, rope_cs), x]),
                     f'{b}.attn_output_norm')
-    up = _gelu(g, linear(g, m, h, f'{b}.ffn_up'))
-    out = g.node('Add', [linear(g, m, up, f'{b}.ffn_down'), h])
+    if m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
+        gate = linear(g, m, h, f'{b}.ffn_gate')
+        act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
+                             linear(g, m, h, f'{b}.ffn_up')])
+    else:
+        act = _gelu(g, linear(g, m, h, f'{b}.ffn_up'))
+    out = g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
     return _layer_norm(g, m, out, f'{b}.layer_output_norm')
 
 
@@ -274,8 +322,10 @@ def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.Model
     g = _Graph(data, DATA_FILE)
     bias = mask_bias(g)
     x = _embeddings(g, m)
+    rope_cs = rope_angles(g, m.spec.rope_base, m.spec.head_dim) \
+        if m.spec.arch == 'nomic-bert' else None
     for i in range(m.spec.layers):
-        x = _layer(g, m, x, bias, i)
+        x = _layer(g, m, x, bias, i, rope_cs)
     g.nodes.append(helper.make_node('Identity', [x], [HIDDEN], name='hidden'))
     outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
                                              ['batch', 'tokens', m.spec.hidden])]
