@@ -23,7 +23,10 @@ from edge_llm_ros.runtime.encoder import TextEncoder
 RUNNER = pathlib.Path(__file__).with_name('llama_cpp_embed_runner.py')
 COSINE = 0.9999
 CASES = [BertCase('F32', 'mean'), BertCase('F16', 'mean'), BertCase('Q8_0', 'mean'),
-         BertCase('F16', 'cls', seed=1), BertCase('Q8_0', 'last', seed=2)]
+         BertCase('F16', 'cls', seed=1), BertCase('Q8_0', 'last', seed=2),
+         # XLM-RoBERTa's unigram vocabulary (tokenizer 't5': bge-m3, multilingual-e5)
+         BertCase('F16', 'mean', vocab='ugm', seed=4),
+         BertCase('F32', 'cls', vocab='ugm', merge_spaces=False, seed=5)]
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
                                   reason='the op library (native/) is not built')
@@ -47,13 +50,18 @@ def unit(x):
 @needs_native
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.tag)
 def test_embeddings_match_llama_cpp(case, tmp_path, compat):
+    # The unigram cases add spaces, unknown code points and the user-defined piece.
+    texts = list(UGM_TEXTS if case.vocab == 'ugm' else TEXTS)
     gguf = write_bert_gguf(tmp_path / f'{case.tag}.gguf', case)
     folder = convert(str(gguf), str(tmp_path / 'model'), progress=False)
-    ref, ref_ids = llama_cpp_vectors(gguf, list(TEXTS), tmp_path)
+    ref, ref_ids = llama_cpp_vectors(gguf, texts, tmp_path)
     enc = TextEncoder(str(folder))
-    ours = enc.embed(list(TEXTS))
-    ids = enc.tokenize(list(TEXTS), truncate=False)
-    assert [list(map(int, r)) for r in ref_ids] == ids
+    ours = enc.embed(texts)
+    ids = enc.tokenize(texts, truncate=False)
+    for text, want, got in zip(texts, ref_ids, ids):
+        assert list(map(int, want)) == got, f'{text!r}: llama.cpp {list(want)}, ours {got}'
+    if case.vocab == 'ugm':
+        assert any(3 in row[1:-1] for row in ids)    # [UNK] (merged runs) was exercised
     cos = (ours.vectors * unit(ref)).sum(axis=1)
     assert cos.min() >= COSINE, f'{case.tag}: cosine per text {cos}'
     compat('bert', case.wtype, 'embeddings')
@@ -80,27 +88,6 @@ def test_cross_encoder_scores_match_llama_cpp(wtype, tmp_path, compat):
     assert np.abs(scores - ref[:, 0]).max() <= 1e-3 * max(1.0, np.abs(ref).max()), (scores, ref)
     assert np.argsort(-scores).tolist() == np.argsort(-ref[:, 0]).tolist()
     compat('bert', case.wtype, 'rerank')
-
-
-# XLM-RoBERTa vocabularies (bge-m3, bge-reranker-v2-m3, multilingual-e5): tokenizer 't5'.
-UGM_CASES = [BertCase('F16', 'mean', vocab='ugm', seed=4),
-             BertCase('F32', 'cls', vocab='ugm', merge_spaces=False, seed=5)]
-
-
-@needs_native
-@pytest.mark.parametrize('case', UGM_CASES, ids=lambda c: c.tag)
-def test_unigram_vocabulary_embeddings_match_llama_cpp(case, tmp_path, compat):
-    gguf = write_bert_gguf(tmp_path / f'{case.tag}.gguf', case)
-    folder = convert(str(gguf), str(tmp_path / 'model'), progress=False)
-    ref, ref_ids = llama_cpp_vectors(gguf, list(UGM_TEXTS), tmp_path)
-    enc = TextEncoder(str(folder))
-    ids = enc.tokenize(list(UGM_TEXTS), truncate=False)
-    for text, want, got in zip(UGM_TEXTS, ref_ids, ids):
-        assert list(map(int, want)) == got, f'{text!r}: llama.cpp {list(want)}, ours {got}'
-    assert any(3 in row[1:-1] for row in ids)        # [UNK] (merged runs) was exercised
-    cos = (enc.embed(list(UGM_TEXTS)).vectors * unit(ref)).sum(axis=1)
-    assert cos.min() >= COSINE, f'{case.tag}: cosine per text {cos}'
-    compat('bert', case.wtype, 'embeddings')
 
 
 # F16: 3 of these 5 pairs differ from llama.cpp by 4e-4..2e-3 (2 agree to 1e-6), the same
