@@ -88,6 +88,28 @@ def test_image_embeddings_match_llamacpps_mtmd(tmp_path, gemma4_pair, height, wi
     assert float(np.abs(other - theirs).max()) > 100 * PEAK_MOST * peak
 
 
+@pytest.mark.parametrize('height, width', [(120, 120), (97, 131)])
+def test_an_f16_mmproj_matches_mtmd_within_its_rounding_noise(
+        tmp_path, gemma4_pair, height, width):
+    """Every matrix F16 (mmproj-F16 files): ggml rounds the activations to fp16 before each.
+
+    Measured 6.4-8.8e-4 of the peak at most, mean 1.0-1.2e-4 (square, wide, odd, tall), as
+    Qwen3-VL's F16 file (test_vision_qwen3.py, whose bounds these are: the fp16 activations
+    flip whole steps where float32 noise crosses a boundary); another image is 0.25 of the
+    peak away on average.
+    """
+    text, _ = gemma4_pair
+    mmproj = write_gemma4v_mmproj(tmp_path / 'f16.gguf', n_text=TEXT.hidden, seed=3,
+                                  weight_type='F16')
+    img = image(7, height, width)
+    theirs, ours = mtmd(text, mmproj, img, tmp_path)['embeds_0'], our_embeddings(mmproj, img)
+    peak = float(np.abs(theirs).max())
+    diff = np.abs(ours - theirs)
+    assert float(diff.max()) <= 1e-3 * peak and float(diff.mean()) <= 1.5e-4 * peak
+    other = our_embeddings(mmproj, image(8, height, width))
+    assert float(np.abs(other - theirs).mean()) > 30 * 1.5e-4 * peak
+
+
 def test_the_clamps_are_seen(tmp_path, gemma4_pair):
     """The same weights without their clamp limits are far from mtmd's clamped embeddings."""
     text, mmproj = gemma4_pair
