@@ -215,11 +215,11 @@ LM_CASES = [
 ]
 
 
-def _engine(work: pathlib.Path, text, mmproj):
+def _engine(work: pathlib.Path, text, mmproj, **kw):
     from edge_llm_ros.serving.engine import Engine, EngineConfig
     folder = convert(str(text), str(work / 'vlm'), mmproj=str(mmproj), progress=False)
     return Engine(EngineConfig(model_dir=str(folder), max_context=512, intra_op_threads=1,
-                               prefix_reuse=False))
+                               **{'prefix_reuse': False, **kw}))
 
 
 @pytest.fixture(scope='module')
@@ -245,6 +245,68 @@ def test_greedy_ids_match_mtmd_with_images_in_the_prompt(tmp_path, gemma4_pair, 
                                                  tmp_path)
     assert result.token_ids == [int(t) for t in data['tokens']]
     assert gap <= tolerance
+
+
+def test_two_image_goals_batched_in_one_step_each_decode_as_mtmd(
+        tmp_path, gemma4_pair, native_library, compat):
+    """Two slots, each with its bidirectional image rows, in the same decoder calls."""
+    compat('gemma4', TEXT.wtype, 'batching')
+    from test_vision_llm_parity import image as vimage, mtmd_run
+    from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    from edge_llm_ros.serving.scheduler import Goal
+    text, mmproj = gemma4_pair
+    folder = convert(str(text), str(tmp_path / 'vlm'), mmproj=str(mmproj), progress=False)
+    engine = Engine(EngineConfig(model_dir=str(folder), max_context=512, intra_op_threads=1,
+                                 prefix_reuse=False, parallel_sequences=2))
+    try:
+        goals, expected = [], []
+        for n, (sizes, prompt) in enumerate(LM_CASES[1:]):
+            images = [vimage(7 + i, h, w) for i, (h, w) in enumerate(sizes)]
+            (tmp_path / str(n)).mkdir()
+            expected.append([int(t) for t in mtmd_run(text, mmproj, images, prompt,
+                                                      tmp_path / str(n))['tokens']])
+            goals.append(Goal(engine.prepare(GenerationRequest(
+                prompt=prompt, use_chat_template=False, images=images, max_tokens=32,
+                sampling=SamplingConfig(temperature=0.0)))))
+        for g in goals:
+            engine.scheduler().submit(g)
+        while not all(g.done for g in goals):
+            engine.run_plan()
+        assert [g.result.token_ids for g in goals] == expected
+    finally:
+        engine.close()
+
+
+def test_a_session_turn_after_a_stored_image_equals_the_whole_chat(
+        tmp_path, gemma4_pair, native_library, compat):
+    """The second turn reads the stored image's rows: as the whole chat at once.
+
+    The first reply is one of two choices, so its text tokenizes back to its own ids.
+    """
+    compat('gemma4', TEXT.wtype, 'sessions')
+    from test_vision_llm_parity import image as vimage
+    from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
+    frame, look = vimage(7, 90, 200), 'What is in <__media__> this?'
+    greedy = SamplingConfig(logprobs=True, top_logprobs=4)
+
+    engine = _engine(tmp_path, *gemma4_pair, prefix_reuse=True)
+
+    def ask(messages, images=(), session='', **kw):
+        return engine.generate(GenerationRequest(
+            messages=messages, images=list(images), max_tokens=12, session_id=session,
+            sampling=greedy, **kw)).run_to_end()
+    try:
+        first = ask([ChatMessage('user', look)], [frame], 'g4', choices=('a red box', 'blue'))
+        second = ask([ChatMessage('user', 'And the color?')], session='g4')
+        whole = ask([ChatMessage('user', look), ChatMessage('assistant', first.text),
+                     ChatMessage('user', 'And the color?')], [frame])
+    finally:
+        engine.close()
+    assert first.error == '' and second.error == '' and second.timings.cached_prompt_tokens
+    assert second.token_ids == whole.token_ids
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(second.logprobs, whole.logprobs)) \
+        < 1e-3
 
 
 def test_causal_images_would_not_match(tmp_path, gemma4_pair, native_library, monkeypatch):
