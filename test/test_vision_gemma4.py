@@ -309,6 +309,20 @@ def test_a_session_turn_after_a_stored_image_equals_the_whole_chat(
         < 1e-3
 
 
+def test_a_reused_prefix_with_an_image_decodes_as_mtmd(tmp_path, gemma4_pair, native_library):
+    """The second run reuses the first's KV (the bidirectional image included)."""
+    text, mmproj = gemma4_pair
+    engine = _engine(tmp_path, text, mmproj, prefix_reuse=True)
+    try:
+        first, data, _, _ = _against_mtmd(engine, text, mmproj, *LM_CASES[1], tmp_path)
+        second, _, gap, tolerance = _against_mtmd(engine, text, mmproj, *LM_CASES[1], tmp_path)
+    finally:
+        engine.close()
+    assert second.timings.cached_prompt_tokens > 0
+    assert first.token_ids == second.token_ids == [int(t) for t in data['tokens']]
+    assert gap <= tolerance
+
+
 def test_causal_images_would_not_match(tmp_path, gemma4_pair, native_library, monkeypatch):
     """The check above sees the attention: causal images (E2B's rule) leave mtmd's path."""
     import edge_llm_ros.convert.vision_graph as vision_graph
