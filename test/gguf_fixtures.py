@@ -544,6 +544,7 @@ class Gemma4Case:
     out_scale: bool = True      # layer_output_scale tensors
     post_gain: float = 2.0      # the post-norms' weights (8 as gemma3's: near-ties)
     arch: str = 'gemma4'
+    vision: bool = False        # Gemma 4's image wrapper tokens in the vocabulary (gemma4v)
 
     @property
     def tag(self) -> str:
@@ -572,7 +573,7 @@ class Gemma4Case:
 def gemma4_weights(case: Gemma4Case) -> Dict[str, np.ndarray]:
     """Float32 weights under GGUF names (NEOX Q/K rows), scaled 1/sqrt(fan_in)."""
     rng = np.random.default_rng(case.seed)
-    vocab = len(tiny_vocab())
+    vocab = len(tiny_vocab('gemma4' if case.vision else False))
     c, h, e = case, case.hidden, case.per_layer
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
@@ -674,7 +675,7 @@ def write_gemma4_gguf(path, case: Gemma4Case, gemma4_tokenizer: bool = False) ->
     c = case
     w = gemma4_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
-    vocab = tiny_vocab()
+    vocab = tiny_vocab('gemma4' if c.vision else False)
     writer = gguf.GGUFWriter(str(path), 'gemma4')
     writer.add_name(f'tiny-{c.tag}')
     writer.add_block_count(c.layers)
