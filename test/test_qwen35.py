@@ -17,13 +17,15 @@ bits of one call; goals batched (prompt chunks beside decode rows) equal each al
 bit, and so does a preempted goal; prefix reuse stops at kept states and equals the uncached
 run; a session continues from its saved states bit for bit, in memory and in SQLite after a
 restart; speculation goes back to the
-states at the verify's start (output equal to plain decoding).
+states at the verify's start (output equal to plain decoding). An HF folder (Qwen3_5ForCausalLM
+or Qwen3_5ForConditionalGeneration's text model) converts to its GGUF's graph, byte for byte.
 """
+import json
 import pathlib
 
 import gguf
 from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_DIMS,
-                           QWEN35_GDN, write_gguf, write_qwen35_gguf)
+                           QWEN35_GDN, write_gguf, write_qwen35_gguf, write_qwen35_hf)
 from llama_cpp_parity import (compare, converted, engine_logits, kl_divergence,
                               llama_cpp_greedy, PROMPT)
 import numpy as np
@@ -38,6 +40,7 @@ from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIF
 import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
+from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
@@ -294,6 +297,40 @@ def test_a_moe_gguf_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
         load_checkpoint(str(tmp_path / 'moe.gguf'))
+
+
+# --- HF folders ----------------------------------------------------------------------------------
+@pytest.mark.parametrize('multimodal', [False, True], ids=['causal_lm', 'conditional_generation'])
+def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library, multimodal):
+    """The same float32 weights as a GGUF and an HF folder give the same graph and logits.
+
+    The folder holds what llama.cpp's converter reads (norms minus one, A_log, Conv1d's
+    kernel, value heads grouped by key head: 4 value heads over 2 key heads, so the reorder
+    to the GGUF's tiled order is exercised).
+    """
+    case = qwen35_case('F32')
+    gguf_dir = convert(str(gguf_of(work, case)), str(work / 'f32-gguf'), progress=False,
+                       overwrite=True)
+    hf = write_qwen35_hf(work / f'hf-{multimodal}', case, multimodal=multimodal)
+    hf_dir = convert(str(hf), str(work / f'f32-hf-{multimodal}'), progress=False,
+                     overwrite=True)
+    for name in ('model.onnx', 'model.onnx.data'):
+        assert (hf_dir / name).read_bytes() == (gguf_dir / name).read_bytes(), name
+    follow = [7, 8, 9]
+    np.testing.assert_array_equal(engine_logits(hf_dir, PROMPT, follow),
+                                  engine_logits(gguf_dir, PROMPT, follow))
+    assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
+        yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']
+
+
+def test_an_hf_moe_folder_is_refused_by_name(work):
+    folder = write_qwen35_hf(work / 'hf-moe', qwen35_case('F32'), multimodal=True)
+    config = json.loads((folder / 'config.json').read_text())
+    config.update(model_type='qwen3_5_moe', architectures=['Qwen3_5MoeForConditionalGeneration'])
+    config['text_config'].update(model_type='qwen3_5_moe_text', num_experts=8)
+    (folder / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
+        load_checkpoint(str(folder))
 
 
 @pytest.fixture(scope='module')
