@@ -44,7 +44,7 @@ from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
-from edge_llm_ros.runtime.types import ChatMessage
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest
 from edge_llm_ros.serving.engine import kv_budget_bytes
 from edge_llm_ros.serving.scheduler import Park, Unpark
 
@@ -297,6 +297,38 @@ def test_a_moe_gguf_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
         load_checkpoint(str(tmp_path / 'moe.gguf'))
+
+
+def test_the_qwen35_family_switches_reasoning_and_forces_its_tool_calls(kquant_dir, compat):
+    """Qwen3.5's family: XML tool calls (qwen3_xml), reasoning off by enable_thinking=False.
+
+    A random model writes no XML call by itself: the tool constraint forces one (a Hermes
+    JSON object between <tool_call> markers, which the qwen3_xml parser reads as well),
+    after a <think> block closed at once by a reasoning budget of 0 (the random model would
+    otherwise think until max_tokens); the XML form itself is read in test_tool_calls.
+    """
+    from edge_llm_ros.runtime import model_config as mc
+    compat('qwen35', CASE.wtype, 'tools')
+    family = mc.family_for_model_dir(kquant_dir)
+    assert (family.family, family.tool_call_format) == ('qwen35', 'qwen3_xml')
+    assert family.template_kwargs(reasoning=False) == {'enable_thinking': False}
+    assert family.reasoning.open_tag == '<think>' and family.can_disable_reasoning
+    tools = [{'type': 'function', 'function': {
+        'name': 'move_to', 'description': 'Drive to a point.',
+        'parameters': {'type': 'object',
+                       'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
+                       'required': ['place']}}}]
+    eng = engine(kquant_dir, max_context=1024)
+    try:
+        assert eng.model_info()['tool_call_format'] == 'qwen3_xml'
+        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=tools,
+                                                tool_choice='required', max_tokens=200,
+                                                parallel_tool_calls=False, reasoning_budget=0)
+                              ).run_to_end()
+    finally:
+        eng.close()
+    assert [c.name for c in result.tool_calls] == ['move_to'], result
+    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
 
 
 # --- HF folders ----------------------------------------------------------------------------------
