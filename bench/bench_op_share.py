@@ -5,9 +5,10 @@
 
 Loads the folder as the Engine does (runtime.decoder.OnnxDecoder, its session options, with
 onnxruntime's profiler switched on), prefills `--prompt-tokens` ids, then runs `--steps`
-greedy decode steps. The profile's kernel times of the decode steps are summed per op type;
-each op's share of the summed kernel time and of the steps' wall time is reported, with what
-the step would gain if that op were twice as fast, and if it took no time at all (Amdahl).
+greedy decode steps. The profile's kernel times of the decode steps (and, apart, of the
+prefill) are summed per op type; each op's share of the summed kernel time and of the steps'
+wall time is reported, with what the step would gain if that op were twice as fast, and if
+it took no time at all (Amdahl).
 Used for the new ops of issue 41 (GatedDeltaNet; gemma4's per-layer embedding gather).
 """
 from __future__ import annotations
@@ -49,7 +50,9 @@ def profile_decode(model_dir: str, threads: int, prompt_tokens: int, steps: int)
     finally:
         dec_mod._session_options = plain
     ids = np.arange(prompt_tokens, dtype=np.int64) % 1000 + 300
+    t0 = time.perf_counter()
     tok = int(decoder.run([Row(0, 0, ids)])[0].argmax())
+    prefill_ms = (time.perf_counter() - t0) * 1e3
     t0 = time.perf_counter()
     pos = prompt_tokens
     for _ in range(steps):
@@ -62,21 +65,28 @@ def profile_decode(model_dir: str, threads: int, prompt_tokens: int, steps: int)
     if len(runs) < steps + 1:
         raise RuntimeError(f'{path}: {len(runs)} model runs profiled, expected {steps + 1}')
     start = runs[1]['ts']   # the first decode step's run; the prefill's kernels come before
-    per_op: Dict[str, float] = collections.defaultdict(float)
+    decode: Dict[str, float] = collections.defaultdict(float)
+    prefill: Dict[str, float] = collections.defaultdict(float)
     for e in events:
         if e.get('cat') == 'Node' and e.get('name', '').endswith('_kernel_time') \
-                and e['ts'] >= start:
-            per_op[e['args']['op_name']] += e['dur'] / 1e3   # ms
-    kernel = sum(per_op.values())
+                and e['ts'] >= runs[0]['ts']:
+            side = decode if e['ts'] >= start else prefill
+            side[e['args']['op_name']] += e['dur'] / 1e3   # ms
     step_ms = wall * 1e3 / steps
-    ops = {op: {'ms_per_step': ms / steps, 'share_of_kernels': ms / kernel,
-                'share_of_step': ms / steps / step_ms,
-                'step_ms_if_2x_faster': step_ms - ms / steps / 2,
-                'step_ms_if_free': step_ms - ms / steps}
-           for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])}
     return {'model': model_dir, 'threads': threads, 'prompt_tokens': prompt_tokens,
-            'steps': steps, 'step_ms': step_ms, 'kernel_ms_per_step': kernel / steps,
-            'load_average': os.getloadavg(), 'ops': ops}
+            'steps': steps, 'step_ms': step_ms, 'kernel_ms_per_step': sum(decode.values()) / steps,
+            'prefill_ms': prefill_ms, 'load_average': os.getloadavg(),
+            'ops': _shares(decode, steps, step_ms), 'prefill_ops': _shares(prefill, 1, prefill_ms)}
+
+
+def _shares(per_op: Dict[str, float], runs: int, wall_ms: float) -> Dict[str, Dict[str, float]]:
+    """Per op type: ms per run, share of kernels and of the wall time, Amdahl's gains."""
+    kernel = sum(per_op.values()) or 1.0
+    return {op: {'ms_per_step': ms / runs, 'share_of_kernels': ms / kernel,
+                 'share_of_step': ms / runs / wall_ms,
+                 'step_ms_if_2x_faster': wall_ms - ms / runs / 2,
+                 'step_ms_if_free': wall_ms - ms / runs}
+            for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
