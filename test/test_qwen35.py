@@ -55,6 +55,8 @@ CASE = qwen35_case('Q8_0')
 # against test_llama_cpp_parity's 0.4 for attention-only families.
 QWEN35_KQUANT_MAX_ABS_DIFF = 0.5
 LONG_PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
+# QWEN35_GDN's 4 value heads over 2 key heads: HF's grouped order read in ggml's tiled one.
+QWEN35_TILED = np.array([0, 2, 1, 3])
 
 
 def state_floats() -> int:
@@ -353,6 +355,27 @@ def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library, mu
                                   engine_logits(gguf_dir, PROMPT, follow))
     assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
         yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']
+
+
+def test_a_bfloat16_a_log_gives_the_bfloat16_decay_rate_llama_cpp_writes(work):
+    """llama.cpp's converter takes -exp(A_log) in the checkpoint's bfloat16 (torch rounds).
+
+    The reader rounds -exp of the widened bits to bfloat16 as well, then tiles the heads.
+    """
+    import ml_dtypes
+    from safetensors import serialize_file, TensorSpec
+    folder = write_qwen35_hf(work / 'hf-bf16', qwen35_case('F32'))
+    name = 'model.layers.0.linear_attn.A_log'
+    a_log = load_checkpoint(str(folder)).tensor('0.ssm_a')   # F32: -exp, heads tiled
+    hf = np.log(-a_log.dequantize())[np.argsort(QWEN35_TILED)].astype(np.float32)
+    bits = (hf.view(np.uint32) >> 16).astype(np.uint16)   # truncated: any bfloat16 will do
+    serialize_file({name: TensorSpec(dtype='bfloat16', shape=list(bits.shape),
+                                     data_ptr=bits.ctypes.data, data_len=bits.nbytes)},
+                   str(folder / 'zz-bf16.safetensors'))
+    got = load_checkpoint(str(folder)).tensor('0.ssm_a').dequantize()
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    want = (-np.exp(widened)).astype(ml_dtypes.bfloat16).astype(np.float32)[QWEN35_TILED]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_an_hf_moe_folder_is_refused_by_name(work):
