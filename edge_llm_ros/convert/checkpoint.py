@@ -697,6 +697,10 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
         from edge_llm_ros.convert.gemma4 import load_gemma4_hf
         return load_gemma4_hf(folder, cfg, _read_safetensors,
                               lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
+    from edge_llm_ros.convert import qwen35
+    if model_type in qwen35.HF_MODEL_TYPES + qwen35.MOE_MODEL_TYPES:
+        return qwen35.load_qwen35_hf(folder, cfg, _read_safetensors,
+                                     lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '

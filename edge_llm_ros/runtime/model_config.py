@@ -25,8 +25,8 @@ from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PREC
 from edge_llm_ros.runtime.choices import GROUNDING_FRAMES
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
 
-TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
-                     'none')
+TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'qwen3_xml',
+                     'generic_json', 'none')
 ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
 # The family part of a display name when no family's name matches the model's (see
 # family_label): the architecture as its makers write it.
