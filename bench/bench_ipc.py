@@ -358,9 +358,11 @@ def run_window(args: argparse.Namespace, shape, rate: float, count: int) -> Dict
     def on_frame(msg) -> None:
         newest[0] = max(newest[0], msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)
 
-    node.create_subscription(TensorHandle, f'/{tag}_frames/frames', on_frame, 10)
+    from edge_llm_ros.nodes.tensor_output import SENSOR_QOS
+    node.create_subscription(TensorHandle, f'/{tag}_frames/frames', on_frame, SENSOR_QOS)
     client = node.create_client(GetWindow, f'/{tag}_perception/window')
     ages, goal_bytes, pixel_bytes, newest_hits, asks = [], [], [], 0, max(10, count // 3)
+    seen_frames = 0
     try:
         perception.wait_output('window: the last', 60)
         client.wait_for_service(timeout_sec=30)
@@ -380,6 +382,7 @@ def run_window(args: argparse.Namespace, shape, rate: float, count: int) -> Dict
             goal_bytes.append(len(data))
             pixel_bytes.append(sum(int(h.nbytes) for h in reply.frames))
             rclpy.spin_once(node, timeout_sec=0)   # frames seen up to now
+            seen_frames += newest[0] > 0
             newest_hits += newest[0] <= stamp.sec * 10**9 + stamp.nanosec
             _pace(t0, i + 1, 10.0)
         wall, cpu = time.monotonic() - t0, _cpu() - cpu0
@@ -387,6 +390,8 @@ def run_window(args: argparse.Namespace, shape, rate: float, count: int) -> Dict
         node.destroy_node()
         rclpy.shutdown()
         codes = (perception.stop(), frames.stop())
+    if not seen_frames:
+        raise RuntimeError('the client saw no frame on ~/frames: cannot tell the newest')
     if codes != (0, 0):
         raise RuntimeError(f'window nodes exited {codes}:\n{perception.tail()}')
     res = _summary(ages, cpu, wall, asks)
