@@ -90,7 +90,14 @@ def test_the_folder_declares_recurrent_states_and_runs_mamba2(kquant_dir):
     assert ops.count('Mamba2') == 2 and ops.count('CausalAttention') == 1
     # Granite's multipliers: both residual branches of each layer, and the logits.
     assert sum(n.name.endswith('/residual_scale') for n in graph.node) == 6
-    assert 'logit_scale_inv' in {t.name for t in graph.initializer}
+    inits = {t.name for t in graph.initializer}
+    assert 'logit_scale_inv' in inits
+    # No layer rotates: an identity cos/sin row per packed token, no table per position (a
+    # Granite 4.0-H GGUF says 2**20 positions).
+    assert not {'cos_cache', 'sin_cache', 'cos_cache_nope', 'sin_cache_nope'} & inits
+    attn = next(n for n in graph.node if n.op_type == 'CausalAttention')
+    assert {'cos_tokens_nope', 'sin_tokens_nope'} <= set(attn.input)
+    assert onnx.helper.get_node_attr_value(attn, 'rope_per_token') == 1
     names = {i.name for i in graph.input}
     assert {'past_conv.0', 'past_conv.2', 'past_key_values.1.key'} <= names
 

@@ -330,7 +330,13 @@ class DecoderGraph:
                              "(attention='causal')")
         cache_len = opts.max_context or spec.max_position_embeddings
         local = [spec.is_local(i) for i in range(spec.num_layers) if spec.is_attention(i)]
-        if not all(local):
+        # No attention layer rotates (granitehybrid without RoPE, whose GGUFs say 2**20
+        # positions): no table per position, an identity row per packed token instead.
+        self._nope_per_token = self.varlen and not spec.rope_sections and all(
+            spec.is_nope(i) for i in range(spec.num_layers) if spec.is_attention(i))
+        if self._nope_per_token:
+            self._identity_rope_rows()
+        elif not all(local):
             cos, sin = rope_cache(spec, cache_len)
             if spec.rotary_permuted:
                 # Dims past rotary_dims rotate by angle 0 (checkpoint.rotary_order).
@@ -384,6 +390,19 @@ class DecoderGraph:
         for table in ('cos', 'sin'):
             self.nodes.append(helper.make_node('GatherElements', [f'{table}_cache', index],
                                                [f'{table}_tokens'], axis=0))
+
+    def _identity_rope_rows(self) -> None:
+        """cos_tokens_nope = 1 and sin_tokens_nope = 0, [tokens, head_dim / 2] (rope_per_token)."""
+        half = self.spec.head_dim // 2
+        (shape,) = self._node('Shape', ['input_ids'], name='nope/shape')
+        (tokens,) = self._node('Slice', [shape, self._const_i64('nope_one', [1]),
+                                         self._const_i64('nope_two', [2])], name='nope/tokens')
+        (rows,) = self._node('Concat', [tokens, self._const_i64('nope_half', [half])],
+                             name='nope/rows', axis=0)
+        for table, value in (('cos', 1.0), ('sin', 0.0)):
+            one = self._init(f'{table}_nope_row', np.full((1, half), value, np.float32))
+            self.nodes.append(helper.make_node('Expand', [one, rows], [f'{table}_tokens_nope'],
+                                               name=f'nope/{table}'))
 
     # --- helpers -------------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -690,6 +709,8 @@ class DecoderGraph:
             rope = ('cos_tokens', 'sin_tokens')
         if s.is_nope(i):
             rope = ('cos_cache_nope', 'sin_cache_nope')
+        if s.is_nope(i) and self._nope_per_token:
+            rope = ('cos_tokens_nope', 'sin_tokens_nope')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
@@ -704,7 +725,7 @@ class DecoderGraph:
             norms = {} if lw.q_norm is None else {
                 'q_norm': lw.q_norm.astype(np.float32).tolist(),
                 'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
-            if s.rope_sections:
+            if s.rope_sections or self._nope_per_token:
                 norms['rope_per_token'] = 1
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
