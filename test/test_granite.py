@@ -27,9 +27,9 @@ import onnx
 from ort_driver import OrtDriver
 import pytest
 from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_sqlite_session_after_restart, eng_goal, engine, goal,
-                                 result_bits, run, TEXTS, turn, two_turns_sent_whole, USER1,
-                                 USER2)
+                                 check_int8_kv_session, check_sqlite_session_after_restart,
+                                 eng_goal, engine, goal, result_bits, run, TEXTS, turn,
+                                 two_turns_sent_whole, USER1, USER2)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -223,6 +223,11 @@ def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_t
     assert result_bits(a1) == result_bits(first)
     assert result_bits(a2) == result_bits(second)
     assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def test_int8_kv_sessions_with_mamba2_states_continue_bit_for_bit(kquant_dir):
+    """kv.dtype int8 (the converter's model_kv_int8.onnx): int8 KV beside the SSM states."""
+    check_int8_kv_session(kquant_dir)
 
 
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
