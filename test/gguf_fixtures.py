@@ -552,11 +552,12 @@ def granite_case(wtype: str, seed: int = 0, **options) -> ParityCase:
 
 
 def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict] = None,
-                       moe: bool = False) -> pathlib.Path:
+                       moe: bool = False, rope: bool = False) -> pathlib.Path:
     """Write a random granitehybrid GGUF as llama.cpp's converter lays it out.
 
     ssm: GRANITE_SSM's keys (attention: the attention layers' indices); moe: the FFNs of a
-    mixture-of-experts variant (H-Tiny / H-Small: router and expert tensors) instead.
+    mixture-of-experts variant (H-Tiny / H-Small: router and expert tensors) instead; rope:
+    rope.scaling.finetuned true (Granite's switch on: the attention layers rotate).
     """
     c, d, m = case, case.dims, ssm or GRANITE_SSM
     rng = np.random.default_rng(c.seed)
@@ -579,7 +580,7 @@ def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict]
                        ('head_count', d.heads), ('head_count_kv', kv),
                        ('key_length', hd), ('value_length', hd),
                        ('rope_freq_base', d.rope_theta), ('layer_norm_rms_eps', d.rms_eps),
-                       ('rope_scaling_finetuned', False),
+                       ('rope_scaling_finetuned', rope),
                        ('ssm_conv_kernel', m['kernel']), ('ssm_state_size', m['state']),
                        ('ssm_group_count', m['groups']), ('ssm_time_step_rank', m['heads']),
                        ('ssm_inner_size', inner), ('vocab_size', len(vocab)),
@@ -599,8 +600,13 @@ def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict]
         put(b + 'attn_norm.weight', norm(d.hidden), matrix=False)
         put(b + 'ffn_norm.weight', norm(d.hidden), matrix=False)
         if i in m['attention']:
-            put(b + 'attn_q.weight', mat(d.heads * hd, d.hidden))
-            put(b + 'attn_k.weight', mat(d.kv_heads * hd, d.hidden))
+            # q and k of gain 4: scores of a few units under Granite's 1 / head_dim scale
+            # (gain 1 leaves the attention near-uniform, blind to positions and RoPE); their
+            # rows permuted for llama.cpp's interleaved RoPE, as its converter writes them.
+            put(b + 'attn_q.weight', llama_cpp_permute(mat(d.heads * hd, d.hidden, 4.0),
+                                                       d.heads))
+            put(b + 'attn_k.weight', llama_cpp_permute(mat(d.kv_heads * hd, d.hidden, 4.0),
+                                                       d.kv_heads))
             put(b + 'attn_v.weight', mat(d.kv_heads * hd, d.hidden))
             put(b + 'attn_output.weight', mat(d.hidden, d.heads * hd))
         else:

@@ -125,6 +125,29 @@ def test_greedy_ids_equal_llama_cpp(work, native_library, wtype, compat):
     assert result.max_abs_diff <= (MAX_ABS_DIFF if exact else KQUANT_MAX_ABS_DIFF)
 
 
+def test_granites_rope_switch_on_rotates_and_equals_llama_cpp(work, native_library):
+    """rope.scaling.finetuned true: the attention layers rotate (RoPE tables), as llama.cpp."""
+    path = write_granite_gguf(work / 'granite-rope.gguf', CASE, rope=True)
+    model = converted(path, work, accuracy_level=4, weights='kquant')
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert 'no_rope_layers' not in meta['rope_scaling']
+    inits = {t.name for t in onnx.load(str(model / 'model.onnx'),
+                                       load_external_data=False).graph.initializer}
+    assert {'cos_cache', 'sin_cache'} <= inits
+    result = compare(path, work, accuracy_level=4, weights='kquant')
+    print(f'granitehybrid with RoPE: {result.summary()}')
+    assert result.greedy_equal, (result.llama_tokens, result.engine_tokens)
+    assert result.max_abs_diff <= KQUANT_MAX_ABS_DIFF
+    # Control: the same weights without RoPE are another model for llama.cpp (the same
+    # greedy path, its logits moved past the bound).
+    nope, nope_ids = llama_cpp_greedy(gguf_of(work, CASE), work / f'{CASE.tag}.llama_cpp.npz')
+    rope, rope_ids = llama_cpp_greedy(path, work / 'granite-rope.llama_cpp.npz')
+    assert list(rope_ids) == list(nope_ids)
+    moved = float(np.abs(rope - nope).max())
+    print(f'llama.cpp with and without RoPE: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
 def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
         work, source, kquant_dir):
     """Control: the Mamba-2 states cleared after the prompt move the logits past the bound."""

@@ -86,7 +86,8 @@ ARCHITECTURES: Dict[str, Architecture] = {
                            'DeltaNet and gated attention)', recurrent_layers=True),
     'smollm3': Architecture('smollm3', True, False, 'SmolLM3 3B (llama with no RoPE on every '
                             'fourth layer)', no_rope_period=4),
-    'granitehybrid': Architecture('granitehybrid', False, False, 'Granite 4.0-H dense '
+    # Q/K rows permuted as llama's (llama.cpp's granite converters; ROPE_TYPE_NORM).
+    'granitehybrid': Architecture('granitehybrid', True, False, 'Granite 4.0-H dense '
                                   '(Micro; hybrid: Mamba-2 and attention)', mamba_layers=True),
     # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
     'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
