@@ -474,21 +474,15 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
 
 def _kv_heads(path: pathlib.Path, family: Architecture,
               value) -> Tuple[int, Tuple[str, ...]]:
-    """Read attention.head_count_kv: one count, or (hybrids) one per layer, 0 = a conv layer.
+    """Read attention.head_count_kv: one count, or (hybrids) one per layer, 0 = no attention.
 
-    Returns the attention layers' KV head count and the layer kinds (empty: all attention).
+    A 0 is a conv layer (lfm2) or a Mamba-2 layer (granitehybrid). Returns the attention
+    layers' KV head count and the layer kinds (empty: all attention).
     """
     if not isinstance(value, (list, tuple)):
         return int(value), ()
     counts = [int(v) for v in value]
-    if family.mamba_layers:
-        kv = sorted({c for c in counts if c > 0})
-        if len(kv) != 1:
-            raise UnsupportedModelError(
-                f'{path}: attention layers with KV head counts {kv or "none"}: the converter '
-                'builds one KV head count for every attention layer (and needs at least one)')
-        return kv[0], tuple(RECURRENT if c == 0 else ATTENTION for c in counts)
-    if not family.conv_layers:
+    if not (family.conv_layers or family.mamba_layers):
         raise UnsupportedModelError(f'{path}: per-layer attention.head_count_kv is not '
                                     f'supported for {family.name}; use a GGUF with one count')
     kv = sorted({c for c in counts if c > 0})
@@ -496,7 +490,8 @@ def _kv_heads(path: pathlib.Path, family: Architecture,
         raise UnsupportedModelError(
             f'{path}: attention layers with KV head counts {kv or "none"}: the converter '
             'builds one KV head count for every attention layer (and needs at least one)')
-    return kv[0], tuple(CONV if c == 0 else ATTENTION for c in counts)
+    other = RECURRENT if family.mamba_layers else CONV
+    return kv[0], tuple(other if c == 0 else ATTENTION for c in counts)
 
 
 def _check_hybrid(path: pathlib.Path, key, names: dict) -> int:
