@@ -26,8 +26,9 @@ from edge_llm_ros.convert.encoder import encoder_architecture, write_encoder_fol
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
-                                             GraphOptions, LayerWeights, OPSET,
-                                             RecurrentLayerWeights, Weight)
+                                             GraphOptions, LayerWeights,
+                                             MambaLayerWeights, OPSET, RecurrentLayerWeights,
+                                             Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name,
@@ -289,6 +290,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         for i in range(s.num_layers):
             if s.architecture == 'gemma4':
                 graph.add_gemma4_layer(i, _gemma4_layer(ckpt, i, opts))
+            elif s.is_recurrent(i) and s.mamba_heads:
+                graph.add_mamba_layer(i, _mamba_layer(ckpt, i, opts))
             elif s.is_recurrent(i):
                 graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
             elif s.is_conv(i):
@@ -490,6 +493,25 @@ def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> Recurren
         qkv=_blocks(ckpt, p + 'gdn_qkv', opts), z=_blocks(ckpt, p + 'gdn_z', opts),
         alpha=_blocks(ckpt, p + 'ssm_alpha', opts), beta=_blocks(ckpt, p + 'ssm_beta', opts),
         conv=vector('ssm_conv'), dt_bias=vector('ssm_dt'), a=vector('ssm_a'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
+
+
+def _mamba_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> MambaLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    conv = vector('ssm_conv')
+    bias = vector('ssm_conv_bias') if ckpt.has(p + 'ssm_conv_bias') else \
+        np.zeros(conv.shape[0], np.float32)
+    return MambaLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        z=_blocks(ckpt, p + 'ssm_z', opts), xbc=_blocks(ckpt, p + 'ssm_xbc', opts),
+        dt=_blocks(ckpt, p + 'ssm_dtp', opts), conv=conv, conv_bias=bias,
+        dt_bias=vector('ssm_dt'), a=vector('ssm_a'), d=vector('ssm_d'),
         norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
         gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
         down=_blocks(ckpt, p + 'down', opts))

@@ -33,7 +33,8 @@ ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
 ARCHITECTURE_LABELS = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3',
                        'gemma3': 'Gemma 3', 'phi3': 'Phi-3', 'lfm2': 'LFM2',
                        'qwen2vl': 'Qwen2.5-VL', 'qwen35': 'Qwen3.5', 'qwen3vl': 'Qwen3-VL',
-                       'gemma4': 'Gemma 4', 'smollm3': 'SmolLM3'}
+                       'gemma4': 'Gemma 4', 'smollm3': 'SmolLM3',
+                       'granitehybrid': 'Granite 4.0-H'}
 # Converter flags a family may preset (edge-llm-convert's options of the same names).
 CONVERSION_FLAGS = {'precision': str, 'block_size': int, 'dtype': str, 'accuracy_level': int,
                     'max_context': int}
