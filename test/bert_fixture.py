@@ -155,7 +155,9 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
     put('token_types.weight', 0.1 * rng.standard_normal((types_count, h)).astype(np.float32),
         False)
-    put('position_embd.weight', 0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
+    if not nomic:
+        put('position_embd.weight',
+            0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
     put('token_embd_norm.weight', vec(h, 1.0), False)
     put('token_embd_norm.bias', vec(h), False)
     for i in range(case.layers):
