@@ -1,6 +1,7 @@
 """Embedding throughput and one query's latency, this package vs llama.cpp on the same GGUF.
 
-    .venv/bin/python bench/bench_embed.py [--threads 2] [--type F16] [--out bench/results/...]
+    .venv/bin/python bench/bench_embed.py [--threads 2] [--type F16] [--shape bge-small]
+        [--texts 256] [--out bench/results/...]
 
 A random GGUF of bge-small's shape (bert: hidden 384, 12 layers, 12 heads, FFN 1536, context
 512; test/bert_fixture.py's small WPM vocabulary) embeds 256 sentences of 8-128 tokens: here
@@ -8,6 +9,9 @@ through runtime/encoder.py (length-bucket batches), and through llama.cpp (the l
 peer of bench/llama_peer.py, Llama.embed over the list: its own batching, 512-token ubatches
 as llama-server's default), the same threads.
 Then one short query alone (median of 5). Model load is not timed. Writes one JSON file.
+--shape qwen3-0.6b: a random Qwen3-Embedding-0.6B-shape GGUF instead (qwen3: hidden 1024, 28
+layers, 16 query / 8 KV heads of 128, FFN 3072, last-token pooling; the tiny byte-level
+vocabulary of test/gguf_fixtures.py, so sentences are 2-30 words).
 """
 import argparse
 import json
@@ -26,15 +30,29 @@ sys.path.insert(0, str(ROOT / 'bench'))
 QUERY = 'where is the red cup?'
 
 
-def sentences(n: int, seed: int = 0) -> list:
-    """Return n sentences of 8-128 tokens (6-126 words, [CLS], [SEP]) of the fixture."""
+def sentences(n: int, seed: int = 0, words: tuple = (6, 126)) -> list:
+    """Return n sentences of the fixture's words (6-126: 8-128 bert tokens with [CLS], [SEP])."""
     from bert_fixture import WORDS
     rng = random.Random(seed)
-    return [' '.join(rng.choice(WORDS) for _ in range(rng.randint(6, 126))) for _ in range(n)]
+    return [' '.join(rng.choice(WORDS) for _ in range(rng.randint(*words))) for _ in range(n)]
+
+
+def write_model(shape: str, wtype: str, path: pathlib.Path) -> pathlib.Path:
+    """Write the random GGUF of `shape` in `wtype`."""
+    if shape == 'qwen3-0.6b':
+        import gguf
+        from gguf_fixtures import ParityCase, write_gguf
+        from tiny_model import TinyDims
+        dims = TinyDims(hidden=1024, layers=28, heads=16, kv_heads=8, intermediate=3072,
+                        context=4096, rope_theta=1e6, rms_eps=1e-6, key_length=128)
+        return write_gguf(path, ParityCase('qwen3', wtype, dims=dims),
+                          header={'pooling_type': gguf.PoolingType.LAST, 'add_eos_token': True})
+    from bert_fixture import BertCase, write_bert_gguf
+    return write_bert_gguf(path, BertCase(wtype, 'mean', hidden=384, heads=12, layers=12,
+                                          ff=1536, context=512))
 
 
 def main(argv=None) -> int:
-    from bert_fixture import BertCase, write_bert_gguf
     import llama_peer
     import numpy as np
     from edge_llm_ros.convert.converter import convert
@@ -42,14 +60,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--type', default='F16', choices=('F32', 'F16', 'Q8_0'))
+    p.add_argument('--shape', default='bge-small', choices=('bge-small', 'qwen3-0.6b'))
+    p.add_argument('--texts', type=int, default=256)
     p.add_argument('--out', default='')
     args = p.parse_args(argv)
-    texts = sentences(256)
+    texts = sentences(args.texts, words=(2, 30) if args.shape == 'qwen3-0.6b' else (6, 126))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        case = BertCase(args.type, 'mean', hidden=384, heads=12, layers=12, ff=1536,
-                        context=512)
-        gguf = write_bert_gguf(tmp / 'bge-small-shape.gguf', case)
+        gguf = write_model(args.shape, args.type, tmp / f'{args.shape}-shape.gguf')
         folder = convert(str(gguf), str(tmp / 'model'), progress=False)
         enc = TextEncoder(str(folder), EncoderConfig(threads=args.threads))
         tokens = [len(i) for i in enc.tokenize(texts, truncate=False)]
@@ -82,7 +100,7 @@ def main(argv=None) -> int:
         ref = ref / np.linalg.norm(ref, axis=1, keepdims=True)
         cos = (ours[:16] * ref).sum(axis=1)
     result = {
-        'bench': 'bench_embed', 'model': f'random bert, bge-small shape, {args.type}',
+        'bench': 'bench_embed', 'model': f'random {args.shape} shape, {args.type}',
         'texts': len(texts), 'tokens': int(sum(tokens)),
         'tokens_min_max': [min(tokens), max(tokens)], 'threads': args.threads,
         'ours': {'batch_s': batch_s, 'texts_per_s': len(texts) / batch_s,
@@ -94,8 +112,9 @@ def main(argv=None) -> int:
         'cosine_min_first16': float(cos.min()), 'machine': platform.machine(),
         'when': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
     }
+    tag = '' if args.shape == 'bge-small' else f'{args.shape}_'
     out = pathlib.Path(args.out or ROOT / 'bench' / 'results' /
-                       f'bench_embed_{args.type}_{args.threads}t.json')
+                       f'bench_embed_{tag}{args.type}_{args.threads}t.json')
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + '\n')
     print(json.dumps(result, indent=2))

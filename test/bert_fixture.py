@@ -40,11 +40,14 @@ class BertCase:
     seed: int = 0
     vocab: str = 'wpm'              # or 'ugm' (XLM-RoBERTa's SentencePiece unigram)
     merge_spaces: bool = True       # ugm: remove_extra_whitespaces
+    # 'nomic-bert' (nomic-embed-text): no position table but RoPE (base 1000), fused q|k|v,
+    # a SwiGLU MLP (ffn_gate), no biases on the matrices.
+    arch: str = 'bert'
 
     @property
     def tag(self) -> str:
         tail = '' if self.vocab == 'wpm' else f'-ugm{"" if self.merge_spaces else "-spaces"}'
-        return f'bert-{self.wtype}-{self.pooling}{tail}'
+        return f'{self.arch}-{self.wtype}-{self.pooling}{tail}'
 
 
 UGM_SPECIALS = ('<s>', '<pad>', '</s>', '<unk>')
@@ -89,7 +92,8 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     path = pathlib.Path(path)
     rng = np.random.default_rng(case.seed)
     h, ff = case.hidden, case.ff
-    w = gguf.GGUFWriter(str(path), 'bert')
+    nomic = case.arch == 'nomic-bert'
+    w = gguf.GGUFWriter(str(path), case.arch)
     w.add_name(f'tiny-{case.tag}')
     w.add_block_count(case.layers)
     w.add_context_length(case.context)
@@ -98,6 +102,8 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     w.add_head_count(case.heads)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
+    if nomic:
+        w.add_rope_freq_base(1000.0)
     w.add_pooling_type(gguf.PoolingType(POOLING[case.pooling]))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     types_count = 2
@@ -149,20 +155,30 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
     put('token_types.weight', 0.1 * rng.standard_normal((types_count, h)).astype(np.float32),
         False)
-    put('position_embd.weight', 0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
+    if not nomic:
+        put('position_embd.weight',
+            0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
     put('token_embd_norm.weight', vec(h, 1.0), False)
     put('token_embd_norm.bias', vec(h), False)
     for i in range(case.layers):
         b = f'blk.{i}'
-        for r in ('attn_q', 'attn_k', 'attn_v', 'attn_output'):
+        if nomic:
+            put(f'{b}.attn_qkv.weight', np.concatenate([mat(h, h, 2.0), mat(h, h, 2.0),
+                                                        mat(h, h)]))
+            put(f'{b}.attn_output.weight', mat(h, h))
+        for r in (() if nomic else ('attn_q', 'attn_k', 'attn_v', 'attn_output')):
             put(f'{b}.{r}.weight', mat(h, h, 2.0 if r in ('attn_q', 'attn_k') else 1.0))
             put(f'{b}.{r}.bias', vec(h), False)
         put(f'{b}.attn_output_norm.weight', vec(h, 1.0), False)
         put(f'{b}.attn_output_norm.bias', vec(h), False)
         put(f'{b}.ffn_up.weight', mat(ff, h))
-        put(f'{b}.ffn_up.bias', vec(ff), False)
+        if nomic:
+            put(f'{b}.ffn_gate.weight', mat(ff, h))
+        else:
+            put(f'{b}.ffn_up.bias', vec(ff), False)
         put(f'{b}.ffn_down.weight', mat(h, ff))
-        put(f'{b}.ffn_down.bias', vec(h), False)
+        if not nomic:
+            put(f'{b}.ffn_down.bias', vec(h), False)
         put(f'{b}.layer_output_norm.weight', vec(h, 1.0), False)
         put(f'{b}.layer_output_norm.bias', vec(h), False)
     if case.pooling == 'rank':  # a cross-encoder's classifier head (one label)

@@ -138,9 +138,10 @@ def random_weights(case: ParityCase) -> Dict[str, np.ndarray]:
         if c.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', d.heads), ('k', d.kv_heads), ('v', d.kv_heads)):
                 w[f'{p}{r}_bias'] = (0.1 * rng.standard_normal(n * hd)).astype(np.float32)
-        if c.arch in ('qwen3', 'qwen3vl', 'gemma3', 'lfm2'):
+        if c.arch in ('qwen3', 'qwen3vl', 'gemma3', 'gemma-embedding', 'lfm2'):
             w[p + 'q_norm'], w[p + 'k_norm'] = norm(hd), norm(hd)
-        if c.arch == 'gemma3':  # GGUF values: llama.cpp's converter has added HF's +1
+        # GGUF values: llama.cpp's converter has added HF's +1.
+        if c.arch in ('gemma3', 'gemma-embedding'):
             # Large post-norms, as trained Gemmas have: the blocks' outputs then weigh
             # against the embedding (scaled by sqrt(hidden) = 16) in the residual stream, so
             # attention features (window, RoPE bases) show in the logits.
@@ -180,13 +181,16 @@ def random_blocks(rows: int, cols: int, wtype: str, std: float,
 
 
 def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = None,
-               skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, str]] = None
-               ) -> pathlib.Path:
+               skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, object]] = None,
+               rank_rows: Tuple[int, ...] = (), dense: int = 0) -> pathlib.Path:
     """Write the case's GGUF (all matrices in case.wtype) and return its path.
 
     header overrides what the header says (keys: head_count, rope_scaling_type, ...; the
     tensors keep the case's shapes) to make contradicting files; skip leaves out tensors
     whose name contains one of its strings; tokenizer: add_tokenizer's pre / template.
+    rank_rows: write cls.output.weight as these rows of the head, as llama.cpp's converter
+    writes a Qwen3-Reranker's (the 'yes' and 'no' rows of lm_head). dense: write
+    EmbeddingGemma's dense_2 [dense, hidden] and dense_3 [hidden, dense] and their keys.
     """
     path = pathlib.Path(path)
     if case.arch == 'qwen35':
@@ -274,6 +278,16 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
         # llama.cpp's own activation rounding (~1% of a logit) makes no near-tie.
         head = w['lm_head'] + c.chain * np.roll(embed, 1, axis=0)
         put('output.weight', head, wtype=edge_type)
+    if rank_rows:
+        source = head if 'lm_head' in w else w['embed']
+        # A fifth of the rows: P(yes) then spreads over (0, 1) rather than saturating.
+        put('cls.output.weight', 0.2 * source[list(rank_rows)], wtype=edge_type)
+    if dense:
+        writer.add_dense_features_dims('dense_2', d.hidden, dense)
+        writer.add_dense_features_dims('dense_3', dense, d.hidden)
+        for name, shape in (('dense_2', (dense, d.hidden)), ('dense_3', (d.hidden, dense))):
+            put(f'{name}.weight', (rng.standard_normal(shape) / np.sqrt(shape[1])
+                                   ).astype(np.float32))
     if c.llama3_rope:
         s = LLAMA3_SCALING
         factors = llama3_rope_factors(d.head_dim, d.rope_theta, s['factor'],

@@ -7,6 +7,10 @@ only llama_cpp, numpy and the standard library. Each text is embedded alone (its
 sequence), flash attention off, the pooling the GGUF says unless --pooling names one; the
 vectors are llama.cpp's pooled output, not normalized. Writes `vectors` [n, dim] (concatenated
 rows of pooling 'none' with `lengths`), `tokens` (concatenated ids) and `lengths` to out.npz.
+A text may be a list of token ids (fed as they are) or {"query": q, "document": d}: the rerank
+prompt of the GGUF (tokenizer.chat_template.rerank) with both put in, tokenized as
+llama-server's format_prompt_rerank does (special tokens parsed, none added); with rank
+pooling the vector is every label's score (Qwen3-Reranker: P(yes), P(no)).
 """
 import argparse
 import json
@@ -22,7 +26,7 @@ POOLING = {'gguf': llama_cpp.LLAMA_POOLING_TYPE_UNSPECIFIED,
 
 
 def _embed_ids(llm, ids, rank: bool) -> np.ndarray:
-    """One sequence of token ids through llama_decode; its pooled vector (rank: 1 score)."""
+    """One sequence of token ids through llama_decode; its pooled vector (rank: the labels')."""
     ctx = llm._ctx.ctx
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
     batch = llama_cpp.llama_batch_init(len(ids), 0, 1)
@@ -35,11 +39,21 @@ def _embed_ids(llm, ids, rank: bool) -> np.ndarray:
         batch.logits[i] = True
     if llama_cpp.llama_decode(ctx, batch) != 0:
         raise RuntimeError('llama_decode failed')
-    n = 1 if rank else llm.n_embd()
+    n = max(1, llama_cpp.llama_model_n_cls_out(llm.model)) if rank else llm.n_embd()
     ptr = llama_cpp.llama_get_embeddings_seq(ctx, 0)
     out = np.ctypeslib.as_array(ptr, shape=(n,)).astype(np.float32)
     llama_cpp.llama_batch_free(batch)
     return out
+
+
+def _rerank_prompt(llm, pair) -> list:
+    """Return the token ids of llama-server's rerank prompt for {query, document}."""
+    template = llama_cpp.llama_model_chat_template(llm.model, b'rerank')
+    if not template:
+        raise SystemExit('the GGUF has no tokenizer.chat_template.rerank')
+    prompt = template.decode('utf-8').replace('{query}', pair['query'])
+    prompt = prompt.replace('{document}', pair['document'])
+    return llm.tokenize(prompt.encode('utf-8'), add_bos=False, special=True)
 
 
 def main(argv=None) -> int:
@@ -79,6 +93,8 @@ def main(argv=None) -> int:
         return 0
     vectors, tokens, lengths = [], [], []
     for text in texts:
+        if isinstance(text, dict):
+            text = _rerank_prompt(llm, text)
         if isinstance(text, list):
             ids, out = text, _embed_ids(llm, text, args.pooling == 'rank')
         else:

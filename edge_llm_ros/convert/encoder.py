@@ -1,15 +1,24 @@
-"""Write an embedding / reranking model folder from a BERT-style GGUF (encoder_graph.py).
+"""Write an embedding / reranking model folder from an encoder GGUF.
 
-The folder holds model.onnx (+ model.onnx.data), tokenizer.json and a model.yaml whose
-`kind: embedding` (or `rerank` for a cross-encoder) tells the runtime it is no chat model, and
-whose `embedding` section says how the states become a vector (runtime/encoder.py).
+A BERT-style GGUF (`bert`, `nomic-bert`: encoder_graph.py), a decoder family's GGUF that
+names a pooling type (Qwen3-Embedding, Qwen3-Reranker) or EmbeddingGemma (`gemma-embedding`):
+those are decoder_encoder_graph.py's. The folder holds model.onnx (+ model.onnx.data),
+tokenizer.json and a model.yaml whose `kind: embedding` (or `rerank` for a cross-encoder or a
+yes/no reranker) tells the runtime it is no chat model, and whose `embedding` section says
+how the states become a vector (runtime/encoder.py). A reranker
+whose GGUF has a rerank prompt (tokenizer.chat_template.rerank, with {query} and {document})
+keeps it there as `rerank_template`: its pairs are that prompt, as llama-server builds them.
 """
 import pathlib
 from typing import Optional
 
 from edge_llm_ros.convert.checkpoint import gguf_field, open_gguf
-from edge_llm_ros.convert.encoder_graph import build_encoder, ENCODER_ARCHITECTURES, EncoderGguf
+from edge_llm_ros.convert.decoder_encoder_graph import build_decoder_encoder
+from edge_llm_ros.convert.encoder_graph import (build_encoder, DECODER_EMBEDDERS,
+                                                EMBEDDING_ONLY, ENCODER_ARCHITECTURES,
+                                                EncoderGguf)
 from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
+from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML
 
 KIND_EMBEDDING = 'embedding'
@@ -21,7 +30,10 @@ def encoder_architecture(source: str) -> Optional[str]:
     path = pathlib.Path(source)
     if not path.is_file() or path.suffix.lower() != '.gguf':
         return None
-    arch = gguf_field(open_gguf(path), 'general.architecture')
+    reader = open_gguf(path)
+    arch = gguf_field(reader, 'general.architecture')
+    if arch in DECODER_EMBEDDERS and arch not in EMBEDDING_ONLY:  # chat unless it pools
+        return arch if int(gguf_field(reader, f'{arch}.pooling_type', default=0)) else None
     return arch if arch in ENCODER_ARCHITECTURES else None
 
 
@@ -31,10 +43,19 @@ def write_encoder_folder(source: pathlib.Path, tmp: pathlib.Path, sha256: str) -
     import yaml
     m = EncoderGguf(source)
     s = m.spec
+    embedding = {'pooling': s.pooling, 'normalize': s.pooling != 'rank',
+                 'dimensions': s.hidden, 'labels': s.labels}
+    template = gguf_field(m.reader, 'tokenizer.chat_template.rerank')
+    if s.pooling == 'rank' and template:
+        embedding['rerank_template'] = str(template)
+    elif s.pooling == 'rank' and s.arch in DECODER_EMBEDDERS:
+        raise UnsupportedModelError(f'{source}: a {s.arch} reranker without a rerank prompt '
+                                    '(tokenizer.chat_template.rerank); convert it again with '
+                                    "llama.cpp's convert_hf_to_gguf.py, which writes it")
     specials = write_tokenizer_files(m.reader, tmp)
     (tmp / 'chat_template.jinja').unlink(missing_ok=True)  # not a chat model
     with open(tmp / DATA_FILE, 'wb') as data:
-        model = build_encoder(m, data)
+        model = (build_decoder_encoder if s.arch in DECODER_EMBEDDERS else build_encoder)(m, data)
     onnx.save_model(model, str(tmp / MODEL_FILE))
     types = sorted({t.qtype for t in m.tensors.values() if len(t.shape) == 2})
     name = gguf_field(m.reader, 'general.name') or source.stem
@@ -46,8 +67,7 @@ def write_encoder_folder(source: pathlib.Path, tmp: pathlib.Path, sha256: str) -
         'bos_token_id': specials.get('bos_token_id'),
         'eos_token_ids': list(specials.get('eos_token_ids', [])),
         'pad_token_id': specials.get('pad_token_id'),
-        'embedding': {'pooling': s.pooling, 'normalize': s.pooling != 'rank',
-                      'dimensions': s.hidden, 'labels': s.labels},
+        'embedding': embedding,
         'quantization': {'source_types': types},
         'op_domains': sorted({n.domain for n in model.graph.node if n.domain}),
         'source': {'path': str(source), 'sha256': sha256},

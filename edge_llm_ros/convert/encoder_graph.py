@@ -6,6 +6,9 @@ normalization are the runtime's (runtime/encoder.py), as the folder's model.yaml
 classifier head (a cross-encoder, pooling 'rank') the graph also returns `rank_scores`
 [B, n_labels]: the first token through cls (+ bias), tanh, cls.output (+ bias).
 
+nomic-bert (nomic-embed-text) is the same graph with llama.cpp's changes for it: no position
+table but NEOX RoPE on q and k, fused q|k|v rows, a SwiGLU MLP, no biases on the matrices.
+
 The graph is llama.cpp's src/models/bert.cpp: token + token-type-0 + position embeddings,
 LayerNorm, then per layer Q/K/V with biases, attention both ways over the row's tokens (padding
 masked out), the output projection, residual + LayerNorm, a GELU MLP, residual + LayerNorm
@@ -17,12 +20,13 @@ an F16 matrix a float32 MatMul of its widened values with the activations rounde
 """
 from dataclasses import dataclass
 import pathlib
-from typing import BinaryIO, Dict, Optional
+from typing import BinaryIO, Dict, Optional, Tuple
 
 import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
+from edge_llm_ros.convert.architectures import swa_layers
 from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
 from edge_llm_ros.convert.gguf_weights import gguf_weights, KQUANT_TYPES
 from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
@@ -31,10 +35,16 @@ from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import DATA_FILE
 
 OPSET = 20  # Gelu (approximate='tanh')
-ENCODER_ARCHITECTURES = ('bert',)
+# Decoder families whose GGUF is an embedder or reranker when it names a pooling type
+# (Qwen3-Embedding: last, Qwen3-Reranker: rank); their graph is decoder_encoder_graph.py's.
+DECODER_EMBEDDERS = ('qwen3', 'gemma-embedding')
+# Of those, the ones that are always embedders (EmbeddingGemma: bidirectional gemma3).
+EMBEDDING_ONLY = ('gemma-embedding',)
+ENCODER_ARCHITECTURES = ('bert', 'nomic-bert') + DECODER_EMBEDDERS
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
+POOLED = 'pooled'  # [B, D]: pooled in the graph, then dense projections (gemma)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,15 @@ class EncoderSpec:
     pooling: str
     vocab_size: int
     labels: int = 0  # outputs of a classifier head (rank pooling), 0 = none
+    # Decoder embedders (DECODER_EMBEDDERS): grouped KV heads, head size and RoPE base.
+    kv_heads: int = 0
+    head_dim: int = 0
+    rope_base: float = 0.0
+    # gemma-embedding: sliding-window layers (a symmetric window of `window` positions) with
+    # their own RoPE base.
+    local_layers: Tuple[bool, ...] = ()
+    window: int = 0
+    local_rope_base: float = 0.0
 
 
 class EncoderGguf:
@@ -71,35 +90,69 @@ class EncoderGguf:
             return gguf_field(self.reader, f'{arch}.{name}', default=default,
                               required=default is None)
 
+        decoder = arch in DECODER_EMBEDDERS
         pooling = int(key('pooling_type', 0))
         if pooling not in POOLING_NAMES:
             raise UnsupportedModelError(f'{path}: pooling_type {pooling} is not one of '
                                         f'{POOLING_NAMES}')
-        if bool(key('attention.causal', False)):
+        if decoder and not pooling and arch not in EMBEDDING_ONLY:
+            raise UnsupportedModelError(f'{path}: this {arch} GGUF names no pooling type: it is '
+                                        'a chat model; convert it as one (no embedding kind)')
+        if not decoder and bool(key('attention.causal', False)):
             raise UnsupportedModelError(f'{path}: a causal bert is not an encoder; convert a '
                                         'bidirectional embedding model')
         labels = self.tensors['cls.output.weight'].shape[0] \
             if 'cls.output.weight' in self.tensors else 0
         tokens = gguf_field(self.reader, 'tokenizer.ggml.tokens', required=True)
-        self.spec = EncoderSpec(arch, int(key('embedding_length')),
-                                int(key('attention.head_count')),
-                                int(key('block_count')), int(key('feed_forward_length')),
-                                int(key('context_length')),
-                                float(key('attention.layer_norm_epsilon')),
-                                POOLING_NAMES[pooling], len(tokens), labels)
+        heads = int(key('attention.head_count'))
+        hidden = int(key('embedding_length'))
+        extra = {}
+        if decoder:
+            extra = {'kv_heads': int(key('attention.head_count_kv', heads)),
+                     'head_dim': int(key('attention.key_length', hidden // heads)),
+                     'rope_base': float(key('rope.freq_base', 10000.0))}
+        if arch == 'gemma-embedding':
+            layers = int(key('block_count'))
+            pattern = key('attention.sliding_window_pattern', 6)  # a period or per-layer flags
+            local = (tuple(bool(x) for x in pattern) if isinstance(pattern, (list, tuple))
+                     else swa_layers(int(pattern), layers))
+            extra.update(local_layers=local,
+                         window=int(key('attention.sliding_window')),
+                         local_rope_base=float(key('rope.freq_base_swa',
+                                                   extra['rope_base'])))
+        if arch == 'nomic-bert':  # rotary positions instead of a position table
+            extra = {'head_dim': hidden // heads,
+                     'rope_base': float(key('rope.freq_base', 10000.0))}
+        eps = key('attention.layer_norm_rms_epsilon' if decoder else
+                  'attention.layer_norm_epsilon')
+        self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
+                                int(key('feed_forward_length')), int(key('context_length')),
+                                float(eps), POOLING_NAMES[pooling], len(tokens), labels, **extra)
         missing = [n for n in self.required() if n not in self.tensors]
         if missing:
-            raise ModelLoadError(f'{path}: the bert GGUF lacks {", ".join(missing[:5])}; the file '
-                                 'is incomplete, convert it again with llama.cpp')
+            raise ModelLoadError(f'{path}: the {arch} GGUF lacks {", ".join(missing[:5])}; the '
+                                 'file is incomplete, convert it again with llama.cpp')
 
     def required(self):
-        """Tensor names llama.cpp's bert loader requires."""
-        names = ['token_embd.weight', 'position_embd.weight', 'token_embd_norm.weight',
-                 'token_embd_norm.bias']
+        """Tensor names llama.cpp's loader of the architecture requires."""
+        if self.spec.arch in DECODER_EMBEDDERS:
+            names = ['token_embd.weight', 'output_norm.weight']
+            for i in range(self.spec.layers):
+                names += [f'blk.{i}.{r}.weight' for r in (
+                    'attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'attn_q_norm',
+                    'attn_k_norm', 'ffn_norm', 'ffn_gate', 'ffn_up', 'ffn_down')]
+                if self.spec.arch == 'gemma-embedding':
+                    names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
+                                                              'post_ffw_norm')]
+            return names
+        nomic = self.spec.arch == 'nomic-bert'
+        names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
+        names += [] if nomic else ['position_embd.weight']
         for i in range(self.spec.layers):
             names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
                                                       'ffn_up', 'ffn_down', 'layer_output_norm')]
             names += [f'blk.{i}.{r}.bias' for r in ('attn_output_norm', 'layer_output_norm')]
+            names += [f'blk.{i}.ffn_gate.weight'] if nomic else []
             if f'blk.{i}.attn_qkv.weight' not in self.tensors:
                 names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
         return names
@@ -112,7 +165,7 @@ class EncoderGguf:
         return name in self.tensors
 
 
-def _linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+def linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     """Add x @ W.T (+ b) for an [out, in] GGUF matrix, in the file's type (module docstring)."""
     source = m.tensors[prefix + '.weight']
     bias = m.array(prefix + '.bias') if m.has(prefix + '.bias') else None
@@ -147,8 +200,8 @@ def _layer_norm(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     return g.node('LayerNormalization', [x, weight, bias], axis=-1, epsilon=m.spec.eps)
 
 
-def _embeddings(g: _Graph, m: EncoderGguf) -> str:
-    """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
+def token_rows(g: _Graph, m: EncoderGguf) -> str:
+    """Return the token table's rows of input_ids [B, T, H] (a KQuantGather over its blocks)."""
     table = m.tensors['token_embd.weight']
     blocks = gguf_weights(table)
     if blocks is not None:
@@ -161,24 +214,64 @@ def _embeddings(g: _Graph, m: EncoderGguf) -> str:
     else:
         rows = g.node('Gather', [g.init('token_embd.weight', m.array('token_embd.weight')), IDS],
                       axis=0)
+    return rows
+
+
+def _embeddings(g: _Graph, m: EncoderGguf) -> str:
+    """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
+    rows = token_rows(g, m)
     if m.has('token_types.weight'):  # llama.cpp adds row 0 ("sentence A") to every token
         rows = g.node('Add', [rows, g.init('token_type0', m.array('token_types.weight')[0])])
+    if m.has('position_embd.weight'):  # bert (nomic-bert rotates q and k instead)
+        ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
+                      value=helper.make_tensor('one', TensorProto.INT64, [1], [1]))
+        positions = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])  # 0..T-1
+        pos = g.node('Gather', [g.init('position_embd.weight',
+                                       m.array('position_embd.weight')), positions], axis=0)
+        rows = g.node('Add', [pos, rows])
+    return _layer_norm(g, m, rows, 'token_embd_norm')
+
+
+def rope(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+    """Rotate x [B, T, heads, d] NEOX-style: pairs (i, i + d/2) by the position's angles."""
+    x1 = g.node('Slice', [x, g.const([0]), g.const([half]), g.const([-1])])
+    x2 = g.node('Slice', [x, g.const([half]), g.const([2 * half]), g.const([-1])])
+    a = g.node('Sub', [g.node('Mul', [x1, cos]), g.node('Mul', [x2, sin])])
+    b = g.node('Add', [g.node('Mul', [x2, cos]), g.node('Mul', [x1, sin])])
+    return g.node('Concat', [a, b], axis=-1)
+
+
+def rope_angles(g: _Graph, base: float, head_dim: int) -> tuple:
+    """Return cos and sin [B, T, 1, d/2] of positions 0..T-1 (theta = p * base^(-2i/d))."""
+    half = head_dim // 2
+    inv_freq = (1.0 / base ** (np.arange(half, dtype=np.float64) * 2
+                               / head_dim)).astype(np.float32)
     ones = g.node('ConstantOfShape', [g.node('Shape', [IDS])],
-                  value=helper.make_tensor('one', TensorProto.INT64, [1], [1]))
-    positions = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])  # [B, T]: 0..T-1
-    pos = g.node('Gather', [g.init('position_embd.weight', m.array('position_embd.weight')),
-                            positions], axis=0)
-    return _layer_norm(g, m, g.node('Add', [pos, rows]), 'token_embd_norm')
+                  value=helper.make_tensor('one', TensorProto.FLOAT, [1], [1.0]))
+    pos = g.node('Sub', [g.node('CumSum', [ones, g.const(1)]), ones])      # [B, T]
+    ang = g.node('Mul', [g.node('Unsqueeze', [pos, g.const([2, 3])]),
+                         g.init(f'rope_inv_freq_{base:g}', inv_freq)])     # [B, T, 1, d/2]
+    return g.node('Cos', [ang]), g.node('Sin', [ang])
 
 
-def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+               rope_cs: Optional[tuple] = None) -> str:
     s = m.spec
     b = f'blk.{i}'
     d = s.hidden // s.heads
     split = g.const([0, 0, s.heads, d])
+    if m.has(f'{b}.attn_qkv.weight'):  # fused q|k|v rows (nomic-bert's Wqkv)
+        qkv = linear(g, m, x, f'{b}.attn_qkv')
+        projected = {r: g.node('Slice', [qkv, g.const([j * s.hidden]),
+                                         g.const([(j + 1) * s.hidden]), g.const([-1])])
+                     for j, r in enumerate('qkv')}
+    else:
+        projected = {r: linear(g, m, x, f'{b}.attn_{r}') for r in 'qkv'}
 
     def heads_of(role: str) -> str:
-        t = g.node('Reshape', [_linear(g, m, x, f'{b}.attn_{role}'), split])
+        t = g.node('Reshape', [projected[role], split])
+        if rope_cs is not None and role in 'qk':
+            t = rope(g, t, *rope_cs, d // 2)
         return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [B, H, T, d]
 
     q, k, v = heads_of('q'), heads_of('k'), heads_of('v')
@@ -188,19 +281,25 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
     attn = g.node('MatMul', [probs, v])
     merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
                                 g.const([0, 0, s.hidden])])
-    return _linear(g, m, merged, f'{b}.attn_output')
+    return linear(g, m, merged, f'{b}.attn_output')
 
 
-def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int) -> str:
+def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+           rope_cs: Optional[tuple] = None) -> str:
     b = f'blk.{i}'
-    h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i), x]),
+    h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i, rope_cs), x]),
                     f'{b}.attn_output_norm')
-    up = _gelu(g, _linear(g, m, h, f'{b}.ffn_up'))
-    out = g.node('Add', [_linear(g, m, up, f'{b}.ffn_down'), h])
+    if m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
+        gate = linear(g, m, h, f'{b}.ffn_gate')
+        act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
+                             linear(g, m, h, f'{b}.ffn_up')])
+    else:
+        act = _gelu(g, linear(g, m, h, f'{b}.ffn_up'))
+    out = g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
     return _layer_norm(g, m, out, f'{b}.layer_output_norm')
 
 
-def _mask_bias(g: _Graph) -> str:
+def mask_bias(g: _Graph) -> str:
     """[B, 1, 1, T] additive mask: 0 for tokens, -inf-like for padding (keys only)."""
     keep = g.node('Cast', [MASK], to=TensorProto.FLOAT)
     neg = g.node('Mul', [g.node('Sub', [keep, g.const(1.0, np.float32)]),
@@ -213,18 +312,20 @@ def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
     first = g.node('Gather', [hidden, g.const(0)], axis=1)  # [B, H]
     cur = first
     if m.has('cls.weight'):
-        cur = g.node('Tanh', [_linear(g, m, cur, 'cls')])
-    out = _linear(g, m, cur, 'cls.output')
+        cur = g.node('Tanh', [linear(g, m, cur, 'cls')])
+    out = linear(g, m, cur, 'cls.output')
     return g.node('Reshape', [out, g.const([-1, m.spec.labels])])
 
 
 def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
     """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
     g = _Graph(data, DATA_FILE)
-    bias = _mask_bias(g)
+    bias = mask_bias(g)
     x = _embeddings(g, m)
+    rope_cs = rope_angles(g, m.spec.rope_base, m.spec.head_dim) \
+        if m.spec.arch == 'nomic-bert' else None
     for i in range(m.spec.layers):
-        x = _layer(g, m, x, bias, i)
+        x = _layer(g, m, x, bias, i, rope_cs)
     g.nodes.append(helper.make_node('Identity', [x], [HIDDEN], name='hidden'))
     outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
                                              ['batch', 'tokens', m.spec.hidden])]

@@ -3,8 +3,13 @@
 Texts are tokenized, sorted by length and cut into batches whose rows are padded to a length
 bucket (the next multiple of BUCKET tokens), not to the longest text of the call; each batch
 is one model call. The states are pooled as the GGUF said (mean over the text's tokens, the
-first token (CLS), the last token, or none), as llama.cpp pools them, then L2-normalized;
+first token (CLS), the last token, or none), as llama.cpp pools them, then L2-normalized (a
+graph with a `pooled` output pools itself: EmbeddingGemma's dense projections follow its mean);
 `dimensions` below the model's keeps the first ones (Matryoshka) and normalizes again.
+A rerank pair is the tokenizer's pair ([CLS] query [SEP] document [SEP]), or, where the model
+has a rerank prompt (model.yaml `embedding.rerank_template`: Qwen3-Reranker), that prompt
+with {query} and {document} replaced, special tokens parsed and none added, as llama-server's
+format_prompt_rerank builds it; the score is the classifier's first output.
 """
 from dataclasses import dataclass
 import os
@@ -68,6 +73,7 @@ class TextEncoder:
         self.context = int(self.meta['max_position_embeddings'])
         self.model_id = str(self.meta.get('name', os.path.basename(model_dir)))
         self.pad_id = int(self.meta.get('pad_token_id') or 0)
+        self.rerank_template = emb.get('rerank_template')
         self.tokenizer = Tokenizer.from_file(os.path.join(model_dir, TOKENIZER_FILE))
         opts = ort.SessionOptions()
         if config.threads:
@@ -76,6 +82,11 @@ class TextEncoder:
             native_ops.register(opts, f'model {model_dir}')
         self._session = ort.InferenceSession(os.path.join(model_dir, MODEL_FILE), opts,
                                              providers=['CPUExecutionProvider'])
+        names = [o.name for o in self._session.get_outputs()]
+        # A graph that pools itself (dense projections after the pooling: EmbeddingGemma)
+        # gives its vectors as `pooled`; the others give per-token states, pooled here.
+        self._pooled_at = names.index('pooled') if 'pooled' in names else None
+        self._rank_at = names.index('rank_scores') if 'rank_scores' in names else None
 
     # --- requests --------------------------------------------------------------------
     def tokenize(self, texts: Sequence[str], truncate: bool,
@@ -89,8 +100,14 @@ class TextEncoder:
         for i, t in enumerate(texts):
             if not isinstance(t, str) or not t.strip():
                 raise EmbeddingInputError(f'text {i} is empty: send non-empty texts')
-        enc = (self.tokenizer.encode_batch(list(texts)) if pairs is None else
-               self.tokenizer.encode_batch(list(zip(texts, pairs))))
+        if pairs is None:
+            enc = self.tokenizer.encode_batch(list(texts))
+        elif self.rerank_template:
+            prompts = [self.rerank_template.replace('{query}', q).replace('{document}', d)
+                       for q, d in zip(texts, pairs)]
+            enc = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
+        else:
+            enc = self.tokenizer.encode_batch(list(zip(texts, pairs)))
         out = []
         for i, e in enumerate(enc):
             ids = list(e.ids)
@@ -99,7 +116,7 @@ class TextEncoder:
                     raise EmbeddingInputError(
                         f'text {i} is {len(ids)} tokens, over the context of {self.context}: '
                         'shorten it or set truncate')
-                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP]
+                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP] / EOS
             out.append(ids)
         return out
 
@@ -157,7 +174,12 @@ class TextEncoder:
                 mask[r, :len(ids[i])] = 1
             outs = self._session.run(None, {'input_ids': tok, 'attention_mask': mask})
             for r, i in enumerate(batch):
-                results[i] = outs[1][r] if rank else self._pool(outs[0][r, :len(ids[i])])
+                if rank:
+                    results[i] = outs[self._rank_at][r]
+                elif self._pooled_at is not None:
+                    results[i] = outs[self._pooled_at][r]
+                else:
+                    results[i] = self._pool(outs[0][r, :len(ids[i])])
         return np.stack(results)
 
     def _batches(self, order: List[int], ids: List[List[int]]):
