@@ -3,16 +3,19 @@
 Runs a tiny random bert GGUF (test/bert_fixture.py, F32) converted to a folder; what the
 vectors are worth is test_embed_parity.py's job (llama.cpp as the reference).
 """
+import shutil
 from types import SimpleNamespace
 
 from bert_fixture import BertCase, TEXTS, write_bert_gguf
 import numpy as np
 import pytest
+import yaml
 
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import EmbeddingInputError, WrongModelKindError
 from edge_llm_ros.runtime import encoder as encoder_mod
-from edge_llm_ros.serving.embedding import EmbeddingConfig, EmbeddingEngine
+from edge_llm_ros.serving.embedding import (EmbeddingConfig, EmbeddingEngine,
+                                            open_embedding_engine)
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 
@@ -67,6 +70,26 @@ def test_matryoshka_truncates_and_renormalizes(engine):
 def test_query_prefix_is_prepended(engine):
     assert engine.embed(['the door'], is_query=True).token_counts[0] == 5
     assert engine.embed(['the door']).token_counts[0] == 4
+
+
+def test_a_served_folder_takes_its_familys_prefixes(folders, tmp_path):
+    """An e5 model gets 'query: ' / 'passage: ' (config/models/e5.yaml); an unknown one none."""
+    e5 = tmp_path / 'e5'
+    shutil.copytree(folders['mean'], e5)
+    meta = yaml.safe_load((e5 / 'model.yaml').read_text())
+    meta['gguf_name'] = 'multilingual-e5-small'
+    (e5 / 'model.yaml').write_text(yaml.safe_dump(meta))
+    served = open_embedding_engine(str(e5))
+    assert served.model_info()['query_prefix'] == 'query: '
+    assert served.model_info()['document_prefix'] == 'passage: '
+    count = {t: len(ids) for t, ids in zip(
+        ('query: the door', 'passage: the door'),
+        served.encoder.tokenize(['query: the door', 'passage: the door'], False))}
+    assert served.embed(['the door'], is_query=True).token_counts[0] == count['query: the door']
+    assert served.embed(['the door']).token_counts[0] == count['passage: the door'] > 4
+    plain = open_embedding_engine(folders['mean'])
+    assert plain.model_info()['query_prefix'] == '' and plain.config.document_prefix == ''
+    assert plain.embed(['the door'], is_query=True).token_counts[0] == 4
 
 
 @pytest.mark.parametrize('call, words', [

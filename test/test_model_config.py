@@ -7,9 +7,11 @@ from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.runtime import model_config as mc
 from edge_llm_ros.runtime.model_config import ModelConfigError
 
-FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'gemma4',
-            'granite4', 'lfm2', 'llama3', 'mistral', 'phi3', 'qwen2', 'qwen3', 'qwen35',
-            'smollm2', 'smollm3')
+# Embedding models' families: their query / document prefixes (serving/embedding.py).
+EMBEDDING_FAMILIES = ('bge', 'e5', 'embeddinggemma', 'nomic_embed', 'qwen3_embedding')
+FAMILIES = tuple(sorted(('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3',
+                         'gemma4', 'granite4', 'lfm2', 'llama3', 'mistral', 'phi3', 'qwen2',
+                         'qwen3', 'qwen35', 'smollm2', 'smollm3') + EMBEDDING_FAMILIES))
 GOOD = """family: {name}
 architectures: [llama]
 stop_tokens: ['</s>']
@@ -30,12 +32,32 @@ def test_every_shipped_family_loads():
     assert tuple(sorted(configs)) == FAMILIES
     for name, cfg in configs.items():
         assert cfg.family == name
+        if name in EMBEDDING_FAMILIES:   # only their prefixes matter
+            assert cfg.query_prefix or cfg.document_prefix
+            assert set(cfg.architectures) <= set(mc.FAMILY_ARCHITECTURES)
+            continue
         assert cfg.architectures and set(cfg.architectures) <= set(mc.ARCHITECTURES)
         assert cfg.stop_tokens
         assert cfg.tool_call_format in mc.TOOL_CALL_FORMATS
     # Every architecture the converter knows has a family that answers for it.
     fallbacks = {a for c in configs.values() if c.fallback for a in c.architectures}
     assert fallbacks == set(mc.ARCHITECTURES)
+
+
+@pytest.mark.parametrize('name, arch, family, query, document', [
+    ('multilingual-e5-small', 'bert', 'e5', 'query: ', 'passage: '),
+    ('bge-small-en-v1.5', 'bert', 'bge', 'Represent this sentence for searching relevant '
+     'passages: ', ''),
+    ('nomic-embed-text-v1.5', 'nomic-bert', 'nomic_embed', 'search_query: ',
+     'search_document: '),
+    ('Qwen3-Embedding-0.6B', 'qwen3', 'qwen3_embedding', 'Instruct: Given a web search query, '
+     'retrieve relevant passages that answer the query\nQuery:', ''),
+    ('embeddinggemma-300m', 'gemma-embedding', 'embeddinggemma', 'task: search result | '
+     'query: ', 'title: none | text: '),
+])
+def test_embedding_families_give_the_model_cards_prefixes(name, arch, family, query, document):
+    cfg = mc.family_for_model({'gguf_name': name, 'architecture': arch})
+    assert (cfg.family, cfg.query_prefix, cfg.document_prefix) == (family, query, document)
 
 
 def test_reasoning_families():
@@ -71,7 +93,7 @@ def test_family_for_model(meta, family):
 
 
 def test_family_lookup_errors():
-    with pytest.raises(ModelConfigError, match="names family 'nope'.*known families: "
+    with pytest.raises(ModelConfigError, match="names family 'nope'.*known families: bge, "
                                                'deepseek_r1_distill_llama'):
         mc.family_for_model({'family': 'nope'})
     with pytest.raises(ModelConfigError, match="no model family matches.*'mamba'.*family:"):
@@ -118,6 +140,8 @@ def test_grounding_families():
     (lambda t: t.replace('[llama]', '[mamba]'), "architectures: 'mamba' is not one of"),
     (lambda t: t.replace('[llama]', '[]'), 'architectures must be a list .* at least one'),
     (lambda t: t.replace('hermes', 'xml'), "tool_call_format: 'xml' is not one of hermes"),
+    (lambda t: t + 'embedding: {query: x}\n', "unknown key 'embedding.query'"),
+    (lambda t: t + 'embedding: {query_prefix: 3}\n', 'query_prefix must be str'),
     (lambda t: t + 'grounding: pixels\n', "grounding: 'pixels' is not one of absolute, "
      'normalized_1000'),
     (lambda t: t.replace('context: 2048', 'context: true'), 'context must be int, not bool'),

@@ -21,13 +21,16 @@ import sys
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from edge_llm_ros.errors import InvalidRequestError, ModelLoadError
-from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PRECISIONS
+from edge_llm_ros.model_format import (ARCHITECTURES as MODEL_ARCHITECTURES,
+                                       EMBEDDING_ARCHITECTURES, PRECISIONS)
 from edge_llm_ros.runtime.choices import GROUNDING_FRAMES
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
 
 TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'qwen3_xml',
                      'generic_json', 'none')
-ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
+ARCHITECTURES = MODEL_ARCHITECTURES   # the decoder families a model folder may hold
+# A family config may also answer for an encoder-only embedding architecture (its prefixes).
+FAMILY_ARCHITECTURES = MODEL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
 # The family part of a display name when no family's name matches the model's (see
 # family_label): the architecture as its makers write it.
 ARCHITECTURE_LABELS = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3',
@@ -91,6 +94,10 @@ class ModelFamilyConfig:
     # Grounding VLMs (Qwen-VL): the coordinate frame of the boxes and points their JSON answers
     # hold (runtime/choices.GROUNDING_FRAMES); '' = the family does not ground.
     grounding: str = ''
+    # Embedding models: what ~/embed prepends to a query (is_query) and to a document, as the
+    # model card asks (e5's 'query: ' / 'passage: ', nomic's 'search_query: ', ...).
+    query_prefix: str = ''
+    document_prefix: str = ''
 
     @property
     def can_disable_reasoning(self) -> bool:
@@ -239,7 +246,8 @@ def resolve_model(spec: str, config_dir: Optional[os.PathLike] = None) -> ModelF
 
 _TOP_KEYS = {'family', 'description', 'display_name', 'display_names', 'architectures',
              'match_names', 'fallback', 'chat_template', 'stop_tokens', 'reasoning',
-             'tool_call_format', 'recommended', 'conversion', 'grounding'}
+             'tool_call_format', 'recommended', 'conversion', 'grounding', 'embedding'}
+_EMBEDDING_KEYS = {'query_prefix', 'document_prefix'}
 _REASONING_KEYS = {'open_tag', 'close_tag', 'starts_open', 'disable_kwarg', 'force_close_text',
                    'enable_kwarg'}
 _RECOMMENDED_KEYS = {'board', 'context'}
@@ -258,9 +266,9 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
                                f'{path.stem!r}')
     archs = _str_tuple(doc, 'architectures', src, required=True)
     for arch in archs:
-        if arch not in ARCHITECTURES:
+        if arch not in FAMILY_ARCHITECTURES:
             raise ModelConfigError(f'{src}: architectures: {arch!r} is not one of '
-                                   f'{", ".join(ARCHITECTURES)}')
+                                   f'{", ".join(FAMILY_ARCHITECTURES)}')
     fmt = _get(doc, 'tool_call_format', str, src, 'generic_json')
     if fmt not in TOOL_CALL_FORMATS:
         raise ModelConfigError(f'{src}: tool_call_format: {fmt!r} is not one of '
@@ -273,6 +281,8 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
     if grounding and grounding not in GROUNDING_FRAMES:
         raise ModelConfigError(f'{src}: grounding: {grounding!r} is not one of '
                                f'{", ".join(GROUNDING_FRAMES)} (or leave it out: no grounding)')
+    emb = _section(doc, 'embedding', _EMBEDDING_KEYS, src)
+    prefixes = {k: _get(emb, k, str, src + ': embedding', '') for k in sorted(_EMBEDDING_KEYS)}
     rec = _section(doc, 'recommended', _RECOMMENDED_KEYS, src)
     # A board profile's name; bringup, which owns the boards, checks it names one
     # (profiles.check_recommended_board, at launch).
@@ -287,7 +297,7 @@ def parse_family_file(path: pathlib.Path) -> ModelFamilyConfig:
         tool_call_format=fmt, recommended_board=board, recommended_context=context,
         conversion=_conversion(doc, src), description=_get(doc, 'description', str, src, ''),
         display_name=_get(doc, 'display_name', str, src, ''),
-        display_names=_display_names(doc, src), source=src, grounding=grounding)
+        display_names=_display_names(doc, src), source=src, grounding=grounding, **prefixes)
 
 
 def _display_names(doc: Mapping[str, Any], src: str) -> Dict[str, str]:

@@ -4,10 +4,13 @@
 `kind: embedding` or `kind: rerank` (convert/encoder.py) and answers `embed` and `rerank`;
 every request is checked once, here, before the model runs (EmbeddingInputError /
 WrongModelKindError say what to change). `generate` on it raises WrongModelKindError, as
-Engine.embed / Engine.rerank do on a chat folder. Calls are serialized by a lock: the model
-call itself is batched (runtime/encoder.py: length buckets, one call per bucket).
+Engine.embed / Engine.rerank do on a chat folder. A served folder takes its query and
+document prefixes from its family in config/models (model_prefixes). Calls are serialized by
+a lock: the model call itself is batched (runtime/encoder.py: length buckets, one call per
+bucket).
 """
 from dataclasses import dataclass
+import logging
 import threading
 from typing import Optional, Sequence, Tuple
 
@@ -15,6 +18,9 @@ import numpy as np
 
 from edge_llm_ros.errors import EmbeddingInputError, WrongModelKindError
 from edge_llm_ros.runtime.encoder import EncoderConfig, is_encoder_folder, TextEncoder
+from edge_llm_ros.runtime.model_config import family_for_model_dir, ModelConfigError
+
+_LOG = logging.getLogger(__name__)
 
 __all__ = ('EmbeddingConfig', 'EmbeddingEngine', 'EmbedResult', 'is_encoder_folder',
            'RerankResult', 'not_a_chat_model', 'not_an_embedding_model')
@@ -119,6 +125,8 @@ class EmbeddingEngine:
                     'source_types', ())),
                 'context_length': self.context_length, 'vocab_size': self.vocab_size,
                 'providers': self.providers, 'kind': self.kind, 'dimensions': self.dimensions,
+                'query_prefix': self.config.query_prefix,
+                'document_prefix': self.config.document_prefix,
                 'capabilities': {}}
 
     def kv_occupancy(self) -> Tuple[int, int]:
@@ -136,8 +144,25 @@ class EmbeddingEngine:
         return tuple(texts)
 
 
+def model_prefixes(model_dir: str) -> Tuple[str, str]:
+    """Return the (query, document) prefixes of the folder's family (config/models).
+
+    A model no family config names takes none (all-MiniLM, bge-m3 and the rerankers need
+    none); the choice is logged and shown in model_info.
+    """
+    try:
+        family = family_for_model_dir(model_dir)
+    except ModelConfigError:
+        return '', ''
+    return family.query_prefix, family.document_prefix
+
+
 def open_embedding_engine(model_dir: str, threads: int = 0) -> Optional[EmbeddingEngine]:
     """Return an EmbeddingEngine when model_dir is an encoder folder, else None."""
     if not is_encoder_folder(model_dir):
         return None
-    return EmbeddingEngine(EmbeddingConfig(model_dir, threads))
+    query, document = model_prefixes(model_dir)
+    _LOG.info('%s: query prefix %r, document prefix %r (config/models)', model_dir, query,
+              document)
+    return EmbeddingEngine(EmbeddingConfig(model_dir, threads, query_prefix=query,
+                                           document_prefix=document))
