@@ -208,3 +208,57 @@ def test_generate_with_a_video_answers_as_the_engine_does(tmp_path, family):
     proc = edge_llm('generate', prompt, '--raw', '--model', str(engine.model_dir), '--video',
                     str(tmp_path / 'missing.mp4'), '--max-context', '256')
     assert proc.returncode == 2 and 'missing.mp4' in proc.stderr
+
+
+# ---- interface version 8: the clip on a Generate goal -------------------------------------
+def test_version_8_clip_fields_travel_as_handles_and_round_trip_a_bag(tmp_path, monkeypatch):
+    """make_goal -> described handles -> a VideoClip request -> held frames; bag and replay."""
+    from regression_helpers import handle, transcript, write_transcript_bag
+    from edge_llm_msgs.action import Generate
+    from edge_llm_msgs.msg import Transcript
+    from edge_llm_ros.client import make_goal
+    from edge_llm_ros.nodes.embeddings import EmbeddingResolver
+    from edge_llm_ros.nodes.handles import image_pool
+    from edge_llm_ros.nodes.messages import goal_media, RequestDefaults, to_request
+    from edge_llm_ros.regression import bagio
+    from edge_llm_ros.regression.replay import goal_fields
+    from edge_llm_ros.runtime.media import DeclaredImage
+    from edge_llm_ros.runtime.request import PreparedRequest
+    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 8
+    old = Generate.Goal(prompt='hi')   # an older goal: no clip
+    assert list(old.video_frames) == [] and to_request(old, RequestDefaults()).images == ()
+    monkeypatch.setenv('EDGE_LLM_IPC_DIR', str(tmp_path / 'sockets'))
+    still, clip = image(1, 6, 5), frames(3, (4, 8))
+    with image_pool([still, *clip], 'video_test') as handles:
+        goal = make_goal('<__media__><__media__> what happened?', images=handles[:1],
+                         video_frames=handles[1:], video_timestamps=[0.0, 0.5, 1.0],
+                         video_fps=2.0)
+        resolver = EmbeddingResolver()
+        try:
+            described = resolver.describe_images(list(goal.images) + list(goal.video_frames))
+            request = to_request(goal, RequestDefaults(),
+                                 images=goal_media(goal, described.declared))
+            assert request.images == (DeclaredImage(6, 5), VideoClip(
+                (DeclaredImage(4, 8),) * 3, (0.0, 0.5, 1.0), 2.0))
+            prepared = PreparedRequest(prompt_ids=(1,), max_tokens=1,
+                                       sampling=SamplingConfig(), stop=(), constraint=None,
+                                       session_id='', act_dtype=np.dtype(np.float32),
+                                       images=tuple(request.images))
+            assert not prepared.bound   # the clip's frames wait for their mapping
+            with resolver.hold_images(described.descriptors, 1) as views:
+                bound = prepared.with_frames(views)
+                assert bound.bound and np.array_equal(bound.images[0], still)
+                assert all(np.array_equal(a, b) for a, b in zip(bound.images[1].frames, clip))
+                with pytest.raises(ImageInputError, match='mapped as'):
+                    prepared.with_frames([views[0], views[1][:2] + [views[0]]])
+        finally:
+            resolver.close()
+    msg = transcript('<__media__> what happened?')
+    msg.video_frames = [handle('cam0'), handle('cam0')]
+    msg.video_timestamps, msg.video_fps = [0.0, 0.5], 2.0
+    record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v8', [msg])).transcripts
+    assert record.interface_version == 8 and record.video_timestamps == [0.0, 0.5]
+    assert record.video_fps == 2.0 and len(record.tensor_handles) == 2
+    resent = make_goal(**goal_fields(record))
+    assert [h.pool_id for h in resent.video_frames] == ['cam0', 'cam0']
+    assert list(resent.video_timestamps) == [0.0, 0.5] and resent.video_fps == 2.0
