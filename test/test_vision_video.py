@@ -262,3 +262,31 @@ def test_version_8_clip_fields_travel_as_handles_and_round_trip_a_bag(tmp_path, 
     resent = make_goal(**goal_fields(record))
     assert [h.pool_id for h in resent.video_frames] == ['cam0', 'cam0']
     assert list(resent.video_timestamps) == [0.0, 0.5] and resent.video_fps == 2.0
+
+
+def test_a_session_turn_after_a_stored_clip_keeps_its_positions(family):
+    """The second turn reads the stored clip's rows and grid: as the whole chat at once."""
+    from edge_llm_ros.runtime.types import ChatMessage
+    from edge_llm_ros.serving.engine import Engine, EngineConfig
+    _, _, _, made = family
+    engine = Engine(EngineConfig(model_dir=str(made.model_dir), max_context=256,
+                                 intra_op_threads=1))
+    clip, look = clip_of(3), 'What happened in <__media__> this clip?'
+    greedy = SamplingConfig(logprobs=True, top_logprobs=4)
+
+    def ask(messages, images=(), session='', **kw):
+        return engine.generate(GenerationRequest(
+            messages=messages, images=list(images), max_tokens=12, session_id=session,
+            sampling=greedy, **kw)).run_to_end()
+    try:
+        first = ask([ChatMessage('user', look)], [clip], 'clip', choices=('a red box', 'blue'))
+        second = ask([ChatMessage('user', 'And the color?')], session='clip')
+        assert first.error == '' and second.error == ''
+        assert second.timings.cached_prompt_tokens > 0
+        whole = ask([ChatMessage('user', look), ChatMessage('assistant', first.text),
+                     ChatMessage('user', 'And the color?')], [clip])
+        assert second.token_ids == whole.token_ids
+        assert max(abs(a.logprob - b.logprob)
+                   for a, b in zip(second.logprobs, whole.logprobs)) < 1e-3
+    finally:
+        engine.close()
