@@ -13,6 +13,13 @@ Transports, each between two processes on this host:
   pipeline    camera -> perception -> llm stand-in over two pools (push): perception
               maps the frame, writes a 256-float "embedding" into its own pool; the
               latency is camera publish -> embedding view in the third process.
+  window      the real nodes: frame_source (synthetic, image sizes only) -> perception with
+              window.seconds 2 -> a client that asks ~/window for the last second (4 frames)
+              at 10 Hz and builds a Generate goal from the handles. Reported: the newest
+              frame's age when the goal is built (p50/p99, in the latency columns; header
+              stamps, wall clock), the goal's serialized bytes against its frames' pixel bytes
+              (no pixels in the goal), and how often the goal's newest frame was the newest
+              published one (frame_source's ~/frames, seen by the same client).
 Latency is one-way: the producer stamps CLOCK_MONOTONIC (shared by all processes)
 right before publish(); the consumer stamps when it holds a usable view / message.
 Consumer CPU is its user+sys time over the measured window (% of one core), with no
@@ -20,7 +27,7 @@ work of its own beyond touching the stamp.
 
 Usage: .venv/bin/python bench/bench_ipc.py [--seconds 3] [--rates 30,60]
        [--sizes 64KB,256KB,1MB,1080p,24MB]
-       [--transports floor,ipc,ipc_handle,ros_image,pipeline]
+       [--transports floor,ipc,ipc_handle,ros_image,pipeline,window]
 Prints JSON (also written to bench/results/bench_ipc.json) and a table with ratios.
 """
 import argparse
@@ -43,7 +50,7 @@ from edge_llm_ros.ipc.resolver import TensorResolver
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = {'64KB': (64 << 10,), '256KB': (256 << 10,), '1MB': (1 << 20,),
-         '1080p': (1080, 1920, 3), '24MB': (24 << 20,)}
+         '1080p': (1080, 1920, 3), '24MB': (24 << 20,), 'vga': (480, 640, 3)}
 TOPIC = 'bench_ipc'
 
 
@@ -327,6 +334,74 @@ def run_pipeline(args: argparse.Namespace, shape, rate: float, count: int) -> Di
     return res
 
 
+def run_window(args: argparse.Namespace, shape, rate: float, count: int) -> Dict:
+    """Camera -> perception (time window) -> a goal: see `window` in the module docstring."""
+    if len(shape) != 3:
+        return {'received': 0, 'expected': 0, 'skipped': 'window runs on image sizes only'}
+    from edge_llm_msgs.action import Generate
+    from edge_llm_msgs.msg import TensorHandle
+    from edge_llm_msgs.srv import GetWindow
+    from rclpy.serialization import serialize_message
+    from edge_llm_ros.node_process import NodeProcess
+    from edge_llm_ros.runtime.media import MEDIA_MARKER
+    height, width = shape[:2]
+    tag = f'bw{os.getpid()}'
+    common = {'socket_dir': args.sock_dir}
+    frames = NodeProcess('frame_source', name=f'{tag}_frames', params={
+        **common, 'width': width, 'height': height, 'rate_hz': rate, 'pool.id': f'{tag}_cam'})
+    perception = NodeProcess('perception', name=f'{tag}_perception', params={
+        **common, 'input.topic': f'/{tag}_frames/frames', 'pool.id': f'{tag}_emb',
+        'engine.intra_op_threads': 1, 'model.image_size': 32, 'window.seconds': 2.0})
+    rclpy, node = _ros_node(f'{tag}_client')
+    newest = [0]
+
+    def on_frame(msg) -> None:
+        newest[0] = max(newest[0], msg.header.stamp.sec * 10**9 + msg.header.stamp.nanosec)
+
+    from edge_llm_ros.nodes.tensor_output import SENSOR_QOS
+    node.create_subscription(TensorHandle, f'/{tag}_frames/frames', on_frame, SENSOR_QOS)
+    client = node.create_client(GetWindow, f'/{tag}_perception/window')
+    ages, goal_bytes, pixel_bytes, newest_hits, asks = [], [], [], 0, max(10, count // 3)
+    seen_frames = 0
+    try:
+        perception.wait_output('window: the last', 60)
+        client.wait_for_service(timeout_sec=30)
+        time.sleep(2.5)   # the window fills
+        cpu0, t0 = _cpu(), time.monotonic()
+        for i in range(asks):
+            future = client.call_async(GetWindow.Request(last_seconds=1.0, max_frames=4))
+            rclpy.spin_until_future_complete(node, future, timeout_sec=5)
+            reply = future.result()
+            if reply is None or not reply.success:
+                continue
+            goal = Generate.Goal(prompt=MEDIA_MARKER * len(reply.frames) + 'What happened?',
+                                 images=reply.frames)
+            data = serialize_message(goal)
+            stamp = reply.frames[-1].header.stamp
+            ages.append(time.time_ns() - (stamp.sec * 10**9 + stamp.nanosec))
+            goal_bytes.append(len(data))
+            pixel_bytes.append(sum(int(h.nbytes) for h in reply.frames))
+            rclpy.spin_once(node, timeout_sec=0)   # frames seen up to now
+            seen_frames += newest[0] > 0
+            newest_hits += newest[0] <= stamp.sec * 10**9 + stamp.nanosec
+            _pace(t0, i + 1, 10.0)
+        wall, cpu = time.monotonic() - t0, _cpu() - cpu0
+    finally:
+        node.destroy_node()
+        rclpy.shutdown()
+        codes = (perception.stop(), frames.stop())
+    if not seen_frames:
+        raise RuntimeError('the client saw no frame on ~/frames: cannot tell the newest')
+    if codes != (0, 0):
+        raise RuntimeError(f'window nodes exited {codes}:\n{perception.tail()}')
+    res = _summary(ages, cpu, wall, asks)
+    res.update(goal_bytes=int(np.median(goal_bytes)) if goal_bytes else None,
+               pixel_bytes=int(np.median(pixel_bytes)) if pixel_bytes else None,
+               newest_frame_pct=100.0 * newest_hits / max(len(ages), 1),
+               measured='newest frame age when the goal is built (wall clock, header stamps)')
+    return res
+
+
 def run_ros(args: argparse.Namespace, shape, rate: float, count: int, handles: bool) -> Dict:
     from sensor_msgs.msg import Image
     from edge_llm_msgs.msg import TensorHandle
@@ -413,6 +488,8 @@ def main() -> None:
                         res = run_floor(args, shape, rate, count)
                     elif transport == 'pipeline':
                         res = run_pipeline(args, shape, rate, count)
+                    elif transport == 'window':
+                        res = run_window(args, shape, rate, count)
                     else:
                         res = run_ros(args, shape, rate, count, transport == 'ipc_handle')
                     res.update(transport=transport, size=size,
@@ -440,6 +517,9 @@ def main() -> None:
               f'{_fmt(r.get("p50_us")):>9} {_fmt(r.get("p99_us")):>9} '
               f'{_fmt(r.get("consumer_cpu_pct")):>6} '
               f'{r["received"]:>4}/{r["expected"]:<3} {_fmt(ratio, "x"):>9}')
+        if r.get('goal_bytes'):
+            print(f'{"":>21} goal {r["goal_bytes"]} bytes for {r["pixel_bytes"]} bytes of '
+                  f'frames; newest frame in {r["newest_frame_pct"]:.0f}% of goals')
 
 
 if __name__ == '__main__':

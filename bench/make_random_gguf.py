@@ -97,6 +97,13 @@ SHAPES: Dict[str, Shape] = {
     'lfm2-1.2b': Shape('lfm2', 2048, 16, 32, 8, 64, 8192, 65536, 128000, 1e6, 1e-5, True,
                        'lfm2', 'LFM2-1.2B',
                        {'attention_layers': (2, 5, 8, 10, 12, 14), 'conv_kernel': 3}),
+    # Qwen3.5-2B: 18 Gated DeltaNet layers (16 key and 16 value heads of 128, conv kernel 4)
+    # and 6 gated attention layers (every 4th: 8 query heads of 256 with their output gates,
+    # 2 KV heads, a quarter of each head rotated, RoPE base 1e7), FFN 6144, a tied 248k
+    # vocabulary.
+    'qwen35-2b': Shape('qwen35', 2048, 24, 8, 2, 256, 6144, 248320, 262144, 1e7, 1e-6, True,
+                       'qwen35', 'Qwen3.5-2B',
+                       {'rope_dims': 64, 'gdn': (4, 16, 16, 128), 'interval': 4}),
 }
 R1_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
@@ -160,6 +167,9 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     for i in range(s.layers):
         p = f'blk.{i}.'
         yield p + 'attn_norm.weight', (s.hidden,), 'F32'
+        if s.arch == 'qwen35':
+            yield from _qwen35_layer(s, p, i)
+            continue
         if s.arch == 'lfm2' and i not in x['attention_layers']:
             # Q4_K_M leaves the [hidden, 3] kernel F32 (3 values a row: no block fits).
             yield p + 'shortconv.in_proj.weight', (3 * s.hidden, s.hidden), 'Q4_K'
@@ -187,9 +197,35 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
             yield p + 'post_ffw_norm.weight', (s.hidden,), 'F32'
 
 
-def _ffn(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
+def _qwen35_layer(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
+    """Yield a qwen35 layer after its attn_norm: DeltaNet or gated attention, then the MLP."""
+    kernel, k_heads, v_heads, d = s.extra['gdn']
+    if (i + 1) % int(s.extra['interval']):
+        channels = (2 * k_heads + v_heads) * d
+        yield p + 'attn_qkv.weight', (channels, s.hidden), 'Q5_K'   # Q4_K_M's attn_qkv rule
+        yield p + 'attn_gate.weight', (v_heads * d, s.hidden), 'Q4_K'
+        yield p + 'ssm_conv1d.weight', (channels, kernel), 'F32'     # not quantized
+        yield p + 'ssm_dt.bias', (v_heads,), 'F32'
+        yield p + 'ssm_a', (v_heads,), 'F32'
+        yield p + 'ssm_beta.weight', (v_heads, s.hidden), 'Q4_K'
+        yield p + 'ssm_alpha.weight', (v_heads, s.hidden), 'Q4_K'
+        yield p + 'ssm_norm.weight', (d,), 'F32'
+        yield p + 'ssm_out.weight', (s.hidden, v_heads * d), 'Q4_K'
+    else:
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        yield p + 'attn_q.weight', (2 * q, s.hidden), 'Q4_K'   # each head's query, then gate
+        yield p + 'attn_k.weight', (kv, s.hidden), 'Q4_K'
+        yield p + 'attn_v.weight', (kv, s.hidden), quant_type('attn_v', i, s.layers)
+        yield p + 'attn_q_norm.weight', (s.head_dim,), 'F32'
+        yield p + 'attn_k_norm.weight', (s.head_dim,), 'F32'
+        yield p + 'attn_output.weight', (s.hidden, q), 'Q4_K'
+    yield from _ffn(s, p, i, norm='post_attention_norm.weight')
+
+
+def _ffn(s: Shape, p: str, i: int, norm: str = 'ffn_norm.weight'
+         ) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     """Yield a layer's MLP norm and matrices (tensor_plan's order)."""
-    yield p + 'ffn_norm.weight', (s.hidden,), 'F32'
+    yield p + norm, (s.hidden,), 'F32'
     if s.arch == 'phi3':
         yield p + 'ffn_up.weight', (2 * s.ff, s.hidden), 'Q4_K'
     else:
@@ -256,9 +292,13 @@ class BlockMaker:
 
 
 def _vector(name: str, n: int, shape: Shape, rng: np.random.Generator) -> np.ndarray:
-    if name.endswith('shortconv.conv.weight'):   # [hidden, kernel], F32 as llama.cpp reads it
-        kernel = int(shape.extra['conv_kernel'])
+    if name.endswith(('shortconv.conv.weight', 'ssm_conv1d.weight')):
+        # [channels, kernel], F32 as llama.cpp reads it
+        kernel = int(shape.extra['conv_kernel'] if 'conv_kernel' in shape.extra
+                     else shape.extra['gdn'][0])
         return (rng.standard_normal((n, kernel)) / math.sqrt(kernel)).astype(np.float32)
+    if name.endswith('ssm_a'):   # -exp(A_log): a negative decay rate per value head
+        return -rng.uniform(0.2, 2.0, n).astype(np.float32)
     if name == 'rope_freqs.weight':
         from edge_llm_ros.convert.architectures import llama3_rope_factors
         f, lo, hi, orig = shape.extra['llama3_rope']
@@ -296,6 +336,17 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
         w.add_sliding_window(int(x['sliding_window']))
     if 'conv_kernel' in x:
         w.add_shortconv_l_cache(int(x['conv_kernel']))
+    if 'gdn' in x:
+        kernel, k_heads, v_heads, d = x['gdn']
+        rot = int(x['rope_dims']) // 2
+        first = -(-rot // 3)
+        w.add_rope_dimension_sections([first, first, rot - 2 * first, 0])
+        w.add_ssm_conv_kernel(kernel)
+        w.add_ssm_state_size(d)
+        w.add_ssm_group_count(k_heads)
+        w.add_ssm_time_step_rank(v_heads)
+        w.add_ssm_inner_size(v_heads * d)
+        w.add_full_attention_interval(int(x['interval']))
     if 'longrope_orig' in x:
         orig = int(x['longrope_orig'])
         w.add_rope_scaling_orig_ctx_len(orig)

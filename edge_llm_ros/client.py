@@ -42,6 +42,7 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, LoraScale, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import (Complete, Detokenize, Embed, GetModelInfo, GetSession,
                                ListSessions, Rerank, ResetSession, Tokenize, WarmPrompt)
+from edge_llm_ros.embed_reply import EmbedReplyError, EmbedReplyReader
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.rclpy_internals import (accepted_goal_handle, FeedbackListenersMixin,
@@ -729,6 +730,7 @@ class LLMClient:
         self._model_info = service(GetModelInfo, 'get_model_info')
         self._embed = service(Embed, 'embed')
         self._rerank = service(Rerank, 'rerank')
+        self._replies = EmbedReplyReader('llm_client')   # large ~/embed results
         self._get_state = service(GetState, 'get_state')
         self._live: List[GenerationHandle] = []
         self._live_lock = threading.Lock()
@@ -881,11 +883,10 @@ class LLMClient:
         response = self._call(self._embed, request, timeout)
         if not response.success:
             raise EmbedRefusedError(response.error_kind, response.message)
-        if response.handle.pool_id:
-            raise EmbedRefusedError('UnsupportedReply', 'the node sent the vectors as a '
-                                    'TensorHandle, which this client does not map yet')
-        vectors = np.asarray(response.vectors, np.float32).reshape(
-            len(texts), int(response.dimensions))
+        try:
+            vectors = self._replies.vectors(response, len(texts))
+        except EmbedReplyError as exc:
+            raise EmbedRefusedError('ReplyUnreadable', str(exc)) from None
         return EmbedReply(vectors, tuple(response.token_counts), response.model_id)
 
     def rerank(self, query: str, documents: Sequence[str], *, top_n: int = 0,
@@ -916,6 +917,7 @@ class LLMClient:
                        self._get_session, self._list_sessions, self._model_info,
                        self._get_state, self._embed, self._rerank):
             self._node.destroy_client(client)
+        self._replies.close()
 
 
 class Conversation:

@@ -42,7 +42,8 @@ CONVERTER_VERSION = '9'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',
-                                  'qwen2vl', 'qwen35', 'gemma4', 'qwen3vl', 'smollm3')
+                                  'qwen2vl', 'qwen35', 'granitehybrid', 'gemma4', 'qwen3vl',
+                                  'smollm3')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last
@@ -53,7 +54,8 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
 # the engine refuses what would need that (docs/architectures.md, lfm2). A folder without
 # the key (before lfm2) has 'kv' layers only. 'recurrent': a Gated DeltaNet layer's state
 # (qwen35), its conv inputs then its delta-rule state in one float32 vector per slot (shape
-# [floats], the op library's GatedDeltaNet layout), bound as past_conv.{i} / present_conv.{i}
+# [floats], the op library's GatedDeltaNet layout; granitehybrid's Mamba-2 layers: its conv
+# inputs then its SSM state, the Mamba2 layout), bound as past_conv.{i} / present_conv.{i}
 # like a conv state and kept, snapshotted and undone by the same machinery (FIXED_STATES).
 # A 'kv' entry may give its own `head_dim` and `kv_heads` (gemma4: its sliding-window and
 # global layers differ; 0 or absent: the model's). 'shared': the layer keeps nothing and

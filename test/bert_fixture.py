@@ -5,7 +5,10 @@ count (tokenizer.ggml.token_type_count), token_embd / token_types / position_emb
 embedding LayerNorm (token_embd_norm), and per layer attn_q/k/v (+ bias), attn_output,
 attn_output_norm, ffn_up, ffn_down, layer_output_norm; cls / cls.output for a reranker.
 The vocabulary is a WPM one as llama.cpp's converter writes it: word-initial pieces carry the
-phantom space '▁', continuation pieces are stored without BERT's '##'.
+phantom space '▁', continuation pieces are stored without BERT's '##'. With vocab='ugm' it is
+an XLM-RoBERTa-style SentencePiece unigram one instead (tokenizer model 't5', as llama.cpp's
+converter writes bge-m3 and bge-reranker-v2-m3): <s> <pad> </s> <unk>, scored pieces, a
+user-defined piece and an unused one, <s> text </s>, pairs <s> a </s></s> b </s>.
 """
 from dataclasses import dataclass
 import pathlib
@@ -35,10 +38,39 @@ class BertCase:
     ff: int = 128
     context: int = 128
     seed: int = 0
+    vocab: str = 'wpm'              # or 'ugm' (XLM-RoBERTa's SentencePiece unigram)
+    merge_spaces: bool = True       # ugm: remove_extra_whitespaces
 
     @property
     def tag(self) -> str:
-        return f'bert-{self.wtype}-{self.pooling}'
+        tail = '' if self.vocab == 'wpm' else f'-ugm{"" if self.merge_spaces else "-spaces"}'
+        return f'bert-{self.wtype}-{self.pooling}{tail}'
+
+
+UGM_SPECIALS = ('<s>', '<pad>', '</s>', '<unk>')
+UGM_USER_DEFINED = '<dock>'
+UGM_UNUSED = '[PAD7]'
+
+
+def ugm_vocab(seed: int = 0) -> Tuple[List[str], List[float], List[int]]:
+    """Return (pieces, scores, token types) of a small unigram vocabulary.
+
+    Whole words score above their letters (as a trained unigram model has it), with random
+    jitter so segmentations differ; some letters have no bare piece, so [UNK] shows up.
+    """
+    rng = np.random.default_rng(seed + 100)
+    toks, scores, types = list(UGM_SPECIALS), [0.0] * 4, [3, 3, 3, 2]
+    pieces = ['\u2581' + w for w in WORDS] + ['\u2581' + c for c in string.ascii_lowercase]
+    pieces += list('abcdefghijklmnoprstu0123456789') + ['ing', 'ed', 'er', 'ro', 'bot', '\u2581']
+    pieces += ['\u2581' + c for c in '.,?!:;'] + list('.,?!:;')
+    for piece in dict.fromkeys(pieces):
+        toks.append(piece)
+        scores.append(float(-2.0 - 3.0 / len(piece) - rng.uniform(0, 1.5)))
+        types.append(1)
+    toks += [UGM_USER_DEFINED, UGM_UNUSED]
+    scores += [0.0, -10000.0]
+    types += [4, 5]
+    return toks, scores, types
 
 
 def vocab() -> List[str]:
@@ -56,7 +88,6 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     """Write the case's GGUF (matrices in case.wtype, vectors F32) and return its path."""
     path = pathlib.Path(path)
     rng = np.random.default_rng(case.seed)
-    toks = vocab()
     h, ff = case.hidden, case.ff
     w = gguf.GGUFWriter(str(path), 'bert')
     w.add_name(f'tiny-{case.tag}')
@@ -69,15 +100,36 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     w.add_causal_attention(False)
     w.add_pooling_type(gguf.PoolingType(POOLING[case.pooling]))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model('bert')
-    w.add_token_list(toks)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
-    w.add_token_type_count(2)
-    w.add_bos_token_id(CLS_ID)
-    w.add_sep_token_id(SEP_ID)
-    w.add_unk_token_id(UNK_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_mask_token_id(4)
+    types_count = 2
+    if case.vocab == 'ugm':
+        toks, scores, kinds = ugm_vocab(case.seed)
+        w.add_tokenizer_model('t5')
+        w.add_tokenizer_pre('default')
+        w.add_token_list(toks)
+        w.add_token_scores(scores)
+        w.add_token_types(kinds)
+        w.add_add_space_prefix(True)
+        w.add_remove_extra_whitespaces(case.merge_spaces)
+        types_count = 1                     # XLM-RoBERTa: one token type
+        w.add_bos_token_id(0)
+        w.add_pad_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_sep_token_id(2)
+        w.add_unk_token_id(3)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
+    else:
+        toks = vocab()
+        w.add_tokenizer_model('bert')
+        w.add_token_list(toks)
+        w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
+        w.add_bos_token_id(CLS_ID)
+        w.add_sep_token_id(SEP_ID)
+        w.add_unk_token_id(UNK_ID)
+        w.add_pad_token_id(PAD_ID)
+        w.add_mask_token_id(4)
+    w.add_token_type_count(types_count)
 
     def put(name: str, x: np.ndarray, matrix: bool = True) -> None:
         if not matrix or case.wtype == 'F32':
@@ -95,7 +147,8 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         return (centre + spread * rng.standard_normal(n)).astype(np.float32)
 
     put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
-    put('token_types.weight', 0.1 * rng.standard_normal((2, h)).astype(np.float32), False)
+    put('token_types.weight', 0.1 * rng.standard_normal((types_count, h)).astype(np.float32),
+        False)
     put('position_embd.weight', 0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
     put('token_embd_norm.weight', vec(h, 1.0), False)
     put('token_embd_norm.bias', vec(h), False)
@@ -133,3 +186,8 @@ TEXTS: Tuple[str, ...] = (
     'the map of room 42 is open; the door is closed',
     'zzq unknownish words xylophone',
 )
+# Unigram segmentation edge cases: spaces (leading, repeated, trailing), tabs and newlines,
+# code points no piece covers (merged [UNK] runs), the user-defined piece, mixed scripts.
+UGM_TEXTS: Tuple[str, ...] = TEXTS + (
+    '  the   robot  ', 'dock the robot at the <dock> now', 'vwxyz qq kitchen', '\tgo\nleft',
+    'Grüße aus der Küche 中文 🤖', 'roboting robotted', '...the cup?!', 'a' * 40)

@@ -191,6 +191,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     path = pathlib.Path(path)
     if case.arch == 'qwen35':
         return write_qwen35_gguf(path, case)
+    if case.arch == 'granitehybrid':
+        return write_granite_gguf(path, case)
     c, d = case, case.dims
     w = random_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
@@ -421,13 +423,54 @@ QWEN35_08B_DIMS = TinyDims(hidden=1024, layers=4, heads=8, kv_heads=2, intermedi
 QWEN35_08B_GDN = {'kernel': 4, 'k_heads': 16, 'v_heads': 16, 'head_dim': 128, 'interval': 4}
 
 
-def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
-                      gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
-    """Write a random qwen35 GGUF as llama.cpp's converter lays it out (gdn: QWEN35_GDN)."""
+def tensor_writer(writer: gguf.GGUFWriter, wtype: str, qrng: np.random.Generator):
+    """Return put(name, x, matrix=True, wtype=wtype): add x to the writer in its type.
+
+    Vectors (matrix=False) stay F32; put returns the values llama.cpp will read.
+    """
+    default = wtype
+
+    def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = default) -> np.ndarray:
+        if not matrix or wtype == 'F32':
+            data, qtype = x.astype(np.float32), None
+        elif wtype == 'F16':
+            data, qtype = x.astype(np.float16), None
+        elif wtype in RAW_SCALE_FIELDS:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), qrng)
+        else:
+            qtype = gguf.GGMLQuantizationType[wtype]
+            data = gguf.quants.quantize(x, qtype)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        if qtype is None:
+            return data.astype(np.float32)
+        return gguf.quants.dequantize(data, qtype).reshape(x.shape)
+    return put
+
+
+def put_edges(put, case: ParityCase, rng: np.random.Generator, vocab: int, norm,
+              embed_gain: float = 1.0) -> None:
+    """Write the embedding, final norm and head (Q8_0 for K-quant cases; a next-token term)."""
+    d = case.dims
+    edge_type = 'Q8_0' if case.wtype in RAW_SCALE_FIELDS else case.wtype
+    rows = rng.standard_normal((vocab, d.hidden))
+    embed = put('token_embd.weight', (rows if embed_gain == 1.0 else rows * embed_gain)
+                .astype(np.float32), wtype=edge_type)
+    put('output_norm.weight', norm(d.hidden), matrix=False)
+    head = (rng.standard_normal((vocab, d.hidden)) * 4.0 / np.sqrt(d.hidden)).astype(np.float32)
+    chain = case.chain * np.roll(embed if embed_gain == 1.0 else embed / embed_gain, 1, axis=0)
+    put('output.weight', head + chain, wtype=edge_type)
+
+
+def qwen35_weights(case: ParityCase, gdn: Optional[Dict[str, int]] = None
+                   ) -> Dict[str, np.ndarray]:
+    """Return a random qwen35's float32 tensors under their GGUF names (gdn: QWEN35_GDN).
+
+    output.weight is the head before the next-token term (added on the embedding as stored);
+    A_log stands for ssm_a, which is -exp(A_log) (as llama.cpp's converter makes it).
+    """
     c, d, g = case, case.dims, gdn or QWEN35_GDN
     rng = np.random.default_rng(c.seed)
-    qrng = np.random.default_rng(c.seed + 1000)
-    vocab = tiny_vocab(c.vision)
     hd, gd = d.head_dim, g['head_dim']
     channels = (2 * g['k_heads'] + g['v_heads']) * gd
 
@@ -437,6 +480,49 @@ def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
 
+    w = {'token_embd.weight': rng.standard_normal((len(tiny_vocab(c.vision)), d.hidden))
+         .astype(np.float32)}
+    w['output_norm.weight'] = norm(d.hidden)
+    w['output.weight'] = mat(len(tiny_vocab(c.vision)), d.hidden, 4.0)
+    for i in range(d.layers):
+        b = f'blk.{i}.'
+        w[b + 'attn_norm.weight'] = norm(d.hidden)
+        w[b + 'post_attention_norm.weight'] = norm(d.hidden)
+        if (i + 1) % g['interval']:
+            w[b + 'attn_qkv.weight'] = mat(channels, d.hidden)
+            w[b + 'attn_gate.weight'] = mat(g['v_heads'] * gd, d.hidden)
+            w[b + 'ssm_conv1d.weight'] = mat(channels, g['kernel'], 2.0)
+            w[b + 'ssm_dt.bias'] = (0.5 * rng.standard_normal(g['v_heads'])).astype(np.float32)
+            w[b + 'A_log'] = np.log(rng.uniform(0.2, 2.0, g['v_heads'])).astype(np.float32)
+            w[b + 'ssm_beta.weight'] = mat(g['v_heads'], d.hidden)
+            w[b + 'ssm_alpha.weight'] = mat(g['v_heads'], d.hidden)
+            w[b + 'ssm_norm.weight'] = norm(gd)
+            w[b + 'ssm_out.weight'] = mat(d.hidden, g['v_heads'] * gd)
+        else:
+            w[b + 'attn_q.weight'] = mat(2 * d.heads * hd, d.hidden)
+            w[b + 'attn_k.weight'] = mat(d.kv_heads * hd, d.hidden)
+            w[b + 'attn_v.weight'] = mat(d.kv_heads * hd, d.hidden)
+            w[b + 'attn_output.weight'] = mat(d.hidden, d.heads * hd)
+            w[b + 'attn_q_norm.weight'] = norm(hd)
+            w[b + 'attn_k_norm.weight'] = norm(hd)
+        w[b + 'ffn_gate.weight'] = mat(d.intermediate, d.hidden)
+        w[b + 'ffn_up.weight'] = mat(d.intermediate, d.hidden)
+        w[b + 'ffn_down.weight'] = mat(d.hidden, d.intermediate)
+    return w
+
+
+# qwen35 tensors stored as F32 vectors (and the conv kernel, as ggml_ssm_conv reads it).
+_QWEN35_VECTORS = ('norm.weight', 'ssm_conv1d.weight', 'ssm_dt.bias', 'ssm_a')
+
+
+def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
+                      gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
+    """Write a random qwen35 GGUF as llama.cpp's converter lays it out (gdn: QWEN35_GDN)."""
+    c, d, g = case, case.dims, gdn or QWEN35_GDN
+    w = qwen35_weights(c, g)
+    qrng = np.random.default_rng(c.seed + 1000)
+    vocab = tiny_vocab(c.vision)
+    hd, gd = d.head_dim, g['head_dim']
     writer = gguf.GGUFWriter(str(path), 'qwen35')
     writer.add_name(f'tiny-{c.tag}')
     for key, value in (('block_count', d.layers), ('context_length', d.context),
@@ -455,51 +541,212 @@ def write_qwen35_gguf(path: pathlib.Path, case: ParityCase,
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_tokenizer(writer, vocab, 'qwen35', pre='qwen35')
 
-    def put(name: str, x: np.ndarray, matrix: bool = True, wtype: str = c.wtype) -> np.ndarray:
-        if not matrix or wtype == 'F32':
-            data, qtype = x.astype(np.float32), None
-        elif wtype == 'F16':
-            data, qtype = x.astype(np.float16), None
-        elif wtype in RAW_SCALE_FIELDS:
-            qtype = gguf.GGMLQuantizationType[wtype]
-            data = random_blocks(x.shape[0], x.shape[1], wtype, float(x.std()), qrng)
-        else:
-            qtype = gguf.GGMLQuantizationType[wtype]
-            data = gguf.quants.quantize(x, qtype)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-        if qtype is None:
-            return data.astype(np.float32)
-        return gguf.quants.dequantize(data, qtype).reshape(x.shape)
-
+    put = tensor_writer(writer, c.wtype, qrng)
     edge_type = 'Q8_0' if c.wtype in RAW_SCALE_FIELDS else c.wtype
-    embed = put('token_embd.weight', rng.standard_normal((len(vocab), d.hidden))
-                .astype(np.float32), wtype=edge_type)
-    put('output_norm.weight', norm(d.hidden), matrix=False)
-    head = mat(len(vocab), d.hidden, 4.0) + c.chain * np.roll(embed, 1, axis=0)
-    put('output.weight', head, wtype=edge_type)
+    embed = put('token_embd.weight', w.pop('token_embd.weight'), wtype=edge_type)
+    put('output_norm.weight', w.pop('output_norm.weight'), matrix=False)
+    put('output.weight', w.pop('output.weight') + c.chain * np.roll(embed, 1, axis=0),
+        wtype=edge_type)
+    for name, x in w.items():
+        if name.endswith('.A_log'):
+            name, x = name.replace('A_log', 'ssm_a'), -np.exp(x)
+        put(name, x, matrix=not name.endswith(_QWEN35_VECTORS))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# GGUF name in a layer -> Qwen3.5's HF name (Qwen3_5TextModel).
+_QWEN35_HF = {'attn_norm.weight': 'input_layernorm.weight',
+              'post_attention_norm.weight': 'post_attention_layernorm.weight',
+              'attn_q.weight': 'self_attn.q_proj.weight',
+              'attn_k.weight': 'self_attn.k_proj.weight',
+              'attn_v.weight': 'self_attn.v_proj.weight',
+              'attn_output.weight': 'self_attn.o_proj.weight',
+              'attn_q_norm.weight': 'self_attn.q_norm.weight',
+              'attn_k_norm.weight': 'self_attn.k_norm.weight',
+              'ffn_gate.weight': 'mlp.gate_proj.weight', 'ffn_up.weight': 'mlp.up_proj.weight',
+              'ffn_down.weight': 'mlp.down_proj.weight',
+              'attn_qkv.weight': 'linear_attn.in_proj_qkv.weight',
+              'attn_gate.weight': 'linear_attn.in_proj_z.weight',
+              'ssm_conv1d.weight': 'linear_attn.conv1d.weight',
+              'ssm_dt.bias': 'linear_attn.dt_bias', 'A_log': 'linear_attn.A_log',
+              'ssm_beta.weight': 'linear_attn.in_proj_b.weight',
+              'ssm_alpha.weight': 'linear_attn.in_proj_a.weight',
+              'ssm_norm.weight': 'linear_attn.norm.weight',
+              'ssm_out.weight': 'linear_attn.out_proj.weight'}
+
+
+def write_qwen35_hf(folder, case: ParityCase, multimodal: bool = False,
+                    gdn: Optional[Dict[str, int]] = None) -> pathlib.Path:
+    """Write the case's float32 weights as a Qwen3.5 HF folder (the F32 GGUF's twin).
+
+    Undoes what llama.cpp's converter does: norms (but the DeltaNet's) stored minus one, the
+    conv kernel as Conv1d's [channels, 1, kernel], and the value heads in HF's
+    grouped order (value head h reads key head h // (v / k); the GGUF tiles them).
+    multimodal: Qwen3_5ForConditionalGeneration's layout (text_config, language_model).
+    """
+    from safetensors.numpy import save_file
+    c, d, g = case, case.dims, gdn or QWEN35_GDN
+    w = qwen35_weights(c, g)
+    gd, kh, vh = g['head_dim'], g['k_heads'], g['v_heads']
+    qk = 2 * kh * gd
+
+    def grouped(x: np.ndarray, size: int, axis: int = 0) -> np.ndarray:
+        """Tiled value heads (GGUF) back to HF's grouped order along `axis`."""
+        x = np.moveaxis(x, axis, 0)
+        rest = x.shape[1:]
+        x = x.reshape(vh // kh, kh, size, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest)))
+        return np.moveaxis(x.reshape(vh * size, *rest), 0, axis)
+
+    prefix = 'model.language_model.' if multimodal else 'model.'
+    embed = w.pop('token_embd.weight')
+    out = {prefix + 'embed_tokens.weight': embed,
+           prefix + 'norm.weight': w.pop('output_norm.weight') - 1,
+           'lm_head.weight': w.pop('output.weight') + c.chain * np.roll(embed, 1, axis=0)}
+    for name, x in w.items():
+        _, i, role = name.split('.', 2)
+        if role.endswith('norm.weight') and role != 'ssm_norm.weight':
+            x = x - 1
+        if role in ('attn_qkv.weight', 'ssm_conv1d.weight'):
+            x = np.concatenate([x[:qk], grouped(x[qk:], gd)])
+        elif role == 'attn_gate.weight':
+            x = grouped(x, gd)
+        elif role in ('ssm_beta.weight', 'ssm_alpha.weight', 'A_log', 'ssm_dt.bias'):
+            x = grouped(x, 1)
+        elif role == 'ssm_out.weight':
+            x = grouped(x, gd, axis=1)
+        if role == 'ssm_conv1d.weight':
+            x = x[:, None, :]
+        out[f'{prefix}layers.{i}.{_QWEN35_HF[role]}'] = x
+    folder = write_hf_folder(folder, {'embed': embed, 'final_norm': embed[0]},
+                             {'model_type': 'qwen3_5_text', 'num_hidden_layers': 0})
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in out.items()},
+              str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    text = {'model_type': 'qwen3_5_text', 'num_hidden_layers': d.layers,
+            'hidden_size': d.hidden, 'intermediate_size': d.intermediate,
+            'num_attention_heads': d.heads, 'num_key_value_heads': d.kv_heads,
+            'head_dim': d.head_dim, 'rms_norm_eps': d.rms_eps,
+            'max_position_embeddings': d.context, 'hidden_act': 'silu',
+            'attn_output_gate': True, 'tie_word_embeddings': False,
+            'vocab_size': len(tiny_vocab(c.vision)), 'linear_conv_kernel_dim': g['kernel'],
+            'linear_key_head_dim': gd, 'linear_value_head_dim': gd,
+            'linear_num_key_heads': kh, 'linear_num_value_heads': vh,
+            'full_attention_interval': g['interval'],
+            'layer_types': ['linear_attention' if (i + 1) % g['interval'] else
+                            'full_attention' for i in range(d.layers)],
+            'rope_parameters': {'rope_type': 'default', 'rope_theta': d.rope_theta,
+                                'partial_rotary_factor': c.rotary,
+                                'mrope_section': rope_sections(c.rope_dims)[:3],
+                                'mrope_interleaved': True}}
+    config = ({'model_type': 'qwen3_5', 'architectures': ['Qwen3_5ForConditionalGeneration'],
+               'text_config': text, 'vision_config': {'depth': 0}} if multimodal
+              else dict(text, architectures=['Qwen3_5ForCausalLM']))
+    (folder / 'config.json').write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# granitehybrid (Granite 4.0-H dense, Micro's kinds of layers): hidden 256, a Mamba-2 layer on
+# either side of an attention layer (4 heads of 64, 2 KV, no RoPE: rope.scaling.finetuned
+# false, as Granite 4.0-H writes it), Mamba-2 with d_inner = 2 x hidden (llama.cpp's only
+# expansion) in 8 heads of 64, 2 groups of B and C of 64 (Micro: 1 group of 128), a conv
+# kernel of 4, and Granite's four multipliers (Micro's embedding and residual scales, an
+# attention scale of 1 / head_dim; a logit scale of 2: Micro's 8 squeezes random logits into
+# near-ties).
+GRANITE_DIMS = TinyDims(hidden=256, layers=3, heads=4, kv_heads=2, intermediate=512,
+                        context=1024, rms_eps=1e-5, key_length=64)
+GRANITE_SSM = {'kernel': 4, 'heads': 8, 'groups': 2, 'state': 64, 'attention': (1,)}
+GRANITE_SSM_OUT_GAIN = 4.0
+GRANITE_SCALES = {'embedding_scale': 12.0, 'residual_scale': 0.22,
+                  'attention_scale': 1 / 64, 'logit_scale': 2.0}
+
+
+def granite_case(wtype: str, seed: int = 0, **options) -> ParityCase:
+    """Return the granitehybrid parity case of `wtype` (GRANITE_DIMS)."""
+    return ParityCase('granitehybrid', wtype, seed, **dict({'dims': GRANITE_DIMS}, **options))
+
+
+def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict] = None,
+                       moe: bool = False, rope: bool = False) -> pathlib.Path:
+    """Write a random granitehybrid GGUF as llama.cpp's converter lays it out.
+
+    ssm: GRANITE_SSM's keys (attention: the attention layers' indices); moe: the FFNs of a
+    mixture-of-experts variant (H-Tiny / H-Small: router and expert tensors) instead; rope:
+    rope.scaling.finetuned true (Granite's switch on: the attention layers rotate).
+    """
+    c, d, m = case, case.dims, ssm or GRANITE_SSM
+    rng = np.random.default_rng(c.seed)
+    vocab = tiny_vocab(c.vision)
+    hd = d.head_dim
+    inner = 2 * d.hidden
+    channels = inner + 2 * m['groups'] * m['state']
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * gain / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    writer = gguf.GGUFWriter(str(path), 'granitehybrid')
+    writer.add_name(f'tiny-{c.tag}')
+    kv = [d.kv_heads if i in m['attention'] else 0 for i in range(d.layers)]
+    for key, value in (('block_count', d.layers), ('context_length', d.context),
+                       ('embedding_length', d.hidden), ('feed_forward_length', d.intermediate),
+                       ('head_count', d.heads), ('head_count_kv', kv),
+                       ('key_length', hd), ('value_length', hd),
+                       ('rope_freq_base', d.rope_theta), ('layer_norm_rms_eps', d.rms_eps),
+                       ('rope_scaling_finetuned', rope),
+                       ('ssm_conv_kernel', m['kernel']), ('ssm_state_size', m['state']),
+                       ('ssm_group_count', m['groups']), ('ssm_time_step_rank', m['heads']),
+                       ('ssm_inner_size', inner), ('vocab_size', len(vocab)),
+                       *GRANITE_SCALES.items()):
+        getattr(writer, f'add_{key}')(value)
+    if moe:
+        writer.add_expert_count(4)
+        writer.add_expert_used_count(2)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    add_tokenizer(writer, vocab, 'granitehybrid')
+    put = tensor_writer(writer, c.wtype, np.random.default_rng(c.seed + 1000))
+    # Embedding rows of RMS 1 / embedding_scale, as a trained model's (the scale brings
+    # them to 1): the layers' outputs, times residual_scale, then weigh in the logits.
+    put_edges(put, case, rng, len(vocab), norm, 1 / GRANITE_SCALES['embedding_scale'])
     for i in range(d.layers):
         b = f'blk.{i}.'
         put(b + 'attn_norm.weight', norm(d.hidden), matrix=False)
-        put(b + 'post_attention_norm.weight', norm(d.hidden), matrix=False)
-        if (i + 1) % g['interval']:
-            put(b + 'attn_qkv.weight', mat(channels, d.hidden))
-            put(b + 'attn_gate.weight', mat(g['v_heads'] * gd, d.hidden))
-            put(b + 'ssm_conv1d.weight', mat(channels, g['kernel'], 2.0), matrix=False)
-            put(b + 'ssm_dt.bias', (0.5 * rng.standard_normal(g['v_heads'])).astype(np.float32),
-                matrix=False)
-            put(b + 'ssm_a', -rng.uniform(0.2, 2.0, g['v_heads']).astype(np.float32),
-                matrix=False)
-            put(b + 'ssm_beta.weight', mat(g['v_heads'], d.hidden))
-            put(b + 'ssm_alpha.weight', mat(g['v_heads'], d.hidden))
-            put(b + 'ssm_norm.weight', norm(gd), matrix=False)
-            put(b + 'ssm_out.weight', mat(d.hidden, g['v_heads'] * gd))
-        else:
-            put(b + 'attn_q.weight', mat(2 * d.heads * hd, d.hidden))
-            put(b + 'attn_k.weight', mat(d.kv_heads * hd, d.hidden))
+        put(b + 'ffn_norm.weight', norm(d.hidden), matrix=False)
+        if i in m['attention']:
+            # q and k of gain 4: scores of a few units under Granite's 1 / head_dim scale
+            # (gain 1 leaves the attention near-uniform, blind to positions and RoPE); their
+            # rows permuted for llama.cpp's interleaved RoPE, as its converter writes them.
+            put(b + 'attn_q.weight', llama_cpp_permute(mat(d.heads * hd, d.hidden, 4.0),
+                                                       d.heads))
+            put(b + 'attn_k.weight', llama_cpp_permute(mat(d.kv_heads * hd, d.hidden, 4.0),
+                                                       d.kv_heads))
             put(b + 'attn_v.weight', mat(d.kv_heads * hd, d.hidden))
             put(b + 'attn_output.weight', mat(d.hidden, d.heads * hd))
-            put(b + 'attn_q_norm.weight', norm(hd), matrix=False)
-            put(b + 'attn_k_norm.weight', norm(hd), matrix=False)
+        else:
+            put(b + 'ssm_in.weight', mat(inner + channels + m['heads'], d.hidden))
+            put(b + 'ssm_conv1d.weight', mat(channels, m['kernel'], 2.0), matrix=False)
+            put(b + 'ssm_conv1d.bias', (0.1 * rng.standard_normal(channels)).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_dt.bias', (0.5 * rng.standard_normal(m['heads'])).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_a', -rng.uniform(0.5, 4.0, (m['heads'], 1)).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_d', rng.uniform(0.5, 1.5, (m['heads'], 1)).astype(np.float32),
+                matrix=False)
+            put(b + 'ssm_norm.weight', norm(inner).reshape(m['groups'], -1), matrix=False)
+            put(b + 'ssm_out.weight', mat(d.hidden, inner, GRANITE_SSM_OUT_GAIN))
+        if moe:
+            put(b + 'ffn_gate_inp.weight', mat(4, d.hidden), matrix=False)
+            for name, shape in (('gate', (d.intermediate, d.hidden)),
+                                ('up', (d.intermediate, d.hidden)),
+                                ('down', (d.hidden, d.intermediate))):
+                put(b + f'ffn_{name}_exps.weight',
+                    np.stack([mat(*shape) for _ in range(4)]), matrix=False)
+            continue
         put(b + 'ffn_gate.weight', mat(d.intermediate, d.hidden))
         put(b + 'ffn_up.weight', mat(d.intermediate, d.hidden))
         put(b + 'ffn_down.weight', mat(d.hidden, d.intermediate))
@@ -544,6 +791,7 @@ class Gemma4Case:
     out_scale: bool = True      # layer_output_scale tensors
     post_gain: float = 2.0      # the post-norms' weights (8 as gemma3's: near-ties)
     arch: str = 'gemma4'
+    vision: bool = False        # Gemma 4's image wrapper tokens in the vocabulary (gemma4v)
 
     @property
     def tag(self) -> str:
@@ -572,7 +820,7 @@ class Gemma4Case:
 def gemma4_weights(case: Gemma4Case) -> Dict[str, np.ndarray]:
     """Float32 weights under GGUF names (NEOX Q/K rows), scaled 1/sqrt(fan_in)."""
     rng = np.random.default_rng(case.seed)
-    vocab = len(tiny_vocab())
+    vocab = len(tiny_vocab('gemma4' if case.vision else False))
     c, h, e = case, case.hidden, case.per_layer
 
     def mat(rows: int, cols: int, gain: float = 1.0) -> np.ndarray:
@@ -674,7 +922,7 @@ def write_gemma4_gguf(path, case: Gemma4Case, gemma4_tokenizer: bool = False) ->
     c = case
     w = gemma4_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
-    vocab = tiny_vocab()
+    vocab = tiny_vocab('gemma4' if c.vision else False)
     writer = gguf.GGUFWriter(str(path), 'gemma4')
     writer.add_name(f'tiny-{c.tag}')
     writer.add_block_count(c.layers)

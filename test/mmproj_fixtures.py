@@ -266,3 +266,94 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+GEMMA4V = 'gemma4v'
+# The matrices given Gemma4ClippableLinear limits in the tiny file (clip.cpp reads
+# <name>.input_min / .input_max / .output_min / .output_max, float32 scalars): tight enough
+# that some values are clamped.
+GEMMA4_CLAMPED = ('v.blk.0.attn_q', 'v.blk.1.ffn_down', 'mm.input_projection')
+
+
+def write_gemma4v_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64,
+                         n_ff: int = 96, n_layer: int = 2, n_head: int = 4, patch: int = 4,
+                         positions: int = 256, seed: int = 0, skip: tuple = (),
+                         audio: bool = False, clamps: bool = True,
+                         weight_type: str = 'F32') -> pathlib.Path:
+    """Write a tiny Gemma 4 mmproj (`gemma4v`) as llama.cpp's converter does.
+
+    Gemma4VisionAudioModel's layout: clip.vision.projector_type gemma4v, image_size 224 (a
+    placeholder), no use_gelu (so libmtmd's MLP is the quick-GELU one), no scale_factor (3),
+    image mean 0 and std 1; the patch embedding without a bias [C, 3, p, p], the position
+    tables [2, positions, C] (F32), per layer RMSNorm weights ln1 / ln2 / attn_post_norm /
+    ffn_post_norm, q / k / v / out without biases, per-head q / k norms, the gated MLP
+    (ffn_gate, ffn_up, ffn_down) and out_scale [1]; v.std_bias / v.std_scale and
+    mm.input_projection [n_text, C]; the clamp scalars of GEMMA4_CLAMPED (clamps=True).
+    audio: the file also says it holds a gemma4a audio tower (clip.has_audio_encoder, a few
+    a.* / mm.a.* tensors), as the published Gemma 4 mmproj files do.
+    """
+    rng = np.random.default_rng(seed)
+
+    def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale_).astype(np.float32)
+
+    d = n_embd // n_head
+    w = gguf.GGUFWriter(str(path), 'clip')
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_vision_projector_type(GEMMA4V)
+    w.add_vision_projection_dim(n_text)
+    w.add_vision_image_size(224)
+    w.add_vision_patch_size(patch)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_attention_layernorm_eps(1e-6)
+    w.add_vision_image_mean([0.0, 0.0, 0.0])
+    w.add_vision_image_std([1.0, 1.0, 1.0])
+    if audio:
+        w.add_clip_has_audio_encoder(True)
+        w.add_clip_audio_projector_type('gemma4a')
+        w.add_audio_projection_dim(n_text)
+        w.add_audio_embedding_length(32)
+        w.add_audio_feed_forward_length(128)
+        w.add_audio_block_count(1)
+        w.add_audio_head_count(4)
+        w.add_audio_num_mel_bins(16)
+    tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch, scale_=0.2),
+               'v.position_embd.weight': r(2, positions, n_embd, scale_=0.5)}
+    for i in range(n_layer):
+        b = f'v.blk.{i}'
+        for n in ('ln1', 'ln2', 'attn_post_norm', 'ffn_post_norm'):
+            tensors[f'{b}.{n}.weight'] = 1 + r(n_embd, scale_=0.1)
+        for n in ('attn_q', 'attn_k', 'attn_v', 'attn_out'):
+            tensors[f'{b}.{n}.weight'] = r(n_embd, n_embd, scale_=0.15)
+        tensors[f'{b}.attn_q_norm.weight'] = 1 + r(d, scale_=0.1)
+        tensors[f'{b}.attn_k_norm.weight'] = 1 + r(d, scale_=0.1)
+        tensors[f'{b}.ffn_gate.weight'] = r(n_ff, n_embd, scale_=0.15)
+        tensors[f'{b}.ffn_up.weight'] = r(n_ff, n_embd, scale_=0.15)
+        tensors[f'{b}.ffn_down.weight'] = r(n_embd, n_ff, scale_=0.15)
+        tensors[f'{b}.out_scale.weight'] = np.array([0.8 + 0.1 * i], np.float32)
+    tensors['v.std_bias'] = r(n_embd)
+    tensors['v.std_scale'] = 1 + r(n_embd, scale_=0.1)
+    tensors['mm.input_projection.weight'] = r(n_text, n_embd, scale_=0.15)
+    if clamps:
+        for name in GEMMA4_CLAMPED:
+            for key, value in (('input_min', -2.0), ('input_max', 2.0),
+                               ('output_min', -3.0), ('output_max', 3.0)):
+                tensors[f'{name}.{key}'] = np.array([value], np.float32)
+    if audio:  # a token of the conformer, as its names go (a.* / mm.a.*)
+        tensors['a.blk.0.ln1.weight'] = 1 + r(32)
+        tensors['mm.a.input_projection.weight'] = r(n_text, 32)
+    for name, value in tensors.items():
+        if name in skip:
+            continue
+        matrix = value.ndim >= 2 and 'position_embd' not in name
+        w.add_tensor(name, value.astype(np.float16) if matrix and weight_type == 'F16'
+                     else value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -1,4 +1,4 @@
-"""Engine checks shared by the families tested on tiny models (lfm2, qwen35, smollm3).
+"""Engine checks shared by the families tested on tiny models (lfm2, qwen35, smollm3, granite).
 
 Each family's test file converts its own tiny model and runs these: goals batched with prompt
 chunks beside decode rows give each goal's bits alone, and a session stored in SQLite
@@ -123,9 +123,9 @@ def result_bits(result) -> tuple:
     return result.token_ids, [lp.logprob for lp in result.logprobs]
 
 
-def two_turns_sent_whole(model_dir: pathlib.Path) -> tuple:
-    """Give both turns of a conversation sent whole, with nothing cached."""
-    plain = engine(model_dir, max_context=256, prefix_reuse=False)
+def two_turns_sent_whole(model_dir: pathlib.Path, **kw) -> tuple:
+    """Give both turns of a conversation sent whole, with nothing cached (kw: EngineConfig)."""
+    plain = engine(model_dir, max_context=256, prefix_reuse=False, **kw)
     try:
         first = turn(plain, [USER1])
         second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
@@ -147,6 +147,22 @@ def check_sqlite_session_after_restart(model_dir: pathlib.Path, store: str,
     eng = engine(model_dir, max_context=256, session_store=store)
     try:
         assert eng.saved_sessions() == ['a']
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def check_int8_kv_session(model_dir: pathlib.Path) -> None:
+    """kv.dtype int8 (model_kv_int8.onnx) beside float fixed states: a session continues."""
+    first, second = two_turns_sent_whole(model_dir, kv_dtype='int8')
+    eng = engine(model_dir, max_context=256, kv_dtype='int8')
+    try:
+        assert eng.live_kv_dtype == 'int8'
+        a1 = turn(eng, [USER1], 'a')
+        turn(eng, [USER2], 'b', max_tokens=3)   # a is saved as a snapshot: int8 rows, states
         a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
     finally:
         eng.close()

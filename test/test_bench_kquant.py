@@ -211,3 +211,21 @@ def test_random_gguf_mix_falls_back_like_llama_quantize():
     assert make_random_gguf.fallback_type('Q5_K', 896) == 'Q5_1'
     assert make_random_gguf.fallback_type('Q6_K', 272) == 'F16'   # not even 32-wide blocks
     assert make_random_gguf.fallback_type('Q4_K', 2048) == 'Q4_K'
+
+
+def test_the_qwen35_shape_is_a_file_the_converter_reads(tmp_path, monkeypatch):
+    """Qwen3.5-2B's layers (4 of them, a small vocabulary): llama.cpp's qwen35 layout."""
+    from edge_llm_ros.convert.checkpoint import load_checkpoint
+    shape = make_random_gguf.SHAPES['qwen35-2b']
+    monkeypatch.setitem(make_random_gguf.SHAPES, 'qwen35-small',
+                        make_random_gguf.Shape(**{**shape.__dict__, 'vocab': 512}))
+    path = make_random_gguf.write_random_gguf(tmp_path / 'q35.gguf', 'qwen35-small', layers=4)
+    spec = load_checkpoint(str(path)).spec
+    assert spec.layer_kinds == ('recurrent',) * 3 + ('attention',)
+    assert (spec.ssm_k_heads, spec.ssm_v_heads, spec.ssm_head_dim, spec.conv_kernel) == \
+        (16, 16, 128, 4)
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rotary_dims) == \
+        (8, 2, 256, 64)
+    types = {n: t for n, sh, t in make_random_gguf.gguf_plan(make_random_gguf.SHAPES[
+        'qwen35-small']) if len(sh) == 2}
+    assert types['blk.0.attn_qkv.weight'] == 'Q5_K' and types['blk.0.ssm_conv1d.weight'] == 'F32'

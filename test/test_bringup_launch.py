@@ -287,3 +287,65 @@ def test_pipeline_launch_file_builds_three_nodes(monkeypatch):
 def test_launch_file_reports_bringup_errors(monkeypatch):
     with pytest.raises(BringupError, match='unknown board'):
         _run_launch_file(monkeypatch, ROOT / 'launch' / 'edge_llm.launch.py', board='tx2')
+
+
+def _embedding_folder(path: pathlib.Path) -> str:
+    """Make a folder shaped like a converted embedding model as far as launch looks."""
+    path.mkdir(parents=True)
+    (path / 'model.yaml').write_text('name: bge-small\narchitecture: bert\nkind: embedding\n')
+    return str(path)
+
+
+def test_chat_and_embed_plan_puts_the_embedder_on_the_helper_cores(tmp_path):
+    chat_model, embed_model = _model_folder(tmp_path / 'chat'), _embedding_folder(tmp_path / 'e')
+    plan = launch_logic.chat_embed_launch('auto', model=chat_model, embed_model=embed_model,
+                                          namespace='bot', root=str(BOARDS / 'rk3588'))
+    chat, embedder = plan.nodes
+    assert (chat.name, embedder.name) == ('llm_node', 'embedder')
+    assert chat.lifecycle and embedder.lifecycle
+    assert {chat.namespace, embedder.namespace} == {'bot'}
+    assert chat.parameters['model.path'] == chat_model
+    assert embedder.parameters['model.path'] == embed_model
+    # RK3588: chat keeps the A76 clusters, the embedder takes the A55 cluster (perception's).
+    assert (chat.parameters['engine.cpu_affinity'], chat.parameters['engine.intra_op_threads']
+            ) == ('4-7', 4)
+    assert (embedder.parameters['engine.cpu_affinity'],
+            embedder.parameters['engine.intra_op_threads']) == ('0-3', 3)
+    assert embedder.parameters['board.name'] == chat.parameters['board.name'] == 'rk3588'
+    assert 'embedder on 0-3' in plan.messages[-1]
+
+
+def test_chat_and_embed_plan_splits_an_unpinned_machine(tmp_path):
+    plan = launch_logic.chat_embed_launch('x86_64', embed_model=_embedding_folder(tmp_path / 'e'),
+                                          root=str(BOARDS / 'x86_64'))
+    chat, embedder = plan.nodes
+    assert (chat.parameters['engine.cpu_affinity'], chat.parameters['engine.intra_op_threads']
+            ) == ('0-11', 12)
+    assert (embedder.parameters['engine.cpu_affinity'],
+            embedder.parameters['engine.intra_op_threads']) == ('12-15', 4)
+
+
+@pytest.mark.parametrize('make, name, match', [
+    (None, 'embedder', 'embed_model'),
+    ('chat', 'embedder', 'not a converted embedding'),
+    ('embedding', 'llm_node', 'embed_name'),
+])
+def test_chat_and_embed_plan_refuses_a_bad_embed_argument(tmp_path, make, name, match):
+    folder = ''
+    if make == 'chat':
+        folder = _model_folder(tmp_path / 'c')
+    elif make == 'embedding':
+        folder = _embedding_folder(tmp_path / 'e')
+    with pytest.raises(BringupError, match=match):
+        launch_logic.chat_embed_launch('x86_64', embed_model=folder, embed_name=name,
+                                       root=str(BOARDS / 'x86_64'))
+
+
+def test_chat_and_embed_launch_file_builds_two_lifecycle_nodes(monkeypatch, tmp_path):
+    folder = _embedding_folder(tmp_path / 'e')
+    declared, actions = _run_launch_file(monkeypatch, ROOT / 'launch' / 'chat_and_embed.launch.py',
+                                         board='x86_64', embed_model=folder)
+    assert list(declared) == [a.name for a in launch_logic.chat_embed_arguments()]
+    nodes = [a for a in actions if type(a).__name__ == 'LifecycleNode']
+    assert [a.kwargs['name'] for a in nodes] == ['llm_node', 'embedder']
+    assert nodes[1].kwargs['parameters'][0]['model.path'] == folder

@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 import sys
 
-from bert_fixture import BertCase, TEXTS, write_bert_gguf
+from bert_fixture import BertCase, TEXTS, UGM_TEXTS, write_bert_gguf
 from llama_cpp_parity import peer_python
 import numpy as np
 import pytest
@@ -23,7 +23,10 @@ from edge_llm_ros.runtime.encoder import TextEncoder
 RUNNER = pathlib.Path(__file__).with_name('llama_cpp_embed_runner.py')
 COSINE = 0.9999
 CASES = [BertCase('F32', 'mean'), BertCase('F16', 'mean'), BertCase('Q8_0', 'mean'),
-         BertCase('F16', 'cls', seed=1), BertCase('Q8_0', 'last', seed=2)]
+         BertCase('F16', 'cls', seed=1), BertCase('Q8_0', 'last', seed=2),
+         # XLM-RoBERTa's unigram vocabulary (tokenizer 't5': bge-m3, multilingual-e5)
+         BertCase('F16', 'mean', vocab='ugm', seed=4),
+         BertCase('F32', 'cls', vocab='ugm', merge_spaces=False, seed=5)]
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
                                   reason='the op library (native/) is not built')
@@ -47,13 +50,18 @@ def unit(x):
 @needs_native
 @pytest.mark.parametrize('case', CASES, ids=lambda c: c.tag)
 def test_embeddings_match_llama_cpp(case, tmp_path, compat):
+    # The unigram cases add spaces, unknown code points and the user-defined piece.
+    texts = list(UGM_TEXTS if case.vocab == 'ugm' else TEXTS)
     gguf = write_bert_gguf(tmp_path / f'{case.tag}.gguf', case)
     folder = convert(str(gguf), str(tmp_path / 'model'), progress=False)
-    ref, ref_ids = llama_cpp_vectors(gguf, list(TEXTS), tmp_path)
+    ref, ref_ids = llama_cpp_vectors(gguf, texts, tmp_path)
     enc = TextEncoder(str(folder))
-    ours = enc.embed(list(TEXTS))
-    ids = enc.tokenize(list(TEXTS), truncate=False)
-    assert [list(map(int, r)) for r in ref_ids] == ids
+    ours = enc.embed(texts)
+    ids = enc.tokenize(texts, truncate=False)
+    for text, want, got in zip(texts, ref_ids, ids):
+        assert list(map(int, want)) == got, f'{text!r}: llama.cpp {list(want)}, ours {got}'
+    if case.vocab == 'ugm':
+        assert any(3 in row[1:-1] for row in ids)    # [UNK] (merged runs) was exercised
     cos = (ours.vectors * unit(ref)).sum(axis=1)
     assert cos.min() >= COSINE, f'{case.tag}: cosine per text {cos}'
     compat('bert', case.wtype, 'embeddings')
@@ -79,6 +87,32 @@ def test_cross_encoder_scores_match_llama_cpp(wtype, tmp_path, compat):
     scores = enc.rerank(query, docs)
     assert np.abs(scores - ref[:, 0]).max() <= 1e-3 * max(1.0, np.abs(ref).max()), (scores, ref)
     assert np.argsort(-scores).tolist() == np.argsort(-ref[:, 0]).tolist()
+    compat('bert', case.wtype, 'rerank')
+
+
+# F16: 3 of these 5 pairs differ from llama.cpp by 4e-4..2e-3 (2 agree to 1e-6), the same
+# length-dependent gap as the Q8_0 pair above; F32 agrees to 1e-6.
+F16_PAIR = pytest.param('F16', marks=pytest.mark.xfail(
+    reason='3 of 5 F16 pairs differ from llama.cpp by up to 2e-3 (the Q8_0 pair gap)'))
+
+
+@needs_native
+@pytest.mark.parametrize('wtype', ['F32', F16_PAIR])
+def test_unigram_cross_encoder_pairs_and_scores_match_llama_cpp(wtype, tmp_path, compat):
+    """bge-reranker-v2-m3's layout: pairs are <s> q </s></s> d </s>, as llama-server builds."""
+    case = BertCase(wtype, 'rank', vocab='ugm', seed=6)
+    gguf = write_bert_gguf(tmp_path / 'rank.gguf', case)
+    folder = convert(str(gguf), str(tmp_path / 'model'), progress=False)
+    enc = TextEncoder(str(folder))
+    query, docs = UGM_TEXTS[1], list(UGM_TEXTS[7:12])
+    (tmp_path / 'singles').mkdir()
+    _, singles = llama_cpp_vectors(gguf, [query] + docs, tmp_path / 'singles')
+    core = [list(map(int, ids))[1:-1] for ids in singles]   # without <s> ... </s>
+    pairs = enc.tokenize([query] * len(docs), truncate=False, pairs=docs)
+    assert pairs == [[0] + core[0] + [2, 2] + d + [2] for d in core[1:]]
+    ref, _ = llama_cpp_vectors(gguf, pairs, tmp_path, pooling='rank')
+    scores = enc.rerank(query, docs)
+    assert np.abs(scores - ref[:, 0]).max() <= 1e-3 * max(1.0, np.abs(ref).max()), (scores, ref)
     compat('bert', case.wtype, 'rerank')
 
 

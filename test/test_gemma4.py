@@ -145,14 +145,6 @@ def test_what_the_converter_does_not_build_is_refused(tmp_path, change, match):
     assert not (tmp_path / 'out').exists()
 
 
-def test_an_mmproj_is_refused_before_anything_is_written(work, tmp_path):
-    from edge_llm_ros.errors import ConversionError
-    with pytest.raises(ConversionError, match='gemma4v'):
-        convert(str(gguf_of(work, CASE)), str(tmp_path / 'out'), progress=False,
-                mmproj=str(tmp_path / 'mmproj.gguf'))
-    assert not (tmp_path / 'out').exists()
-
-
 def test_float16_activations_are_refused_with_what_to_do(work, tmp_path):
     from edge_llm_ros.errors import ConversionError
     with pytest.raises(ConversionError, match='attention layers run in float32'):

@@ -12,7 +12,7 @@ from rclpy.serialization import deserialize_message, serialize_message
 
 from edge_llm_ros.nodes.detections import detection_array, detection_messages
 from edge_llm_ros.vision.grounding import (
-    Detection, ground, GroundingError, parse_grounding, to_image_pixels)
+    Detection, ground, ground_images, GroundingError, parse_grounding, to_image_pixels)
 
 QWEN25_ANSWER = """The cup is on the left.
 ```json
@@ -80,6 +80,31 @@ def test_items_keep_their_order_of_appearance_across_both_forms():
             '<|object_ref_start|>c<|object_ref_end|><|box_start|>(1,1),(2,2)<|box_end|>')
     items, _ = parse_grounding(text, 'normalized_1000')
     assert [i.label for i in items] == ['', 'b', 'c']
+
+
+def test_several_images_take_the_boxes_the_answer_names_them_with():
+    """Picture n before a box (Qwen's vision ids), a JSON "image": n; unnamed boxes dropped."""
+    text = ('<|box_start|>(0,0),(10,10)<|box_end|> is not said to be in any picture. '
+            'Picture 2: [{"bbox_2d": [0, 0, 500, 500], "label": "cup"}] and in Picture 1: '
+            '<|object_ref_start|>mug<|object_ref_end|><|box_start|>(500,500),(1000,1000)'
+            '<|box_end|> also [{"point_2d": [100, 100], "label": "pen", "image": 2}, '
+            '{"point_2d": [1, 1], "label": "ghost", "image": 3}]')
+    first, second = ground_images(text, 'normalized_1000',
+                                  [((200, 100), (28, 28)), ((640, 480), (644, 476))])
+    assert [d.label for d in first.detections] == ['mug']
+    assert first.detections[0] == Detection('mug', 150.0, 75.0, 100.0, 50.0, False)
+    assert [d.label for d in second.detections] == ['cup', 'pen']
+    assert second.detections[0] == Detection('cup', 160.0, 120.0, 320.0, 240.0, False)
+    assert second.detections[1] == Detection('pen', 64.0, 48.0, 0.0, 0.0, True)
+    assert (first.dropped, second.dropped) == (2, 0)   # the unnamed box and the 3rd image's
+
+
+def test_one_image_takes_every_box_whatever_the_answer_names():
+    (only,) = ground_images('Image 2: [{"bbox_2d": [0, 0, 5, 5]}]', 'absolute',
+                            [((10, 10), (10, 10))])
+    assert len(only.detections) == 1 and only.dropped == 0
+    with pytest.raises(GroundingError, match='at least one image'):
+        ground_images('[]', 'absolute', [])
 
 
 @pytest.mark.parametrize('call, words', [

@@ -206,6 +206,36 @@ def test_a_box_answer_becomes_detections_in_the_frames_pixels(node, ros, pool):
     assert len(published) == 1
 
 
+def test_a_goal_with_two_images_publishes_one_array_per_frame_with_its_header(node, ros, pool):
+    """Each box goes to the image the answer names before it ("Picture n", prompt order)."""
+    llm = ros.llm('/' + LLM)
+    published = ros.record(detection_messages().array, f'/{LLM}/detections')
+    rng = np.random.default_rng(5)
+    second = pool.publish_array(rng.integers(0, 256, (56, WIDTH, 3), np.uint8))
+    header = Header(frame_id='wrist_camera')
+    header.stamp.sec = 43
+    answer = f'Picture 1: {BOX} Picture 2: [{{"bbox_2d": [0, 0, 56, 28], "label": "pen"}}]'
+
+    outcome = llm.generate(PROMPT2, images=[frame_handle(pool, stamp_s=42),
+                                            to_handle(second, header)],
+                           choices=[answer], max_image_tokens=TOKENS, max_tokens=192,
+                           temperature=0.0).result(timeout=300)
+    assert outcome.ok and outcome.text == answer, outcome.error_message
+    cup, pen = outcome.detections
+    assert (cup.header.frame_id, cup.header.stamp.sec) == ('camera_optical', 42)
+    assert (cup.bbox.center.position.x, cup.bbox.center.position.y) == pytest.approx(CENTER)
+    assert (pen.header.frame_id, pen.header.stamp.sec) == ('wrist_camera', 43)
+    # 0..56 x 0..28 of 112 x 56 on a 120 x 56 frame: x 0..60, y 0..28.
+    assert (pen.bbox.center.position.x, pen.bbox.center.position.y) == pytest.approx((30, 14))
+    assert (pen.bbox.size_x, pen.bbox.size_y) == pytest.approx((60, 28))
+    assert cup.id.endswith('/image1/0') and pen.id.endswith('/image2/0')
+    assert wait_until(lambda: len(published) == 2, 30), len(published)
+    arrays = sorted(published, key=lambda a: a.header.stamp.sec)
+    assert [(a.header.frame_id, len(a.detections)) for a in arrays] == [
+        ('camera_optical', 1), ('wrist_camera', 1)]
+    assert [a.detections[0].id for a in arrays] == [cup.id, pen.id]
+
+
 def test_detections_on_for_a_model_that_does_not_ground_fails_configure(ros):
     """The embedded SmolLM2 takes no images and does not ground: a typed configure error."""
     name = f'{TAG}_text'

@@ -31,9 +31,9 @@ import onnx
 from ort_driver import OrtDriver
 import pytest
 from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_sqlite_session_after_restart, eng_goal, engine, goal,
-                                 result_bits, run, TEXTS, turn, two_turns_sent_whole, USER1,
-                                 USER2)
+                                 check_int8_kv_session, check_sqlite_session_after_restart,
+                                 eng_goal, engine, goal, result_bits, run, TEXTS, turn,
+                                 two_turns_sent_whole, USER1, USER2)
 import yaml
 
 from edge_llm_ros.convert.converter import convert
@@ -299,23 +299,7 @@ def test_a_session_continues_from_its_saved_conv_states_bit_for_bit(kquant_dir, 
 
 def test_int8_kv_sessions_with_conv_states_continue_bit_for_bit(kquant_dir):
     """kv.dtype int8 (the converter's model_kv_int8.onnx): int8 KV beside float conv states."""
-    plain = engine(kquant_dir, max_context=256, prefix_reuse=False, kv_dtype='int8')
-    try:
-        assert plain.live_kv_dtype == 'int8'
-        first = turn(plain, [USER1])
-        second = turn(plain, [USER1, ChatMessage('assistant', first.text), USER2])
-    finally:
-        plain.close()
-    eng = engine(kquant_dir, max_context=256, kv_dtype='int8')
-    try:
-        a1 = turn(eng, [USER1], 'a')
-        turn(eng, [USER2], 'b', max_tokens=3)   # a is saved as a snapshot: int8 rows, states
-        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
-    finally:
-        eng.close()
-    assert result_bits(a1) == result_bits(first)
-    assert result_bits(a2) == result_bits(second)
-    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    check_int8_kv_session(kquant_dir)
 
 
 def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(

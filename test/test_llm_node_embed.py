@@ -14,8 +14,10 @@ from llm_node_harness import served_process
 import numpy as np
 import pytest
 
+from edge_llm_msgs.srv import Embed
 from edge_llm_ros.client import EmbedRefusedError
 from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.nodes.llm_embed import HANDLE_MIN_BYTES
 
 NODE = f'llm_node_embed_{os.getpid()}'
 
@@ -26,12 +28,27 @@ def node(tmp_path_factory):
     gguf = write_bert_gguf(tmp / 'bert.gguf', BertCase('F32', 'mean', context=64))
     folder = convert(str(gguf), str(tmp / 'bert'), progress=False)
     with served_process(NODE, {'autostart': True, 'model.path': str(folder)},
-                        f'{NODE}_client') as (proc, _ros, llm):
-        yield proc, llm
+                        f'{NODE}_client') as (proc, ros, llm):
+        yield proc, llm, ros
+
+
+def test_a_large_result_comes_back_as_a_handle_with_the_same_values(node):
+    _, llm, ros = node
+    texts = [f'{TEXTS[i % len(TEXTS)]} {i}' for i in range(HANDLE_MIN_BYTES // (64 * 4) + 8)]
+    raw = ros.call(Embed, f'/{NODE}/embed', Embed.Request(texts=texts), timeout=60.0)
+    assert raw.success, raw.message
+    # Over HANDLE_MIN_BYTES: no float array on the wire, a float32 [n, 64] tensor in the pool.
+    assert not len(raw.vectors) and raw.handle.pool_id
+    assert raw.handle.dtype == 'float32' and list(raw.handle.shape) == [len(texts), 64]
+    big = llm.embed(texts, timeout=60.0).vectors
+    inline = np.concatenate([llm.embed(texts[i:i + 8], timeout=60.0).vectors
+                             for i in range(0, len(texts), 8)])
+    assert big.shape == (len(texts), 64)
+    np.testing.assert_allclose(big, inline, rtol=0, atol=1e-6)
 
 
 def test_embed_returns_normalized_vectors(node):
-    _, llm = node
+    _, llm, _ = node
     reply = llm.embed(list(TEXTS), timeout=60.0)
     assert reply.vectors.shape == (len(TEXTS), 64)
     assert np.allclose(np.linalg.norm(reply.vectors, axis=1), 1.0, atol=1e-5)
@@ -47,7 +64,7 @@ def test_embed_returns_normalized_vectors(node):
     ({'texts': ['a'], 'dimensions': 65}, 'EmbeddingInputError'),
 ])
 def test_bad_input_is_refused_and_the_node_serves_on(node, kwargs, kind):
-    _, llm = node
+    _, llm, _ = node
     texts = kwargs.pop('texts')
     with pytest.raises(EmbedRefusedError) as err:
         llm.embed(texts, timeout=60.0, **kwargs)
@@ -56,7 +73,7 @@ def test_bad_input_is_refused_and_the_node_serves_on(node, kwargs, kind):
 
 
 def test_rerank_on_an_embedding_model_and_generate_are_refused(node):
-    _, llm = node
+    _, llm, _ = node
     with pytest.raises(EmbedRefusedError) as err:
         llm.rerank('q', ['d'], timeout=60.0)
     assert err.value.kind == 'WrongModelKindError'

@@ -7,9 +7,9 @@ from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.runtime import model_config as mc
 from edge_llm_ros.runtime.model_config import ModelConfigError
 
-FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'gemma4', 'lfm2',
-            'llama3', 'mistral', 'phi3', 'qwen2', 'qwen3', 'qwen35', 'smollm2',
-            'smollm3')
+FAMILIES = ('deepseek_r1_distill_llama', 'deepseek_r1_distill_qwen', 'gemma3', 'gemma4',
+            'granite4', 'lfm2', 'llama3', 'mistral', 'phi3', 'qwen2', 'qwen3', 'qwen35',
+            'smollm2', 'smollm3')
 GOOD = """family: {name}
 architectures: [llama]
 stop_tokens: ['</s>']

@@ -177,7 +177,8 @@ def test_the_avx2_clone_gives_the_baseline_bits(tmp_path):
         exe = tmp_path / f'check{len(flags)}'
         subprocess.run(['g++', '-O3', '-std=gnu++17', '-ffp-contract=off', *flags,
                         f'-I{root / "include"}', str(root / 'tests' / 'gated_delta_check.cpp'),
-                        str(root / 'src' / 'gated_delta.cpp'), '-o', str(exe)], check=True)
+                        str(root / 'src' / 'gated_delta.cpp'),
+                        str(root / 'src' / 'causal_conv.cpp'), '-o', str(exe)], check=True)
         symbols = subprocess.run(['nm', str(exe)], capture_output=True, text=True).stdout
         assert ('elk_gdn_delta_rows.avx2' in symbols) == (not flags)
         hashes.append(subprocess.run([str(exe)], capture_output=True, text=True,

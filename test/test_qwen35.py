@@ -17,13 +17,15 @@ bits of one call; goals batched (prompt chunks beside decode rows) equal each al
 bit, and so does a preempted goal; prefix reuse stops at kept states and equals the uncached
 run; a session continues from its saved states bit for bit, in memory and in SQLite after a
 restart; speculation goes back to the
-states at the verify's start (output equal to plain decoding).
+states at the verify's start (output equal to plain decoding). An HF folder (Qwen3_5ForCausalLM
+or Qwen3_5ForConditionalGeneration's text model) converts to its GGUF's graph, byte for byte.
 """
+import json
 import pathlib
 
 import gguf
 from gguf_fixtures import (QWEN35_08B_DIMS, QWEN35_08B_GDN, qwen35_case, QWEN35_DIMS,
-                           QWEN35_GDN, write_gguf, write_qwen35_gguf)
+                           QWEN35_GDN, write_gguf, write_qwen35_gguf, write_qwen35_hf)
 from llama_cpp_parity import (compare, converted, engine_logits, kl_divergence,
                               llama_cpp_greedy, PROMPT)
 import numpy as np
@@ -38,10 +40,11 @@ from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIF
 import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
+from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
-from edge_llm_ros.runtime.types import ChatMessage
+from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest
 from edge_llm_ros.serving.engine import kv_budget_bytes
 from edge_llm_ros.serving.scheduler import Park, Unpark
 
@@ -52,6 +55,8 @@ CASE = qwen35_case('Q8_0')
 # against test_llama_cpp_parity's 0.4 for attention-only families.
 QWEN35_KQUANT_MAX_ABS_DIFF = 0.5
 LONG_PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
+# QWEN35_GDN's 4 value heads over 2 key heads: HF's grouped order read in ggml's tiled one.
+QWEN35_TILED = np.array([0, 2, 1, 3])
 
 
 def state_floats() -> int:
@@ -294,6 +299,93 @@ def test_a_moe_gguf_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
         load_checkpoint(str(tmp_path / 'moe.gguf'))
+
+
+def test_the_qwen35_family_switches_reasoning_and_forces_its_tool_calls(kquant_dir, compat):
+    """Qwen3.5's family: XML tool calls (qwen3_xml), reasoning off by enable_thinking=False.
+
+    A random model writes no XML call by itself: the tool constraint forces one (a Hermes
+    JSON object between <tool_call> markers, which the qwen3_xml parser reads as well),
+    after a <think> block closed at once by a reasoning budget of 0 (the random model would
+    otherwise think until max_tokens); the XML form itself is read in test_tool_calls.
+    """
+    from edge_llm_ros.runtime import model_config as mc
+    compat('qwen35', CASE.wtype, 'tools')
+    family = mc.family_for_model_dir(kquant_dir)
+    assert (family.family, family.tool_call_format) == ('qwen35', 'qwen3_xml')
+    assert family.template_kwargs(reasoning=False) == {'enable_thinking': False}
+    assert family.reasoning.open_tag == '<think>' and family.can_disable_reasoning
+    tools = [{'type': 'function', 'function': {
+        'name': 'move_to', 'description': 'Drive to a point.',
+        'parameters': {'type': 'object',
+                       'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
+                       'required': ['place']}}}]
+    eng = engine(kquant_dir, max_context=1024)
+    try:
+        assert eng.model_info()['tool_call_format'] == 'qwen3_xml'
+        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=tools,
+                                                tool_choice='required', max_tokens=200,
+                                                parallel_tool_calls=False, reasoning_budget=0)
+                              ).run_to_end()
+    finally:
+        eng.close()
+    assert [c.name for c in result.tool_calls] == ['move_to'], result
+    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
+
+
+# --- HF folders ----------------------------------------------------------------------------------
+@pytest.mark.parametrize('multimodal', [False, True], ids=['causal_lm', 'conditional_generation'])
+def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library, multimodal):
+    """The same float32 weights as a GGUF and an HF folder give the same graph and logits.
+
+    The folder holds what llama.cpp's converter reads (norms minus one, A_log, Conv1d's
+    kernel, value heads grouped by key head: 4 value heads over 2 key heads, so the reorder
+    to the GGUF's tiled order is exercised).
+    """
+    case = qwen35_case('F32')
+    gguf_dir = convert(str(gguf_of(work, case)), str(work / 'f32-gguf'), progress=False,
+                       overwrite=True)
+    hf = write_qwen35_hf(work / f'hf-{multimodal}', case, multimodal=multimodal)
+    hf_dir = convert(str(hf), str(work / f'f32-hf-{multimodal}'), progress=False,
+                     overwrite=True)
+    for name in ('model.onnx', 'model.onnx.data'):
+        assert (hf_dir / name).read_bytes() == (gguf_dir / name).read_bytes(), name
+    follow = [7, 8, 9]
+    np.testing.assert_array_equal(engine_logits(hf_dir, PROMPT, follow),
+                                  engine_logits(gguf_dir, PROMPT, follow))
+    assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
+        yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']
+
+
+def test_a_bfloat16_a_log_gives_the_bfloat16_decay_rate_llama_cpp_writes(work):
+    """llama.cpp's converter takes -exp(A_log) in the checkpoint's bfloat16 (torch rounds).
+
+    The reader rounds -exp of the widened bits to bfloat16 as well, then tiles the heads.
+    """
+    import ml_dtypes
+    from safetensors import serialize_file, TensorSpec
+    folder = write_qwen35_hf(work / 'hf-bf16', qwen35_case('F32'))
+    name = 'model.layers.0.linear_attn.A_log'
+    a_log = load_checkpoint(str(folder)).tensor('0.ssm_a')   # F32: -exp, heads tiled
+    hf = np.log(-a_log.dequantize())[np.argsort(QWEN35_TILED)].astype(np.float32)
+    bits = (hf.view(np.uint32) >> 16).astype(np.uint16)   # truncated: any bfloat16 will do
+    serialize_file({name: TensorSpec(dtype='bfloat16', shape=list(bits.shape),
+                                     data_ptr=bits.ctypes.data, data_len=bits.nbytes)},
+                   str(folder / 'zz-bf16.safetensors'))
+    got = load_checkpoint(str(folder)).tensor('0.ssm_a').dequantize()
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    want = (-np.exp(widened)).astype(ml_dtypes.bfloat16).astype(np.float32)[QWEN35_TILED]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_hf_moe_folder_is_refused_by_name(work):
+    folder = write_qwen35_hf(work / 'hf-moe', qwen35_case('F32'), multimodal=True)
+    config = json.loads((folder / 'config.json').read_text())
+    config.update(model_type='qwen3_5_moe', architectures=['Qwen3_5MoeForConditionalGeneration'])
+    config['text_config'].update(model_type='qwen3_5_moe_text', num_experts=8)
+    (folder / 'config.json').write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match='mixture-of-experts'):
+        load_checkpoint(str(folder))
 
 
 @pytest.fixture(scope='module')

@@ -136,6 +136,11 @@ OUTPUTS = {
     'lfm2': ('Going. <|tool_call_start|>[{"name": "move_to", "arguments": {"x": 5, "frame": '
              '"map"}}, {"name": "stop", "arguments": {}}]<|tool_call_end|>', 'Going. ',
              [('move_to', '{"x": 5, "frame": "map"}'), ('stop', '{}')]),
+    # Qwen3.5 / Qwen3-Coder XML calls, as Qwen3.5's chat template writes them.
+    'qwen3_xml': ('Driving. <tool_call>\n<function=move_to>\n<parameter=x>\n1.5\n</parameter>\n'
+                  '<parameter=frame>\nmap\n</parameter>\n</function>\n</tool_call>\n<tool_call>'
+                  '\n<function=stop>\n</function>\n</tool_call>', 'Driving. ',
+                  [('move_to', '{"x": 1.5, "frame": "map"}'), ('stop', '{}')]),
     'generic_json': ('```json\n{"name": "move_to", "arguments": "{\\"x\\": 3, \\"frame\\": '
                      '\\"map\\"}"}\n```', '', [('move_to', '{"x": 3, "frame": "map"}')]),
 }
@@ -226,6 +231,77 @@ def test_smollm2_style_list_inside_tags():
     text, calls, _ = parse_all('<tool_call>[{"name": "stop", "arguments": {}}, {"name": '
                                '"stop", "arguments": {}}]</tool_call>', FORMATS['hermes'], TOOLS)
     assert [c.name for c in calls] == ['stop', 'stop'] and text == ''
+
+
+XML_TOOL = check_tools([{'type': 'function', 'function': {
+    'name': 'plan', 'parameters': {'type': 'object', 'properties': {
+        'note': {'type': 'string'}, 'speed': {'type': 'number'}, 'pose': {'type': 'object'},
+        'stops': {'type': 'array'}, 'fast': {'type': 'boolean'},
+        'mixed': {'type': ['string', 'integer']}, 'label': {'anyOf': [{'type': 'string'},
+                                                                      {'type': 'null'}]},
+        'count': {'type': 'integer', 'minimum': 0}, 'free': {}}}}}])
+
+
+def xml_call(**params: str) -> str:
+    body = ''.join(f'<parameter={k}>\n{v}\n</parameter>\n' for k, v in params.items())
+    return f'<tool_call>\n<function=plan>\n{body}</function>\n</tool_call>'
+
+
+@pytest.mark.parametrize('params, expected', [
+    # only strings: the text itself, JSON-looking or not, newlines inside kept
+    ({'note': '123'}, {'note': '123'}), ({'note': 'line 1\nline 2'}, {'note': 'line 1\nline 2'}),
+    ({'note': '{"a": 1}'}, {'note': '{"a": 1}'}),
+    # no string allowed: JSON
+    ({'speed': '1.5'}, {'speed': 1.5}), ({'pose': '{"x": 1, "y": [2]}'},
+                                         {'pose': {'x': 1, 'y': [2]}}),
+    ({'stops': '["a", "b"]'}, {'stops': ['a', 'b']}), ({'fast': 'true'}, {'fast': True}),
+    # strings and more: JSON of an allowed other type, else the text
+    ({'mixed': '7'}, {'mixed': 7}), ({'mixed': 'seven'}, {'mixed': 'seven'}),
+    ({'mixed': '"7"'}, {'mixed': '"7"'}), ({'mixed': 'true'}, {'mixed': 'true'}),
+    ({'mixed': '7.5'}, {'mixed': '7.5'}),   # a number, but not an integer: the text
+    ({'label': 'null'}, {'label': None}), ({'label': 'dock'}, {'label': 'dock'}),
+    # a parameter without a schema: any JSON, else the text
+    ({'free': '[1, 2]'}, {'free': [1, 2]}), ({'free': 'go now'}, {'free': 'go now'}),
+])
+def test_xml_parameter_values_are_typed_as_llama_cpp_types_them(params, expected):
+    output = xml_call(**params)
+    for cuts in ([], range(len(output))):   # whole, and one character a delta
+        parser, text, deltas = stream('qwen3_xml', output, cuts, XML_TOOL)
+        assert text == '' and not parser.invalid, parser.invalid
+        assert [json.loads(c.arguments) for c in parser.calls] == [expected]
+        assert deltas[0].name == 'plan' and {d.index for d in deltas} == {0}
+        assert json.loads(''.join(d.arguments for d in deltas)) == expected
+
+
+@pytest.mark.parametrize('output, words', [
+    (xml_call(speed='fast'), 'argument speed of plan is not JSON'),
+    (xml_call(fast='True'), 'argument fast of plan is not JSON'),   # Python's, not JSON's
+    (xml_call(count='-3'), 'invalid at count'),   # typed, then validated against the schema
+    ('<tool_call>\n<function=plan>\n<parameter=note>\nx\n</tool_call>', 'no </parameter>'),
+    ('<tool_call>\n<function=plan>\n<parameter=note>\nx\n</parameter>\n<parameter=note>\ny'
+     '\n</parameter>\n</function>\n</tool_call>', 'given twice'),
+    ('<tool_call>\n<function=plan>\nnote: x\n</function>\n</tool_call>', 'XML call syntax'),
+    ('<tool_call>\n<function=plan>\n<parameter=note>\nx', 'ended inside'),
+])
+def test_bad_xml_calls_are_reported(output, words):
+    for cuts in ([], range(len(output))):
+        parser, _, _ = stream('qwen3_xml', output, cuts, XML_TOOL)
+        assert len(parser.invalid) == 1 and re.search(words, parser.invalid[0].error), \
+            parser.invalid
+
+
+def test_xml_calls_tolerate_a_missing_function_close_and_read_forced_json():
+    fmt = FORMATS['qwen3_xml']
+    _, calls, invalid = parse_all('<tool_call>\n<function=stop>\n</tool_call>', fmt, TOOLS)
+    assert [c.name for c in calls] == ['stop'] and not invalid
+    # What the tool constraint forces between the markers: a Hermes JSON object.
+    text, calls, invalid = parse_all('Ok.<tool_call>\n{"name": "move_to", "arguments": {"x": 2, '
+                                     '"frame": "odom"}}\n</tool_call>', fmt, TOOLS)
+    assert text == 'Ok.' and [(c.name, c.arguments) for c in calls] == [
+        ('move_to', '{"x": 2, "frame": "odom"}')] and not invalid
+    # Text about tags is text.
+    assert parse_all('use <b>bold</b> and <tool_ca', fmt, TOOLS) == \
+        ('use <b>bold</b> and <tool_ca', [], [])
 
 
 def test_feed_after_finish_is_an_error():
@@ -442,5 +518,5 @@ def test_tools_conflict_with_other_constraints(tok):
 
 
 def test_family_formats_resolve():
-    for name in ('smollm2', 'qwen3', 'llama3', 'mistral', 'gemma3'):
+    for name in ('smollm2', 'qwen3', 'llama3', 'mistral', 'gemma3', 'qwen35'):
         assert tool_format(load_family(name).tool_call_format).name

@@ -6,8 +6,14 @@ publishes each frame's rows in their wire form (float32 [grid_rows + 1, grid_col
 hidden]); a Generate goal carries that handle in `images`. llm_node must place the rows with
 the family's wrapper tokens and give the ids Engine.generate gives for the frame's pixels,
 without running its encoder. All processes find the pool sockets through EDGE_LLM_IPC_DIR.
+
+perception also holds a time window (window.seconds): "the last 2 seconds, 2 frames" from its
+~/window service goes into a goal as two image handles of the window pool and gives
+Engine.generate's ids for the frame's pixels twice (a 64x48 frame is 80 image rows here; the
+tiny model's 256 positions take two).
 """
 import os
+import time
 
 from gguf_fixtures import ParityCase, write_gguf
 from llm_node_harness import NodeProcess, RosClient
@@ -18,6 +24,7 @@ import pytest
 import rclpy
 from vision_support import NodeProc
 
+from edge_llm_msgs.srv import GetWindow
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.nodes.handles import to_handle
 from edge_llm_ros.nodes.tensor_input import TensorInput
@@ -51,7 +58,7 @@ def world(tmp_path_factory):
             'pool.id': f'{TAG}_frames'}, env),
         NodeProc('perception', f'{TAG}_perception', {
             'input.topic': f'/{TAG}_frames/frames', 'pool.id': f'{TAG}_rows',
-            'model.path': str(folder)}, env),
+            'model.path': str(folder), 'window.seconds': 3.0}, env),
     ]
     llm = NodeProcess(LLM, {'autostart': True, 'model.path': str(folder),
                             'kv.max_context': 256}, env=env)
@@ -127,4 +134,37 @@ def test_encoded_images_through_the_engine_equal_their_frames(world):
         again = engine.generate(GenerationRequest(images=[wire], **request)).run_to_end()
         assert again.token_ids == a.token_ids   # the engine keeps serving
     finally:
+        engine.close()
+
+
+def test_a_time_window_of_perception_goes_into_a_goal_as_its_frames(world):
+    folder, sockets, procs = world
+    prompt = f'Look {media.MEDIA_MARKER * 2} the sky'
+    engine = Engine(EngineConfig(model_dir=str(folder), max_context=256, intra_op_threads=1,
+                                 prefix_reuse=False))
+    rclpy.init()
+    client = RosClient(f'{TAG}_window_client')
+    try:
+        want = engine.generate(GenerationRequest(prompt=prompt, images=[PIXELS] * 2,
+                                                 use_chat_template=False,
+                                                 max_tokens=TOKENS)).run_to_end()
+        assert want.error == ''
+        procs[1].wait_log('window: the last', 60)
+        time.sleep(2.0)   # 5 Hz: the window holds about 10 frames
+        reply = client.call(GetWindow, f'/{TAG}_perception/window',
+                            GetWindow.Request(last_seconds=2.0, max_frames=2))
+        assert reply.success, reply.error_message
+        assert len(reply.frames) == 2
+        assert {h.pool_id for h in reply.frames} == {f'{TAG}_rows_window'}
+        assert [tuple(h.shape) for h in reply.frames] == [(48, 64, 3)] * 2
+        client.wait_state('/' + LLM, 'active', timeout=120)
+        outcome = client.llm('/' + LLM).generate(
+            prompt, images=list(reply.frames), raw_prompt=True, max_tokens=TOKENS,
+            temperature=0.0).result(timeout=300)
+        assert outcome.ok, outcome.error_message
+        assert outcome.token_ids == want.token_ids
+        assert outcome.prompt_tokens == want.prompt_tokens
+    finally:
+        client.close()
+        rclpy.try_shutdown()
         engine.close()

@@ -37,6 +37,8 @@ VISION_TOKENS = (('<start_of_image>', '<end_of_image>', '<fake_token_around_imag
                  + tuple(f'<row_{r}_col_{c}>' for r in range(1, 7) for c in range(1, 7)))
 # Qwen-VL's image wrapper (and pad) tokens: tiny_vocab('qwen') adds them after VISION_TOKENS.
 QWEN_VISION_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
+# Gemma 4's image wrapper: tiny_vocab('gemma4') adds them after VISION_TOKENS.
+GEMMA4_VISION_TOKENS = ('<|image>', '<image|>')
 # GGUF tensor types per role ('mixed' is the default fixture; 'f32' keeps weights exact).
 QUANT_MIXES: Dict[str, Dict[str, str]] = {
     'mixed': {'embed': 'Q8_0', 'lm_head': 'Q8_0', 'q': 'Q4_0', 'k': 'Q4_1', 'v': 'Q4_0',
@@ -98,12 +100,13 @@ def tiny_vocab(vision: Union[bool, str] = False) -> List[str]:
 
     vision: then also the double newline as one token and the image wrapper tokens of the mmproj
     families (VISION_TOKENS, control tokens), as a VLM's vocabulary has them; vision 'qwen'
-    then also Qwen-VL's (QWEN_VISION_TOKENS).
+    then also Qwen-VL's (QWEN_VISION_TOKENS), vision 'gemma4' Gemma 4's (GEMMA4_VISION_TOKENS).
     """
     merges = MERGES + (VISION_MERGES if vision else ())
     return (list(SPECIAL_TOKENS) + byte_level_alphabet() + [m.replace(' ', '') for m in merges]
             + (list(VISION_TOKENS) if vision else [])
-            + (list(QWEN_VISION_TOKENS) if vision == 'qwen' else []))
+            + (list(QWEN_VISION_TOKENS) if vision == 'qwen' else [])
+            + (list(GEMMA4_VISION_TOKENS) if vision == 'gemma4' else []))
 
 
 def tiny_weights(arch: str = 'llama', seed: int = 0, dims: TinyDims = TinyDims(),
@@ -233,7 +236,8 @@ def add_tokenizer(writer: gguf.GGUFWriter, vocab: Sequence[str], arch: str,
     writer.add_tokenizer_pre(pre or ('qwen2' if arch in qwen else
                                      'lfm2' if arch == 'lfm2' else 'smollm'))
     writer.add_token_list(list(vocab))
-    control = set(SPECIAL_TOKENS) | set(VISION_TOKENS) | set(QWEN_VISION_TOKENS)
+    control = (set(SPECIAL_TOKENS) | set(VISION_TOKENS) | set(QWEN_VISION_TOKENS)
+               | set(GEMMA4_VISION_TOKENS))
     types = [gguf.TokenType.CONTROL if t in control else gguf.TokenType.NORMAL for t in vocab]
     writer.add_token_types(types)
     vision = VISION_TOKENS[0] in vocab

@@ -12,7 +12,9 @@ import pathlib
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from edge_llm_ros.bringup import profiles
+from edge_llm_ros.bringup.affinity import format_cpu_list, parse_cpu_list, usable_cpus
 from edge_llm_ros.bringup.errors import BringupError, ParameterRangeError, UnknownBoardError
+from edge_llm_ros.runtime.encoder import is_encoder_folder
 from edge_llm_ros.runtime.model_config import (available_families, ModelConfigError,
                                                ModelFamilyConfig, resolve_model)
 
@@ -33,6 +35,9 @@ PIPELINE_WIRING: Dict[str, Dict[str, Any]] = {
 # numpy's BLAS and OpenMP pools would start one thread per core beside ORT's own pool and
 # compete with it on the pinned cores; the nodes use NumPy only for small per-token work.
 NODE_ENV = {'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1'}
+
+# chat_and_embed.launch.py's second llm_node (serves ~/embed and ~/rerank).
+EMBEDDER = 'embedder'
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,16 @@ def pipeline_arguments() -> Tuple[LaunchArgument, ...]:
     return llm_arguments() + (
         LaunchArgument('frame_source', '', "frame_source's input ('synthetic', a video file, "
                        "an image folder or a V4L2 device); '' keeps the params-file value"),
+    )
+
+
+def chat_embed_arguments() -> Tuple[LaunchArgument, ...]:
+    """Arguments of chat_and_embed.launch.py (the llm ones plus the embedding model)."""
+    return llm_arguments() + (
+        LaunchArgument('embed_model', '', 'A converted embedding or rerank folder '
+                       '(edge-llm-convert of a bert / rerank GGUF), served by the second '
+                       'llm_node'),
+        LaunchArgument('embed_name', EMBEDDER, 'Node name of the embedding llm_node'),
     )
 
 
@@ -248,3 +263,74 @@ def pipeline_launch(board: str = 'auto', model: str = '', params_file: str = '',
                    llm.log_level, env=dict(NODE_ENV))
         for name in ('frame_source', 'perception')] + [llm]
     return LaunchPlan(resolved.board, tuple(nodes), messages)
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """The cores of the chat and the embedding node (cpu lists and thread counts)."""
+
+    chat_cpus: str
+    chat_threads: int
+    embed_cpus: str
+    embed_threads: int
+    reason: str
+
+
+def split_cores(chat: Mapping[str, Any], helper: Mapping[str, Any], root: str = '/'
+                ) -> CoreSplit:
+    """Give the embedder the board's helper cores (its perception section), chat the rest.
+
+    A profile that pins perception (RK3588's A55s, the Pi 5's core 0, Orin's 2-3) already
+    says where secondary inference runs: the embedder runs there, the chat node keeps its
+    cores. An unpinned profile (x86) splits this machine's usable cores: the last quarter
+    (at least one) for the embedder, the rest for chat; one core is shared.
+    """
+    pinned = str(helper.get('engine.cpu_affinity', '') or '')
+    if pinned:
+        return CoreSplit(str(chat.get('engine.cpu_affinity', '') or ''),
+                         int(chat.get('engine.intra_op_threads', 0)), pinned,
+                         int(helper.get('engine.intra_op_threads', 0)) or
+                         len(parse_cpu_list(pinned)), "the profile's perception cores")
+    cpus = usable_cpus(root)
+    if len(cpus) < 2:
+        listed = format_cpu_list(cpus)
+        return CoreSplit(listed, 1, listed, 1, 'one usable core: shared')
+    take = max(1, len(cpus) // 4)
+    chat_cpus, embed_cpus = cpus[:-take], cpus[-take:]
+    return CoreSplit(format_cpu_list(chat_cpus), len(chat_cpus), format_cpu_list(embed_cpus),
+                     len(embed_cpus), f'the last {take} of {len(cpus)} usable cores')
+
+
+def chat_embed_launch(board: str = 'auto', model: str = '', params_file: str = '',
+                      namespace: str = '', log_level: str = 'info', autostart: str = 'true',
+                      embed_model: str = '', embed_name: str = EMBEDDER, *,
+                      root: str = '/') -> LaunchPlan:
+    """Plan chat_and_embed.launch.py: a chat llm_node and an embedding llm_node side by side.
+
+    Both take llm_node's resolved profile; the embedder gets embed_model and its own cores
+    (split_cores), so retrieval never competes with decode for a core.
+    """
+    if not embed_model or not is_encoder_folder(embed_model):
+        raise ModelArgumentError(
+            f'launch argument embed_model:={embed_model!r} is not a converted embedding or '
+            'rerank folder (its model.yaml has no kind: embedding/rerank): convert one with '
+            'edge-llm-convert (e.g. a bge-small GGUF) and give its output folder')
+    if not embed_name or embed_name == 'llm_node':
+        raise ParameterRangeError(f'launch argument embed_name:={embed_name!r} must name a '
+                                  'node other than llm_node')
+    resolved, chat, messages = llm_plan(board, model, params_file, namespace, log_level,
+                                        autostart, root=root, extra={'perception': {}})
+    split = split_cores(resolved.nodes['llm_node'], resolved.nodes['perception'], root)
+    chat_params = dict(chat.parameters, **{'engine.cpu_affinity': split.chat_cpus,
+                                           'engine.intra_op_threads': split.chat_threads})
+    embed_params = dict(chat.parameters, **{'model.path': embed_model,
+                                            'engine.cpu_affinity': split.embed_cpus,
+                                            'engine.intra_op_threads': split.embed_threads})
+    chat = NodeLaunch(chat.executable, chat.name, namespace, chat_params, chat.log_level,
+                      lifecycle=True, env=dict(NODE_ENV))
+    embedder = NodeLaunch('llm_node', embed_name, namespace, embed_params, chat.log_level,
+                          lifecycle=True, env=dict(NODE_ENV))
+    note = (f'edge_llm_ros: chat on cores {split.chat_cpus or "all"} '
+            f'({split.chat_threads or "auto"} threads), {embed_name} on '
+            f'{split.embed_cpus or "all"} ({split.embed_threads} threads): {split.reason}')
+    return LaunchPlan(resolved.board, (chat, embedder), messages + (note,))

@@ -547,6 +547,19 @@ PERCEPTION_SPECS: Tuple[ParamSpec, ...] = (
     ParamSpec('model.seed', ParamType.INTEGER, 0, 'Stand-in: seed of its random weights',
               range=Range(0, 2 ** 63 - 1)),
     *engine_specs('perception model'),
+    ParamSpec('window.seconds', ParamType.DOUBLE, 0.0,
+              'Hold the last N seconds of frames (one copy each into the window pool) for '
+              '~/window, so a goal can name a time window instead of handles; 0 = off',
+              range=Range(0.0, 3600.0)),
+    ParamSpec('window.max_frames', ParamType.INTEGER, 150,
+              'Most frames the window holds (its pool slots), whatever window.seconds says',
+              range=Range(1, 4096)),
+    ParamSpec('window.max_mb', ParamType.INTEGER, 512,
+              'Memory budget of the window pool in MiB: fewer frames are held where '
+              'window.max_frames of this camera would not fit', range=Range(1, 1 << 20)),
+    ParamSpec('window.pool_id', ParamType.STRING, '',
+              "Pool id of the window's frames; '' = <pool.id>_window",
+              pattern='|' + POOL_ID_PATTERN),
 ) + pool_specs('embeddings', 8, 30.0, 'embeddings')
 
 

@@ -58,6 +58,11 @@ class Architecture:
     # Every no_rope_period-th layer (1-based) attends without RoPE (smollm3: llama.cpp's
     # n_no_rope_layer_step, fixed at 4 for the family; the GGUF has no key for it). 0: none.
     no_rope_period: int = 0
+    # Hybrid: Mamba-2 layers (granitehybrid: llama.cpp's build_mamba2_layer; the layers whose
+    # attention.head_count_kv entry is 0) beside attention layers, with Granite's multipliers
+    # (embedding, residual, attention and logit scales; llama.cpp's granite keys). Its
+    # attention layers rotate only when rope.scaling.finetuned says so (Granite's switch).
+    mamba_layers: bool = False
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -81,6 +86,9 @@ ARCHITECTURES: Dict[str, Architecture] = {
                            'DeltaNet and gated attention)', recurrent_layers=True),
     'smollm3': Architecture('smollm3', True, False, 'SmolLM3 3B (llama with no RoPE on every '
                             'fourth layer)', no_rope_period=4),
+    # Q/K rows permuted as llama's (llama.cpp's granite converters; ROPE_TYPE_NORM).
+    'granitehybrid': Architecture('granitehybrid', True, False, 'Granite 4.0-H dense '
+                                  '(Micro; hybrid: Mamba-2 and attention)', mamba_layers=True),
     # Its layers, norms and per-layer embeddings are read by convert/gemma4.py.
     'gemma4': Architecture('gemma4', False, True, 'Gemma 4 E2B/E4B text (per-layer '
                            'embeddings, shared-KV layers)', post_norms=True,

@@ -66,7 +66,8 @@ class CheckReport:
 
 
 def check_source(source: str, mmproj: Optional[str] = None,
-                 options: Optional[ConvertOptions] = None) -> CheckReport:
+                 options: Optional[ConvertOptions] = None,
+                 mmproj_vision_only: bool = False) -> CheckReport:
     """Say whether `source` (and `mmproj`) would convert with `options`, and how."""
     opts = options or ConvertOptions()
     report = CheckReport(source)
@@ -80,7 +81,7 @@ def check_source(source: str, mmproj: Optional[str] = None,
     report.summary = (f'{s.num_layers} layers, hidden {s.hidden_size}, '
                       f'context {s.max_position_embeddings}')
     try:
-        vision = preflight(ckpt, opts, mmproj, source)
+        vision = preflight(ckpt, opts, mmproj, source, mmproj_vision_only)
     except EngineError as exc:
         report.refusals.append(str(exc))
         vision = None

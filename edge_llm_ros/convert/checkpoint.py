@@ -41,7 +41,10 @@ _GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
                'gdn_z': 'attn_gate.weight', 'ssm_conv': 'ssm_conv1d.weight',
                'ssm_dt': 'ssm_dt.bias', 'ssm_a': 'ssm_a', 'ssm_beta': 'ssm_beta.weight',
                'ssm_alpha': 'ssm_alpha.weight', 'ssm_norm': 'ssm_norm.weight',
-               'ssm_out': 'ssm_out.weight'}
+               'ssm_out': 'ssm_out.weight',
+               # granitehybrid's Mamba-2 layers (ssm_in: z | xBC | dt rows, split by the reader).
+               'ssm_in': 'ssm_in.weight', 'ssm_conv_bias': 'ssm_conv1d.bias',
+               'ssm_d': 'ssm_d'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
@@ -148,6 +151,16 @@ class ModelSpec:
     v_norm: bool = False
     # Layers that attend without RoPE (smollm3's every fourth); empty: every layer rotates.
     nope_layers: Tuple[bool, ...] = ()
+    # Mamba-2 layers (granitehybrid; layer kind RECURRENT): heads of mamba_head_dim, groups of
+    # B and C of mamba_state each (0: the recurrent layers are Gated DeltaNet layers).
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    # Granite's multipliers: each residual branch (mixer and MLP output) times residual_scale
+    # before its add, the logits divided by logit_scale (0: neither).
+    residual_scale: float = 0.0
+    logit_scale: float = 0.0
 
     def layer_head_dim(self, layer: int) -> int:
         """Return `layer`'s head size."""
@@ -192,8 +205,19 @@ class ModelSpec:
         return not self.layer_kinds or self.layer_kinds[layer] == ATTENTION
 
     @property
+    def mamba_channels(self) -> int:
+        """Channels of a Mamba-2 layer's conv: x, B and C."""
+        return self.mamba_heads * self.mamba_head_dim + 2 * self.mamba_groups * self.mamba_state
+
+    @property
     def recurrent_state_floats(self) -> int:
-        """Floats of one Gated DeltaNet layer's state per slot (conv inputs, delta state)."""
+        """Floats of one recurrent layer's state per slot (conv inputs, then the SSM state).
+
+        Gated DeltaNet: the delta state, heads x d x d; Mamba-2: heads x state x head_dim.
+        """
+        if self.mamba_heads:
+            return ((self.conv_kernel - 1) * self.mamba_channels
+                    + self.mamba_heads * self.mamba_state * self.mamba_head_dim)
         d = self.ssm_head_dim
         channels = (2 * self.ssm_k_heads + self.ssm_v_heads) * d
         return (self.conv_kernel - 1) * channels + self.ssm_v_heads * d * d
@@ -361,6 +385,9 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
     if family.conv_layers:
         conv_kernel = _check_hybrid(path, key, names)
     recurrent: dict = {}
+    if family.mamba_layers:
+        recurrent = _check_mamba(path, key, names, kinds, hidden)
+        conv_kernel = recurrent.pop('conv_kernel')
     if family.recurrent_layers:
         layers -= int(key('nextn_predict_layers', 0) or 0)  # MTP blocks: not run, not read
         kinds, recurrent = _check_recurrent(path, key, names, layers)
@@ -372,6 +399,8 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
                if gname in names}
     if family.recurrent_layers:
         _qwen35_tensors(tensors, kinds, heads, kv_heads, head_dim, rope_dims)
+    if family.mamba_layers:
+        _mamba_tensors(tensors, kinds, recurrent)
     if family.gguf_permuted_qk:
         # llama.cpp stored Q/K with interleaved RoPE pairs; read them back as NEOX halves.
         for i in range(layers):
@@ -445,14 +474,15 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
 
 def _kv_heads(path: pathlib.Path, family: Architecture,
               value) -> Tuple[int, Tuple[str, ...]]:
-    """Read attention.head_count_kv: one count, or (hybrids) one per layer, 0 = a conv layer.
+    """Read attention.head_count_kv: one count, or (hybrids) one per layer, 0 = no attention.
 
-    Returns the attention layers' KV head count and the layer kinds (empty: all attention).
+    A 0 is a conv layer (lfm2) or a Mamba-2 layer (granitehybrid). Returns the attention
+    layers' KV head count and the layer kinds (empty: all attention).
     """
     if not isinstance(value, (list, tuple)):
         return int(value), ()
     counts = [int(v) for v in value]
-    if not family.conv_layers:
+    if not (family.conv_layers or family.mamba_layers):
         raise UnsupportedModelError(f'{path}: per-layer attention.head_count_kv is not '
                                     f'supported for {family.name}; use a GGUF with one count')
     kv = sorted({c for c in counts if c > 0})
@@ -460,7 +490,8 @@ def _kv_heads(path: pathlib.Path, family: Architecture,
         raise UnsupportedModelError(
             f'{path}: attention layers with KV head counts {kv or "none"}: the converter '
             'builds one KV head count for every attention layer (and needs at least one)')
-    return kv[0], tuple(CONV if c == 0 else ATTENTION for c in counts)
+    other = RECURRENT if family.mamba_layers else CONV
+    return kv[0], tuple(other if c == 0 else ATTENTION for c in counts)
 
 
 def _check_hybrid(path: pathlib.Path, key, names: dict) -> int:
@@ -517,6 +548,79 @@ def _check_recurrent(path: pathlib.Path, key, names: dict,
                                     f'{layers}: the converter needs at least one')
     return kinds, {'conv_kernel': kernel, 'ssm_k_heads': k_heads, 'ssm_v_heads': v_heads,
                    'ssm_head_dim': state, 'gated_attention': True, 'rotary_permuted': True}
+
+
+# The Granite 4.0-H variants the converter builds, and those it refuses (their MoE FFNs).
+GRANITE_DENSE = 'Granite 4.0-H Micro (dense FFNs)'
+GRANITE_MOE = 'Granite 4.0-H Tiny and Small (mixture-of-experts FFNs)'
+
+
+def _check_mamba(path: pathlib.Path, key, names: dict, kinds: Tuple[str, ...],
+                 hidden: int) -> dict:
+    """Read a granitehybrid GGUF's Mamba-2 hyper-parameters and Granite's multipliers.
+
+    Returns the ModelSpec fields (conv_kernel among them: the caller takes it out).
+    """
+    if any('ffn_gate_inp' in n or '_exps' in n or '_shexp' in n for n in names) or \
+            int(key('expert_count', 0) or 0) > 0:
+        raise UnsupportedModelError(
+            f'{path}: a {GRANITE_MOE} GGUF: mixture-of-experts layers are not supported; '
+            f'supported: {GRANITE_DENSE}')
+    kernel = int(key('ssm.conv_kernel', 0) or 0)
+    state = int(key('ssm.state_size', 0) or 0)
+    groups = int(key('ssm.group_count', 0) or 0)
+    heads = int(key('ssm.time_step_rank', 0) or 0)
+    inner = int(key('ssm.inner_size', 0) or 0)
+    if not (2 <= kernel <= MAX_CONV_KERNEL and state > 0 and groups > 0 and heads > 0 and
+            heads % groups == 0 and inner % heads == 0 and 0 < inner // heads <= 256):
+        raise ModelLoadError(
+            f'{path}: ssm.conv_kernel {kernel}, ssm.state_size {state}, ssm.group_count '
+            f'{groups}, ssm.time_step_rank {heads}, ssm.inner_size {inner} do not describe '
+            f'Mamba-2 layers the op library runs (kernel 2..{MAX_CONV_KERNEL}, heads a '
+            'multiple of groups, heads of at most 256 dims); the GGUF is incomplete or corrupt')
+    if not kinds or ATTENTION not in kinds:
+        raise UnsupportedModelError(f'{path}: a granitehybrid GGUF without per-layer '
+                                    'attention.head_count_kv (0 = a Mamba-2 layer) or without '
+                                    'an attention layer is not supported')
+    out = {'conv_kernel': kernel, 'mamba_heads': heads, 'mamba_head_dim': inner // heads,
+           'mamba_groups': groups, 'mamba_state': state,
+           'residual_scale': _f32(key('residual_scale', 0.0) or 0.0),
+           'logit_scale': _f32(key('logit_scale', 0.0) or 0.0),
+           'embed_scale': _f32(key('embedding_scale', 0.0) or 0.0) or 1.0,
+           'attention_scale': _f32(key('attention.scale', 0.0) or 0.0)}
+    # Granite's RoPE switch (llama.cpp: rope.scaling.finetuned, default true): false, as
+    # Granite 4.0-H writes it, is no RoPE on any layer.
+    if key('rope.scaling.finetuned', True) is False:
+        out['nope_layers'] = (True,) * len(kinds)
+    return out
+
+
+def _mamba_tensors(tensors: Dict[str, SourceTensor], kinds: Tuple[str, ...],
+                   fields: dict) -> None:
+    """Name granitehybrid's Mamba-2 tensors as the graph reads them (lazy row views).
+
+    ssm_in's rows are z | x, B, C | dt (ssm_z, ssm_xbc, ssm_dtp); ssm_a, ssm_d and ssm_norm
+    are read as vectors ([1, heads] and [groups, d_inner / groups] in the GGUF).
+    """
+    inner = fields['mamba_heads'] * fields['mamba_head_dim']
+    channels = inner + 2 * fields['mamba_groups'] * fields['mamba_state']
+    for i, kind in enumerate(kinds):
+        if kind != RECURRENT:
+            continue
+        p = f'{i}.'
+        t = tensors.pop(p + 'ssm_in', None)
+        if t is not None and len(t.shape) == 2 and \
+                t.shape[0] == inner + channels + fields['mamba_heads']:
+            for role, a, b in (('ssm_z', 0, inner), ('ssm_xbc', inner, inner + channels),
+                               ('ssm_dtp', inner + channels, t.shape[0])):
+                tensors[p + role] = SourceTensor(t.name, t.qtype, (b - a,) + tuple(t.shape[1:]),
+                                                 t.data, row_order=np.arange(a, b))
+        elif t is not None:
+            tensors[p + 'ssm_in'] = t   # _check_shapes names what is wrong
+        for role in ('ssm_a', 'ssm_d', 'ssm_norm'):
+            v = tensors.get(p + role)
+            if v is not None and len(v.shape) == 2:
+                v.shape = (int(np.prod(v.shape)),)
 
 
 def rotary_order(head_dim: int, rotary: int) -> np.ndarray:
@@ -697,6 +801,10 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
         from edge_llm_ros.convert.gemma4 import load_gemma4_hf
         return load_gemma4_hf(folder, cfg, _read_safetensors,
                               lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
+    from edge_llm_ros.convert import qwen35
+    if model_type in qwen35.HF_MODEL_TYPES + qwen35.MOE_MODEL_TYPES:
+        return qwen35.load_qwen35_hf(folder, cfg, _read_safetensors,
+                                     lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '
@@ -1024,6 +1132,18 @@ def _check_shapes(ckpt: Checkpoint) -> None:
             f'{i}.gate': (s.intermediate_size, s.hidden_size),
             f'{i}.up': (s.intermediate_size, s.hidden_size),
             f'{i}.down': (s.hidden_size, s.intermediate_size)})
+        if s.is_recurrent(i) and s.mamba_heads:
+            inner, ch = s.mamba_heads * s.mamba_head_dim, s.mamba_channels
+            expect.update({f'{i}.ssm_z': (inner, s.hidden_size),
+                           f'{i}.ssm_xbc': (ch, s.hidden_size),
+                           f'{i}.ssm_dtp': (s.mamba_heads, s.hidden_size),
+                           f'{i}.ssm_conv': (ch, s.conv_kernel),
+                           **({f'{i}.ssm_conv_bias': (ch,)} if ckpt.has(f'{i}.ssm_conv_bias')
+                              else {}),
+                           f'{i}.ssm_dt': (s.mamba_heads,), f'{i}.ssm_a': (s.mamba_heads,),
+                           f'{i}.ssm_d': (s.mamba_heads,), f'{i}.ssm_norm': (inner,),
+                           f'{i}.ssm_out': (s.hidden_size, inner)})
+            continue
         if s.is_recurrent(i):
             d, hk, hv = s.ssm_head_dim, s.ssm_k_heads, s.ssm_v_heads
             expect.update({f'{i}.gdn_qkv': ((2 * hk + hv) * d, s.hidden_size),

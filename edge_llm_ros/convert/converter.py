@@ -26,8 +26,9 @@ from edge_llm_ros.convert.encoder import encoder_architecture, write_encoder_fol
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
-                                             GraphOptions, LayerWeights, OPSET,
-                                             RecurrentLayerWeights, Weight)
+                                             GraphOptions, LayerWeights,
+                                             MambaLayerWeights, OPSET, RecurrentLayerWeights,
+                                             Weight)
 from edge_llm_ros.convert.quant import concat_rows, to_blocks
 from edge_llm_ros.errors import ConversionError, EngineError
 from edge_llm_ros.model_format import (CONVERTER_VERSION, DATA_FILE, display_name,
@@ -155,7 +156,8 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
             progress: bool = True, accuracy_level: int = 4, exact_q4_1: bool = True,
             precision: str = 'source', overwrite: bool = False,
             verify: bool = True, offset_levels: Optional[int] = None,
-            weights: Optional[str] = None, mmproj: Optional[str] = None) -> pathlib.Path:
+            weights: Optional[str] = None, mmproj: Optional[str] = None,
+            mmproj_vision_only: bool = False) -> pathlib.Path:
     """Convert `source` (GGUF file or HF folder) into the model folder `out_dir`.
 
     Returns the folder. Raises ModelLoadError / UnsupportedModelError for bad sources and
@@ -171,7 +173,9 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     None picks kquant where the library is built (ConvertOptions.weights). mmproj: a
     llama.cpp mmproj GGUF of the same model; its vision encoder and projector go into the
     folder as vision.onnx (model.yaml `vision`). A projector that is not the language model's
-    width, or an unknown projector type, is refused before anything is written.
+    width, or an unknown projector type, is refused before anything is written; so is an
+    mmproj that also holds an audio tower (Gemma 4's gemma4a), unless mmproj_vision_only,
+    which converts its vision tower and leaves the audio out with a warning.
     """
     opts = ConvertOptions(block_size, activation_dtype, max_context, accuracy_level, exact_q4_1,
                           precision, offset_levels, weights)
@@ -184,7 +188,7 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     encoder = encoder_architecture(source) if mmproj is None else None
     if encoder is None:
         ckpt = load_checkpoint(source)
-        vision = preflight(ckpt, opts, mmproj, source)
+        vision = preflight(ckpt, opts, mmproj, source, mmproj_vision_only)
         opts = dataclasses.replace(opts, weights=opts.weight_format)  # decided once
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,19 +229,18 @@ def convert(source: str, out_dir: str, *, block_size: int = 32,
     return out
 
 
-def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], source: str):
+def preflight(ckpt: Checkpoint, opts: ConvertOptions, mmproj: Optional[str], source: str,
+              vision_only: bool = False):
     """Refuse what cannot be converted before any work; return the mmproj's vision (or None).
 
-    Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change.
+    Raises ConversionError / ModelLoadError / UnsupportedModelError saying what to change
+    (mmproj.AudioTowerError for an audio tower, unless vision_only).
     """
     opts.check(ckpt)
-    if mmproj and _native_layers(ckpt.spec):
-        raise ConversionError('Gemma 4 vision and audio (a gemma4v / gemma4a mmproj) are not '
-                              'converted yet: convert the language model alone')
     if mmproj and ckpt.spec.layer_kinds:
         raise ConversionError(f'{ckpt.spec.architecture} VLMs (--mmproj) are not converted yet: '
                               'convert the language model alone')
-    vision = _read_vision(mmproj, ckpt, source) if mmproj else None
+    vision = _read_vision(mmproj, ckpt, source, vision_only) if mmproj else None
     if _bidirectional(vision) and opts.activation_dtype != 'float32':
         raise ConversionError(
             f'a {vision.config.projector} VLM needs the op library attention over its '
@@ -253,10 +256,10 @@ def _free_bytes(folder: pathlib.Path) -> Optional[int]:
         return None
 
 
-def _read_vision(path: str, ckpt: Checkpoint, source: str):
+def _read_vision(path: str, ckpt: Checkpoint, source: str, vision_only: bool = False):
     """Read and check the mmproj against the language model; nothing is written yet."""
     from edge_llm_ros.convert.mmproj import check_pair, read_mmproj
-    mm = read_mmproj(path)
+    mm = read_mmproj(path, vision_only)
     check_pair(mm, ckpt.spec.hidden_size, source, ckpt.spec.deepstack_layers)
     return mm
 
@@ -287,6 +290,8 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         for i in range(s.num_layers):
             if s.architecture == 'gemma4':
                 graph.add_gemma4_layer(i, _gemma4_layer(ckpt, i, opts))
+            elif s.is_recurrent(i) and s.mamba_heads:
+                graph.add_mamba_layer(i, _mamba_layer(ckpt, i, opts))
             elif s.is_recurrent(i):
                 graph.add_recurrent_layer(i, _recurrent_layer(ckpt, i, opts))
             elif s.is_conv(i):
@@ -493,6 +498,25 @@ def _recurrent_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> Recurren
         down=_blocks(ckpt, p + 'down', opts))
 
 
+def _mamba_layer(ckpt: Checkpoint, i: int, opts: ConvertOptions) -> MambaLayerWeights:
+    p = f'{i}.'
+
+    def vector(role: str) -> np.ndarray:
+        return ckpt.tensor(p + role).dequantize()
+
+    conv = vector('ssm_conv')
+    bias = vector('ssm_conv_bias') if ckpt.has(p + 'ssm_conv_bias') else \
+        np.zeros(conv.shape[0], np.float32)
+    return MambaLayerWeights(
+        attn_norm=vector('attn_norm'), ffn_norm=vector('ffn_norm'),
+        z=_blocks(ckpt, p + 'ssm_z', opts), xbc=_blocks(ckpt, p + 'ssm_xbc', opts),
+        dt=_blocks(ckpt, p + 'ssm_dtp', opts), conv=conv, conv_bias=bias,
+        dt_bias=vector('ssm_dt'), a=vector('ssm_a'), d=vector('ssm_d'),
+        norm=vector('ssm_norm'), out=_blocks(ckpt, p + 'ssm_out', opts),
+        gate_up=_fused([_blocks(ckpt, p + r, opts) for r in ('gate', 'up')]),
+        down=_blocks(ckpt, p + 'down', opts))
+
+
 def _native_layers(spec) -> bool:
     """Whether the family's layers exist only with the op library's attention (gemma4)."""
     return spec.architecture == 'gemma4'
@@ -658,7 +682,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         'and the options allow it, else matmulnbits)')
     p.add_argument('--mmproj', default=None,
                    help="the model's llama.cpp mmproj GGUF: its vision encoder goes in as "
-                        'vision.onnx (gemma3, idefics3, internvl, mlp)')
+                        'vision.onnx (gemma3, idefics3, internvl, mlp, qwen2.5vl_merger, '
+                        'qwen3vl_merger, gemma4v)')
+    p.add_argument('--mmproj-vision-only', action='store_true',
+                   help='with an mmproj that also holds an audio tower (Gemma 4: gemma4a), '
+                        'convert its vision tower and leave the audio out (a warning); '
+                        'without this flag such an mmproj is refused')
     p.add_argument('--force', action='store_true', help='replace an existing out_dir')
     p.add_argument('--no-verify', action='store_true',
                    help='skip opening the result with onnxruntime')
@@ -681,7 +710,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       exact_q4_1=not args.requantize_q4_1, precision=args.precision,
                       overwrite=args.force,
                       verify=not args.no_verify, offset_levels=args.offset_levels,
-                      weights=args.weights, mmproj=args.mmproj)
+                      weights=args.weights, mmproj=args.mmproj,
+                      mmproj_vision_only=args.mmproj_vision_only)
     except EngineError as exc:
         print(f'edge-llm-convert: error: {exc}', file=sys.stderr)
         return 1
@@ -697,7 +727,7 @@ def _check(args: argparse.Namespace) -> int:
     opts = ConvertOptions(args.block_size, args.dtype, args.max_context, args.accuracy_level,
                           not args.requantize_q4_1, args.precision, args.offset_levels,
                           args.weights)
-    report = check_source(args.source, args.mmproj, opts)
+    report = check_source(args.source, args.mmproj, opts, args.mmproj_vision_only)
     print(report.render())
     return 0 if report.ok else 1
 

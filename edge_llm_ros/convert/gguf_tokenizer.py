@@ -14,6 +14,11 @@ Three vocabulary kinds are supported:
   pieces are bare; the text is lowercased (accents stripped) unless the GGUF says otherwise,
   split at whitespace and punctuation, and every word matched greedily, longest piece first,
   a word with no match becoming [UNK]; [CLS] text [SEP].
+- 't5': SentencePiece unigram (UGM: XLM-RoBERTa's vocabulary in bge-m3, bge-reranker-v2-m3,
+  multilingual-e5), as llama.cpp's llm_tokenizer_ugm: the GGUF's precompiled charsmap, its
+  space handling (space prefix, extra spaces merged), then a Viterbi over the whole text with
+  the pieces' scores; a code point no piece covers is [UNK] at the lowest normal score - 10,
+  runs of them merged; <s> text </s>.
 """
 from __future__ import annotations
 
@@ -156,11 +161,16 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
         pre = meta.get('tokenizer.ggml.pre') or 'default'
         tokenizer = _wordpiece(tokens, meta)
         add_bos_default, add_space_prefix = True, False
+    elif kind == 't5':
+        pre = meta.get('tokenizer.ggml.pre') or 'default'
+        add_space_prefix = bool(meta.get('tokenizer.ggml.add_space_prefix', False))
+        tokenizer = _unigram(tokens, types, meta, add_space_prefix)
+        add_bos_default = False
     else:
         raise UnsupportedModelError(
             f'tokenizer model {kind!r} is not supported; supported: gpt2 (byte-level BPE), '
             'llama (SentencePiece), gemma4 (SentencePiece-style BPE with merges), bert '
-            '(WordPiece)')
+            '(WordPiece), t5 (SentencePiece unigram)')
 
     _register_added_tokens(tokenizer, tokens, types)
 
@@ -168,7 +178,14 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
     eos = _optional_id(meta, 'tokenizer.ggml.eos_token_id', len(tokens))
     # Without the key, llama.cpp's per-vocabulary default applies (when a BOS id exists).
     add_bos = bool(meta.get('tokenizer.ggml.add_bos_token', add_bos_default and bos is not None))
-    add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', False))
+    add_eos = bool(meta.get('tokenizer.ggml.add_eos_token', kind == 't5'))
+    sep = None
+    if kind == 't5':
+        # llama.cpp's UGM defaults: eos 1, unk 2; a pair is <s> a </s> [sep] b </s>.
+        if eos is None and meta.get('tokenizer.ggml.eos_token_id') is None:
+            eos = 1 if len(tokens) > 1 else None
+        if meta.get('tokenizer.ggml.add_sep_token', False):
+            sep = _optional_id(meta, 'tokenizer.ggml.seperator_token_id', len(tokens))
     if kind == 'bert' and meta.get('tokenizer.ggml.add_sep_token', True):
         # llama.cpp appends the separator (not eos) to a WPM text: [CLS] text [SEP].
         eos = _optional_id(meta, 'tokenizer.ggml.seperator_token_id', len(tokens))
@@ -179,7 +196,8 @@ def build_tokenizer(meta: '_Metadata') -> Tuple[Tokenizer, Dict[str, Any]]:
         raise ModelLoadError('GGUF sets add_bos_token but has no tokenizer.ggml.bos_token_id')
     if add_eos and eos is None:
         raise ModelLoadError('GGUF sets add_eos_token but has no tokenizer.ggml.eos_token_id')
-    _set_post_processor(tokenizer, tokens, bos if add_bos else None, eos if add_eos else None)
+    _set_post_processor(tokenizer, tokens, bos if add_bos else None, eos if add_eos else None,
+                        sep)
 
     info: Dict[str, Any] = {
         'tokenizer_model': kind,
@@ -318,6 +336,56 @@ def _wordpiece(tokens: Sequence[str], meta: _Metadata) -> Tokenizer:
     return tokenizer
 
 
+def _unigram(tokens: Sequence[str], types: Sequence[int], meta: _Metadata,
+             add_space_prefix: bool) -> Tokenizer:
+    """Return a unigram tokenizer that segments as llama.cpp's UGM does (module docstring).
+
+    llama.cpp's Viterbi sees normal, user-defined (score 0) and unused pieces only, and scores
+    an unknown code point at the lowest *normal* score - 10; `tokenizers` takes the lowest
+    score of all pieces. So control/unknown/byte pieces become unmatchable placeholders (they
+    are matched as added tokens instead) at the lowest normal score, which leaves that floor
+    where llama.cpp has it.
+    """
+    scores = meta.get('tokenizer.ggml.scores') or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise ModelLoadError('GGUF tokenizer.ggml.scores and tokens differ in length')
+    normal = [float(s) for s, k in zip(scores, types) if k == TOKEN_NORMAL]
+    if not normal:
+        raise ModelLoadError('GGUF t5 vocabulary has no normal pieces')
+    floor = min(normal)
+    unk_id = _optional_id(meta, 'tokenizer.ggml.unknown_token_id', len(tokens))
+    unk_id = 2 if unk_id is None and len(tokens) > 2 else unk_id   # llama.cpp's UGM default
+    if unk_id is None:
+        raise ModelLoadError('GGUF t5 vocabulary has no tokenizer.ggml.unknown_token_id')
+    pieces = []
+    for i, (text, kind, score) in enumerate(zip(tokens, types, scores)):
+        if kind in (TOKEN_NORMAL, TOKEN_UNUSED):
+            pieces.append((text, float(score)))
+        elif kind == TOKEN_USER_DEFINED:
+            pieces.append((text, 0.0))
+        else:   # \U000f0000: a private-use plane never produced by the charsmap
+            pieces.append((f'\U000f0000{i}\U000f0000', floor))
+    tokenizer = Tokenizer(models.Unigram(pieces, unk_id, False))
+    space = '\u2581' if meta.get('tokenizer.ggml.escape_whitespaces', True) else ' '
+    steps = []
+    charsmap = meta.get('tokenizer.ggml.precompiled_charsmap')
+    if charsmap:
+        steps.append(normalizers.Precompiled(bytes(int(b) & 0xFF for b in charsmap)))
+    if meta.get('tokenizer.ggml.remove_extra_whitespaces', False):
+        # Every run of non-spaces gets one space before it: no leading, trailing or repeated
+        # spaces, one in front.
+        steps += [normalizers.Replace(Regex('^ +| +$'), ''), normalizers.Replace(Regex(' +'), ' '),
+                  normalizers.Prepend(' ')]
+    elif add_space_prefix:
+        # A space before the first non-space (llama.cpp); a text of spaces only gets one
+        # more here than there.
+        steps.append(normalizers.Prepend(' '))
+    steps.append(normalizers.Replace(' ', space))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.decoder = decoders.Metaspace(replacement='\u2581', prepend_scheme='always')
+    return tokenizer
+
+
 def _register_added_tokens(tokenizer: Tokenizer, tokens: Sequence[str],
                            types: Sequence[int]) -> None:
     # Control tokens are matched in the text as specials (llama.cpp parse_special); user-defined
@@ -332,15 +400,18 @@ def _register_added_tokens(tokenizer: Tokenizer, tokens: Sequence[str],
         tokenizer.add_tokens(user)
 
 
-def _set_post_processor(tokenizer: Tokenizer, tokens: Sequence[str],
-                        bos: Optional[int], eos: Optional[int]) -> None:
+def _set_post_processor(tokenizer: Tokenizer, tokens: Sequence[str], bos: Optional[int],
+                        eos: Optional[int], sep: Optional[int] = None) -> None:
+    """Add bos/eos around a text; a pair (rerank) is bos a eos [sep] b eos, as llama-server."""
     if bos is None and eos is None:
         return
     head = f'{tokens[bos]} ' if bos is not None else ''
     tail = f' {tokens[eos]}' if eos is not None else ''
-    specials = [(tokens[i], i) for i in {bos, eos} if i is not None]
+    middle = f' {tokens[sep]}' if sep is not None else ''
+    specials = [(tokens[i], i) for i in {bos, eos, sep} if i is not None]
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f'{head}$A{tail}', pair=f'{head}$A{tail} $B{tail}', special_tokens=specials)
+        single=f'{head}$A{tail}', pair=f'{head}$A{tail}{middle} $B{tail}',
+        special_tokens=specials)
 
 
 def _vocab_dict(tokens: Sequence[str]) -> Dict[str, int]:

@@ -20,10 +20,19 @@ Families (`clip.projector_type`), with the language models they come with:
   plus learned position embeddings interpolated to the image's grid, LayerNorm blocks with a
   fused attn_qkv and a GELU MLP, no windows, the 2 x 2 merger (v.post_ln, mm.0, GELU, mm.2)
   and DeepStack: after each layer with v.deepstack.<layer>.* tensors, its own merger
-  (LayerNorm over the 4 merged patches, fc1, GELU, fc2), whose rows go after the main ones.
+  (LayerNorm over the 4 merged patches, fc1, GELU, fc2), whose rows go after the main ones;
+- gemma4v (Gemma 4 E2B / E4B): a ViT over any image size (multiples of patch x 3), no patch
+  bias, learned x and y position tables, RMSNorm blocks with per-head q/k norms, V normalized,
+  2-D RoPE, post-attention and post-FFN norms, a gated MLP and a per-layer output scale;
+  optional input / output clamps on every matrix (Gemma4ClippableLinear); then 3 x 3 average
+  pooling, x sqrt(n_embd), optional std_bias / std_scale, RMSNorm and mm.input_projection.
+  Its file usually also holds the audio tower (`gemma4a`, tensors a.* / mm.a.*): that is
+  refused by name unless the caller asks for the vision tower only (vision_only=True: the
+  audio tensors are dropped with a warning).
 The key and tensor layout is docs/design/issue22_mmproj_research.md, sections 1 and 5.
 """
 from dataclasses import dataclass
+import logging
 import os
 import pathlib
 from typing import Dict, Optional, Tuple
@@ -33,9 +42,17 @@ import numpy as np
 from edge_llm_ros.convert.checkpoint import gguf_field, gguf_tensor, open_gguf, SourceTensor
 from edge_llm_ros.errors import UnsupportedModelError
 
-QWEN25VL, QWEN3VL = 'qwen2.5vl_merger', 'qwen3vl_merger'
-PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp', QWEN25VL, QWEN3VL)
+QWEN25VL, QWEN3VL, GEMMA4V = 'qwen2.5vl_merger', 'qwen3vl_merger', 'gemma4v'
+PROJECTORS = ('idefics3', 'gemma3', 'internvl', 'mlp', QWEN25VL, QWEN3VL, GEMMA4V)
 QWEN_PROJECTORS = (QWEN25VL, QWEN3VL)
+# The families that take one image of any size (no tiles): Qwen-VL and Gemma 4.
+DYNAMIC_PROJECTORS = (*QWEN_PROJECTORS, GEMMA4V)
+# clip.cpp's gemma4v defaults: 3 x 3 pooling (n_merge), images of 70 to 1120 pooled tokens
+# (set_limit_image_tokens), RoPE base 100.
+GEMMA4_POOL, GEMMA4_MIN_TOKENS, GEMMA4_MAX_TOKENS, GEMMA4_ROPE_BASE = 3, 70, 1120, 100.0
+# Audio projectors (clip.audio.projector_type) whose towers ride in a vision mmproj.
+AUDIO_PROJECTORS = ('gemma4a',)
+_log = logging.getLogger(__name__)
 # The families whose loader swaps ffn_up / ffn_down when ffn_down reads n_embd wide (legacy
 # fc1 / fc2 names), as clip.cpp does.
 _FFN_SWAP = ('idefics3', 'gemma3', 'mlp', 'qwen2.5vl_merger')
@@ -47,6 +64,10 @@ QWEN_MERGE, QWEN_MIN_TOKENS, QWEN_MAX_TOKENS, QWEN_WINDOW = 2, 8, 4096, 112
 
 class MmprojError(UnsupportedModelError):
     """An mmproj file this converter cannot use (or not the pair of the language model)."""
+
+
+class AudioTowerError(MmprojError):
+    """An mmproj that also holds an audio tower (gemma4a), which is not converted."""
 
 
 @dataclass(frozen=True)
@@ -74,8 +95,8 @@ class VisionConfig:
 
     @property
     def dynamic(self) -> bool:
-        """Say whether the encoder takes any image size (Qwen-VL), not fixed tiles."""
-        return self.projector in QWEN_PROJECTORS
+        """Say whether the encoder takes any image size (Qwen-VL, gemma4v), not fixed tiles."""
+        return self.projector in DYNAMIC_PROJECTORS
 
     @property
     def row_width(self) -> int:
@@ -90,7 +111,7 @@ class VisionConfig:
     def tokens_per_tile(self) -> int:
         """Embeddings one tile of image_size x image_size becomes (clip_n_output_tokens)."""
         n = self.patches_per_side ** 2
-        if self.projector in ('idefics3', 'internvl', 'gemma3', *QWEN_PROJECTORS):
+        if self.projector in ('idefics3', 'internvl', 'gemma3', *DYNAMIC_PROJECTORS):
             return n // self.scale_factor ** 2
         return n
 
@@ -139,7 +160,8 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         eps=float(_required(path, reader, 'clip.vision.attention.layer_norm_epsilon')),
         image_mean=tuple(float(v) for v in mean[:3]), image_std=tuple(float(v) for v in std[:3]),
         scale_factor=(u32('spatial_merge_size', QWEN_MERGE) if qwen else u32(
-            'projector.scale_factor', _GEMMA3_POOL if projector == 'gemma3' else 1)),
+            'projector.scale_factor', {'gemma3': _GEMMA3_POOL, GEMMA4V: GEMMA4_POOL}.get(
+                projector, 1))),
         activation='gelu_tanh' if gelu else 'silu' if silu else 'quick_gelu',
         longest_edge=u32('preproc_image_size', 0), n_out=0,
         min_tiles=u32('preproc_min_tiles', 1), max_tiles=u32('preproc_max_tiles', 12),
@@ -165,6 +187,12 @@ def _config(path: str, reader, projector: str) -> VisionConfig:
         raise MmprojError(f'{path}: clip.vision.image_grid_pinpoints is set: that {projector} '
                           'tiling (LLaVA-1.6 anyres) is not supported; LLaVA-1.5 style mlp and '
                           'InternVL 2.5/3 mmproj files are')
+    if projector == GEMMA4V:  # any image size: image_size is a placeholder (224)
+        if cfg.scale_factor <= 0 or (cfg.n_embd // cfg.n_head) % 4:
+            raise MmprojError(f'{path}: a gemma4v mmproj needs projector.scale_factor > 0 '
+                              f'(got {cfg.scale_factor}) and a head size that is a multiple '
+                              f'of 4 for its 2-D RoPE (got {cfg.n_embd // cfg.n_head})')
+        return cfg
     if cfg.scale_factor <= 0 or cfg.patches_per_side % cfg.scale_factor:
         raise MmprojError(f'{path}: {cfg.patches_per_side} patches a side do not merge by '
                           f'scale_factor {cfg.scale_factor}')
@@ -186,6 +214,7 @@ _PROJECTOR_TENSORS = {
                ('mm.2.weight', 0)),
     QWEN3VL: (('mm.0.weight', 'mm.0.bias', 'mm.2.weight', 'mm.2.bias', 'v.post_ln.weight',
                'v.post_ln.bias', 'v.patch_embd.bias'), ('mm.2.weight', 0)),
+    GEMMA4V: (('mm.input_projection.weight',), ('mm.input_projection.weight', 0)),
 }
 # Qwen3-VL's DeepStack merger after encoder layer i: v.deepstack.<i>.<part>.weight / .bias.
 _DEEPSTACK_PARTS = ('norm', 'fc1', 'fc2')
@@ -200,7 +229,7 @@ def deepstack_layers(tensors: Dict[str, SourceTensor], n_layer: int) -> Tuple[in
 def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]) -> None:
     """Raise MmprojError where a tensor the family needs is missing or of the wrong shape."""
     c, ff, p, s = cfg.n_embd, cfg.n_ff, cfg.patch_size, cfg.scale_factor
-    qwen = cfg.dynamic
+    qwen = cfg.projector in QWEN_PROJECTORS
     expected = {'v.patch_embd.weight': (c, 3, p, p)}
     if qwen:  # the temporal patch's second frame
         expected['v.patch_embd.weight.1'] = (c, 3, p, p)
@@ -208,8 +237,18 @@ def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]
         expected['v.position_embd.weight'] = None
     if cfg.projector == QWEN3VL:   # a square grid of them, interpolated to each image's
         expected['v.position_embd.weight'] = (cfg.patches_per_side ** 2, c)
+    gemma4 = cfg.projector == GEMMA4V
+    if gemma4:  # a table of x positions, then one of y positions
+        expected['v.position_embd.weight'] = (2, None, c)
     for i in range(cfg.n_layer):
         b = f'v.blk.{i}'
+        if gemma4:
+            d = c // cfg.n_head
+            for name in ('ln1', 'ln2', 'attn_post_norm', 'ffn_post_norm'):
+                expected[f'{b}.{name}.weight'] = (c,)
+            expected[f'{b}.attn_q_norm.weight'] = (d,)
+            expected[f'{b}.attn_k_norm.weight'] = (d,)
+            expected[f'{b}.ffn_gate.weight'] = (ff, c)
         if cfg.projector == QWEN3VL:
             expected[f'{b}.attn_qkv.weight'] = (3 * c, c)
             expected[f'{b}.attn_qkv.bias'] = (3 * c,)
@@ -238,6 +277,8 @@ def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]
         expected['mm.input_projection.weight'] = (c, None)
     elif cfg.projector == 'internvl':
         expected['mm.model.mlp.1.weight'] = (None, merged)
+    elif gemma4:  # pooled, not merged: n_embd wide
+        expected['mm.input_projection.weight'] = (None, c)
     elif qwen:
         expected['mm.0.weight'] = (None, merged)
     else:
@@ -256,13 +297,41 @@ def _check_shapes(path: str, cfg: VisionConfig, tensors: Dict[str, SourceTensor]
                               f'these keys needs ({want})')
 
 
-def read_mmproj(path: os.PathLike) -> Mmproj:
-    """Read and check an mmproj GGUF; raise MmprojError (or ModelLoadError) on a bad file."""
+def _drop_audio(path: str, reader, tensors: Dict[str, SourceTensor],
+                vision_only: bool) -> None:
+    """Refuse an audio tower by name, or drop its tensors with a warning (vision_only)."""
+    if not gguf_field(reader, 'clip.has_audio_encoder', False):
+        return
+    audio = gguf_field(reader, 'clip.audio.projector_type') or 'unknown'
+    if not vision_only:
+        raise AudioTowerError(
+            f'{path}: this mmproj also holds a {audio!r} audio tower, which is not converted '
+            '(only the vision tower is); pass --mmproj-vision-only (vision_only=True) to '
+            'convert the vision tower and leave the audio tower out')
+    dropped = [n for n in tensors if n.startswith(('a.', 'mm.a.'))]
+    for name in dropped:
+        del tensors[name]
+    _log.warning('%s: the %r audio tower (%d tensors) is left out: only the vision tower '
+                 'is converted (--mmproj-vision-only)', path, audio, len(dropped))
+
+
+def read_mmproj(path: os.PathLike, vision_only: bool = False) -> Mmproj:
+    """Read and check an mmproj GGUF; raise MmprojError (or ModelLoadError) on a bad file.
+
+    An mmproj with an audio tower (gemma4a) raises AudioTowerError unless vision_only, which
+    drops the audio tensors with a warning.
+    """
     path = str(path)
     if not pathlib.Path(path).is_file():
         raise MmprojError(f'{path}: no such mmproj file')
     reader = open_gguf(pathlib.Path(path))
     if not gguf_field(reader, 'clip.has_vision_encoder', False):
+        audio = gguf_field(reader, 'clip.audio.projector_type') or gguf_field(
+            reader, 'clip.projector_type')
+        if gguf_field(reader, 'clip.has_audio_encoder', False):
+            raise AudioTowerError(f'{path}: an audio-only mmproj ({audio!r}): audio towers '
+                                  'are not converted; pass the vision mmproj of the model, '
+                                  'or convert the language model alone')
         raise MmprojError(f'{path}: not a vision mmproj (clip.has_vision_encoder is not set); '
                           f'architecture {gguf_field(reader, "general.architecture")!r}')
     projector = gguf_field(reader, 'clip.projector_type') or gguf_field(
@@ -272,6 +341,7 @@ def read_mmproj(path: os.PathLike) -> Mmproj:
                           f'{", ".join(PROJECTORS)})')
     cfg = _config(path, reader, projector)
     tensors = {t.name: gguf_tensor(pathlib.Path(path), t) for t in reader.tensors}
+    _drop_audio(path, reader, tensors, vision_only)
     if projector in _FFN_SWAP:
         for i in range(cfg.n_layer):
             up, down = f'v.blk.{i}.ffn_up', f'v.blk.{i}.ffn_down'

@@ -160,6 +160,26 @@ class RecurrentLayerWeights:
 
 
 @dataclass
+class MambaLayerWeights:
+    """One Mamba-2 layer of a hybrid (granitehybrid), ready for the graph."""
+
+    attn_norm: np.ndarray
+    ffn_norm: np.ndarray
+    z: Weight               # [H P, hidden]: the gate (ssm_in's first rows)
+    xbc: Weight             # [H P + 2 G N, hidden]: the conv input (x, B, C)
+    dt: Weight              # [H, hidden]: the time step's input
+    conv: np.ndarray        # [H P + 2 G N, kernel] float32, the oldest position first
+    conv_bias: np.ndarray   # [H P + 2 G N]
+    dt_bias: np.ndarray     # [H]
+    a: np.ndarray           # [H] (-exp(A_log), as the GGUF stores it)
+    d: np.ndarray           # [H]: the skip term D x
+    norm: np.ndarray        # [H P]: the grouped RMSNorm's weight
+    out: Weight             # [hidden, H P]
+    gate_up: List[Weight]
+    down: Weight
+
+
+@dataclass
 class Gemma4LayerWeights:
     """One gemma4 layer, ready for the graph (k, v, k_norm None on a shared-KV layer)."""
 
@@ -310,7 +330,13 @@ class DecoderGraph:
                              "(attention='causal')")
         cache_len = opts.max_context or spec.max_position_embeddings
         local = [spec.is_local(i) for i in range(spec.num_layers) if spec.is_attention(i)]
-        if not all(local):
+        # No attention layer rotates (granitehybrid without RoPE, whose GGUFs say 2**20
+        # positions): no table per position, an identity row per packed token instead.
+        self._nope_per_token = self.varlen and not spec.rope_sections and all(
+            spec.is_nope(i) for i in range(spec.num_layers) if spec.is_attention(i))
+        if self._nope_per_token:
+            self._identity_rope_rows()
+        elif not all(local):
             cos, sin = rope_cache(spec, cache_len)
             if spec.rotary_permuted:
                 # Dims past rotary_dims rotate by angle 0 (checkpoint.rotary_order).
@@ -364,6 +390,19 @@ class DecoderGraph:
         for table in ('cos', 'sin'):
             self.nodes.append(helper.make_node('GatherElements', [f'{table}_cache', index],
                                                [f'{table}_tokens'], axis=0))
+
+    def _identity_rope_rows(self) -> None:
+        """cos_tokens_nope = 1 and sin_tokens_nope = 0, [tokens, head_dim / 2] (rope_per_token)."""
+        half = self.spec.head_dim // 2
+        (shape,) = self._node('Shape', ['input_ids'], name='nope/shape')
+        (tokens,) = self._node('Slice', [shape, self._const_i64('nope_one', [1]),
+                                         self._const_i64('nope_two', [2])], name='nope/tokens')
+        (rows,) = self._node('Concat', [tokens, self._const_i64('nope_half', [half])],
+                             name='nope/rows', axis=0)
+        for table, value in (('cos', 1.0), ('sin', 0.0)):
+            one = self._init(f'{table}_nope_row', np.full((1, half), value, np.float32))
+            self.nodes.append(helper.make_node('Expand', [one, rows], [f'{table}_tokens_nope'],
+                                               name=f'nope/{table}'))
 
     # --- helpers -------------------------------------------------------------------------------
     def _name(self, base: str) -> str:
@@ -621,6 +660,42 @@ class DecoderGraph:
         o = self._linear(y, rw.out, f'{p}.gdn.out_proj')
         self._mlp(o, residual, rw.ffn_norm, rw.gate_up, rw.down, p)
 
+    def add_mamba_layer(self, i: int, mw: MambaLayerWeights) -> None:
+        """One Mamba-2 layer (granitehybrid) reading/writing its state past_conv.{i}.
+
+        z, xBC and dt projections (ssm_in's rows); the op library's Mamba2 gives the conv,
+        the selective scan, the gate and the grouped norm over the state (= present_conv.{i},
+        updated in place) -> ssm_out; then the MLP (llama.cpp's build_mamba2_layer).
+        """
+        s = self.spec
+        p = f'layers.{i}'
+        h, residual = self._input_norm(mw.attn_norm, p)
+        z = self._linear(h, mw.z, f'{p}.mamba.z_proj')
+        xbc = self._linear(h, mw.xbc, f'{p}.mamba.xbc_proj')
+        dt = self._linear(h, mw.dt, f'{p}.mamba.dt_proj')
+        self.ops_used.add(KQUANT_DOMAIN)
+        consts = [self._init(f'{p}.mamba.{name}', np.ascontiguousarray(v, np.float32))
+                  for name, v in (('conv', mw.conv), ('conv_bias', mw.conv_bias),
+                                  ('dt_bias', mw.dt_bias), ('a', mw.a), ('d', mw.d),
+                                  ('norm', mw.norm))]
+        y, _ = self._node('Mamba2', [xbc, z, dt, *consts, CONV_STATE_PAST.format(i), '',
+                                     ROWS_INPUT],
+                          outputs=[self._name(f'{p}/mamba/out'), CONV_STATE_PRESENT.format(i)],
+                          domain=KQUANT_DOMAIN, name=f'{p}/mamba', heads=s.mamba_heads,
+                          head_dim=s.mamba_head_dim, groups=s.mamba_groups,
+                          d_state=s.mamba_state, epsilon=float(s.rms_norm_eps))
+        o = self._linear(y, mw.out, f'{p}.mamba.out_proj')
+        self._mlp(o, residual, mw.ffn_norm, mw.gate_up, mw.down, p)
+
+    def _residual_scaled(self, x: str, p: str) -> str:
+        """Granite: a residual branch times residual_scale before its add (else x itself)."""
+        if not self.spec.residual_scale:
+            return x
+        if not any(t.name == 'residual_scale' for t in self.initializers):
+            self._init('residual_scale', np.array(self.spec.residual_scale, self.np_dtype))
+        (y,) = self._node('Mul', [x, 'residual_scale'], name=f'{p}/residual_scale')
+        return y
+
     def add_layer(self, i: int, lw: LayerWeights) -> None:
         """One decoder layer reading/writing past_key_values.{i} / present.{i}."""
         s = self.spec
@@ -634,6 +709,8 @@ class DecoderGraph:
             rope = ('cos_tokens', 'sin_tokens')
         if s.is_nope(i):
             rope = ('cos_cache_nope', 'sin_cache_nope')
+        if s.is_nope(i) and self._nope_per_token:
+            rope = ('cos_tokens_nope', 'sin_tokens_nope')
         # A local layer's query sees the last sliding_window keys, itself included, as in
         # llama.cpp (n_swa) and HF; GQA's local_window_size counts the same way (checked
         # against llama.cpp in test_llama_cpp_parity: one key more or less moves logits ~1).
@@ -648,7 +725,7 @@ class DecoderGraph:
             norms = {} if lw.q_norm is None else {
                 'q_norm': lw.q_norm.astype(np.float32).tolist(),
                 'k_norm': lw.k_norm.astype(np.float32).tolist(), 'norm_epsilon': eps}
-            if s.rope_sections:
+            if s.rope_sections or self._nope_per_token:
                 norms['rope_per_token'] = 1
             attn, _, _ = self._node('CausalAttention', inputs, outputs=outputs,
                                     domain=KQUANT_DOMAIN, name=f'{p}/attn',
@@ -765,6 +842,7 @@ class DecoderGraph:
              down: Weight, p: str, post_ffn_norm: Optional[np.ndarray] = None) -> None:
         """Add the mixer's output `o` to the residual, then the gated MLP of the layer."""
         gamma = self._norm(ffn_norm, f'{p}.ffn_norm')
+        o = self._residual_scaled(o, f'{p}/attn')
         h, _, _, residual = self._node('SkipSimplifiedLayerNormalization',
                                        [o, residual, gamma], n_out=4, domain=MS_DOMAIN,
                                        name=f'{p}/ffn_norm', epsilon=float(self.spec.rms_norm_eps))
@@ -776,6 +854,7 @@ class DecoderGraph:
         self._x = self._linear(act, down, f'{p}.mlp.down_proj')
         if post_ffn_norm is not None:
             self._x = self._plain_norm(self._x, post_ffn_norm, f'{p}.post_ffn_norm')
+        self._x = self._residual_scaled(self._x, f'{p}/mlp')
         self._residual = residual
 
     def _gated(self, h: str, gate_up: List[Weight], p: str) -> str:
@@ -875,6 +954,10 @@ class DecoderGraph:
             logits = self._linear(h, lm_head, 'lm_head')
         if self.onnx_dtype != TensorProto.FLOAT:
             (logits,) = self._node('Cast', [logits], to=TensorProto.FLOAT)
+        if s.logit_scale:
+            # llama.cpp's ggml_scale by 1 / logit_scale (the quotient in float32).
+            inv = np.float32(1) / np.float32(s.logit_scale)
+            (logits,) = self._node('Mul', [logits, self._init('logit_scale_inv', inv)])
         if s.final_logit_softcap > 0:
             cap = self._init('logit_softcap', np.array(s.final_logit_softcap, np.float32))
             inv = np.array(1 / s.final_logit_softcap, np.float32)

@@ -37,15 +37,20 @@ import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
-from edge_llm_ros.convert.mmproj import (Mmproj, MmprojError, QWEN_MAX_TOKENS,
-                                         QWEN_MIN_TOKENS)
+from edge_llm_ros.convert.mmproj import (GEMMA4_MAX_TOKENS, GEMMA4_MIN_TOKENS,
+                                         GEMMA4_ROPE_BASE, GEMMA4V, Mmproj, MmprojError,
+                                         QWEN_MAX_TOKENS, QWEN_MIN_TOKENS, QWEN_PROJECTORS)
 from edge_llm_ros.convert.onnx_graph import initializer, MS_DOMAIN
 from edge_llm_ros.convert.quant import from_q8_0
 from edge_llm_ros.model_format import VISION_INPUT as PIXELS
 
 OPSET = 20  # Gelu (approximate='tanh') is opset 20
 INT8_ACTIVATIONS = 4  # MatMulNBits accuracy_level: activations quantized to int8 per block
-BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger', 'qwen3vl_merger')
+BUILT = ('gemma3', 'idefics3', 'internvl', 'mlp', 'qwen2.5vl_merger', 'qwen3vl_merger',
+         GEMMA4V)
+# mtmd_decode_use_non_causal: Gemma 4's images attend both ways, except beside the E2B and
+# E4B language models (hidden sizes 1536 and 2560), whose images are causal.
+GEMMA4_CAUSAL_WIDTHS = (1536, 2560)
 # As the libmtmd this is checked against builds them (test/test_vision_encoder.py): where the
 # CLS token goes before the position embeddings are added, and the encoder layers LLaVA's
 # `mlp` graph runs (n_layer - 1: the last stored layer is skipped).
@@ -259,6 +264,9 @@ def build_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[BinaryI
     if cfg.projector not in BUILT:  # a projector convert/mmproj.py reads but not built here
         raise MmprojError(f'{mm.path}: the {cfg.projector} encoder is not built (built: '
                           f'{", ".join(BUILT)})')
+    if cfg.projector == GEMMA4V:  # one image of any size, its own graph
+        from edge_llm_ros.convert.vision_gemma4 import build_gemma4_encoder
+        return build_gemma4_encoder(mm, name, data, location)
     if cfg.dynamic:  # Qwen-VL: one image of any size, its own graph
         from edge_llm_ros.convert.vision_qwen import build_qwen_encoder
         return build_qwen_encoder(mm, name, data, location)
@@ -312,11 +320,15 @@ _LAYOUT = {
                          'wrapper': ['<|vision_start|>', '<|vision_end|>']},
     'qwen3vl_merger': {'preprocess': 'qwen_smart_resize', 'attention': 'causal',
                        'wrapper': ['<|vision_start|>', '<|vision_end|>']},
+    GEMMA4V: {'preprocess': 'gemma4_resize', 'attention': 'bidirectional',
+              'wrapper': ['<|image>', '<image|>']},
 }
 
 
 def image_attention(mm: Mmproj) -> str:
     """'bidirectional' when the image's tokens see each other both ways, else 'causal'."""
+    if mm.config.projector == GEMMA4V and mm.config.n_out in GEMMA4_CAUSAL_WIDTHS:
+        return 'causal'
     return _LAYOUT[mm.config.projector]['attention']
 
 
@@ -328,10 +340,16 @@ def model_yaml_section(mm: Mmproj, file: str) -> dict:
             'embedding_size': cfg.n_out, 'image_mean': list(cfg.image_mean),
             'image_std': list(cfg.image_std), 'longest_edge': cfg.longest_edge,
             'min_tiles': cfg.min_tiles, 'max_tiles': cfg.max_tiles,
-            **_LAYOUT[cfg.projector], 'source': mm.path,
+            **_LAYOUT[cfg.projector], 'attention': image_attention(mm), 'source': mm.path,
             **({'head_dim': cfg.n_embd // cfg.n_head, 'merge': cfg.scale_factor,
                 'min_tokens': QWEN_MIN_TOKENS, 'max_tokens': QWEN_MAX_TOKENS,
-                'positions': 'mrope'} if cfg.dynamic else {}),
+                'positions': 'mrope'} if cfg.projector in QWEN_PROJECTORS else {}),
+            # Gemma 4: the encoder's 2-D RoPE tables (runtime/mmproj_gemma4.py); the language
+            # model's positions stay plain (no grid).
+            **({'head_dim': cfg.n_embd // cfg.n_head, 'merge': cfg.scale_factor,
+                'min_tokens': GEMMA4_MIN_TOKENS, 'max_tokens': GEMMA4_MAX_TOKENS,
+                'rope_base': GEMMA4_ROPE_BASE, 'positions': 'rope_2d'}
+               if cfg.projector == GEMMA4V else {}),
             # Qwen3-VL: the learned positions' square grid, and the DeepStack rows that follow
             # each image row's embedding_size main values (embedding_size x (1 + D) wide).
             **({'position_grid': cfg.patches_per_side, 'deepstack_layers': len(cfg.deepstack)}

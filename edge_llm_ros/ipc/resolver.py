@@ -351,9 +351,16 @@ class TensorResolver:
     """Consumer-side handle resolution; one connection per pool, opened on first use."""
 
     def __init__(self, socket_dir: Optional[str] = None, max_inflight: int = 2,
-                 name: str = '', timeout_s: float = 2.0) -> None:
+                 name: str = '', timeout_s: float = 2.0, try_inflight: int = 0) -> None:
+        """Set up the resolver; no connection is opened yet.
+
+        try_inflight > max_inflight: ask each pool for that many holds first (a window pool
+        sized for it admits them), and fall back to max_inflight where the pool refuses (a
+        camera ring of a few slots).
+        """
         self.socket_dir = socket_dir
         self.max_inflight = max_inflight
+        self.try_inflight = try_inflight
         self.name = name
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
@@ -367,8 +374,16 @@ class TensorResolver:
             if conn is None or conn.closed:
                 if conn is not None:
                     self._retire(pool_id, conn)
-                conn = _Connection(pool_id, self.socket_dir, self.max_inflight, self.name,
-                                   subscribe=False, timeout_s=self.timeout_s)
+                conn = None
+                if self.try_inflight > self.max_inflight:
+                    try:
+                        conn = _Connection(pool_id, self.socket_dir, self.try_inflight,
+                                           self.name, subscribe=False, timeout_s=self.timeout_s)
+                    except AdmissionError:
+                        conn = None
+                if conn is None:
+                    conn = _Connection(pool_id, self.socket_dir, self.max_inflight, self.name,
+                                       subscribe=False, timeout_s=self.timeout_s)
                 self._connections[pool_id] = conn
             return conn
 
@@ -415,6 +430,10 @@ class TensorResolver:
             return True
         except IpcError:
             return False
+
+    def inflight(self, pool_id: str) -> int:
+        """Frames of the pool this resolver may hold at once (connects when needed)."""
+        return self._connection(pool_id).max_inflight
 
     def held(self, pool_id: str) -> int:
         """Frames of a pool this resolver holds right now."""

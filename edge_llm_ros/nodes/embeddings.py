@@ -16,7 +16,9 @@ no slot of the producer's ring, so a deep queue never starves a camera pipeline.
 
 Several handles may point into one published slot (different byte_offsets): they count as one
 held frame of the producer. llm_node holds at most MAX_INFLIGHT frames of one pool at a time,
-so a goal whose handles name more frames of one pool than that is refused at admission.
+so a goal whose handles name more frames of one pool than that is refused at admission; a pool
+with room for more (the perception node's time window, vision/window.py) admits up to
+WINDOW_INFLIGHT of them, so a goal can take several frames of a window.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from edge_llm_ros.runtime.types import DeclaredEmbeddings
 
 # Frames of one pool llm_node holds at once (its max_inflight with every producer).
 MAX_INFLIGHT = 2
+# Frames of one pool asked for first (granted by a pool sized for it: a perception window).
+WINDOW_INFLIGHT = 8
 IMAGE_FORMATS = ('uint8 RGB [height, width, 3], or mono [height, width] / [height, width, 1] '
                  '(or float32/float16 [grid_rows + 1, grid_cols, tile_rows, hidden] encoded by '
                  'the perception node)')
@@ -109,7 +113,8 @@ class EmbeddingResolver:
             except ImportError as exc:
                 raise error(f'{what} need edge_llm_ros.ipc (cannot be imported here: {exc})'
                             f'; send the prompt without {what}') from None
-            self._resolver = TensorResolver(name='llm_node', max_inflight=MAX_INFLIGHT)
+            self._resolver = TensorResolver(name='llm_node', max_inflight=MAX_INFLIGHT,
+                                            try_inflight=WINDOW_INFLIGHT)
         return self._resolver
 
     def _descriptors(self, handles: Sequence[Any], what: str, error: type) -> list:
@@ -128,11 +133,13 @@ class EmbeddingResolver:
                             f'this host (is it running, with the same EDGE_LLM_IPC_DIR?)')
             held = frames.setdefault(desc.pool_id, set())
             held.add((desc.slot, desc.generation, desc.sequence))
-            if len(held) > MAX_INFLIGHT:
+            most = resolver.inflight(desc.pool_id)
+            if len(held) > most:
                 raise error(f'{what} name {len(held)} frames of pool {desc.pool_id!r}, but '
-                            f'{MAX_INFLIGHT} at most are held at once: put them into fewer '
+                            f'{most} at most are held at once: put them into fewer '
                             'published slots (handles may point into one slot at different '
-                            'byte_offsets) or send fewer')
+                            'byte_offsets), send fewer, or take them from a perception time '
+                            f'window (up to {WINDOW_INFLIGHT} frames)')
             descriptors.append(desc)
         return descriptors
 

@@ -202,7 +202,7 @@ class GenerateServer:
         prepared = goal.ran or goal.request
         grounded = detections.ground(msg.text, getattr(prepared, 'image_sizes', ()),
                                      list(goal_handle.request.images))
-        if grounded is None:
+        if not grounded:
             return
         goal_id = str(uuid.UUID(bytes=bytes(goal_handle.goal_id.uuid)))
         msg.detections = detections.result_detections(grounded, goal_id)

@@ -1,16 +1,18 @@
 """llm_node's grounded answers: a result's boxes and points as detections, on ~/detections.
 
 A grounding family (config/models `grounding`, e.g. Qwen2.5-VL's `absolute`) answers "where is
-the red cup?" with boxes or points. When a goal with one image ends with such an answer, its
-Result carries them as edge_llm_msgs/Detection2D in that frame's pixels (the engine's
-PreparedRequest.image_sizes: the frame's size and the size the model saw it at), stamped with
-the image handle's header, and the node publishes them on ~/detections as one
-Detection2DArray (vision_msgs where installed, else edge_llm_msgs: nodes/detections.py).
+the red cup?" with boxes or points. When a goal with images ends with such an answer, its
+Result carries them as edge_llm_msgs/Detection2D, each in the pixels of the image it was found
+in (the engine's PreparedRequest.image_sizes: each frame's size and the size the model saw it
+at) and stamped with that image handle's header, and the node publishes one Detection2DArray
+per image that has any on ~/detections (vision_msgs where installed, else edge_llm_msgs:
+nodes/detections.py). With several images, each box goes to the image the answer names
+before it ("Picture 2: ...", or a JSON entry's "image": 2): vision/grounding.py's rule; a box
+the answer gives no image is left out (and logged), never guessed.
 
 `detections.publish`: 'auto' publishes when the model grounds and takes images; 'on' requires
 that (configure fails with DetectionsConfigError otherwise); 'off' never publishes (results
-still carry their detections). A text-only answer, an answer without boxes, or a goal with
-several images (the answer does not say which image a box is in) gives none.
+still carry their detections). A text-only answer or an answer without boxes gives none.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from edge_llm_ros.nodes.detections import (detection_array, detection_messages,
                                            DetectionMessages)
 from edge_llm_ros.nodes.node_params import ConfigError
 from edge_llm_ros.qos import DETECTIONS_QOS
-from edge_llm_ros.vision.grounding import ground, GroundingResult
+from edge_llm_ros.vision.grounding import ground_images, GroundingResult
 
 TOPIC = '~/detections'
 
@@ -42,10 +44,11 @@ def grounding_frame(engine: Any) -> str:
 
 @dataclass(frozen=True)
 class Grounded:
-    """One goal's detections: its image handle's header and the mapped result."""
+    """One image's detections: its handle's header, the mapped result, its id's suffix."""
 
     header: Any
     result: GroundingResult
+    image: str = ''   # '' for a goal's only image, else '/image<n>' (1-based, prompt order)
 
 
 class DetectionPublisher:
@@ -79,41 +82,43 @@ class DetectionPublisher:
         """Tell whether answers go out on ~/detections."""
         return self._publisher is not None
 
-    def ground(self, text: str, image_sizes: Sequence, handles: Sequence) -> Optional[Grounded]:
-        """Map an answer onto its one image; None when there is nothing to map.
+    def ground(self, text: str, image_sizes: Sequence, handles: Sequence) -> List[Grounded]:
+        """Map an answer onto the goal's images: one Grounded per image with detections.
 
-        image_sizes: PreparedRequest.image_sizes; handles: the goal's image TensorHandles.
+        image_sizes: PreparedRequest.image_sizes; handles: the goal's image TensorHandles, in
+        the same order. Empty when there is nothing to map.
         """
-        if not self.frame or not text or len(image_sizes) != 1 or len(handles) != 1:
-            if self.frame and text and len(image_sizes) > 1:
-                self._node.get_logger().info(
-                    'answer not grounded: the goal had several images and the answer does '
-                    'not say which one a box is in', throttle_duration_sec=30.0)
-            return None
-        original, model_input = image_sizes[0]
-        if min(*original, *model_input) <= 0:
-            return None
-        found = ground(text, self.frame, tuple(original), tuple(model_input))
-        if found.dropped:
-            self._node.get_logger().warn(f'{found.dropped} malformed box(es) in the answer '
-                                         'left out of its detections')
-        if not found.detections:
-            return None
-        return Grounded(handles[0].header, found)
-
-    def result_detections(self, grounded: Optional[Grounded], goal_id: str) -> List[Any]:
-        """Return the Result's edge_llm_msgs/Detection2D list (empty for None)."""
-        if grounded is None:
+        if not self.frame or not text or not image_sizes or len(image_sizes) != len(handles):
             return []
-        return list(detection_array(self._result_types, grounded.result.detections,
-                                    grounded.header, goal_id).detections)
+        sizes = [(tuple(original), tuple(model_input)) for original, model_input in image_sizes]
+        if any(min(*original, *model_input) <= 0 for original, model_input in sizes):
+            return []
+        found = ground_images(text, self.frame, sizes)
+        if found[0].dropped:
+            self._node.get_logger().warn(
+                f'{found[0].dropped} box(es) left out of the detections: malformed, or (with '
+                'several images) the answer does not say which image they are in (docs/vision.md'
+                ', "Grounded answers")')
+        several = len(found) > 1
+        return [Grounded(handle.header, result, f'/image{n}' if several else '')
+                for n, (handle, result) in enumerate(zip(handles, found), 1)
+                if result.detections]
 
-    def publish(self, grounded: Optional[Grounded], goal_id: str) -> None:
-        """Publish one Detection2DArray of a grounded answer (nothing for None or 'off')."""
-        if grounded is None or self._publisher is None:
+    def result_detections(self, grounded: Sequence[Grounded], goal_id: str) -> List[Any]:
+        """Return the Result's edge_llm_msgs/Detection2D list, images in order."""
+        out: List[Any] = []
+        for image in grounded:
+            out.extend(detection_array(self._result_types, image.result.detections,
+                                       image.header, goal_id + image.image).detections)
+        return out
+
+    def publish(self, grounded: Sequence[Grounded], goal_id: str) -> None:
+        """Publish one Detection2DArray per grounded image, with its header (none when 'off')."""
+        if self._publisher is None:
             return
-        self._publisher.publish(detection_array(self.types, grounded.result.detections,
-                                                grounded.header, goal_id))
+        for image in grounded:
+            self._publisher.publish(detection_array(self.types, image.result.detections,
+                                                    image.header, goal_id + image.image))
 
     def destroy(self) -> None:
         """Remove ~/detections (cleanup)."""

@@ -6,21 +6,65 @@ worker between jobs (EngineWorker.run_between_jobs), so inference stays on that 
 input (no texts, a text over the context without truncate, a batch over the limit,
 dimensions above the model's, rerank without documents) is answered with success false, the
 message saying what to change and error_kind the error's class name; the node serves on.
-Vectors travel in the response as float32 (row-major [len(texts), dimensions]); the
-TensorHandle path for large results is not built yet (handle.pool_id stays empty).
+Vectors up to HANDLE_MIN_BYTES travel in the response as float32 (row-major
+[len(texts), dimensions]); larger results are written once into the node's own reply pool
+(VectorReplies: sealed memfd or DMA-BUF, edge_llm_ros.ipc) and the response carries their
+TensorHandle, so a big batch does not cross DDS as a float array. A reply slot stays readable
+until REPLY_SLOTS - 1 later large replies have been published (oldest slot reused first);
+LLMClient.embed maps and copies it as soon as the response arrives.
 """
 from __future__ import annotations
 
+import re
+import threading
 from typing import Any, Optional
 
+import numpy as np
 from rclpy.callback_groups import ReentrantCallbackGroup
 
 from edge_llm_msgs.srv import Embed, Rerank
 from edge_llm_ros.errors import EngineError
+from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.nodes.handles import to_handle
 from edge_llm_ros.serving.embedding import not_an_embedding_model
 from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
 CALL_WAIT_S = 60.0   # how long a call waits for a running job before it is answered
+# Results above this go back as a TensorHandle: a few KB of floats is cheap inline, a batch of
+# 256 x 1024 floats (1 MiB) is not.
+HANDLE_MIN_BYTES = 16 * 1024
+REPLY_SLOTS = 8
+# A reply slot is handed out again after this; the client reads it as the response arrives.
+REPLY_LEASE_S = 10.0
+
+
+class VectorReplies:
+    """The node's pool of large embed results (created on the first one, sized to max_batch)."""
+
+    def __init__(self, node_name: str) -> None:
+        # Pool ids are socket file names: keep the node's name readable but safe.
+        self.pool_id = re.sub(r'[^A-Za-z0-9_.-]', '_', f'{node_name}_embed').lstrip('.-')[:64]
+        self._pool: Optional[TensorPool] = None
+        self._lock = threading.Lock()
+
+    def publish(self, vectors: np.ndarray, slot_nbytes: int):
+        """Copy vectors into a reply slot and return its TensorHandle message."""
+        with self._lock:
+            if self._pool is not None and self._pool.buffer_size < vectors.nbytes:
+                self._pool.close()   # a model with wider vectors since: size the pool anew
+                self._pool = None
+            if self._pool is None:
+                self._pool = TensorPool(PoolConfig(
+                    pool_id=self.pool_id, slot_nbytes=max(slot_nbytes, vectors.nbytes),
+                    slots=REPLY_SLOTS, lease_s=REPLY_LEASE_S))
+            return to_handle(self._pool.publish_array(vectors))
+
+    def close(self) -> None:
+        """Free the pool (its handles go stale)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
 
 
 def _engine_call(worker: Optional[EngineWorker], method: str, *args):
@@ -36,13 +80,23 @@ def _engine_call(worker: Optional[EngineWorker], method: str, *args):
     return worker.run_between_jobs(action, CALL_WAIT_S)
 
 
+def _largest_reply(worker: EngineWorker, dimensions: int) -> int:
+    """Bytes of the largest result this engine returns (max_batch texts of its width)."""
+    config = getattr(worker.engine, 'config', None)
+    return int(getattr(config, 'max_batch', 1)) * dimensions * 4
+
+
 def embed(worker: Optional[EngineWorker], request: Embed.Request,
-          response: Embed.Response) -> Embed.Response:
+          response: Embed.Response, replies: Optional[VectorReplies] = None) -> Embed.Response:
     """Fill `response` with the texts' vectors (see the module docstring)."""
     out = _engine_call(worker, 'embed', list(request.texts), bool(request.is_query),
                        int(request.dimensions), bool(request.truncate))
     response.dimensions = out.dimensions
-    response.vectors = out.vectors.reshape(-1).tolist()
+    vectors = np.ascontiguousarray(out.vectors, np.float32)
+    if replies is not None and vectors.nbytes > HANDLE_MIN_BYTES:
+        response.handle = replies.publish(vectors, _largest_reply(worker, out.dimensions))
+    else:
+        response.vectors = vectors.reshape(-1).tolist()
     response.model_id = out.model_id
     response.token_counts = [int(n) for n in out.token_counts]
     response.success = True
@@ -66,6 +120,7 @@ class EmbedServices:
     def __init__(self, node: Any) -> None:
         self._node = node
         self._group = ReentrantCallbackGroup()
+        self.replies = VectorReplies(node.get_name())
         self._services = [
             node.create_service(Embed, '~/embed', self.on_embed, callback_group=self._group),
             node.create_service(Rerank, '~/rerank', self.on_rerank, callback_group=self._group)]
@@ -81,9 +136,13 @@ class EmbedServices:
             return response
 
     def on_embed(self, request: Embed.Request, response: Embed.Response) -> Embed.Response:
-        return self._answer('~/embed', lambda: embed(self._node.worker, request, response),
-                            response)
+        return self._answer('~/embed', lambda: embed(self._node.worker, request, response,
+                                                     self.replies), response)
 
     def on_rerank(self, request: Rerank.Request, response: Rerank.Response) -> Rerank.Response:
         return self._answer('~/rerank', lambda: rerank(self._node.worker, request, response),
                             response)
+
+    def close(self) -> None:
+        """Free the reply pool (on cleanup / shutdown)."""
+        self.replies.close()

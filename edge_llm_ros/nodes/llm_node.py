@@ -219,6 +219,7 @@ class LLMNode(LifecycleNode):
         configured, self.configured = self.configured, None
         if configured is not None:
             release(configured, CancelReason.SHUTDOWN)
+        self.embed_services.close()   # its reply pool: sized to the model just freed
 
     def wait_requests_answered(self, timeout: float) -> bool:
         """Wait until no goal or ~/complete call is being answered (the executor spins)."""

@@ -15,6 +15,7 @@ import numpy as np
 from rclpy.callback_groups import CallbackGroup
 from rclpy.node import Node
 
+from edge_llm_ros.embed_reply import EmbedReplyError, EmbedReplyReader
 from edge_llm_ros.memory.errors import EmbeddingServiceError
 
 POLL_S = 0.05
@@ -28,6 +29,7 @@ class ServiceCaller:
         self.name = name
         self.timeout_s = timeout_s
         self._client = node.create_client(srv_type, name, callback_group=group)
+        self.replies = EmbedReplyReader(node.get_name())   # large Embed results (handles)
 
     def call(self, request: Any) -> Any:
         """Send request and return the response; EmbeddingServiceError when none comes."""
@@ -59,15 +61,11 @@ def embed_call(caller: ServiceCaller, texts: Sequence[str], is_query: bool
     if not response.success:
         raise EmbeddingServiceError(f'{caller.name} refused the text '
                                     f'({response.error_kind}): {response.message}')
-    if response.handle.pool_id:
-        raise EmbeddingServiceError(f'{caller.name} answered with a TensorHandle: memory reads '
-                                    'the vectors array only; embed fewer texts per call')
-    dims = int(response.dimensions)
-    vectors = np.asarray(response.vectors, dtype=np.float32)
-    if dims <= 0 or vectors.size != dims * len(texts):
-        raise EmbeddingServiceError(f'{caller.name} answered {vectors.size} floats for '
-                                    f'{len(texts)} texts of {dims} dimensions: check that node')
-    return response.model_id, vectors.reshape(len(texts), dims)
+    try:
+        vectors = caller.replies.vectors(response, len(texts))
+    except EmbedReplyError as exc:
+        raise EmbeddingServiceError(f'{caller.name}: {exc}') from None
+    return response.model_id, vectors
 
 
 def rerank_call(caller: ServiceCaller, query: str, documents: Sequence[str]

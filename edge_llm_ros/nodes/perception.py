@@ -16,6 +16,13 @@ folder (edge-llm-convert --mmproj): then the frames go through its vision encode
 llm_node runs (vision/vlm_frames.py), and a goal brings the handle in ``images`` where its
 prompt says ``<__media__>``.
 Inference runs on a worker thread; the newest frame wins, older unread ones are dropped.
+
+Time window (``window.seconds`` > 0, vision/window.py): every frame the worker takes is also
+copied once into the node's window pool (``window.pool_id``, at most ``window.max_frames``
+frames within ``window.max_mb``) and indexed by its header stamp; the ``~/window`` service
+(edge_llm_msgs/GetWindow) resolves "the last N seconds" or two stamps to those frames' handles,
+sampled at a given fps / count, oldest first: a goal then carries them in ``images``. No pixels
+travel in the reply or the goal.
 """
 import os
 import sys
@@ -32,6 +39,7 @@ from edge_llm_ros.convert.standin_encoder import build_model
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.ipc.errors import DescriptorError, IpcError, PoolExhaustedError
 from edge_llm_ros.ipc.pool import PoolConfig, TensorPool
+from edge_llm_ros.nodes.handles import to_handle
 from edge_llm_ros.nodes.node_params import ConfigError, declare_and_read
 from edge_llm_ros.nodes.runner import run_node
 from edge_llm_ros.nodes.tensor_input import Sample, TensorInput
@@ -40,6 +48,7 @@ from edge_llm_ros.vision.errors import ModelMismatchError, VisionError
 from edge_llm_ros.vision.params import perception_config
 from edge_llm_ros.vision.runner import VisionModel
 from edge_llm_ros.vision.vlm_frames import vlm_folder, VlmFrameEncoder
+from edge_llm_ros.vision.window import NS, window_request, WindowError, WindowRing
 
 LOG_THROTTLE_S = 5.0
 TAKE_TIMEOUT_S = 0.2
@@ -69,7 +78,10 @@ class PerceptionNode(Node):
         self._last_log = {}
         self.processed = 0
         self.rejected = 0
+        self.window: Optional[WindowRing] = None
         try:
+            if cfg.window.seconds > 0:
+                self._open_window()
             self.output = TensorOutput(self, '~/embeddings', CopyKind.TENSOR,
                                        cfg.pool.copy_fallback)
             if all(d is not None for d in self.model.output.shape):
@@ -91,6 +103,38 @@ class PerceptionNode(Node):
         self._worker = threading.Thread(target=self._work, name='inference', daemon=True)
         self._worker.start()
 
+    def _open_window(self) -> None:
+        """Make the window ring (its pool comes with the first frame) and ~/window."""
+        from edge_llm_msgs.srv import GetWindow
+        cfg, win = self.config.pool, self.config.window
+
+        def make_pool(nbytes: int, slots: int) -> TensorPool:
+            return TensorPool(PoolConfig(pool_id=win.pool_id, slot_nbytes=nbytes, slots=slots,
+                                         allocator=cfg.allocator, lease_s=cfg.lease_s,
+                                         socket_dir=cfg.socket_dir))
+        self.window = WindowRing(win.seconds, win.max_frames, win.max_bytes, make_pool)
+        self.create_service(GetWindow, '~/window', self._on_window)
+
+    def _on_window(self, request, response):
+        """Resolve a time window to its frames' handles (GetWindow; errors in the reply)."""
+        now = self.get_clock().now().nanoseconds
+        try:
+            frames = self.window.select(window_request(
+                request.last_seconds, _ns(request.start), _ns(request.end), request.fps,
+                request.max_frames, now))
+        except WindowError as exc:
+            response.success, response.error_message = False, str(exc)
+        else:
+            response.success = True
+            response.frames = [to_handle(desc, header) for desc, header in
+                               (held.item for held in frames)]
+        count, oldest, newest = self.window.span()
+        response.held_frames = count
+        if count:
+            response.held_oldest = _stamp(oldest)
+            response.held_newest = _stamp(newest)
+        return response
+
     def _ensure_pool(self, dtype: np.dtype, shape: Tuple[int, ...]) -> None:
         if self.pool is not None:
             return
@@ -110,13 +154,17 @@ class PerceptionNode(Node):
         next_t = time.monotonic()
         while not self._stop.is_set():
             wait = next_t - time.monotonic()
-            if wait > 0 and self._stop.wait(wait):
-                return
+            if self.window is None and wait > 0 and self._stop.wait(wait):
+                return   # (with a window every frame is taken; rate_hz paces inference only)
             sample = self.input.take(TAKE_TIMEOUT_S)
             if sample is None:
                 continue
-            next_t = time.monotonic() + period
             with sample:
+                if self.window is not None:
+                    self._keep(sample)
+                    if time.monotonic() < next_t:
+                        continue
+                next_t = time.monotonic() + period
                 try:
                     self._infer(sample)
                 except (ModelMismatchError, DescriptorError) as exc:
@@ -126,6 +174,18 @@ class PerceptionNode(Node):
                     self._log('warn', 'full', f'skipping a frame: {exc}')
                 except Exception as exc:  # noqa: B902 - keep serving; onnxruntime errors vary
                     self._log('error', 'run', f'inference failed: {exc!r}')
+
+    def _keep(self, sample: Sample) -> None:
+        """Copy the frame into the time window (one copy; the producer's slot is let go)."""
+        try:
+            made = self.window.add(sample.array, _ns(sample.header.stamp), sample.header)
+        except (WindowError, PoolExhaustedError) as exc:
+            self._log('warn', 'window', f'frame not kept in the window: {exc}')
+        except Exception as exc:  # noqa: B902 - keep serving inference and the older frames
+            self._log('error', 'window', f'frame not kept in the window: {exc!r}')
+        else:
+            if made:
+                self.get_logger().info(made)
 
     def _infer(self, sample: Sample) -> None:
         frame = sample.array   # held (mapped read-only) until the with-block in _work ends
@@ -162,8 +222,21 @@ class PerceptionNode(Node):
         self.get_logger().info(f'{self.processed} frames processed, {self.rejected} rejected; '
                                f'input {self.input.stats}; output {self.output.stats}')
         self.input.close()
+        if self.window is not None:
+            self.window.close()
         if self.pool is not None:
             self.pool.close()
+
+
+def _ns(stamp) -> int:
+    """Return a builtin_interfaces/Time as nanoseconds."""
+    return int(stamp.sec) * NS + int(stamp.nanosec)
+
+
+def _stamp(ns: int):
+    """Return nanoseconds as a builtin_interfaces/Time."""
+    from builtin_interfaces.msg import Time
+    return Time(sec=ns // NS, nanosec=ns % NS)
 
 
 def main(args=None) -> int:

@@ -67,11 +67,15 @@ class ImageEncoder:
         inputs = [(i.name, i.type) for i in self._session.get_inputs()]
         # Qwen-VL (any image size) also takes its RoPE tables and window mask (Qwen2.5-VL)
         # or its learned positions' interpolation (Qwen3-VL).
+        # Gemma 4 (positions 'rope_2d') takes its RoPE tables alone.
         self._mrope = vision.get('positions') == 'mrope'
+        self._rope_2d = vision.get('positions') == 'rope_2d'
         extra = [(n, 'tensor(float)') for n in VISION_ROPE_INPUTS] + (
+            [] if self._rope_2d else
             [(VISION_POS_INPUTS[0], 'tensor(int64)'), (VISION_POS_INPUTS[1], 'tensor(float)')]
             if vision.get('position_grid') else [(VISION_WINDOW_MASK, 'tensor(float)')])
-        if inputs != [(PIXELS, 'tensor(uint8)')] + (extra if self._mrope else []):
+        dynamic = self._mrope or self._rope_2d
+        if inputs != [(PIXELS, 'tensor(uint8)')] + (extra if dynamic else []):
             raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
                                  'graph from before the normalization moved into it): '
                                  'reconvert the model with --mmproj')
@@ -107,6 +111,9 @@ class ImageEncoder:
         if self._mrope:
             from edge_llm_ros.runtime.mmproj_qwen import encoder_inputs
             feeds.update(encoder_inputs(tiles.tiles[0], self.vision))
+        elif self._rope_2d:
+            from edge_llm_ros.runtime.mmproj_gemma4 import encoder_inputs as gemma4_inputs
+            feeds.update(gemma4_inputs(tiles.tiles[0], self.vision))
         (out,) = self._session.run(None, feeds)
         rows = np.ascontiguousarray(out.reshape(-1, out.shape[-1]))
         t2 = time.perf_counter()
@@ -148,9 +155,10 @@ class ImageEncoder:
 
     def encoded_shape(self, height: int, width: int) -> Tuple[int, int, int, int]:
         """Return the wire form's shape for a height x width image (media.DeclaredEncoded)."""
-        if self._mrope:
-            raise ImageInputError('a Qwen-VL model takes frames, not pre-encoded rows (its '
-                                  'rows per image vary with the size): send the pixels')
+        if self._mrope or self._rope_2d:
+            raise ImageInputError(f'a {self.vision.get("projector")} model takes frames, not '
+                                  'pre-encoded rows (its rows per image vary with the size): '
+                                  'send the pixels')
         cols, rows, _ = grid_for(height, width, self.vision)
         return (rows + 1, max(cols, 1), int(self.vision['tokens_per_tile']), self.n_out)
 

@@ -10,7 +10,9 @@ llama.cpp's multimodal library replaces each media marker of the prompt by the i
 - qwen2.5vl_merger, qwen3vl_merger: `<|vision_start|>` [the image's columns x rows merged
   tokens, row by row] `<|vision_end|>`; the placement keeps the grid for the M-RoPE positions.
   A video clip (these two only: their n_temporal_merge is 2) is its frames two by two, each
-  pair (an odd last frame alone) one such image of the frame's grid, one after the other.
+  pair (an odd last frame alone) one such image of the frame's grid, one after the other;
+- gemma4v: `<|image>` [the image's columns x rows pooled tokens, row by row] `<image|>`, at
+  plain positions; the image attends both ways unless model.yaml says 'causal' (E2B / E4B).
 The wrapper pieces are single tokens of the language model's vocabulary; a model that lacks
 one is refused when it loads (llama.cpp would silently put token -1 there).
 (test/test_vision_llm_parity.py compares the token ids and chunk sizes with mtmd's.)
@@ -31,8 +33,10 @@ _PIECES: Dict[str, Tuple[str, ...]] = {
     'mlp': (),
     'qwen2.5vl_merger': ('<|vision_start|>', '<|vision_end|>'),
     'qwen3vl_merger': ('<|vision_start|>', '<|vision_end|>'),
+    'gemma4v': ('<|image>', '<image|>'),
 }
 QWEN = ('qwen2.5vl_merger', 'qwen3vl_merger')
+DYNAMIC = (*QWEN, 'gemma4v')  # one image of its own size: no tiles, no encoded form
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,10 @@ class PromptLayout:
         """
         if self.refusal:
             raise ImageInputError(self.refusal)
-        if self.projector in QWEN:
-            raise ImageInputError(f'{name} is an encoded image, which a Qwen-VL model does '
-                                  'not take (its rows vary with the size): send the pixels')
+        if self.projector in DYNAMIC:
+            raise ImageInputError(f'{name} is an encoded image, which a {self.projector} '
+                                  'model does not take (its rows vary with the size): send '
+                                  'the pixels')
         _, _, tile_rows, hidden = encoded.shape
         cols, rows, tiles = encoded.grid
         width = int(self._vision['embedding_size'])
@@ -143,6 +148,10 @@ class PromptLayout:
             side = int(self._vision['patch_size']) * MERGE
             return ImagePlacement(tuple(items), t, 1, False, (cols, rows),
                                   (cols * side, rows * side))
+        if self.projector == 'gemma4v':
+            t = cols * rows
+            items = [(ids['<|image>'],), t, (ids['<image|>'],)]
+            return ImagePlacement(tuple(items), t, 1, self.bidirectional)
         if self.projector == 'gemma3':
             items = [(ids['<start_of_image>'],), t, (ids['<end_of_image>'],)]
         elif self.projector == 'idefics3':

@@ -16,7 +16,10 @@ embeddings of every chunk with libmtmd's):
   is letterboxed on black into that grid (BICUBIC) and cut row by row, and the whole image
   stretched to one tile (BICUBIC) follows as the thumbnail;
 - mlp (LLaVA-1.5): one tile, letterboxed as gemma3's but BICUBIC and on libmtmd's fixed grey
-  (122, 116, 104), whatever the mmproj's image_mean (no mean colour of the image is taken).
+  (122, 116, 104), whatever the mmproj's image_mean (no mean colour of the image is taken);
+- qwen2.5vl / qwen3vl and gemma4v: one image of its own size, letterboxed (BICUBIC) into
+  sides that are multiples of patch x merge (2 for Qwen-VL, 3 for Gemma 4) within the
+  family's token limits (runtime/mmproj_qwen.py's smart_size).
 `preprocess` picks the recipe from model.yaml's `vision` mapping, `grid_for` gives the tile
 count of an image size without its pixels. The tiles stay uint8: vision.onnx normalizes them
 ((u8 / 255 - mean) / std, convert/vision_graph.py).
@@ -38,7 +41,9 @@ LLAVA_GREY = (122, 116, 104)
 INTERNVL_MIN_TILES, INTERNVL_MAX_TILES = 1, 12
 # model.yaml's vision.preprocess values (convert/vision_graph.py writes them).
 PREPROCESS = ('letterbox_bilinear', 'idefics3_tiles', 'internvl_tiles', 'letterbox_bicubic',
-              'qwen_smart_resize')
+              'qwen_smart_resize', 'gemma4_resize')
+# One image of its own size (runtime/mmproj_qwen.py's resize; Gemma 4 with its merge of 3).
+_SMART = ('qwen_smart_resize', 'gemma4_resize')
 
 
 class ImageShapeError(ValueError):
@@ -215,7 +220,7 @@ def preprocess(img: np.ndarray, vision: Mapping) -> Tiles:
         return mlp_tiles(img, size)
     if name == 'idefics3_tiles':
         return idefics3_tiles(img, size, int(vision.get('longest_edge') or 0))
-    if name == 'qwen_smart_resize':  # one image of its own size (runtime/mmproj_qwen.py)
+    if name in _SMART:  # one image of its own size (runtime/mmproj_qwen.py)
         from edge_llm_ros.runtime.mmproj_qwen import qwen_image, token_grid
         return Tiles([qwen_image(_check(img), vision)],
                      token_grid(img.shape[0], img.shape[1], vision))
@@ -234,7 +239,7 @@ def grid_for(height: int, width: int, vision: Mapping) -> Tuple[int, int, int]:
         raise ImageShapeError(f'an image must be at least 1 x 1 pixels, got {h} x {w}')
     if name in ('letterbox_bilinear', 'letterbox_bicubic'):
         return 0, 0, 1
-    if name == 'qwen_smart_resize':  # (columns, rows) of merged tokens: one image
+    if name in _SMART:  # (columns, rows) of merged tokens: one image
         from edge_llm_ros.runtime.mmproj_qwen import token_grid
         return (*token_grid(h, w, vision), 1)
     if name == 'idefics3_tiles':

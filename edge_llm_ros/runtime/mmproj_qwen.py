@@ -33,10 +33,13 @@ def _round_half_away(x: np.float32) -> int:
 
 
 def smart_size(height: int, width: int, patch: int, min_tokens: int = MIN_TOKENS,
-               max_tokens: int = MAX_TOKENS) -> Tuple[int, int]:
-    """Return (height, width) libmtmd resizes a Qwen-VL image to (multiples of patch x 2)."""
+               max_tokens: int = MAX_TOKENS, merge: int = MERGE) -> Tuple[int, int]:
+    """Return (height, width) libmtmd resizes an image to (multiples of patch x merge).
+
+    Qwen-VL's merge is 2; Gemma 4 (gemma4v) takes the same resize with its pooling of 3.
+    """
     f32 = np.float32
-    align = patch * MERGE
+    align = patch * merge
     min_pixels, max_pixels = min_tokens * align * align, max_tokens * align * align
 
     def by(x, how) -> int:
@@ -57,17 +60,20 @@ def smart_size(height: int, width: int, patch: int, min_tokens: int = MIN_TOKENS
 
 def token_grid(height: int, width: int, vision: Mapping) -> Tuple[int, int]:
     """Return the (columns, rows) of merged tokens an image of height x width becomes."""
-    patch = int(vision['patch_size'])
+    patch, merge = int(vision['patch_size']), int(vision.get('merge') or MERGE)
     h, w = smart_size(height, width, patch, int(vision.get('min_tokens') or MIN_TOKENS),
-                      int(vision.get('max_tokens') or MAX_TOKENS))
-    return w // (patch * MERGE), h // (patch * MERGE)
+                      int(vision.get('max_tokens') or MAX_TOKENS), merge)
+    return w // (patch * merge), h // (patch * merge)
 
 
 def qwen_image(img: np.ndarray, vision: Mapping) -> np.ndarray:
-    """Return the image resized as libmtmd does (uint8 [H', W', 3], sides multiples of 28)."""
+    """Return the image resized as libmtmd does (uint8 [H', W', 3], sides multiples of 28).
+
+    (Gemma 4's too: multiples of patch x 3, vision `merge`.)
+    """
     from edge_llm_ros.runtime.mmproj_preprocess import letterbox
     cols, rows = token_grid(img.shape[0], img.shape[1], vision)
-    side = int(vision['patch_size']) * MERGE
+    side = int(vision['patch_size']) * int(vision.get('merge') or MERGE)
     return letterbox(img, cols * side, rows * side, 'bicubic')
 
 

@@ -25,15 +25,16 @@ from edge_llm_ros.model_format import ARCHITECTURES as MODEL_ARCHITECTURES, PREC
 from edge_llm_ros.runtime.choices import GROUNDING_FRAMES
 from edge_llm_ros.safe_yaml import safe_load_bounded, YamlFormatError
 
-TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'generic_json',
-                     'none')
+TOOL_CALL_FORMATS = ('hermes', 'llama3_json', 'mistral', 'lfm2', 'gemma4', 'qwen3_xml',
+                     'generic_json', 'none')
 ARCHITECTURES = MODEL_ARCHITECTURES   # the families a model folder may hold
 # The family part of a display name when no family's name matches the model's (see
 # family_label): the architecture as its makers write it.
 ARCHITECTURE_LABELS = {'llama': 'Llama', 'qwen2': 'Qwen2', 'qwen3': 'Qwen3',
                        'gemma3': 'Gemma 3', 'phi3': 'Phi-3', 'lfm2': 'LFM2',
                        'qwen2vl': 'Qwen2.5-VL', 'qwen35': 'Qwen3.5', 'qwen3vl': 'Qwen3-VL',
-                       'gemma4': 'Gemma 4', 'smollm3': 'SmolLM3'}
+                       'gemma4': 'Gemma 4', 'smollm3': 'SmolLM3',
+                       'granitehybrid': 'Granite 4.0-H'}
 # Converter flags a family may preset (edge-llm-convert's options of the same names).
 CONVERSION_FLAGS = {'precision': str, 'block_size': int, 'dtype': str, 'accuracy_level': int,
                     'max_context': int}

@@ -22,6 +22,18 @@ frame. A box the answer gives with a non-finite or missing coordinate is not a d
 dropped and counted in `GroundingResult.dropped`, so a caller can say so.
 
 A generated answer has no confidence: every detection's score is 1.0.
+
+Several images (`ground_images`): Qwen-VL numbers a goal's images in prompt order (its chat
+template's vision ids read "Picture 1:", "Picture 2:", ...), and its answers name them the same
+way. Each box or point goes to one image, by this rule, first match wins:
+
+1. the goal has one image: that image;
+2. a JSON entry with an integer ``"image": n`` key (1-based, as a prompt may ask): image n;
+3. the last "Picture n", "Image n" or "Frame n" (any case, 1-based) the answer writes before the
+   box: image n;
+4. otherwise the box is not attributed: it is dropped and counted in `dropped`, never guessed.
+
+A reference to an image the goal does not have (n = 0 or n > the image count) drops the box too.
 """
 from __future__ import annotations
 
@@ -42,6 +54,8 @@ _NUMBER = r'\s*(-?\d+(?:\.\d*)?)\s*'
 _PAIR = rf'\({_NUMBER},{_NUMBER}\)'
 # A tagged body is one pair (a point) or two (a box's corners), nothing else.
 _BODY = re.compile(rf'{_PAIR}(?:\s*,\s*{_PAIR})?')
+# How an answer names the n-th image of a goal (1-based): Qwen's "Picture n", or Image/Frame n.
+_IMAGE_REF = re.compile(r'\b(?:picture|image|frame)\s*#?\s*(\d+)\b', re.I)
 
 
 class GroundingError(VisionError, ValueError):
@@ -60,6 +74,8 @@ class GroundedItem:
     box: Tuple[float, float, float, float]
     is_point: bool
     frame: str
+    offset: int = 0                # where the item starts in the answer text
+    image: Optional[int] = None    # a JSON entry's own "image": n (1-based), else None
 
 
 @dataclass(frozen=True)
@@ -96,7 +112,7 @@ def parse_grounding(text: str, json_frame: str) -> Tuple[List[GroundedItem], int
     dropped = 0
     for start, obj in _json_values(text):
         for entry in _entries(obj):
-            item = _json_item(entry, json_frame)
+            item = _json_item(entry, json_frame, start)
             if item is None:
                 dropped += 1
             else:
@@ -110,7 +126,8 @@ def parse_grounding(text: str, json_frame: str) -> Tuple[List[GroundedItem], int
         is_point = len(coords) == 2
         label = (match.group('label') or '').strip()
         items.append((match.start(), GroundedItem(
-            label, tuple(coords * 2 if is_point else coords), is_point, 'normalized_1000')))
+            label, tuple(coords * 2 if is_point else coords), is_point, 'normalized_1000',
+            match.start())))
     items.sort(key=lambda pair: pair[0])
     return [item for _, item in items], dropped
 
@@ -141,6 +158,44 @@ def ground(text: str, json_frame: str, original: Tuple[int, int],
     _check_sizes(original, model_input)
     items, dropped = parse_grounding(text, json_frame)
     return GroundingResult([to_image_pixels(i, original, model_input) for i in items], dropped)
+
+
+def ground_images(text: str, json_frame: str,
+                  sizes: Sequence[Tuple[Tuple[int, int], Tuple[int, int]]]
+                  ) -> List[GroundingResult]:
+    """Parse `text` and map each item onto the image it belongs to (the module docstring's rule).
+
+    sizes: per image of the goal, in prompt order, (original, model_input) as (width, height).
+    Returns one GroundingResult per image; the items no image can be given are counted in the
+    first result's `dropped` (with the malformed ones).
+    """
+    if not sizes:
+        raise GroundingError('ground_images needs the size of at least one image')
+    for original, model_input in sizes:
+        _check_sizes(original, model_input)
+    items, dropped = parse_grounding(text, json_frame)
+    results = [GroundingResult() for _ in sizes]
+    refs = [(m.start(), int(m.group(1))) for m in _IMAGE_REF.finditer(text)]
+    for item in items:
+        index = _image_of(item, refs, len(sizes))
+        if index is None:
+            dropped += 1
+            continue
+        results[index].detections.append(to_image_pixels(item, *sizes[index]))
+    results[0].dropped = dropped
+    return results
+
+
+def _image_of(item: GroundedItem, refs: Sequence[Tuple[int, int]], count: int
+              ) -> Optional[int]:
+    """Return the 0-based image an item belongs to, None when the answer does not say."""
+    if count == 1:
+        return 0
+    number = item.image
+    if number is None:
+        before = [n for offset, n in refs if offset < item.offset]
+        number = before[-1] if before else None
+    return number - 1 if number is not None and 1 <= number <= count else None
 
 
 def _check_sizes(original: Tuple[int, int], model_input: Tuple[int, int]) -> None:
@@ -181,7 +236,7 @@ def _entries(obj: object) -> Iterator[dict]:
             yield from _entries(value)
 
 
-def _json_item(entry: dict, frame: str) -> Optional[GroundedItem]:
+def _json_item(entry: dict, frame: str, offset: int) -> Optional[GroundedItem]:
     is_point = 'bbox_2d' not in entry
     raw = entry['point_2d'] if is_point else entry['bbox_2d']
     label = entry.get('label', '')
@@ -195,4 +250,7 @@ def _json_item(entry: dict, frame: str) -> Optional[GroundedItem]:
     if not all(math.isfinite(v) for v in coords):
         return None
     box = tuple(coords * 2) if is_point else tuple(coords)
-    return GroundedItem(str(label) if label is not None else '', box, is_point, frame)
+    image = entry.get('image')
+    image = image if isinstance(image, int) and not isinstance(image, bool) else None
+    return GroundedItem(str(label) if label is not None else '', box, is_point, frame, offset,
+                        image)

@@ -40,6 +40,16 @@ class FrameSourceConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WindowSettings:
+    """perception's time window (vision/window.py): bounds and its own pool's id."""
+
+    seconds: float
+    max_frames: int
+    max_bytes: int
+    pool_id: str
+
+
+@dataclasses.dataclass(frozen=True)
 class PerceptionConfig:
     """perception's parameters, read once."""
 
@@ -52,6 +62,7 @@ class PerceptionConfig:
     runner: RunnerConfig
     process_cpus: Tuple[int, ...]     # '' affinity: () = no pinning
     pool: PoolSettings
+    window: WindowSettings            # window.* (seconds 0 = no window)
 
 
 def pool_settings(values: Mapping[str, Any]) -> PoolSettings:
@@ -94,4 +105,10 @@ def perception_config(values: Mapping[str, Any]) -> PerceptionConfig:
                             input_pool_id=values['input.pool_id'],
                             transport=values['input.transport'], rate_hz=values['rate_hz'],
                             model_path=values['model.path'], stand_in=stand_in, runner=runner,
-                            process_cpus=plan.process_cpus, pool=pool_settings(values))
+                            process_cpus=plan.process_cpus, pool=pool_settings(values),
+                            window=WindowSettings(
+                                seconds=values['window.seconds'],
+                                max_frames=values['window.max_frames'],
+                                max_bytes=values['window.max_mb'] << 20,
+                                pool_id=values['window.pool_id'] or
+                                f"{values['pool.id']}_window"))

@@ -925,4 +925,16 @@ const LoraKernels *avx2_lora_kernels() {
   return &kernels;
 }
 
+// ---- int8 dots (attention_i8): maddubs + madd ---------------------------------------------
+namespace {
+void i8_dots_avx2(const int8_t *a, const int8_t *b, int64_t n, int64_t count, int32_t *out) {
+  i8_dots_x86([](__m256i acc, __m256i ax, __m256i x, __m256i k) {
+    const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(k, x));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }, a, b, n, count, out);
+}
+}  // namespace
+
+elk_i8_dots_fn avx2_i8_dots() { return i8_dots_avx2; }
+
 }  // namespace elk

@@ -880,4 +880,15 @@ const LoraKernels *avx512_lora_kernels() {
   return &kernels;
 }
 
+// ---- int8 dots (attention_i8): VNNI's vpdpbusd on 256-bit lanes -----------------------------
+namespace {
+void i8_dots_vnni(const int8_t *a, const int8_t *b, int64_t n, int64_t count, int32_t *out) {
+  i8_dots_x86([](__m256i acc, __m256i ax, __m256i x, __m256i k) {
+    return _mm256_dpbusd_epi32(acc, ax, _mm256_sign_epi8(k, x));
+  }, a, b, n, count, out);
+}
+}  // namespace
+
+elk_i8_dots_fn avx512_vnni_i8_dots() { return i8_dots_vnni; }
+
 }  // namespace elk

@@ -25,10 +25,12 @@ namespace elk {
 #ifndef ELK_HAVE_AVX2
 const DotKernels *avx2_kernels() { return nullptr; }
 const GemmKernels *avx2_gemm_kernels() { return nullptr; }
+elk_i8_dots_fn avx2_i8_dots() { return nullptr; }
 #endif
 #ifndef ELK_HAVE_AVX512
 const DotKernels *avx512_vnni_kernels() { return nullptr; }
 const GemmKernels *avx512_vnni_gemm_kernels() { return nullptr; }
+elk_i8_dots_fn avx512_vnni_i8_dots() { return nullptr; }
 #endif
 #ifndef ELK_HAVE_AMX
 const DotKernels *amx_kernels() { return nullptr; }
@@ -37,6 +39,7 @@ const GemmKernels *amx_gemm_kernels() { return nullptr; }
 #ifndef ELK_HAVE_NEON
 const DotKernels *neon_kernels() { return nullptr; }
 const DotKernels *neon_dotprod_kernels() { return nullptr; }
+elk_i8_dots_fn neon_dotprod_i8_dots() { return nullptr; }
 const GemmKernels *neon_gemm_kernels() { return nullptr; }
 const GemmKernels *neon_dotprod_gemm_kernels() { return nullptr; }
 const DotKernels *neon_i8mm_kernels() { return nullptr; }
@@ -259,4 +262,22 @@ extern "C" void elk_quantize_row_q8_K(const float *x, void *y, int64_t k) {
   } else {
     elk_quantize_row_q8_K_ref(x, y, k);
   }
+}
+
+// The int8 dots of attention over an int8 KV cache (attention_i8.h), by instruction set.
+extern "C" elk_i8_dots_fn elk_i8_dots(const char *isa) {
+  if (std::strcmp(isa, "scalar") == 0) return i8_dots_scalar;
+  if (std::strcmp(isa, "avx2") == 0 && cpu_has_avx2_fma()) return avx2_i8_dots();
+  if (std::strcmp(isa, "avx512_vnni") == 0 && cpu_has_avx512_vnni()) {
+    return avx512_vnni_i8_dots();
+  }
+  if (std::strcmp(isa, "neon_dotprod") == 0 && cpu_has_dotprod()) return neon_dotprod_i8_dots();
+  return nullptr;
+}
+
+extern "C" const char *elk_i8_dots_best(void) {
+  for (const char *isa : {"avx512_vnni", "avx2", "neon_dotprod"}) {
+    if (elk_i8_dots(isa) != nullptr) return isa;
+  }
+  return "scalar";
 }

@@ -4,6 +4,8 @@
 // calls its tokens came in, or on the threads.
 #include "edge_llm_kquant/gated_delta.h"
 
+#include "edge_llm_kquant/causal_conv.h"
+
 #include <cmath>
 #include <cstring>
 
@@ -43,45 +45,12 @@ void l2_norm(const float *x, int64_t n, float eps, float *y) {
 
 extern "C" {
 
-ELK_CLONES void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0,
-                                  int64_t c1, const float *qkv, const float *weight,
-                                  int64_t state_floats, float *state, float *conv) {
-  constexpr int64_t kBlock = ELK_GDN_CHANNELS;
-  const int64_t d = shape->head_dim, kernel = shape->kernel;
-  const int64_t channels = (2 * shape->k_heads + shape->v_heads) * d;
-  const int64_t kept = kernel - 1, n = c1 - c0;
-  const bool fresh = row->start == 0;
-  float taps[ELK_GDN_MAX_KERNEL][kBlock];
-  float window[ELK_GDN_MAX_KERNEL][kBlock];
-  float sum[kBlock];
-  for (int64_t j = 0; j < kernel; ++j) {
-    for (int64_t c = 0; c < n; ++c) taps[j][c] = weight[(c0 + c) * kernel + j];
-  }
-  float *row_state = state + row->slot * state_floats + c0;
-  for (int64_t j = 0; j < kept; ++j) {
-    for (int64_t c = 0; c < n; ++c) window[j][c] = fresh ? 0.0f : row_state[j * channels + c];
-  }
-  for (int64_t s = 0; s < row->length; ++s) {
-    const float *x = qkv + (row->offset + s) * channels + c0;
-    for (int64_t c = 0; c < n; ++c) sum[c] = 0.0f;
-    for (int64_t j = 0; j < kept; ++j) {
-      for (int64_t c = 0; c < n; ++c) sum[c] += window[j][c] * taps[j][c];
-    }
-    float *out = conv + (row->offset + s) * channels + c0;
-    for (int64_t c = 0; c < n; ++c) {
-      sum[c] += x[c] * taps[kept][c];
-      out[c] = silu(sum[c]);
-    }
-    for (int64_t j = 0; j + 1 < kept; ++j) {
-      for (int64_t c = 0; c < n; ++c) window[j][c] = window[j + 1][c];
-    }
-    if (kept > 0) {
-      for (int64_t c = 0; c < n; ++c) window[kept - 1][c] = x[c];
-    }
-  }
-  for (int64_t j = 0; j < kept; ++j) {
-    for (int64_t c = 0; c < n; ++c) row_state[j * channels + c] = window[j][c];
-  }
+void elk_gdn_conv_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t c0, int64_t c1,
+                       const float *qkv, const float *weight, int64_t state_floats, float *state,
+                       float *conv) {
+  const int64_t channels = (2 * shape->k_heads + shape->v_heads) * shape->head_dim;
+  elk_causal_conv_rows(channels, shape->kernel, row, c0, c1, qkv, weight, nullptr,
+                       state_floats, state, conv);
 }
 
 ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *row, int64_t h,

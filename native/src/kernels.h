@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "edge_llm_kquant/attention_i8.h"
 
 namespace elk {
 
@@ -141,4 +142,12 @@ bool lora_active();
 // Returns 1 (deltas written), 0 (no row of this call adapts the node), -1 (error set).
 int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
                 std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error);
+// ---- int8 dots of attention over an int8 KV cache (attention_i8.cpp) ---------------------
+// The scalar reference (i8_dot.cpp), also the ISA paths' tail; each ISA file's dots, nullptr
+// when that file is not built (another architecture).
+void i8_dots_scalar(const int8_t *a, const int8_t *b, int64_t n, int64_t count, int32_t *out);
+elk_i8_dots_fn avx2_i8_dots();
+elk_i8_dots_fn avx512_vnni_i8_dots();
+elk_i8_dots_fn neon_dotprod_i8_dots();
+
 }  // namespace elk

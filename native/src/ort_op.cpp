@@ -28,6 +28,7 @@
 #include "edge_llm_kquant/ref.h"
 #include "edge_llm_kquant/shortconv.h"
 #include "edge_llm_kquant/gated_delta.h"
+#include "edge_llm_kquant/mamba2.h"
 #include "glu.h"
 #include "kernels.h"
 
@@ -1212,6 +1213,179 @@ struct GatedDeltaOp : Ort::CustomOpBase<GatedDeltaOp, GatedDeltaKernel, true> {
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
 };
+// edge_llm_ros.Mamba2: Granite 4.0-H's SSM layer after its input projection (llama.cpp's
+// build_mamba2_layer): the causal depthwise conv + bias + SiLU over x | B | C, the selective
+// scan token by token, the gate silu(z) and the grouped RMSNorm (mamba2.h). One state buffer
+// per layer ([N, state floats]: conv inputs, then the SSM state), bound as both past_state and
+// present_state and updated in place; a row that starts its sequence (start 0) reads zeros.
+// Three steps (conv by channel blocks, the scan by head, the norm by group), each a fixed
+// order per element: a row's bits do not depend on the rows beside it or the call's form.
+struct Mamba2Work {
+  elk_mamba2_shape shape;
+  const elk_row *rows;
+  const float *xbc, *weight, *bias, *z, *dt, *dt_bias, *a, *d, *norm;
+  float *state, *conv, *y;
+  int64_t state_floats, blocks, channels;
+};
+
+void mamba2_conv_task(void *data, size_t task) {
+  const Mamba2Work &w = *static_cast<const Mamba2Work *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.blocks;
+  const int64_t c0 = static_cast<int64_t>(task) % w.blocks * ELK_CONV_CHANNELS;
+  const int64_t c1 = std::min(w.channels, c0 + ELK_CONV_CHANNELS);
+  elk_causal_conv_rows(w.channels, w.shape.kernel, &w.rows[r], c0, c1, w.xbc, w.weight, w.bias,
+                       w.state_floats, w.state, w.conv);
+}
+
+void mamba2_scan_task(void *data, size_t task) {
+  const Mamba2Work &w = *static_cast<const Mamba2Work *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.shape.heads;
+  const int64_t h = static_cast<int64_t>(task) % w.shape.heads;
+  elk_mamba2_scan_rows(&w.shape, &w.rows[r], h, w.conv, w.z, w.dt, w.dt_bias, w.a, w.d,
+                       w.state_floats, w.state, w.y);
+}
+
+void mamba2_norm_task(void *data, size_t task) {
+  const Mamba2Work &w = *static_cast<const Mamba2Work *>(data);
+  const int64_t r = static_cast<int64_t>(task) / w.shape.groups;
+  const int64_t g = static_cast<int64_t>(task) % w.shape.groups;
+  elk_mamba2_norm_rows(&w.shape, &w.rows[r], g, w.norm, w.y);
+}
+
+struct Mamba2Kernel {
+  Mamba2Kernel(const OrtApi &, const OrtKernelInfo *info) {
+    Ort::ConstKernelInfo i(info);
+    heads_ = i.GetAttribute<int64_t>("heads");
+    head_dim_ = i.GetAttribute<int64_t>("head_dim");
+    groups_ = i.GetAttribute<int64_t>("groups");
+    d_state_ = i.GetAttribute<int64_t>("d_state");
+    eps_ = i.GetAttribute<float>("epsilon");
+    if (heads_ < 1 || groups_ < 1 || heads_ % groups_ != 0 || head_dim_ < 1 ||
+        head_dim_ > ELK_MAMBA2_MAX_HEAD || d_state_ < 1) {
+      fail("heads " + std::to_string(heads_) + ", head_dim " + std::to_string(head_dim_) +
+           ", groups " + std::to_string(groups_) + ", d_state " + std::to_string(d_state_) +
+           " (heads a multiple of groups, head_dim 1.." + std::to_string(ELK_MAMBA2_MAX_HEAD) +
+           ")");
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext *context) { return guarded(*this, context); }
+
+  static void fail(const std::string &what) {
+    throw Ort::Exception("Mamba2: " + what + ": reconvert the model", ORT_INVALID_ARGUMENT);
+  }
+
+  static std::vector<int64_t> shape_of(const Ort::ConstValue &v) {
+    return v.GetTensorTypeAndShapeInfo().GetShape();
+  }
+
+  void Compute(OrtKernelContext *context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue xbc = ctx.GetInput(0), z = ctx.GetInput(1), dt = ctx.GetInput(2),
+                          weight = ctx.GetInput(3), bias = ctx.GetInput(4),
+                          dt_bias = ctx.GetInput(5), a = ctx.GetInput(6), d = ctx.GetInput(7),
+                          norm = ctx.GetInput(8), past = ctx.GetInput(9),
+                          seqlens = optional_input(ctx, 10), rows = optional_input(ctx, 11);
+    const bool varlen = rows_form("Mamba2", seqlens, rows);
+    const int64_t inner = heads_ * head_dim_, channels = inner + 2 * groups_ * d_state_;
+    const std::vector<int64_t> x_shape = shape_of(xbc), w_shape = shape_of(weight),
+                               s_shape = shape_of(past);
+    if (w_shape.size() != 2 || w_shape[0] != channels || w_shape[1] < 2 ||
+        w_shape[1] > ELK_CONV_MAX_KERNEL) {
+      fail("the conv weight is not [" + std::to_string(channels) + ", kernel] with a kernel "
+           "of 2.." + std::to_string(ELK_CONV_MAX_KERNEL) + " positions");
+    }
+    const int64_t kernel = w_shape[1];
+    if (x_shape.size() != 3 || x_shape[2] != channels) {
+      fail("xbc is not [batch, seq, " + std::to_string(channels) + "]");
+    }
+    const int64_t batch = x_shape[0], seq = x_shape[1];
+    const auto check = [&](const Ort::ConstValue &v, const char *name,
+                           const std::vector<int64_t> &want) {
+      if (shape_of(v) != want) {
+        std::string dims;
+        for (int64_t n : want) dims += (dims.empty() ? "" : ", ") + std::to_string(n);
+        fail(std::string(name) + " is not [" + dims + "]");
+      }
+    };
+    check(z, "z", {batch, seq, inner});
+    check(dt, "dt", {batch, seq, heads_});
+    check(bias, "the conv bias", {channels});
+    check(dt_bias, "dt_bias", {heads_});
+    check(a, "a", {heads_});
+    check(d, "d", {heads_});
+    check(norm, "norm", {inner});
+    const int64_t state_floats = (kernel - 1) * channels + heads_ * d_state_ * head_dim_;
+    if (s_shape.size() != 2 || (!varlen && s_shape[0] != batch) ||
+        s_shape[1] != state_floats) {
+      fail("the state is not [" + std::string(varlen ? "slots" : "batch") + ", " +
+           std::to_string(state_floats) + "]");
+    }
+    std::vector<elk_row> table = varlen ? row_table("Mamba2", rows, s_shape[0], batch, seq)
+                                        : batched_table("Mamba2", seqlens, batch, seq, 0);
+    Ort::UnownedValue present = ctx.GetOutput(1, s_shape);
+    float *state = present.GetTensorMutableData<float>();
+    if (state != past.GetTensorData<float>()) {
+      std::memcpy(state, past.GetTensorData<float>(),
+                  static_cast<size_t>(s_shape[0] * state_floats) * sizeof(float));
+    }
+    Ort::UnownedValue y = ctx.GetOutput(0, std::vector<int64_t>{batch, seq, inner});
+    const int64_t tokens = batch * seq;
+    if (tokens == 0) return;
+    std::vector<float> conv(static_cast<size_t>(tokens * channels));
+    Mamba2Work work{elk_mamba2_shape{heads_, head_dim_, groups_, d_state_, kernel, eps_},
+                    table.data(), xbc.GetTensorData<float>(), weight.GetTensorData<float>(),
+                    bias.GetTensorData<float>(), z.GetTensorData<float>(),
+                    dt.GetTensorData<float>(), dt_bias.GetTensorData<float>(),
+                    a.GetTensorData<float>(), d.GetTensorData<float>(),
+                    norm.GetTensorData<float>(), state, conv.data(),
+                    y.GetTensorMutableData<float>(), state_floats,
+                    (channels + ELK_CONV_CHANNELS - 1) / ELK_CONV_CHANNELS, channels};
+    const size_t conv_tasks = table.size() * static_cast<size_t>(work.blocks);
+    const size_t scan_tasks = table.size() * static_cast<size_t>(heads_);
+    const size_t norm_tasks = table.size() * static_cast<size_t>(groups_);
+    if (tokens * channels <= kInline) {
+      for (size_t t = 0; t < conv_tasks; ++t) mamba2_conv_task(&work, t);
+    } else {
+      ctx.ParallelFor(mamba2_conv_task, conv_tasks, 0, &work);
+    }
+    ctx.ParallelFor(mamba2_scan_task, scan_tasks, 0, &work);
+    if (tokens * inner <= kInline) {
+      for (size_t t = 0; t < norm_tasks; ++t) mamba2_norm_task(&work, t);
+    } else {
+      ctx.ParallelFor(mamba2_norm_task, norm_tasks, 0, &work);
+    }
+  }
+
+ private:
+  static constexpr int64_t kInline = 1 << 14;
+  int64_t heads_ = 0, head_dim_ = 0, groups_ = 0, d_state_ = 0;
+  float eps_ = 0.0f;
+};
+
+struct Mamba2Op : Ort::CustomOpBase<Mamba2Op, Mamba2Kernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi &api, const OrtKernelInfo *info,
+                              void **kernel) const {
+    return create<Mamba2Kernel>(api, info, kernel);
+  }
+  const char *GetName() const { return "Mamba2"; }
+  // 0 xbc [B, S, C] (C = H P + 2 G N), 1 z [B, S, H P], 2 dt [B, S, H], 3 conv weight [C, L],
+  // 4 conv bias [C], 5 dt_bias [H], 6 a [H], 7 d [H], 8 norm [H P], 9 past state [B or N, F],
+  // 10 seqlens_k [B] (optional), 11 rows [R, 4] (optional): one of 10 and 11.
+  size_t GetInputTypeCount() const { return 12; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index >= 10 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32
+                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index >= 10 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // y [B, S, H P] and the present state [B or N, F].
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const {
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+};
 }  // namespace
 
 // SessionOptions.register_custom_ops_library calls this. The library also exports ref.h's
@@ -1224,6 +1398,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
   static CausalAttentionOp attention;
   static ShortConvOp shortconv;
   static GatedDeltaOp gated_delta;
+  static Mamba2Op mamba2;
   static Ort::CustomOpDomain *domain = nullptr;  // outlives every session: never freed
   try {
     if (domain == nullptr) {
@@ -1233,6 +1408,7 @@ extern "C" ELK_API OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *
       domain->Add(&attention);
       domain->Add(&shortconv);
       domain->Add(&gated_delta);
+      domain->Add(&mamba2);
     }
     Ort::UnownedSessionOptions(options).Add(*domain);
   } catch (const Ort::Exception &e) {

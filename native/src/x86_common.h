@@ -660,5 +660,39 @@ void tiled_gemm(const void *w, size_t ws, int64_t n, const void *a, size_t as, i
 
 }  // namespace legacy
 
+// ---- int8 dots (attention_i8): signed x signed through the unsigned x signed instructions,
+// which take |a| and b with a's sign (vpsignb), whose products are a x b; maddubs' pair sums
+// stay below 2 x 127 x 127 < 2^15. Four keys a pass share each query load; the tail bytes and
+// the last keys take the scalar loop (the same exact sums).
+inline void i8_sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3, int32_t *out) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_hadd_epi32(s2, s3));
+  const __m128i r = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i *>(out), r);
+}
+
+// Madd(acc, |a|, a, b): acc + the 8 int32 partial sums of a[0..31] x b[0..31].
+template <typename Madd>
+inline void i8_dots_x86(Madd madd, const int8_t *a, const int8_t *b, int64_t n, int64_t count,
+                        int32_t *out) {
+  const int64_t body = n & ~int64_t{31};
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const int8_t *k = b + j * n;
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    for (int64_t i = 0; i < body; i += 32) {
+      const __m256i x = load256(a + i), ax = _mm256_sign_epi8(x, x);
+      s0 = madd(s0, ax, x, load256(k + i));
+      s1 = madd(s1, ax, x, load256(k + n + i));
+      s2 = madd(s2, ax, x, load256(k + 2 * n + i));
+      s3 = madd(s3, ax, x, load256(k + 3 * n + i));
+    }
+    i8_sum4(s0, s1, s2, s3, out + j);
+    for (int64_t i = body; i < n; ++i) {
+      for (int r = 0; r < 4; ++r) out[j + r] += static_cast<int32_t>(a[i]) * k[r * n + i];
+    }
+  }
+  i8_dots_scalar(a, b + j * n, n, count - j, out + j);
+}
+
 }  // namespace
 }  // namespace elk

@@ -35,6 +35,8 @@ class ToolFormat:
     python_calls: bool = False
     # Likewise Gemma 4's call:name{key:value,...} (tools/gemma4_calls.py) between the markers.
     gemma4_calls: bool = False
+    # Likewise Qwen3.5 / Qwen3-Coder's <function=NAME><parameter=KEY>... (tools/xml_calls.py).
+    xml_calls: bool = False
 
 
 FORMATS: Dict[str, ToolFormat] = {
@@ -60,6 +62,13 @@ FORMATS: Dict[str, ToolFormat] = {
     # between the markers, which the parser reads as well.
     'gemma4': ToolFormat('gemma4', ('<|tool_call>',), '<tool_call|>', (), 'arguments', False,
                          '', 'openai', '<|tool_call>', '<tool_call|>', gemma4_calls=True),
+    # Qwen3.5 / Qwen3-Coder: <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>
+    # \n</function>\n</tool_call>, values typed by the tool's schema as llama.cpp does
+    # (xml_calls), read at the close marker. The tool constraint forces a Hermes JSON object
+    # between the markers, which the parser reads as well.
+    'qwen3_xml': ToolFormat('qwen3_xml', ('<tool_call>',), '</tool_call>', (), 'arguments',
+                            False, '\n', 'openai', '<tool_call>\n', '\n</tool_call>',
+                            xml_calls=True),
     # Families with no trained format: the whole answer is the call(s) as JSON.
     'generic_json': ToolFormat('generic_json', (), '', ('```json', '```', '{', '['),
                                'arguments', False, '\n', 'openai', '', ''),

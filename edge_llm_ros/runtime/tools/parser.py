@@ -16,7 +16,9 @@ under a tool constraint (see tools.grammar) that cannot happen.
 Formats with `python_calls` (LFM2) also take a Python call list in the run instead of JSON:
 `[move_to(x=1.5, frame="map"), stop()]`. It is read whole at the close marker (with `ast`,
 nothing evaluated: keyword arguments whose values are literals), so its calls are announced
-there, each with its arguments in one delta (JSON text, as for JSON calls).
+there, each with its arguments in one delta (JSON text, as for JSON calls). Gemma 4's
+call:name{...} (gemma4_calls) and Qwen3.5's <function=NAME><parameter=KEY>... (xml_calls) are
+read the same way.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_ros.runtime.tools.formats import ARG_KEYS, ToolFormat
 from edge_llm_ros.runtime.tools.spec import new_call_id, ToolCall, ToolSpec, validate_arguments
+from edge_llm_ros.runtime.tools.xml_calls import xml_calls
 
 _SEPARATORS = frozenset(' \t\r\n,;[]`')
 _ENDED_INSIDE = 'the output ended inside a tool call (max_tokens reached?)'
@@ -198,8 +201,9 @@ class ToolCallParser:
                 self._lead = None
                 self._obj = _Obj()
                 self._object_char(c)
-            elif ((self._fmt.python_calls or self._fmt.gemma4_calls) and self._lead is not None
-                  and c.isidentifier()):
+            elif self._lead is not None and (
+                    (self._fmt.python_calls or self._fmt.gemma4_calls) and c.isidentifier()
+                    or self._fmt.xml_calls and c == '<'):
                 self._mode = 'python'
                 self._py = [self._lead]
                 return i
@@ -236,15 +240,22 @@ class ToolCallParser:
         """Record the calls of a Python call list; report each bad one."""
         self._py = []
         try:
-            calls = gemma4_python_calls(source) if self._fmt.gemma4_calls \
-                else python_calls(source)
+            if self._fmt.xml_calls:
+                calls = [PythonCall(*c) for c in xml_calls(source, self._tools)]
+            elif self._fmt.gemma4_calls:
+                calls = gemma4_python_calls(source)
+            else:
+                calls = python_calls(source)
         except ValueError as exc:
-            syntax = 'Gemma 4 call syntax' if self._fmt.gemma4_calls else 'valid Python'
+            syntax = ('XML call syntax' if self._fmt.xml_calls else 'Gemma 4 call syntax'
+                      if self._fmt.gemma4_calls else 'valid Python')
             error = f'the tool calls are not {syntax}: {exc}' if closed else _ENDED_INSIDE
             self.invalid.append(InvalidToolCall(source.strip(), error))
             return
         for call in calls:
             error = (self._unknown_tool(call.name) if call.name else '') or call.error
+            if error and call.error and not closed and self._fmt.xml_calls:
+                error = _ENDED_INSIDE   # an XML call cut short reads as a bad one
             if not error:  # validate what the call carries (tuples as lists, as JSON has)
                 error = self._arguments_problem(call.name, json.loads(call.arguments))
             if error:

@@ -11,15 +11,16 @@
 
 #include <stdint.h>
 
+#include "edge_llm_kquant/causal_conv.h"
 #include "edge_llm_kquant/row.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-// Widest conv kernel the op takes (Qwen3.5: 4) and channels per conv task.
-#define ELK_GDN_MAX_KERNEL 16
-#define ELK_GDN_CHANNELS 64
+// Widest conv kernel the op takes (Qwen3.5: 4) and channels per conv task (causal_conv.h).
+#define ELK_GDN_MAX_KERNEL ELK_CONV_MAX_KERNEL
+#define ELK_GDN_CHANNELS ELK_CONV_CHANNELS
 // Largest head size (d_k = d_v) the op takes (Qwen3.5: 128).
 #define ELK_GDN_MAX_HEAD 256
 

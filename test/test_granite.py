@@ -1,0 +1,293 @@
+"""Granite 4.0-H (dense): Mamba-2 layers with a recurrent state beside attention layers.
+
+Conversion: a granitehybrid GGUF (Mamba-2, attention, Mamba-2 layers; gguf_fixtures) becomes
+a folder whose model.yaml declares each Mamba-2 layer's state (`recurrent`: its conv inputs
+and SSM state in one vector per slot), whose graph runs the op library's Mamba2 over
+past_conv.{i} / present_conv.{i} (ssm_in's z | xBC | dt rows as three projections) and the
+library's attention without RoPE (rope.scaling.finetuned false), with Granite's embedding,
+residual, attention and logit scales. Checked against llama.cpp: the greedy ids of 32 steps
+are equal for F16 (MatMulNBits at level 0) and every type the op library holds (kquant), with
+every logit on llama.cpp's path within the parity bounds of test_llama_cpp_parity. Control:
+the same graph with its Mamba-2 states cleared after the prompt moves the logits far past the
+bound. The mixture-of-experts variants (H-Tiny, H-Small) are refused by name.
+
+Engine (the state machinery of lfm2 and qwen35, unchanged; test/state_family_checks): a
+prompt in chunks gives the bits of one call; goals batched equal each alone, bit for bit, and
+so does a preempted goal; prefix reuse stops at kept states and equals the uncached run; a
+session continues from its saved states bit for bit, in memory and in SQLite after a restart;
+speculation goes back to the states at the verify's start (output equal to plain decoding).
+"""
+import pathlib
+
+from gguf_fixtures import (granite_case, GRANITE_DIMS, GRANITE_SCALES, GRANITE_SSM,
+                           write_granite_gguf)
+from llama_cpp_parity import compare, converted, llama_cpp_greedy, PROMPT
+import numpy as np
+import onnx
+from ort_driver import OrtDriver
+import pytest
+from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
+                                 check_int8_kv_session, check_sqlite_session_after_restart,
+                                 eng_goal, engine, goal, result_bits, run, TEXTS, turn,
+                                 two_turns_sent_whole, USER1, USER2)
+from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
+import yaml
+
+from edge_llm_ros.convert.checkpoint import load_checkpoint
+from edge_llm_ros.errors import UnsupportedModelError
+from edge_llm_ros.model_format import LayerState, load_model_info
+from edge_llm_ros.runtime.speculative import SpeculativeConfig
+from edge_llm_ros.runtime.types import ChatMessage
+from edge_llm_ros.serving.engine import kv_budget_bytes
+from edge_llm_ros.serving.scheduler import Park, Unpark
+
+CASE = granite_case('Q8_0')
+LONG_PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
+
+
+def state_floats() -> int:
+    m = GRANITE_SSM
+    inner = 2 * GRANITE_DIMS.hidden
+    channels = inner + 2 * m['groups'] * m['state']
+    return (m['kernel'] - 1) * channels + inner * m['state']
+
+
+@pytest.fixture(scope='module')
+def work(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp('granite')
+
+
+def gguf_of(work: pathlib.Path, case) -> pathlib.Path:
+    path = work / f'{case.tag}.gguf'
+    if not path.is_file():
+        write_granite_gguf(path, case)
+    return path
+
+
+@pytest.fixture(scope='module')
+def source(work) -> pathlib.Path:
+    return gguf_of(work, CASE)
+
+
+@pytest.fixture(scope='module')
+def kquant_dir(work, source, native_library) -> pathlib.Path:
+    return converted(source, work, accuracy_level=4, weights='kquant')
+
+
+def test_the_folder_declares_recurrent_states_and_runs_mamba2(kquant_dir):
+    meta = yaml.safe_load((kquant_dir / 'model.yaml').read_text())
+    rec = {'kind': 'recurrent', 'shape': [state_floats()]}
+    assert meta['layer_states'] == [rec, {'kind': 'kv', 'window': 0}, rec]
+    assert meta['architecture'] == 'granitehybrid' and meta['attention'] == 'causal'
+    assert meta['embed_scale'] == GRANITE_SCALES['embedding_scale']
+    assert meta['attention_scale'] == GRANITE_SCALES['attention_scale']
+    assert meta['rope_scaling']['no_rope_layers'] == [0, 1, 2]
+    info = load_model_info(str(kquant_dir))
+    assert info.kv_layers == (1,) and info.conv_layers == (0, 2) and not info.rewindable
+    assert info.state_of(0) == LayerState('recurrent', 0, (state_floats(),))
+    graph = onnx.load(str(kquant_dir / 'model.onnx'), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count('Mamba2') == 2 and ops.count('CausalAttention') == 1
+    # Granite's multipliers: both residual branches of each layer, and the logits.
+    assert sum(n.name.endswith('/residual_scale') for n in graph.node) == 6
+    inits = {t.name for t in graph.initializer}
+    assert 'logit_scale_inv' in inits
+    # No layer rotates: an identity cos/sin row per packed token, no table per position (a
+    # Granite 4.0-H GGUF says 2**20 positions).
+    assert not {'cos_cache', 'sin_cache', 'cos_cache_nope', 'sin_cache_nope'} & inits
+    attn = next(n for n in graph.node if n.op_type == 'CausalAttention')
+    assert {'cos_tokens_nope', 'sin_tokens_nope'} <= set(attn.input)
+    assert onnx.helper.get_node_attr_value(attn, 'rope_per_token') == 1
+    names = {i.name for i in graph.input}
+    assert {'past_conv.0', 'past_conv.2', 'past_key_values.1.key'} <= names
+
+
+def test_the_kv_budget_counts_the_recurrent_states(kquant_dir):
+    info = load_model_info(str(kquant_dir))
+    kv = 2 * GRANITE_DIMS.kv_heads * 64 * GRANITE_DIMS.head_dim   # one attention layer
+    assert kv_budget_bytes(info, 64, 3) == 3 * (kv + 2 * state_floats()) * 4
+
+
+@pytest.mark.parametrize('wtype', ['F16'] + list(KQUANT_TYPES))
+def test_greedy_ids_equal_llama_cpp(work, native_library, wtype, compat):
+    compat('granitehybrid', wtype, 'text')
+    case = granite_case(wtype)
+    path = gguf_of(work, case)
+    exact = wtype == 'F16'
+    kw = ({'accuracy_level': 0, 'weights': 'matmulnbits'} if exact
+          else {'accuracy_level': 4, 'weights': 'kquant'})
+    result = compare(path, work, **kw)
+    print(f'{case.tag}: {result.summary()}')
+    logits, _ = llama_cpp_greedy(path, work / f'{path.stem}.llama_cpp.npz')
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    assert float((top2[:, 1] - top2[:, 0]).min()) > MIN_MARGIN, 'fixture has a near-tie'
+    assert result.greedy_equal, (result.llama_tokens, result.engine_tokens)
+    assert result.max_abs_diff <= (MAX_ABS_DIFF if exact else KQUANT_MAX_ABS_DIFF)
+
+
+def test_granites_rope_switch_on_rotates_and_equals_llama_cpp(work, native_library):
+    """rope.scaling.finetuned true: the attention layers rotate (RoPE tables), as llama.cpp."""
+    path = write_granite_gguf(work / 'granite-rope.gguf', CASE, rope=True)
+    model = converted(path, work, accuracy_level=4, weights='kquant')
+    meta = yaml.safe_load((model / 'model.yaml').read_text())
+    assert 'no_rope_layers' not in meta['rope_scaling']
+    inits = {t.name for t in onnx.load(str(model / 'model.onnx'),
+                                       load_external_data=False).graph.initializer}
+    assert {'cos_cache', 'sin_cache'} <= inits
+    result = compare(path, work, accuracy_level=4, weights='kquant')
+    print(f'granitehybrid with RoPE: {result.summary()}')
+    assert result.greedy_equal, (result.llama_tokens, result.engine_tokens)
+    assert result.max_abs_diff <= KQUANT_MAX_ABS_DIFF
+    # Control: the same weights without RoPE are another model for llama.cpp (the same
+    # greedy path, its logits moved past the bound).
+    nope, nope_ids = llama_cpp_greedy(gguf_of(work, CASE), work / f'{CASE.tag}.llama_cpp.npz')
+    rope, rope_ids = llama_cpp_greedy(path, work / 'granite-rope.llama_cpp.npz')
+    assert list(rope_ids) == list(nope_ids)
+    moved = float(np.abs(rope - nope).max())
+    print(f'llama.cpp with and without RoPE: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
+def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
+        work, source, kquant_dir):
+    """Control: the Mamba-2 states cleared after the prompt move the logits past the bound."""
+    ref, tokens = llama_cpp_greedy(source, work / f'{source.stem}.llama_cpp.npz')
+    drv = OrtDriver(kquant_dir, max_ctx=64)
+    rows = [drv.step(list(PROMPT)).copy()]
+    states = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
+    assert len(states) == 2
+    for tok in tokens[:8]:
+        for buf in states:
+            buf[...] = 0
+        rows.append(drv.step([tok]).copy())
+    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
+    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
+    print(f'Mamba-2 states cleared after the prompt: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
+def test_a_prompt_in_chunks_gives_the_bits_of_one_call(kquant_dir):
+    whole = OrtDriver(kquant_dir, max_ctx=64)
+    want = whole.step(LONG_PROMPT)
+    parts = OrtDriver(kquant_dir, max_ctx=64)
+    for a, b in ((0, 4), (4, 5), (5, len(LONG_PROMPT))):
+        got = parts.step(LONG_PROMPT[a:b])
+    assert np.array_equal(got, want)
+    for x, y in zip(whole.kv, parts.kv):
+        assert np.array_equal(x, y)
+
+
+def test_a_moe_variant_is_refused_by_name(tmp_path):
+    path = write_granite_gguf(tmp_path / 'moe.gguf', granite_case('F32'), moe=True)
+    with pytest.raises(UnsupportedModelError,
+                       match=r'Granite 4.0-H Tiny and Small .*supported: Granite 4.0-H Micro'):
+        load_checkpoint(str(path))
+
+
+@pytest.fixture(scope='module')
+def alone(kquant_dir) -> dict:
+    return alone_bits(kquant_dir)
+
+
+def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
+    compat('granitehybrid', CASE.wtype, 'batching')
+    check_batched_equals_alone(kquant_dir, alone)
+
+
+def test_a_preempted_goal_resumes_with_its_recurrent_states(kquant_dir, alone):
+    eng = engine(kquant_dir, 2)
+    sched = eng.scheduler()
+    try:
+        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
+        while any(len(g.output.events) < 3 for g in low):
+            eng.run_plan()
+        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
+        plans = run(eng, 5000)
+    finally:
+        eng.close()
+    assert any(isinstance(op, Park) for p in plans for op in p.kv)
+    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
+    for g, text in zip(low + [urgent], TEXTS[:3]):
+        assert bits(g) == alone[text], text
+
+
+def test_prefix_reuse_stops_at_kept_states_and_equals_the_uncached_run(kquant_dir):
+    first = TEXTS[0]
+    later = first + ' ' + TEXTS[1]
+    plain = engine(kquant_dir, prefix_reuse=False)
+    try:
+        want = bits(eng_goal(plain, later))
+    finally:
+        plain.close()
+    eng = engine(kquant_dir, prefix_reuse=True)
+    try:
+        eng_goal(eng, first, max_tokens=4)
+        g = eng_goal(eng, later)
+        assert bits(g) == want
+        assert g.result.timings.cached_prompt_tokens == len(eng.tokenize(first))
+    finally:
+        eng.close()
+
+
+@pytest.fixture(scope='module')
+def two_turns_whole(kquant_dir) -> tuple:
+    return two_turns_sent_whole(kquant_dir)
+
+
+def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_turns_whole):
+    first, second = two_turns_whole
+    eng = engine(kquant_dir, max_context=256)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+        turn(eng, [USER2], 'b', max_tokens=3)   # b takes the slot; a is saved
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def test_int8_kv_sessions_with_mamba2_states_continue_bit_for_bit(kquant_dir):
+    """kv.dtype int8 (the converter's model_kv_int8.onnx): int8 KV beside the SSM states."""
+    check_int8_kv_session(kquant_dir)
+
+
+def test_a_session_in_sqlite_continues_after_a_restart_bit_for_bit(
+        kquant_dir, tmp_path, two_turns_whole, compat):
+    compat('granitehybrid', CASE.wtype, 'sessions')
+    check_sqlite_session_after_restart(kquant_dir, str(tmp_path / 'sessions.db'),
+                                       two_turns_whole)
+
+
+@pytest.fixture(scope='module')
+def draft_dir(work, native_library) -> pathlib.Path:
+    """Give another granitehybrid of the same vocabulary (other weights): a draft it rejects."""
+    return converted(gguf_of(work, granite_case('Q8_0', seed=3, chain=0.1)), work,
+                     accuracy_level=4, weights='kquant')
+
+
+def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
+        kquant_dir, draft_dir, compat):
+    """Rejected drafts (prompt lookup, a granitehybrid draft): output equals plain decoding."""
+    compat('granitehybrid', CASE.wtype, 'speculation')
+    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
+    modes = {'off': SpeculativeConfig(mode='off'),
+             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
+             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
+    runs = {}
+    for mode, config in modes.items():
+        eng = engine(kquant_dir, 2, max_context=256, speculative=config)
+        try:
+            sched = eng.scheduler()
+            goals = [sched.submit(goal(eng, t, max_tokens=20)) for t in texts]
+            while not all(g.done for g in goals):
+                eng.run_plan()
+            runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
+        finally:
+            eng.close()
+    plain, _ = runs.pop('off')
+    for mode, (spec, stats) in runs.items():
+        print(mode, stats)
+        assert spec == plain, mode
+        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
