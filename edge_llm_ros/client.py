@@ -575,7 +575,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
               no_speculation: bool = False, images: Sequence[Any] = (),
               raw_prompt: bool = False, max_image_tokens: int = 0,
-              lora: Optional[Mapping[str, float]] = None, **sampling) -> Any:
+              lora: Optional[Mapping[str, float]] = None, video_frames: Sequence[Any] = (),
+              video_timestamps: Sequence[float] = (), video_fps: float = 0.0,
+              **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -594,6 +596,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     fed as is, without the chat template; `max_image_tokens` (Generate only): the most tokens
     one image may take, 0 = the node's vision.max_image_tokens. `lora` (Generate only):
     adapter name -> scale, the LoRA adapters of this goal (lora.adapters / ~/load_adapter).
+    `video_frames`, `video_timestamps`, `video_fps` (Generate only): a clip for a Qwen-VL
+    model (TensorHandle messages of its frames, oldest first, a timestamp in seconds each,
+    the sampling rate); it takes the `<__media__>` marker after the images' ones.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -608,8 +613,11 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.raw_prompt = bool(raw_prompt)
         goal.max_image_tokens = int(max_image_tokens)
         goal.lora = [LoraScale(name=str(n), scale=float(s)) for n, s in (lora or {}).items()]
+        goal.video_frames = list(video_frames)
+        goal.video_timestamps = [float(t) for t in video_timestamps]
+        goal.video_fps = float(video_fps)
     elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens \
-            or lora:
+            or lora or video_frames:
         raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt/'
                         'max_image_tokens/lora: '
                         'send a Generate goal (LLMClient.generate) for those')

@@ -18,7 +18,7 @@ from edge_llm_msgs.msg import (ChatMessage as ChatMessageMsg, SamplingParams,
                                ToolCall as ToolCallMsg, ToolCallDelta as ToolCallDeltaMsg,
                                Transcript)
 from edge_llm_ros.errors import InvalidRequestError
-from edge_llm_ros.runtime.media import DeclaredImage
+from edge_llm_ros.runtime.media import DeclaredImage, VideoClip
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                         GenerationResult, SamplingConfig, StopReason, Timings)
@@ -179,6 +179,21 @@ def to_request(goal, defaults: RequestDefaults,
         lora=lora_scales(getattr(goal, 'lora', ())))
 
 
+def goal_media(goal, declared: Sequence) -> Tuple:
+    """Return a goal's images, then its clip (runtime.media.VideoClip), from declared frames.
+
+    declared: the goal's `images` handles described, then its `video_frames` (in that order,
+    as nodes/embeddings.py describes them together); the clip takes the marker after the
+    images' ones. No clip without video_frames.
+    """
+    n = len(getattr(goal, 'images', ()))
+    if not getattr(goal, 'video_frames', ()):
+        return tuple(declared)
+    return (*declared[:n], VideoClip(tuple(declared[n:]),
+                                     tuple(float(t) for t in goal.video_timestamps),
+                                     float(goal.video_fps)))
+
+
 def lora_scales(entries) -> Dict[str, float]:
     """Return a goal's LoraScale entries as name -> scale (a repeated name is refused)."""
     out: Dict[str, float] = {}
@@ -285,7 +300,7 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
 GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt',
-                    'max_image_tokens')
+                    'max_image_tokens', 'video_frames', 'video_timestamps', 'video_fps')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 

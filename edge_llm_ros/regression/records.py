@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 7
+INTERFACE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,9 @@ class TranscriptRecord:
     images: list = field(default_factory=list)   # version 6: TensorHandleRecord per image
     raw_prompt: bool = False           # version 6: prompt fed without the chat template
     max_image_tokens: int = 0          # version 7: one image's token cap; 0 = node default
+    video_frames: list = field(default_factory=list)   # version 8: TensorHandleRecord each
+    video_timestamps: list = field(default_factory=list)   # version 8: seconds per frame
+    video_fps: float = 0.0             # version 8: the clip's sampling rate (0: not said)
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -152,8 +155,8 @@ class TranscriptRecord:
 
     @property
     def tensor_handles(self) -> list:
-        """Every tensor handle the request carried (prefix embeddings, then images)."""
-        return list(self.prefix_embeddings) + list(self.images)
+        """Every tensor handle the request carried (prefix embeddings, images, clip frames)."""
+        return list(self.prefix_embeddings) + list(self.images) + list(self.video_frames)
 
     def label(self, width: int = 48) -> str:
         """Return a one-line excerpt of the request for tables."""
@@ -276,6 +279,9 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         images=[tensor_handle_from_msg(h) for h in getattr(msg, 'images', ())],
         raw_prompt=bool(getattr(msg, 'raw_prompt', False)),
         max_image_tokens=int(getattr(msg, 'max_image_tokens', 0)),
+        video_frames=[tensor_handle_from_msg(h) for h in getattr(msg, 'video_frames', ())],
+        video_timestamps=[float(t) for t in getattr(msg, 'video_timestamps', ())],
+        video_fps=float(getattr(msg, 'video_fps', 0.0)),
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),
         text=str(msg.text),

@@ -144,6 +144,8 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 prefix_embeddings=handle_msgs(record.prefix_embeddings),
                 images=handle_msgs(record.images), raw_prompt=record.raw_prompt,
                 max_image_tokens=record.max_image_tokens,
+                video_frames=handle_msgs(record.video_frames),
+                video_timestamps=list(record.video_timestamps), video_fps=record.video_fps,
                 tools=[ToolSpec(name=t.name, description=t.description,
                                 parameters=t.parameters) for t in record.tools],
                 tool_choice=record.tool_choice,
