@@ -294,6 +294,8 @@ def main(argv=None) -> int:
                 # This process's growth since before the engine loaded (model, encoder, the
                 # image's activations kept by onnxruntime's arena).
                 grown = psutil.Process().memory_info().rss - rss0
+                print(json.dumps({'shape': shape, 'size': size, 'engine_only': {
+                    k: v for k, v in a.items() if k not in ('rows', 'ids')}}), file=sys.stderr)
                 b = theirs(paths, image, args.threads, args.repeats, paths['folder'].parent,
                            args.parity_tokens if qwen else 1)
                 if qwen:
