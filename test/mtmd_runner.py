@@ -153,7 +153,10 @@ def main(argv=None) -> int:
     if args.timings:
         out.update(preprocess_s=preprocess_s, encode_s=encode_s)
     if args.tokens:
-        n_pos = mtmd.mtmd_helper_get_n_pos(chunks) + args.tokens + 1
+        # The KV cache takes one cell per token: a Qwen-VL image takes nx x ny tokens but
+        # only max(nx, ny) positions (M-RoPE), so size it by both.
+        n_pos = max(mtmd.mtmd_helper_get_n_pos(chunks),
+                    mtmd.mtmd_helper_get_n_tokens(chunks)) + args.tokens + 1
         lctx = _context(model, args.threads, max(CTX, n_pos))
         rc = _greedy(model, ctx, chunks, lctx, args.tokens, out, max(CTX, n_pos))
         llama_cpp.llama_free(lctx)
