@@ -12,7 +12,9 @@ One run, same files, same threads, on the real SmolLM2 GGUF (converted with weig
 - 4 goals at once: 4 rows a call, each with its own adapter, against 4 rows on the base;
 - llama.cpp (the portable peer, bench/llama_peer.py) on the same GGUF and adapter file,
   greedy, same threads: decode tok/s with and without the adapter;
-- adapter load time (read, check, register) and resident memory per adapter.
+- adapter conversion time (once per adapter and base: GGUF read, laid out, numpy form
+  written; convert/lora.py), load time (numpy form read, checked, registered) and resident
+  memory per adapter.
 
 Targets (judged here, never in tests): adapter >= 0.9x base; 4 adapters >= 0.85x 4 base;
 ours with the adapter >= 1.0x llama.cpp with it.
@@ -72,10 +74,11 @@ def rss_kib() -> int:
 def smollm2_files() -> Tuple[pathlib.Path, pathlib.Path]:
     from edge_llm_ros.convert.converter import convert
     from edge_llm_ros.convert.default_model import ensure_default_gguf
-    from edge_llm_ros.model_format import is_current
+    from edge_llm_ros.model_format import is_current, load_model_info
     gguf = ensure_default_gguf()
     folder = WORK / 'smollm2-kquant'
-    if not is_current(folder):
+    # lora_targets: where adapters go (a folder converted before it lacks it)
+    if not is_current(folder) or 'lora_targets' not in load_model_info(str(folder)).extra:
         convert(str(gguf), str(folder), weights='kquant', progress=False)
     return pathlib.Path(gguf), folder
 
@@ -114,6 +117,9 @@ def decode_tok_s(dec, uses: Sequence[tuple], tokens: int) -> float:
 
 def ours(folder: pathlib.Path, adapters: List[pathlib.Path], threads: int, tokens: int,
          repeats: int) -> Dict:
+    import tempfile
+
+    from edge_llm_ros.convert.lora import ensure_converted
     from edge_llm_ros.model_format import load_model_info
     from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
     from edge_llm_ros.serving.adapters import Adapters
@@ -122,10 +128,15 @@ def ours(folder: pathlib.Path, adapters: List[pathlib.Path], threads: int, token
                                                        intra_op_threads=threads))
     store = Adapters(dec.enable_lora, info)
     loads = []
+    cache = tempfile.mkdtemp(prefix='bench_lora_')   # a fresh cache: each adapter converts
     for i, path in enumerate(adapters):
+        t0 = time.perf_counter()
+        converted = ensure_converted(str(path), str(folder), cache)
+        convert_s = time.perf_counter() - t0
         before = rss_kib()
-        loaded = store.load(f'a{i}', str(path))
-        loads.append({'seconds': round(loaded.load_seconds, 3),
+        loaded = store.load(f'a{i}', converted)
+        loads.append({'convert_seconds': round(convert_s, 3),
+                      'seconds': round(loaded.load_seconds, 3),
                       'rss_mib': round((rss_kib() - before) / 1024, 1),
                       'pairs_mib': round(loaded.nbytes / 2 ** 20, 1),
                       'file_mib': round(path.stat().st_size / 2 ** 20, 1)})

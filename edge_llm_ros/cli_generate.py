@@ -13,6 +13,7 @@ import sys
 from typing import Any, Dict
 
 from edge_llm_ros.bringup.parameters import parse_lora_adapters
+from edge_llm_ros.convert.lora import convert_adapters
 from edge_llm_ros.errors import EngineError, InvalidRequestError
 from edge_llm_ros.runtime.image_file import decode_image
 from edge_llm_ros.runtime.media import MEDIA_MARKER
@@ -96,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         adapters = lora_arguments(args.lora)
+        converted = convert_adapters(adapters, args.model)   # once, cached beside the model
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
                                      max_context=args.max_context, kernel=args.kernel,
-                                     lora_adapters=adapters, lora_max_per_goal=max(
+                                     lora_adapters=converted, lora_max_per_goal=max(
                                          len(adapters), 1),
                                      speculative=SpeculativeConfig(
                                          mode=args.speculative, max_draft=args.max_draft,

@@ -3,7 +3,9 @@
 They act on the loaded engine's adapters (serving/adapters.py) at once, without the queue:
 loading registers the adapter's pairs on the op nodes beside running goals (the op library's
 registry is locked), and an adapter that running goals use is unloaded when the last of them
-ends. `engine` is None while the node is unconfigured: the answer then says so.
+ends. `engine` is None while the node is unconfigured: the answer then says so. A LoRA GGUF or
+PEFT folder is converted once into the engine's numpy form (convert/lora.py ensure_converted,
+cached beside the model folder) before the engine loads it.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 
 from edge_llm_msgs.msg import AdapterInfo
 from edge_llm_msgs.srv import ListAdapters, LoadAdapter, UnloadAdapter
+from edge_llm_ros.convert.lora import ensure_converted
 from edge_llm_ros.errors import EngineError
 
 _REMOTE = ('this node forwards goals to a remote server (engine.backend remote): adapters '
@@ -47,8 +50,9 @@ def load_adapter(engine: Any, request: LoadAdapter.Request, response: LoadAdapte
     adapters = _adapters(engine, response, unloaded)
     if adapters is None:
         return response
-    try:
-        a = adapters.load(request.name, request.path, float(request.default_scale))
+    try:   # a LoRA GGUF or PEFT folder is converted once, into a cache beside the model
+        path = ensure_converted(request.path, engine.model_dir, name=request.name)
+        a = adapters.load(request.name, path, float(request.default_scale))
     except EngineError as exc:   # AdapterFileError / AdapterMismatchError / AdapterRequestError
         response.success, response.message = False, str(exc)
         return response
