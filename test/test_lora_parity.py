@@ -124,3 +124,27 @@ def test_scale_zero_is_the_base_and_rows_are_batch_independent(work, native_libr
         rows = [Row(r.slot, r.start + r.length, np.array([int(np.argmax(logits[i]))]),
                     lora=r.lora) for i, r in enumerate(rows)]
     assert np.array_equal(np.stack(batched), alone)
+
+
+@pytest.mark.parametrize('case', CASES[:1], ids=lambda c: c.tag)
+def test_adapter_bits_do_not_depend_on_the_threads(work, native_library, case):
+    """The op spreads the rows' shrinks and expands over ORT's pool: 1 thread = 3 threads."""
+    base, paths, _, _ = setup_case(work, case)
+    model = converted(base, work, accuracy_level=4, weights='kquant')
+    runs = []
+    for threads in (1, 3):
+        dec = OnnxDecoder(str(model), load_model_info(str(model)),
+                          SessionConfig(max_context=64, slots=3, intra_op_threads=threads))
+        ids = [dec.enable_lora().add(load_converted(ensure_converted(str(p), str(model)),
+                                                    dec.info)) for p in paths]
+        uses = [((ids[0], 1.0),), ((ids[1], 2.0), (ids[0], 0.5)), ()]
+        rows = [Row(s, 0, np.array(PROMPT, dtype=np.int64), lora=uses[s]) for s in range(3)]
+        steps = []
+        for _ in range(3):
+            logits = dec.run(rows).copy()
+            steps.append(logits)
+            rows = [Row(r.slot, r.start + r.length, np.array([int(np.argmax(logits[i]))]),
+                        lora=r.lora) for i, r in enumerate(rows)]
+        dec.lora.close()
+        runs.append(np.stack(steps))
+    assert np.array_equal(runs[0], runs[1])
