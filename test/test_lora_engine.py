@@ -6,6 +6,7 @@ engine serves on); KV written under one adapter set is not reused by another; an
 in use is unloaded when its goal ends. The adapters reach the engine in its numpy form
 (convert/lora.py ensure_converted: converted once, cached beside the model folder).
 """
+from dataclasses import replace
 import json
 import math
 import pathlib
@@ -22,7 +23,9 @@ import yaml
 from edge_llm_ros.convert.lora import convert_adapters, default_cache_dir, ensure_converted
 from edge_llm_ros.errors import (AdapterFileError, AdapterMismatchError, AdapterRequestError,
                                  LoraTargetsMissingError)
+from edge_llm_ros.runtime.conversation import Conversation
 from edge_llm_ros.runtime.lora_adapter import ADAPTER_MANIFEST, ADAPTER_PAIRS
+from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
@@ -180,3 +183,56 @@ def test_cli_generate_with_adapters(files):
         eng.close()
     bad = subprocess.run(cmd[:-1] + [f'{a1}@nan'], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and 'scale' in bad.stderr
+
+
+def test_a_goal_failing_at_its_start_releases_its_adapters(files):
+    eng = engine(files)
+    try:
+        def broken(prompt_ids):
+            raise RuntimeError('forced failure between acquire and the first step')
+        real, eng.speculation.start = eng.speculation.start, broken
+        result = eng.generate(GenerationRequest(prompt=PROMPT, use_chat_template=False,
+                                                max_tokens=6, lora={'one': 1.0})).run_to_end()
+        assert 'forced failure' in result.error
+        eng.speculation.start = real
+        assert {a.name: a.in_use for a in eng.adapters.loaded()} == {'one': 0, 'two': 0}
+        assert eng.adapters.unload('one') is True       # not held by the failed goal
+        assert len(ask(eng, {'two': 0.5})) == 12
+    finally:
+        eng.close()
+
+
+def test_a_draft_model_does_not_draft_for_adapter_goals(files):
+    model, _ = files
+    eng = engine(files, speculative=SpeculativeConfig(mode='draft', draft_model=str(model)))
+    try:
+        assert eng.speculation.draft_model is not None
+        request = GenerationRequest(prompt=PROMPT, use_chat_template=False, max_tokens=12,
+                                    sampling=SamplingConfig(temperature=0.0),
+                                    lora={'one': 1.0})
+        result = eng.generate(request).run_to_end()
+        assert result.timings.draft_passes == 0          # decoded plainly
+        assert eng.generate(replace(request, lora={})).run_to_end().timings.draft_passes > 0
+        plain = engine(files)
+        try:
+            assert result.token_ids == ask(plain, {'one': 1.0})
+        finally:
+            plain.close()
+    finally:
+        eng.close()
+
+
+def test_a_session_lists_the_adapters_its_turns_used(files):
+    eng = engine(files)
+    try:
+        digest = {a.name: a.digest for a in eng.adapters.loaded()}
+        for lora in ({'one': 1.0}, {'two': 0.5}, {'one': 1.0}):
+            result = eng.generate(GenerationRequest(prompt=PROMPT, session_id='s', max_tokens=4,
+                                                    lora=lora)).run_to_end()
+            assert not result.error, result.error
+        used = eng.session('s').conversation.lora
+        assert used == ((f'one@{digest["one"]}', 1.0), (f'two@{digest["two"]}', 0.5))
+        stored = eng.session('s').conversation      # a session store keeps them too
+        assert Conversation.from_json(stored.to_json(), stored.media_bytes()).lora == used
+    finally:
+        eng.close()

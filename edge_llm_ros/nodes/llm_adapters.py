@@ -40,7 +40,7 @@ def list_adapters(engine: Any, response: ListAdapters.Response) -> ListAdapters.
         response.adapters.append(AdapterInfo(
             name=a.name, path=a.path, default_scale=float(a.default_scale), rank=int(a.rank),
             alpha=float(a.alpha), bytes=int(a.nbytes), load_seconds=float(a.load_seconds),
-            in_use=int(a.in_use), unloading=bool(a.unloading)))
+            digest=str(a.digest), in_use=int(a.in_use), unloading=bool(a.unloading)))
     return response
 
 
