@@ -11,7 +11,8 @@ One run, same files, same threads, on the real SmolLM2 GGUF (converted with weig
   adapter take turns, best of --repeats;
 - 4 goals at once: 4 rows a call, each with its own adapter, against 4 rows on the base;
 - llama.cpp (the portable peer, bench/llama_peer.py) on the same GGUF and adapter file,
-  greedy, same threads: decode tok/s with and without the adapter;
+  greedy, same threads, through the C API (llama_decode one token a call, as
+  test/llama_cpp_runner.py drives it): decode tok/s with and without the adapter;
 - adapter conversion time (once per adapter and base: GGUF read, laid out, numpy form
   written; convert/lora.py), load time (numpy form read, checked, registered) and resident
   memory per adapter.
@@ -42,26 +43,38 @@ PROMPT = [1, 504, 3101, 314, 253, 4264, 30, 1551, 284, 9009, 22, 3049, 28, 260, 
           253, 1124, 2151, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282, 253, 1124, 30]
 
 PEER_CHILD = r"""
-import json, sys, time, ctypes
+import ctypes, json, sys, time
+import numpy as np
 import llama_cpp
 spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec['test_dir'])
+from llama_cpp_runner import load_model, set_adapters   # the parity tests' C-API helpers
+model = load_model(spec['gguf'])
+vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 out = {}
 for label, lora in (('base', ''), ('lora', spec['lora'])):
-    llm = llama_cpp.Llama(spec['gguf'], n_ctx=256, n_threads=spec['threads'],
-                          n_threads_batch=spec['threads'], verbose=False, lora_path=lora or None,
-                          lora_scale=1.0)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 256
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = spec['threads']
     best = 0.0
     for _ in range(spec['repeats']):
-        llm.reset()
-        llm.eval(spec['prompt'])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if lora and not set_adapters(model, ctx, [lora + ':1.0']):
+            sys.exit(2)
+        ids = list(spec['prompt'])
+        def step(ids):
+            arr = (llama_cpp.llama_token * len(ids))(*ids)
+            assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(ids))) == 0
+            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(vocab,))))
+        tok = step(ids)
         t0 = time.perf_counter()
         for _ in range(spec['tokens']):
-            llm.eval([tok])
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            tok = step([tok])
         best = max(best, spec['tokens'] / (time.perf_counter() - t0))
+        llama_cpp.llama_free(ctx)
     out[label] = {'tok_s': best}
-    del llm
 print(json.dumps(out))
 """
 
@@ -79,7 +92,7 @@ def smollm2_files() -> Tuple[pathlib.Path, pathlib.Path]:
     folder = WORK / 'smollm2-kquant'
     # lora_targets: where adapters go (a folder converted before it lacks it)
     if not is_current(folder) or 'lora_targets' not in load_model_info(str(folder)).extra:
-        convert(str(gguf), str(folder), weights='kquant', progress=False)
+        convert(str(gguf), str(folder), weights='kquant', progress=False, overwrite=True)
     return pathlib.Path(gguf), folder
 
 
@@ -157,7 +170,7 @@ def llama_cpp(gguf: pathlib.Path, adapter: pathlib.Path, threads: int, tokens: i
     from llama_peer import ensure_peer
     peer = ensure_peer(install=True)
     spec = {'gguf': str(gguf), 'lora': str(adapter), 'threads': threads, 'tokens': tokens,
-            'repeats': repeats, 'prompt': PROMPT}
+            'repeats': repeats, 'prompt': PROMPT, 'test_dir': str(ROOT / 'test')}
     done = subprocess.run([peer['python'], '-c', PEER_CHILD, json.dumps(spec)],
                           capture_output=True, text=True, timeout=1800)
     if done.returncode:
