@@ -13,7 +13,6 @@ import sys
 from typing import Any, Dict
 
 from edge_llm_ros.bringup.parameters import parse_lora_adapters
-from edge_llm_ros.convert.lora import convert_adapters
 from edge_llm_ros.errors import EngineError, InvalidRequestError
 from edge_llm_ros.runtime.image_file import decode_image
 from edge_llm_ros.runtime.media import MEDIA_MARKER
@@ -97,7 +96,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         adapters = lora_arguments(args.lora)
-        converted = convert_adapters(adapters, args.model)   # once, cached beside the model
+        converted = adapters
+        if adapters:   # each converted once, cached beside the model (the converter: only here)
+            from edge_llm_ros.convert.lora import convert_adapters
+            converted = convert_adapters(adapters, args.model)
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
                                      max_context=args.max_context, kernel=args.kernel,
                                      lora_adapters=converted, lora_max_per_goal=max(

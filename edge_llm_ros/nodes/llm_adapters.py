@@ -15,8 +15,8 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 
 from edge_llm_msgs.msg import AdapterInfo
 from edge_llm_msgs.srv import ListAdapters, LoadAdapter, UnloadAdapter
-from edge_llm_ros.convert.lora import ensure_converted
 from edge_llm_ros.errors import EngineError
+from edge_llm_ros.runtime.lora_adapter import is_converted
 
 _REMOTE = ('this node forwards goals to a remote server (engine.backend remote): adapters '
            'belong to that server')
@@ -50,8 +50,11 @@ def load_adapter(engine: Any, request: LoadAdapter.Request, response: LoadAdapte
     adapters = _adapters(engine, response, unloaded)
     if adapters is None:
         return response
-    try:   # a LoRA GGUF or PEFT folder is converted once, into a cache beside the model
-        path = ensure_converted(request.path, engine.model_dir, name=request.name)
+    try:
+        path = request.path
+        if not is_converted(path):   # a LoRA GGUF or PEFT folder: converted once, cached
+            from edge_llm_ros.convert.lora import ensure_converted   # the converter, only now
+            path = ensure_converted(path, engine.model_dir, name=request.name)
         a = adapters.load(request.name, path, float(request.default_scale))
     except EngineError as exc:   # AdapterFileError / AdapterMismatchError / AdapterRequestError
         response.success, response.message = False, str(exc)

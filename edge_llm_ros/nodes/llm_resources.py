@@ -14,13 +14,13 @@ from typing import Any, Callable, Optional
 
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
-from edge_llm_ros.convert.lora import convert_adapters
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError, MetricsServer,
                                            MetricsSettings)
 from edge_llm_ros.metrics.figures import FigureRecorder, Gauges
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
 from edge_llm_ros.nodes.llm_config import LLMNodeConfig
+from edge_llm_ros.runtime.lora_adapter import is_converted
 from edge_llm_ros.serving.backends import engine_factory
 from edge_llm_ros.serving.goal import CancelReason
 from edge_llm_ros.serving.worker import EngineWorker
@@ -56,7 +56,11 @@ def configure(config: LLMNodeConfig, values: dict, figures: FigureRecorder,
     `values` are the node's validated parameter values (/metrics).
     """
     engine_config = config.engine
-    if config.remote is None:   # lora.adapters as users name them: converted once (cached)
+    if config.remote is None and any(not is_converted(path) for _, path, _
+                                     in engine_config.lora_adapters):
+        # lora.adapters as users name them: converted once (cached). Only then does the node
+        # load the converter (test_layers_node: a served node never imports it otherwise).
+        from edge_llm_ros.convert.lora import convert_adapters
         try:
             engine_config = dataclasses.replace(engine_config, lora_adapters=convert_adapters(
                 engine_config.lora_adapters, engine_config.model_dir))
