@@ -105,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         adapters = lora_arguments(args.lora)
+        converted = adapters
+        if adapters:   # each converted once, cached beside the model (the converter: only here)
+            from edge_llm_ros.convert.lora import convert_adapters
+            converted = convert_adapters(adapters, args.model)
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
                                      max_context=args.max_context, kernel=args.kernel,
-                                     lora_adapters=adapters, lora_max_per_goal=max(
+                                     lora_adapters=converted, lora_max_per_goal=max(
                                          len(adapters), 1),
                                      speculative=SpeculativeConfig(
                                          mode=args.speculative, max_draft=args.max_draft,

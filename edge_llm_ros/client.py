@@ -41,7 +41,8 @@ from unique_identifier_msgs.msg import UUID
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, LoraScale, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import (Complete, Detokenize, Embed, GetModelInfo, GetSession,
-                               ListSessions, Rerank, ResetSession, Tokenize, WarmPrompt)
+                               ListAdapters, ListSessions, Rerank, ResetSession, Tokenize,
+                               WarmPrompt)
 from edge_llm_ros.embed_reply import EmbedReplyError, EmbedReplyReader
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
@@ -727,6 +728,7 @@ class LLMClient:
         self._warm_prompt = service(WarmPrompt, 'warm_prompt')
         self._get_session = service(GetSession, 'get_session')
         self._list_sessions = service(ListSessions, 'list_sessions')
+        self._list_adapters = service(ListAdapters, 'list_adapters')
         self._model_info = service(GetModelInfo, 'get_model_info')
         self._embed = service(Embed, 'embed')
         self._rerank = service(Rerank, 'rerank')
@@ -853,6 +855,10 @@ class LLMClient:
         return self._call(self._get_session, GetSession.Request(session_id=session_id),
                           timeout)
 
+    def list_adapters(self, timeout: Optional[float] = None) -> ListAdapters.Response:
+        """Return the LoRA adapters the node holds (~/list_adapters, blocking)."""
+        return self._call(self._list_adapters, ListAdapters.Request(), timeout)
+
     def list_sessions(self, timeout: Optional[float] = None) -> ListSessions.Response:
         """Return the sessions the node keeps (~/list_sessions, blocking)."""
         return self._call(self._list_sessions, ListSessions.Request(), timeout)
@@ -914,7 +920,8 @@ class LLMClient:
         self._waiter.close()
         self._action.destroy()
         for client in (self._complete, self._tokenize, self._detokenize, self._reset_session,
-                       self._get_session, self._list_sessions, self._model_info,
+                       self._get_session, self._list_sessions, self._list_adapters,
+                       self._model_info,
                        self._get_state, self._embed, self._rerank):
             self._node.destroy_client(client)
         self._replies.close()

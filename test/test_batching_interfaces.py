@@ -5,6 +5,7 @@ profiles. The node-level behaviour (queueing, preemption, paused feedback) is in
 test/test_batching_node.py.
 """
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 from rclpy.serialization import serialize_message
@@ -20,8 +21,9 @@ from edge_llm_ros.client import make_goal
 from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.nodes.messages import build_transcript, queue_order
 from edge_llm_ros.regression import bagio, legacy
-from edge_llm_ros.regression.records import TranscriptRecord
+from edge_llm_ros.regression.records import adapter_problem, TranscriptRecord
 from edge_llm_ros.regression.replay import goal_fields
+from edge_llm_ros.runtime.types import SamplingConfig
 from edge_llm_ros.serving.goal import check_priority, PRIORITY_MAX, PRIORITY_MIN
 
 V2_FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm2_greedy_v2'
@@ -156,3 +158,23 @@ def test_parallel_sequences_parameter_schema():
 def test_every_board_sets_parallel_sequences_in_range(board):
     llm = profiles.load_profile(board)['llm_node']
     assert 1 <= llm['engine.parallel_sequences'] <= 16
+
+
+def test_transcript_records_the_goals_adapters_and_replay_checks_them(tmp_path):
+    """Version 8: a goal's lora, each with the digest the node ran, round-trips a bag."""
+    goal = make_goal('hi', lora={'skill': 0.5, 'off': 0.0})
+    ran = SimpleNamespace(sampling=SamplingConfig(), session=None,
+                          lora_set=(('skill@0123456789ab', 0.5),))   # scale 0: not in the set
+    msg = build_transcript(Transcript.SOURCE_ACTION, UUID(), goal, ran, None, accepted=True,
+                           model='m', accepted_stamp=None,
+                           finished_stamp=Transcript().finished_stamp)
+    uses = [(u.name, u.scale, u.digest) for u in msg.lora]
+    assert uses == [('skill', 0.5, '0123456789ab'), ('off', 0.0, '')]
+    record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v8', [msg])).transcripts
+    assert [(u.name, u.digest) for u in record.lora] == [('skill', '0123456789ab'), ('off', '')]
+    assert goal_fields(record)['lora'] == {'skill': 0.5, 'off': 0.0}
+    assert adapter_problem(record, {'skill': '0123456789ab', 'off': 'ffffffffffff'}) == ''
+    assert 'has not loaded' in adapter_problem(record, {'skill': '0123456789ab'})
+    assert 'has digest 999999999999' in adapter_problem(
+        record, {'skill': '999999999999', 'off': 'x'})
+    assert adapter_problem(TranscriptRecord(goal_id='00' * 16), {}) == ''   # no adapters

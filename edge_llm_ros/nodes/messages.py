@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import (ChatMessage as ChatMessageMsg, SamplingParams,
+from edge_llm_msgs.msg import (AdapterUse, ChatMessage as ChatMessageMsg, SamplingParams,
                                Timings as TimingsMsg, TokenLogprob as TokenLogprobMsg,
                                ToolCall as ToolCallMsg, ToolCallDelta as ToolCallDeltaMsg,
                                Transcript)
@@ -305,6 +305,15 @@ OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'comple
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 
 
+def adapter_uses(lora_set) -> List[AdapterUse]:
+    """Return an adapter set's ((name@digest, scale) each: PreparedRequest.lora_set) messages."""
+    uses = []
+    for key, scale in lora_set:
+        name, _, digest = str(key).rpartition('@')
+        uses.append(AdapterUse(name=name, scale=float(scale), digest=digest))
+    return uses
+
+
 def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_msg,
                      accepted: bool, model: str, accepted_stamp, finished_stamp,
                      error: str = '') -> Transcript:
@@ -330,6 +339,11 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
     if isinstance(request_msg, Goal):
         for name in GOAL_ONLY_FIELDS:
             setattr(msg, name, getattr(request_msg, name))
+        # The goal's adapters, each with the digest of the one the node ran (replay checks it)
+        digests = {u.name: u.digest for u in adapter_uses(
+            getattr(engine_request, 'lora_set', ()) or ())}
+        msg.lora = [AdapterUse(name=e.name, scale=e.scale, digest=digests.get(e.name, ''))
+                    for e in getattr(request_msg, 'lora', ())]
     if outcome_msg is not None:
         for name in OUTCOME_FIELDS:
             setattr(msg, name, getattr(outcome_msg, name))
