@@ -39,14 +39,20 @@ class BertCase:
     context: int = 128
     seed: int = 0
     vocab: str = 'wpm'              # or 'ugm' (XLM-RoBERTa's SentencePiece unigram)
+    # ('bpe': the WPM pieces under the name 'gpt2', as jina-v2-code's is: to test the refusal)
     merge_spaces: bool = True       # ugm: remove_extra_whitespaces
     # 'nomic-bert' (nomic-embed-text): no position table but RoPE (base 1000), fused q|k|v,
     # a SwiGLU MLP (ffn_gate), no biases on the matrices.
+    # 'jina-bert-v2' (jina-embeddings-v2): no position table (ALiBi), a GEGLU MLP whose ffn_up
+    # holds gate then up rows (no bias); with split=True the older layout instead: ffn_gate +
+    # ffn_up (biased), LayerNorms on q and k, and a second attention LayerNorm (attn_norm_2).
     arch: str = 'bert'
+    split: bool = False
 
     @property
     def tag(self) -> str:
         tail = '' if self.vocab == 'wpm' else f'-ugm{"" if self.merge_spaces else "-spaces"}'
+        tail += '-split' if self.split else ''
         return f'{self.arch}-{self.wtype}-{self.pooling}{tail}'
 
 
@@ -93,6 +99,7 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     rng = np.random.default_rng(case.seed)
     h, ff = case.hidden, case.ff
     nomic = case.arch == 'nomic-bert'
+    jina = case.arch == 'jina-bert-v2'
     w = gguf.GGUFWriter(str(path), case.arch)
     w.add_name(f'tiny-{case.tag}')
     w.add_block_count(case.layers)
@@ -127,7 +134,7 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         w.add_add_sep_token(True)
     else:
         toks = vocab()
-        w.add_tokenizer_model('bert')
+        w.add_tokenizer_model('gpt2' if case.vocab == 'bpe' else 'bert')
         w.add_token_list(toks)
         w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
         w.add_bos_token_id(CLS_ID)
@@ -155,7 +162,7 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
     put('token_types.weight', 0.1 * rng.standard_normal((types_count, h)).astype(np.float32),
         False)
-    if not nomic:
+    if case.arch == 'bert':
         put('position_embd.weight',
             0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
     put('token_embd_norm.weight', vec(h, 1.0), False)
@@ -171,10 +178,14 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
             put(f'{b}.{r}.bias', vec(h), False)
         put(f'{b}.attn_output_norm.weight', vec(h, 1.0), False)
         put(f'{b}.attn_output_norm.bias', vec(h), False)
-        put(f'{b}.ffn_up.weight', mat(ff, h))
-        if nomic:
+        norms = ('attn_q_norm', 'attn_k_norm', 'attn_norm_2') if jina and case.split else ()
+        for r in norms:
+            put(f'{b}.{r}.weight', vec(h, 1.0), False)
+            put(f'{b}.{r}.bias', vec(h), False)
+        put(f'{b}.ffn_up.weight', mat(2 * ff if jina and not case.split else ff, h))
+        if nomic or (jina and case.split):
             put(f'{b}.ffn_gate.weight', mat(ff, h))
-        else:
+        if not nomic and not (jina and not case.split):
             put(f'{b}.ffn_up.bias', vec(ff), False)
         put(f'{b}.ffn_down.weight', mat(h, ff))
         if not nomic:

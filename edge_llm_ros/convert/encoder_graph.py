@@ -8,6 +8,10 @@ classifier head (a cross-encoder, pooling 'rank') the graph also returns `rank_s
 
 nomic-bert (nomic-embed-text) is the same graph with llama.cpp's changes for it: no position
 table but NEOX RoPE on q and k, fused q|k|v rows, a SwiGLU MLP, no biases on the matrices.
+jina-bert-v2 (jina-embeddings-v2 small/base) is too: no position table but ALiBi (each head's
+scores plus slope_h * -|i - j|, max bias 8 as llama.cpp has it), a GEGLU MLP (ffn_up holds the
+gate rows then the up rows, or a separate ffn_gate), and where the file has them LayerNorms on
+q and k and a second attention LayerNorm (attn_norm_2); only its WPM (BERT) vocabulary is read.
 
 The graph is llama.cpp's src/models/bert.cpp: token + token-type-0 + position embeddings,
 LayerNorm, then per layer Q/K/V with biases, attention both ways over the row's tokens (padding
@@ -40,7 +44,9 @@ OPSET = 20  # Gelu (approximate='tanh')
 DECODER_EMBEDDERS = ('qwen3', 'gemma-embedding')
 # Of those, the ones that are always embedders (EmbeddingGemma: bidirectional gemma3).
 EMBEDDING_ONLY = ('gemma-embedding',)
-ENCODER_ARCHITECTURES = ('bert', 'nomic-bert') + DECODER_EMBEDDERS
+BERT_FAMILY = ('bert', 'nomic-bert', 'jina-bert-v2')  # encoder_graph.py's own graph
+ENCODER_ARCHITECTURES = BERT_FAMILY + DECODER_EMBEDDERS
+JINA_MAX_ALIBI_BIAS = 8.0  # llama.cpp's hparams.f_max_alibi_bias for jina-bert-v2
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
@@ -70,6 +76,7 @@ class EncoderSpec:
     local_layers: Tuple[bool, ...] = ()
     window: int = 0
     local_rope_base: float = 0.0
+    alibi_bias: float = 0.0  # jina-bert-v2: ALiBi's max bias (0 = no ALiBi)
 
 
 class EncoderGguf:
@@ -123,6 +130,14 @@ class EncoderGguf:
         if arch == 'nomic-bert':  # rotary positions instead of a position table
             extra = {'head_dim': hidden // heads,
                      'rope_base': float(key('rope.freq_base', 10000.0))}
+        if arch == 'jina-bert-v2':  # ALiBi instead of a position table
+            vocab = gguf_field(self.reader, 'tokenizer.ggml.model', required=True)
+            if vocab != 'bert':
+                raise UnsupportedModelError(
+                    f'{path}: this jina-bert-v2 GGUF has a {vocab!r} vocabulary; only the '
+                    "WordPiece ('bert') one of jina-embeddings-v2-small/base-en is read: use "
+                    'one of those, or a bert / nomic-bert embedder')
+            extra = {'alibi_bias': JINA_MAX_ALIBI_BIAS}
         eps = key('attention.layer_norm_rms_epsilon' if decoder else
                   'attention.layer_norm_epsilon')
         self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
@@ -147,7 +162,8 @@ class EncoderGguf:
             return names
         nomic = self.spec.arch == 'nomic-bert'
         names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
-        names += [] if nomic else ['position_embd.weight']
+        names += ['position_embd.weight'] if self.spec.arch == 'bert' else []
+        names += ['token_types.weight'] if self.spec.alibi_bias else []
         for i in range(self.spec.layers):
             names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
                                                       'ffn_up', 'ffn_down', 'layer_output_norm')]
@@ -268,6 +284,10 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     else:
         projected = {r: linear(g, m, x, f'{b}.attn_{r}') for r in 'qkv'}
 
+    for r in 'qk':  # jina-bert-v2 (where present): LayerNorm over all heads' q, k
+        if m.has(f'{b}.attn_{r}_norm.weight'):
+            projected[r] = _layer_norm(g, m, projected[r], f'{b}.attn_{r}_norm')
+
     def heads_of(role: str) -> str:
         t = g.node('Reshape', [projected[role], split])
         if rope_cs is not None and role in 'qk':
@@ -289,7 +309,18 @@ def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     b = f'blk.{i}'
     h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i, rope_cs), x]),
                     f'{b}.attn_output_norm')
-    if m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
+    if m.has(f'{b}.attn_norm_2.weight'):  # jina-bert-v2: the layer input again, LayerNorm
+        h = _layer_norm(g, m, g.node('Add', [h, x]), f'{b}.attn_norm_2')
+    ff = m.spec.ff
+    if m.spec.arch == 'jina-bert-v2':  # GEGLU: gelu(gate) * up
+        if m.has(f'{b}.ffn_gate.weight'):
+            gate, up = linear(g, m, h, f'{b}.ffn_gate'), linear(g, m, h, f'{b}.ffn_up')
+        else:  # one ffn_up of 2 * ff rows: the gate's, then the up's
+            both = linear(g, m, h, f'{b}.ffn_up')
+            gate, up = (g.node('Slice', [both, g.const([j * ff]), g.const([(j + 1) * ff]),
+                                         g.const([-1])]) for j in (0, 1))
+        act = g.node('Mul', [_gelu(g, gate), up])
+    elif m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
         gate = linear(g, m, h, f'{b}.ffn_gate')
         act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
                              linear(g, m, h, f'{b}.ffn_up')])
@@ -307,6 +338,27 @@ def mask_bias(g: _Graph) -> str:
     return g.node('Unsqueeze', [neg, g.const([1, 2])])
 
 
+def alibi_slopes(heads: int, max_bias: float) -> np.ndarray:
+    """Return ggml_soft_max_ext's ALiBi slope per head (float32, as ggml computes them)."""
+    n_log2 = 1 << int(np.floor(np.log2(heads)))
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n_log2)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_log2)
+    return np.array([m0 ** np.float32(h + 1) if h < n_log2
+                     else m1 ** np.float32(2 * (h - n_log2) + 1) for h in range(heads)],
+                    np.float32)
+
+
+def alibi_bias(g: _Graph, heads: int, max_bias: float) -> str:
+    """[1, heads, T, T] ALiBi term: slope_h * -|i - j| (llama.cpp's mask holds -|i - j|)."""
+    t = g.node('Gather', [g.node('Shape', [IDS]), g.const(1)], axis=0)
+    pos = g.node('Cast', [g.node('Range', [g.const(0), t, g.const(1)])], to=TensorProto.FLOAT)
+    rel = g.node('Sub', [g.node('Unsqueeze', [pos, g.const([1])]),
+                         g.node('Unsqueeze', [pos, g.const([0])])])
+    dist = g.node('Neg', [g.node('Abs', [rel])])
+    slopes = g.init(f'alibi_slopes_{heads}', alibi_slopes(heads, max_bias).reshape(1, -1, 1, 1))
+    return g.node('Mul', [slopes, dist])
+
+
 def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
     """Return the classifier of a cross-encoder on the first token ([CLS]), as llama.cpp's rank."""
     first = g.node('Gather', [hidden, g.const(0)], axis=1)  # [B, H]
@@ -321,6 +373,8 @@ def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.Model
     """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
     g = _Graph(data, DATA_FILE)
     bias = mask_bias(g)
+    if m.spec.alibi_bias:  # jina-bert-v2: positions enter as ALiBi
+        bias = g.node('Add', [bias, alibi_bias(g, m.spec.heads, m.spec.alibi_bias)])
     x = _embeddings(g, m)
     rope_cs = rope_angles(g, m.spec.rope_base, m.spec.head_dim) \
         if m.spec.arch == 'nomic-bert' else None
