@@ -46,7 +46,7 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
                                   'smollm3')
 # The encoder-only families an embedding / rerank folder may hold beside the decoder ones it
 # shares (qwen3: Qwen3-Embedding); config/models families may name them for their prefixes.
-EMBEDDING_ARCHITECTURES: Tuple[str, ...] = ('bert', 'nomic-bert', 'jina-bert-v2',
+EMBEDDING_ARCHITECTURES: Tuple[str, ...] = ('bert', 'nomic-bert', 'jina-bert-v2', 'modern-bert',
                                             'gemma-embedding')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,

@@ -3,7 +3,8 @@
 Tiny random `bert` GGUFs (test/bert_fixture.py) in F32, F16 and Q8_0, with mean, CLS and last
 pooling, `nomic-bert` ones (nomic-embed-text's layout) in F32, F16 and Q8_0 with mean
 pooling, `jina-bert-v2` ones (jina-embeddings-v2: ALiBi, GEGLU; F32, F16, Q8_0, and the
-split-gate layout with q/k LayerNorms), and a cross-encoder with its classifier head (rank
+split-gate layout with q/k LayerNorms), `modern-bert` ones (ModernBERT: RoPE, GEGLU or SwiGLU,
+sliding-window layers; F32, F16, Q8_0), and a cross-encoder with its classifier head (rank
 pooling), are converted and run by runtime/encoder.py; llama.cpp (the llama-cpp-python peer,
 test/llama_cpp_embed_runner.py) embeds the same texts from the same file. Each text's vector
 must have cosine >= 0.9999 with llama.cpp's, its token ids must be llama.cpp's, and rerank
@@ -36,6 +37,11 @@ NOMIC_CASES = [BertCase(t, 'mean', seed=5, arch='nomic-bert') for t in ('F32', '
 # jina-embeddings-v2 small/base-en: ALiBi, GEGLU (fused gate|up), and the split layout.
 JINA_CASES = [BertCase(t, 'mean', seed=7, arch='jina-bert-v2') for t in ('F32', 'F16', 'Q8_0')]
 JINA_CASES += [BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True)]
+# ModernBERT: pre-norm, RoPE, GEGLU, alternating global / sliding-window layers, final norm;
+# and granite-embedding R2's SwiGLU with its own local RoPE base.
+MODERN_CASES = [BertCase(t, 'mean', seed=9, layers=4, arch='modern-bert')
+                for t in ('F32', 'F16', 'Q8_0')]
+MODERN_CASES += [BertCase('F32', 'cls', seed=10, layers=4, arch='modern-bert', act='silu')]
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
                                   reason='the op library (native/) is not built')
@@ -57,7 +63,8 @@ def unit(x):
 
 
 @needs_native
-@pytest.mark.parametrize('case', CASES + NOMIC_CASES + JINA_CASES, ids=lambda c: c.tag)
+@pytest.mark.parametrize('case', CASES + NOMIC_CASES + JINA_CASES + MODERN_CASES,
+                         ids=lambda c: c.tag)
 def test_embeddings_match_llama_cpp(case, tmp_path, compat):
     # The unigram cases add spaces, unknown code points and the user-defined piece.
     texts = list(UGM_TEXTS if case.vocab == 'ugm' else TEXTS)
