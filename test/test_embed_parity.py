@@ -92,6 +92,17 @@ def test_jina_bert_v2_with_a_bpe_vocabulary_is_refused(tmp_path):
     assert not (tmp_path / 'model').exists()
 
 
+@pytest.mark.parametrize('case', [BertCase(act='relu', arch='modern-bert'),
+                                  BertCase(pooling='rank', arch='modern-bert')],
+                         ids=['relu', 'rank'])
+def test_modern_bert_unbuilt_variants_are_refused(case, tmp_path):
+    """A ReGLU MLP or a ModernBERT reranker head: a typed error that says what is built."""
+    gguf = write_bert_gguf(tmp_path / 'modern.gguf', case)
+    with pytest.raises(UnsupportedModelError, match='relu|reranker'):
+        convert(str(gguf), str(tmp_path / 'model'), progress=False)
+    assert not (tmp_path / 'model').exists()
+
+
 # Q8_0: one 19-token pair's states differ from llama.cpp's by 4e-3 (relative). Not ours: our
 # states equal an exact float64 emulation of ggml's ops (q8_0 activations) to 1e-7 at every
 # length. llama.cpp's float attention matmuls take tinyBLAS or ggml's vec_dot by shape (e.g.
