@@ -52,7 +52,8 @@ class BertCase:
     arch: str = 'bert'
     split: bool = False
     # modern-bert: 'silu' (granite-embedding R2's SwiGLU, with its own local RoPE base) or
-    # '' (GEGLU, no hidden_activation key, llama.cpp's default local base).
+    # '' (GEGLU, no hidden_activation key, llama.cpp's default local base). jina-bert-v2:
+    # 'gelu' = a plain GELU MLP (ffn_up of ff rows, no gate), as llama.cpp also runs it.
     act: str = ''
 
     @property
@@ -215,10 +216,11 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         for r in norms:
             put(f'{b}.{r}.weight', vec(h, 1.0), False)
             put(f'{b}.{r}.bias', vec(h), False)
-        put(f'{b}.ffn_up.weight', mat(2 * ff if jina and not case.split else ff, h))
+        fused = jina and not case.split and case.act != 'gelu'   # gate rows, then up rows
+        put(f'{b}.ffn_up.weight', mat(2 * ff if fused else ff, h))
         if nomic or (jina and case.split):
             put(f'{b}.ffn_gate.weight', mat(ff, h))
-        if not nomic and not (jina and not case.split):
+        if not nomic and not fused:
             put(f'{b}.ffn_up.bias', vec(ff), False)
         put(f'{b}.ffn_down.weight', mat(h, ff))
         if not nomic:

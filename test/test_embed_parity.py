@@ -36,7 +36,8 @@ CASES = [BertCase('F32', 'mean'), BertCase('F16', 'mean'), BertCase('Q8_0', 'mea
 NOMIC_CASES = [BertCase(t, 'mean', seed=5, arch='nomic-bert') for t in ('F32', 'F16', 'Q8_0')]
 # jina-embeddings-v2 small/base-en: ALiBi, GEGLU (fused gate|up), and the split layout.
 JINA_CASES = [BertCase(t, 'mean', seed=7, arch='jina-bert-v2') for t in ('F32', 'F16', 'Q8_0')]
-JINA_CASES += [BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True)]
+JINA_CASES += [BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True),
+               BertCase('F32', 'mean', seed=11, arch='jina-bert-v2', act='gelu')]
 # ModernBERT: pre-norm, RoPE, GEGLU, alternating global / sliding-window layers, final norm;
 # and granite-embedding R2's SwiGLU with its own local RoPE base.
 MODERN_CASES = [BertCase(t, 'mean', seed=9, layers=4, arch='modern-bert')

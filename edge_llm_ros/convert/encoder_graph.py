@@ -353,8 +353,9 @@ def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
                     f'{b}.attn_output_norm')
     if m.has(f'{b}.attn_norm_2.weight'):  # jina-bert-v2: the layer input again, LayerNorm
         h = _layer_norm(g, m, g.node('Add', [h, x]), f'{b}.attn_norm_2')
-    if m.spec.arch == 'jina-bert-v2':
-        act = _glu(g, m, h, b, 'gelu')
+    fused_glu = m.tensors[f'{b}.ffn_up.weight'].shape[0] == 2 * m.spec.ff
+    if m.spec.arch == 'jina-bert-v2' and (fused_glu or m.has(f'{b}.ffn_gate.weight')):
+        act = _glu(g, m, h, b, 'gelu')  # else llama.cpp's plain GELU MLP (below)
     elif m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
         act = _glu(g, m, h, b, 'silu')
     else:
