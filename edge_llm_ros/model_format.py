@@ -46,7 +46,8 @@ ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', '
                                   'smollm3')
 # The encoder-only families an embedding / rerank folder may hold beside the decoder ones it
 # shares (qwen3: Qwen3-Embedding); config/models families may name them for their prefixes.
-EMBEDDING_ARCHITECTURES: Tuple[str, ...] = ('bert', 'nomic-bert', 'gemma-embedding')
+EMBEDDING_ARCHITECTURES: Tuple[str, ...] = ('bert', 'nomic-bert', 'jina-bert-v2', 'modern-bert',
+                                            'gemma-embedding')
 # What each layer keeps per sequence slot (model.yaml `layer_states`, one entry per layer):
 # 'kv': attention keys and values per position (past_key_values.{i}.key/value [slots,
 # kv_heads, L, head_dim]; `window` > 0: a sliding-window layer, which reads only its last

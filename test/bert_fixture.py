@@ -9,6 +9,9 @@ phantom space '▁', continuation pieces are stored without BERT's '##'. With vo
 an XLM-RoBERTa-style SentencePiece unigram one instead (tokenizer model 't5', as llama.cpp's
 converter writes bge-m3 and bge-reranker-v2-m3): <s> <pad> </s> <unk>, scored pieces, a
 user-defined piece and an unused one, <s> text </s>, pairs <s> a </s></s> b </s>.
+arch='modern-bert' (ModernBERT) writes its own layout (write_modern_bert_tensors) and a
+byte-level BPE vocabulary (test/tiny_model.py's) with pre-tokenizer 'modern-bert', BOS and
+EOS added, as llama.cpp's converter writes ModernBERT's.
 """
 from dataclasses import dataclass
 import pathlib
@@ -39,14 +42,25 @@ class BertCase:
     context: int = 128
     seed: int = 0
     vocab: str = 'wpm'              # or 'ugm' (XLM-RoBERTa's SentencePiece unigram)
+    # ('bpe': the WPM pieces under the name 'gpt2', as jina-v2-code's is: to test the refusal)
     merge_spaces: bool = True       # ugm: remove_extra_whitespaces
     # 'nomic-bert' (nomic-embed-text): no position table but RoPE (base 1000), fused q|k|v,
     # a SwiGLU MLP (ffn_gate), no biases on the matrices.
+    # 'jina-bert-v2' (jina-embeddings-v2): no position table (ALiBi), a GEGLU MLP whose ffn_up
+    # holds gate then up rows (no bias); with split=True the older layout instead: ffn_gate +
+    # ffn_up (biased), LayerNorms on q and k, and a second attention LayerNorm (attn_norm_2).
     arch: str = 'bert'
+    split: bool = False
+    # modern-bert: 'silu' (granite-embedding R2's SwiGLU, with its own local RoPE base) or
+    # '' (GEGLU, no hidden_activation key, llama.cpp's default local base). jina-bert-v2:
+    # 'gelu' = a plain GELU MLP (ffn_up of ff rows, no gate), as llama.cpp also runs it.
+    act: str = ''
 
     @property
     def tag(self) -> str:
         tail = '' if self.vocab == 'wpm' else f'-ugm{"" if self.merge_spaces else "-spaces"}'
+        tail += '-split' if self.split else ''
+        tail += f'-{self.act}' if self.act else ''
         return f'{self.arch}-{self.wtype}-{self.pooling}{tail}'
 
 
@@ -93,6 +107,7 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     rng = np.random.default_rng(case.seed)
     h, ff = case.hidden, case.ff
     nomic = case.arch == 'nomic-bert'
+    jina = case.arch == 'jina-bert-v2'
     w = gguf.GGUFWriter(str(path), case.arch)
     w.add_name(f'tiny-{case.tag}')
     w.add_block_count(case.layers)
@@ -104,10 +119,33 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
     w.add_causal_attention(False)
     if nomic:
         w.add_rope_freq_base(1000.0)
+    modern = case.arch == 'modern-bert'
+    if modern:   # layers 1, 2 see 4 positions either way; 0 and 3 all (pattern 3)
+        w.add_rope_freq_base(160000.0)
+        w.add_sliding_window(8)
+        w.add_sliding_window_pattern(3)
+        if case.act:
+            w.add_string('modern-bert.hidden_activation', case.act)
+            w.add_rope_freq_base_swa(5000.0)
     w.add_pooling_type(gguf.PoolingType(POOLING[case.pooling]))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     types_count = 2
-    if case.vocab == 'ugm':
+    if modern:
+        from tiny_model import BOS_ID, EOS_ID, MERGES, SPECIAL_TOKENS, tiny_vocab
+        toks = tiny_vocab()
+        w.add_tokenizer_model('gpt2')
+        w.add_tokenizer_pre('modern-bert')
+        w.add_token_list(toks)
+        w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in toks])
+        w.add_token_merges(list(MERGES))
+        w.add_bos_token_id(BOS_ID)
+        w.add_eos_token_id(EOS_ID)
+        w.add_sep_token_id(EOS_ID)
+        w.add_pad_token_id(0)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
+    elif case.vocab == 'ugm':
         toks, scores, kinds = ugm_vocab(case.seed)
         w.add_tokenizer_model('t5')
         w.add_tokenizer_pre('default')
@@ -127,7 +165,7 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         w.add_add_sep_token(True)
     else:
         toks = vocab()
-        w.add_tokenizer_model('bert')
+        w.add_tokenizer_model('gpt2' if case.vocab == 'bpe' else 'bert')
         w.add_token_list(toks)
         w.add_token_types([3 if t in SPECIALS else 1 for t in toks])
         w.add_bos_token_id(CLS_ID)
@@ -153,9 +191,12 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         return (centre + spread * rng.standard_normal(n)).astype(np.float32)
 
     put('token_embd.weight', rng.standard_normal((len(toks), h)).astype(np.float32))
+    if modern:
+        write_modern_bert_tensors(case, put, mat, vec)
+        return _finish(w, path)
     put('token_types.weight', 0.1 * rng.standard_normal((types_count, h)).astype(np.float32),
         False)
-    if not nomic:
+    if case.arch == 'bert':
         put('position_embd.weight',
             0.3 * rng.standard_normal((case.context, h)).astype(np.float32))
     put('token_embd_norm.weight', vec(h, 1.0), False)
@@ -171,10 +212,15 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
             put(f'{b}.{r}.bias', vec(h), False)
         put(f'{b}.attn_output_norm.weight', vec(h, 1.0), False)
         put(f'{b}.attn_output_norm.bias', vec(h), False)
-        put(f'{b}.ffn_up.weight', mat(ff, h))
-        if nomic:
+        norms = ('attn_q_norm', 'attn_k_norm', 'attn_norm_2') if jina and case.split else ()
+        for r in norms:
+            put(f'{b}.{r}.weight', vec(h, 1.0), False)
+            put(f'{b}.{r}.bias', vec(h), False)
+        fused = jina and not case.split and case.act != 'gelu'   # gate rows, then up rows
+        put(f'{b}.ffn_up.weight', mat(2 * ff if fused else ff, h))
+        if nomic or (jina and case.split):
             put(f'{b}.ffn_gate.weight', mat(ff, h))
-        else:
+        if not nomic and not fused:
             put(f'{b}.ffn_up.bias', vec(ff), False)
         put(f'{b}.ffn_down.weight', mat(h, ff))
         if not nomic:
@@ -186,11 +232,31 @@ def write_bert_gguf(path, case: BertCase) -> pathlib.Path:
         put('cls.bias', vec(h), False)
         put('cls.output.weight', mat(1, h, 4.0), False)
         put('cls.output.bias', vec(1), False)
+    return _finish(w, path)
+
+
+def _finish(w: gguf.GGUFWriter, path: pathlib.Path) -> pathlib.Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_modern_bert_tensors(case: BertCase, put, mat, vec) -> None:
+    """Write ModernBERT's tensors: LayerNorms without biases, fused q|k|v, ffn_up of 2 ff."""
+    h, ff = case.hidden, case.ff
+    put('token_embd_norm.weight', vec(h, 1.0), False)
+    for i in range(case.layers):
+        b = f'blk.{i}'
+        if i:        # layer 0 has no attention norm (identity)
+            put(f'{b}.attn_norm.weight', vec(h, 1.0), False)
+        put(f'{b}.attn_qkv.weight', np.concatenate([mat(h, h, 2.0), mat(h, h, 2.0), mat(h, h)]))
+        put(f'{b}.attn_output.weight', mat(h, h))
+        put(f'{b}.ffn_norm.weight', vec(h, 1.0), False)
+        put(f'{b}.ffn_up.weight', mat(2 * ff, h))
+        put(f'{b}.ffn_down.weight', mat(h, ff))
+    put('output_norm.weight', vec(h, 1.0), False)
 
 
 TEXTS: Tuple[str, ...] = (

@@ -2,10 +2,13 @@
 
 Tiny random `bert` GGUFs (test/bert_fixture.py) in F32, F16 and Q8_0, with mean, CLS and last
 pooling, `nomic-bert` ones (nomic-embed-text's layout) in F32, F16 and Q8_0 with mean
-pooling, and a cross-encoder with its classifier head (rank pooling), are converted and run by
-runtime/encoder.py; llama.cpp (the llama-cpp-python peer, test/llama_cpp_embed_runner.py)
-embeds the same texts from the same file. Each text's vector must have cosine >= 0.9999 with
-llama.cpp's, its token ids must be llama.cpp's, and rerank scores must match to 1e-3.
+pooling, `jina-bert-v2` ones (jina-embeddings-v2: ALiBi, GEGLU; F32, F16, Q8_0, and the
+split-gate layout with q/k LayerNorms), `modern-bert` ones (ModernBERT: RoPE, GEGLU or SwiGLU,
+sliding-window layers; F32, F16, Q8_0), and a cross-encoder with its classifier head (rank
+pooling), are converted and run by runtime/encoder.py; llama.cpp (the llama-cpp-python peer,
+test/llama_cpp_embed_runner.py) embeds the same texts from the same file. Each text's vector
+must have cosine >= 0.9999 with llama.cpp's, its token ids must be llama.cpp's, and rerank
+scores must match to 1e-3.
 """
 import json
 import pathlib
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 
 from edge_llm_ros.convert.converter import convert
+from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.runtime.encoder import TextEncoder
 
@@ -30,6 +34,15 @@ CASES = [BertCase('F32', 'mean'), BertCase('F16', 'mean'), BertCase('Q8_0', 'mea
          BertCase('F32', 'cls', vocab='ugm', merge_spaces=False, seed=5)]
 # nomic-embed-text (v1, v1.5): rotary positions, fused q|k|v, SwiGLU, no biases.
 NOMIC_CASES = [BertCase(t, 'mean', seed=5, arch='nomic-bert') for t in ('F32', 'F16', 'Q8_0')]
+# jina-embeddings-v2 small/base-en: ALiBi, GEGLU (fused gate|up), and the split layout.
+JINA_CASES = [BertCase(t, 'mean', seed=7, arch='jina-bert-v2') for t in ('F32', 'F16', 'Q8_0')]
+JINA_CASES += [BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True),
+               BertCase('F32', 'mean', seed=11, arch='jina-bert-v2', act='gelu')]
+# ModernBERT: pre-norm, RoPE, GEGLU, alternating global / sliding-window layers, final norm;
+# and granite-embedding R2's SwiGLU with its own local RoPE base.
+MODERN_CASES = [BertCase(t, 'mean', seed=9, layers=4, arch='modern-bert')
+                for t in ('F32', 'F16', 'Q8_0')]
+MODERN_CASES += [BertCase('F32', 'cls', seed=10, layers=4, arch='modern-bert', act='silu')]
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
                                   reason='the op library (native/) is not built')
@@ -51,7 +64,8 @@ def unit(x):
 
 
 @needs_native
-@pytest.mark.parametrize('case', CASES + NOMIC_CASES, ids=lambda c: c.tag)
+@pytest.mark.parametrize('case', CASES + NOMIC_CASES + JINA_CASES + MODERN_CASES,
+                         ids=lambda c: c.tag)
 def test_embeddings_match_llama_cpp(case, tmp_path, compat):
     # The unigram cases add spaces, unknown code points and the user-defined piece.
     texts = list(UGM_TEXTS if case.vocab == 'ugm' else TEXTS)
@@ -68,6 +82,26 @@ def test_embeddings_match_llama_cpp(case, tmp_path, compat):
     cos = (ours.vectors * unit(ref)).sum(axis=1)
     assert cos.min() >= COSINE, f'{case.tag}: cosine per text {cos}'
     compat(case.arch, case.wtype, 'embeddings')
+
+
+def test_jina_bert_v2_with_a_bpe_vocabulary_is_refused(tmp_path):
+    """jina-v2-code's BPE vocabulary: a typed error naming what is read, no folder."""
+    gguf = write_bert_gguf(tmp_path / 'code.gguf',
+                           BertCase('F32', 'mean', arch='jina-bert-v2', vocab='bpe'))
+    with pytest.raises(UnsupportedModelError, match='WordPiece'):
+        convert(str(gguf), str(tmp_path / 'model'), progress=False)
+    assert not (tmp_path / 'model').exists()
+
+
+@pytest.mark.parametrize('case', [BertCase(act='relu', arch='modern-bert'),
+                                  BertCase(pooling='rank', arch='modern-bert')],
+                         ids=['relu', 'rank'])
+def test_modern_bert_unbuilt_variants_are_refused(case, tmp_path):
+    """A ReGLU MLP or a ModernBERT reranker head: a typed error that says what is built."""
+    gguf = write_bert_gguf(tmp_path / 'modern.gguf', case)
+    with pytest.raises(UnsupportedModelError, match='relu|reranker'):
+        convert(str(gguf), str(tmp_path / 'model'), progress=False)
+    assert not (tmp_path / 'model').exists()
 
 
 # Q8_0: one 19-token pair's states differ from llama.cpp's by 4e-3 (relative). Not ours: our

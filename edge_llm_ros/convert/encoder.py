@@ -1,11 +1,11 @@
 """Write an embedding / reranking model folder from an encoder GGUF.
 
-A BERT-style GGUF (`bert`, `nomic-bert`: encoder_graph.py), a decoder family's GGUF that
-names a pooling type (Qwen3-Embedding, Qwen3-Reranker) or EmbeddingGemma (`gemma-embedding`):
-those are decoder_encoder_graph.py's. The folder holds model.onnx (+ model.onnx.data),
-tokenizer.json and a model.yaml whose `kind: embedding` (or `rerank` for a cross-encoder or a
-yes/no reranker) tells the runtime it is no chat model, and whose `embedding` section says
-how the states become a vector (runtime/encoder.py). A reranker
+A BERT-style GGUF (`bert`, `nomic-bert`, `jina-bert-v2`, `modern-bert`: encoder_graph.py), a
+decoder family's GGUF that names a pooling type (Qwen3-Embedding, Qwen3-Reranker) or
+EmbeddingGemma (`gemma-embedding`): those are decoder_encoder_graph.py's. The folder holds
+model.onnx (+ model.onnx.data), tokenizer.json and a model.yaml whose `kind: embedding` (or
+`rerank` for a cross-encoder or a yes/no reranker) tells the runtime it is no chat model, and
+whose `embedding` section says how the states become a vector (runtime/encoder.py). A reranker
 whose GGUF has a rerank prompt (tokenizer.chat_template.rerank, with {query} and {document})
 keeps it there as `rerank_template`: its pairs are that prompt, as llama-server builds them.
 """

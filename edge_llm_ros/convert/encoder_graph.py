@@ -8,6 +8,16 @@ classifier head (a cross-encoder, pooling 'rank') the graph also returns `rank_s
 
 nomic-bert (nomic-embed-text) is the same graph with llama.cpp's changes for it: no position
 table but NEOX RoPE on q and k, fused q|k|v rows, a SwiGLU MLP, no biases on the matrices.
+jina-bert-v2 (jina-embeddings-v2 small/base) is too: no position table but ALiBi (each head's
+scores plus slope_h * -|i - j|, max bias 8 as llama.cpp has it), a GEGLU MLP (ffn_up holds the
+gate rows then the up rows, or a separate ffn_gate), and where the file has them LayerNorms on
+q and k and a second attention LayerNorm (attn_norm_2); only its WPM (BERT) vocabulary is read.
+modern-bert (ModernBERT, gte-modernbert, granite-embedding R2) shares the pieces (attention,
+RoPE, GLU, LayerNorm) in its own pre-norm layer: LayerNorm (no bias; none before layer 0),
+fused q|k|v, NEOX RoPE, no biases anywhere, a GEGLU (or, with hidden_activation silu, SwiGLU)
+MLP over ffn_up's two halves, a symmetric sliding window (|i - j| <= window / 2) with its own
+RoPE base on all layers but every `sliding_window_pattern`-th (layer 0 global), and a final
+LayerNorm.
 
 The graph is llama.cpp's src/models/bert.cpp: token + token-type-0 + position embeddings,
 LayerNorm, then per layer Q/K/V with biases, attention both ways over the row's tokens (padding
@@ -40,7 +50,9 @@ OPSET = 20  # Gelu (approximate='tanh')
 DECODER_EMBEDDERS = ('qwen3', 'gemma-embedding')
 # Of those, the ones that are always embedders (EmbeddingGemma: bidirectional gemma3).
 EMBEDDING_ONLY = ('gemma-embedding',)
-ENCODER_ARCHITECTURES = ('bert', 'nomic-bert') + DECODER_EMBEDDERS
+BERT_FAMILY = ('bert', 'nomic-bert', 'jina-bert-v2', 'modern-bert')  # encoder_graph.py's own graph
+ENCODER_ARCHITECTURES = BERT_FAMILY + DECODER_EMBEDDERS
+JINA_MAX_ALIBI_BIAS = 8.0  # llama.cpp's hparams.f_max_alibi_bias for jina-bert-v2
 # llama.cpp's LLAMA_POOLING_TYPE_* values as the GGUF's <arch>.pooling_type holds them.
 POOLING_NAMES = {0: 'none', 1: 'mean', 2: 'cls', 3: 'last', 4: 'rank'}
 IDS, MASK, HIDDEN, RANK = 'input_ids', 'attention_mask', 'hidden', 'rank_scores'
@@ -70,6 +82,8 @@ class EncoderSpec:
     local_layers: Tuple[bool, ...] = ()
     window: int = 0
     local_rope_base: float = 0.0
+    alibi_bias: float = 0.0  # jina-bert-v2: ALiBi's max bias (0 = no ALiBi)
+    glu: str = ''  # modern-bert's MLP activation: 'gelu' (GEGLU) or 'silu' (SwiGLU)
 
 
 class EncoderGguf:
@@ -123,6 +137,16 @@ class EncoderGguf:
         if arch == 'nomic-bert':  # rotary positions instead of a position table
             extra = {'head_dim': hidden // heads,
                      'rope_base': float(key('rope.freq_base', 10000.0))}
+        if arch == 'jina-bert-v2':  # ALiBi instead of a position table
+            vocab = gguf_field(self.reader, 'tokenizer.ggml.model', required=True)
+            if vocab != 'bert':
+                raise UnsupportedModelError(
+                    f'{path}: this jina-bert-v2 GGUF has a {vocab!r} vocabulary; only the '
+                    "WordPiece ('bert') one of jina-embeddings-v2-small/base-en is read: use "
+                    'one of those, or a bert / nomic-bert embedder')
+            extra = {'alibi_bias': JINA_MAX_ALIBI_BIAS}
+        if arch == 'modern-bert':
+            extra = self._modern_bert(key, int(key('block_count')), hidden // heads, pooling)
         eps = key('attention.layer_norm_rms_epsilon' if decoder else
                   'attention.layer_norm_epsilon')
         self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
@@ -132,6 +156,31 @@ class EncoderGguf:
         if missing:
             raise ModelLoadError(f'{path}: the {arch} GGUF lacks {", ".join(missing[:5])}; the '
                                  'file is incomplete, convert it again with llama.cpp')
+
+    def _modern_bert(self, key, layers: int, head_dim: int, pooling: int) -> dict:
+        """Return ModernBERT's spec fields (llama.cpp's modern-bert.cpp load_arch_hparams)."""
+        act = str(key('hidden_activation', 'gelu'))
+        glu = {'gelu': 'gelu', 'geglu': 'gelu', 'silu': 'silu', 'swish': 'silu',
+               'swiglu': 'silu'}.get(act)
+        if glu is None:
+            raise UnsupportedModelError(f'{self.path}: modern-bert hidden_activation {act!r} '
+                                        'is not gelu/geglu or silu/swiglu; this converter '
+                                        'builds those two MLPs only')
+        if POOLING_NAMES[pooling] == 'rank':
+            raise UnsupportedModelError(f'{self.path}: a modern-bert reranker (its cls / '
+                                        'cls_norm head) is not built; convert an embedding '
+                                        'model, or use a bert cross-encoder')
+        window = int(key('attention.sliding_window', 0))
+        local = (False,) * layers
+        if window > 0:  # every n-th layer global, layer 0 first (dense_first)
+            pattern = key('attention.sliding_window_pattern', 3)
+            local = (tuple(bool(x) for x in pattern) if isinstance(pattern, (list, tuple))
+                     else tuple(int(pattern) == 0 or i % int(pattern) != 0
+                                for i in range(layers)))
+        # llama.cpp's rope_freq_base_train_swa is 10000 unless the file says otherwise
+        return {'head_dim': head_dim, 'rope_base': float(key('rope.freq_base', 10000.0)),
+                'local_layers': local, 'window': window, 'glu': glu,
+                'local_rope_base': float(key('rope.freq_base_swa', 10000.0))}
 
     def required(self):
         """Tensor names llama.cpp's loader of the architecture requires."""
@@ -145,9 +194,17 @@ class EncoderGguf:
                     names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
                                                               'post_ffw_norm')]
             return names
+        if self.spec.arch == 'modern-bert':
+            names = ['token_embd.weight', 'token_embd_norm.weight', 'output_norm.weight']
+            for i in range(self.spec.layers):
+                names += [f'blk.{i}.{r}.weight' for r in ('attn_qkv', 'attn_output', 'ffn_up',
+                                                          'ffn_down', 'ffn_norm')]
+                names += [f'blk.{i}.attn_norm.weight'] if i else []
+            return names
         nomic = self.spec.arch == 'nomic-bert'
         names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
-        names += [] if nomic else ['position_embd.weight']
+        names += ['position_embd.weight'] if self.spec.arch == 'bert' else []
+        names += ['token_types.weight'] if self.spec.alibi_bias else []
         for i in range(self.spec.layers):
             names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
                                                       'ffn_up', 'ffn_down', 'layer_output_norm')]
@@ -196,8 +253,9 @@ def linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
 
 def _layer_norm(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     weight = g.init(prefix + '.weight', m.array(prefix + '.weight'))
-    bias = g.init(prefix + '.bias', m.array(prefix + '.bias'))
-    return g.node('LayerNormalization', [x, weight, bias], axis=-1, epsilon=m.spec.eps)
+    bias = [g.init(prefix + '.bias', m.array(prefix + '.bias'))] \
+        if m.has(prefix + '.bias') else []  # modern-bert: no biases
+    return g.node('LayerNormalization', [x, weight] + bias, axis=-1, epsilon=m.spec.eps)
 
 
 def token_rows(g: _Graph, m: EncoderGguf) -> str:
@@ -268,6 +326,10 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     else:
         projected = {r: linear(g, m, x, f'{b}.attn_{r}') for r in 'qkv'}
 
+    for r in 'qk':  # jina-bert-v2 (where present): LayerNorm over all heads' q, k
+        if m.has(f'{b}.attn_{r}_norm.weight'):
+            projected[r] = _layer_norm(g, m, projected[r], f'{b}.attn_{r}_norm')
+
     def heads_of(role: str) -> str:
         t = g.node('Reshape', [projected[role], split])
         if rope_cs is not None and role in 'qk':
@@ -289,14 +351,45 @@ def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     b = f'blk.{i}'
     h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i, rope_cs), x]),
                     f'{b}.attn_output_norm')
-    if m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
-        gate = linear(g, m, h, f'{b}.ffn_gate')
-        act = g.node('Mul', [g.node('Mul', [gate, g.node('Sigmoid', [gate])]),
-                             linear(g, m, h, f'{b}.ffn_up')])
+    if m.has(f'{b}.attn_norm_2.weight'):  # jina-bert-v2: the layer input again, LayerNorm
+        h = _layer_norm(g, m, g.node('Add', [h, x]), f'{b}.attn_norm_2')
+    fused_glu = m.tensors[f'{b}.ffn_up.weight'].shape[0] == 2 * m.spec.ff
+    if m.spec.arch == 'jina-bert-v2' and (fused_glu or m.has(f'{b}.ffn_gate.weight')):
+        act = _glu(g, m, h, b, 'gelu')  # else llama.cpp's plain GELU MLP (below)
+    elif m.has(f'{b}.ffn_gate.weight'):  # nomic-bert: SwiGLU
+        act = _glu(g, m, h, b, 'silu')
     else:
         act = _gelu(g, linear(g, m, h, f'{b}.ffn_up'))
     out = g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
     return _layer_norm(g, m, out, f'{b}.layer_output_norm')
+
+
+def _glu(g: _Graph, m: EncoderGguf, x: str, b: str, act: str) -> str:
+    """Return act(gate) * up: gate and up from ffn_gate and ffn_up, or ffn_up's two halves.
+
+    act 'gelu' is ggml's GEGLU (its float16 GELU table), 'silu' its SwiGLU; a single ffn_up
+    of 2 * ff rows holds the gate's rows first (ggml_geglu / ggml_swiglu, not swapped).
+    """
+    ff = m.spec.ff
+    if m.has(f'{b}.ffn_gate.weight'):
+        gate, up = linear(g, m, x, f'{b}.ffn_gate'), linear(g, m, x, f'{b}.ffn_up')
+    else:
+        both = linear(g, m, x, f'{b}.ffn_up')
+        gate, up = (g.node('Slice', [both, g.const([j * ff]), g.const([(j + 1) * ff]),
+                                     g.const([-1])]) for j in (0, 1))
+    gated = _gelu(g, gate) if act == 'gelu' else g.node('Mul', [gate,
+                                                                g.node('Sigmoid', [gate])])
+    return g.node('Mul', [gated, up])
+
+
+def _modern_layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+                  rope_cs: tuple) -> str:
+    """Return ModernBERT's pre-norm layer (llama.cpp's modern-bert.cpp), bert's pieces."""
+    b = f'blk.{i}'
+    h = _layer_norm(g, m, x, f'{b}.attn_norm') if m.has(f'{b}.attn_norm.weight') else x
+    h = g.node('Add', [_attention(g, m, h, bias, i, rope_cs), x])
+    act = _glu(g, m, _layer_norm(g, m, h, f'{b}.ffn_norm'), b, m.spec.glu)
+    return g.node('Add', [linear(g, m, act, f'{b}.ffn_down'), h])
 
 
 def mask_bias(g: _Graph) -> str:
@@ -305,6 +398,37 @@ def mask_bias(g: _Graph) -> str:
     neg = g.node('Mul', [g.node('Sub', [keep, g.const(1.0, np.float32)]),
                          g.const(np.float32(3.0e38), np.float32)])
     return g.node('Unsqueeze', [neg, g.const([1, 2])])
+
+
+def window_bias(g: _Graph, bias: str, window: int) -> str:
+    """[B, 1, T, T]: `bias` where |i - j| <= window / 2 (llama.cpp's symmetric window)."""
+    t = g.node('Gather', [g.node('Shape', [IDS]), g.const(1)], axis=0)
+    idx = g.node('Range', [g.const(0), t, g.const(1)])
+    dist = g.node('Abs', [g.node('Sub', [g.node('Unsqueeze', [idx, g.const([1])]),
+                                         g.node('Unsqueeze', [idx, g.const([0])])])])
+    near = g.node('LessOrEqual', [dist, g.const(window // 2)])
+    return g.node('Where', [near, bias, g.const(np.float32(-3.0e38), np.float32)])
+
+
+def alibi_slopes(heads: int, max_bias: float) -> np.ndarray:
+    """Return ggml_soft_max_ext's ALiBi slope per head (float32, as ggml computes them)."""
+    n_log2 = 1 << int(np.floor(np.log2(heads)))
+    m0 = np.float32(2.0) ** np.float32(-max_bias / n_log2)
+    m1 = np.float32(2.0) ** np.float32(-(max_bias / 2.0) / n_log2)
+    return np.array([m0 ** np.float32(h + 1) if h < n_log2
+                     else m1 ** np.float32(2 * (h - n_log2) + 1) for h in range(heads)],
+                    np.float32)
+
+
+def alibi_bias(g: _Graph, heads: int, max_bias: float) -> str:
+    """[1, heads, T, T] ALiBi term: slope_h * -|i - j| (llama.cpp's mask holds -|i - j|)."""
+    t = g.node('Gather', [g.node('Shape', [IDS]), g.const(1)], axis=0)
+    pos = g.node('Cast', [g.node('Range', [g.const(0), t, g.const(1)])], to=TensorProto.FLOAT)
+    rel = g.node('Sub', [g.node('Unsqueeze', [pos, g.const([1])]),
+                         g.node('Unsqueeze', [pos, g.const([0])])])
+    dist = g.node('Neg', [g.node('Abs', [rel])])
+    slopes = g.init(f'alibi_slopes_{heads}', alibi_slopes(heads, max_bias).reshape(1, -1, 1, 1))
+    return g.node('Mul', [slopes, dist])
 
 
 def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
@@ -321,11 +445,22 @@ def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.Model
     """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
     g = _Graph(data, DATA_FILE)
     bias = mask_bias(g)
+    if m.spec.alibi_bias:  # jina-bert-v2: positions enter as ALiBi
+        bias = g.node('Add', [bias, alibi_bias(g, m.spec.heads, m.spec.alibi_bias)])
     x = _embeddings(g, m)
-    rope_cs = rope_angles(g, m.spec.rope_base, m.spec.head_dim) \
-        if m.spec.arch == 'nomic-bert' else None
-    for i in range(m.spec.layers):
-        x = _layer(g, m, x, bias, i, rope_cs)
+    s = m.spec
+    rope_cs = rope_angles(g, s.rope_base, s.head_dim) \
+        if s.arch in ('nomic-bert', 'modern-bert') else None
+    if s.arch == 'modern-bert':
+        local = (window_bias(g, bias, s.window),
+                 rope_angles(g, s.local_rope_base, s.head_dim)) if any(s.local_layers) else None
+        for i in range(s.layers):
+            layer_bias, layer_rope = local if s.local_layers[i] else (bias, rope_cs)
+            x = _modern_layer(g, m, x, layer_bias, i, layer_rope)
+        x = _layer_norm(g, m, x, 'output_norm')
+    else:
+        for i in range(s.layers):
+            x = _layer(g, m, x, bias, i, rope_cs)
     g.nodes.append(helper.make_node('Identity', [x], [HIDDEN], name='hidden'))
     outputs = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT,
                                              ['batch', 'tokens', m.spec.hidden])]

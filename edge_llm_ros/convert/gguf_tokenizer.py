@@ -85,6 +85,7 @@ _PRE_FAMILY: Dict[str, str] = {
     'default': 'default',
     'gpt-2': 'gpt2', 'phi-2': 'gpt2', 'mpt': 'gpt2', 'olmo': 'gpt2', 'jais': 'gpt2',
     'exaone4': 'gpt2', 'jina-es': 'gpt2', 'jina-de': 'gpt2', 'gigachat': 'gpt2',
+    'modern-bert': 'gpt2',
     'smollm': 'starcoder', 'starcoder': 'starcoder', 'refact': 'starcoder',
     'command-r': 'starcoder', 'codeshell': 'starcoder', 'exaone': 'starcoder',
     'minerva-7b': 'starcoder',
