@@ -11,8 +11,11 @@ One run, same files, same threads, on the real SmolLM2 GGUF (converted with weig
   adapter take turns, best of --repeats;
 - 4 goals at once: 4 rows a call, each with its own adapter, against 4 rows on the base;
 - llama.cpp (the portable peer, bench/llama_peer.py) on the same GGUF and adapter file,
-  greedy, same threads: decode tok/s with and without the adapter;
-- adapter load time (read, check, register) and resident memory per adapter.
+  greedy, same threads, through the C API (llama_decode one token a call, as
+  test/llama_cpp_runner.py drives it): decode tok/s with and without the adapter;
+- adapter conversion time (once per adapter and base: GGUF read, laid out, numpy form
+  written; convert/lora.py), load time (numpy form read, checked, registered) and resident
+  memory per adapter.
 
 Targets (judged here, never in tests): adapter >= 0.9x base; 4 adapters >= 0.85x 4 base;
 ours with the adapter >= 1.0x llama.cpp with it.
@@ -40,26 +43,38 @@ PROMPT = [1, 504, 3101, 314, 253, 4264, 30, 1551, 284, 9009, 22, 3049, 28, 260, 
           253, 1124, 2151, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282, 253, 1124, 30]
 
 PEER_CHILD = r"""
-import json, sys, time, ctypes
+import ctypes, json, sys, time
+import numpy as np
 import llama_cpp
 spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec['test_dir'])
+from llama_cpp_runner import load_model, set_adapters   # the parity tests' C-API helpers
+model = load_model(spec['gguf'])
+vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 out = {}
 for label, lora in (('base', ''), ('lora', spec['lora'])):
-    llm = llama_cpp.Llama(spec['gguf'], n_ctx=256, n_threads=spec['threads'],
-                          n_threads_batch=spec['threads'], verbose=False, lora_path=lora or None,
-                          lora_scale=1.0)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = cparams.n_batch = cparams.n_ubatch = 256
+    cparams.n_seq_max = 1
+    cparams.n_threads = cparams.n_threads_batch = spec['threads']
     best = 0.0
     for _ in range(spec['repeats']):
-        llm.reset()
-        llm.eval(spec['prompt'])
-        tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if lora and not set_adapters(model, ctx, [lora + ':1.0']):
+            sys.exit(2)
+        ids = list(spec['prompt'])
+        def step(ids):
+            arr = (llama_cpp.llama_token * len(ids))(*ids)
+            assert llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(arr, len(ids))) == 0
+            ptr = llama_cpp.llama_get_logits_ith(ctx, -1)
+            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(vocab,))))
+        tok = step(ids)
         t0 = time.perf_counter()
         for _ in range(spec['tokens']):
-            llm.eval([tok])
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
+            tok = step([tok])
         best = max(best, spec['tokens'] / (time.perf_counter() - t0))
+        llama_cpp.llama_free(ctx)
     out[label] = {'tok_s': best}
-    del llm
 print(json.dumps(out))
 """
 
@@ -72,11 +87,12 @@ def rss_kib() -> int:
 def smollm2_files() -> Tuple[pathlib.Path, pathlib.Path]:
     from edge_llm_ros.convert.converter import convert
     from edge_llm_ros.convert.default_model import ensure_default_gguf
-    from edge_llm_ros.model_format import is_current
+    from edge_llm_ros.model_format import is_current, load_model_info
     gguf = ensure_default_gguf()
     folder = WORK / 'smollm2-kquant'
-    if not is_current(folder):
-        convert(str(gguf), str(folder), weights='kquant', progress=False)
+    # lora_targets: where adapters go (a folder converted before it lacks it)
+    if not is_current(folder) or 'lora_targets' not in load_model_info(str(folder)).extra:
+        convert(str(gguf), str(folder), weights='kquant', progress=False, overwrite=True)
     return pathlib.Path(gguf), folder
 
 
@@ -114,6 +130,9 @@ def decode_tok_s(dec, uses: Sequence[tuple], tokens: int) -> float:
 
 def ours(folder: pathlib.Path, adapters: List[pathlib.Path], threads: int, tokens: int,
          repeats: int) -> Dict:
+    import tempfile
+
+    from edge_llm_ros.convert.lora import ensure_converted
     from edge_llm_ros.model_format import load_model_info
     from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
     from edge_llm_ros.serving.adapters import Adapters
@@ -122,10 +141,15 @@ def ours(folder: pathlib.Path, adapters: List[pathlib.Path], threads: int, token
                                                        intra_op_threads=threads))
     store = Adapters(dec.enable_lora, info)
     loads = []
+    cache = tempfile.mkdtemp(prefix='bench_lora_')   # a fresh cache: each adapter converts
     for i, path in enumerate(adapters):
+        t0 = time.perf_counter()
+        converted = ensure_converted(str(path), str(folder), cache)
+        convert_s = time.perf_counter() - t0
         before = rss_kib()
-        loaded = store.load(f'a{i}', str(path))
-        loads.append({'seconds': round(loaded.load_seconds, 3),
+        loaded = store.load(f'a{i}', converted)
+        loads.append({'convert_seconds': round(convert_s, 3),
+                      'seconds': round(loaded.load_seconds, 3),
                       'rss_mib': round((rss_kib() - before) / 1024, 1),
                       'pairs_mib': round(loaded.nbytes / 2 ** 20, 1),
                       'file_mib': round(path.stat().st_size / 2 ** 20, 1)})
@@ -146,7 +170,7 @@ def llama_cpp(gguf: pathlib.Path, adapter: pathlib.Path, threads: int, tokens: i
     from llama_peer import ensure_peer
     peer = ensure_peer(install=True)
     spec = {'gguf': str(gguf), 'lora': str(adapter), 'threads': threads, 'tokens': tokens,
-            'repeats': repeats, 'prompt': PROMPT}
+            'repeats': repeats, 'prompt': PROMPT, 'test_dir': str(ROOT / 'test')}
     done = subprocess.run([peer['python'], '-c', PEER_CHILD, json.dumps(spec)],
                           capture_output=True, text=True, timeout=1800)
     if done.returncode:

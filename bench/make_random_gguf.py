@@ -113,7 +113,18 @@ SHAPES: Dict[str, Shape] = {
                         {'sliding_window': 512, 'swa_head_dim': 256, 'swa_every': 5,
                          'shared_kv': 20, 'per_layer': 256, 'rope_swa': 1e4,
                          'rope_dims': 512, 'softcap': 30.0}),
+    # The language models of the Qwen-VL pairs (bench/bench_vlm.py): qwen2 / qwen3 with M-RoPE
+    # (rope.dimension_sections in rotary pairs) and the image wrapper tokens in the vocabulary;
+    # Qwen3-VL's image rows are 1 + 3 DeepStack widths wide (n_deepstack_layers).
+    'qwen2.5vl-3b': Shape('qwen2vl', 2048, 36, 16, 2, 128, 11008, 151936, 128000, 1e6, 1e-6,
+                          True, 'qwen2', 'Qwen2.5-VL-3B-Instruct (language model)',
+                          {'rope_sections': (16, 24, 24, 0), 'vision': True}),
+    'qwen3vl-2b': Shape('qwen3vl', 2048, 28, 16, 8, 128, 6144, 151936, 262144, 5e6, 1e-6,
+                        True, 'qwen2', 'Qwen3-VL-2B-Instruct (language model)',
+                        {'rope_sections': (24, 20, 20, 0), 'deepstack': 3, 'vision': True}),
 }
+# Qwen-VL's image wrapper tokens (mtmd writes them around each image; control tokens).
+QWEN_VISION_TOKENS = ('<|vision_start|>', '<|vision_end|>', '<|image_pad|>')
 R1_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
     "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}"
@@ -144,7 +155,8 @@ def vocabulary(shape: Shape) -> Tuple[List[str], List[int], Dict[str, int]]:
                     '<｜begin▁of▁sentence｜>', '<|EOT|>', '<think>', '</think>']
         ids = {'eos': 0, 'bos': 3}
     else:
-        specials = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+        specials = ['<|endoftext|>', '<|im_start|>', '<|im_end|>'] + (
+            list(QWEN_VISION_TOKENS) if shape.extra.get('vision') else [])
         ids = {'eos': 2, 'bos': 0}
     n_words = shape.vocab - 257 - len(specials)
     # 'Ġw' and 'Ġw1' are what the two merges below produce.
@@ -201,10 +213,10 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
             yield p + 'attn_q.weight', (q, s.hidden), 'Q4_K'
             yield p + 'attn_k.weight', (kv, s.hidden), 'Q4_K'
             yield p + 'attn_v.weight', (kv, s.hidden), quant_type('attn_v', i, s.layers)
-        if s.arch == 'qwen2':
+        if s.arch in ('qwen2', 'qwen2vl'):
             for r, n in (('q', q), ('k', kv), ('v', kv)):
                 yield f'{p}attn_{r}.bias', (n,), 'F32'
-        if s.arch in ('qwen3', 'gemma3', 'lfm2'):
+        if s.arch in ('qwen3', 'qwen3vl', 'gemma3', 'lfm2'):
             yield p + 'attn_q_norm.weight', (s.head_dim,), 'F32'
             yield p + 'attn_k_norm.weight', (s.head_dim,), 'F32'
         yield p + 'attn_output.weight', (s.hidden, q), 'Q4_K'
@@ -416,6 +428,10 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
         w.add_final_logit_softcapping(float(x['softcap']))
     if 'sliding_window' in x:
         w.add_sliding_window(int(x['sliding_window']))
+    if 'rope_sections' in x:
+        w.add_rope_dimension_sections(list(x['rope_sections']))
+    if 'deepstack' in x:
+        w.add_num_deepstack_layers(int(x['deepstack']))
     if 'conv_kernel' in x:
         w.add_shortconv_l_cache(int(x['conv_kernel']))
     if 'gdn' in x:

@@ -19,6 +19,7 @@ from edge_llm_ros.runtime.media import MEDIA_MARKER
 from edge_llm_ros.runtime.native_ops import KERNEL_CHOICES
 from edge_llm_ros.runtime.speculative_config import SPECULATIVE_MODES, SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, GenerationResult, SamplingConfig
+from edge_llm_ros.runtime.video_file import DEFAULT_MAX_FRAMES, read_clip
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 
 
@@ -27,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--image', action='append', default=[], metavar='FILE',
                         help='an image (PNG/JPEG) for a converted VLM (repeatable); it goes '
                              f'where the prompt has {MEDIA_MARKER}, else ahead of the text')
+    parser.add_argument('--video', default='', metavar='FILE',
+                        help='a video file for a Qwen-VL model: frames sampled at --fps; its '
+                             f'{MEDIA_MARKER} is after those of --image, else ahead of text')
+    parser.add_argument('--fps', type=float, default=2.0,
+                        help='frames per second taken from --video (0: every frame)')
+    parser.add_argument('--max-frames', type=int, default=DEFAULT_MAX_FRAMES,
+                        help='most frames taken from --video, from its start (each 2 frames '
+                             'are one image of tokens)')
     parser.add_argument('--raw', action='store_true',
                         help='feed the prompt as is: no chat template, special tokens parsed, '
                              f'{MEDIA_MARKER} where each image goes (as llama.cpp takes it)')
@@ -96,9 +105,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         adapters = lora_arguments(args.lora)
+        converted = adapters
+        if adapters:   # each converted once, cached beside the model (the converter: only here)
+            from edge_llm_ros.convert.lora import convert_adapters
+            converted = convert_adapters(adapters, args.model)
         engine = Engine(EngineConfig(model_dir=args.model, intra_op_threads=args.threads,
                                      max_context=args.max_context, kernel=args.kernel,
-                                     lora_adapters=adapters, lora_max_per_goal=max(
+                                     lora_adapters=converted, lora_max_per_goal=max(
                                          len(adapters), 1),
                                      speculative=SpeculativeConfig(
                                          mode=args.speculative, max_draft=args.max_draft,
@@ -108,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
             print(f'[{engine.model_name}] {engine.model_dir}: {info["quantization"]}; kernel '
                   f'{engine.kernel}; providers {", ".join(engine.providers)}', file=sys.stderr)
         images = [decode_image(path, f'--image {path}') for path in args.image]
+        if args.video:
+            images.append(read_clip(args.video, args.fps, args.max_frames,
+                                    f'--video {args.video}'))
         prompt = args.prompt
         if images and not args.raw and MEDIA_MARKER not in prompt:
             prompt = MEDIA_MARKER * len(images) + '\n' + prompt

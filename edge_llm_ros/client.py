@@ -41,7 +41,8 @@ from unique_identifier_msgs.msg import UUID
 from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import ChatMessage, LoraScale, SamplingParams, Timings, ToolSpec
 from edge_llm_msgs.srv import (Complete, Detokenize, Embed, GetModelInfo, GetSession,
-                               ListSessions, Rerank, ResetSession, Tokenize, WarmPrompt)
+                               ListAdapters, ListSessions, Rerank, ResetSession, Tokenize,
+                               WarmPrompt)
 from edge_llm_ros.embed_reply import EmbedReplyError, EmbedReplyReader
 from edge_llm_ros.lifecycle_state import LifecycleStateError, wait_for_state
 from edge_llm_ros.qos import FEEDBACK_QOS
@@ -575,7 +576,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               preempt: bool = False, history_mode: int = Generate.Goal.HISTORY_AUTO,
               no_speculation: bool = False, images: Sequence[Any] = (),
               raw_prompt: bool = False, max_image_tokens: int = 0,
-              lora: Optional[Mapping[str, float]] = None, **sampling) -> Any:
+              lora: Optional[Mapping[str, float]] = None, video_frames: Sequence[Any] = (),
+              video_timestamps: Sequence[float] = (), video_fps: float = 0.0,
+              **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -594,6 +597,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     fed as is, without the chat template; `max_image_tokens` (Generate only): the most tokens
     one image may take, 0 = the node's vision.max_image_tokens. `lora` (Generate only):
     adapter name -> scale, the LoRA adapters of this goal (lora.adapters / ~/load_adapter).
+    `video_frames`, `video_timestamps`, `video_fps` (Generate only): a clip for a Qwen-VL
+    model (TensorHandle messages of its frames, oldest first, a timestamp in seconds each,
+    the sampling rate); it takes the `<__media__>` marker after the images' ones.
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -608,8 +614,11 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.raw_prompt = bool(raw_prompt)
         goal.max_image_tokens = int(max_image_tokens)
         goal.lora = [LoraScale(name=str(n), scale=float(s)) for n, s in (lora or {}).items()]
+        goal.video_frames = list(video_frames)
+        goal.video_timestamps = [float(t) for t in video_timestamps]
+        goal.video_fps = float(video_fps)
     elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens \
-            or lora:
+            or lora or video_frames:
         raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt/'
                         'max_image_tokens/lora: '
                         'send a Generate goal (LLMClient.generate) for those')
@@ -719,6 +728,7 @@ class LLMClient:
         self._warm_prompt = service(WarmPrompt, 'warm_prompt')
         self._get_session = service(GetSession, 'get_session')
         self._list_sessions = service(ListSessions, 'list_sessions')
+        self._list_adapters = service(ListAdapters, 'list_adapters')
         self._model_info = service(GetModelInfo, 'get_model_info')
         self._embed = service(Embed, 'embed')
         self._rerank = service(Rerank, 'rerank')
@@ -845,6 +855,10 @@ class LLMClient:
         return self._call(self._get_session, GetSession.Request(session_id=session_id),
                           timeout)
 
+    def list_adapters(self, timeout: Optional[float] = None) -> ListAdapters.Response:
+        """Return the LoRA adapters the node holds (~/list_adapters, blocking)."""
+        return self._call(self._list_adapters, ListAdapters.Request(), timeout)
+
     def list_sessions(self, timeout: Optional[float] = None) -> ListSessions.Response:
         """Return the sessions the node keeps (~/list_sessions, blocking)."""
         return self._call(self._list_sessions, ListSessions.Request(), timeout)
@@ -906,7 +920,8 @@ class LLMClient:
         self._waiter.close()
         self._action.destroy()
         for client in (self._complete, self._tokenize, self._detokenize, self._reset_session,
-                       self._get_session, self._list_sessions, self._model_info,
+                       self._get_session, self._list_sessions, self._list_adapters,
+                       self._model_info,
                        self._get_state, self._embed, self._rerank):
             self._node.destroy_client(client)
         self._replies.close()

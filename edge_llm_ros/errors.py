@@ -34,7 +34,7 @@ class ContextOverflowError(InvalidRequestError):
 
 
 class AdapterError(EngineError):
-    """A LoRA adapter cannot be loaded or used (runtime/lora_adapter.py)."""
+    """A LoRA adapter cannot be loaded or used (convert/lora.py, runtime/lora_adapter.py)."""
 
 
 class AdapterFileError(AdapterError):
@@ -43,6 +43,10 @@ class AdapterFileError(AdapterError):
 
 class AdapterMismatchError(AdapterError):
     """A LoRA adapter was made for another base model (architecture, shapes or vocabulary)."""
+
+
+class LoraTargetsMissingError(AdapterError):
+    """The model folder predates model.yaml's lora_targets: reconvert it to use adapters."""
 
 
 class AdapterRequestError(InvalidRequestError):

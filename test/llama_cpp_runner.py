@@ -8,7 +8,8 @@ tokenizer), the KV cache is float32 and flash attention is off, so what is left 
 own rounding is its weight formats and the activation quantization of its matmuls. Writes
 `logits` [steps, vocab] (the prompt's last position, then one row per generated token) and
 `tokens` [n] to out.npz. --kv q8_0 gives it a q8_0 KV cache with flash attention instead (what
-kv.dtype int8 is compared with); --follow feeds those ids after the prompt instead of its own
+kv.dtype int8 is compared with), --kv f16 llama.cpp's default f16 cache (what
+bench_models' peer runs); --follow feeds those ids after the prompt instead of its own
 greedy choices (teacher forcing: rows comparable with another model's on the same ids).
 """
 import argparse
@@ -19,6 +20,7 @@ import llama_cpp
 import numpy as np
 
 GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
 GGML_TYPE_Q8_0 = 8
 
 
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument('--ctx', type=int, default=256)
     p.add_argument('--lora', action='append', default=[],
                    help='PATH:SCALE, a LoRA GGUF applied at SCALE (repeatable)')
-    p.add_argument('--kv', choices=('f32', 'q8_0'), default='f32')
+    p.add_argument('--kv', choices=('f32', 'f16', 'q8_0'), default='f32')
     p.add_argument('--follow', default='', help='comma-separated ids fed after the prompt')
     args = p.parse_args(argv)
     follow = [int(t) for t in args.follow.split(',') if t]
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
     if args.kv == 'q8_0':   # a quantized V needs flash attention
         cparams.type_k = cparams.type_v = GGML_TYPE_Q8_0
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif args.kv == 'f16':  # llama.cpp's defaults (bench_models' peer): f16 cache, FA auto
+        cparams.type_k = cparams.type_v = GGML_TYPE_F16
     else:
         cparams.type_k = cparams.type_v = GGML_TYPE_F32
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED

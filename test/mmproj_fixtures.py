@@ -125,7 +125,8 @@ def write_mmproj(path: pathlib.Path, projector: str, n_text: int = 64, n_embd: i
 def write_qwen25vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64,
                           n_ff: int = 96, n_layer: int = 4, n_head: int = 4,
                           image_size: int = 56, patch: int = 14, wa_pattern: int = 2,
-                          seed: int = 0, skip: tuple = ()) -> pathlib.Path:
+                          seed: int = 0, skip: tuple = (), weight_type: str = 'F32',
+                          gain: float = 1.0) -> pathlib.Path:
     """Write a tiny Qwen2.5-VL mmproj (`qwen2.5vl_merger`) as llama.cpp's converter does.
 
     Qwen2VLVisionModel's layout: the Conv3D patch embedding split into two frames
@@ -133,11 +134,16 @@ def write_qwen25vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 6
     biased q/k/v/out and a biased SwiGLU MLP (clip.use_silu), every wa_pattern-th layer full
     attention (clip.vision.n_wa_pattern), v.post_ln (the merger's ln_q), and the merger MLP
     mm.0 [4C, 4C], mm.2 [n_text, 4C]. Patch 14 as Qwen's: llama.cpp's windows are 112 pixels
-    (4 x 4 merged tokens), so an image over 112 pixels a side has several.
+    (4 x 4 merged tokens), so an image over 112 pixels a side has several. weight_type 'F16'
+    stores the matrices (2-D and more) as F16, as the mmproj-F16 files people download have
+    them. gain scales every matrix's spread (1: the tiny widths'; a real width takes about
+    sqrt(64 / n_embd) for the same growth per layer, or random weights amplify float32 noise
+    layer by layer).
     """
     rng = np.random.default_rng(seed)
 
     def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        scale_ *= gain if len(shape) >= 2 else 1.0
         return (rng.standard_normal(shape) * scale_).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), 'clip')
@@ -177,7 +183,8 @@ def write_qwen25vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 6
     tensors['mm.2.bias'] = r(n_text)
     for name, value in tensors.items():
         if name not in skip:
-            w.add_tensor(name, value)
+            w.add_tensor(name, value.astype(np.float16) if value.ndim >= 2
+                         and weight_type == 'F16' else value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -192,7 +199,8 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
                          n_ff: int = 96, n_layer: int = 4, n_head: int = 4,
                          image_size: int = 128, patch: int = 16,
                          deepstack: tuple = (1, 2), seed: int = 0,
-                         skip: tuple = (), weight_type: str = 'F32') -> pathlib.Path:
+                         skip: tuple = (), weight_type: str = 'F32',
+                         gain: float = 1.0) -> pathlib.Path:
     """Write a tiny Qwen3-VL mmproj (`qwen3vl_merger`) as llama.cpp's converter does.
 
     Qwen3VLVisionModel's layout: the two-frame patch embedding with a bias, learned position
@@ -203,11 +211,13 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
     4C), fc1 [4C, 4C], fc2 [n_text, 4C] (clip.vision.is_deepstack_layers says which).
     Patch 16 as Qwen3-VL's: images are resized to multiples of 32. weight_type 'F16' stores
     the matrices (2-D and more, not the position embeddings) as F16, as the mmproj-F16 files
-    people download have them.
+    people download have them. gain scales every matrix's spread (1: the tiny widths'; a real
+    width takes about sqrt(64 / n_embd) for the same growth per layer).
     """
     rng = np.random.default_rng(seed)
 
     def r(*shape, scale_: float = 0.05) -> np.ndarray:
+        scale_ *= gain if len(shape) >= 2 else 1.0
         return (rng.standard_normal(shape) * scale_).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), 'clip')
@@ -231,7 +241,8 @@ def write_qwen3vl_mmproj(path: pathlib.Path, n_text: int = 256, n_embd: int = 64
     tensors = {'v.patch_embd.weight': r(n_embd, 3, patch, patch),
                'v.patch_embd.weight.1': r(n_embd, 3, patch, patch),
                'v.patch_embd.bias': r(n_embd),
-               'v.position_embd.weight': r((image_size // patch) ** 2, n_embd, scale_=0.5)}
+               'v.position_embd.weight': r((image_size // patch) ** 2, n_embd,
+                                           scale_=0.5 / gain)}
     for i in range(n_layer):
         b = f'v.blk.{i}'
         for n in ('ln1', 'ln2'):

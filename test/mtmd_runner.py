@@ -2,7 +2,7 @@
 
     <peer python> test/mtmd_runner.py text.gguf mmproj.gguf a.npy[,b.npy...] out.npz
         [--prompt TEXT] [--tokens N] [--add-special] [--threads N] [--timings]
-        [--layout-only]
+        [--layout-only] [--mergeable]
 
 Run by the vision tests with the python of bench/llama_peer.py's venv (llama-cpp-python's
 mtmd bindings over libmtmd), so it imports only llama_cpp and numpy. Each image is an
@@ -19,6 +19,8 @@ preprocessing and encoder (CPU, flash attention off). Saved:
   bitmaps' layout, resizing and tiling), `encode_s` (every image chunk through the encoder)
   and `first_token_s` (a fresh mtmd_helper_eval_chunks, which encodes again and prefills,
   plus the first greedy pick), in seconds.
+With --mergeable every bitmap is marked mergeable (mtmd_bitmap_set_mergeable, as a video's
+frames): adjacent frames of one size with no text between are one temporal chunk (Qwen-VL).
 With --layout-only the chunks are recorded but no image is encoded (token counts of large
 images, test/test_vision_qwen.py).
 """
@@ -90,6 +92,7 @@ def main(argv=None) -> int:
     p.add_argument('--threads', type=int, default=1)
     p.add_argument('--timings', action='store_true')
     p.add_argument('--layout-only', action='store_true')
+    p.add_argument('--mergeable', action='store_true')
     args = p.parse_args(argv)
     model = load_model(args.text_model)  # the sibling runner's: quiet logs, CPU only
     if not model:
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
     bitmaps = [mtmd.mtmd_bitmap_init(im.shape[1], im.shape[0],
                                      im.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
                for im in images]
+    for b in bitmaps if args.mergeable else ():
+        mtmd.mtmd_bitmap_set_mergeable(b, True)
     marker = mtmd.mtmd_default_marker()
     marker = marker.decode() if isinstance(marker, bytes) else marker
     prompt = (args.prompt if args.prompt is not None else marker * len(images)).encode()
@@ -148,7 +153,10 @@ def main(argv=None) -> int:
     if args.timings:
         out.update(preprocess_s=preprocess_s, encode_s=encode_s)
     if args.tokens:
-        n_pos = mtmd.mtmd_helper_get_n_pos(chunks) + args.tokens + 1
+        # The KV cache takes one cell per token: a Qwen-VL image takes nx x ny tokens but
+        # only max(nx, ny) positions (M-RoPE), so size it by both.
+        n_pos = max(mtmd.mtmd_helper_get_n_pos(chunks),
+                    mtmd.mtmd_helper_get_n_tokens(chunks)) + args.tokens + 1
         lctx = _context(model, args.threads, max(CTX, n_pos))
         rc = _greedy(model, ctx, chunks, lctx, args.tokens, out, max(CTX, n_pos))
         llama_cpp.llama_free(lctx)

@@ -98,7 +98,7 @@ def stock_record_layout(path, messages, storage: StoragePlugin, with_hash: bool 
     transcript_def = (SHARE / 'msg' / 'Transcript.msg').read_text()
     for dep in ('ChatMessage', 'SamplingParams', 'TensorHandle', 'Timings', 'TokenLogprob',
                 'ToolCall', 'ToolSpec', 'Detection2D', 'ObjectHypothesis', 'BoundingBox2D',
-                'Pose2D', 'Point2D'):
+                'Pose2D', 'Point2D', 'AdapterUse'):
         transcript_def += f"{'=' * 80}\nMSG: edge_llm_msgs/{dep}\n"
         transcript_def += (SHARE / 'msg' / f'{dep}.msg').read_text()
     for dep in ('unique_identifier_msgs/msg/UUID', 'builtin_interfaces/msg/Time',

@@ -5,6 +5,7 @@ profiles. The node-level behaviour (queueing, preemption, paused feedback) is in
 test/test_batching_node.py.
 """
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 from rclpy.serialization import serialize_message
@@ -20,8 +21,9 @@ from edge_llm_ros.client import make_goal
 from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.nodes.messages import build_transcript, queue_order
 from edge_llm_ros.regression import bagio, legacy
-from edge_llm_ros.regression.records import TranscriptRecord
+from edge_llm_ros.regression.records import adapter_problem, TranscriptRecord
 from edge_llm_ros.regression.replay import goal_fields
+from edge_llm_ros.runtime.types import SamplingConfig
 from edge_llm_ros.serving.goal import check_priority, PRIORITY_MAX, PRIORITY_MIN
 
 V2_FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm2_greedy_v2'
@@ -29,13 +31,13 @@ V2_FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm
 
 def test_version_3_constants_and_defaults():
     goal = Generate.Goal()
-    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 7
+    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 8
     assert (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX) == (-100, 100)
     # The serving layer's limits are the interface's (one place checks them).
     assert (PRIORITY_MIN, PRIORITY_MAX) == (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX)
     assert (goal.priority, goal.preempt) == (0, False)
     assert Generate.Feedback().paused is False
-    assert Transcript().interface_version == 7
+    assert Transcript().interface_version == 8
 
 
 @pytest.mark.parametrize('priority', [-100, -1, 0, 7, 100])
@@ -66,7 +68,7 @@ def test_transcript_records_the_goal_queue_order_and_not_for_complete():
     stamp = Transcript().finished_stamp
     msg = build_transcript(Transcript.SOURCE_ACTION, UUID(), goal, None, None, accepted=False,
                            model='m', accepted_stamp=None, finished_stamp=stamp)
-    assert (msg.priority, msg.preempt, msg.interface_version) == (-7, True, 7)
+    assert (msg.priority, msg.preempt, msg.interface_version) == (-7, True, 8)
     request = make_goal('hi', request_type=Complete.Request)
     msg = build_transcript(Transcript.SOURCE_SERVICE, UUID(), request, None, None,
                            accepted=False, model='m', accepted_stamp=None,
@@ -78,7 +80,7 @@ def test_version_3_fields_round_trip_through_a_bag_and_replay(tmp_path):
     msg = transcript('urgent')
     msg.priority, msg.preempt = 42, True
     record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v3', [msg])).transcripts
-    assert (record.interface_version, record.priority, record.preempt) == (7, 42, True)
+    assert (record.interface_version, record.priority, record.preempt) == (8, 42, True)
     goal = make_goal(**goal_fields(record))
     assert (goal.priority, goal.preempt) == (42, True)
 
@@ -156,3 +158,23 @@ def test_parallel_sequences_parameter_schema():
 def test_every_board_sets_parallel_sequences_in_range(board):
     llm = profiles.load_profile(board)['llm_node']
     assert 1 <= llm['engine.parallel_sequences'] <= 16
+
+
+def test_transcript_records_the_goals_adapters_and_replay_checks_them(tmp_path):
+    """Version 8: a goal's lora, each with the digest the node ran, round-trips a bag."""
+    goal = make_goal('hi', lora={'skill': 0.5, 'off': 0.0})
+    ran = SimpleNamespace(sampling=SamplingConfig(), session=None,
+                          lora_set=(('skill@0123456789ab', 0.5),))   # scale 0: not in the set
+    msg = build_transcript(Transcript.SOURCE_ACTION, UUID(), goal, ran, None, accepted=True,
+                           model='m', accepted_stamp=None,
+                           finished_stamp=Transcript().finished_stamp)
+    uses = [(u.name, u.scale, u.digest) for u in msg.lora]
+    assert uses == [('skill', 0.5, '0123456789ab'), ('off', 0.0, '')]
+    record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v8', [msg])).transcripts
+    assert [(u.name, u.digest) for u in record.lora] == [('skill', '0123456789ab'), ('off', '')]
+    assert goal_fields(record)['lora'] == {'skill': 0.5, 'off': 0.0}
+    assert adapter_problem(record, {'skill': '0123456789ab', 'off': 'ffffffffffff'}) == ''
+    assert 'has not loaded' in adapter_problem(record, {'skill': '0123456789ab'})
+    assert 'has digest 999999999999' in adapter_problem(
+        record, {'skill': '999999999999', 'off': 'x'})
+    assert adapter_problem(TranscriptRecord(goal_id='00' * 16), {}) == ''   # no adapters

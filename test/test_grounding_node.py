@@ -146,6 +146,28 @@ def test_an_image_over_the_nodes_cap_is_refused_and_a_goal_may_raise_it(node, ro
     assert served.prompt_tokens > TOKENS
 
 
+def test_a_bad_clip_is_refused_before_any_model_work_and_node_keeps_serving(node, ros, pool):
+    """Interface version 8: a clip's frames as handles, their timestamps and fps."""
+    llm = ros.llm('/' + LLM)
+    frames = [frame_handle(pool, seed) for seed in (1, 2)]
+
+    def clip(stamps, **kw):
+        return llm.generate(PROMPT, video_frames=frames, video_timestamps=stamps, video_fps=2.0,
+                            max_tokens=4, temperature=0.0, **kw).result(timeout=300)
+    backwards = clip([1.0, 0.5], max_image_tokens=TOKENS)
+    assert backwards.error_kind == INVALID and 'out of order' in backwards.error_message, backwards
+    over = clip([0.0, 0.5])   # the node's cap applies per chunk of 2 frames, as to an image
+    assert over.error_kind == INVALID, over
+    assert f'every 2 frames take {TOKENS} tokens, over max_image_tokens {CAP}' in \
+        over.error_message
+    served = clip([0.0, 0.5], max_image_tokens=TOKENS)
+    assert served.ok, served
+    # 2 frames are one chunk placed like one image: the prompt of one image goal.
+    single = llm.generate(PROMPT, images=[frame_handle(pool)], max_image_tokens=TOKENS,
+                          max_tokens=4, temperature=0.0).result(timeout=300)
+    assert served.prompt_tokens == single.prompt_tokens > TOKENS
+
+
 def test_a_box_answer_becomes_detections_in_the_frames_pixels(node, ros, pool):
     llm = ros.llm('/' + LLM)
     types = detection_messages()
@@ -173,7 +195,7 @@ def test_a_box_answer_becomes_detections_in_the_frames_pixels(node, ros, pool):
     assert item.id == found.id and item.id.endswith('/0')
     assert wait_until(lambda: any(r.detections for r in list(transcripts)), 30)
     record = next(r for r in list(transcripts) if r.detections)
-    assert record.max_image_tokens == TOKENS and record.interface_version == 7
+    assert record.max_image_tokens == TOKENS and record.interface_version == 8
 
     # A text-only answer: an empty result list and nothing on the topic.
     text = llm.generate(PROMPT, images=[frame_handle(pool)], choices=['no cup here'],

@@ -62,14 +62,7 @@ RCLPY_ALLOWED: Dict[str, str] = {
 }
 # Modules outside convert/ that read a file format with the converter's libraries (gguf, onnx,
 # safetensors), and why: they convert nothing, and edge_llm_ros.convert stays forbidden to them.
-CONVERTER_LIBRARIES_ALLOWED: Dict[str, str] = {
-    'runtime/lora_adapter.py': 'reads LoRA adapters as users have them (llama.cpp GGUF, PEFT '
-                               'safetensors) when a goal, a parameter or ~/load_adapter names '
-                               'one, at run time',
-    'runtime/lora_ops.py': "reads model.onnx's node names (not its weights) to place each "
-                           "adapter's pairs on the op library's matmuls",
-    'gguf_file.py': 'the GGUF reader the converter and the LoRA loader share',
-}
+CONVERTER_LIBRARIES_ALLOWED: Dict[str, str] = {}
 CONVERTER_LIBRARIES = ('gguf', 'onnx', 'safetensors')
 # Not listed on purpose: node_process.py starts nodes as child processes and waits through
 # an LLMClient its caller owns, so importing it never loads rclpy (its docstring says so).

@@ -1,12 +1,13 @@
-"""LoRA adapters as users have them (runtime/lora_adapter.py): llama.cpp GGUF and PEFT."""
+"""LoRA adapters as users have them (convert/lora.py: GGUF, PEFT) and their numpy form."""
 from lora_fixtures import random_pairs, write_lora_gguf, write_peft
 import numpy as np
 import pytest
 from tiny_model import TinyDims
 
+from edge_llm_ros.convert.lora import check_base, load_adapter, write_converted
 from edge_llm_ros.errors import AdapterFileError, AdapterMismatchError
 from edge_llm_ros.model_format import ModelInfo
-from edge_llm_ros.runtime.lora_adapter import check_base, load_adapter
+from edge_llm_ros.runtime.lora_adapter import load_converted
 
 DIMS = TinyDims(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 
@@ -83,3 +84,17 @@ def test_corrupt_truncated_and_non_adapter_files(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(AdapterFileError, match='truncated or corrupt'):
         load_adapter(str(peft))
+
+
+def test_numpy_form_gives_back_the_same_pairs(tmp_path):
+    pairs = random_pairs(DIMS, rank=4)
+    path = write_lora_gguf(tmp_path / 'a.gguf', 'llama', DIMS, pairs, alpha=8.0)
+    adapter = check_base(load_adapter(str(path), 'skill'), info('llama'))
+    folder = write_converted(adapter, info('llama'), str(tmp_path / 'np'), 'abc')
+    back = load_converted(str(folder), info('llama'))
+    assert back.name == 'skill' and back.alpha == 8.0 and set(back.pairs) == set(pairs)
+    for key, pair in adapter.pairs.items():
+        np.testing.assert_array_equal(back.pairs[key].a, pair.a)
+        np.testing.assert_array_equal(back.pairs[key].b, pair.b)
+    with pytest.raises(AdapterMismatchError, match='architecture llama.*is qwen2'):
+        load_converted(str(folder), info('qwen2'))

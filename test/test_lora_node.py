@@ -79,6 +79,14 @@ def test_node_serves_goals_with_adapters(files):  # noqa: F811
         assert 'unknown adapter' in bad.error_message
         listed = client.call(ListAdapters, '/lora_node/list_adapters', ListAdapters.Request())
         assert [a.name for a in listed.adapters] == ['one', 'two']
+        digest = {a.name: a.digest for a in listed.adapters}
+        assert all(len(d) == 12 for d in digest.values())
+        turn = llm.generate(PROMPT, session_id='s', max_tokens=4,
+                            lora={'two': 0.5}).result(timeout=60)
+        assert not turn.error_message, turn.error_message
+        session = llm.get_session('s', timeout=30)     # ~/get_session lists its adapters
+        assert [(u.name, u.scale, u.digest) for u in session.lora] == [
+            ('two', 0.5, digest['two'])]
         unloaded = client.call(UnloadAdapter, '/lora_node/unload_adapter',
                                UnloadAdapter.Request(name='two'))
         assert unloaded.success and unloaded.unloaded_now

@@ -3,7 +3,8 @@
 Each family's Q8_0 fixture (gguf_fixtures) is converted with weights='kquant'; tiny random
 adapters on every projection (lora_fixtures, written as convert_lora_to_gguf.py does) are
 loaded by llama.cpp (llama_adapter_lora_init + llama_set_adapters_lora) and by the engine
-(runtime/lora_adapter.py, registered on the op nodes: runtime/lora_ops.py). Both greedy-decode
+(converted once: convert/lora.py, read in numpy form: runtime/lora_adapter.py, registered on
+the op nodes: runtime/lora_ops.py). Both greedy-decode
 32 ids after the 8-token prompt: they must be equal at scales 0.5, 1 and 2 and with two
 adapters at once. Scale 0 gives the base model's logits bit for bit, and a row's logits are
 the same bits alone and beside rows with other adapters (or none) in one call.
@@ -18,9 +19,10 @@ import numpy as np
 import pytest
 from tiny_model import TinyDims
 
+from edge_llm_ros.convert.lora import ensure_converted
 from edge_llm_ros.model_format import load_model_info
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
-from edge_llm_ros.runtime.lora_adapter import check_base, load_adapter
+from edge_llm_ros.runtime.lora_adapter import load_converted
 from edge_llm_ros.runtime.rows import Row
 
 GEMMA_DIMS = TinyDims(hidden=256, intermediate=512, rms_eps=1e-6, key_length=64,
@@ -55,7 +57,8 @@ def setup_case(work: pathlib.Path, case: ParityCase):
     model = converted(base, work, accuracy_level=4, weights='kquant')
     dec = OnnxDecoder(str(model), load_model_info(str(model)),
                       SessionConfig(max_context=64, slots=3))
-    ids = [dec.enable_lora().add(check_base(load_adapter(str(p)), dec.info)) for p in adapters]
+    ids = [dec.enable_lora().add(load_converted(ensure_converted(str(p), str(model)), dec.info))
+           for p in adapters]
     return base, adapters, dec, ids
 
 
@@ -121,3 +124,27 @@ def test_scale_zero_is_the_base_and_rows_are_batch_independent(work, native_libr
         rows = [Row(r.slot, r.start + r.length, np.array([int(np.argmax(logits[i]))]),
                     lora=r.lora) for i, r in enumerate(rows)]
     assert np.array_equal(np.stack(batched), alone)
+
+
+@pytest.mark.parametrize('case', CASES[:1], ids=lambda c: c.tag)
+def test_adapter_bits_do_not_depend_on_the_threads(work, native_library, case):
+    """The op spreads the rows' shrinks and expands over ORT's pool: 1 thread = 3 threads."""
+    base, paths, _, _ = setup_case(work, case)
+    model = converted(base, work, accuracy_level=4, weights='kquant')
+    runs = []
+    for threads in (1, 3):
+        dec = OnnxDecoder(str(model), load_model_info(str(model)),
+                          SessionConfig(max_context=64, slots=3, intra_op_threads=threads))
+        ids = [dec.enable_lora().add(load_converted(ensure_converted(str(p), str(model)),
+                                                    dec.info)) for p in paths]
+        uses = [((ids[0], 1.0),), ((ids[1], 2.0), (ids[0], 0.5)), ()]
+        rows = [Row(s, 0, np.array(PROMPT, dtype=np.int64), lora=uses[s]) for s in range(3)]
+        steps = []
+        for _ in range(3):
+            logits = dec.run(rows).copy()
+            steps.append(logits)
+            rows = [Row(r.slot, r.start + r.length, np.array([int(np.argmax(logits[i]))]),
+                        lora=r.lora) for i, r in enumerate(rows)]
+        dec.lora.close()
+        runs.append(np.stack(steps))
+    assert np.array_equal(runs[0], runs[1])

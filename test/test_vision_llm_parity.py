@@ -52,14 +52,15 @@ def pair(tmp_path_factory):
         engine.close()
 
 
-def mtmd_run(text, mmproj, images, prompt: str, work: pathlib.Path, tokens: int = TOKENS):
+def mtmd_run(text, mmproj, images, prompt: str, work: pathlib.Path, tokens: int = TOKENS,
+             extra=()):
     files = []
     for i, image in enumerate(images):
         files.append(str(work / f'image{i}.npy'))
         np.save(files[-1], image)
     out = work / 'mtmd.npz'
     proc = subprocess.run([peer_python(), str(RUNNER), str(text), str(mmproj), ','.join(files),
-                           str(out), '--prompt', prompt, '--tokens', str(tokens)],
+                           str(out), '--prompt', prompt, '--tokens', str(tokens), *extra],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return np.load(out)

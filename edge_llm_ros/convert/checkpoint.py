@@ -16,8 +16,8 @@ import numpy as np
 from edge_llm_ros.convert.architectures import (Architecture, architecture, HF_MODEL_TYPES,
                                                 llama3_rope_factors, ROPE_SCALING_TYPES,
                                                 SUPPORTED_ARCHITECTURES, swa_layers)
+from edge_llm_ros.convert.gguf_file import open_gguf, unpermute_llama_rows
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
-from edge_llm_ros.gguf_file import open_gguf, unpermute_llama_rows
 
 # GGML tensor types the converter accepts (each checked against llama.cpp in
 # test_llama_cpp_parity); others are refused by name.

@@ -17,7 +17,7 @@ import pathlib
 import secrets
 import shutil
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint
 from edge_llm_ros.convert.encoder import encoder_architecture, write_encoder_folder
 from edge_llm_ros.convert.gguf_weights import fuse_rows, gguf_weights, GgufWeights, keeps_blocks
 from edge_llm_ros.convert.kv_int8_graph import int8_kv_graph
+from edge_llm_ros.convert.lora import lora_targets
 from edge_llm_ros.convert.onnx_graph import (ConvLayerWeights, DecoderGraph, Gemma4LayerWeights,
                                              GraphOptions, LayerWeights,
                                              MambaLayerWeights, OPSET, RecurrentLayerWeights,
@@ -366,6 +367,9 @@ def _write_folder(ckpt: Checkpoint, tmp: pathlib.Path, opts: ConvertOptions,
         'converter_version': CONVERTER_VERSION, 'opset': OPSET,
         'kv_max_context': opts.max_context,
         'layer_states': [layer_state(s, i).as_yaml() for i in range(s.num_layers)],
+        # Where LoRA adapters go: [layer, role, KQuantMatMul node, first column] each.
+        'lora_targets': lora_targets(model, s.num_layers, s.num_heads * s.head_dim,
+                                     s.num_kv_heads * s.head_dim, native_ops.DOMAIN),
     }
     if vision is not None:
         from edge_llm_ros.convert.vision_graph import build_encoder, model_yaml_section
@@ -631,9 +635,13 @@ def _pid_alive(pid: int) -> bool:
 
 def source_sha256(path: pathlib.Path) -> str:
     """sha256 of a GGUF file, or of an HF folder's config + safetensors files in name order."""
+    return sha256_files([path] if path.is_file() else sorted(
+        list(path.glob('*.safetensors')) + [path / 'config.json']))
+
+
+def sha256_files(files: Sequence[pathlib.Path]) -> str:
+    """sha256 of the files' bytes one after the other."""
     h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(
-        list(path.glob('*.safetensors')) + [path / 'config.json'])
     for f in files:
         with open(f, 'rb') as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b''):

@@ -2,9 +2,12 @@
 
 As llama.cpp's clip_graph_qwen2vl (tools/mtmd/models/qwen2vl.cpp) computes it, for one image of
 any size whose sides are multiples of patch x merge (28 for Qwen2.5-VL):
-- uint8 `pixels` [1, H, W, 3] normalized as every family's ((u8 / 255 - mean) / std);
-- the temporal patch of two frames: a still image is both frames, so conv(x, frame 0) +
-  conv(x, frame 1) (two stride-p convolutions, no bias);
+- uint8 `pixels` [F, H, W, 3] normalized as every family's ((u8 / 255 - mean) / std), F
+  the frames of one temporal patch: 1 for a still image, 2 for a video chunk;
+- the temporal patch of two frames: conv(first frame, kernel 0) + conv(last frame, kernel 1)
+  (two stride-p convolutions, no bias): a still image is both frames, as mtmd's n_batch 1,
+  a video chunk's two frames go through one kernel each, as its n_batch 2 (qwen2vl.cpp's
+  build_inp_with_temporal_merge);
 - the patches in merge order: 2 x 2 blocks row by row, each block's patches row by row;
 - per layer: RMSNorm, biased q/k/v, 2-D RoPE (NEOX halves; the first quarter of each head's
   pairs turn with the patch's row, the second with its column: the `vision_cos` /
@@ -139,10 +142,14 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
     p, c, s = cfg.patch_size, cfg.n_embd, cfg.scale_factor
     # ggml_conv_2d is im2col in F16 then a matmul: the pixels and the kernel both rounded
     # to fp16, products summed in float32 (exact float32 is 3e-3 off libmtmd's embeddings).
-    x = _f16(g, _normalized(g, cfg))  # [1, 3, H, W]
-    frames = [g.node('Conv', [x, g.init(w, mm.array(w).astype(np.float16).astype(np.float32))],
+    x = _f16(g, _normalized(g, cfg))  # [F, 3, H, W]
+    # Frame 0 through kernel 0, the last frame (frame 0 again for a still image) through 1.
+    first = g.node('Slice', [x, g.const([0]), g.const([1]), g.const([0])])
+    last = g.node('Slice', [x, g.const([-1]), g.const([np.iinfo(np.int64).max]),
+                            g.const([0])])
+    frames = [g.node('Conv', [f, g.init(w, mm.array(w).astype(np.float16).astype(np.float32))],
                      kernel_shape=[p, p], strides=[p, p])
-              for w in ('v.patch_embd.weight', 'v.patch_embd.weight.1')]
+              for f, w in ((first, 'v.patch_embd.weight'), (last, 'v.patch_embd.weight.1'))]
     conv = g.node('Add', frames)  # [1, C, Py, Px]
     # Merge order: [1, C, Py/2, 2, Px/2, 2] -> [1, Py/2, Px/2, dy, dx, C] -> [1, N, C].
     shape = g.node('Shape', [conv])
@@ -179,7 +186,8 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
                                             ['patches', 'patches'])])
     graph = helper.make_graph(
         g.nodes, name or ('qwen3vl_vision' if qwen3 else 'qwen25vl_vision'),
-        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8, [1, 'height', 'width', 3]),
+        [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8,
+                                       ['frames', 'height', 'width', 3]),
          helper.make_tensor_value_info(COS, TensorProto.FLOAT, ['patches', half]),
          helper.make_tensor_value_info(SIN, TensorProto.FLOAT, ['patches', half]), *extra],
         [helper.make_tensor_value_info('image_embeds', TensorProto.FLOAT,

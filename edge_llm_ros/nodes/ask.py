@@ -3,6 +3,7 @@
 Prints the answer as it streams, then one line of timings on stderr. Ctrl-C cancels the goal
 and prints the partial answer. Exit status: 0 answered, 1 refused or failed, 130 cancelled.
 
+`--video FILE --fps 2` sends a clip (a Qwen-VL model; --max-frames caps it) with the images.
 `--image FILE` (repeatable) sends images to a vision model: they are decoded here into one
 slot of a pool this command owns (its socket in the same EDGE_LLM_IPC_DIR as the node's), and
 the goal carries only their handles; llm_node maps the slot while the goal runs. The pool
@@ -27,6 +28,7 @@ from edge_llm_ros.ipc.errors import IpcError
 from edge_llm_ros.nodes import spin
 from edge_llm_ros.nodes.handles import image_pool
 from edge_llm_ros.runtime.media import MEDIA_MARKER
+from edge_llm_ros.runtime.video_file import DEFAULT_MAX_FRAMES, read_clip
 
 EXIT_OK, EXIT_FAILED, EXIT_CANCELLED = 0, 1, 130
 
@@ -48,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--image', action='append', default=[], metavar='FILE',
                         help='an image (PNG/JPEG/...) for a vision model (repeatable); it goes '
                              f'where the prompt has {MEDIA_MARKER}, else ahead of the text')
+    parser.add_argument('--video', default='', metavar='FILE',
+                        help='a video file for a Qwen-VL model: frames sampled at --fps (one '
+                             f'{MEDIA_MARKER}, after those of --image, else ahead of the text)')
+    parser.add_argument('--fps', type=float, default=2.0,
+                        help='frames per second taken from --video (0: every frame)')
+    parser.add_argument('--max-frames', type=int, default=DEFAULT_MAX_FRAMES,
+                        help='most frames taken from --video, from its start')
     parser.add_argument('--max-image-tokens', type=int, default=0, metavar='N',
                         help="most tokens one image may take (default 0: the node's "
                              'vision.max_image_tokens)')
@@ -113,25 +122,30 @@ def check_draw(args: argparse.Namespace, n_images: int) -> str:
 
 def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys.stdout,
                   err: TextIO = sys.stderr, images: Sequence = (),
-                  drawn_on: Optional[np.ndarray] = None) -> int:
+                  drawn_on: Optional[np.ndarray] = None, clip=None) -> int:
     """Send the goal, print deltas as they come; Ctrl-C cancels. Returns the exit status.
 
-    images: TensorHandle messages of the goal's images (see image_pool); drawn_on: the pixels
-    --draw draws the answer's detections on.
+    images: TensorHandle messages of the goal's images (see image_pool), then its clip's
+    frames when `clip` (runtime.media.VideoClip: its timestamps and fps) is given; drawn_on:
+    the pixels --draw draws the answer's detections on.
     """
+    frames = list(images[len(images) - len(clip.frames):]) if clip is not None else []
+    images = list(images[:len(images) - len(frames)])
     sampling = {}
     if args.temperature is not None:
         sampling['temperature'] = args.temperature
     if args.seed is not None:
         sampling['seed'] = args.seed
     raw = bool(getattr(args, 'raw', False))
-    handle = client.generate(prompt_with_markers(args.prompt, len(images), raw),
+    handle = client.generate(prompt_with_markers(args.prompt, len(images) + bool(frames), raw),
                              system_prompt=args.system, max_tokens=args.max_tokens,
                              session_id=args.session,
                              json_schema=getattr(args, 'json_schema', ''),
                              images=list(images), raw_prompt=raw,
                              max_image_tokens=int(getattr(args, 'max_image_tokens', 0) or 0),
-                             **sampling)
+                             video_frames=frames,
+                             video_timestamps=clip.timestamps if clip is not None else (),
+                             video_fps=clip.fps if clip is not None else 0.0, **sampling)
     cancelled = False
     try:
         for delta in handle.stream(timeout=args.timeout):
@@ -181,6 +195,8 @@ def wait_for_node(client: LLMClient, wait_s: float, err: TextIO = sys.stderr) ->
 def run(args: argparse.Namespace) -> int:
     try:   # before anything connects: a bad file is the first thing to say
         pixels = decode_images(getattr(args, 'image', ()))
+        clip = (read_clip(args.video, args.fps, args.max_frames, f'--video {args.video}')
+                if getattr(args, 'video', '') else None)
     except InvalidRequestError as exc:
         print(f'ask: {exc}', file=sys.stderr)
         return EXIT_FAILED
@@ -200,9 +216,10 @@ def run(args: argparse.Namespace) -> int:
         client = LLMClient(node, args.server)
         if not wait_for_node(client, args.wait):
             return EXIT_FAILED
-        with image_pool(pixels, f'edge_llm_ask_{os.getpid()}') as images:
+        frames = list(clip.frames) if clip is not None else []
+        with image_pool(pixels + frames, f'edge_llm_ask_{os.getpid()}') as images:
             return stream_answer(client, args, images=images,
-                                 drawn_on=pixels[0] if pixels else None)
+                                 drawn_on=pixels[0] if pixels else None, clip=clip)
     except IpcError as exc:   # the images' pool could not be opened
         print(f'ask: cannot share the images with {args.server}: {exc}', file=sys.stderr)
         return EXIT_FAILED

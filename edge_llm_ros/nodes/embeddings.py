@@ -211,12 +211,19 @@ class EmbeddingResolver:
             yield views[0] if len(views) == 1 else np.concatenate(views, axis=0)
 
     @contextlib.contextmanager
-    def hold_images(self, handles: Sequence[Any]) -> Iterator[List[np.ndarray]]:
-        """Map the image frames (descriptors from describe_images): RGB views, no copy."""
+    def hold_images(self, handles: Sequence[Any], images: Optional[int] = None
+                    ) -> Iterator[List[Any]]:
+        """Map the image frames (descriptors from describe_images): RGB views, no copy.
+
+        images: how many of the handles are images; the rest are one clip's frames, which
+        come as one list after them (PreparedRequest.with_frames). None: all images.
+        """
         with self._mapped(handles, 'images', ImageResolveError) as views:
             # An encoded image (its wire form) goes to the engine as it is.
-            yield [view if view.dtype.name in ENCODED_DTYPES else as_rgb(view)
-                   for view in views]
+            views = [view if view.dtype.name in ENCODED_DTYPES else as_rgb(view)
+                     for view in views]
+            n = len(views) if images is None else images
+            yield views[:n] + ([views[n:]] if n < len(views) else [])
 
     def close(self) -> None:
         resolver, self._resolver = self._resolver, None

@@ -3,7 +3,9 @@
 They act on the loaded engine's adapters (serving/adapters.py) at once, without the queue:
 loading registers the adapter's pairs on the op nodes beside running goals (the op library's
 registry is locked), and an adapter that running goals use is unloaded when the last of them
-ends. `engine` is None while the node is unconfigured: the answer then says so.
+ends. `engine` is None while the node is unconfigured: the answer then says so. A LoRA GGUF or
+PEFT folder is converted once into the engine's numpy form (convert/lora.py ensure_converted,
+cached beside the model folder) before the engine loads it.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rclpy.callback_groups import ReentrantCallbackGroup
 from edge_llm_msgs.msg import AdapterInfo
 from edge_llm_msgs.srv import ListAdapters, LoadAdapter, UnloadAdapter
 from edge_llm_ros.errors import EngineError
+from edge_llm_ros.runtime.lora_adapter import is_converted
 
 _REMOTE = ('this node forwards goals to a remote server (engine.backend remote): adapters '
            'belong to that server')
@@ -37,7 +40,7 @@ def list_adapters(engine: Any, response: ListAdapters.Response) -> ListAdapters.
         response.adapters.append(AdapterInfo(
             name=a.name, path=a.path, default_scale=float(a.default_scale), rank=int(a.rank),
             alpha=float(a.alpha), bytes=int(a.nbytes), load_seconds=float(a.load_seconds),
-            in_use=int(a.in_use), unloading=bool(a.unloading)))
+            digest=str(a.digest), in_use=int(a.in_use), unloading=bool(a.unloading)))
     return response
 
 
@@ -48,7 +51,11 @@ def load_adapter(engine: Any, request: LoadAdapter.Request, response: LoadAdapte
     if adapters is None:
         return response
     try:
-        a = adapters.load(request.name, request.path, float(request.default_scale))
+        path = request.path
+        if not is_converted(path):   # a LoRA GGUF or PEFT folder: converted once, cached
+            from edge_llm_ros.convert.lora import ensure_converted   # the converter, only now
+            path = ensure_converted(path, engine.model_dir, name=request.name)
+        a = adapters.load(request.name, path, float(request.default_scale))
     except EngineError as exc:   # AdapterFileError / AdapterMismatchError / AdapterRequestError
         response.success, response.message = False, str(exc)
         return response

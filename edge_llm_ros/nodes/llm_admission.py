@@ -34,7 +34,7 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.metrics import figures
-from edge_llm_ros.nodes.messages import build_transcript, queue_order, to_request
+from edge_llm_ros.nodes.messages import build_transcript, goal_media, queue_order, to_request
 from edge_llm_ros.qos import TRANSCRIPT_QOS
 from edge_llm_ros.serving.goal import (cancelled_result, CancelReason, check_priority,
                                        error_result, Feedback, Goal)
@@ -154,11 +154,13 @@ class Admission:
             priority, preempt = queue_order(msg)
             goal.priority, goal.preempt = check_priority(priority), preempt
             described = resolver.describe(handles)
-            images = resolver.describe_images(list(getattr(msg, 'images', ())))  # Generate only
+            # Generate only: its images' handles, then its clip's frames (goal_media).
+            images = resolver.describe_images(list(getattr(msg, 'images', ())) +
+                                              list(getattr(msg, 'video_frames', ())))
             goal.model = engine.model_name
             goal.request = engine.prepare(to_request(
                 msg, node.runtime.defaults, described.declared if described else None,
-                images.declared if images else ()))
+                goal_media(msg, images.declared) if images else ()))
         except BaseException:
             self.give_back(goal)
             raise
@@ -166,7 +168,8 @@ class Admission:
         if goal.request.embeddings is not None:
             goal.embeddings = functools.partial(resolver.hold, described.descriptors)
         if images is not None:
-            goal.images = functools.partial(resolver.hold_images, images.descriptors)
+            goal.images = functools.partial(resolver.hold_images, images.descriptors,
+                                            len(getattr(msg, 'images', ())))
         goal.on_done = self.resolve
         return worker
 

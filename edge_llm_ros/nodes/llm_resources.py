@@ -7,17 +7,20 @@ the CPU masks to restore, and the /metrics server. `configure` builds all of it 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import functools
 from typing import Any, Callable, Optional
 
 from edge_llm_ros.bringup import affinity
 from edge_llm_ros.bringup.thermal import ThermalGovernor, ThermalSettings, ThrottleApplier
+from edge_llm_ros.errors import EngineError
 from edge_llm_ros.metrics.exporter import (FiguresCollector, MetricsError, MetricsServer,
                                            MetricsSettings)
 from edge_llm_ros.metrics.figures import FigureRecorder, Gauges
 from edge_llm_ros.nodes.embeddings import EmbeddingResolver
 from edge_llm_ros.nodes.llm_config import LLMNodeConfig
+from edge_llm_ros.runtime.lora_adapter import is_converted
 from edge_llm_ros.serving.backends import engine_factory
 from edge_llm_ros.serving.goal import CancelReason
 from edge_llm_ros.serving.worker import EngineWorker
@@ -52,13 +55,24 @@ def configure(config: LLMNodeConfig, values: dict, figures: FigureRecorder,
 
     `values` are the node's validated parameter values (/metrics).
     """
+    engine_config = config.engine
+    if config.remote is None and any(not is_converted(path) for _, path, _
+                                     in engine_config.lora_adapters):
+        # lora.adapters as users name them: converted once (cached). Only then does the node
+        # load the converter (test_layers_node: a served node never imports it otherwise).
+        from edge_llm_ros.convert.lora import convert_adapters
+        try:
+            engine_config = dataclasses.replace(engine_config, lora_adapters=convert_adapters(
+                engine_config.lora_adapters, engine_config.model_dir))
+        except EngineError as exc:
+            raise ConfigureFailed(f'lora.adapters: {exc}') from None
     try:   # before the model loads: a taken port fails at once
         metrics = _start_metrics(MetricsSettings.from_params(values), figures, gauges, log)
     except MetricsError as exc:
         raise ConfigureFailed(str(exc)) from None
     governor = ThermalGovernor(config.thermal, config.engine.intra_op_threads or 1,
                                config.process_cpus)
-    worker = EngineWorker(engine_factory(config.engine, config.remote), config.queue_depth,
+    worker = EngineWorker(engine_factory(engine_config, config.remote), config.queue_depth,
                           config.runtime.feedback,
                           thread_setup=functools.partial(_pin_worker, config.decode_cpus),
                           pacer=governor)

@@ -22,7 +22,7 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.srv import (Detokenize, GetModelInfo, GetSession, ListSessions, ResetSession,
                                Tokenize, WarmPrompt)
 from edge_llm_ros.errors import EngineError
-from edge_llm_ros.nodes.messages import chat_message_msgs, ros_string
+from edge_llm_ros.nodes.messages import adapter_uses, chat_message_msgs, ros_string
 from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving.worker import EngineWorker, WorkerStoppedError
 
@@ -165,6 +165,7 @@ def get_session(engine: Any, request: GetSession.Request, response: GetSession.R
     response.turns = chat_message_msgs(info.conversation.turns)
     response.token_count = len(info.conversation.ids)
     response.kv_bytes = int(info.kv_bytes)
+    response.lora = adapter_uses(info.conversation.lora)
     return response
 
 

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import (ChatMessage as ChatMessageMsg, SamplingParams,
+from edge_llm_msgs.msg import (AdapterUse, ChatMessage as ChatMessageMsg, SamplingParams,
                                Timings as TimingsMsg, TokenLogprob as TokenLogprobMsg,
                                ToolCall as ToolCallMsg, ToolCallDelta as ToolCallDeltaMsg,
                                Transcript)
 from edge_llm_ros.errors import InvalidRequestError
-from edge_llm_ros.runtime.media import DeclaredImage
+from edge_llm_ros.runtime.media import DeclaredImage, VideoClip
 from edge_llm_ros.runtime.tools.spec import ToolCall
 from edge_llm_ros.runtime.types import (ChatMessage, DeclaredEmbeddings, GenerationRequest,
                                         GenerationResult, SamplingConfig, StopReason, Timings)
@@ -179,6 +179,21 @@ def to_request(goal, defaults: RequestDefaults,
         lora=lora_scales(getattr(goal, 'lora', ())))
 
 
+def goal_media(goal, declared: Sequence) -> Tuple:
+    """Return a goal's images, then its clip (runtime.media.VideoClip), from declared frames.
+
+    declared: the goal's `images` handles described, then its `video_frames` (in that order,
+    as nodes/embeddings.py describes them together); the clip takes the marker after the
+    images' ones. No clip without video_frames.
+    """
+    n = len(getattr(goal, 'images', ()))
+    if not getattr(goal, 'video_frames', ()):
+        return tuple(declared)
+    return (*declared[:n], VideoClip(tuple(declared[n:]),
+                                     tuple(float(t) for t in goal.video_timestamps),
+                                     float(goal.video_fps)))
+
+
 def lora_scales(entries) -> Dict[str, float]:
     """Return a goal's LoraScale entries as name -> scale (a repeated name is refused)."""
     out: Dict[str, float] = {}
@@ -285,9 +300,18 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
 GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt',
-                    'max_image_tokens')
+                    'max_image_tokens', 'video_frames', 'video_timestamps', 'video_fps')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
+
+
+def adapter_uses(lora_set) -> List[AdapterUse]:
+    """Return an adapter set's ((name@digest, scale) each: PreparedRequest.lora_set) messages."""
+    uses = []
+    for key, scale in lora_set:
+        name, _, digest = str(key).rpartition('@')
+        uses.append(AdapterUse(name=name, scale=float(scale), digest=digest))
+    return uses
 
 
 def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_msg,
@@ -315,6 +339,11 @@ def build_transcript(source: str, goal_id, request_msg, engine_request, outcome_
     if isinstance(request_msg, Goal):
         for name in GOAL_ONLY_FIELDS:
             setattr(msg, name, getattr(request_msg, name))
+        # The goal's adapters, each with the digest of the one the node ran (replay checks it)
+        digests = {u.name: u.digest for u in adapter_uses(
+            getattr(engine_request, 'lora_set', ()) or ())}
+        msg.lora = [AdapterUse(name=e.name, scale=e.scale, digest=digests.get(e.name, ''))
+                    for e in getattr(request_msg, 'lora', ())]
     if outcome_msg is not None:
         for name in OUTCOME_FIELDS:
             setattr(msg, name, getattr(outcome_msg, name))

@@ -37,6 +37,10 @@ needs no translation.
 Interface version 7 (issue 40) only added fields: Generate.Goal/Transcript `max_image_tokens`
 and the result's `detections`. An older record reads 0 (the node's cap: older nodes had none)
 and no detections; it needs no translation.
+
+Interface version 8 (issue 40) only added fields: Generate.Goal/Transcript `video_frames`,
+`video_timestamps` and `video_fps` (a clip for a Qwen-VL model). An older record reads no
+clip, which is how every older goal was served: it needs no translation.
 """
 from __future__ import annotations
 

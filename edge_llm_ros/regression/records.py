@@ -9,7 +9,7 @@ translated to the current semantics in one place, regression.legacy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 import uuid
 
 from edge_llm_ros.runtime.tools.spec import ToolCall
@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 7
+INTERFACE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,15 @@ class SamplingRecord:
     def is_unset(self) -> bool:
         """Whether every field still holds the node-default sentinel."""
         return self == SamplingRecord()
+
+
+@dataclass(frozen=True)
+class AdapterUseRecord:
+    """A LoRA adapter a goal used (edge_llm_msgs/msg/AdapterUse)."""
+
+    name: str
+    scale: float = 1.0
+    digest: str = ''   # the adapter's content digest as the recording node held it
 
 
 # The engine's own plain types have exactly the message's fields: reuse them.
@@ -122,6 +131,10 @@ class TranscriptRecord:
     images: list = field(default_factory=list)   # version 6: TensorHandleRecord per image
     raw_prompt: bool = False           # version 6: prompt fed without the chat template
     max_image_tokens: int = 0          # version 7: one image's token cap; 0 = node default
+    video_frames: list = field(default_factory=list)   # version 8: TensorHandleRecord each
+    video_timestamps: list = field(default_factory=list)   # version 8: seconds per frame
+    video_fps: float = 0.0             # version 8: the clip's sampling rate (0: not said)
+    lora: list = field(default_factory=list)   # version 8: AdapterUseRecord per adapter
     accepted: bool = False
     text: str = ''
     token_ids: list = field(default_factory=list)          # int
@@ -152,8 +165,8 @@ class TranscriptRecord:
 
     @property
     def tensor_handles(self) -> list:
-        """Every tensor handle the request carried (prefix embeddings, then images)."""
-        return list(self.prefix_embeddings) + list(self.images)
+        """Every tensor handle the request carried (prefix embeddings, images, clip frames)."""
+        return list(self.prefix_embeddings) + list(self.images) + list(self.video_frames)
 
     def label(self, width: int = 48) -> str:
         """Return a one-line excerpt of the request for tables."""
@@ -165,6 +178,24 @@ class TranscriptRecord:
             text = ''
         text = ' '.join(text.split())
         return text if len(text) <= width else text[:width - 1] + '\u2026'
+
+
+def adapter_problem(record: TranscriptRecord, held: Dict[str, str]) -> str:
+    """Say why `record` cannot be replayed on a node holding `held` (name -> digest), or ''.
+
+    A goal that used a LoRA adapter the node has not loaded, or holds under that name with
+    other content (another digest), would not run what was recorded: replay refuses it.
+    """
+    for use in record.lora:
+        if use.name not in held:
+            return (f'the goal used LoRA adapter {use.name!r} (digest {use.digest or "?"}), '
+                    'which the node has not loaded: load it (~/load_adapter or lora.adapters) '
+                    'and replay again')
+        if use.digest and held[use.name] != use.digest:
+            return (f'the goal used LoRA adapter {use.name!r} with digest {use.digest}, but the '
+                    f"node's {use.name!r} has digest {held[use.name]}: load the recorded "
+                    'adapter under that name and replay again')
+    return ''
 
 
 def uuid_hex(raw: Any) -> str:
@@ -276,6 +307,11 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         images=[tensor_handle_from_msg(h) for h in getattr(msg, 'images', ())],
         raw_prompt=bool(getattr(msg, 'raw_prompt', False)),
         max_image_tokens=int(getattr(msg, 'max_image_tokens', 0)),
+        video_frames=[tensor_handle_from_msg(h) for h in getattr(msg, 'video_frames', ())],
+        video_timestamps=[float(t) for t in getattr(msg, 'video_timestamps', ())],
+        video_fps=float(getattr(msg, 'video_fps', 0.0)),
+        lora=[AdapterUseRecord(str(u.name), float(u.scale), str(u.digest))
+              for u in getattr(msg, 'lora', ())],
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],
         accepted=bool(msg.accepted),
         text=str(msg.text),

@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 from lifecycle_msgs.srv import GetState
 import rclpy
@@ -48,8 +48,9 @@ from edge_llm_ros.regression.cpu_class import current_cpu_class, parse_cpu_class
 from edge_llm_ros.regression.errors import (CpuClassError, NodeUnavailableError,
                                             RegressionToolError)
 from edge_llm_ros.regression.live import RawRecorder
-from edge_llm_ros.regression.records import (ChatRecord, SamplingRecord, TensorHandleRecord,
-                                             transcript_from_msg, TranscriptRecord, uuid_bytes)
+from edge_llm_ros.regression.records import (adapter_problem, ChatRecord, SamplingRecord,
+                                             TensorHandleRecord, transcript_from_msg,
+                                             TranscriptRecord, uuid_bytes)
 from edge_llm_ros.regression.report import now_iso, RunInfo, write_report
 from edge_llm_ros.regression.thresholds import load_thresholds, Thresholds
 
@@ -144,6 +145,8 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 prefix_embeddings=handle_msgs(record.prefix_embeddings),
                 images=handle_msgs(record.images), raw_prompt=record.raw_prompt,
                 max_image_tokens=record.max_image_tokens,
+                video_frames=handle_msgs(record.video_frames),
+                video_timestamps=list(record.video_timestamps), video_fps=record.video_fps,
                 tools=[ToolSpec(name=t.name, description=t.description,
                                 parameters=t.parameters) for t in record.tools],
                 tool_choice=record.tool_choice,
@@ -154,7 +157,8 @@ def goal_fields(record: TranscriptRecord) -> dict:
                 reasoning_budget=(None if record.reasoning_budget < 0
                                   else record.reasoning_budget),
                 priority=record.priority, preempt=record.preempt,
-                no_speculation=record.no_speculation, **sampling)
+                no_speculation=record.no_speculation,
+                lora={u.name: u.scale for u in record.lora}, **sampling)
 
 
 def handle_msgs(records) -> list:
@@ -245,6 +249,17 @@ class ReplayRunner:
         self._spinner = threading.Thread(target=self._spin, daemon=True)
         self._spinner.start()
         self.node_publishes_transcripts = True
+        self._adapters: Optional[Dict[str, str]] = None
+
+    def adapters(self) -> Dict[str, str]:
+        """Return the node's LoRA adapters, name -> digest (asked once; none if it cannot say)."""
+        if self._adapters is None:
+            try:
+                answer = self.client.list_adapters(timeout=self.options.server_timeout_s)
+                self._adapters = {a.name: a.digest for a in answer.adapters}
+            except (LLMClientError, TimeoutError):
+                self._adapters = {}
+        return self._adapters
 
     def _spin(self) -> None:
         try:
@@ -429,6 +444,10 @@ def replay_goals(runner: ReplayRunner, olds: Sequence[TranscriptRecord],
             if options.skip_tensor_goals and old.tensor_handles:
                 outcomes[index] = ReplayOutcome(
                     SKIPPED, None, '--skip-tensor-goals: the goal carries tensor handles')
+                continue
+            problem = adapter_problem(old, runner.adapters()) if old.lora else ''
+            if problem:
+                outcomes[index] = ReplayOutcome(NOT_SENT, None, problem)
                 continue
             if not runner.client.wait_for_server(options.server_timeout_s):
                 error = (f'the action server {runner.topics.action} went away before goal '

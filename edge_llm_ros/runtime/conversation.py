@@ -83,6 +83,9 @@ class Conversation:
     turns: Tuple[ChatMessage, ...] = ()
     ids: Tuple[int, ...] = ()      # the model's view: prompt ids then generated ids
     images: Tuple[StoredImage, ...] = ()   # in prompt order (their rows are not in ids)
+    # The LoRA adapters its turns used, in order of first use: (name@digest, scale) each, as
+    # PreparedRequest.lora_set holds them (~/get_session lists them).
+    lora: Tuple[Tuple[str, float], ...] = ()
 
     def to_json(self) -> str:
         """Return the conversation as JSON; the images' rows are media_bytes()."""
@@ -91,6 +94,8 @@ class Conversation:
                                'ids': list(self.ids)}
         if self.images:
             raw['images'] = [im.meta() for im in self.images]
+        if self.lora:
+            raw['lora'] = [[key, scale] for key, scale in self.lora]
         return json.dumps(raw, ensure_ascii=False, separators=(',', ':'))
 
     def as_text(self) -> 'Conversation':
@@ -136,7 +141,8 @@ class Conversation:
                                  'no image')
             return cls(system=str(raw['system']),
                        turns=tuple(_turn_of(t) for t in raw['turns']),
-                       ids=tuple(int(i) for i in raw['ids']), images=tuple(images))
+                       ids=tuple(int(i) for i in raw['ids']), images=tuple(images),
+                       lora=tuple((str(k), float(v)) for k, v in raw.get('lora', ())))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
             raise ValueError(f'not a stored conversation ({exc})') from None
 
@@ -172,6 +178,7 @@ class Bound:
     image_at: Tuple[int, ...] = ()
     goal_images: Tuple[int, ...] = ()    # indices into the goal's images of the placed ones
     resent: int = 0                      # the goal's first images, resent stored ones
+    lora: Tuple[Tuple[str, float], ...] = ()   # the adapters the stored turns kept used
 
     @property
     def kept_images(self) -> Tuple[StoredImage, ...]:
@@ -259,7 +266,7 @@ def bind(tokenizer: TextTokenizer, stored: Conversation, chat: ChatTurns, room: 
     history, new = turns[:kept_history], turns[kept_history:]
     return Bound(laid.ids, system, history, new, dropped, continued, spans=laid.spans,
                  placed=tuple(placed), image_at=laid.image_at, goal_images=tuple(goal),
-                 resent=resent)
+                 resent=resent, lora=stored.lora if history else ())
 
 
 def _split(text: str, placed: Sequence[media.Placement]) -> List[str]:
@@ -315,13 +322,17 @@ def _next_exchange(turns: Tuple[ChatMessage, ...]) -> int:
 
 
 def committed(bound: Bound, reply: ChatMessage, generated: Sequence[int],
-              images: Sequence[StoredImage] = ()) -> Conversation:
+              images: Sequence[StoredImage] = (),
+              lora: Sequence[Tuple[str, float]] = ()) -> Conversation:
     """Return the conversation after a goal that ended well: turns, reply and all its ids.
 
-    images: every image of the goal's prompt, as placed (request.stored_images).
+    images: every image of the goal's prompt, as placed (request.stored_images); lora: the
+    goal's adapter set (request.lora_set), added to those the stored turns used.
     """
+    used = bound.lora + tuple(entry for entry in lora if entry not in bound.lora)
     return Conversation(system=bound.system, turns=bound.history + bound.new + (reply,),
-                        ids=bound.ids + tuple(int(t) for t in generated), images=tuple(images))
+                        ids=bound.ids + tuple(int(t) for t in generated), images=tuple(images),
+                        lora=used)
 
 
 def reply_turn(text: str, tool_calls: Sequence[Any]) -> ChatMessage:

@@ -209,7 +209,7 @@ class OnnxDecoder:
                     f'{self._model_dir}: LoRA adapters need a graph of the op library '
                     '(KQuantMatMul weights and a row table): convert the model from a GGUF '
                     'with a current edge-llm-convert')
-            self.lora = LoraOps(self._model_dir, self.info)
+            self.lora = LoraOps(self.info)
         return self.lora
 
     # --- graph checks ------------------------------------------------------------------------

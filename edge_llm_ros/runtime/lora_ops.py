@@ -1,8 +1,9 @@
 """The op library's LoRA registry for one decoder (native/include/edge_llm_kquant/lora.h).
 
 An adapter's pairs are registered on the graph's KQuantMatMul nodes by name, each as a segment
-of the node's output columns: `layers.{i}.attn.q_proj` (or the fused `attn.qkv_proj`: q, k, v
-one after the other), `attn.o_proj`, `mlp.gate_proj` / `mlp.up_proj` (or the fused
+of the node's output columns, as model.yaml's `lora_targets` (written by the converter) says:
+`layers.{i}.attn.q_proj` (or the fused `attn.qkv_proj`: q, k, v one after the other),
+`attn.o_proj`, `mlp.gate_proj` / `mlp.up_proj` (or the fused
 `mlp.gate_up_proj`, its glu applied after the adapter), `mlp.down_proj`. Before a call whose
 rows name adapters, `set_rows` hands the op each packed position's (adapter id, scale) list;
 `clear` after it. A call with no adapter never sets a table: the op's base path runs as is.
@@ -16,14 +17,13 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 import itertools
-import os
 import pathlib
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from edge_llm_ros.errors import AdapterMismatchError
-from edge_llm_ros.model_format import MODEL_FILE, ModelInfo
+from edge_llm_ros.errors import AdapterMismatchError, LoraTargetsMissingError
+from edge_llm_ros.model_format import ModelInfo
 from edge_llm_ros.runtime import native_ops
 from edge_llm_ros.runtime.lora_adapter import LoraAdapter
 
@@ -43,33 +43,27 @@ class Segment:
     col: int
 
 
-def node_layout(model_dir: str, info: ModelInfo) -> Dict[Tuple[int, str], Segment]:
-    """Map (layer, role) to its KQuantMatMul segment, read from model.onnx's nodes."""
-    import onnx
-    model = onnx.load(os.path.join(model_dir, MODEL_FILE), load_external_data=False)
-    n_attr = {}
-    for node in model.graph.node:
-        if node.op_type == 'KQuantMatMul' and node.domain == native_ops.DOMAIN:
-            n_attr[node.name] = next(int(a.i) for a in node.attribute if a.name == 'N')
-    q_out = info.num_heads * info.head_dim
-    kv_out = info.num_kv_heads * info.head_dim
+def node_layout(info: ModelInfo) -> Dict[Tuple[int, str], Segment]:
+    """Map (layer, role) to its KQuantMatMul segment, as model.yaml's lora_targets says.
+
+    The converter writes lora_targets (convert/lora.py); a folder converted before has none:
+    LoraTargetsMissingError asks for a reconversion.
+    """
+    targets = info.extra.get('lora_targets')
+    if not isinstance(targets, list):
+        raise LoraTargetsMissingError(
+            f'the model {info.name} was converted before model.yaml recorded where LoRA '
+            'adapters go (lora_targets): convert it again with a current edge-llm-convert '
+            'to use adapters (it still runs without them)')
     layout: Dict[Tuple[int, str], Segment] = {}
-    for i in range(info.num_layers):
-        p = f'layers.{i}'
-        for role in ('q', 'k', 'v'):
-            if f'{p}.attn.{role}_proj' in n_attr:
-                layout[(i, role)] = Segment(f'{p}.attn.{role}_proj', 0)
-        if f'{p}.attn.qkv_proj' in n_attr:
-            for role, col in (('q', 0), ('k', q_out), ('v', q_out + kv_out)):
-                layout[(i, role)] = Segment(f'{p}.attn.qkv_proj', col)
-        for role, name in (('o', 'attn.o_proj'), ('gate', 'mlp.gate_proj'),
-                           ('up', 'mlp.up_proj'), ('down', 'mlp.down_proj')):
-            if f'{p}.{name}' in n_attr:
-                layout[(i, role)] = Segment(f'{p}.{name}', 0)
-        fused = f'{p}.mlp.gate_up_proj'
-        if fused in n_attr:
-            layout[(i, 'gate')] = Segment(fused, 0)
-            layout[(i, 'up')] = Segment(fused, n_attr[fused] // 2)
+    for entry in targets:
+        try:
+            layer, role, node, col = entry
+            layout[(int(layer), str(role))] = Segment(str(node), int(col))
+        except (TypeError, ValueError):
+            raise LoraTargetsMissingError(
+                f'model.yaml of {info.name}: lora_targets entry {entry!r} is not [layer, role, '
+                'node, column]: convert the model again') from None
     return layout
 
 
@@ -91,8 +85,8 @@ def _f32(array: np.ndarray):
 class LoraOps:
     """Adapters registered on one decoder's op nodes, and the per-call row table."""
 
-    def __init__(self, model_dir: str, info: ModelInfo) -> None:
-        self.layout = node_layout(model_dir, info)
+    def __init__(self, info: ModelInfo) -> None:
+        self.layout = node_layout(info)
         self._lib = _lib(native_ops.require_library('LoRA adapters'))
         self.ids: List[int] = []   # adapters registered through this decoder
         self.active = False   # a row table is set (clear() after the call)

@@ -57,7 +57,23 @@ class DeclaredEncoded:
         return (0, 0, 1) if rows == 0 else (cols, rows, rows * cols + 1)
 
 
-ImageInput = Union[np.ndarray, DeclaredImage, DeclaredEncoded]
+@dataclass(frozen=True)
+class VideoClip:
+    """A clip: frames of one size, oldest first, with their times (a Qwen-VL model's video).
+
+    frames: RGB [H, W, 3] uint8 arrays or DeclaredImage sizes (pool frames mapped when the
+    goal starts); timestamps: seconds, one per frame, each later than the one before; fps:
+    the rate they were sampled at (0: not said). It takes one media marker, as an image does;
+    llama.cpp's mtmd merges its frames two by two (one temporal patch each, an odd last frame
+    alone) and places each pair like an image (check_clip, mmproj_layout.place_clip).
+    """
+
+    frames: Tuple = ()
+    timestamps: Tuple[float, ...] = ()
+    fps: float = 0.0
+
+
+ImageInput = Union[np.ndarray, DeclaredImage, DeclaredEncoded, VideoClip]
 ENCODED_DTYPES = ('float32', 'float16')
 
 
@@ -73,6 +89,8 @@ class ImageLayout(Protocol):
     def place(self, height: int, width: int) -> Placement: ...
 
     def place_encoded(self, encoded: DeclaredEncoded, name: str) -> Placement: ...
+
+    def place_clip(self, height: int, width: int, frames: int, name: str) -> Placement: ...
 
 
 @dataclass(frozen=True)
@@ -149,10 +167,64 @@ def check_images(images: Sequence[ImageInput], layout: Optional[ImageLayout]
     placements = []
     for i, image in enumerate(images):
         name = f'images[{i}]'
+        if isinstance(image, VideoClip):
+            placements.append(layout.place_clip(*check_clip(image, name), name))
+            continue
         encoded = declared_encoding(image, name)
         placements.append(layout.place_encoded(encoded, name) if encoded is not None else
                           layout.place(*image_size(image, name)))
     return placements
+
+
+def check_clip(clip: VideoClip, name: str) -> Tuple[int, int, int]:
+    """Return a clip's (height, width, frames); ImageInputError says what is wrong.
+
+    Its frames must be images of one size and its timestamps one per frame, finite and each
+    later than the one before (they are checked before any pixel is read).
+    """
+    frames = clip.frames
+    if isinstance(frames, (str, bytes, np.ndarray)) or not isinstance(frames, (list, tuple)) \
+            or not frames:
+        raise ImageInputError(f'{name} is a clip without frames: give its frames as a list')
+    sizes = [image_size(f, f'{name}.frames[{j}]') for j, f in enumerate(frames)]
+    for j, size in enumerate(sizes):
+        if size != sizes[0]:
+            raise ImageInputError(
+                f'{name}.frames[{j}] is {size[1]}x{size[0]}, but frames[0] is '
+                f'{sizes[0][1]}x{sizes[0][0]}: every frame of a clip must have one size '
+                '(resize them to one size first)')
+    stamps = tuple(clip.timestamps)
+    if len(stamps) != len(frames):
+        raise ImageInputError(f'{name} has {len(stamps)} timestamps for {len(frames)} frames: '
+                              'give one timestamp (seconds) per frame')
+    try:
+        times = np.asarray(stamps, np.float64)
+    except (TypeError, ValueError):
+        raise ImageInputError(f'{name} timestamps must be numbers (seconds)') from None
+    if not np.isfinite(times).all():
+        raise ImageInputError(f'{name} has a NaN or infinite timestamp')
+    later = np.diff(times) > 0
+    if not later.all():
+        j = int(np.argmin(later)) + 1
+        raise ImageInputError(
+            f'{name} timestamps are out of order: frames[{j}] at {times[j]:g} s is not after '
+            f'frames[{j - 1}] at {times[j - 1]:g} s: send the frames oldest first')
+    fps = clip.fps
+    if isinstance(fps, bool) or not isinstance(fps, (int, float, np.floating, np.integer)) or \
+            not np.isfinite(fps) or fps < 0:
+        raise ImageInputError(f'{name} fps must be a finite number >= 0 (0: not said), got '
+                              f'{fps!r}')
+    return sizes[0][0], sizes[0][1], len(frames)
+
+
+def clip_pairs(frames: Sequence) -> List[Tuple]:
+    """Return a clip's temporal chunks as mtmd groups them: frames 2 by 2, an odd last alone."""
+    return [tuple(frames[j:j + 2]) for j in range(0, len(frames), 2)]
+
+
+def clip_digest(digests: Sequence[str]) -> str:
+    """Content digest of a clip or chunk from its frames' digests."""
+    return hashlib.blake2b(('clip:' + ','.join(digests)).encode(), digest_size=16).hexdigest()
 
 
 def encoded_form(rows: np.ndarray, grid: Tuple[int, int, int], tile_rows: int,
@@ -254,7 +326,9 @@ def position_keys(ids: Sequence[int], spans: Sequence[Tuple[int, int]],
 
 
 def image_digest(image: np.ndarray) -> str:
-    """Content digest of an image (reads the frame in place, no copy)."""
+    """Content digest of an image or clip (reads the frames in place, no copy)."""
+    if isinstance(image, VideoClip):
+        return clip_digest([image_digest(f) for f in image.frames])
     h = hashlib.blake2b(digest_size=16)
     h.update(np.asarray(image.shape, np.int64).tobytes())
     h.update(np.ascontiguousarray(image))

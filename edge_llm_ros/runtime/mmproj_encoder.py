@@ -24,8 +24,9 @@ from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
                                        VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
 from edge_llm_ros.runtime.decoder import check_providers
-from edge_llm_ros.runtime.media import (declared_encoding, encoded_form, encoded_rows,
-                                        image_digest, ImageInputError)
+from edge_llm_ros.runtime.media import (clip_digest, clip_pairs, declared_encoding,
+                                        encoded_form, encoded_rows, image_digest,
+                                        ImageInputError, VideoClip)
 from edge_llm_ros.runtime.mmproj_preprocess import grid_for, preprocess
 
 CACHED_IMAGES = 8
@@ -78,21 +79,33 @@ class ImageEncoder:
             raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
                                  'graph from before the normalization moved into it): '
                                  'reconvert the model with --mmproj')
+        # A Qwen-VL graph of any frame count takes a video chunk's 2 frames (one temporal
+        # patch); one converted before video support takes exactly 1.
+        self.takes_clips = self._mrope and self._session.get_inputs()[0].shape[0] != 1
         self.vision = dict(vision)
         self.providers = tuple(self._session.get_providers())
         self.n_out = int(vision['embedding_size'])
         self._cache: 'collections.OrderedDict[str, np.ndarray]' = collections.OrderedDict()
 
-    def encode(self, image: np.ndarray, digest: Optional[str] = None) -> Encoded:
-        """Return the image's rows ([H, W, 3] uint8 RGB; Pillow's resampler unpacks it once)."""
-        digest = digest or image_digest(image)
+    def encode(self, image, digest: Optional[str] = None) -> Encoded:
+        """Return the image's rows ([H, W, 3] uint8 RGB; Pillow's resampler unpacks it once).
+
+        A tuple of 2 frames of one size is a video chunk (Qwen-VL): both resized as images,
+        through the patch embedding's two temporal kernels (mtmd's merged pair).
+        """
+        frames = image if isinstance(image, tuple) else (image,)
+        if len(frames) == 1:
+            digest = digest or image_digest(frames[0])
+        else:
+            digest = digest or clip_digest([image_digest(f) for f in frames])
         hit = self._cache.get(digest)
         if hit is not None:
             self._cache.move_to_end(digest)
             return Encoded(hit, digest, cached=True)
         t0 = time.perf_counter()
-        tiles = preprocess(image, self.vision)
-        pixels = np.stack(tiles.tiles)  # uint8: the graph normalizes them
+        each = [preprocess(f, self.vision) for f in frames]
+        tiles = each[0]
+        pixels = np.stack([t for e in each for t in e.tiles])  # uint8: the graph normalizes
         t1 = time.perf_counter()
         feeds = {PIXELS: pixels}
         if self._mrope:
@@ -120,11 +133,25 @@ class ImageEncoder:
         digest = image_digest(image)
         if known and digest in known:
             return Encoded(known[digest], digest, cached=True)
+        if isinstance(image, VideoClip):
+            return self.encode_clip(image, name, digest)
         if declared_encoding(image, name) is None:
             return self.encode(image, digest)
         if not np.isfinite(image).all():
             raise ImageInputError(f'{name} is an encoded image with NaN or infinite values')
         return Encoded(encoded_rows(image), digest, cached=True)
+
+    def encode_clip(self, clip: VideoClip, name: str = 'clip',
+                    digest: Optional[str] = None) -> Encoded:
+        """Return a clip's rows: its frames two by two (an odd last alone), chunk after chunk."""
+        if not self.takes_clips:
+            raise ImageInputError(f'{name} is a video clip, but this vision.onnx takes one '
+                                  'frame (converted before video support): reconvert the '
+                                  'model with --mmproj')
+        parts = [self.encode(tuple(pair)) for pair in clip_pairs(clip.frames)]
+        return Encoded(np.concatenate([p.rows for p in parts]), digest or image_digest(clip),
+                       sum(p.preprocess_s for p in parts), sum(p.encode_s for p in parts),
+                       all(p.cached for p in parts))
 
     def encoded_shape(self, height: int, width: int) -> Tuple[int, int, int, int]:
         """Return the wire form's shape for a height x width image (media.DeclaredEncoded)."""
@@ -164,4 +191,8 @@ def open_vision(model_dir: os.PathLike, extra: Mapping, tokenizer, **session
     from edge_llm_ros.runtime.mmproj_layout import PromptLayout
     layout = PromptLayout(vision, single_token(tokenizer.encode, tokenizer.decode),
                           tokenizer.encode)
-    return ImageEncoder(model_dir, vision, **session), layout
+    encoder = ImageEncoder(model_dir, vision, **session)
+    if encoder._mrope and not encoder.takes_clips:
+        layout.clip_refusal = ('this vision.onnx takes one frame (converted before video '
+                               'support): reconvert the model with --mmproj to send clips')
+    return encoder, layout

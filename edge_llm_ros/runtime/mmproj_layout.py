@@ -8,7 +8,9 @@ llama.cpp's multimodal library replaces each media marker of the prompt by the i
 - internvl: `<img>` [tiles, then the overview] `</img>`;
 - mlp (LLaVA-1.5): the image alone;
 - qwen2.5vl_merger, qwen3vl_merger: `<|vision_start|>` [the image's columns x rows merged
-  tokens, row by row] `<|vision_end|>`; the placement keeps the grid for the M-RoPE positions;
+  tokens, row by row] `<|vision_end|>`; the placement keeps the grid for the M-RoPE positions.
+  A video clip (these two only: their n_temporal_merge is 2) is its frames two by two, each
+  pair (an odd last frame alone) one such image of the frame's grid, one after the other;
 - gemma4v: `<|image>` [the image's columns x rows pooled tokens, row by row] `<image|>`, at
   plain positions; the image attends both ways unless model.yaml says 'causal' (E2B / E4B).
 The wrapper pieces are single tokens of the language model's vocabulary; a model that lacks
@@ -79,6 +81,7 @@ class PromptLayout:
         # input). A decoder graph without that input refuses such images (refuse_images).
         self.bidirectional = vision.get('attention', 'causal') == 'bidirectional'
         self.refusal = ''
+        self.clip_refusal = ''   # why this model's encoder takes no clips ('' : it does)
 
     def refuse_images(self, why: str) -> None:
         """Refuse every image from now on, saying why (the model still takes text)."""
@@ -89,6 +92,25 @@ class PromptLayout:
         if self.refusal:
             raise ImageInputError(self.refusal)
         return self._place_grid(*grid_for(height, width, self._vision))
+
+    def place_clip(self, height: int, width: int, frames: int, name: str) -> ImagePlacement:
+        """Return the items of a clip of `frames` frames of height x width, as mtmd merges them.
+
+        Each two frames are one chunk placed like an image (an odd last frame alone); only
+        Qwen-VL's mergers take a clip (llama.cpp's clip_model_n_temporal_merge is 1 for others).
+        """
+        if self.refusal:
+            raise ImageInputError(self.refusal)
+        if self.projector not in QWEN:
+            raise ImageInputError(
+                f'{name} is a video clip, but this model ({self.projector}) has no temporal '
+                'merge (only Qwen2.5-VL and Qwen3-VL take video): send its frames as images')
+        if self.clip_refusal:
+            raise ImageInputError(f'{name}: {self.clip_refusal}')
+        one = self.place(height, width)
+        chunks = (frames + 1) // 2
+        return ImagePlacement(tuple(merge_items(one.items * chunks)), one.rows * chunks, chunks,
+                              False, one.grid, one.input_size)
 
     def place_encoded(self, encoded: DeclaredEncoded, name: str) -> ImagePlacement:
         """Return the items of an image already encoded (media.DeclaredEncoded).

@@ -127,7 +127,9 @@ class PreparedRequest:
         """
         if self.embeddings is not None and self.embeds is None:
             return False
-        return not any(isinstance(im, media.DeclaredImage) for im in self.images)
+        return not any(isinstance(im, media.DeclaredImage) or (
+            isinstance(im, media.VideoClip) and any(
+                isinstance(f, media.DeclaredImage) for f in im.frames)) for im in self.images)
 
     @property
     def awaits_conversation(self) -> bool:
@@ -159,11 +161,18 @@ class PreparedRequest:
     def with_frames(self, frames: Sequence[np.ndarray]) -> 'PreparedRequest':
         """Return this request with the pixels of its DeclaredImages (mapped frames, in order).
 
-        Each frame must be the size prepare() checked: RGB [height, width, 3] uint8.
+        Each frame must be the size prepare() checked: RGB [height, width, 3] uint8; a clip's
+        entry is the list of its frames.
         """
         if len(frames) != len(self.images):
             raise media.ImageInputError(f'{len(frames)} frames for {len(self.images)} images')
+        images = []
         for i, (frame, declared) in enumerate(zip(frames, self.images)):
+            if isinstance(declared, media.VideoClip):   # its frames, each checked as an image
+                clip = replace(self, images=tuple(declared.frames)).with_frames(frame).images
+                images.append(replace(declared, frames=clip))
+                continue
+            images.append(frame)
             if isinstance(declared, media.DeclaredEncoded):
                 want, dtype = declared.shape, np.dtype(declared.dtype)
             elif isinstance(declared, media.DeclaredImage):
@@ -176,7 +185,7 @@ class PreparedRequest:
                        else type(frame).__name__)
                 raise media.ImageInputError(f'images[{i}] mapped as {got}, not the declared '
                                             f'{dtype} {list(want)}')
-        return replace(self, images=tuple(frames))
+        return replace(self, images=tuple(images))
 
     def bind_images(self, embeds: Sequence[np.ndarray], digests: Sequence[str]
                     ) -> 'PreparedRequest':
@@ -324,7 +333,8 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
                                    f'prompt in the context of {capacity} tokens: lower it')
     declared, array = _embeddings(request.prefix_embeddings, hidden_size)
     placements = media.check_images(request.images, layout)
-    _check_image_cap(placements, int(getattr(request, 'max_image_tokens', 0) or 0))
+    _check_image_cap(placements, int(getattr(request, 'max_image_tokens', 0) or 0),
+                     request.images)
     if placements and declared is not None:
         raise InvalidRequestError('a request takes images or prefix_embeddings, not both')
     rows = sum(p.rows for p in placements) if placements else (
@@ -393,12 +403,20 @@ def prepare(request: GenerationRequest, tokenizer: TextTokenizer, hidden_size: i
     return prepared.bind(array) if array is not None else prepared
 
 
-def _check_image_cap(placements: Sequence[media.Placement], cap: int) -> None:
-    """Raise ImageInputError for an image of more rows than max_image_tokens (0: no cap)."""
+def _check_image_cap(placements: Sequence[media.Placement], cap: int,
+                     images: Sequence[media.ImageInput]) -> None:
+    """Raise ImageInputError for an image of more rows than max_image_tokens (0: no cap).
+
+    A clip's cap is per chunk (two frames placed like one image), as each chunk is an image.
+    """
     if cap < 0:
         raise InvalidRequestError(f'max_image_tokens must be >= 0 (0: no cap), got {cap}')
-    for i, placed in enumerate(placements):
-        if cap and placed.rows > cap:
+    for i, (placed, image) in enumerate(zip(placements, images)):
+        if cap and isinstance(image, media.VideoClip) and placed.rows // placed.tiles > cap:
+            raise media.ImageInputError(
+                f'images[{i}] is a clip whose every 2 frames take {placed.rows // placed.tiles} '
+                f'tokens, over max_image_tokens {cap}: send smaller frames or raise the cap')
+        if cap and not isinstance(image, media.VideoClip) and placed.rows > cap:
             raise media.ImageInputError(
                 f'images[{i}] takes {placed.rows} tokens, over max_image_tokens {cap}: send '
                 'a smaller image or raise the cap')
@@ -412,6 +430,8 @@ def image_sizes(images: Sequence[media.ImageInput], placements: Sequence[media.P
     """
     out = []
     for i, (image, placed) in enumerate(zip(images, placements)):
+        if isinstance(image, media.VideoClip):   # its frames' size (check_clip: all one)
+            image = image.frames[0]
         if media.declared_encoding(image, f'images[{i}]') is not None:
             out.append(((0, 0), (0, 0)))
             continue

@@ -1,7 +1,9 @@
 """LoRA adapters of a loaded engine: loaded by name, chosen per goal with a scale.
 
-`Adapters` loads a LoRA GGUF or PEFT folder (runtime/lora_adapter.py), checks it against the
-base model and registers it on the decoder's op nodes (runtime/lora_ops.py). A goal names
+`Adapters` loads an adapter in the engine's numpy form (runtime/lora_adapter.py; a LoRA GGUF
+or PEFT folder is converted into it once by the caller: convert/lora.py ensure_converted, which
+llm_node and the CLI call), checks it against the base model and registers it on the decoder's
+op nodes (runtime/lora_ops.py). A goal names
 adapters with scales (GenerationRequest.lora, name -> scale; an empty scale-less entry takes
 the adapter's default): `resolve` checks them before any model work (AdapterRequestError for
 an unknown name, a NaN scale or one outside +-max_scale, more than max_per_goal adapters) and
@@ -22,7 +24,7 @@ from typing import Dict, List, Mapping, Tuple
 
 from edge_llm_ros.errors import AdapterRequestError
 from edge_llm_ros.model_format import ModelInfo
-from edge_llm_ros.runtime.lora_adapter import check_base, load_adapter, LoraAdapter
+from edge_llm_ros.runtime.lora_adapter import load_converted, LoraAdapter
 from edge_llm_ros.runtime.lora_ops import LoraOps
 
 Uses = Tuple[Tuple[int, float], ...]
@@ -87,9 +89,9 @@ class Adapters:
                 raise AdapterRequestError(f'an adapter named {name!r} is loaded already: '
                                           'unload it first or pick another name')
         t0 = time.perf_counter()
-        adapter = check_base(load_adapter(path, name), self.info)
         if self._ops is None:
             self._ops = self._ops_of()
+        adapter = load_converted(path, self.info, name)
         adapter_id = self._ops.add(adapter)
         ranks = sorted({p.rank for p in adapter.pairs.values()})
         loaded = LoadedAdapter(name, path, adapter_id, digest_of(adapter), float(default_scale),

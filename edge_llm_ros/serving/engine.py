@@ -266,7 +266,8 @@ class Engine:
         self._lock = threading.RLock()
         self._store = store
         self._scheduler = Scheduler(self._caches, config.prefill_chunk, config.prefix_reuse,
-                                    end_ops=self._end_ops)
+                                    end_ops=self._end_ops, on_end=self._goal_ended)
+        self._held: Dict[int, tuple] = {}   # goal uid -> the adapter uses it acquired
         self.loop = StepLoop(self._scheduler, Executor(self._decoder, self._caches, self.rows,
                                                        self._start_sequence, self.speculation),
                              self._lock)
@@ -437,14 +438,21 @@ class Engine:
         A session goal's prompt is built here, after the goals before it in its session
         ended: the stored turns first, then its own (runtime/conversation.py).
         """
-        self.adapters.acquire(request.lora)   # released at the goal's end (_end_ops)
+        # Released when the goal ends, however it ends (_goal_ended): failing here included.
+        self.adapters.acquire(request.lora)
+        if request.lora:
+            self._held[goal.uid] = request.lora
         if request.awaits_conversation:
             stored = self._store.conversation(request.session_id) or Conversation()
             request = bind_conversation(request, stored, self.tokenizer, self.context_length)
         if request.images:
             request = self._encode_images(request)
         seq = TokenSequence(self.tokenizer, request, goal.output, self._eos, t0=goal.t0)
-        if request.speculative:
+        # A separate draft model runs without the goal's adapters (they are made for this
+        # base, not for it): its drafts would be the base model's, so an adapter goal decodes
+        # plainly there (its ids are the same either way: verify passes are row-exact).
+        drafts_elsewhere = self.speculation.draft_model is not None
+        if request.speculative and not (request.lora and drafts_elsewhere):
             seq.speculator = self.speculation.start(request.prompt_ids)
         return seq
 
@@ -464,14 +472,21 @@ class Engine:
         Only a turn that ended well (stop, length, tool calls) joins the conversation; a
         cancelled or failed one leaves it as it was.
         """
+        if goal.sequence is None:   # its start failed
+            return [Checkpoint(slot)]
         request, result = goal.sequence.request, goal.sequence.result
-        self.adapters.release(request.lora)
         if request.session is None or result.stop_reason not in _COMMITTED:
             return [Checkpoint(slot)]
         reply = reply_turn(result.text, result.tool_calls)
         return [Commit(slot, request.session_id,
                        committed(request.session, reply, result.token_ids,
-                                 request.stored_images()))]
+                                 request.stored_images(), request.lora_set))]
+
+    def _goal_ended(self, goal: Goal) -> None:
+        """Free the adapters a goal acquired at its start (once, whatever ended it)."""
+        uses = self._held.pop(goal.uid, None)
+        if uses:
+            self.adapters.release(uses)
 
     def when_saved(self, goal: Goal, done: Callable[[], None]) -> None:
         """Call done() once an ended goal's committed turn persists (at once if none).

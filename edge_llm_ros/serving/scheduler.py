@@ -221,12 +221,15 @@ class Scheduler:
     """N slots over one decoder's KV caches; see the module docstring."""
 
     def __init__(self, caches: Sequence[KVCache], prefill_chunk: int, prefix_reuse: bool = True,
-                 recompute: int = RECOMPUTE, end_ops: EndOps = checkpoint_only) -> None:
+                 recompute: int = RECOMPUTE, end_ops: EndOps = checkpoint_only,
+                 on_end: Optional[Callable[[Goal], None]] = None) -> None:
         """Plan over `caches` (one per slot, read here; the executor writes them).
 
         :param prefill_chunk: prompt positions per prefill call.
         :param recompute: prompt positions always prefilled again on prefix reuse.
         :param end_ops: (goal, slot) -> the KV ops that follow a goal's end in its slot.
+        :param on_end: called with every goal that ends, in a slot, paused or failed at its
+            start alike (Engine._goal_ended frees the goal's adapters there).
         """
         self._caches = list(caches)
         self.slots = len(self._caches)
@@ -234,6 +237,7 @@ class Scheduler:
         self._prefix_reuse = prefix_reuse
         self._recompute = recompute
         self._end_ops = end_ops
+        self._on_end = on_end
         self._queue = GoalQueue()
         self._slot: List[Optional[Goal]] = [None] * self.slots
         self._paused: List[Goal] = []
@@ -504,6 +508,8 @@ class Scheduler:
             self._deferred += self._end_ops(goal, goal.slot)
             self._slot[goal.slot] = None
         goal.slot = -1
+        if self._on_end is not None:
+            self._on_end(goal)
         goal.finish(replace(result, timings=replace(result.timings,
                                                     queue_wait_s=goal.queue_wait_s)))
         ended.append(goal)

@@ -903,18 +903,19 @@ void lora_shrink_avx2(const float *x, const float *a_t, int64_t k, int64_t r, fl
   }
 }
 
-void lora_expand_avx2(const float *u, const float *b_t, int64_t r, int64_t n, float *t) {
+void lora_expand_avx2(const float *u, const float *b_t, int64_t r, int64_t n, int64_t ldb,
+                      float *t) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t q = 0; q < r; ++q) {
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(u[q]), _mm256_loadu_ps(b_t + q * n + j)));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(u[q]), _mm256_loadu_ps(b_t + q * ldb + j)));
     }
     _mm256_storeu_ps(t + j, acc);
   }
   for (; j < n; ++j) {
     float acc = 0.0f;
-    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * n + j];
+    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * ldb + j];
     t[j] = acc;
   }
 }

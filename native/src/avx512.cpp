@@ -858,18 +858,19 @@ void lora_shrink_avx512(const float *x, const float *a_t, int64_t k, int64_t r, 
   }
 }
 
-void lora_expand_avx512(const float *u, const float *b_t, int64_t r, int64_t n, float *t) {
+void lora_expand_avx512(const float *u, const float *b_t, int64_t r, int64_t n, int64_t ldb,
+                        float *t) {
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t q = 0; q < r; ++q) {
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(u[q]), _mm512_loadu_ps(b_t + q * n + j)));
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(u[q]), _mm512_loadu_ps(b_t + q * ldb + j)));
     }
     _mm512_storeu_ps(t + j, acc);
   }
   for (; j < n; ++j) {
     float acc = 0.0f;
-    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * n + j];
+    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * ldb + j];
     t[j] = acc;
   }
 }

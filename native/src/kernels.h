@@ -123,10 +123,13 @@ inline int32_t k_mins(const uint8_t *scales, const int16_t *bsums) {
 
 // ---- LoRA (edge_llm_kquant/lora.h, lora.cpp) ------------------------------------------------
 namespace elk {
-// shrink: u[q] = sum_i x[i] * At[i * r + q]; expand: t[j] = sum_q u[q] * Bt[q * n + j]; each
-// sum from 0 in index order, a product then an add: an ISA path runs lanes across q or j.
+// shrink: u[q] = sum_i x[i] * At[i * r + q]; expand: t[j] = sum_q u[q] * Bt[q * ldb + j] for
+// j < n (ldb: Bt's row stride, >= n: a block of columns of a wider Bt); each sum from 0 in
+// index order, a product then an add: an ISA path runs lanes across q or j, and a column's
+// value does not depend on the block it is computed in.
 using LoraShrinkFn = void (*)(const float *x, const float *a_t, int64_t k, int64_t r, float *u);
-using LoraExpandFn = void (*)(const float *u, const float *b_t, int64_t r, int64_t n, float *t);
+using LoraExpandFn = void (*)(const float *u, const float *b_t, int64_t r, int64_t n,
+                              int64_t ldb, float *t);
 struct LoraKernels {
   const char *isa;
   LoraShrinkFn shrink;
@@ -138,10 +141,18 @@ const LoraKernels *avx512_lora_kernels();
 const LoraKernels &selected_lora();         // the selected dot kernels' ISA (or the reference)
 // Whether the current call's row table names any adapter (the op's base path reads only this).
 bool lora_active();
+// Runs fn(data, task) for every task < tasks, on any threads (the op's: ONNX Runtime's
+// intra-op pool); nullptr runs them in order on the calling thread.
+using ParallelForFn = void (*)(void *context, void (*fn)(void *, size_t), size_t tasks,
+                               void *data);
 // The deltas [rows, n_w] of `node`'s output for this call's rows (used[m]: row m has one).
+// Two parallel steps over `parallel_for`: the shrinks (one task per row and pair), then the
+// expands by blocks of columns of one row; each value is computed by one task, in the order
+// the single-thread run takes, so the bits do not depend on the threads.
 // Returns 1 (deltas written), 0 (no row of this call adapts the node), -1 (error set).
 int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
-                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error);
+                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error,
+                ParallelForFn parallel_for = nullptr, void *context = nullptr);
 // ---- int8 dots of attention over an int8 KV cache (attention_i8.cpp) ---------------------
 // The scalar reference (i8_dot.cpp), also the ISA paths' tail; each ISA file's dots, nullptr
 // when that file is not built (another architecture).

@@ -33,12 +33,12 @@ void shrink_ref(const float *x, const float *a_t, int64_t k, int64_t r, float *u
   }
 }
 
-// t[j] = sum_q u[q] * Bt[q][j], q in order.
-void expand_ref(const float *u, const float *b_t, int64_t r, int64_t n, float *t) {
+// t[j] = sum_q u[q] * Bt[q][j], q in order (Bt's rows ldb apart: a block of its columns).
+void expand_ref(const float *u, const float *b_t, int64_t r, int64_t n, int64_t ldb, float *t) {
   for (int64_t j = 0; j < n; ++j) t[j] = 0.0f;
   for (int64_t q = 0; q < r; ++q) {
     const float uq = u[q];
-    const float *row = b_t + q * n;
+    const float *row = b_t + q * ldb;
     for (int64_t j = 0; j < n; ++j) t[j] = t[j] + uq * row[j];
   }
 }
@@ -88,9 +88,71 @@ const LoraKernels &selected_lora() {
 
 bool lora_active() { return active().load(std::memory_order_acquire); }
 
+namespace {
+
+// Columns of one expand task: a multiple of every ISA's lanes (8, 16).
+constexpr int64_t kLoraColumnsPerTask = 64;
+
+// One (row, pair) of a call: its shrink u (at u_at in the call's buffer) and its scale.
+struct LoraUse {
+  int64_t row;
+  const Pair *pair;
+  float scale;  // llama.cpp's: the goal's scale * alpha / rank (or the goal's scale)
+  size_t u_at;
+};
+
+struct LoraCall {
+  const LoraKernels *kern;
+  const float *x;
+  int64_t k, n_w, blocks;  // blocks: column blocks of one row
+  std::vector<LoraUse> uses;     // in the single-thread order: row, then table entry, then pair
+  std::vector<size_t> row_first;  // [rows + 1]: the uses of row m are row_first[m]..
+  std::vector<float> u;
+  float *delta;
+};
+
+void shrink_task(void *data, size_t task) {
+  LoraCall &c = *static_cast<LoraCall *>(data);
+  const LoraUse &use = c.uses[task];
+  c.kern->shrink(c.x + use.row * c.k, use.pair->a_t.data(), c.k, use.pair->r,
+                 c.u.data() + use.u_at);
+}
+
+// Row m's columns [j0, j1): every use of the row in order, d[j] += s * t[j] per column.
+void expand_task(void *data, size_t task) {
+  LoraCall &c = *static_cast<LoraCall *>(data);
+  const int64_t m = static_cast<int64_t>(task) / c.blocks;
+  const int64_t j0 = static_cast<int64_t>(task) % c.blocks * kLoraColumnsPerTask;
+  const int64_t j1 = std::min(j0 + kLoraColumnsPerTask, c.n_w);
+  float t[kLoraColumnsPerTask];
+  float *d = c.delta + m * c.n_w;
+  for (size_t e = c.row_first[m]; e < c.row_first[m + 1]; ++e) {
+    const LoraUse &use = c.uses[e];
+    const Pair &p = *use.pair;
+    const int64_t lo = std::max(j0, p.col), hi = std::min(j1, p.col + p.n);
+    if (lo >= hi) continue;
+    c.kern->expand(c.u.data() + use.u_at, p.b_t.data() + (lo - p.col), p.r, hi - lo, p.n, t);
+    for (int64_t j = lo; j < hi; ++j) d[j] = d[j] + use.scale * t[j - lo];
+  }
+}
+
+void run_tasks(ParallelForFn parallel_for, void *context, void (*fn)(void *, size_t),
+               size_t tasks, void *data) {
+  if (tasks == 0) return;
+  if (parallel_for != nullptr && tasks > 1) {
+    parallel_for(context, fn, tasks, data);
+    return;
+  }
+  for (size_t i = 0; i < tasks; ++i) fn(data, i);
+}
+
+}  // namespace
+
 int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
-                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error) {
+                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error,
+                ParallelForFn parallel_for, void *context) {
   Registry &reg = registry();
+  // Held through both steps: the tasks read the pairs without locking.
   std::shared_lock<std::shared_mutex> lock(reg.mutex);
   auto it = reg.nodes.find(node);
   if (it == reg.nodes.end()) return 0;
@@ -101,10 +163,16 @@ int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64
              " rows but the call's adapter table has " + std::to_string(table_rows);
     return -1;
   }
-  const LoraKernels &kern = selected_lora();
-  bool any = false;
-  std::vector<float> u, t;
+  LoraCall call;
+  call.kern = &selected_lora();
+  call.x = x;
+  call.k = k;
+  call.n_w = n_w;
+  call.blocks = (n_w + kLoraColumnsPerTask - 1) / kLoraColumnsPerTask;
+  call.row_first.assign(static_cast<size_t>(rows) + 1, 0);
+  size_t u_size = 0;
   for (int64_t m = 0; m < rows; ++m) {
+    call.row_first[m] = call.uses.size();
     for (int64_t e = reg.offsets[m]; e < reg.offsets[m + 1]; ++e) {
       const float scale = reg.scales[e];
       if (scale == 0.0f) continue;
@@ -116,24 +184,23 @@ int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64
                    ", the node is " + std::to_string(k) + " -> " + std::to_string(n_w);
           return -1;
         }
-        if (!any) {
-          delta->assign(static_cast<size_t>(rows * n_w), 0.0f);
-          used->assign(static_cast<size_t>(rows), 0);
-          any = true;
-        }
-        (*used)[m] = 1;
-        u.resize(static_cast<size_t>(p.r));
-        t.resize(static_cast<size_t>(p.n));
-        kern.shrink(x + m * k, p.a_t.data(), k, p.r, u.data());
-        kern.expand(u.data(), p.b_t.data(), p.r, p.n, t.data());
         // llama.cpp's llama_adapter_lora_weight::get_scale.
         const float s = p.alpha != 0.0f ? scale * p.alpha / static_cast<float>(p.r) : scale;
-        float *d = delta->data() + m * n_w + p.col;
-        for (int64_t j = 0; j < p.n; ++j) d[j] = d[j] + s * t[j];
+        call.uses.push_back(LoraUse{m, &p, s, u_size});
+        u_size += static_cast<size_t>(p.r);
       }
     }
   }
-  return any ? 1 : 0;
+  call.row_first[rows] = call.uses.size();
+  if (call.uses.empty()) return 0;
+  delta->assign(static_cast<size_t>(rows * n_w), 0.0f);
+  used->assign(static_cast<size_t>(rows), 0);
+  for (const LoraUse &use : call.uses) (*used)[use.row] = 1;
+  call.u.assign(u_size, 0.0f);
+  call.delta = delta->data();
+  run_tasks(parallel_for, context, shrink_task, call.uses.size(), &call);
+  run_tasks(parallel_for, context, expand_task, static_cast<size_t>(rows * call.blocks), &call);
+  return 1;
 }
 
 }  // namespace elk
@@ -149,7 +216,7 @@ extern "C" int elk_lora_apply(const float *x, int64_t rows, int64_t k, const flo
   for (int64_t m = 0; m < rows; ++m) {
     if (scales[m] == 0.0f) continue;
     kern.shrink(x + m * k, a_t, k, r, u.data());
-    kern.expand(u.data(), b_t, r, n, t.data());
+    kern.expand(u.data(), b_t, r, n, n, t.data());
     for (int64_t j = 0; j < n; ++j) y[m * n + j] = y[m * n + j] + scales[m] * t[j];
   }
   return 0;

@@ -197,6 +197,11 @@ OrtStatusPtr create(const OrtApi &api, const OrtKernelInfo *info, void **kernel)
   }
 }
 
+// elk::ParallelForFn over an op's KernelContext (lora_deltas' tasks on the intra-op pool).
+void ort_parallel_for(void *context, void (*fn)(void *, size_t), size_t tasks, void *data) {
+  static_cast<Ort::KernelContext *>(context)->ParallelFor(fn, tasks, 0, data);
+}
+
 struct KQuantMatMulKernel {
   KQuantMatMulKernel(const OrtApi &, const OrtKernelInfo *info) {
     Ort::ConstKernelInfo kernel_info(info);
@@ -272,8 +277,9 @@ struct KQuantMatMulKernel {
     std::vector<uint8_t> lora_used;
     if (elk::lora_active()) {  // some row of this call names an adapter
       std::string error;
+      // Its shrinks and expands on ONNX Runtime's intra-op pool, as the product's columns.
       const int got = elk::lora_deltas(name_.c_str(), input, rows, k_, n_, &lora_delta,
-                                       &lora_used, &error);
+                                       &lora_used, &error, ort_parallel_for, &ctx);
       if (got < 0) throw Ort::Exception("KQuantMatMul: " + error, ORT_INVALID_ARGUMENT);
       if (got > 0) {
         work.lora = lora_delta.data();

@@ -1,9 +1,9 @@
-"""Open a GGUF file with gguf's reader, refusing short reads (shared by converter and runtime).
+"""Open a GGUF file with gguf's reader, refusing short reads (checkpoints and LoRA adapters).
 
 gguf slices its memory map, which silently stops at the end of a truncated file: this reader
 checks every read against the file's size, and the error names the byte where the file stops
-making sense. The converter reads checkpoints with it, the runtime LoRA adapters
-(runtime/lora_adapter.py).
+making sense. The converter reads checkpoints with it (convert/checkpoint.py), and LoRA
+adapters (convert/lora.py).
 """
 import pathlib
 
