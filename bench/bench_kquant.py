@@ -97,12 +97,12 @@ def mark_targets(values: Dict[str, Optional[float]]) -> Dict[str, bool]:
 
 # --- bytes per token ---------------------------------------------------------------------------
 def gguf_matrix_bytes(gguf_path: str) -> int:
-    """Bytes of the GGUF's matrices llama.cpp reads per token (the gathered table left out)."""
+    """Bytes of the GGUF's matrices llama.cpp reads per token (gathered tables left out)."""
     from gguf import GGUFReader
     tensors = GGUFReader(gguf_path).tensors
     tied = not any(t.name == 'output.weight' for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2 and (
-        tied or t.name != 'token_embd.weight'))
+    gathered = ('per_layer_token_embd.weight',) + (() if tied else ('token_embd.weight',))
+    return sum(int(t.n_bytes) for t in tensors if len(t.shape) == 2 and t.name not in gathered)
 
 
 def bytes_summary(kquant_dir: str, matmulnbits_dir: Optional[str], gguf_path: str) -> Dict:

@@ -70,14 +70,22 @@ def gguf_bytes_per_token(gguf_path: str) -> Dict[str, int]:
     """Bytes of GGUF tensors llama.cpp reads per decode step, and the file's tensor total.
 
     Every tensor is read whole except the token embedding, of which one row is gathered;
-    with no `output.weight` the embedding is the head too and is read whole.
+    with no `output.weight` the embedding is the head too and is read whole. Gemma 4's
+    per-layer table (`per_layer_token_embd`, never a head) is gathered too: llama.cpp's
+    get_rows reads one row of it per token. Gathered rows are left out, as on our side
+    (`gathered_row_bytes`: what they add per token).
     """
     from gguf import GGUFReader
-    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(gguf_path).tensors}
+    tensors = GGUFReader(gguf_path).tensors
+    sizes = {t.name: int(t.n_bytes) for t in tensors}
+    rows = {t.name: int(t.shape[-1]) for t in tensors}   # ggml order: ne[1] last = rows
     total = sum(sizes.values())
     tied = 'output.weight' not in sizes
-    embedding = 0 if tied else sizes.get('token_embd.weight', 0)
-    return {'per_token': total - embedding, 'total': total, 'tied_head': tied}
+    gathered = ['per_layer_token_embd.weight'] + ([] if tied else ['token_embd.weight'])
+    gathered = [n for n in gathered if n in sizes]
+    row_bytes = sum(sizes[n] // rows[n] for n in gathered)
+    return {'per_token': total - sum(sizes[n] for n in gathered), 'total': total,
+            'tied_head': tied, 'gathered_row_bytes': row_bytes}
 
 
 def onnx_bytes_per_token(model_dir: str) -> Dict[str, int]:

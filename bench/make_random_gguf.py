@@ -104,6 +104,15 @@ SHAPES: Dict[str, Shape] = {
     'qwen35-2b': Shape('qwen35', 2048, 24, 8, 2, 256, 6144, 248320, 262144, 1e7, 1e-6, True,
                        'qwen35', 'Qwen3.5-2B',
                        {'rope_dims': 64, 'gdn': (4, 16, 16, 128), 'interval': 4}),
+    # Gemma 4 E2B: 35 layers, each 5th global (8 heads of 512, a quarter rotated, RoPE 1e6)
+    # and the rest sliding-window (8 heads of 256, window 512, RoPE 1e4), one KV head; the
+    # last 20 layers share KV (llama.cpp's reuse) and have double-wide MLPs (12288);
+    # per-layer embeddings of 256 (a [262144, 35 x 256] table); tied 262k head, soft cap 30.
+    'gemma4-e2b': Shape('gemma4', 1536, 35, 8, 1, 512, 6144, 262144, 131072, 1e6, 1e-6, True,
+                        'default', 'gemma-4-E2B-it',
+                        {'sliding_window': 512, 'swa_head_dim': 256, 'swa_every': 5,
+                         'shared_kv': 20, 'per_layer': 256, 'rope_swa': 1e4,
+                         'rope_dims': 512, 'softcap': 30.0}),
     # The language models of the Qwen-VL pairs (bench/bench_vlm.py): qwen2 / qwen3 with M-RoPE
     # (rope.dimension_sections in rotary pairs) and the image wrapper tokens in the vocabulary;
     # Qwen3-VL's image rows are 1 + 3 DeepStack widths wide (n_deepstack_layers).
@@ -171,7 +180,13 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     # lfm2's final norm is token_embd_norm (llama.cpp's name for it).
     yield ('token_embd_norm.weight' if s.arch == 'lfm2' else 'output_norm.weight'), \
         (s.hidden,), 'F32'
-    if 'llama3_rope' in x:
+    if s.arch == 'gemma4':
+        # Q4_K_M: the per-layer table is a token embedding (tied: the head's Q6_K); the
+        # projection is never quantized (llama-quant.cpp), F16 as the HF converter writes it.
+        yield 'per_layer_token_embd.weight', (s.vocab, x['per_layer'] * s.layers), 'Q6_K'
+        yield 'per_layer_model_proj.weight', (x['per_layer'] * s.layers, s.hidden), 'F16'
+        yield 'per_layer_proj_norm.weight', (x['per_layer'],), 'F32'
+    if 'llama3_rope' in x or s.arch == 'gemma4':
         yield 'rope_freqs.weight', (s.head_dim // 2,), 'F32'
     if 'longrope_orig' in x:
         yield 'rope_factors_long.weight', (int(x['rope_dims']) // 2,), 'F32'
@@ -181,6 +196,9 @@ def tensor_plan(shape: Shape) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
         yield p + 'attn_norm.weight', (s.hidden,), 'F32'
         if s.arch == 'qwen35':
             yield from _qwen35_layer(s, p, i)
+            continue
+        if s.arch == 'gemma4':
+            yield from _gemma4_layer(s, p, i)
             continue
         if s.arch == 'lfm2' and i not in x['attention_layers']:
             # Q4_K_M leaves the [hidden, 3] kernel F32 (3 values a row: no block fits).
@@ -234,16 +252,62 @@ def _qwen35_layer(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ..
     yield from _ffn(s, p, i, norm='post_attention_norm.weight')
 
 
-def _ffn(s: Shape, p: str, i: int, norm: str = 'ffn_norm.weight'
+def gemma4_layout(s: Shape) -> Tuple[List[bool], int]:
+    """Return (sliding-window flag per layer, KV-owning layers) of a gemma4 shape.
+
+    Every `swa_every`-th layer is global. With fewer layers than the real 35, the owners
+    shrink to a whole number of periods in E2B's proportion (15 of 35), so the last owner is
+    global and the one before sliding-window, as llama.cpp's reuse reads them.
+    """
+    x = s.extra
+    period = int(x['swa_every'])
+    pattern = [(i + 1) % period != 0 for i in range(s.layers)]
+    real = SHAPES['gemma4-e2b']
+    owners = real.layers - int(real.extra['shared_kv'])
+    if s.layers != real.layers:
+        owners = period * max(1, round(s.layers * owners / real.layers / period))
+    return pattern, min(owners, s.layers)
+
+
+def _gemma4_ff(s: Shape) -> List[int]:
+    """Return each layer's MLP width (the shared-KV layers' are double, E2B's rule)."""
+    owners = gemma4_layout(s)[1]
+    return [s.ff * (2 if i >= owners else 1) for i in range(s.layers)]
+
+
+def _gemma4_layer(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
+    """Yield a gemma4 layer after its attn_norm (shared-KV layers have no k / v)."""
+    pattern, owners = gemma4_layout(s)
+    d = int(s.extra['swa_head_dim']) if pattern[i] else s.head_dim
+    yield p + 'attn_q.weight', (s.heads * d, s.hidden), 'Q4_K'
+    if i < owners:
+        yield p + 'attn_k.weight', (s.kv_heads * d, s.hidden), 'Q4_K'
+        # llama-quantize counts attn_v over the tensors that exist: the owners.
+        yield p + 'attn_v.weight', (s.kv_heads * d, s.hidden), quant_type('attn_v', i, owners)
+        yield p + 'attn_k_norm.weight', (d,), 'F32'
+    yield p + 'attn_q_norm.weight', (d,), 'F32'
+    yield p + 'attn_output.weight', (s.hidden, s.heads * d), 'Q4_K'
+    yield p + 'post_attention_norm.weight', (s.hidden,), 'F32'
+    yield from _ffn(s, p, i, ff=_gemma4_ff(s)[i])
+    yield p + 'post_ffw_norm.weight', (s.hidden,), 'F32'
+    e = int(s.extra['per_layer'])
+    yield p + 'inp_gate.weight', (e, s.hidden), 'Q4_K'
+    yield p + 'proj.weight', (s.hidden, e), 'Q4_K'
+    yield p + 'post_norm.weight', (s.hidden,), 'F32'
+    yield p + 'layer_output_scale.weight', (1,), 'F32'
+
+
+def _ffn(s: Shape, p: str, i: int, norm: str = 'ffn_norm.weight', ff: int = 0
          ) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
     """Yield a layer's MLP norm and matrices (tensor_plan's order)."""
+    ff = ff or s.ff
     yield p + norm, (s.hidden,), 'F32'
     if s.arch == 'phi3':
-        yield p + 'ffn_up.weight', (2 * s.ff, s.hidden), 'Q4_K'
+        yield p + 'ffn_up.weight', (2 * ff, s.hidden), 'Q4_K'
     else:
-        yield p + 'ffn_gate.weight', (s.ff, s.hidden), 'Q4_K'
-        yield p + 'ffn_up.weight', (s.ff, s.hidden), 'Q4_K'
-    yield p + 'ffn_down.weight', (s.hidden, s.ff), quant_type('ffn_down', i, s.layers)
+        yield p + 'ffn_gate.weight', (ff, s.hidden), 'Q4_K'
+        yield p + 'ffn_up.weight', (ff, s.hidden), 'Q4_K'
+    yield p + 'ffn_down.weight', (s.hidden, ff), quant_type('ffn_down', i, s.layers)
 
 
 def fallback_type(qtype: str, row: int) -> str:
@@ -311,6 +375,12 @@ def _vector(name: str, n: int, shape: Shape, rng: np.random.Generator) -> np.nda
         return (rng.standard_normal((n, kernel)) / math.sqrt(kernel)).astype(np.float32)
     if name.endswith('ssm_a'):   # -exp(A_log): a negative decay rate per value head
         return -rng.uniform(0.2, 2.0, n).astype(np.float32)
+    if name == 'rope_freqs.weight' and shape.arch == 'gemma4':
+        # proportional RoPE: a quarter of the global heads' pairs rotate, 1e30 stops the rest
+        return np.where(np.arange(n) < n // 4, 1.0, 1e30).astype(np.float32)
+    if name.endswith(('attn_q_norm.weight', 'attn_k_norm.weight')) and shape.arch == 'gemma4':
+        # d**-0.25 each: scores of 1/sqrt(d) spread under Gemma 4's attention scale of 1
+        return ((1.0 + 0.1 * rng.standard_normal(n)) * n ** -0.25).astype(np.float32)
     if name == 'rope_freqs.weight':
         from edge_llm_ros.convert.architectures import llama3_rope_factors
         f, lo, hi, orig = shape.extra['llama3_rope']
@@ -342,8 +412,20 @@ def write_random_gguf(path: pathlib.Path, name: str, seed: int = 0,
               'layer_norm_rms_eps': s.eps, 'vocab_size': s.vocab,
               'rope_dimension_count': int(x.get('rope_dims', s.head_dim)),
               'file_type': gguf.LlamaFileType.MOSTLY_Q4_K_M}
+    if s.arch == 'gemma4':
+        header['feed_forward_length'] = _gemma4_ff(s)
     for key, value in header.items():
         getattr(w, f'add_{key}')(value)
+    if s.arch == 'gemma4':
+        pattern, owners = gemma4_layout(s)
+        w.add_sliding_window_pattern(pattern)
+        w.add_shared_kv_layers(s.layers - owners)
+        w.add_key_length_swa(int(x['swa_head_dim']))
+        w.add_value_length_swa(int(x['swa_head_dim']))
+        w.add_rope_dimension_count_swa(int(x['swa_head_dim']))
+        w.add_rope_freq_base_swa(float(x['rope_swa']))
+        w.add_embedding_length_per_layer_input(int(x['per_layer']))
+        w.add_final_logit_softcapping(float(x['softcap']))
     if 'sliding_window' in x:
         w.add_sliding_window(int(x['sliding_window']))
     if 'rope_sections' in x:

@@ -229,3 +229,29 @@ def test_the_qwen35_shape_is_a_file_the_converter_reads(tmp_path, monkeypatch):
     types = {n: t for n, sh, t in make_random_gguf.gguf_plan(make_random_gguf.SHAPES[
         'qwen35-small']) if len(sh) == 2}
     assert types['blk.0.attn_qkv.weight'] == 'Q5_K' and types['blk.0.ssm_conv1d.weight'] == 'F32'
+
+
+def test_the_gemma4_e2b_shape_is_a_file_the_converter_reads(tmp_path, monkeypatch):
+    """Gemma 4 E2B's layers (7 of them, a small vocabulary): llama.cpp's gemma4 layout."""
+    from edge_llm_ros.convert.checkpoint import load_checkpoint
+    shape = make_random_gguf.SHAPES['gemma4-e2b']
+    monkeypatch.setitem(make_random_gguf.SHAPES, 'gemma4-small',
+                        make_random_gguf.Shape(**{**shape.__dict__, 'vocab': 512, 'layers': 7}))
+    path = make_random_gguf.write_random_gguf(tmp_path / 'g4.gguf', 'gemma4-small')
+    spec = load_checkpoint(str(path)).spec
+    # 4 sliding-window layers and a global one keep KV; the last two read layers 3 and 4.
+    assert spec.local_layers == (True,) * 4 + (False,) + (True,) * 2
+    assert spec.kv_shared_from == 5 and spec.layer_intermediate == (6144,) * 5 + (12288,) * 2
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.local_head_dim) == \
+        (8, 1, 512, 256)
+    assert (spec.per_layer_embed, spec.final_logit_softcap) == (256, 30.0)
+    assert sum(f == 1.0 for f in spec.rope_freq_factors) == 64   # a quarter of 256 pairs
+    plan = make_random_gguf.gguf_plan(make_random_gguf.SHAPES['gemma4-small'])
+    types = {n: t for n, sh, t in plan}
+    assert types['per_layer_token_embd.weight'] == 'Q6_K'   # a tied token embedding's type
+    assert types['per_layer_model_proj.weight'] == 'F16'    # never quantized
+    assert 'blk.5.attn_k.weight' not in types and 'blk.4.attn_v.weight' in types
+    # The full shape: 35 layers, 15 owners, per-layer table [262144, 35 x 256].
+    assert make_random_gguf.gemma4_layout(shape)[1] == 15
+    assert {n: sh for n, sh, _ in make_random_gguf.gguf_plan(shape)}[
+        'per_layer_token_embd.weight'] == (262144, 8960)

@@ -19,10 +19,12 @@ bench_engine = importlib.import_module('bench_engine')
 bench_models = importlib.import_module('bench_models')
 
 
-def write_gguf(path: pathlib.Path, tied: bool) -> None:
+def write_gguf(path: pathlib.Path, tied: bool, per_layer: bool = False) -> None:
     w = gguf.GGUFWriter(str(path), 'llama')
     w.add_block_count(1)
     w.add_tensor('token_embd.weight', np.zeros((8, 32), np.float32))      # 1024 bytes
+    if per_layer:   # Gemma 4's per-layer table: 8 rows of 64 bytes, gathered
+        w.add_tensor('per_layer_token_embd.weight', np.zeros((8, 32), np.float16))
     w.add_tensor('blk.0.attn_q.weight', np.zeros((32, 32), np.float16))    # 2048 bytes
     w.add_tensor('output_norm.weight', np.zeros(32, np.float32))           # 128 bytes
     if not tied:
@@ -37,14 +39,22 @@ def test_gguf_bytes_leave_out_the_gathered_embedding(tmp_path):
     write_gguf(tmp_path / 'untied.gguf', tied=False)
     got = bench_models.gguf_bytes_per_token(str(tmp_path / 'untied.gguf'))
     assert got == {'per_token': 2048 + 128 + 1024, 'total': 1024 + 2048 + 128 + 1024,
-                   'tied_head': False}
+                   'tied_head': False, 'gathered_row_bytes': 128}
 
 
 def test_gguf_bytes_count_a_tied_embedding_whole(tmp_path):
     write_gguf(tmp_path / 'tied.gguf', tied=True)
     got = bench_models.gguf_bytes_per_token(str(tmp_path / 'tied.gguf'))
     assert got == {'per_token': 1024 + 2048 + 128, 'total': 1024 + 2048 + 128,
-                   'tied_head': True}
+                   'tied_head': True, 'gathered_row_bytes': 0}
+
+
+def test_gguf_bytes_leave_out_a_per_layer_table(tmp_path):
+    """Gemma 4's per-layer embeddings are gathered a row per token, tied head or not."""
+    write_gguf(tmp_path / 'ple.gguf', tied=True, per_layer=True)
+    got = bench_models.gguf_bytes_per_token(str(tmp_path / 'ple.gguf'))
+    assert got == {'per_token': 1024 + 2048 + 128, 'total': 1024 + 512 + 2048 + 128,
+                   'tied_head': True, 'gathered_row_bytes': 64}
 
 
 def test_targets_speed_at_least_bytes_and_kl_at_most():
