@@ -1,9 +1,11 @@
 """Engine checks shared by the families tested on tiny models (lfm2, qwen35, smollm3, granite).
 
 Each family's test file converts its own tiny model and runs these: goals batched with prompt
-chunks beside decode rows give each goal's bits alone, and a session stored in SQLite
-continues after a restart as the conversation sent whole. The primitives (an engine on one
-thread, a greedy goal with logprobs, a chat turn) are the ones every such test uses.
+chunks beside decode rows give each goal's bits alone, a preempted goal resumes with its
+states, prefix reuse stops at kept states, a session continues from its saved states (in
+memory, and in SQLite after a restart) as the conversation sent whole. The primitives (an
+engine on one thread, a greedy goal with logprobs, a chat turn) are the ones every such test
+uses.
 """
 import pathlib
 from typing import List
@@ -13,6 +15,7 @@ from decoder_calls import record_calls
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.serving.goal import Goal, GoalState
+from edge_llm_ros.serving.scheduler import Park, Unpark
 
 TEXTS = ('once upon a time there was a robot', 'the blue sky is blue', 'Hello robot arm',
          'What color is the sky?')
@@ -169,3 +172,72 @@ def check_int8_kv_session(model_dir: pathlib.Path) -> None:
     assert result_bits(a1) == result_bits(first)
     assert result_bits(a2) == result_bits(second)
     assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+
+
+def check_preempted_goals_resume(model_dir: pathlib.Path, alone: dict) -> None:
+    """Two goals parked for an urgent one resume with their states: each gives its bits alone."""
+    eng = engine(model_dir, 2)
+    sched = eng.scheduler()
+    try:
+        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
+        while any(len(g.output.events) < 3 for g in low):
+            eng.run_plan()
+        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
+        plans = run(eng, 5000)
+    finally:
+        eng.close()
+    assert any(isinstance(op, Park) for p in plans for op in p.kv)
+    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
+    for g, text in zip(low + [urgent], TEXTS[:3]):
+        assert bits(g) == alone[text], text
+
+
+def check_prefix_reuse_equals_uncached(model_dir: pathlib.Path, extensions=(TEXTS[1],)) -> None:
+    """Prompts extending an earlier one reuse it up to its prompt's end, bit for bit."""
+    first = TEXTS[0]
+    later = [first + ' ' + text for text in extensions]
+    plain = engine(model_dir, prefix_reuse=False)
+    try:
+        want = []
+        for text in later:
+            g = eng_goal(plain, text)
+            want.append((bits(g), g.result.timings.cached_prompt_tokens))
+    finally:
+        plain.close()
+    assert all(cached == 0 for _, cached in want)
+    eng = engine(model_dir, prefix_reuse=True)
+    try:
+        assert eng.prefix_reuse
+        eng_goal(eng, first, max_tokens=4)
+        prompt_end = len(eng.tokenize(first))
+        for text, (expected, _) in zip(later, want):
+            g = eng_goal(eng, text)
+            assert bits(g) == expected, text
+            # Reused up to the first prompt's end, where its states were kept.
+            assert g.result.timings.cached_prompt_tokens == prompt_end
+    finally:
+        eng.close()
+
+
+def check_session_continues(model_dir: pathlib.Path, two_turns_whole: tuple) -> list:
+    """Session a, saved while b takes the only slot, continues as the chat sent whole.
+
+    Returns the positions of b's snapshot's kept states.
+    """
+    first, second = two_turns_whole
+    eng = engine(model_dir, max_context=256)
+    try:
+        a1 = turn(eng, [USER1], 'a')
+        # b takes the only slot (a's turn is saved as a snapshot) and ends on other tokens
+        # than a, so its states there differ from a's.
+        turn(eng, [USER2], 'b', max_tokens=3)
+        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
+        ends = sorted(eng._store.get('b').states)
+    finally:
+        eng.close()
+    assert result_bits(a1) == result_bits(first)
+    assert result_bits(a2) == result_bits(second)
+    # Continued from the end of a's first turn (its last token was never fed), where the
+    # snapshot kept its states.
+    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    return ends

@@ -27,9 +27,10 @@ import onnx
 from ort_driver import OrtDriver
 import pytest
 from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_int8_kv_session, check_sqlite_session_after_restart,
-                                 eng_goal, engine, goal, result_bits, run, TEXTS, turn,
-                                 two_turns_sent_whole, USER1, USER2)
+                                 check_int8_kv_session, check_preempted_goals_resume,
+                                 check_prefix_reuse_equals_uncached, check_session_continues,
+                                 check_sqlite_session_after_restart, engine, goal, TEXTS,
+                                 two_turns_sent_whole)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -37,9 +38,7 @@ from edge_llm_ros.convert.checkpoint import load_checkpoint
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
-from edge_llm_ros.runtime.types import ChatMessage
 from edge_llm_ros.serving.engine import kv_budget_bytes
-from edge_llm_ros.serving.scheduler import Park, Unpark
 
 CASE = granite_case('Q8_0')
 LONG_PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
@@ -195,38 +194,11 @@ def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
 
 
 def test_a_preempted_goal_resumes_with_its_recurrent_states(kquant_dir, alone):
-    eng = engine(kquant_dir, 2)
-    sched = eng.scheduler()
-    try:
-        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
-        while any(len(g.output.events) < 3 for g in low):
-            eng.run_plan()
-        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
-        plans = run(eng, 5000)
-    finally:
-        eng.close()
-    assert any(isinstance(op, Park) for p in plans for op in p.kv)
-    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
-    for g, text in zip(low + [urgent], TEXTS[:3]):
-        assert bits(g) == alone[text], text
+    check_preempted_goals_resume(kquant_dir, alone)
 
 
 def test_prefix_reuse_stops_at_kept_states_and_equals_the_uncached_run(kquant_dir):
-    first = TEXTS[0]
-    later = first + ' ' + TEXTS[1]
-    plain = engine(kquant_dir, prefix_reuse=False)
-    try:
-        want = bits(eng_goal(plain, later))
-    finally:
-        plain.close()
-    eng = engine(kquant_dir, prefix_reuse=True)
-    try:
-        eng_goal(eng, first, max_tokens=4)
-        g = eng_goal(eng, later)
-        assert bits(g) == want
-        assert g.result.timings.cached_prompt_tokens == len(eng.tokenize(first))
-    finally:
-        eng.close()
+    check_prefix_reuse_equals_uncached(kquant_dir)
 
 
 @pytest.fixture(scope='module')
@@ -235,17 +207,7 @@ def two_turns_whole(kquant_dir) -> tuple:
 
 
 def test_a_session_continues_from_its_saved_states_bit_for_bit(kquant_dir, two_turns_whole):
-    first, second = two_turns_whole
-    eng = engine(kquant_dir, max_context=256)
-    try:
-        a1 = turn(eng, [USER1], 'a')
-        turn(eng, [USER2], 'b', max_tokens=3)   # b takes the slot; a is saved
-        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
-    finally:
-        eng.close()
-    assert result_bits(a1) == result_bits(first)
-    assert result_bits(a2) == result_bits(second)
-    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    check_session_continues(kquant_dir, two_turns_whole)
 
 
 def test_int8_kv_sessions_with_mamba2_states_continue_bit_for_bit(kquant_dir):

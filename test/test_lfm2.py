@@ -31,9 +31,10 @@ import onnx
 from ort_driver import OrtDriver
 import pytest
 from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_int8_kv_session, check_sqlite_session_after_restart,
-                                 eng_goal, engine, goal, result_bits, run, TEXTS, turn,
-                                 two_turns_sent_whole, USER1, USER2)
+                                 check_int8_kv_session, check_preempted_goals_resume,
+                                 check_prefix_reuse_equals_uncached, check_session_continues,
+                                 check_sqlite_session_after_restart, engine, result_bits, TEXTS,
+                                 turn, two_turns_sent_whole, USER2)
 import yaml
 
 from edge_llm_ros.convert.converter import convert
@@ -43,7 +44,6 @@ from edge_llm_ros.runtime.speculative import DraftModel, SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import kv_budget_bytes
 from edge_llm_ros.serving.goal import Goal
-from edge_llm_ros.serving.scheduler import Park, Unpark
 
 CASE = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=6, chain=0.3)
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
@@ -229,47 +229,12 @@ def test_batched_goals_equal_each_alone_bit_for_bit(kquant_dir, alone, compat):
 
 
 def test_a_preempted_goal_resumes_with_its_conv_states(kquant_dir, alone):
-    eng = engine(kquant_dir, 2)
-    sched = eng.scheduler()
-    try:
-        low = [sched.submit(goal(eng, t, max_tokens=16)) for t in TEXTS[:2]]
-        while any(len(g.output.events) < 3 for g in low):
-            eng.run_plan()
-        urgent = sched.submit(goal(eng, TEXTS[2], max_tokens=16, priority=10, preempt=True))
-        plans = run(eng, 5000)
-    finally:
-        eng.close()
-    assert any(isinstance(op, Park) for p in plans for op in p.kv)
-    assert any(isinstance(op, Unpark) for p in plans for op in p.kv)
-    for g, text in zip(low + [urgent], TEXTS[:3]):
-        assert bits(g) == alone[text], text
+    check_preempted_goals_resume(kquant_dir, alone)
 
 
 def test_prefix_reuse_stops_at_kept_conv_states_and_equals_the_uncached_run(kquant_dir):
     """A prompt that extends an earlier one reuses it up to a kept end, bit for bit."""
-    first = TEXTS[0]
-    later = [first + ' ' + TEXTS[1], first + ' ' + TEXTS[2]]
-    plain = engine(kquant_dir, prefix_reuse=False)
-    try:
-        want = []
-        for text in later:
-            g = eng_goal(plain, text)
-            want.append((bits(g), g.result.timings.cached_prompt_tokens))
-    finally:
-        plain.close()
-    assert all(cached == 0 for _, cached in want)
-    eng = engine(kquant_dir, prefix_reuse=True)
-    try:
-        assert eng.prefix_reuse
-        eng_goal(eng, first, max_tokens=4)
-        prompt_end = len(eng.tokenize(first))
-        for text, (expected, _) in zip(later, want):
-            g = eng_goal(eng, text)
-            assert bits(g) == expected, text
-            # Reused up to the first prompt's end, where its conv states were kept.
-            assert g.result.timings.cached_prompt_tokens == prompt_end
-    finally:
-        eng.close()
+    check_prefix_reuse_equals_uncached(kquant_dir, (TEXTS[1], TEXTS[2]))
 
 
 @pytest.fixture(scope='module')
@@ -278,22 +243,7 @@ def two_turns_whole(kquant_dir) -> tuple:
 
 
 def test_a_session_continues_from_its_saved_conv_states_bit_for_bit(kquant_dir, two_turns_whole):
-    first, second = two_turns_whole
-    eng = engine(kquant_dir, max_context=256)
-    try:
-        a1 = turn(eng, [USER1], 'a')
-        # b takes the only slot (a's turn is saved as a snapshot) and ends on other tokens
-        # than a, so its conv states there differ from a's.
-        turn(eng, [USER2], 'b', max_tokens=3)
-        a2 = turn(eng, [USER1, ChatMessage('assistant', a1.text), USER2], 'a')
-        ends = sorted(eng._store.get('b').states)
-    finally:
-        eng.close()
-    assert result_bits(a1) == result_bits(first)
-    assert result_bits(a2) == result_bits(second)
-    # Continued from the end of a's first turn (its last token was never fed), where the
-    # snapshot kept its conv states.
-    assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
+    ends = check_session_continues(kquant_dir, two_turns_whole)
     assert len(ends) == 2   # b's snapshot (saved as a took the slot back): prompt end, turn end
 
 
