@@ -38,7 +38,7 @@ YAML_KEYS = {'name', 'gguf_name', 'parameters', 'architecture', 'num_layers', 'n
              'add_bos_token', 'quantization', 'source', 'converter_version', 'opset',
              'kv_max_context', 'rope_scaling', 'qk_norm', 'post_norms', 'activation',
              'embed_scale', 'attention_scale', 'sliding_window', 'final_logit_softcap',
-             'attention', 'op_domains', 'layer_states'}
+             'attention', 'op_domains', 'layer_states', 'lora_targets'}
 
 
 @pytest.fixture(scope='module')
