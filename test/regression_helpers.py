@@ -11,7 +11,6 @@ import tempfile
 import time
 import uuid
 
-from rclpy.serialization import serialize_message
 from rosbags.interfaces import (
     Qos, QosDurability, QosHistory, QosLiveliness, QosReliability, QosTime)
 from rosbags.rosbag2 import StoragePlugin, Writer
@@ -80,7 +79,7 @@ def write_transcript_bag(path, messages, node: str = '/llm_node', storage: str =
             bag.add_topic(topic, msgtype)
         for index, msg in enumerate(messages):
             bag.write(topics.transcript, 1_000_000_000 + index * 10_000_000,
-                      serialize_message(msg))
+                      bagio.wire_cdr(msg, bagio.TRANSCRIPT_TYPE))
     return pathlib.Path(path)
 
 
@@ -116,7 +115,8 @@ def stock_record_layout(path, messages, storage: StoragePlugin, with_hash: bool 
     writer.add_connection('/llm_node/generate/_action/status', bagio.STATUS_TYPE,
                           typestore=store)
     for i, msg in enumerate(messages):
-        writer.write(conn, 1_000 + i, serialize_message(msg))
+        # The wire's bytes, which `ros2 bag record` stores (bagio.wire_cdr).
+        writer.write(conn, 1_000 + i, bagio.wire_cdr(msg, bagio.TRANSCRIPT_TYPE))
     writer.close()
     if not with_hash:
         # Humble-era metadata: no type_description_hash at all.

@@ -17,8 +17,8 @@ from rosbags.typesys import get_types_from_msg, get_typestore, Stores
 import yaml
 
 from edge_llm_msgs.action import Generate
-from edge_llm_msgs.msg import (ChatMessage, SamplingParams, TokenLogprob, ToolCall, ToolSpec,
-                               Transcript)
+from edge_llm_msgs.msg import (AdapterUse, ChatMessage, SamplingParams, TokenLogprob, ToolCall,
+                               ToolSpec, Transcript)
 from edge_llm_ros.client import make_goal
 from edge_llm_ros.regression import bagio, legacy
 from edge_llm_ros.regression.cpu_class import current_cpu_class, UNKNOWN
@@ -78,6 +78,22 @@ def test_goal_id_is_read_from_raw_bytes():
     feedback = Generate.Impl.FeedbackMessage()
     feedback.goal_id = msg.goal_id
     assert bagio.goal_id_of_raw(serialize_message(feedback)) == bytes(msg.goal_id.uuid).hex()
+
+
+def test_written_transcripts_read_back_whatever_their_alignment(tmp_path):
+    """wire_cdr: an empty float64 sequence after an odd-length string reads back.
+
+    rclpy's serialize_message pads that sequence where the wire does not, which made a
+    transcript replay wrote (a 'robots' stop string, no clip) undecodable by the reader.
+    """
+    msgs = [Transcript(stop=['robots'], finish_reason='stop', text='x' * n,
+                       video_timestamps=[0.5] * (n % 2), lora=[AdapterUse(name='a', scale=0.5)])
+            for n in range(8)]
+    bag = write_transcript_bag(tmp_path / 'bag', msgs)
+    contents = bagio.read_bag(bag)
+    assert not contents.problems
+    assert [t.text for t in contents.transcripts] == ['x' * n for n in range(8)]
+    assert all(t.stop == ['robots'] and t.lora[0].scale == 0.5 for t in contents.transcripts)
 
 
 @pytest.mark.parametrize('storage', [StoragePlugin.MCAP, StoragePlugin.SQLITE3])

@@ -205,6 +205,44 @@ def load_interfaces(folder: str = '') -> Interfaces:
 
 # ---------------------------------------------------------------- writing
 
+def wire_cdr(msg, msgtype: str, store: Optional[Typestore] = None) -> bytes:
+    """Return the CDR bytes of a message (rclpy's or any with its fields) as the wire has them.
+
+    The bytes a subscription receives (and `ros2 bag record` stores) are what rosbags reads.
+    rclpy's serialize_message differs from them for an empty float64 sequence at some
+    offsets (a Transcript without clip timestamps after a 7-byte stop string): it pads the
+    sequence to 8 where the wire does not, so rosbags could not read back the transcripts
+    replay wrote. Messages written into bags go through rosbags' own types here instead.
+    """
+    store = store or load_interfaces().typestore
+    return bytes(store.serialize_cdr(_as_rosbags(store, msg, msgtype), msgtype))
+
+
+def _as_rosbags(store: Typestore, value, msgtype: str):
+    """Copy a message's fields into the typestore's class of msgtype (nested, recursively)."""
+    fields = {}
+    for name, (kind, detail) in store.fielddefs[msgtype][1]:
+        item = getattr(value, name)
+        if kind == Nodetype.NAME:
+            item = _as_rosbags(store, item, detail)
+        elif kind in (Nodetype.ARRAY, Nodetype.SEQUENCE):
+            (sub_kind, sub), _ = detail
+            if sub_kind == Nodetype.NAME:
+                item = [_as_rosbags(store, x, sub) for x in item]
+            elif sub[0] == 'string':
+                item = [str(x) for x in item]
+            else:   # a numeric array: rosbags takes numpy arrays of the element type
+                import numpy as np
+                item = np.asarray(item, dtype=_NUMPY_TYPES.get(sub[0], sub[0]))
+        fields[name] = item
+    return store.types[msgtype](**fields)
+
+
+# ROS primitive names numpy spells otherwise.
+_NUMPY_TYPES = {'float32': 'float32', 'float64': 'float64', 'byte': 'uint8', 'char': 'uint8',
+                'bool': 'bool', 'octet': 'uint8'}
+
+
 class BagWriter:
     """Thread-safe rosbag2 writer of raw CDR messages for known interface types.
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Sequence
 from lifecycle_msgs.srv import GetState
 import rclpy
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
-from rclpy.serialization import deserialize_message, serialize_message
+from rclpy.serialization import deserialize_message
 from rclpy.signals import SignalHandlerOptions
 from rclpy.time import Time as RosTime
 from unique_identifier_msgs.msg import UUID
@@ -39,7 +39,7 @@ from edge_llm_ros.client import (GenerationHandle, GenerationOutcome, GoalReject
                                  LLMClientError, make_goal, NodeNotActiveError)
 from edge_llm_ros.nodes.messages import build_transcript
 from edge_llm_ros.regression.bagio import (BagContents, BagWriter, LlmTopics, read_bag, STORAGES,
-                                           TRANSCRIPT_TYPE)
+                                           TRANSCRIPT_TYPE, wire_cdr)
 from edge_llm_ros.regression.compare import (ABORTED, ACTION_STATUSES, compare_run,
                                              ComparisonResult, CpuClasses, EXIT_INPUT,
                                              NOT_SENT, REJECTED, ReplayOutcome, SKIPPED,
@@ -336,7 +336,7 @@ class ReplayRunner:
             RosTime(nanoseconds=sent.sent_ns).to_msg(), RosTime(nanoseconds=now).to_msg(),
             outcome.error_message)
         self.writer.add_topic(self.topics.transcript, TRANSCRIPT_TYPE)
-        self.writer.write(self.topics.transcript, now, serialize_message(msg))
+        self.writer.write(self.topics.transcript, now, wire_cdr(msg, TRANSCRIPT_TYPE))
         return transcript_from_msg(msg, now, self.topics.transcript)
 
     def wait_for_node(self) -> None:
