@@ -12,6 +12,7 @@ from typing import List
 
 from decoder_calls import record_calls
 
+from edge_llm_ros.runtime.speculative import SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
 from edge_llm_ros.serving.goal import Goal, GoalState
@@ -241,3 +242,26 @@ def check_session_continues(model_dir: pathlib.Path, two_turns_whole: tuple) -> 
     # snapshot kept its states.
     assert a2.timings.cached_prompt_tokens == a1.prompt_tokens + a1.completion_tokens - 1
     return ends
+
+
+def check_speculation_equals_plain(model_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
+    """Rejected drafts (prompt lookup, a draft model) go back to the verify start: plain's ids."""
+    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
+    modes = {'off': SpeculativeConfig(mode='off'),
+             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
+             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
+    runs = {}
+    for mode, config in modes.items():
+        eng = engine(model_dir, 2, max_context=256, speculative=config)
+        try:
+            sched = eng.scheduler()
+            goals = [sched.submit(goal(eng, t, max_tokens=20)) for t in texts]
+            while not all(g.done for g in goals):
+                eng.run_plan()
+            runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
+        finally:
+            eng.close()
+    plain, _ = runs.pop('off')
+    for mode, (spec, stats) in runs.items():
+        assert spec == plain, mode
+        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)

@@ -26,18 +26,17 @@ import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
-from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_int8_kv_session, check_preempted_goals_resume,
+from state_family_checks import (alone_bits, check_batched_equals_alone, check_int8_kv_session,
+                                 check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
-                                 check_sqlite_session_after_restart, engine, goal, TEXTS,
-                                 two_turns_sent_whole)
+                                 check_speculation_equals_plain,
+                                 check_sqlite_session_after_restart, two_turns_sent_whole)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
-from edge_llm_ros.runtime.speculative import SpeculativeConfig
 from edge_llm_ros.serving.engine import kv_budget_bytes
 
 CASE = granite_case('Q8_0')
@@ -233,23 +232,4 @@ def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
         kquant_dir, draft_dir, compat):
     """Rejected drafts (prompt lookup, a granitehybrid draft): output equals plain decoding."""
     compat('granitehybrid', CASE.wtype, 'speculation')
-    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
-    modes = {'off': SpeculativeConfig(mode='off'),
-             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
-             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
-    runs = {}
-    for mode, config in modes.items():
-        eng = engine(kquant_dir, 2, max_context=256, speculative=config)
-        try:
-            sched = eng.scheduler()
-            goals = [sched.submit(goal(eng, t, max_tokens=20)) for t in texts]
-            while not all(g.done for g in goals):
-                eng.run_plan()
-            runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
-        finally:
-            eng.close()
-    plain, _ = runs.pop('off')
-    for mode, (spec, stats) in runs.items():
-        print(mode, stats)
-        assert spec == plain, mode
-        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
+    check_speculation_equals_plain(kquant_dir, draft_dir)
