@@ -11,6 +11,10 @@ import pathlib
 from typing import List
 
 from decoder_calls import record_calls
+from llama_cpp_parity import llama_cpp_greedy, PROMPT
+import numpy as np
+from ort_driver import OrtDriver
+from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, MAX_ABS_DIFF
 
 from edge_llm_ros.runtime.speculative import SpeculativeConfig
 from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
@@ -265,3 +269,33 @@ def check_speculation_equals_plain(model_dir: pathlib.Path, draft_dir: pathlib.P
     for mode, (spec, stats) in runs.items():
         assert spec == plain, mode
         assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
+
+
+def check_uncleared_states_matter(work: pathlib.Path, source: pathlib.Path,
+                                  model_dir: pathlib.Path, states: int, what: str) -> None:
+    """Control: the states cleared after the prompt move the logits past the parity bound."""
+    ref, tokens = llama_cpp_greedy(source, work / f'{source.stem}.llama_cpp.npz')
+    drv = OrtDriver(model_dir, max_ctx=64)
+    rows = [drv.step(list(PROMPT)).copy()]
+    bufs = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
+    assert len(bufs) == states
+    for tok in tokens[:8]:
+        for buf in bufs:
+            buf[...] = 0
+        rows.append(drv.step([tok]).copy())
+    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
+    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
+    print(f'{what} states cleared after the prompt: max |dlogit| {moved:.2f}')
+    assert moved > 2 * MAX_ABS_DIFF
+
+
+def check_chunks_equal_one_call(model_dir: pathlib.Path, prompt: List[int]) -> None:
+    """Check that a prompt fed in three chunks gives the logits and KV of one call."""
+    whole = OrtDriver(model_dir, max_ctx=64)
+    want = whole.step(prompt)
+    parts = OrtDriver(model_dir, max_ctx=64)
+    for a, b in ((0, 4), (4, 5), (5, len(prompt))):
+        got = parts.step(prompt[a:b])
+    assert np.array_equal(got, want)
+    for x, y in zip(whole.kv, parts.kv):
+        assert np.array_equal(x, y)

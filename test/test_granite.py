@@ -21,16 +21,17 @@ import pathlib
 
 from gguf_fixtures import (granite_case, GRANITE_DIMS, GRANITE_SCALES, GRANITE_SSM,
                            write_granite_gguf)
-from llama_cpp_parity import compare, converted, llama_cpp_greedy, PROMPT
+from llama_cpp_parity import compare, converted, llama_cpp_greedy
 import numpy as np
 import onnx
-from ort_driver import OrtDriver
 import pytest
-from state_family_checks import (alone_bits, check_batched_equals_alone, check_int8_kv_session,
+from state_family_checks import (alone_bits, check_batched_equals_alone,
+                                 check_chunks_equal_one_call, check_int8_kv_session,
                                  check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
                                  check_speculation_equals_plain,
-                                 check_sqlite_session_after_restart, two_turns_sent_whole)
+                                 check_sqlite_session_after_restart,
+                                 check_uncleared_states_matter, two_turns_sent_whole)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -149,30 +150,11 @@ def test_granites_rope_switch_on_rotates_and_equals_llama_cpp(work, native_libra
 def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
         work, source, kquant_dir):
     """Control: the Mamba-2 states cleared after the prompt move the logits past the bound."""
-    ref, tokens = llama_cpp_greedy(source, work / f'{source.stem}.llama_cpp.npz')
-    drv = OrtDriver(kquant_dir, max_ctx=64)
-    rows = [drv.step(list(PROMPT)).copy()]
-    states = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
-    assert len(states) == 2
-    for tok in tokens[:8]:
-        for buf in states:
-            buf[...] = 0
-        rows.append(drv.step([tok]).copy())
-    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
-    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
-    print(f'Mamba-2 states cleared after the prompt: max |dlogit| {moved:.2f}')
-    assert moved > 2 * MAX_ABS_DIFF
+    check_uncleared_states_matter(work, source, kquant_dir, 2, 'Mamba-2')
 
 
 def test_a_prompt_in_chunks_gives_the_bits_of_one_call(kquant_dir):
-    whole = OrtDriver(kquant_dir, max_ctx=64)
-    want = whole.step(LONG_PROMPT)
-    parts = OrtDriver(kquant_dir, max_ctx=64)
-    for a, b in ((0, 4), (4, 5), (5, len(LONG_PROMPT))):
-        got = parts.step(LONG_PROMPT[a:b])
-    assert np.array_equal(got, want)
-    for x, y in zip(whole.kv, parts.kv):
-        assert np.array_equal(x, y)
+    check_chunks_equal_one_call(kquant_dir, LONG_PROMPT)
 
 
 def test_a_moe_variant_is_refused_by_name(tmp_path):

@@ -30,15 +30,14 @@ from llama_cpp_parity import (compare, converted, engine_logits, kl_divergence,
                               llama_cpp_greedy, PROMPT)
 import numpy as np
 import onnx
-from ort_driver import OrtDriver
 import pytest
 from state_family_checks import (alone_bits, check_batched_equals_alone,
-                                 check_preempted_goals_resume,
+                                 check_chunks_equal_one_call, check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
                                  check_speculation_equals_plain,
-                                 check_sqlite_session_after_restart, engine,
-                                 two_turns_sent_whole)
-from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
+                                 check_sqlite_session_after_restart,
+                                 check_uncleared_states_matter, engine, two_turns_sent_whole)
+from test_llama_cpp_parity import KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
@@ -253,30 +252,11 @@ def test_qwen35_08b_layer_shapes_equal_a_float64_reference(work, native_library)
 def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
         work, source, kquant_dir):
     """Control: the DeltaNet states cleared after the prompt move the logits past the bound."""
-    ref, tokens = llama_cpp_greedy(source, work / f'{source.stem}.llama_cpp.npz')
-    drv = OrtDriver(kquant_dir, max_ctx=64)
-    rows = [drv.step(list(PROMPT)).copy()]
-    states = [buf for name, _, buf in drv.bound if name.startswith('past_conv.')]
-    assert len(states) == 2
-    for tok in tokens[:8]:
-        for buf in states:
-            buf[...] = 0
-        rows.append(drv.step([tok]).copy())
-    np.testing.assert_allclose(rows[0], ref[0], atol=KQUANT_MAX_ABS_DIFF)
-    moved = float(np.abs(np.stack(rows[1:]) - ref[1:9]).max())
-    print(f'DeltaNet states cleared after the prompt: max |dlogit| {moved:.2f}')
-    assert moved > 2 * MAX_ABS_DIFF
+    check_uncleared_states_matter(work, source, kquant_dir, 2, 'DeltaNet')
 
 
 def test_a_prompt_in_chunks_gives_the_bits_of_one_call(kquant_dir):
-    whole = OrtDriver(kquant_dir, max_ctx=64)
-    want = whole.step(LONG_PROMPT)
-    parts = OrtDriver(kquant_dir, max_ctx=64)
-    for a, b in ((0, 4), (4, 5), (5, len(LONG_PROMPT))):
-        got = parts.step(LONG_PROMPT[a:b])
-    assert np.array_equal(got, want)
-    for x, y in zip(whole.kv, parts.kv):
-        assert np.array_equal(x, y)
+    check_chunks_equal_one_call(kquant_dir, LONG_PROMPT)
 
 
 def test_a_moe_gguf_is_refused_by_name(tmp_path):
