@@ -417,7 +417,9 @@ def test_ask_without_a_node_says_what_to_check():
 
 def test_ask_ctrl_c_cancels_the_goal_and_prints_the_partial_answer(llm):
     proc = _ask('Count', '--max-tokens', str(LONG_TOKENS), '--json-schema', LONG_SCHEMA)
-    first = proc.stdout.read(1)           # the answer is streaming
+    # One raw byte: a buffered read could take more from the pipe than it returns, and
+    # communicate() below reads the pipe itself, so what the buffer held would be lost.
+    first = os.read(proc.stdout.fileno(), 1).decode()   # the answer is streaming
     assert first == '"', proc.stderr.read()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -143,10 +143,12 @@ def test_llm_node_process_says_which_override_is_misspelled_and_stays_unconfigur
         while 'did you mean' not in seen and time.monotonic() < deadline:
             ready, _, _ = select.select([proc.stdout], [], [], 1.0)
             if ready:
-                line = proc.stdout.readline()
-                if not line:
+                # Raw reads: communicate() below reads the pipe itself, so nothing may sit in
+                # a Python-side buffer between the two.
+                chunk = os.read(proc.stdout.fileno(), 65536)
+                if not chunk:
                     break
-                seen += line
+                seen += chunk.decode(errors='replace')
     finally:
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
