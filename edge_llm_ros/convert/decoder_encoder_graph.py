@@ -34,7 +34,7 @@ import numpy as np
 import onnx
 from onnx import helper, TensorProto
 
-from edge_llm_ros.convert.encoder_graph import (EncoderGguf, HIDDEN, IDS, linear, MASK, OPSET,
+from edge_llm_ros.convert.encoder_graph import (EncoderSource, HIDDEN, IDS, linear, MASK, OPSET,
                                                 POOLED, RANK, rope, rope_angles, token_rows)
 from edge_llm_ros.convert.onnx_graph import IR_VERSION, KQUANT_DOMAIN
 from edge_llm_ros.convert.vision_graph import _f16, _gelu, _Graph
@@ -44,7 +44,7 @@ from edge_llm_ros.model_format import DATA_FILE
 GEMMA = 'gemma-embedding'
 
 
-def _rms_norm(g: _Graph, m: EncoderGguf, x: str, name: str) -> str:
+def _rms_norm(g: _Graph, m: EncoderSource, x: str, name: str) -> str:
     """Return x / sqrt(mean(x^2) + eps) * weight over the last axis (ggml_rms_norm)."""
     mean = g.node('ReduceMean', [g.node('Mul', [x, x]), g.const([-1])], keepdims=1)
     rstd = g.node('Reciprocal', [g.node('Sqrt', [g.node('Add', [
@@ -74,7 +74,7 @@ def _mask_bias(g: _Graph, causal: bool, window: int = 0) -> str:
     return g.node('Unsqueeze', [bias, g.const([1, 2])])
 
 
-def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: int) -> str:
+def _attention(g: _Graph, m: EncoderSource, x: str, bias: str, rope_cs: tuple, i: int) -> str:
     s = m.spec
     b = f'blk.{i}'
     d, group = s.head_dim, s.heads // s.kv_heads
@@ -103,7 +103,7 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: 
     return linear(g, m, merged, f'{b}.attn_output')
 
 
-def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: int) -> str:
+def _layer(g: _Graph, m: EncoderSource, x: str, bias: str, rope_cs: tuple, i: int) -> str:
     b = f'blk.{i}'
     gemma = m.spec.arch == GEMMA
     attn = _attention(g, m, _rms_norm(g, m, x, f'{b}.attn_norm.weight'), bias, rope_cs, i)
@@ -119,7 +119,7 @@ def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, rope_cs: tuple, i: int)
     return g.node('Add', [out, h])
 
 
-def _pooled(g: _Graph, m: EncoderGguf) -> str:
+def _pooled(g: _Graph, m: EncoderSource) -> str:
     """Return the mean of the row's states [B, H] through dense_2 and dense_3 (gemma)."""
     keep = g.node('Unsqueeze', [g.node('Cast', [MASK], to=TensorProto.FLOAT), g.const([2])])
     total = g.node('ReduceSum', [g.node('Mul', [HIDDEN, keep]), g.const([1])], keepdims=0)
@@ -131,7 +131,7 @@ def _pooled(g: _Graph, m: EncoderGguf) -> str:
     return cur
 
 
-def _rank_head(g: _Graph, m: EncoderGguf) -> str:
+def _rank_head(g: _Graph, m: EncoderSource) -> str:
     """Return softmax(cls.output @ the row's last state) [B, labels] (llama.cpp's qwen3 rank)."""
     last = g.node('Sub', [g.node('ReduceSum', [MASK, g.const([1])], keepdims=1), g.const(1)])
     idx = g.node('Expand', [g.node('Unsqueeze', [last, g.const([2])]),
@@ -141,7 +141,7 @@ def _rank_head(g: _Graph, m: EncoderGguf) -> str:
     return g.node('Softmax', [linear(g, m, state, 'cls.output')], axis=-1)
 
 
-def build_decoder_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
+def build_decoder_encoder(m: EncoderSource, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
     """Return the embedding / rerank graph of a decoder GGUF (module docstring)."""
     s = m.spec
     if s.heads % s.kv_heads or s.head_dim % 2:

@@ -10,24 +10,34 @@ whose GGUF has a rerank prompt (tokenizer.chat_template.rerank, with {query} and
 keeps it there as `rerank_template`: its pairs are that prompt, as llama-server builds them.
 """
 import pathlib
-from typing import Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 from edge_llm_ros.convert.checkpoint import gguf_field, open_gguf
 from edge_llm_ros.convert.decoder_encoder_graph import build_decoder_encoder
 from edge_llm_ros.convert.encoder_graph import (build_encoder, DECODER_EMBEDDERS,
                                                 EMBEDDING_ONLY, ENCODER_ARCHITECTURES,
-                                                EncoderGguf)
-from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
+                                                EncoderGguf, EncoderSource)
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML
 
 KIND_EMBEDDING = 'embedding'
 KIND_RERANK = 'rerank'
+# HF folder readers of embedding / rerank models: (probe, reader) pairs. probe(folder) returns
+# the architecture (llama.cpp's name) when the reader takes that folder, else None; reader(folder)
+# returns an EncoderSource the graph builders take as they take an EncoderGguf.
+ENCODER_FOLDER_READERS: Sequence[Tuple[Callable[[pathlib.Path], Optional[str]],
+                                       Callable[[pathlib.Path], EncoderSource]]] = ()
 
 
 def encoder_architecture(source: str) -> Optional[str]:
-    """Return the GGUF's architecture when it is an encoder this converter builds, else None."""
+    """Return the source's architecture when it is an encoder this converter builds, else None.
+
+    A GGUF file is read here; an HF folder by the readers in ENCODER_FOLDER_READERS.
+    """
     path = pathlib.Path(source)
+    if path.is_dir():
+        return next((arch for arch in (probe(path) for probe, _ in ENCODER_FOLDER_READERS)
+                     if arch), None)
     if not path.is_file() or path.suffix.lower() != '.gguf':
         return None
     reader = open_gguf(path)
@@ -37,30 +47,41 @@ def encoder_architecture(source: str) -> Optional[str]:
     return arch if arch in ENCODER_ARCHITECTURES else None
 
 
+def open_encoder(source: pathlib.Path) -> EncoderSource:
+    """Open an encoder GGUF or HF folder (encoder_architecture named it) for the graph builders."""
+    if source.is_dir():
+        for probe, reader in ENCODER_FOLDER_READERS:
+            if probe(source):
+                return reader(source)
+        raise UnsupportedModelError(f'{source}: no embedding or rerank model this converter '
+                                    'reads from an HF folder')
+    return EncoderGguf(source)
+
+
 def write_encoder_folder(source: pathlib.Path, tmp: pathlib.Path, sha256: str) -> None:
     """Write the encoder's graph, tokenizer and model.yaml into the (empty) folder tmp."""
     import onnx
     import yaml
-    m = EncoderGguf(source)
+    m = open_encoder(source)
     s = m.spec
     embedding = {'pooling': s.pooling, 'normalize': s.pooling != 'rank',
                  'dimensions': s.hidden, 'labels': s.labels}
-    template = gguf_field(m.reader, 'tokenizer.chat_template.rerank')
+    template = m.rerank_template()
     if s.pooling == 'rank' and template:
-        embedding['rerank_template'] = str(template)
+        embedding['rerank_template'] = template
     elif s.pooling == 'rank' and s.arch in DECODER_EMBEDDERS:
         raise UnsupportedModelError(f'{source}: a {s.arch} reranker without a rerank prompt '
                                     '(tokenizer.chat_template.rerank); convert it again with '
                                     "llama.cpp's convert_hf_to_gguf.py, which writes it")
-    specials = write_tokenizer_files(m.reader, tmp)
+    specials = m.write_tokenizer(tmp)
     (tmp / 'chat_template.jinja').unlink(missing_ok=True)  # not a chat model
     with open(tmp / DATA_FILE, 'wb') as data:
         model = (build_decoder_encoder if s.arch in DECODER_EMBEDDERS else build_encoder)(m, data)
     onnx.save_model(model, str(tmp / MODEL_FILE))
     types = sorted({t.qtype for t in m.tensors.values() if len(t.shape) == 2})
-    name = gguf_field(m.reader, 'general.name') or source.stem
+    name = m.display_name()
     meta = {
-        'name': str(name), 'gguf_name': str(name), 'architecture': s.arch,
+        'name': name, 'gguf_name': name, 'architecture': s.arch,
         'kind': KIND_RERANK if s.pooling == 'rank' else KIND_EMBEDDING,
         'num_layers': s.layers, 'num_heads': s.heads, 'hidden_size': s.hidden,
         'vocab_size': s.vocab_size, 'max_position_embeddings': s.context,

@@ -86,7 +86,40 @@ class EncoderSpec:
     glu: str = ''  # modern-bert's MLP activation: 'gelu' (GEGLU) or 'silu' (SwiGLU)
 
 
-class EncoderGguf:
+class EncoderSource:
+    """What the graph builders read of an encoder: `path`, `spec` and `tensors`.
+
+    `tensors` are SourceTensor under llama.cpp's GGUF names ('token_embd.weight',
+    'blk.0.attn_q.weight', ...), in llama.cpp's layouts, whatever the source file: the GGUF
+    reader below, or an HF folder reader (convert/encoder.py ENCODER_FOLDER_READERS) that maps
+    its names and layouts as llama.cpp's convert_hf_to_gguf.py does.
+    """
+
+    path: pathlib.Path
+    spec: 'EncoderSpec'
+    tensors: Dict[str, SourceTensor]
+
+    def display_name(self) -> str:
+        """Return the model's name for model.yaml."""
+        raise NotImplementedError
+
+    def rerank_template(self) -> Optional[str]:
+        """Return the rerank prompt ({query}, {document}) of a yes/no reranker, else None."""
+        raise NotImplementedError
+
+    def write_tokenizer(self, out_dir: pathlib.Path) -> Dict[str, object]:
+        """Write tokenizer.json (+ files) into out_dir; return the special-token facts."""
+        raise NotImplementedError
+
+    def array(self, name: str) -> np.ndarray:
+        """Return a tensor as float32 in its logical shape."""
+        return self.tensors[name].dequantize()
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+
+class EncoderGguf(EncoderSource):
     """An opened encoder GGUF: its spec and tensors (bytes mapped, not copied)."""
 
     def __init__(self, path: pathlib.Path) -> None:
@@ -214,15 +247,19 @@ class EncoderGguf:
                 names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
         return names
 
-    def array(self, name: str) -> np.ndarray:
-        """Return a tensor as float32 in its logical shape."""
-        return self.tensors[name].dequantize()
+    def display_name(self) -> str:
+        return str(gguf_field(self.reader, 'general.name') or self.path.stem)
 
-    def has(self, name: str) -> bool:
-        return name in self.tensors
+    def rerank_template(self) -> Optional[str]:
+        template = gguf_field(self.reader, 'tokenizer.chat_template.rerank')
+        return str(template) if template else None
+
+    def write_tokenizer(self, out_dir: pathlib.Path) -> Dict[str, object]:
+        from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
+        return write_tokenizer_files(self.reader, out_dir)
 
 
-def linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+def linear(g: _Graph, m: EncoderSource, x: str, prefix: str) -> str:
     """Add x @ W.T (+ b) for an [out, in] GGUF matrix, in the file's type (module docstring)."""
     source = m.tensors[prefix + '.weight']
     bias = m.array(prefix + '.bias') if m.has(prefix + '.bias') else None
@@ -251,14 +288,14 @@ def linear(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
     return y
 
 
-def _layer_norm(g: _Graph, m: EncoderGguf, x: str, prefix: str) -> str:
+def _layer_norm(g: _Graph, m: EncoderSource, x: str, prefix: str) -> str:
     weight = g.init(prefix + '.weight', m.array(prefix + '.weight'))
     bias = [g.init(prefix + '.bias', m.array(prefix + '.bias'))] \
         if m.has(prefix + '.bias') else []  # modern-bert: no biases
     return g.node('LayerNormalization', [x, weight] + bias, axis=-1, epsilon=m.spec.eps)
 
 
-def token_rows(g: _Graph, m: EncoderGguf) -> str:
+def token_rows(g: _Graph, m: EncoderSource) -> str:
     """Return the token table's rows of input_ids [B, T, H] (a KQuantGather over its blocks)."""
     table = m.tensors['token_embd.weight']
     blocks = gguf_weights(table)
@@ -275,7 +312,7 @@ def token_rows(g: _Graph, m: EncoderGguf) -> str:
     return rows
 
 
-def _embeddings(g: _Graph, m: EncoderGguf) -> str:
+def _embeddings(g: _Graph, m: EncoderSource) -> str:
     """Token rows + token type 0 + position rows, then the embedding LayerNorm."""
     rows = token_rows(g, m)
     if m.has('token_types.weight'):  # llama.cpp adds row 0 ("sentence A") to every token
@@ -312,7 +349,7 @@ def rope_angles(g: _Graph, base: float, head_dim: int) -> tuple:
     return g.node('Cos', [ang]), g.node('Sin', [ang])
 
 
-def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+def _attention(g: _Graph, m: EncoderSource, x: str, bias: str, i: int,
                rope_cs: Optional[tuple] = None) -> str:
     s = m.spec
     b = f'blk.{i}'
@@ -346,7 +383,7 @@ def _attention(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     return linear(g, m, merged, f'{b}.attn_output')
 
 
-def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+def _layer(g: _Graph, m: EncoderSource, x: str, bias: str, i: int,
            rope_cs: Optional[tuple] = None) -> str:
     b = f'blk.{i}'
     h = _layer_norm(g, m, g.node('Add', [_attention(g, m, x, bias, i, rope_cs), x]),
@@ -364,7 +401,7 @@ def _layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
     return _layer_norm(g, m, out, f'{b}.layer_output_norm')
 
 
-def _glu(g: _Graph, m: EncoderGguf, x: str, b: str, act: str) -> str:
+def _glu(g: _Graph, m: EncoderSource, x: str, b: str, act: str) -> str:
     """Return act(gate) * up: gate and up from ffn_gate and ffn_up, or ffn_up's two halves.
 
     act 'gelu' is ggml's GEGLU (its float16 GELU table), 'silu' its SwiGLU; a single ffn_up
@@ -382,7 +419,7 @@ def _glu(g: _Graph, m: EncoderGguf, x: str, b: str, act: str) -> str:
     return g.node('Mul', [gated, up])
 
 
-def _modern_layer(g: _Graph, m: EncoderGguf, x: str, bias: str, i: int,
+def _modern_layer(g: _Graph, m: EncoderSource, x: str, bias: str, i: int,
                   rope_cs: tuple) -> str:
     """Return ModernBERT's pre-norm layer (llama.cpp's modern-bert.cpp), bert's pieces."""
     b = f'blk.{i}'
@@ -431,7 +468,7 @@ def alibi_bias(g: _Graph, heads: int, max_bias: float) -> str:
     return g.node('Mul', [slopes, dist])
 
 
-def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
+def _rank_head(g: _Graph, m: EncoderSource, hidden: str) -> str:
     """Return the classifier of a cross-encoder on the first token ([CLS]), as llama.cpp's rank."""
     first = g.node('Gather', [hidden, g.const(0)], axis=1)  # [B, H]
     cur = first
@@ -441,7 +478,7 @@ def _rank_head(g: _Graph, m: EncoderGguf, hidden: str) -> str:
     return g.node('Reshape', [out, g.const([-1, m.spec.labels])])
 
 
-def build_encoder(m: EncoderGguf, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
+def build_encoder(m: EncoderSource, data: Optional[BinaryIO] = None) -> onnx.ModelProto:
     """Return the encoder graph; with `data` (an open DATA_FILE) big weights go there."""
     g = _Graph(data, DATA_FILE)
     bias = mask_bias(g)
