@@ -1,0 +1,331 @@
+"""Read an HF encoder folder (config.json, *.safetensors, tokenizer.json) for the graph builders.
+
+The folder's tensors get llama.cpp's GGUF names and layouts as convert_hf_to_gguf.py gives
+them (its BertModel, XLMRobertaModel and NomicBertModel), so the graph built from the folder
+is the one built from the GGUF llama.cpp's converter writes of it:
+
+- `bert` (BertModel, BertForMaskedLM, BertForSequenceClassification: all-MiniLM, bge, e5,
+  ms-marco cross-encoders) and `xlm-roberta` (XLMRobertaModel / ...ForSequenceClassification:
+  bge-m3, bge-reranker-v2-m3), both llama.cpp's `bert` graph. The `bert.` / `roberta.` prefix
+  goes, LayerNorm gamma / beta are weight / bias, the pooler and the masked-LM head are
+  dropped. XLM-RoBERTa's positions start at pad_token_id + 1: those first rows of the
+  position table are cut off, and the context is max_position_embeddings less them.
+- `nomic-bert` (model_type nomic_bert: nomic-embed-text v1 / v1.5): fused Wqkv, SwiGLU
+  (fc11 up, fc12 gate), RoPE at rotary_emb_base; the settings llama.cpp's converter asserts
+  are checked (a variant off them, the MoE v2 among them, is refused).
+- A classifier (a ...ForSequenceClassification, a cross-encoder) is rank pooling: BERT's single
+  `classifier` is cls.output (unless its id2label is AutoConfig's dummy pair), RoBERTa's head
+  is classifier.dense (cls, + tanh) and classifier.out_proj (cls.output). Otherwise pooling is
+  sentence-transformers' (modules.json -> the Pooling module's config.json: mean, cls,
+  lasttoken), and 'none' without one, as llama.cpp's converter decides it.
+
+Matrices stay in their safetensors type: F32 as F32, F16 as F16 (the op library path of an F16
+GGUF). BF16, which llama.cpp's converter keeps as BF16 and the encoder graph has no matmul for,
+is widened to F32 (exact). tokenizer.json is copied: it carries its own normalizer and
+post-processor ([CLS] a [SEP] b [SEP], <s> a </s></s> b </s>).
+jina-bert-v2 and ModernBERT folders are recognised and refused with what to do instead.
+"""
+import dataclasses
+import json
+import pathlib
+import re
+import shutil
+from typing import Dict, List, Optional, Tuple
+
+from edge_llm_ros.convert.checkpoint import _hf_token_ids, _read_safetensors, SourceTensor
+from edge_llm_ros.convert.encoder_graph import EncoderGguf, EncoderSource, EncoderSpec
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
+
+# model_type -> llama.cpp's architecture for the folders read here.
+HF_ENCODER_TYPES = {'bert': 'bert', 'xlm-roberta': 'bert', 'nomic_bert': 'nomic-bert'}
+# model_types of encoders llama.cpp converts but this reader does not (yet): refused by name.
+HF_REFUSED_TYPES = {'jina_bert': 'jina-bert-v2', 'modernbert': 'modern-bert'}
+# sentence-transformers' Pooling config -> pooling (llama.cpp's _try_set_pooling_type).
+_POOLING_FLAGS = (('pooling_mode_mean_tokens', 'mean'), ('pooling_mode_cls_token', 'cls'),
+                  ('pooling_mode_lasttoken', 'last'))
+_POOLING_MODES = {'mean': 'mean', 'cls': 'cls', 'lasttoken': 'last'}
+# HF name (after the prefix / gamma / beta clean-up) -> GGUF name, {i} a layer.
+_BERT_NAMES = (
+    ('embeddings.word_embeddings', 'token_embd'),
+    ('embeddings.token_type_embeddings', 'token_types'),
+    ('embeddings.position_embeddings', 'position_embd'),
+    ('embeddings.LayerNorm', 'token_embd_norm'),
+    ('encoder.layer.{i}.attention.self.query', 'blk.{i}.attn_q'),
+    ('encoder.layer.{i}.attention.self.key', 'blk.{i}.attn_k'),
+    ('encoder.layer.{i}.attention.self.value', 'blk.{i}.attn_v'),
+    ('encoder.layer.{i}.attention.output.dense', 'blk.{i}.attn_output'),
+    ('encoder.layer.{i}.attention.output.LayerNorm', 'blk.{i}.attn_output_norm'),
+    ('encoder.layer.{i}.intermediate.dense', 'blk.{i}.ffn_up'),
+    ('encoder.layer.{i}.output.dense', 'blk.{i}.ffn_down'),
+    ('encoder.layer.{i}.output.LayerNorm', 'blk.{i}.layer_output_norm'),
+    ('classifier.dense', 'cls'),
+    ('classifier.out_proj', 'cls.output'),
+)
+_NOMIC_NAMES = (
+    ('embeddings.word_embeddings', 'token_embd'),
+    ('embeddings.token_type_embeddings', 'token_types'),
+    ('emb_ln', 'token_embd_norm'),
+    ('encoder.layers.{i}.attn.Wqkv', 'blk.{i}.attn_qkv'),
+    ('encoder.layers.{i}.attn.out_proj', 'blk.{i}.attn_output'),
+    ('encoder.layers.{i}.norm1', 'blk.{i}.attn_output_norm'),
+    ('encoder.layers.{i}.mlp.fc11', 'blk.{i}.ffn_up'),
+    ('encoder.layers.{i}.mlp.fc12', 'blk.{i}.ffn_gate'),
+    ('encoder.layers.{i}.mlp.fc2', 'blk.{i}.ffn_down'),
+    ('encoder.layers.{i}.norm2', 'blk.{i}.layer_output_norm'),
+)
+# Tensors llama.cpp's converter drops: the pooler, the masked-LM / next-sentence heads.
+_DROPPED = ('embeddings.position_ids', 'pooler.', 'cls.predictions', 'cls.seq_relationship',
+            'lm_head.')
+# nomic-bert settings llama.cpp's converter asserts (anything else is another model).
+_NOMIC_SETTINGS = {'activation_function': 'swiglu', 'causal': False, 'qkv_proj_bias': False,
+                   'mlp_fc1_bias': False, 'mlp_fc2_bias': False, 'prenorm': False,
+                   'rotary_emb_fraction': 1.0, 'rotary_emb_interleaved': False,
+                   'rotary_emb_scale_base': None}
+
+
+def read_config(folder: pathlib.Path) -> Optional[dict]:
+    """Return the folder's config.json, None when it has none; ModelLoadError when unreadable."""
+    path = folder / 'config.json'
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding='utf-8'))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f'{path}: not valid JSON ({exc}); download the model again') \
+            from exc
+
+
+def probe_hf_encoder(folder: pathlib.Path) -> Optional[str]:
+    """Return llama.cpp's architecture of an HF BERT-style encoder folder, else None."""
+    cfg = read_config(folder)
+    model_type = (cfg or {}).get('model_type')
+    return HF_ENCODER_TYPES.get(model_type) or HF_REFUSED_TYPES.get(model_type)
+
+
+def _hparam(cfg: dict, names: Tuple[str, ...], folder: pathlib.Path):
+    """Return the first of `names` in config.json (llama.cpp's find_hparam)."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise ModelLoadError(f'{folder}/config.json has none of {", ".join(names)}; the config is '
+                         'incomplete: download it again')
+
+
+class EncoderHf(EncoderSource):
+    """An HF BERT-style encoder folder, its tensors under llama.cpp's GGUF names."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.path = folder
+        cfg = read_config(folder)
+        if cfg is None:
+            raise ModelLoadError(f'{folder}: config.json is missing; an HF encoder folder needs '
+                                 'config.json, *.safetensors and tokenizer.json')
+        self.cfg = cfg
+        model_type = cfg.get('model_type')
+        if model_type in HF_REFUSED_TYPES:
+            raise UnsupportedModelError(
+                f'{folder}: {HF_REFUSED_TYPES[model_type]} ({model_type}) is not read from an '
+                "HF folder yet; convert it to GGUF with llama.cpp's convert_hf_to_gguf.py and "
+                'convert that GGUF')
+        arch = HF_ENCODER_TYPES.get(model_type)
+        if arch is None:
+            raise UnsupportedModelError(
+                f'{folder}: model_type {model_type!r} is not an encoder read from HF folders '
+                f'({", ".join(HF_ENCODER_TYPES)}); convert its GGUF instead')
+        names = self._check_variant(model_type)
+        self.labels = self._labels()
+        files = sorted(folder.glob('*.safetensors'))
+        if not files:
+            raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints '
+                                 'are not read (save the model with safe_serialization=True)')
+        self.tensors = self._map(_read_safetensors(files), names, arch)
+        self.spec = self._spec(arch)
+        missing = [n for n in EncoderGguf.required(self) if n not in self.tensors]
+        if missing:
+            back = {g: h for h, g in self._names_by_layer(names)}
+            raise ModelLoadError(
+                f'{folder}: the safetensors lack {", ".join(back.get(n, n) for n in missing[:5])}'
+                f'{" ..." if len(missing) > 5 else ""}; the download is incomplete (fetch every '
+                '*.safetensors shard) or the checkpoint is not a plain '
+                f'{model_type} encoder')
+
+    # --- config --------------------------------------------------------------------------
+    def _check_variant(self, model_type: str) -> tuple:
+        """Refuse the trust_remote_code variants llama.cpp converts as other architectures."""
+        cfg = self.cfg
+        if model_type == 'xlm-roberta' and cfg.get('lora_adaptations'):
+            raise UnsupportedModelError(
+                f'{self.path}: jina-embeddings-v3 (XLM-RoBERTa with task LoRAs, the jina-bert-v3 '
+                'of llama.cpp) is not built; use bge-m3 or another plain XLM-RoBERTa encoder')
+        if model_type != 'nomic_bert':
+            return _BERT_NAMES
+        if cfg.get('moe_every_n_layers'):
+            raise UnsupportedModelError(
+                f'{self.path}: nomic-embed-text-v2-moe (nomic-bert-moe) is not built; use '
+                'nomic-embed-text v1 / v1.5')
+        off = {k: cfg.get(k) for k, v in _NOMIC_SETTINGS.items() if cfg.get(k, v) != v}
+        if off:
+            raise UnsupportedModelError(
+                f'{self.path}: a nomic_bert variant ({off}) that the converter of llama.cpp '
+                'refuses too; nomic-embed-text v1 / v1.5 are read')
+        tok = self.path / 'tokenizer.json'
+        if tok.is_file() and json.loads(tok.read_text(encoding='utf-8')).get(
+                'model', {}).get('type') == 'Unigram':
+            raise UnsupportedModelError(f'{self.path}: a nomic_bert with an XLM-RoBERTa '
+                                        'vocabulary is not read; nomic-embed-text v1 / v1.5 '
+                                        '(WordPiece) are')
+        return _NOMIC_NAMES
+
+    def _labels(self) -> bool:
+        """Whether `classifier` is the output layer (llama.cpp's cls_out_labels)."""
+        labels = self.cfg.get('id2label')
+        if labels and len(labels) == 2 and labels.get('0', labels.get(0)) == 'LABEL_0':
+            return False  # AutoConfig's dummy pair
+        return bool(labels)
+
+    def _pooling(self) -> str:
+        """Return rank for a classifier, else sentence-transformers' pooling, else none."""
+        if any(a.endswith('ForSequenceClassification')
+               for a in self.cfg.get('architectures') or ()):
+            return 'rank'
+        modules = self.path / 'modules.json'
+        if not modules.is_file():
+            return 'none'
+        pooling_dir = next((m['path'] for m in json.loads(modules.read_text(encoding='utf-8'))
+                            if str(m.get('type', '')).endswith('Pooling')), None)
+        if pooling_dir is None:
+            return 'none'
+        path = self.path / pooling_dir / 'config.json'
+        if not path.is_file():
+            raise ModelLoadError(f'{path} is missing (modules.json names a Pooling module '
+                                 f'in {pooling_dir!r}); download the whole model folder')
+        pooling = json.loads(path.read_text(encoding='utf-8'))
+        for flag, name in _POOLING_FLAGS:
+            if pooling.get(flag):
+                return name
+        mode = pooling.get('pooling_mode')
+        if mode in _POOLING_MODES:
+            return _POOLING_MODES[mode]
+        raise UnsupportedModelError(f'{path}: pooling {pooling} is not mean, CLS or last '
+                                    'token, the ones llama.cpp runs')
+
+    def _spec(self, arch: str) -> EncoderSpec:
+        cfg, folder = self.cfg, self.path
+        hidden = int(_hparam(cfg, ('hidden_size', 'n_embd', 'dim'), folder))
+        heads = int(_hparam(cfg, ('num_attention_heads', 'n_head', 'n_heads'), folder))
+        layers = int(_hparam(cfg, ('n_layers', 'num_hidden_layers', 'n_layer', 'num_layers'),
+                             folder))
+        ff = int(_hparam(cfg, ('intermediate_size', 'n_inner', 'hidden_dim'), folder))
+        eps = float(_hparam(cfg, ('layer_norm_eps', 'layer_norm_epsilon', 'norm_epsilon'),
+                            folder))
+        extra = {}
+        if arch == 'nomic-bert':
+            npos, trained = int(cfg['n_positions']), int(cfg.get('max_trained_positions', 2048))
+            context = {(8192, 2048): 2048, (2048, 2048): 512}.get((npos, trained))
+            if context is None:
+                raise UnsupportedModelError(
+                    f'{folder}: n_positions {npos} / max_trained_positions {trained} are not '
+                    "nomic-embed-text v1 / v1.5's (8192 / 2048); llama.cpp's converter refuses "
+                    'them too')
+            extra = {'head_dim': hidden // heads,
+                     'rope_base': float(cfg.get('rotary_emb_base') or 10000.0)}
+        else:
+            context = int(_hparam(cfg, ('max_position_embeddings', 'n_positions'), folder)) \
+                - self._position_offset()
+        pooling = self._pooling()
+        labels = self.tensors['cls.output.weight'].shape[0] \
+            if 'cls.output.weight' in self.tensors else 0
+        if pooling == 'rank' and not labels:
+            raise ModelLoadError(f'{folder}: a ...ForSequenceClassification without its '
+                                 'classifier weights (classifier / classifier.out_proj); the '
+                                 'checkpoint is incomplete')
+        vocab = int(cfg.get('vocab_size') or self.tensors['token_embd.weight'].shape[0])
+        return EncoderSpec(arch, hidden, heads, layers, ff, context, eps, pooling, vocab, labels,
+                           **extra)
+
+    def _position_offset(self) -> int:
+        """XLM-RoBERTa's positions start at pad_token_id + 1 (llama.cpp cuts those rows)."""
+        pad = self.cfg.get('pad_token_id')
+        return 1 + int(pad) if self.cfg.get('model_type') == 'xlm-roberta' and pad is not None \
+            else 0
+
+    # --- tensors -------------------------------------------------------------------------
+    def _names_by_layer(self, names: tuple) -> List[Tuple[str, str]]:
+        """Return (HF, GGUF) name pairs with `.weight` / `.bias`, {i} over the layers."""
+        layers = int(_hparam(self.cfg, ('n_layers', 'num_hidden_layers', 'n_layer',
+                                        'num_layers'), self.path))
+        out = []
+        for hf, gg in names:
+            for i in (range(layers) if '{i}' in hf else (None,)):
+                for tail in ('.weight', '.bias'):
+                    out.append((hf.format(i=i) + tail, gg.format(i=i) + tail))
+        if self.labels and names is _BERT_NAMES:  # BertForSequenceClassification's one layer
+            out += [('classifier.weight', 'cls.output.weight'),
+                    ('classifier.bias', 'cls.output.bias')]
+        elif names is _BERT_NAMES:  # llama.cpp maps a bare `classifier` (jina's) to cls
+            out += [('classifier.weight', 'cls.weight'), ('classifier.bias', 'cls.bias')]
+        return out
+
+    def _map(self, raw: Dict[str, SourceTensor], names: tuple,
+             arch: str) -> Dict[str, SourceTensor]:
+        """Rename the tensors as llama.cpp's converter does; BF16 becomes F32, exactly."""
+        table = dict(self._names_by_layer(names))
+        offset = self._position_offset()
+        out: Dict[str, SourceTensor] = {}
+        for name, t in raw.items():
+            clean = re.sub(r'^(bert|roberta)\.', '', name)
+            clean = re.sub(r'\.gamma$', '.weight', re.sub(r'\.beta$', '.bias', clean))
+            if clean.startswith(_DROPPED):
+                continue
+            target = table.get(clean)
+            if target is None:
+                raise UnsupportedModelError(
+                    f'{self.path}: tensor {name!r} has no place in the {arch} layout of '
+                    'llama.cpp; the checkpoint is a variant this converter does not build')
+            if t.qtype == 'BF16':  # llama.cpp keeps BF16; the graph has no BF16 matmul
+                t = SourceTensor(name, 'F32', t.shape, t.dequantize())
+            data, shape = t.data, t.shape
+            if target == 'position_embd.weight' and offset:
+                data, shape = data[offset:], (shape[0] - offset,) + tuple(shape[1:])
+            out[target] = dataclasses.replace(t, name=target, shape=shape, data=data)
+        return out
+
+    # --- EncoderSource ---------------------------------------------------------------------
+    def display_name(self) -> str:
+        return str(self.cfg.get('_name_or_path') or self.path.name).rstrip('/').split('/')[-1] \
+            or self.path.name
+
+    def rerank_template(self) -> Optional[str]:
+        return None  # a cross-encoder scores the tokenizer's pair
+
+    def write_tokenizer(self, out_dir: pathlib.Path) -> Dict[str, object]:
+        """Copy tokenizer.json; return bos (CLS / <s>), eos (SEP / </s>), pad and unk ids."""
+        tok = self.path / 'tokenizer.json'
+        if not tok.is_file():
+            raise ModelLoadError(f'{self.path}: tokenizer.json is missing (a fast HF tokenizer '
+                                 'is needed; save it with transformers: '
+                                 'AutoTokenizer.from_pretrained(...).save_pretrained)')
+        shutil.copyfile(tok, out_dir / 'tokenizer.json')
+        ids = _hf_token_ids(tok)
+        tcfg_path = self.path / 'tokenizer_config.json'
+        tcfg = json.loads(tcfg_path.read_text(encoding='utf-8')) if tcfg_path.is_file() else {}
+
+        def token_id(key: str, defaults: Tuple[str, ...], cfg_key: str) -> Optional[int]:
+            value = tcfg.get(key)
+            value = value.get('content') if isinstance(value, dict) else value
+            for text in ((value,) if value else ()) + defaults:
+                if text in ids:
+                    return int(ids[text])
+            return None if self.cfg.get(cfg_key) is None else int(self.cfg[cfg_key])
+
+        bos = token_id('cls_token', ('[CLS]', '<s>'), 'bos_token_id')
+        eos = token_id('sep_token', ('[SEP]', '</s>'), 'eos_token_id')
+        return {'bos_token_id': bos, 'eos_token_ids': [] if eos is None else [eos],
+                'pad_token_id': token_id('pad_token', ('[PAD]', '<pad>'), 'pad_token_id'),
+                'unk_token_id': token_id('unk_token', ('[UNK]', '<unk>'), 'unk_token_id'),
+                'vocab_size': self.spec.vocab_size}
+
+
+def read_hf_encoder(folder: pathlib.Path) -> EncoderHf:
+    """Open an HF encoder folder (probe_hf_encoder named it) for the graph builders."""
+    return EncoderHf(folder)
