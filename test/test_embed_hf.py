@@ -159,3 +159,14 @@ def test_unknown_pooling_is_refused(folder, tmp_path):
     shutil.rmtree(folder / '1_Pooling')
     with pytest.raises(ModelLoadError, match='1_Pooling'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
+
+
+def test_check_says_how_the_folder_converts(folder):
+    from edge_llm_ros.convert.check import check_source
+    report = check_source(str(folder))
+    assert report.ok, report.render()
+    assert report.architecture == 'bert' and 'embedding model, pooling mean' in report.summary
+    assert [(g.qtype, g.storage) for g in report.groups] == [('F32', 'float32 MatMul')]
+    edit_config(folder, model_type='nomic_bert', moe_every_n_layers=2)
+    report = check_source(str(folder))
+    assert not report.ok and 'nomic-embed-text-v2-moe' in report.render()
