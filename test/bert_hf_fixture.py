@@ -45,6 +45,14 @@ NOMIC_NAMES = {
     'blk.{i}.ffn_down': 'encoder.layers.{i}.mlp.fc2',
     'blk.{i}.layer_output_norm': 'encoder.layers.{i}.norm2',
 }
+# jina-bert-v2 (JinaBert): BERT's names, its GEGLU MLP and q / k LayerNorms.
+JINA_NAMES = dict(BERT_NAMES, **{
+    'blk.{i}.ffn_gate': 'encoder.layer.{i}.mlp.gated_layers_w',
+    'blk.{i}.ffn_down': 'encoder.layer.{i}.mlp.wo',
+    'blk.{i}.layer_output_norm': 'encoder.layer.{i}.mlp.layernorm',
+    'blk.{i}.attn_q_norm': 'encoder.layer.{i}.attention.self.layer_norm_q',
+    'blk.{i}.attn_k_norm': 'encoder.layer.{i}.attention.self.layer_norm_k',
+    'blk.{i}.attn_norm_2': 'encoder.layer.{i}.layer_norm_1'})
 XLMR_PAD = 1  # XLM-RoBERTa's <pad>: positions start at 2
 
 
@@ -91,7 +99,11 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
     s = src.spec
     xlmr = case.vocab == 'ugm'
     nomic = case.arch == 'nomic-bert'
+    jina = case.arch == 'jina-bert-v2'
     names = NOMIC_NAMES if nomic else BERT_NAMES
+    if jina:  # ffn_up: gate|up rows (gated_layers), or the up half of the split layout
+        names = dict(JINA_NAMES, **{'blk.{i}.ffn_up': 'encoder.layer.{i}.mlp.gated_layers'
+                                    + ('_v' if case.split else '')})
     rng = np.random.default_rng(case.seed + 1000)
     arrays = {}
     for name, t in src.tensors.items():
@@ -117,7 +129,8 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
         head = 'XLMRobertaFor' if xlmr else 'BertFor'
         cfg = {'model_type': 'xlm-roberta' if xlmr else 'bert',
                'architectures': [head + 'SequenceClassification' if rank else
-                                 ('XLMRobertaModel' if xlmr else 'BertModel')],
+                                 ('XLMRobertaModel' if xlmr else
+                                  'JinaBertModel' if jina else 'BertModel')],
                'hidden_size': s.hidden, 'num_attention_heads': s.heads,
                'num_hidden_layers': s.layers, 'intermediate_size': s.ff,
                'max_position_embeddings': s.context + (XLMR_PAD + 1 if xlmr else 0),
@@ -144,7 +157,8 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
     specials = (('<s>', '</s>', '<pad>', '<unk>') if xlmr
                 else ('[CLS]', '[SEP]', '[PAD]', '[UNK]'))
     (folder / 'tokenizer_config.json').write_text(json.dumps(dict(zip(
-        ('cls_token', 'sep_token', 'pad_token', 'unk_token'), specials))))
+        ('cls_token', 'sep_token', 'pad_token', 'unk_token'), specials),
+        tokenizer_class='XLMRobertaTokenizer' if xlmr else 'BertTokenizer')))
     return folder
 
 

@@ -30,7 +30,11 @@ CASES = [BertCase('F32', 'mean'), BertCase('F16', 'cls', seed=1),
          BertCase('F32', 'rank', vocab='ugm', seed=6),
          # nomic-embed-text v1 / v1.5
          BertCase('F32', 'mean', seed=5, arch='nomic-bert'),
-         BertCase('F16', 'mean', seed=5, arch='nomic-bert')]
+         BertCase('F16', 'mean', seed=5, arch='nomic-bert'),
+         # jina-embeddings-v2: ALiBi, GEGLU (gated_layers), and the split layout with q/k norms
+         BertCase('F32', 'mean', seed=7, arch='jina-bert-v2'),
+         BertCase('F16', 'mean', seed=7, arch='jina-bert-v2'),
+         BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True)]
 PAIRS = ('where is the red cup?', list(TEXTS))
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
@@ -99,24 +103,26 @@ def edit_config(folder, **changes):
 
 def test_probe_names_the_architecture(folder):
     assert encoder_architecture(str(folder)) == 'bert'
-    edit_config(folder, model_type='llama')
+    edit_config(folder, model_type='llama', architectures=['LlamaForCausalLM'])
     assert encoder_architecture(str(folder)) is None  # a decoder folder: not ours
 
 
 def test_unknown_encoder_variant_is_refused(folder, tmp_path):
-    edit_config(folder, model_type='modernbert')
+    edit_config(folder, model_type='modernbert', architectures=['ModernBertModel'])
     with pytest.raises(UnsupportedModelError, match='modern-bert.*convert_hf_to_gguf'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
 
 
 def test_trust_remote_code_variant_is_refused(folder, tmp_path):
-    edit_config(folder, model_type='xlm-roberta', lora_adaptations=['retrieval.query'])
+    edit_config(folder, model_type='xlm-roberta', architectures=['XLMRobertaModel'],
+                lora_adaptations=['retrieval.query'])
     with pytest.raises(UnsupportedModelError, match='jina-embeddings-v3'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
 
 
 def test_nomic_moe_is_refused(folder, tmp_path):
-    edit_config(folder, model_type='nomic_bert', moe_every_n_layers=2)
+    edit_config(folder, model_type='nomic_bert', architectures=['NomicBertModel'],
+                moe_every_n_layers=2)
     with pytest.raises(UnsupportedModelError, match='moe'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
 
@@ -167,6 +173,16 @@ def test_check_says_how_the_folder_converts(folder):
     assert report.ok, report.render()
     assert report.architecture == 'bert' and 'embedding model, pooling mean' in report.summary
     assert [(g.qtype, g.storage) for g in report.groups] == [('F32', 'float32 MatMul')]
-    edit_config(folder, model_type='nomic_bert', moe_every_n_layers=2)
+    edit_config(folder, model_type='nomic_bert', architectures=['NomicBertModel'],
+                moe_every_n_layers=2)
     report = check_source(str(folder))
     assert not report.ok and 'nomic-embed-text-v2-moe' in report.render()
+
+
+def test_jina_bpe_vocabulary_is_refused(folder, tmp_path):
+    edit_config(folder, architectures=['JinaBertForMaskedLM'])  # model_type stays 'bert'
+    assert encoder_architecture(str(folder)) == 'jina-bert-v2'
+    (folder / 'tokenizer_config.json').write_text(json.dumps(
+        {'tokenizer_class': 'RobertaTokenizer'}))
+    with pytest.raises(UnsupportedModelError, match='RobertaTokenizer'):
+        convert(str(folder), str(tmp_path / 'out'), progress=False)

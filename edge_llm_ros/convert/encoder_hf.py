@@ -13,6 +13,10 @@ is the one built from the GGUF llama.cpp's converter writes of it:
 - `nomic-bert` (model_type nomic_bert: nomic-embed-text v1 / v1.5): fused Wqkv, SwiGLU
   (fc11 up, fc12 gate), RoPE at rotary_emb_base; the settings llama.cpp's converter asserts
   are checked (a variant off them, the MoE v2 among them, is refused).
+- `jina-bert-v2` (JinaBertModel / JinaBertForMaskedLM, whose model_type is 'bert':
+  jina-embeddings-v2-small/base-en): BERT's names, the GEGLU `mlp.gated_layers` (or the split
+  gated_layers_w / _v), `mlp.wo`, `mlp.layernorm`, q / k LayerNorms; ALiBi, no position
+  table. Only its WordPiece (BertTokenizer) vocabulary, as for its GGUF.
 - A classifier (a ...ForSequenceClassification, a cross-encoder) is rank pooling: BERT's single
   `classifier` is cls.output (unless its id2label is AutoConfig's dummy pair), RoBERTa's head
   is classifier.dense (cls, + tanh) and classifier.out_proj (cls.output). Otherwise pooling is
@@ -23,7 +27,7 @@ Matrices stay in their safetensors type: F32 as F32, F16 as F16 (the op library 
 GGUF). BF16, which llama.cpp's converter keeps as BF16 and the encoder graph has no matmul for,
 is widened to F32 (exact). tokenizer.json is copied: it carries its own normalizer and
 post-processor ([CLS] a [SEP] b [SEP], <s> a </s></s> b </s>).
-jina-bert-v2 and ModernBERT folders are recognised and refused with what to do instead.
+ModernBERT folders are recognised and refused with what to do instead.
 """
 import dataclasses
 import json
@@ -33,13 +37,25 @@ import shutil
 from typing import Dict, List, Optional, Tuple
 
 from edge_llm_ros.convert.checkpoint import _hf_token_ids, _read_safetensors, SourceTensor
-from edge_llm_ros.convert.encoder_graph import EncoderGguf, EncoderSource, EncoderSpec
+from edge_llm_ros.convert.encoder_graph import (EncoderGguf, EncoderSource, EncoderSpec,
+                                                JINA_MAX_ALIBI_BIAS)
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
-# model_type -> llama.cpp's architecture for the folders read here.
-HF_ENCODER_TYPES = {'bert': 'bert', 'xlm-roberta': 'bert', 'nomic_bert': 'nomic-bert'}
-# model_types of encoders llama.cpp converts but this reader does not (yet): refused by name.
-HF_REFUSED_TYPES = {'jina_bert': 'jina-bert-v2', 'modernbert': 'modern-bert'}
+# The folder's family (its model_type) -> llama.cpp's architecture, for the folders read here.
+HF_ENCODER_TYPES = {'bert': 'bert', 'xlm-roberta': 'bert', 'nomic_bert': 'nomic-bert',
+                    'jina_bert': 'jina-bert-v2'}
+# Families llama.cpp converts but this reader does not (yet): refused by name.
+HF_REFUSED_TYPES = {'modernbert': 'modern-bert'}
+# config.json `architectures` llama.cpp's converter registers -> family; these win over
+# model_type (jina-embeddings-v2's model_type is 'bert', its architecture JinaBert...).
+_HF_ARCHITECTURES = {'BertModel': 'bert', 'BertForMaskedLM': 'bert', 'CamembertModel': 'bert',
+                     'BertForSequenceClassification': 'bert',
+                     'XLMRobertaModel': 'xlm-roberta',
+                     'XLMRobertaForSequenceClassification': 'xlm-roberta',
+                     'NomicBertModel': 'nomic_bert', 'JinaBertModel': 'jina_bert',
+                     'JinaBertForMaskedLM': 'jina_bert', 'ModernBertModel': 'modernbert',
+                     'ModernBertForMaskedLM': 'modernbert',
+                     'ModernBertForSequenceClassification': 'modernbert'}
 # sentence-transformers' Pooling config -> pooling (llama.cpp's _try_set_pooling_type).
 _POOLING_FLAGS = (('pooling_mode_mean_tokens', 'mean'), ('pooling_mode_cls_token', 'cls'),
                   ('pooling_mode_lasttoken', 'last'))
@@ -60,6 +76,21 @@ _BERT_NAMES = (
     ('encoder.layer.{i}.output.LayerNorm', 'blk.{i}.layer_output_norm'),
     ('classifier.dense', 'cls'),
     ('classifier.out_proj', 'cls.output'),
+)
+# jina-bert-v2 (JinaBert): BERT's names and its GEGLU MLP (gated_layers: gate rows, then up
+# rows; or the older split gated_layers_w / _v), q / k LayerNorms; no position table (ALiBi).
+_JINA_NAMES = (
+    ('encoder.layer.{i}.mlp.gated_layers', 'blk.{i}.ffn_up'),
+    ('encoder.layer.{i}.mlp.gated_layers_v', 'blk.{i}.ffn_up'),
+    ('encoder.layer.{i}.mlp.gated_layers_w', 'blk.{i}.ffn_gate'),
+    ('encoder.layer.{i}.mlp.up_gated_layer', 'blk.{i}.ffn_up'),
+    ('encoder.layer.{i}.mlp.wo', 'blk.{i}.ffn_down'),
+    ('encoder.layer.{i}.mlp.down_layer', 'blk.{i}.ffn_down'),
+    ('encoder.layer.{i}.mlp.layernorm', 'blk.{i}.layer_output_norm'),
+    ('encoder.layer.{i}.layer_norm_1', 'blk.{i}.attn_norm_2'),
+    ('encoder.layer.{i}.layer_norm_2', 'blk.{i}.layer_output_norm'),
+    ('encoder.layer.{i}.attention.self.layer_norm_q', 'blk.{i}.attn_q_norm'),
+    ('encoder.layer.{i}.attention.self.layer_norm_k', 'blk.{i}.attn_k_norm'),
 )
 _NOMIC_NAMES = (
     ('embeddings.word_embeddings', 'token_embd'),
@@ -98,8 +129,16 @@ def read_config(folder: pathlib.Path) -> Optional[dict]:
 def probe_hf_encoder(folder: pathlib.Path) -> Optional[str]:
     """Return llama.cpp's architecture of an HF BERT-style encoder folder, else None."""
     cfg = read_config(folder)
-    model_type = (cfg or {}).get('model_type')
-    return HF_ENCODER_TYPES.get(model_type) or HF_REFUSED_TYPES.get(model_type)
+    family = hf_family(cfg or {})
+    return HF_ENCODER_TYPES.get(family) or HF_REFUSED_TYPES.get(family)
+
+
+def hf_family(cfg: dict) -> Optional[str]:
+    """Return the folder's family: its registered architecture's, else its model_type."""
+    for name in cfg.get('architectures') or ():
+        if name in _HF_ARCHITECTURES:
+            return _HF_ARCHITECTURES[name]
+    return cfg.get('model_type')
 
 
 def _hparam(cfg: dict, names: Tuple[str, ...], folder: pathlib.Path):
@@ -121,7 +160,7 @@ class EncoderHf(EncoderSource):
             raise ModelLoadError(f'{folder}: config.json is missing; an HF encoder folder needs '
                                  'config.json, *.safetensors and tokenizer.json')
         self.cfg = cfg
-        model_type = cfg.get('model_type')
+        model_type = hf_family(cfg)
         if model_type in HF_REFUSED_TYPES:
             raise UnsupportedModelError(
                 f'{folder}: {HF_REFUSED_TYPES[model_type]} ({model_type}) is not read from an '
@@ -157,6 +196,16 @@ class EncoderHf(EncoderSource):
             raise UnsupportedModelError(
                 f'{self.path}: jina-embeddings-v3 (XLM-RoBERTa with task LoRAs, the jina-bert-v3 '
                 'of llama.cpp) is not built; use bge-m3 or another plain XLM-RoBERTa encoder')
+        if model_type == 'jina_bert':
+            tcfg = self.path / 'tokenizer_config.json'
+            tclass = json.loads(tcfg.read_text(encoding='utf-8')).get(
+                'tokenizer_class', 'BertTokenizer') if tcfg.is_file() else 'BertTokenizer'
+            if tclass != 'BertTokenizer':
+                raise UnsupportedModelError(
+                    f'{self.path}: this jina-bert-v2 has a {tclass} (BPE) vocabulary; only the '
+                    'WordPiece one of jina-embeddings-v2-small/base-en is read: use one of '
+                    'those, or a bert / nomic-bert embedder')
+            return _BERT_NAMES + _JINA_NAMES
         if model_type != 'nomic_bert':
             return _BERT_NAMES
         if cfg.get('moe_every_n_layers'):
@@ -232,6 +281,8 @@ class EncoderHf(EncoderSource):
         else:
             context = int(_hparam(cfg, ('max_position_embeddings', 'n_positions'), folder)) \
                 - self._position_offset()
+        if arch == 'jina-bert-v2':  # ALiBi instead of a position table
+            extra = {'alibi_bias': JINA_MAX_ALIBI_BIAS}
         pooling = self._pooling()
         labels = self.tensors['cls.output.weight'].shape[0] \
             if 'cls.output.weight' in self.tensors else 0
@@ -246,7 +297,7 @@ class EncoderHf(EncoderSource):
     def _position_offset(self) -> int:
         """XLM-RoBERTa's positions start at pad_token_id + 1 (llama.cpp cuts those rows)."""
         pad = self.cfg.get('pad_token_id')
-        return 1 + int(pad) if self.cfg.get('model_type') == 'xlm-roberta' and pad is not None \
+        return 1 + int(pad) if hf_family(self.cfg) == 'xlm-roberta' and pad is not None \
             else 0
 
     # --- tensors -------------------------------------------------------------------------
@@ -259,10 +310,10 @@ class EncoderHf(EncoderSource):
             for i in (range(layers) if '{i}' in hf else (None,)):
                 for tail in ('.weight', '.bias'):
                     out.append((hf.format(i=i) + tail, gg.format(i=i) + tail))
-        if self.labels and names is _BERT_NAMES:  # BertForSequenceClassification's one layer
+        if self.labels and names is not _NOMIC_NAMES:  # BertForSequenceClassification's
             out += [('classifier.weight', 'cls.output.weight'),
                     ('classifier.bias', 'cls.output.bias')]
-        elif names is _BERT_NAMES:  # llama.cpp maps a bare `classifier` (jina's) to cls
+        elif names is not _NOMIC_NAMES:  # a bare `classifier` (jina's) is cls
             out += [('classifier.weight', 'cls.weight'), ('classifier.bias', 'cls.bias')]
         return out
 
