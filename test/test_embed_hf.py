@@ -186,3 +186,25 @@ def test_jina_bpe_vocabulary_is_refused(folder, tmp_path):
         {'tokenizer_class': 'RobertaTokenizer'}))
     with pytest.raises(UnsupportedModelError, match='RobertaTokenizer'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
+
+
+def test_bert_classifier_is_the_output_layer(tmp_path):
+    """Map BertForSequenceClassification's one `classifier` to cls.output, as llama.cpp does."""
+    from bert_hf_fixture import write_safetensors
+    from safetensors.numpy import load_file
+    from edge_llm_ros.convert.encoder_hf import EncoderHf
+    case = BertCase('F32', 'rank', seed=2)
+    gguf = write_bert_gguf(tmp_path / f'{case.tag}.gguf', case)
+    folder = write_bert_hf_folder(tmp_path / 'hf', gguf, case)
+    arrays = {k.replace('classifier.out_proj', 'classifier'): v for k, v in
+              load_file(str(folder / 'model.safetensors')).items()
+              if not k.startswith('classifier.dense')}
+    write_safetensors(folder / 'model.safetensors', arrays)
+    m = EncoderHf(folder)
+    assert m.spec.pooling == 'rank' and m.spec.labels == 1
+    assert m.has('cls.output.weight') and not m.has('cls.weight')
+    out = convert(str(folder), str(tmp_path / 'out'), progress=False)
+    assert TextEncoder(str(out)).rerank(*PAIRS).shape == (len(TEXTS),)
+    edit_config(folder, id2label={'0': 'LABEL_0', '1': 'LABEL_1'})  # AutoConfig's dummies
+    with pytest.raises(ModelLoadError, match='without its classifier weights'):
+        EncoderHf(folder)
