@@ -13,6 +13,7 @@ import pathlib
 
 from bert_fixture import BertCase, PAD_ID, SPECIALS, UGM_USER_DEFINED, ugm_vocab, vocab
 import numpy as np
+from tiny_model import BOS_ID, EOS_ID, MERGES, SPECIAL_TOKENS, tiny_vocab
 
 from edge_llm_ros.convert.encoder_graph import EncoderGguf
 
@@ -53,6 +54,17 @@ JINA_NAMES = dict(BERT_NAMES, **{
     'blk.{i}.attn_q_norm': 'encoder.layer.{i}.attention.self.layer_norm_q',
     'blk.{i}.attn_k_norm': 'encoder.layer.{i}.attention.self.layer_norm_k',
     'blk.{i}.attn_norm_2': 'encoder.layer.{i}.layer_norm_1'})
+MODERN_NAMES = {
+    'token_embd': 'model.embeddings.tok_embeddings',
+    'token_embd_norm': 'model.embeddings.norm',
+    'blk.{i}.attn_norm': 'model.layers.{i}.attn_norm',
+    'blk.{i}.attn_qkv': 'model.layers.{i}.attn.Wqkv',
+    'blk.{i}.attn_output': 'model.layers.{i}.attn.Wo',
+    'blk.{i}.ffn_norm': 'model.layers.{i}.mlp_norm',
+    'blk.{i}.ffn_up': 'model.layers.{i}.mlp.Wi',
+    'blk.{i}.ffn_down': 'model.layers.{i}.mlp.Wo',
+    'output_norm': 'model.final_norm',
+}
 XLMR_PAD = 1  # XLM-RoBERTa's <pad>: positions start at 2
 
 
@@ -100,7 +112,8 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
     xlmr = case.vocab == 'ugm'
     nomic = case.arch == 'nomic-bert'
     jina = case.arch == 'jina-bert-v2'
-    names = NOMIC_NAMES if nomic else BERT_NAMES
+    modern = case.arch == 'modern-bert'
+    names = NOMIC_NAMES if nomic else MODERN_NAMES if modern else BERT_NAMES
     if jina:  # ffn_up: gate|up rows (gated_layers), or the up half of the split layout
         names = dict(JINA_NAMES, **{'blk.{i}.ffn_up': 'encoder.layer.{i}.mlp.gated_layers'
                                     + ('_v' if case.split else '')})
@@ -125,6 +138,16 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
                'mlp_fc1_bias': False, 'mlp_fc2_bias': False, 'prenorm': False,
                'rotary_emb_fraction': 1.0, 'rotary_emb_interleaved': False,
                'rotary_emb_scale_base': None, 'type_vocab_size': 2, 'vocab_size': s.vocab_size}
+    elif modern:  # bert_fixture's modern-bert keys (sliding window 8, every 3rd global)
+        cfg = {'model_type': 'modernbert', 'architectures': ['ModernBertModel'],
+               'hidden_size': s.hidden, 'num_attention_heads': s.heads,
+               'num_hidden_layers': s.layers, 'intermediate_size': s.ff,
+               'max_position_embeddings': s.context, 'norm_eps': 1e-12,
+               'global_rope_theta': 160000.0, 'local_rope_theta': s.local_rope_base,
+               'local_attention': 8, 'global_attn_every_n_layers': 3,
+               'vocab_size': s.vocab_size, 'pad_token_id': 0}
+        if case.act:
+            cfg['hidden_activation'] = case.act
     else:
         head = 'XLMRobertaFor' if xlmr else 'BertFor'
         cfg = {'model_type': 'xlm-roberta' if xlmr else 'bert',
@@ -153,9 +176,11 @@ def write_bert_hf_folder(folder, gguf_path, case: BertCase, dtype: str = '') -> 
             'pooling_mode_cls_token': s.pooling == 'cls',
             'pooling_mode_mean_tokens': s.pooling == 'mean',
             'pooling_mode_lasttoken': s.pooling == 'last'}))
-    (_ugm_tokenizer(case) if xlmr else _wpm_tokenizer()).save(str(folder / 'tokenizer.json'))
-    specials = (('<s>', '</s>', '<pad>', '<unk>') if xlmr
-                else ('[CLS]', '[SEP]', '[PAD]', '[UNK]'))
+    (_ugm_tokenizer(case) if xlmr else _bpe_tokenizer() if modern
+     else _wpm_tokenizer()).save(str(folder / 'tokenizer.json'))
+    specials = (('<s>', '</s>', '<pad>', '<unk>') if xlmr else
+                (SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID], SPECIAL_TOKENS[0], '')
+                if modern else ('[CLS]', '[SEP]', '[PAD]', '[UNK]'))
     (folder / 'tokenizer_config.json').write_text(json.dumps(dict(zip(
         ('cls_token', 'sep_token', 'pad_token', 'unk_token'), specials),
         tokenizer_class='XLMRobertaTokenizer' if xlmr else 'BertTokenizer')))
@@ -176,6 +201,22 @@ def _wpm_tokenizer():
         single='[CLS] $A [SEP]', pair='[CLS] $A [SEP] $B:1 [SEP]:1',
         special_tokens=[('[CLS]', cls), ('[SEP]', sep)])
     tok.add_special_tokens(list(SPECIALS))
+    return tok
+
+
+def _bpe_tokenizer():
+    """Return ModernBERT-style byte-level BPE of tiny_model's vocabulary, BOS a EOS."""
+    from tokenizers import decoders, models, pre_tokenizers, processors, Tokenizer
+    toks = tiny_vocab()
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(toks)},
+                               [tuple(m.split(' ')) for m in MERGES]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bos, eos = SPECIAL_TOKENS[BOS_ID], SPECIAL_TOKENS[EOS_ID]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f'{bos} $A {eos}', pair=f'{bos} $A {eos} $B:1 {eos}:1',
+        special_tokens=[(bos, BOS_ID), (eos, EOS_ID)])
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok
 
 

@@ -34,7 +34,11 @@ CASES = [BertCase('F32', 'mean'), BertCase('F16', 'cls', seed=1),
          # jina-embeddings-v2: ALiBi, GEGLU (gated_layers), and the split layout with q/k norms
          BertCase('F32', 'mean', seed=7, arch='jina-bert-v2'),
          BertCase('F16', 'mean', seed=7, arch='jina-bert-v2'),
-         BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True)]
+         BertCase('F32', 'cls', seed=8, arch='jina-bert-v2', split=True),
+         # ModernBERT (GEGLU) and granite-embedding R2's SwiGLU with its own local RoPE base
+         BertCase('F32', 'mean', seed=9, layers=4, arch='modern-bert'),
+         BertCase('F16', 'mean', seed=9, layers=4, arch='modern-bert'),
+         BertCase('F32', 'cls', seed=10, layers=4, arch='modern-bert', act='silu')]
 PAIRS = ('where is the red cup?', list(TEXTS))
 
 needs_native = pytest.mark.skipif(native_ops.library_path() is None,
@@ -107,9 +111,18 @@ def test_probe_names_the_architecture(folder):
     assert encoder_architecture(str(folder)) is None  # a decoder folder: not ours
 
 
-def test_unknown_encoder_variant_is_refused(folder, tmp_path):
-    edit_config(folder, model_type='modernbert', architectures=['ModernBertModel'])
-    with pytest.raises(UnsupportedModelError, match='modern-bert.*convert_hf_to_gguf'):
+def test_unknown_encoder_type_is_refused(folder):
+    from edge_llm_ros.convert.encoder_hf import EncoderHf
+    edit_config(folder, model_type='deberta-v2', architectures=['DebertaV2Model'])
+    assert encoder_architecture(str(folder)) is None   # left to the decoder loader's refusal
+    with pytest.raises(UnsupportedModelError, match="model_type 'deberta-v2'"):
+        EncoderHf(folder)
+
+
+def test_modern_bert_classifier_is_refused(folder, tmp_path):
+    edit_config(folder, model_type='modernbert',
+                architectures=['ModernBertForSequenceClassification'])
+    with pytest.raises(UnsupportedModelError, match='modern-bert reranker'):
         convert(str(folder), str(tmp_path / 'out'), progress=False)
 
 

@@ -27,7 +27,10 @@ Matrices stay in their safetensors type: F32 as F32, F16 as F16 (the op library 
 GGUF). BF16, which llama.cpp's converter keeps as BF16 and the encoder graph has no matmul for,
 is widened to F32 (exact). tokenizer.json is copied: it carries its own normalizer and
 post-processor ([CLS] a [SEP] b [SEP], <s> a </s></s> b </s>).
-ModernBERT folders are recognised and refused with what to do instead.
+- `modern-bert` (ModernBertModel / ...ForMaskedLM: ModernBERT, gte-modernbert, granite-embedding
+  R2): the `model.` prefix goes; norm_eps, global / local_rope_theta, local_attention and
+  global_attn_every_n_layers are the GGUF's keys, read by the GGUF reader's rules (its
+  ...ForSequenceClassification head is refused, as for its GGUF).
 """
 import dataclasses
 import json
@@ -38,14 +41,12 @@ from typing import Dict, List, Optional, Tuple
 
 from edge_llm_ros.convert.checkpoint import _hf_token_ids, _read_safetensors, SourceTensor
 from edge_llm_ros.convert.encoder_graph import (EncoderGguf, EncoderSource, EncoderSpec,
-                                                JINA_MAX_ALIBI_BIAS)
+                                                JINA_MAX_ALIBI_BIAS, POOLING_NAMES)
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 # The folder's family (its model_type) -> llama.cpp's architecture, for the folders read here.
 HF_ENCODER_TYPES = {'bert': 'bert', 'xlm-roberta': 'bert', 'nomic_bert': 'nomic-bert',
-                    'jina_bert': 'jina-bert-v2'}
-# Families llama.cpp converts but this reader does not (yet): refused by name.
-HF_REFUSED_TYPES = {'modernbert': 'modern-bert'}
+                    'jina_bert': 'jina-bert-v2', 'modernbert': 'modern-bert'}
 # config.json `architectures` llama.cpp's converter registers -> family; these win over
 # model_type (jina-embeddings-v2's model_type is 'bert', its architecture JinaBert...).
 _HF_ARCHITECTURES = {'BertModel': 'bert', 'BertForMaskedLM': 'bert', 'CamembertModel': 'bert',
@@ -92,6 +93,19 @@ _JINA_NAMES = (
     ('encoder.layer.{i}.attention.self.layer_norm_q', 'blk.{i}.attn_q_norm'),
     ('encoder.layer.{i}.attention.self.layer_norm_k', 'blk.{i}.attn_k_norm'),
 )
+# ModernBERT (after the `model.` prefix): pre-norm layers (none before layer 0), fused Wqkv,
+# Wi of 2 * intermediate_size rows (GLU), a final norm; its MLM head is not an embedder's.
+_MODERN_NAMES = (
+    ('embeddings.tok_embeddings', 'token_embd'),
+    ('embeddings.norm', 'token_embd_norm'),
+    ('layers.{i}.attn_norm', 'blk.{i}.attn_norm'),
+    ('layers.{i}.attn.Wqkv', 'blk.{i}.attn_qkv'),
+    ('layers.{i}.attn.Wo', 'blk.{i}.attn_output'),
+    ('layers.{i}.mlp_norm', 'blk.{i}.ffn_norm'),
+    ('layers.{i}.mlp.Wi', 'blk.{i}.ffn_up'),
+    ('layers.{i}.mlp.Wo', 'blk.{i}.ffn_down'),
+    ('final_norm', 'output_norm'),
+)
 _NOMIC_NAMES = (
     ('embeddings.word_embeddings', 'token_embd'),
     ('embeddings.token_type_embeddings', 'token_types'),
@@ -106,7 +120,7 @@ _NOMIC_NAMES = (
 )
 # Tensors llama.cpp's converter drops: the pooler, the masked-LM / next-sentence heads.
 _DROPPED = ('embeddings.position_ids', 'pooler.', 'cls.predictions', 'cls.seq_relationship',
-            'lm_head.')
+            'lm_head.', 'head.', 'decoder.')
 # nomic-bert settings llama.cpp's converter asserts (anything else is another model).
 _NOMIC_SETTINGS = {'activation_function': 'swiglu', 'causal': False, 'qkv_proj_bias': False,
                    'mlp_fc1_bias': False, 'mlp_fc2_bias': False, 'prenorm': False,
@@ -130,7 +144,7 @@ def probe_hf_encoder(folder: pathlib.Path) -> Optional[str]:
     """Return llama.cpp's architecture of an HF BERT-style encoder folder, else None."""
     cfg = read_config(folder)
     family = hf_family(cfg or {})
-    return HF_ENCODER_TYPES.get(family) or HF_REFUSED_TYPES.get(family)
+    return HF_ENCODER_TYPES.get(family)
 
 
 def hf_family(cfg: dict) -> Optional[str]:
@@ -161,11 +175,6 @@ class EncoderHf(EncoderSource):
                                  'config.json, *.safetensors and tokenizer.json')
         self.cfg = cfg
         model_type = hf_family(cfg)
-        if model_type in HF_REFUSED_TYPES:
-            raise UnsupportedModelError(
-                f'{folder}: {HF_REFUSED_TYPES[model_type]} ({model_type}) is not read from an '
-                "HF folder yet; convert it to GGUF with llama.cpp's convert_hf_to_gguf.py and "
-                'convert that GGUF')
         arch = HF_ENCODER_TYPES.get(model_type)
         if arch is None:
             raise UnsupportedModelError(
@@ -206,6 +215,13 @@ class EncoderHf(EncoderSource):
                     'WordPiece one of jina-embeddings-v2-small/base-en is read: use one of '
                     'those, or a bert / nomic-bert embedder')
             return _BERT_NAMES + _JINA_NAMES
+        if model_type == 'modernbert':
+            if self._pooling() == 'rank':
+                raise UnsupportedModelError(
+                    f'{self.path}: a modern-bert reranker (its head.dense / head.norm / '
+                    'classifier) is not built; convert an embedding model, or use a bert '
+                    'cross-encoder')
+            return _MODERN_NAMES
         if model_type != 'nomic_bert':
             return _BERT_NAMES
         if cfg.get('moe_every_n_layers'):
@@ -265,7 +281,8 @@ class EncoderHf(EncoderSource):
         layers = int(_hparam(cfg, ('n_layers', 'num_hidden_layers', 'n_layer', 'num_layers'),
                              folder))
         ff = int(_hparam(cfg, ('intermediate_size', 'n_inner', 'hidden_dim'), folder))
-        eps = float(_hparam(cfg, ('layer_norm_eps', 'layer_norm_epsilon', 'norm_epsilon'),
+        eps = float(_hparam(cfg, ('layer_norm_eps', 'layer_norm_epsilon', 'norm_epsilon',
+                                  'norm_eps'),
                             folder))
         extra = {}
         if arch == 'nomic-bert':
@@ -284,6 +301,16 @@ class EncoderHf(EncoderSource):
         if arch == 'jina-bert-v2':  # ALiBi instead of a position table
             extra = {'alibi_bias': JINA_MAX_ALIBI_BIAS}
         pooling = self._pooling()
+        if arch == 'modern-bert':  # the GGUF reader's rules over the keys llama.cpp writes
+            keys = {'hidden_activation': cfg.get('hidden_activation'),
+                    'attention.sliding_window': cfg.get('local_attention'),
+                    'attention.sliding_window_pattern': cfg.get('global_attn_every_n_layers'),
+                    'rope.freq_base': cfg.get('global_rope_theta', cfg.get('rope_theta')),
+                    'rope.freq_base_swa': cfg.get('local_rope_theta')}
+            codes = {name: code for code, name in POOLING_NAMES.items()}
+            extra = EncoderGguf._modern_bert(
+                self, lambda k, default=None: default if keys[k] is None else keys[k],
+                layers, hidden // heads, codes[pooling])
         labels = self.tensors['cls.output.weight'].shape[0] \
             if 'cls.output.weight' in self.tensors else 0
         if pooling == 'rank' and not labels:
@@ -310,10 +337,12 @@ class EncoderHf(EncoderSource):
             for i in (range(layers) if '{i}' in hf else (None,)):
                 for tail in ('.weight', '.bias'):
                     out.append((hf.format(i=i) + tail, gg.format(i=i) + tail))
-        if self.labels and names is not _NOMIC_NAMES:  # BertForSequenceClassification's
+        if names in (_NOMIC_NAMES, _MODERN_NAMES):
+            return out
+        if self.labels:  # BertForSequenceClassification's
             out += [('classifier.weight', 'cls.output.weight'),
                     ('classifier.bias', 'cls.output.bias')]
-        elif names is not _NOMIC_NAMES:  # a bare `classifier` (jina's) is cls
+        else:  # a bare `classifier` (jina's) is cls
             out += [('classifier.weight', 'cls.weight'), ('classifier.bias', 'cls.bias')]
         return out
 
@@ -324,7 +353,7 @@ class EncoderHf(EncoderSource):
         offset = self._position_offset()
         out: Dict[str, SourceTensor] = {}
         for name, t in raw.items():
-            clean = re.sub(r'^(bert|roberta)\.', '', name)
+            clean = re.sub(r'^(bert|roberta|model)\.', '', name)
             clean = re.sub(r'\.gamma$', '.weight', re.sub(r'\.beta$', '.bias', clean))
             if clean.startswith(_DROPPED):
                 continue
