@@ -1,8 +1,8 @@
 """Read an HF encoder folder (config.json, *.safetensors, tokenizer.json) for the graph builders.
 
 The folder's tensors get llama.cpp's GGUF names and layouts as convert_hf_to_gguf.py gives
-them (its BertModel, XLMRobertaModel and NomicBertModel), so the graph built from the folder
-is the one built from the GGUF llama.cpp's converter writes of it:
+them (its BertModel, XLMRobertaModel, NomicBertModel, JinaBertV2Model, ModernBertModel), so
+the graph built from the folder is the one built from the GGUF that converter writes of it:
 
 - `bert` (BertModel, BertForMaskedLM, BertForSequenceClassification: all-MiniLM, bge, e5,
   ms-marco cross-encoders) and `xlm-roberta` (XLMRobertaModel / ...ForSequenceClassification:
@@ -17,6 +17,10 @@ is the one built from the GGUF llama.cpp's converter writes of it:
   jina-embeddings-v2-small/base-en): BERT's names, the GEGLU `mlp.gated_layers` (or the split
   gated_layers_w / _v), `mlp.wo`, `mlp.layernorm`, q / k LayerNorms; ALiBi, no position
   table. Only its WordPiece (BertTokenizer) vocabulary, as for its GGUF.
+- `modern-bert` (ModernBertModel / ...ForMaskedLM: ModernBERT, gte-modernbert, granite-embedding
+  R2): the `model.` prefix goes; norm_eps, global / local_rope_theta, local_attention and
+  global_attn_every_n_layers are the GGUF's keys, read by the GGUF reader's rules (its
+  ...ForSequenceClassification head is refused, as for its GGUF).
 - A classifier (a ...ForSequenceClassification, a cross-encoder) is rank pooling: BERT's single
   `classifier` is cls.output (unless its id2label is AutoConfig's dummy pair), RoBERTa's head
   is classifier.dense (cls, + tanh) and classifier.out_proj (cls.output). Otherwise pooling is
@@ -27,10 +31,6 @@ Matrices stay in their safetensors type: F32 as F32, F16 as F16 (the op library 
 GGUF). BF16, which llama.cpp's converter keeps as BF16 and the encoder graph has no matmul for,
 is widened to F32 (exact). tokenizer.json is copied: it carries its own normalizer and
 post-processor ([CLS] a [SEP] b [SEP], <s> a </s></s> b </s>).
-- `modern-bert` (ModernBertModel / ...ForMaskedLM: ModernBERT, gte-modernbert, granite-embedding
-  R2): the `model.` prefix goes; norm_eps, global / local_rope_theta, local_attention and
-  global_attn_every_n_layers are the GGUF's keys, read by the GGUF reader's rules (its
-  ...ForSequenceClassification head is refused, as for its GGUF).
 """
 import dataclasses
 import json
