@@ -16,6 +16,7 @@ test_embed_gemma.py embed the same GGUFs with the llama.cpp peer. The tiny vocab
 reranker pair adds them (write_gguf tokens=): that GGUF is checked against llama.cpp here.
 """
 import json
+import struct
 import sys
 
 from bert_fixture import TEXTS
@@ -30,6 +31,7 @@ from tiny_model import CHAT_TEMPLATE, EOS_ID, tiny_vocab
 
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.convert.encoder import encoder_architecture
+from edge_llm_ros.convert.encoder_hf_decoder import HfDecoderEncoder
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import DATA_FILE, MODEL_FILE
 from edge_llm_ros.runtime.encoder import TextEncoder
@@ -222,6 +224,64 @@ def test_embedding_gemma_folder_converts_as_its_gguf(tmp_path):
     assert eb.tokenize(list(TEXTS), truncate=False) == ea.tokenize(list(TEXTS), truncate=False)
     np.testing.assert_array_equal(ea.embed(list(TEXTS)).vectors, eb.embed(list(TEXTS)).vectors)
     assert model_prefixes(str(b)) == ('task: search result | query: ', 'title: none | text: ')
+
+
+def save_bf16(tensors, path):
+    """Write float32 arrays as a BF16 safetensors file (their top 16 bits; numpy has no BF16)."""
+    header, blobs, at = {}, [], 0
+    for k, v in tensors.items():
+        b = (np.ascontiguousarray(v, np.float32).view(np.uint32) >> 16).astype('<u2').tobytes()
+        header[k] = {'dtype': 'BF16', 'shape': list(v.shape), 'data_offsets': [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    head = json.dumps(header).encode()
+    head += b' ' * (-len(head) % 8)
+    path.write_bytes(struct.pack('<Q', len(head)) + head + b''.join(blobs))
+
+
+def test_bf16_folder_converts_as_the_f32_it_widens_to(tmp_path):
+    """Released folders are BF16: read as the F32 values they are, the same graph bytes."""
+    from safetensors.numpy import load_file, save_file
+    gguf_path = embedding_gguf(tmp_path / 'embed.gguf', 'F32')
+    bf16, f32 = (hf_from_gguf(gguf_path, tmp_path / f'Qwen3-Embedding-{t}', pooling='last')
+                 for t in ('bf16', 'f32'))
+    weights = load_file(str(f32 / 'model.safetensors'))
+    save_bf16(weights, bf16 / 'model.safetensors')
+    save_file({k: (v.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+               for k, v in weights.items()}, str(f32 / 'model.safetensors'))
+    a = convert(str(bf16), str(tmp_path / 'from-bf16'), progress=False)
+    b = convert(str(f32), str(tmp_path / 'from-f32'), progress=False)
+    for name in (MODEL_FILE, DATA_FILE):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_tied_reranker_takes_the_embedding_rows(tmp_path):
+    """A tied Qwen3-Reranker (no lm_head): cls.output is the embedding's yes / no rows."""
+    from safetensors.numpy import load_file, save_file
+    hf = hf_from_gguf(rerank_yes_no_gguf(tmp_path / 'rerank.gguf'), tmp_path / 'r', rerank=True)
+    weights = load_file(str(hf / 'model.safetensors'))
+    del weights['lm_head.weight']
+    save_file(weights, str(hf / 'model.safetensors'))
+    cfg = json.loads((hf / 'config.json').read_text())
+    (hf / 'config.json').write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    n = len(tiny_vocab())
+    np.testing.assert_array_equal(HfDecoderEncoder(hf).array('cls.output.weight'),
+                                  weights['model.embed_tokens.weight'][[n, n + 1]])
+
+
+def test_eos_asked_by_tokenizer_config_only_is_appended(tmp_path):
+    """add_eos_token in tokenizer_config.json, no post-processor: EOS appended (llama.cpp)."""
+    gguf_path = embedding_gguf(tmp_path / 'embed.gguf', 'F32')
+    hf = hf_from_gguf(gguf_path, tmp_path / 'Qwen3-Embedding-tiny', pooling='last')
+    tok = json.loads((hf / 'tokenizer.json').read_text())
+    (hf / 'tokenizer.json').write_text(json.dumps(dict(tok, post_processor=None)))
+    tcfg = json.loads((hf / 'tokenizer_config.json').read_text())
+    (hf / 'tokenizer_config.json').write_text(json.dumps(dict(tcfg, add_eos_token=True)))
+    a = TextEncoder(str(convert(str(gguf_path), str(tmp_path / 'a'), progress=False)))
+    b = TextEncoder(str(convert(str(hf), str(tmp_path / 'b'), progress=False)))
+    ids = b.tokenize(list(TEXTS), truncate=False)
+    assert ids == a.tokenize(list(TEXTS), truncate=False)
+    assert all(row[-1] == EOS_ID for row in ids)
 
 
 def test_qwen3_chat_folder_stays_a_chat_model(tmp_path):

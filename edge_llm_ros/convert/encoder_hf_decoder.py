@@ -19,6 +19,9 @@ is decided as llama.cpp's convert_hf_to_gguf.py decides it:
   (Qwen3-Embedding: last-token pooling). Any other qwen3 folder is a chat model: the probe
   declines it and the chat converter takes it.
 
+BF16 tensors (the released folders' type) are read as the F32 values they widen to exactly
+(the graph's float matrices are F32 or F16), widened one tensor at a time as it is written.
+
 The tokenizer is the folder's tokenizer.json, copied: its post-processor appends what llama.cpp
 appends (Qwen3-Embedding's TemplateProcessing adds <|endoftext|>, which gguf-py reads as
 add_eos with that token as EOS); where only tokenizer_config.json asks for BOS / EOS, a
@@ -143,10 +146,10 @@ class HfDecoderEncoder(EncoderSource):
             if name is None and layer.isdigit() and role in _GGUF_LAYER:
                 name = f'blk.{layer}.{_GGUF_LAYER[role]}'
             if name is not None:
-                self.tensors[name] = t
+                self.tensors[name] = _widened(t)
         pooling, labels, extra = _pooling(folder) or 'none', 0, {}
         if self.rerank:
-            head = ckpt.tensors.get('lm_head', ckpt.tensors['embed'])  # tied: the embedding
+            head = _widened(ckpt.tensors.get('lm_head', ckpt.tensors['embed']))  # tied: embed
             rows = np.asarray(head.values())[list(self._label_ids())]
             self.tensors['cls.output.weight'] = SourceTensor('cls.output.weight', head.qtype,
                                                              rows.shape, rows)
@@ -219,7 +222,7 @@ class HfDecoderEncoder(EncoderSource):
             if 'linear.weight' not in weights:
                 raise ModelLoadError(f'{self.path / path}: no linear.weight; download the model '
                                      'again')
-            t = weights['linear.weight']
+            t = _widened(weights['linear.weight'])
             t.name = f'{name}.weight'
             self.tensors[t.name] = t
         d2, d3 = self.tensors.get('dense_2.weight'), self.tensors.get('dense_3.weight')
@@ -265,6 +268,20 @@ class HfDecoderEncoder(EncoderSource):
             _set_post_processor(tok, tokens, bos, end)
             tok.save(str(out_dir / 'tokenizer.json'))
         return specials
+
+
+class _Bf16AsF32(SourceTensor):
+    """A BF16 tensor read as the F32 it widens to exactly, widened only when read."""
+
+    def values(self) -> np.ndarray:
+        return (np.asarray(super().values()).astype(np.uint32) << 16).view(np.float32)
+
+
+def _widened(t: SourceTensor) -> SourceTensor:
+    """Return a BF16 tensor as F32 (the graph's float matrices are F32 or F16), else t."""
+    if t.qtype != 'BF16':
+        return t
+    return _Bf16AsF32(t.name, 'F32', t.shape, t.data, shift=t.shift)
 
 
 def _appended_token(post: Optional[dict]) -> Optional[str]:
