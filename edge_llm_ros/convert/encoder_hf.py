@@ -39,9 +39,10 @@ import re
 import shutil
 from typing import Dict, List, Optional, Tuple
 
-from edge_llm_ros.convert.checkpoint import _hf_token_ids, _read_safetensors, SourceTensor
-from edge_llm_ros.convert.encoder_graph import (EncoderGguf, EncoderSource, EncoderSpec,
-                                                JINA_MAX_ALIBI_BIAS, POOLING_NAMES)
+from edge_llm_ros.convert.checkpoint import hf_token_ids, read_safetensors, SourceTensor
+from edge_llm_ros.convert.encoder_graph import (EncoderSource, EncoderSpec,
+                                                JINA_MAX_ALIBI_BIAS, modern_bert_fields,
+                                                POOLING_NAMES)
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 # The folder's family (its model_type) -> llama.cpp's architecture, for the folders read here.
@@ -186,9 +187,9 @@ class EncoderHf(EncoderSource):
         if not files:
             raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints '
                                  'are not read (save the model with safe_serialization=True)')
-        self.tensors = self._map(_read_safetensors(files), names, arch)
+        self.tensors = self._map(read_safetensors(files), names, arch)
         self.spec = self._spec(arch)
-        missing = [n for n in EncoderGguf.required(self) if n not in self.tensors]
+        missing = [n for n in self.required() if n not in self.tensors]
         if missing:
             back = {g: h for h, g in self._names_by_layer(names)}
             raise ModelLoadError(
@@ -308,8 +309,8 @@ class EncoderHf(EncoderSource):
                     'rope.freq_base': cfg.get('global_rope_theta', cfg.get('rope_theta')),
                     'rope.freq_base_swa': cfg.get('local_rope_theta')}
             codes = {name: code for code, name in POOLING_NAMES.items()}
-            extra = EncoderGguf._modern_bert(
-                self, lambda k, default=None: default if keys[k] is None else keys[k],
+            extra = modern_bert_fields(
+                folder, lambda k, default=None: default if keys[k] is None else keys[k],
                 layers, hidden // heads, codes[pooling])
         labels = self.tensors['cls.output.weight'].shape[0] \
             if 'cls.output.weight' in self.tensors else 0
@@ -386,7 +387,7 @@ class EncoderHf(EncoderSource):
                                  'is needed; save it with transformers: '
                                  'AutoTokenizer.from_pretrained(...).save_pretrained)')
         shutil.copyfile(tok, out_dir / 'tokenizer.json')
-        ids = _hf_token_ids(tok)
+        ids = hf_token_ids(tok)
         tcfg_path = self.path / 'tokenizer_config.json'
         tcfg = json.loads(tcfg_path.read_text(encoding='utf-8')) if tcfg_path.is_file() else {}
 

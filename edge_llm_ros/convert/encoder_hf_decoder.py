@@ -33,8 +33,8 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from edge_llm_ros.convert.checkpoint import (_GGUF_LAYER, _load_hf, _read_safetensors,
-                                             _write_hf_tokenizer, SourceTensor)
+from edge_llm_ros.convert.checkpoint import (GGUF_LAYER_NAMES, load_hf_folder, read_safetensors,
+                                             SourceTensor, write_hf_tokenizer)
 from edge_llm_ros.convert.encoder_graph import EncoderSource, EncoderSpec
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
@@ -133,7 +133,7 @@ class HfDecoderEncoder(EncoderSource):
                 '(Gemma3TextModel) folder')
         self.cfg = _config(folder)
         self.rerank = arch == QWEN3 and _is_qwen3_reranker(folder, self.cfg)
-        ckpt = _load_hf(folder)
+        ckpt = load_hf_folder(folder)
         s = ckpt.spec
         if s.rope_scale != 1.0 or s.rope_freq_factors or s.rope_dims:
             raise UnsupportedModelError(f'{folder}: RoPE scaling / partial rotation is not '
@@ -143,8 +143,8 @@ class HfDecoderEncoder(EncoderSource):
         for key, t in ckpt.tensors.items():
             name = {'embed': 'token_embd.weight', 'final_norm': 'output_norm.weight'}.get(key)
             layer, _, role = key.partition('.')
-            if name is None and layer.isdigit() and role in _GGUF_LAYER:
-                name = f'blk.{layer}.{_GGUF_LAYER[role]}'
+            if name is None and layer.isdigit() and role in GGUF_LAYER_NAMES:
+                name = f'blk.{layer}.{GGUF_LAYER_NAMES[role]}'
             if name is not None:
                 self.tensors[name] = _widened(t)
         pooling, labels, extra = _pooling(folder) or 'none', 0, {}
@@ -215,7 +215,7 @@ class HfDecoderEncoder(EncoderSource):
             if name is None:
                 raise UnsupportedModelError(f'{self.path}: Dense module {path!r}; EmbeddingGemma '
                                             'has 2_Dense and 3_Dense only (what llama.cpp reads)')
-            weights = _read_safetensors([self.path / path / 'model.safetensors'])
+            weights = read_safetensors([self.path / path / 'model.safetensors'])
             if any(not k.endswith('.weight') for k in weights):
                 raise UnsupportedModelError(f'{self.path / path}: a Dense module with a bias; '
                                             "EmbeddingGemma's have none (llama.cpp drops it)")
@@ -245,7 +245,7 @@ class HfDecoderEncoder(EncoderSource):
 
     def write_tokenizer(self, out_dir: pathlib.Path) -> Dict[str, object]:
         self._tokenizer()  # a missing tokenizer.json: the error that says what to do
-        specials = _write_hf_tokenizer(self.path, self.cfg, out_dir, chat=False)
+        specials = write_hf_tokenizer(self.path, self.cfg, out_dir, chat=False)
         data = json.loads((out_dir / 'tokenizer.json').read_text())
         tail = _appended_token(data.get('post_processor'))
         eos = list(specials['eos_token_ids'])
