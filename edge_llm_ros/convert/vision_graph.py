@@ -114,57 +114,9 @@ def _patch_embedding(g: _Graph, mm: Mmproj, pixels: str) -> str:
                   kernel_shape=[p, p], strides=[p, p])
 
 
-def ggml_table(kind: str) -> np.ndarray:
-    """Return ggml's float16 table of GELU (tanh) or quick GELU over all 65536 float16 inputs.
-
-    As ggml-cpu fills it: each float16 input widened, the function in float32 operations (tanhf
-    and expf: float64 rounded to float32), the result rounded to float16. It equals the peer's
-    ggml_table_gelu_f16 but at one entry (-1.999: glibc's tanhf is one float32 ulp off there,
-    1 float16 ulp of 0.045 in the table) and its ggml_table_gelu_quick_f16 everywhere
-    (test/test_vision_llm_parity.py reads both from the peer library).
-    """
-    f = np.float32
-    with np.errstate(all='ignore'):
-        x = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(f)
-        if kind == 'gelu':
-            inner = f(0.79788456080286535587989211986876) * x * (f(1) + f(0.044715) * x * x)
-            y = f(0.5) * x * (f(1) + np.tanh(inner.astype(np.float64)).astype(f))
-        else:
-            e = np.exp((f(-1.702) * x).astype(np.float64)).astype(f)
-            y = x * (f(1) / (f(1) + e))
-        return y.astype(np.float16).astype(f)
-
-
-def _f16_lookup(g: _Graph, x: str, kind: str) -> str:
-    """Return ggml's float16 table of `kind` at x rounded to float16 (ggml_vec_gelu*_f32).
-
-    The table is indexed by the float16's bits, which opset 20 cannot reinterpret (BitCast is
-    opset 26, onnxruntime 1.25), so the index is computed: for |x| = (1 + m / 1024) 2^E (E >= -14,
-    subnormals at E = -14), bits = (E + 14) 1024 + |x| / 2^(E - 10), + 32768 below zero. E is
-    floor(log2 |x| + 1e-4), exact: a float16 below 2^(E + 1) is under it by 7e-4 in log2. |x| is
-    capped at 65504 (an infinity takes the largest finite entry).
-    """
-    name = f'ggml_{kind}_table'
-    if name not in g.inits:
-        g.init(name, ggml_table(kind))
-    h = _f16(g, x)
-    a = g.node('Min', [g.node('Abs', [h]), g.const(65504.0, np.float32)])
-    log2 = g.node('Mul', [g.node('Log', [a]), g.const(1 / np.log(2.0), np.float32)])
-    e = g.node('Max', [g.node('Floor', [g.node('Add', [log2, g.const(1e-4, np.float32)])]),
-                       g.const(-14.0, np.float32)])
-    step = g.node('Pow', [g.const(2.0, np.float32), g.node('Sub', [e, g.const(10.0, np.float32)])])
-    bits = g.node('Add', [g.node('Mul', [e, g.const(1024.0, np.float32)]),
-                          g.node('Div', [a, step])])
-    sign = g.node('Where', [g.node('Less', [h, g.const(0.0, np.float32)]),
-                            g.const(32768.0 + 14 * 1024, np.float32),
-                            g.const(14 * 1024.0, np.float32)])
-    index = g.node('Cast', [g.node('Add', [bits, sign])], to=TensorProto.INT64)
-    return g.node('Gather', [name, index], axis=0)
-
-
 def _gelu(g: _Graph, x: str) -> str:
     """Return ggml's GELU (tanh): its float16 table between -10 and 10, x above, 0 below."""
-    table = _f16_lookup(g, x, 'gelu')
+    table = _f16(g, g.node('Gelu', [_f16(g, x)], approximate='tanh'))
     ten = g.const(10.0, np.float32)
     high = g.node('Where', [g.node('GreaterOrEqual', [x, ten]), x, table])
     low = g.node('LessOrEqual', [x, g.node('Neg', [ten])])
@@ -173,7 +125,9 @@ def _gelu(g: _Graph, x: str) -> str:
 
 def _quick_gelu(g: _Graph, x: str) -> str:
     """Return ggml's quick GELU, x * sigmoid(1.702 x), from its float16 table."""
-    return _f16_lookup(g, x, 'quick_gelu')
+    x = _f16(g, x)
+    scaled = g.node('Mul', [x, g.const(1.702, np.float32)])
+    return _f16(g, g.node('Mul', [x, g.node('Sigmoid', [scaled])]))
 
 
 def _linear(g: _Graph, mm: Mmproj, x: str, prefix: str, transposed: bool = True) -> str:
