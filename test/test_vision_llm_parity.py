@@ -365,8 +365,8 @@ def test_any_image_size_embeds_and_decodes_as_llamacpps_mtmd(tmp_path, pair, tab
     - internvl's projector (LayerNorm, Linear, GELU, Linear) turns a tie into a whole
       float16 step times a column of mm.model.mlp.3: those steps, taken from both sides'
       GELU inputs, account for the rows to 1e-5 (measured: what is left is 5-8e-7 at every
-      size; at 211 x 97 a row 1.4e-4 away is one such step: mtmd's input there is 1 float32
-      ulp below the midpoint, ours on it);
+      size; at 211 x 97, height x width, a row 1.4e-4 away is one such step: mtmd's input
+      there is 1 float32 ulp below the midpoint, ours on it);
     - every value is within 1e-4 of mtmd's but where an encoder tie spreads through the
       layers after it, bounded at 2e-4 (idefics3 at 89 x 53: 1.3e-4; the same graph with
       its matmuls summed in float64 is as far from mtmd, docs/vision.md);
