@@ -28,6 +28,7 @@ from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.nodes.embeddings import WINDOW_INFLIGHT
 
 POLL_S = 0.02
+MAX_CLIENTS = 8   # perception nodes asked (a goal naming many unknown ones cannot pile them up)
 NS = 1_000_000_000
 
 
@@ -123,8 +124,18 @@ class WindowCalls:
                 raise VideoWindowError(
                     f'video_window_source gives the service name {service!r}, which ROS '
                     f'refuses ({type(exc).__name__}): name a node, e.g. /perception') from None
+            self._forget_idle_clients()
             self._clients[service] = client
         return client
+
+    def _forget_idle_clients(self) -> None:
+        """Keep at most MAX_CLIENTS clients: destroy those no call in flight uses."""
+        if len(self._clients) < MAX_CLIENTS:
+            return
+        with self._lock:
+            busy = {p.ask.service for p in self._pending.values()}
+        for name in [n for n in self._clients if n not in busy]:
+            self._node.destroy_client(self._clients.pop(name))
 
     def start(self, key: Any, ask: WindowAsk,
               done: Callable[[Any, Optional[BaseException]], None]) -> None:
