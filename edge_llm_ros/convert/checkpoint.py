@@ -823,7 +823,7 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     if not files:
         raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
                              'not read (convert them to safetensors first)')
-    raw = _read_safetensors(files)
+    raw = hf_model_prefixed(_read_safetensors(files))
     heads = int(cfg['num_attention_heads'])
     hidden = int(cfg['hidden_size'])
     head_dim = int(cfg.get('head_dim') or hidden // heads)
@@ -891,6 +891,18 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def hf_model_prefixed(raw: Dict[str, SourceTensor]) -> Dict[str, SourceTensor]:
+    """Return the tensors under 'model.'-prefixed names where a folder saved them bare.
+
+    A base model saved without its head (transformers' Qwen3Model, Gemma3TextModel: the
+    Qwen3-Embedding and EmbeddingGemma folders) names its tensors embed_tokens.weight,
+    layers.{i}...., norm.weight; a *ForCausalLM folder names them model.....
+    """
+    if 'model.embed_tokens.weight' in raw or 'embed_tokens.weight' not in raw:
+        return raw
+    return {k if k.startswith('lm_head.') else 'model.' + k: t for k, t in raw.items()}
 
 
 def _hf_nope_layers(folder: pathlib.Path, cfg: dict, layers: int,
@@ -1069,7 +1081,9 @@ def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
     return out
 
 
-def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) -> dict:
+def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path,
+                        chat: bool = True) -> dict:
+    """Copy tokenizer.json (and, for a chat model, its chat template); return the specials."""
     import shutil
     tok_json = folder / 'tokenizer.json'
     if not tok_json.is_file():
@@ -1085,10 +1099,11 @@ def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) 
         template = by_name.get('default') or next(iter(by_name.values()), None)
     if template is None and (folder / 'chat_template.jinja').is_file():
         template = (folder / 'chat_template.jinja').read_text()
-    if template is None:
+    if template is None and chat:
         raise ModelLoadError(f'{folder}: no chat template (tokenizer_config.json has no '
                              'chat_template); use an instruct checkpoint')
-    (out_dir / 'chat_template.jinja').write_text(template)
+    if chat:
+        (out_dir / 'chat_template.jinja').write_text(template)
     vocab = _hf_token_ids(tok_json)
     gen = {}
     if (folder / 'generation_config.json').is_file():
@@ -1105,9 +1120,12 @@ def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) 
     tok_eos = token_id(tcfg.get('eos_token'))
     if tok_eos is not None and tok_eos not in eos_ids:
         eos_ids.append(tok_eos)
+    pad = cfg.get('pad_token_id', token_id(tcfg.get('pad_token')))
     return {'bos_token_id': None if bos is None else int(bos),
             'eos_token_ids': [int(e) for e in eos_ids],
-            'add_bos_token': bool(tcfg.get('add_bos_token', False))}
+            'add_bos_token': bool(tcfg.get('add_bos_token', False)),
+            'add_eos_token': bool(tcfg.get('add_eos_token', False)),
+            'pad_token_id': None if pad is None else int(pad)}
 
 
 def _hf_token_ids(tok_json: pathlib.Path) -> Dict[str, int]:
