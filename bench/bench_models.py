@@ -136,18 +136,19 @@ class OursRunner:
 
         from edge_llm_ros.runtime.rows import decode_row, Row
         rss_before = self._proc.memory_info().rss
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         tok = int(self.decoder.run([Row(0, 0, np.asarray(ids, np.int64))])[0].argmax())
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         out, pos = [tok], len(ids)
         for _ in range(self.config.new_tokens - 1):
             tok = int(self.decoder.run([decode_row(0, tok, pos)])[0].argmax())
             pos += 1
             out.append(tok)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         self._growth += max(0, self._proc.memory_info().rss - rss_before)
         return {'prefill_tok_s': len(ids) / (t1 - t0),
                 'decode_tok_s': (len(out) - 1) / (t2 - t1), 'ids': out,
+                **cpu_rates(len(ids), len(out) - 1, c0, c1, c2),
                 'rss_mb': self.rss_loaded_mb + self._growth / 2 ** 20}
 
     def logits_on(self, ids: Sequence[int], follow: Sequence[int]):
@@ -192,6 +193,17 @@ def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int, kv_type: str = 
     return model, ctx, llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
 
+def cpu_rates(prompt: int, steps: int, c0: float, c1: float, c2: float) -> Dict[str, float]:
+    """Tokens per CPU second of the process (process_time marks c0..c2), prefill and decode.
+
+    At 1 thread each side computes on its calling thread, so these rates leave out the time
+    other processes held the cores: the ratio to read on a loaded machine. At more threads
+    they count every thread's CPU time (llama.cpp's spinning included): not a speed then.
+    """
+    return {'prefill_cpu_tok_s': prompt / max(c1 - c0, 1e-9),
+            'decode_cpu_tok_s': steps / max(c2 - c1, 1e-9)}
+
+
 def peer_main(args) -> Dict:
     """Measure llama.cpp on the ids; save the first kl_steps + 1 logits rows if asked.
 
@@ -214,21 +226,22 @@ def peer_main(args) -> Dict:
 
     step(ids[:8])  # warm-up, then a fresh KV cache
     llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx), True)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     rows = [step(ids).copy()]
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     out = [int(rows[0].argmax())]
     for _ in range(args.new_tokens - 1):
         row = step([out[-1]])
         if len(rows) <= args.kl_steps:
             rows.append(row.copy())
         out.append(int(row.argmax()))
-    t2 = time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     if args.logits_out:
         np.save(args.logits_out, np.stack(rows))
     result = {'engine': f'llama-cpp-python {llama_cpp.__version__} (C API)',
               'prefill_tok_s': len(ids) / (t1 - t0), 'decode_tok_s': (len(out) - 1) / (t2 - t1),
-              'ids': out, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20}
+              'ids': out, 'rss_mb': psutil.Process().memory_info().rss / 2 ** 20,
+              **cpu_rates(len(ids), len(out) - 1, c0, c1, c2)}
     llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
     return result
@@ -340,10 +353,15 @@ def _row(model_dir: str, gguf: str, config: RowConfig, ids: Sequence[int], runne
         'kl_steps': len(kl), 'max_kl': float(kl.max()), 'mean_kl': float(kl.mean()),
         'loadavg': {'start': load0, 'end': os.getloadavg(), 'cores': os.cpu_count()},
     }
-    for side in ('ours', 'llama_cpp'):
-        for kind in ('prefill_tok_s', 'decode_tok_s'):
+    for side, runs in (('ours', ours), ('llama_cpp', peer)):
+        for kind in ('prefill_cpu_tok_s', 'decode_cpu_tok_s'):
+            row[side][kind] = [r[kind] for r in runs]
+        for kind in ('prefill_tok_s', 'decode_tok_s', 'prefill_cpu_tok_s', 'decode_cpu_tok_s'):
             row[side][kind + '_median'] = statistics.median(row[side][kind])
     row['ratios'] = ratios(ours, peer)
+    for kind in ('prefill', 'decode'):
+        key = f'{kind}_cpu_tok_s_median'
+        row['ratios'][f'{kind}_cpu_vs_llama_cpp'] = row['ours'][key] / row['llama_cpp'][key]
     row['ratios']['bytes_vs_llama_cpp'] = ours_bytes['per_token'] / llama_bytes['per_token']
     row['ratios']['rss_vs_llama_cpp'] = row['ours']['rss_mb'] / row['llama_cpp']['rss_mb']
     row['targets_met'] = targets_met({**row['ratios'], 'max_kl': row['max_kl']})

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import json
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple)
 import uuid
 
 from action_msgs.msg import GoalStatus
@@ -566,6 +567,14 @@ class GenerationHandle:
             return ''.join(self._deltas)
 
 
+class VideoWindow(NamedTuple):
+    """A goal's clip as a time window: the perception node, the last `seconds`, a frame cap."""
+
+    source: str
+    seconds: float
+    max_frames: int = 0   # 0: as many as llm_node holds at once (8)
+
+
 def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str = '',
               max_tokens: int = 0, stop: Sequence[str] = (), json_schema: str = '',
               session_id: str = '', prefix_embeddings: Sequence[Any] = (),
@@ -578,7 +587,7 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
               raw_prompt: bool = False, max_image_tokens: int = 0,
               lora: Optional[Mapping[str, float]] = None, video_frames: Sequence[Any] = (),
               video_timestamps: Sequence[float] = (), video_fps: float = 0.0,
-              **sampling) -> Any:
+              video_window: Optional['VideoWindow'] = None, **sampling) -> Any:
     """Build a Generate goal (or a Complete request); unknown sampling names raise TypeError.
 
     `messages` may hold ChatMessage messages or (role, content) pairs; sampling fields not
@@ -600,6 +609,9 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
     `video_frames`, `video_timestamps`, `video_fps` (Generate only): a clip for a Qwen-VL
     model (TensorHandle messages of its frames, oldest first, a timestamp in seconds each,
     the sampling rate); it takes the `<__media__>` marker after the images' ones.
+    `video_window` (Generate only): the clip as a perception node's time window instead of
+    handles, a VideoWindow or (source node, seconds[, max_frames]): the node asks that node's
+    ~/window for the last `seconds`, sampled at `video_fps` (docs/vision.md).
     """
     unknown = set(sampling) - set(SAMPLING_FIELDS)
     if unknown:
@@ -617,8 +629,13 @@ def make_goal(prompt: str = '', messages: Sequence[Any] = (), system_prompt: str
         goal.video_frames = list(video_frames)
         goal.video_timestamps = [float(t) for t in video_timestamps]
         goal.video_fps = float(video_fps)
+        if video_window is not None:
+            window = VideoWindow(*video_window)
+            goal.video_window_source = window.source
+            goal.video_window_seconds = float(window.seconds)
+            goal.video_window_max_frames = int(window.max_frames)
     elif priority or preempt or no_speculation or images or raw_prompt or max_image_tokens \
-            or lora or video_frames:
+            or lora or video_frames or video_window:
         raise TypeError(f'{request_type.__name__} has no priority/preempt/images/raw_prompt/'
                         'max_image_tokens/lora: '
                         'send a Generate goal (LLMClient.generate) for those')

@@ -182,7 +182,8 @@ def random_blocks(rows: int, cols: int, wtype: str, std: float,
 
 def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = None,
                skip: Tuple[str, ...] = (), tokenizer: Optional[Dict[str, object]] = None,
-               rank_rows: Tuple[int, ...] = (), dense: int = 0) -> pathlib.Path:
+               rank_rows: Tuple[int, ...] = (), dense: int = 0,
+               tokens: Tuple[str, ...] = ()) -> pathlib.Path:
     """Write the case's GGUF (all matrices in case.wtype) and return its path.
 
     header overrides what the header says (keys: head_count, rope_scaling_type, ...; the
@@ -191,6 +192,8 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     rank_rows: write cls.output.weight as these rows of the head, as llama.cpp's converter
     writes a Qwen3-Reranker's (the 'yes' and 'no' rows of lm_head). dense: write
     EmbeddingGemma's dense_2 [dense, hidden] and dense_3 [hidden, dense] and their keys.
+    tokens: plain tokens appended to the vocabulary (no merge makes them: a Qwen3-Reranker's
+    'yes' and 'no'), their embedding and head rows drawn after the case's own weights.
     """
     path = pathlib.Path(path)
     if case.arch == 'qwen35':
@@ -200,7 +203,13 @@ def write_gguf(path, case: ParityCase, header: Optional[Dict[str, object]] = Non
     c, d = case, case.dims
     w = random_weights(c)
     rng = np.random.default_rng(c.seed + 1000)
-    vocab = tiny_vocab(c.vision)
+    vocab = tiny_vocab(c.vision) + list(tokens)
+    if tokens:
+        more = np.random.default_rng(c.seed + 2000)
+        for key in ('embed', 'lm_head'):
+            if key in w:
+                rows = more.standard_normal((len(tokens), d.hidden)) * w[key].std()
+                w[key] = np.concatenate([w[key], rows.astype(np.float32)])
     writer = gguf.GGUFWriter(str(path), c.arch)
     meta = {'block_count': d.layers, 'context_length': d.context,
             'embedding_length': d.hidden, 'feed_forward_length': d.intermediate,

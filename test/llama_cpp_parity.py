@@ -43,6 +43,28 @@ def peer_python() -> str:
     return llama_peer.ensure_peer(install=True)['python']
 
 
+GGML_TABLES = """
+import ctypes, os, sys
+import llama_cpp
+import numpy as np
+lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib', 'libggml-cpu.so'))
+lib.ggml_cpu_init()
+np.savez(sys.argv[1], **{name: np.ctypeslib.as_array((ctypes.c_uint16 * 65536).in_dll(
+    lib, f'ggml_table_{name}_f16')).copy() for name in ('gelu', 'gelu_quick')})
+"""
+
+
+def ggml_tables(out_npz) -> Dict[str, np.ndarray]:
+    """Return ggml-cpu's float16 GELU and quick GELU tables, read from the peer's library.
+
+    Keys `gelu` and `gelu_quick`: float32 [65536], indexed by the float16 input's bits.
+    """
+    proc = subprocess.run([peer_python(), '-c', GGML_TABLES, str(out_npz)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {k: v.view(np.float16).astype(np.float32) for k, v in np.load(out_npz).items()}
+
+
 def llama_cpp_greedy(gguf_path, out_npz, prompt: Sequence[int] = PROMPT,
                      tokens: int = TOKENS, lora: Sequence[Tuple[str, float]] = ()
                      ) -> Tuple[np.ndarray, List[int]]:

@@ -23,9 +23,13 @@ With --mergeable every bitmap is marked mergeable (mtmd_bitmap_set_mergeable, as
 frames): adjacent frames of one size with no text between are one temporal chunk (Qwen-VL).
 With --layout-only the chunks are recorded but no image is encoded (token counts of large
 images, test/test_vision_qwen.py).
+With --dump PREFIX[,PREFIX...] the encoder's float32 tensors whose names start with a prefix
+(clip.cpp's names, e.g. `ffn_up_b` for every GELU input) are saved as they are computed,
+through mtmd's cb_eval: `dump_<k>_<name>`, in the order the graphs ran them (tile by tile).
 """
 import argparse
 import ctypes
+import pathlib
 import sys
 import time
 
@@ -45,6 +49,30 @@ def _context(model, threads: int, ctx: int = CTX):
     cparams.type_k = cparams.type_v = GGML_TYPE_F32
     cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     return llama_cpp.llama_init_from_model(model, cparams)
+
+
+def _dumper(prefixes, dumped: list):
+    """Return a ggml eval callback that appends (name, array) of the named float32 tensors."""
+    base = ctypes.CDLL(str(pathlib.Path(llama_cpp.__file__).parent / 'lib' / 'libggml-base.so'))
+    base.ggml_get_name.restype = ctypes.c_char_p
+    base.ggml_get_data.restype = ctypes.c_void_p
+    base.ggml_is_contiguous.restype = ctypes.c_bool
+    for f in (base.ggml_get_name, base.ggml_get_data, base.ggml_is_contiguous):
+        f.argtypes = [ctypes.c_void_p]
+
+    def callback(tensor, ask, _):
+        name = base.ggml_get_name(tensor).decode()
+        if ask or not name.startswith(prefixes) or not base.ggml_is_contiguous(tensor):
+            return True
+        # struct ggml_tensor (ggml.h) opens with: enum ggml_type type (F32 = 0), the buffer
+        # pointer, int64_t ne[4]. On the CPU backend the data is host memory.
+        if ctypes.c_int32.from_address(tensor).value != 0:
+            return True
+        ne = [ctypes.c_int64.from_address(tensor + 16 + 8 * k).value for k in range(4)]
+        data = (ctypes.c_float * int(np.prod(ne))).from_address(base.ggml_get_data(tensor))
+        dumped.append((name, np.ctypeslib.as_array(data).reshape(ne[::-1]).copy()))
+        return True
+    return llama_cpp.ggml_backend_sched_eval_callback(callback)  # params.cb_eval holds it
 
 
 def _chunk_record(chunk) -> np.ndarray:
@@ -93,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument('--timings', action='store_true')
     p.add_argument('--layout-only', action='store_true')
     p.add_argument('--mergeable', action='store_true')
+    p.add_argument('--dump', default='')
     args = p.parse_args(argv)
     model = load_model(args.text_model)  # the sibling runner's: quiet logs, CPU only
     if not model:
@@ -104,6 +133,10 @@ def main(argv=None) -> int:
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     params.warmup = False
     params.print_timings = False
+    dumped = []
+    if args.dump:
+        params.cb_eval = _dumper(tuple(args.dump.split(',')), dumped)
+        params.cb_eval_user_data = None
     ctx = mtmd.mtmd_init_from_file(args.mmproj.encode(), model, params)
     if not ctx:
         print(f'mtmd could not load {args.mmproj}', file=sys.stderr)
@@ -160,6 +193,7 @@ def main(argv=None) -> int:
         lctx = _context(model, args.threads, max(CTX, n_pos))
         rc = _greedy(model, ctx, chunks, lctx, args.tokens, out, max(CTX, n_pos))
         llama_cpp.llama_free(lctx)
+    out.update({f'dump_{k}_{name}': value for k, (name, value) in enumerate(dumped)})
     np.savez(args.out, n_chunks=embeds, chunk_types=np.array(types, np.int64), **out)
     mtmd.mtmd_input_chunks_free(chunks)
     for b in bitmaps:

@@ -7,6 +7,7 @@ memory, and in SQLite after a restart) as the conversation sent whole. The primi
 engine on one thread, a greedy goal with logprobs, a chat turn) are the ones every such test
 uses.
 """
+import json
 import pathlib
 from typing import List
 
@@ -299,3 +300,29 @@ def check_chunks_equal_one_call(model_dir: pathlib.Path, prompt: List[int]) -> N
     assert np.array_equal(got, want)
     for x, y in zip(whole.kv, parts.kv):
         assert np.array_equal(x, y)
+
+
+MOVE_TO = [{'type': 'function', 'function': {
+    'name': 'move_to', 'description': 'Drive to a point.',
+    'parameters': {'type': 'object',
+                   'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
+                   'required': ['place']}}}]
+
+
+def check_forced_tool_call(model_dir: pathlib.Path, tool_call_format: str, **kw) -> None:
+    """Check that a required tool call comes back parsed by the family's format.
+
+    A random model writes no call by itself: the tool constraint forces one (a Hermes JSON
+    object between <tool_call> markers), which the family's parser must read. `kw` go to
+    the request (reasoning_budget=0 closes a think block at once).
+    """
+    eng = engine(model_dir, max_context=1024)
+    try:
+        assert eng.model_info()['tool_call_format'] == tool_call_format
+        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=MOVE_TO,
+                                                tool_choice='required', max_tokens=200,
+                                                parallel_tool_calls=False, **kw)).run_to_end()
+    finally:
+        eng.close()
+    assert [c.name for c in result.tool_calls] == ['move_to'], result
+    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')

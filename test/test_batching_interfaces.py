@@ -31,13 +31,13 @@ V2_FIXTURE = pathlib.Path(__file__).resolve().parent / 'data' / 'bags' / 'smollm
 
 def test_version_3_constants_and_defaults():
     goal = Generate.Goal()
-    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 8
+    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 9
     assert (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX) == (-100, 100)
     # The serving layer's limits are the interface's (one place checks them).
     assert (PRIORITY_MIN, PRIORITY_MAX) == (Generate.Goal.PRIORITY_MIN, Generate.Goal.PRIORITY_MAX)
     assert (goal.priority, goal.preempt) == (0, False)
     assert Generate.Feedback().paused is False
-    assert Transcript().interface_version == 8
+    assert Transcript().interface_version == 9
 
 
 @pytest.mark.parametrize('priority', [-100, -1, 0, 7, 100])
@@ -68,7 +68,7 @@ def test_transcript_records_the_goal_queue_order_and_not_for_complete():
     stamp = Transcript().finished_stamp
     msg = build_transcript(Transcript.SOURCE_ACTION, UUID(), goal, None, None, accepted=False,
                            model='m', accepted_stamp=None, finished_stamp=stamp)
-    assert (msg.priority, msg.preempt, msg.interface_version) == (-7, True, 8)
+    assert (msg.priority, msg.preempt, msg.interface_version) == (-7, True, 9)
     request = make_goal('hi', request_type=Complete.Request)
     msg = build_transcript(Transcript.SOURCE_SERVICE, UUID(), request, None, None,
                            accepted=False, model='m', accepted_stamp=None,
@@ -80,7 +80,7 @@ def test_version_3_fields_round_trip_through_a_bag_and_replay(tmp_path):
     msg = transcript('urgent')
     msg.priority, msg.preempt = 42, True
     record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v3', [msg])).transcripts
-    assert (record.interface_version, record.priority, record.preempt) == (8, 42, True)
+    assert (record.interface_version, record.priority, record.preempt) == (9, 42, True)
     goal = make_goal(**goal_fields(record))
     assert (goal.priority, goal.preempt) == (42, True)
 

@@ -79,6 +79,12 @@ def test_ratios_of_medians_and_of_pairs():
     assert got['decode_vs_llama_cpp_paired'] == pytest.approx(2.0)
 
 
+def test_cpu_rates_count_the_process_cpu_seconds():
+    # 64 prompt ids in 2 CPU seconds, then 15 steps in 3: the rates a loaded machine keeps.
+    assert bench_models.cpu_rates(64, 15, 10.0, 12.0, 15.0) == {
+        'prefill_cpu_tok_s': pytest.approx(32.0), 'decode_cpu_tok_s': pytest.approx(5.0)}
+
+
 def test_resolve_pairs_models_with_ggufs(tmp_path):
     model = tmp_path / 'm'
     model.mkdir()

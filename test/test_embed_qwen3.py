@@ -22,7 +22,7 @@ from test_embed_parity import COSINE, llama_cpp_vectors, needs_native, unit
 from tiny_model import CHAT_TEMPLATE
 
 from edge_llm_ros.convert.converter import convert
-from edge_llm_ros.errors import UnsupportedModelError
+from edge_llm_ros.errors import EmbeddingInputError, UnsupportedModelError
 from edge_llm_ros.runtime.encoder import TextEncoder
 from edge_llm_ros.serving.embedding import EmbeddingConfig, EmbeddingEngine
 
@@ -78,6 +78,26 @@ def test_qwen3_embedding_matches_llama_cpp(wtype, tmp_path, compat):
 # The states equal an exact float64 emulation of ggml's ops to 1e-7 at every length.
 Q8_0_RERANK = pytest.param('Q8_0', marks=pytest.mark.xfail(
     reason="llama.cpp's own Q8_0 rounding flips past 16 tokens (see the comment above)"))
+
+
+@needs_native
+def test_a_rerank_prompt_over_the_context_cuts_the_document_only(tmp_path):
+    """With truncate, the rerank prompt and the query stay whole; the document's end goes."""
+    gguf_path = reranker_gguf(tmp_path / 'qwen3-rerank-cut.gguf', 'F32')
+    engine = EmbeddingEngine(EmbeddingConfig(str(convert(str(gguf_path), str(tmp_path / 'm'),
+                                                         progress=False))))
+    enc = engine.encoder
+    query, doc = TEXTS[1], ' '.join(TEXTS) * 8
+    full = enc.tokenize([query], truncate=False, pairs=[TEXTS[0]])[0]
+    assert len(full) < enc.context < len(enc.tokenizer.encode(doc).ids)
+    with pytest.raises(EmbeddingInputError, match='over the context'):
+        engine.rerank(query, [doc])
+    ids = enc.tokenize([query], truncate=True, pairs=[doc])[0]
+    assert enc.context - 4 <= len(ids) <= enc.context
+    text = enc.tokenizer.decode(ids, skip_special_tokens=False)
+    head, tail = RERANK_PROMPT.split('{document}')
+    assert text.startswith(head.replace('{query}', query)) and text.endswith(tail)
+    assert doc.startswith(text[len(head.replace('{query}', query)):-len(tail)])
 
 
 @needs_native

@@ -111,6 +111,24 @@ def test_truncate_cuts_to_the_context(engine):
     assert out.token_counts == (64,)
 
 
+def test_rerank_truncate_cuts_the_document_not_the_query(folders):
+    """A pair over the context keeps [CLS] query [SEP] whole and cuts the document's end."""
+    ranker = EmbeddingEngine(EmbeddingConfig(folders['rank']))
+    enc, query, long_doc = ranker.encoder, TEXTS[1], 'door ' * 70
+    with pytest.raises(EmbeddingInputError, match='rerank pair 0 is .* over the context'):
+        ranker.rerank(query, [long_doc])
+    ids = enc.tokenize([query], truncate=True, pairs=[long_doc])[0]
+    query_ids = enc.tokenizer.encode(query).ids          # [CLS] query [SEP]
+    assert len(ids) == 64 and ids[:len(query_ids)] == query_ids
+    kept = 64 - len(query_ids) - 1                       # the document's tokens, then [SEP]
+    assert ids == enc.tokenizer.encode(query, ' '.join(['door'] * kept)).ids
+    cut = ranker.rerank(query, [long_doc, TEXTS[2]], truncate=True).scores
+    assert cut[0] == ranker.rerank(query, [' '.join(['door'] * kept)]).scores[0]
+    with pytest.raises(EmbeddingInputError, match='the query .* fills the context'):
+        ranker.rerank(long_doc, ['a door'], truncate=True)
+    assert ranker.rerank(query, [TEXTS[2]]).scores.shape == (1,)   # serves on
+
+
 def test_rerank_scores_order_and_top_n(folders):
     ranker = EmbeddingEngine(EmbeddingConfig(folders['rank']))
     docs = list(TEXTS[:5])

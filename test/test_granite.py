@@ -26,7 +26,8 @@ import numpy as np
 import onnx
 import pytest
 from state_family_checks import (alone_bits, check_batched_equals_alone,
-                                 check_chunks_equal_one_call, check_int8_kv_session,
+                                 check_chunks_equal_one_call, check_forced_tool_call,
+                                 check_int8_kv_session,
                                  check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
                                  check_speculation_equals_plain,
@@ -151,6 +152,20 @@ def test_a_recurrent_state_that_is_not_carried_is_visible_to_the_harness(
         work, source, kquant_dir):
     """Control: the Mamba-2 states cleared after the prompt move the logits past the bound."""
     check_uncleared_states_matter(work, source, kquant_dir, 2, 'Mamba-2')
+
+
+def test_the_granite_family_forces_and_reads_its_tool_calls(kquant_dir, compat):
+    """Granite 4.0's tool calls are Hermes': <tool_call>{"name", "arguments"}</tool_call>.
+
+    That is what its chat template asks for and writes back (llama.cpp ships it as
+    models/templates/ibm-granite-granite-4.0.jinja), so the family reads them as hermes.
+    """
+    from edge_llm_ros.runtime import model_config as mc
+    family = mc.family_for_model_dir(kquant_dir)
+    assert (family.family, family.tool_call_format, family.reasoning) == ('granite4', 'hermes',
+                                                                          None)
+    check_forced_tool_call(kquant_dir, 'hermes')
+    compat('granitehybrid', CASE.wtype, 'tools')
 
 
 def test_a_prompt_in_chunks_gives_the_bits_of_one_call(kquant_dir):

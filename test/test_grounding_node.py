@@ -195,7 +195,7 @@ def test_a_box_answer_becomes_detections_in_the_frames_pixels(node, ros, pool):
     assert item.id == found.id and item.id.endswith('/0')
     assert wait_until(lambda: any(r.detections for r in list(transcripts)), 30)
     record = next(r for r in list(transcripts) if r.detections)
-    assert record.max_image_tokens == TOKENS and record.interface_version == 8
+    assert record.max_image_tokens == TOKENS and record.interface_version == 9
 
     # A text-only answer: an empty result list and nothing on the topic.
     text = llm.generate(PROMPT, images=[frame_handle(pool)], choices=['no cup here'],

@@ -97,7 +97,7 @@ def test_version_3_queue_fields_parse_with_humble_types():
     constants = {c.name: (c.type, c.value) for c in goal.constants}
     assert constants['PRIORITY_MIN'] == ('int16', -100)
     assert constants['PRIORITY_MAX'] == ('int16', 100)
-    assert constants['INTERFACE_VERSION'] == ('uint16', 8)
+    assert constants['INTERFACE_VERSION'] == ('uint16', 9)
     transcript = {item.name: item.type.type
                   for item in _messages('msg/Transcript.msg')[0].fields}
     assert transcript['priority'] == 'int16' and transcript['preempt'] == 'bool'

@@ -74,7 +74,7 @@ def test_model_info_reports_the_model_and_its_capabilities(llm):
     assert info.supports_tools and info.supports_embeddings_input
     assert not info.supports_reasoning and info.reasoning_start == ''
     assert info.tool_call_format == 'hermes' and info.providers
-    assert info.interface_version == Generate.Goal.INTERFACE_VERSION == 8
+    assert info.interface_version == Generate.Goal.INTERFACE_VERSION == 9
 
 
 def test_detokenize_inverts_tokenize_and_rejects_unknown_ids(llm):

@@ -32,11 +32,12 @@ import numpy as np
 import onnx
 import pytest
 from state_family_checks import (alone_bits, check_batched_equals_alone,
-                                 check_chunks_equal_one_call, check_preempted_goals_resume,
+                                 check_chunks_equal_one_call, check_forced_tool_call,
+                                 check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
                                  check_speculation_equals_plain,
                                  check_sqlite_session_after_restart,
-                                 check_uncleared_states_matter, engine, two_turns_sent_whole)
+                                 check_uncleared_states_matter, two_turns_sent_whole)
 from test_llama_cpp_parity import KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -44,7 +45,6 @@ from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
-from edge_llm_ros.runtime.types import GenerationRequest
 from edge_llm_ros.serving.engine import kv_budget_bytes
 
 CASE = qwen35_case('Q8_0')
@@ -295,22 +295,7 @@ def test_the_qwen35_family_switches_reasoning_and_forces_its_tool_calls(kquant_d
     assert (family.family, family.tool_call_format) == ('qwen35', 'qwen3_xml')
     assert family.template_kwargs(reasoning=False) == {'enable_thinking': False}
     assert family.reasoning.open_tag == '<think>' and family.can_disable_reasoning
-    tools = [{'type': 'function', 'function': {
-        'name': 'move_to', 'description': 'Drive to a point.',
-        'parameters': {'type': 'object',
-                       'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
-                       'required': ['place']}}}]
-    eng = engine(kquant_dir, max_context=1024)
-    try:
-        assert eng.model_info()['tool_call_format'] == 'qwen3_xml'
-        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=tools,
-                                                tool_choice='required', max_tokens=200,
-                                                parallel_tool_calls=False, reasoning_budget=0)
-                              ).run_to_end()
-    finally:
-        eng.close()
-    assert [c.name for c in result.tool_calls] == ['move_to'], result
-    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
+    check_forced_tool_call(kquant_dir, 'qwen3_xml', reasoning_budget=0)
 
 
 # --- HF folders ----------------------------------------------------------------------------------

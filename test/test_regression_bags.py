@@ -339,7 +339,7 @@ def test_version_2_fields_round_trip_through_a_bag(tmp_path):
                                  top_tokens=['a', 'b'], top_logprobs=[-0.5, -1.0])]
     bag = write_transcript_bag(tmp_path / 'v2', [msg])
     record, = bagio.read_bag(bag).transcripts
-    assert record.interface_version == Transcript.INTERFACE_VERSION == 8
+    assert record.interface_version == Transcript.INTERFACE_VERSION == 9
     assert record.tools[0].name == 'move' and record.tool_choice == 'required'
     assert record.no_parallel_tool_calls and record.reasoning_budget == 64
     assert record.reasoning_mode == Generate.Goal.REASONING_OFF

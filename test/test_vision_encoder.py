@@ -18,7 +18,7 @@ import pathlib
 import subprocess
 
 from gguf_fixtures import ParityCase, write_gguf
-from llama_cpp_parity import peer_python
+from llama_cpp_parity import ggml_tables, peer_python
 from mmproj_fixtures import write_mmproj
 import numpy as np
 import onnxruntime as ort
@@ -313,17 +313,6 @@ def test_a_vision_graph_that_takes_float_pixels_is_refused_with_what_to_do(tmp_p
         ImageEncoder(tmp_path, {'file': 'vision.onnx', 'embedding_size': 8})
 
 
-GGML_TABLES = """
-import ctypes, os, sys
-import llama_cpp
-import numpy as np
-lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib', 'libggml-cpu.so'))
-lib.ggml_cpu_init()
-np.savez(sys.argv[1], **{name: np.ctypeslib.as_array((ctypes.c_uint16 * 65536).in_dll(
-    lib, f'ggml_table_{name}_f16')).copy() for name in ('gelu', 'gelu_quick')})
-"""
-
-
 def test_the_graph_gelu_is_llamacpps_float16_table(tmp_path):
     """GELU and quick GELU as ggml's CPU tables (read from llama.cpp's library) give them.
 
@@ -335,11 +324,7 @@ def test_the_graph_gelu_is_llamacpps_float16_table(tmp_path):
     """
     from onnx import helper, TensorProto
     from edge_llm_ros.convert.vision_graph import _gelu, _quick_gelu
-    out = tmp_path / 'tables.npz'
-    proc = subprocess.run([peer_python(), '-c', GGML_TABLES, str(out)], capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    tables = {k: v.view(np.float16).astype(np.float32) for k, v in np.load(out).items()}
+    tables = ggml_tables(tmp_path / 'tables.npz')
     half = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
     x = np.concatenate([half[np.isfinite(half)], [9.9999, 10.0, 10.3, 12.0, -10.0, -10.3,
                                                   0.3333333, -1.2345678]]).astype(np.float32)

@@ -35,7 +35,7 @@ RGB = np.random.default_rng(3).integers(0, 256, (6, 5, 3), dtype=np.uint8)
 # ---- messages -------------------------------------------------------------------------------
 def test_version_6_defaults_mean_what_older_goals_meant():
     goal = Generate.Goal(prompt='hi')
-    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 8
+    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 9
     assert list(goal.images) == [] and goal.raw_prompt is False
     request = to_request(goal, RequestDefaults(system_prompt='Be brief.'))
     assert request.images == () and request.use_chat_template
@@ -71,7 +71,7 @@ def test_transcript_records_images_and_raw_prompt_only_for_goals():
     msg = build_transcript(Transcript.SOURCE_ACTION, goal_id(), goal, None, None,
                            accepted=False, model='m', accepted_stamp=None,
                            finished_stamp=stamp)
-    assert msg.interface_version == 8 and msg.raw_prompt
+    assert msg.interface_version == 9 and msg.raw_prompt
     assert [h.pool_id for h in msg.images] == ['cam']
     request = make_goal('hi', request_type=Complete.Request)
     msg = build_transcript(Transcript.SOURCE_SERVICE, goal_id(), request, None, None,
@@ -91,7 +91,7 @@ def test_version_6_fields_round_trip_through_a_bag_and_replay(tmp_path):
     msg.images = [handle('cam0'), handle('cam1')]
     msg.raw_prompt = True
     record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v6', [msg])).transcripts
-    assert record.interface_version == 8 and record.raw_prompt
+    assert record.interface_version == 9 and record.raw_prompt
     assert [h.pool_id for h in record.images] == ['cam0', 'cam1']
     assert record.images[0].shape == (4, 576) and record.images[0].frame_id == 'camera'
     assert [h.pool_id for h in record.tensor_handles] == ['cam0', 'cam1']
@@ -120,7 +120,7 @@ def test_version_7_max_image_tokens_and_detections_round_trip(tmp_path):
                            finished_stamp=Transcript().finished_stamp)
     assert msg.max_image_tokens == 400 and [d.id for d in msg.detections] == ['g/0']
     record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v7', [msg])).transcripts
-    assert record.interface_version == 8 and record.max_image_tokens == 400
+    assert record.interface_version == 9 and record.max_image_tokens == 400
     assert make_goal(**goal_fields(record)).max_image_tokens == 400
 
 

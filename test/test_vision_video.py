@@ -224,7 +224,7 @@ def test_version_8_clip_fields_travel_as_handles_and_round_trip_a_bag(tmp_path, 
     from edge_llm_ros.regression.replay import goal_fields
     from edge_llm_ros.runtime.media import DeclaredImage
     from edge_llm_ros.runtime.request import PreparedRequest
-    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 8
+    assert Generate.Goal.INTERFACE_VERSION == Transcript.INTERFACE_VERSION == 9
     old = Generate.Goal(prompt='hi')   # an older goal: no clip
     assert list(old.video_frames) == [] and to_request(old, RequestDefaults()).images == ()
     monkeypatch.setenv('EDGE_LLM_IPC_DIR', str(tmp_path / 'sockets'))
@@ -257,7 +257,7 @@ def test_version_8_clip_fields_travel_as_handles_and_round_trip_a_bag(tmp_path, 
     msg.video_frames = [handle('cam0'), handle('cam0')]
     msg.video_timestamps, msg.video_fps = [0.0, 0.5], 2.0
     record, = bagio.read_bag(write_transcript_bag(tmp_path / 'v8', [msg])).transcripts
-    assert record.interface_version == 8 and record.video_timestamps == [0.0, 0.5]
+    assert record.interface_version == 9 and record.video_timestamps == [0.0, 0.5]
     assert record.video_fps == 2.0 and len(record.tensor_handles) == 2
     resent = make_goal(**goal_fields(record))
     assert [h.pool_id for h in resent.video_frames] == ['cam0', 'cam0']

@@ -326,6 +326,11 @@ LLM_NODE_SPECS: Tuple[ParamSpec, ...] = (
               'VLMs: a 1080p frame is 2,691 Qwen2.5-VL tokens); a larger image is refused as '
               "invalid_request before any model work; 0 = no cap but the context's; board "
               'profiles set one (docs/vision.md)', range=Range(0, 131072)),
+    ParamSpec('vision.window_timeout_s', ParamType.DOUBLE, 2.0,
+              "How long a goal naming a perception node's time window (video_window_source) "
+              "waits for that node's ~/window to be found and to answer; past it the goal "
+              'ends invalid_request before any model work (docs/vision.md)',
+              range=Range(0.1, 60.0)),
     ParamSpec('detections.publish', ParamType.STRING, 'auto',
               'Grounded answers on ~/detections (vision_msgs or edge_llm_msgs '
               "Detection2DArray): 'auto' = when the model's family grounds (config/models "

@@ -15,7 +15,8 @@ from typing import List, Optional
 
 from edge_llm_ros.convert.checkpoint import Checkpoint, load_checkpoint, SourceTensor
 from edge_llm_ros.convert.converter import ConvertOptions, preflight
-from edge_llm_ros.convert.gguf_weights import keeps_blocks
+from edge_llm_ros.convert.encoder import encoder_architecture
+from edge_llm_ros.convert.gguf_weights import keeps_blocks, KQUANT_TYPES
 from edge_llm_ros.convert.quant import repack_plan
 from edge_llm_ros.errors import EngineError
 
@@ -72,6 +73,8 @@ def check_source(source: str, mmproj: Optional[str] = None,
     opts = options or ConvertOptions()
     report = CheckReport(source)
     try:
+        if mmproj is None and encoder_architecture(source):
+            return _check_encoder(source, report)
         ckpt = load_checkpoint(source)
     except EngineError as exc:
         report.refusals.append(str(exc))
@@ -91,6 +94,30 @@ def check_source(source: str, mmproj: Optional[str] = None,
         report.vision = f'{vision.config.projector} encoder, converted with the model'
     report.weights = opts.weights or opts.weight_format
     _type_groups(ckpt, opts, report)
+    return report
+
+
+def _check_encoder(source: str, report: CheckReport) -> CheckReport:
+    """Say how an embedding / rerank GGUF or HF folder converts (convert/encoder.py)."""
+    import pathlib
+    from edge_llm_ros.convert.encoder import open_encoder
+    m = open_encoder(pathlib.Path(source).expanduser().resolve())
+    s = m.spec
+    report.architecture = s.arch
+    report.summary = (f'{"rerank" if s.pooling == "rank" else "embedding"} model, pooling '
+                      f'{s.pooling}, {s.layers} layers, hidden {s.hidden}, context {s.context}')
+    report.weights = 'encoder graph'
+    by_type = collections.Counter(t.qtype for t in m.tensors.values() if len(t.shape) == 2)
+    for qtype, count in sorted(by_type.items()):
+        storage = ('float32 MatMul' if qtype == 'F32' else
+                   'float32 MatMul of the widened values, activations rounded to float16'
+                   if qtype == 'F16' else 'kept in its GGUF blocks (op library)'
+                   if qtype in KQUANT_TYPES else 'unreadable')
+        if storage == 'unreadable':
+            report.refusals.append(f'{count} matrices are {qtype}; encoder matrices are read '
+                                   f'as F32, F16 or {"/".join(KQUANT_TYPES)}: re-quantize the '
+                                   'GGUF with llama-quantize')
+        report.groups.append(TypeGroup(qtype, count, storage))
     return report
 
 

@@ -27,24 +27,25 @@ LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 # A hybrid layer's kind (ModelSpec.layer_kinds): GQA, a gated short convolution (lfm2), or a
 # Gated DeltaNet layer (qwen35).
 ATTENTION, CONV, RECURRENT = 'attention', 'conv', 'recurrent'
-_GGUF_LAYER = {'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
-               'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
-               'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
-               'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
-               'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
-               'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
-               'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight',
-               'in_proj': 'shortconv.in_proj.weight', 'conv': 'shortconv.conv.weight',
-               'out_proj': 'shortconv.out_proj.weight',
-               # qwen35's Gated DeltaNet layers (its attn_qkv is their conv input, read as
-               # gdn_qkv) and the output gate of its attention layers (split from attn_q).
-               'gdn_z': 'attn_gate.weight', 'ssm_conv': 'ssm_conv1d.weight',
-               'ssm_dt': 'ssm_dt.bias', 'ssm_a': 'ssm_a', 'ssm_beta': 'ssm_beta.weight',
-               'ssm_alpha': 'ssm_alpha.weight', 'ssm_norm': 'ssm_norm.weight',
-               'ssm_out': 'ssm_out.weight',
-               # granitehybrid's Mamba-2 layers (ssm_in: z | xBC | dt rows, split by the reader).
-               'ssm_in': 'ssm_in.weight', 'ssm_conv_bias': 'ssm_conv1d.bias',
-               'ssm_d': 'ssm_d'}
+GGUF_LAYER_NAMES = {
+    'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
+    'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
+    'o': 'attn_output.weight', 'gate': 'ffn_gate.weight', 'up': 'ffn_up.weight',
+    'down': 'ffn_down.weight', 'q_bias': 'attn_q.bias', 'k_bias': 'attn_k.bias',
+    'v_bias': 'attn_v.bias', 'q_norm': 'attn_q_norm.weight',
+    'k_norm': 'attn_k_norm.weight', 'post_attn_norm': 'post_attention_norm.weight',
+    'post_ffn_norm': 'post_ffw_norm.weight', 'qkv': 'attn_qkv.weight',
+    'in_proj': 'shortconv.in_proj.weight', 'conv': 'shortconv.conv.weight',
+    'out_proj': 'shortconv.out_proj.weight',
+    # qwen35's Gated DeltaNet layers (its attn_qkv is their conv input, read as
+    # gdn_qkv) and the output gate of its attention layers (split from attn_q).
+    'gdn_z': 'attn_gate.weight', 'ssm_conv': 'ssm_conv1d.weight',
+    'ssm_dt': 'ssm_dt.bias', 'ssm_a': 'ssm_a', 'ssm_beta': 'ssm_beta.weight',
+    'ssm_alpha': 'ssm_alpha.weight', 'ssm_norm': 'ssm_norm.weight',
+    'ssm_out': 'ssm_out.weight',
+    # granitehybrid's Mamba-2 layers (ssm_in: z | xBC | dt rows, split by the reader).
+    'ssm_in': 'ssm_in.weight', 'ssm_conv_bias': 'ssm_conv1d.bias',
+    'ssm_d': 'ssm_d'}
 _HF_LAYER = {'attn_norm': 'input_layernorm.weight', 'ffn_norm': 'post_attention_layernorm.weight',
              'q': 'self_attn.q_proj.weight', 'k': 'self_attn.k_proj.weight',
              'v': 'self_attn.v_proj.weight', 'o': 'self_attn.o_proj.weight',
@@ -323,7 +324,7 @@ def load_checkpoint(source: str) -> Checkpoint:
         raise ModelLoadError(f'{path}: no such file or folder; give a .gguf file or an HF '
                              'folder with config.json and *.safetensors')
     try:
-        return _load_hf(path) if path.is_dir() else _load_gguf(path)
+        return load_hf_folder(path) if path.is_dir() else _load_gguf(path)
     except (TypeError, ValueError, KeyError) as exc:
         # Metadata of an unexpected form (e.g. per-layer head counts) or a malformed header.
         raise UnsupportedModelError(f'{path}: cannot read the model description ({exc!r}); '
@@ -393,7 +394,7 @@ def _load_gguf(path: pathlib.Path) -> Checkpoint:
         kinds, recurrent = _check_recurrent(path, key, names, layers)
         conv_kernel = recurrent.pop('conv_kernel')
     for i in range(layers):
-        for role, suffix in _GGUF_LAYER.items():
+        for role, suffix in GGUF_LAYER_NAMES.items():
             wanted[f'{i}.{role}'] = f'blk.{i}.{suffix}'
     tensors = {ckey: gguf_tensor(path, names[gname]) for ckey, gname in wanted.items()
                if gname in names}
@@ -786,7 +787,7 @@ def _write_gguf_tokenizer(reader, out_dir: pathlib.Path) -> dict:
 
 # --- HF safetensors ---------------------------------------------------------------------------
 
-def _load_hf(folder: pathlib.Path) -> Checkpoint:
+def load_hf_folder(folder: pathlib.Path) -> Checkpoint:
     cfg_path = folder / 'config.json'
     if not cfg_path.is_file():
         raise ModelLoadError(f'{folder}: config.json is missing; an HF checkpoint folder needs '
@@ -799,12 +800,12 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     from edge_llm_ros.convert import gemma4
     if model_type in gemma4.HF_MODEL_TYPES:
         from edge_llm_ros.convert.gemma4 import load_gemma4_hf
-        return load_gemma4_hf(folder, cfg, _read_safetensors,
-                              lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
+        return load_gemma4_hf(folder, cfg, read_safetensors,
+                              lambda out_dir: write_hf_tokenizer(folder, cfg, out_dir))
     from edge_llm_ros.convert import qwen35
     if model_type in qwen35.HF_MODEL_TYPES + qwen35.MOE_MODEL_TYPES:
-        return qwen35.load_qwen35_hf(folder, cfg, _read_safetensors,
-                                     lambda out_dir: _write_hf_tokenizer(folder, cfg, out_dir))
+        return qwen35.load_qwen35_hf(folder, cfg, read_safetensors,
+                                     lambda out_dir: write_hf_tokenizer(folder, cfg, out_dir))
     if 'text_config' in cfg:
         raise UnsupportedModelError(f'{folder}: a multimodal checkpoint ({model_type}); '
                                     'convert the text model (e.g. its GGUF, or the '
@@ -823,7 +824,7 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
     if not files:
         raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
                              'not read (convert them to safetensors first)')
-    raw = _read_safetensors(files)
+    raw = hf_model_prefixed(read_safetensors(files))
     heads = int(cfg['num_attention_heads'])
     hidden = int(cfg['hidden_size'])
     head_dim = int(cfg.get('head_dim') or hidden // heads)
@@ -886,11 +887,23 @@ def _load_hf(folder: pathlib.Path) -> Checkpoint:
         **extras)
 
     def write_tokenizer(out_dir: pathlib.Path) -> dict:
-        return _write_hf_tokenizer(folder, cfg, out_dir)
+        return write_hf_tokenizer(folder, cfg, out_dir)
 
     ckpt = Checkpoint(spec, folder, tensors, write_tokenizer)
     _check_shapes(ckpt)
     return ckpt
+
+
+def hf_model_prefixed(raw: Dict[str, SourceTensor]) -> Dict[str, SourceTensor]:
+    """Return the tensors under 'model.'-prefixed names where a folder saved them bare.
+
+    A base model saved without its head (transformers' Qwen3Model, Gemma3TextModel: the
+    Qwen3-Embedding and EmbeddingGemma folders) names its tensors embed_tokens.weight,
+    layers.{i}...., norm.weight; a *ForCausalLM folder names them model.....
+    """
+    if 'model.embed_tokens.weight' in raw or 'embed_tokens.weight' not in raw:
+        return raw
+    return {k if k.startswith('lm_head.') else 'model.' + k: t for k, t in raw.items()}
 
 
 def _hf_nope_layers(folder: pathlib.Path, cfg: dict, layers: int,
@@ -1035,7 +1048,7 @@ def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], rope_dims: i
     return out
 
 
-def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
+def read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
     try:
         from safetensors import deserialize, safe_open
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -1069,7 +1082,9 @@ def _read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:
     return out
 
 
-def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) -> dict:
+def write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path,
+                       chat: bool = True) -> dict:
+    """Copy tokenizer.json (and, for a chat model, its chat template); return the specials."""
     import shutil
     tok_json = folder / 'tokenizer.json'
     if not tok_json.is_file():
@@ -1085,11 +1100,12 @@ def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) 
         template = by_name.get('default') or next(iter(by_name.values()), None)
     if template is None and (folder / 'chat_template.jinja').is_file():
         template = (folder / 'chat_template.jinja').read_text()
-    if template is None:
+    if template is None and chat:
         raise ModelLoadError(f'{folder}: no chat template (tokenizer_config.json has no '
                              'chat_template); use an instruct checkpoint')
-    (out_dir / 'chat_template.jinja').write_text(template)
-    vocab = _hf_token_ids(tok_json)
+    if chat:
+        (out_dir / 'chat_template.jinja').write_text(template)
+    vocab = hf_token_ids(tok_json)
     gen = {}
     if (folder / 'generation_config.json').is_file():
         gen = json.loads((folder / 'generation_config.json').read_text())
@@ -1105,12 +1121,15 @@ def _write_hf_tokenizer(folder: pathlib.Path, cfg: dict, out_dir: pathlib.Path) 
     tok_eos = token_id(tcfg.get('eos_token'))
     if tok_eos is not None and tok_eos not in eos_ids:
         eos_ids.append(tok_eos)
+    pad = cfg.get('pad_token_id', token_id(tcfg.get('pad_token')))
     return {'bos_token_id': None if bos is None else int(bos),
             'eos_token_ids': [int(e) for e in eos_ids],
-            'add_bos_token': bool(tcfg.get('add_bos_token', False))}
+            'add_bos_token': bool(tcfg.get('add_bos_token', False)),
+            'add_eos_token': bool(tcfg.get('add_eos_token', False)),
+            'pad_token_id': None if pad is None else int(pad)}
 
 
-def _hf_token_ids(tok_json: pathlib.Path) -> Dict[str, int]:
+def hf_token_ids(tok_json: pathlib.Path) -> Dict[str, int]:
     data = json.loads(tok_json.read_text())
     ids = dict(data.get('model', {}).get('vocab', {}) or {})
     for t in data.get('added_tokens', []):

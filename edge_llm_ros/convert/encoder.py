@@ -17,6 +17,8 @@ from edge_llm_ros.convert.decoder_encoder_graph import build_decoder_encoder
 from edge_llm_ros.convert.encoder_graph import (build_encoder, DECODER_EMBEDDERS,
                                                 EMBEDDING_ONLY, ENCODER_ARCHITECTURES,
                                                 EncoderGguf, EncoderSource)
+from edge_llm_ros.convert.encoder_hf import probe_hf_encoder, read_hf_encoder
+from edge_llm_ros.convert.encoder_hf_decoder import hf_decoder_encoder_arch, HfDecoderEncoder
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import CONVERTER_VERSION, DATA_FILE, MODEL_FILE, MODEL_YAML
 
@@ -26,7 +28,10 @@ KIND_RERANK = 'rerank'
 # the architecture (llama.cpp's name) when the reader takes that folder, else None; reader(folder)
 # returns an EncoderSource the graph builders take as they take an EncoderGguf.
 ENCODER_FOLDER_READERS: Sequence[Tuple[Callable[[pathlib.Path], Optional[str]],
-                                       Callable[[pathlib.Path], EncoderSource]]] = ()
+                                       Callable[[pathlib.Path], EncoderSource]]] = (
+    (probe_hf_encoder, read_hf_encoder),  # BERT-style HF folders (encoder_hf.py)
+    (hf_decoder_encoder_arch, HfDecoderEncoder),
+)
 
 
 def encoder_architecture(source: str) -> Optional[str]:

@@ -111,6 +111,38 @@ class EncoderSource:
         """Write tokenizer.json (+ files) into out_dir; return the special-token facts."""
         raise NotImplementedError
 
+    def required(self):
+        """Tensor names llama.cpp's loader of the architecture requires."""
+        if self.spec.arch in DECODER_EMBEDDERS:
+            names = ['token_embd.weight', 'output_norm.weight']
+            for i in range(self.spec.layers):
+                names += [f'blk.{i}.{r}.weight' for r in (
+                    'attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'attn_q_norm',
+                    'attn_k_norm', 'ffn_norm', 'ffn_gate', 'ffn_up', 'ffn_down')]
+                if self.spec.arch == 'gemma-embedding':
+                    names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
+                                                              'post_ffw_norm')]
+            return names
+        if self.spec.arch == 'modern-bert':
+            names = ['token_embd.weight', 'token_embd_norm.weight', 'output_norm.weight']
+            for i in range(self.spec.layers):
+                names += [f'blk.{i}.{r}.weight' for r in ('attn_qkv', 'attn_output', 'ffn_up',
+                                                          'ffn_down', 'ffn_norm')]
+                names += [f'blk.{i}.attn_norm.weight'] if i else []
+            return names
+        nomic = self.spec.arch == 'nomic-bert'
+        names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
+        names += ['position_embd.weight'] if self.spec.arch == 'bert' else []
+        names += ['token_types.weight'] if self.spec.alibi_bias else []
+        for i in range(self.spec.layers):
+            names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
+                                                      'ffn_up', 'ffn_down', 'layer_output_norm')]
+            names += [f'blk.{i}.{r}.bias' for r in ('attn_output_norm', 'layer_output_norm')]
+            names += [f'blk.{i}.ffn_gate.weight'] if nomic else []
+            if f'blk.{i}.attn_qkv.weight' not in self.tensors:
+                names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
+        return names
+
     def array(self, name: str) -> np.ndarray:
         """Return a tensor as float32 in its logical shape."""
         return self.tensors[name].dequantize()
@@ -179,7 +211,8 @@ class EncoderGguf(EncoderSource):
                     'one of those, or a bert / nomic-bert embedder')
             extra = {'alibi_bias': JINA_MAX_ALIBI_BIAS}
         if arch == 'modern-bert':
-            extra = self._modern_bert(key, int(key('block_count')), hidden // heads, pooling)
+            extra = modern_bert_fields(path, key, int(key('block_count')), hidden // heads,
+                                       pooling)
         eps = key('attention.layer_norm_rms_epsilon' if decoder else
                   'attention.layer_norm_epsilon')
         self.spec = EncoderSpec(arch, hidden, heads, int(key('block_count')),
@@ -189,63 +222,6 @@ class EncoderGguf(EncoderSource):
         if missing:
             raise ModelLoadError(f'{path}: the {arch} GGUF lacks {", ".join(missing[:5])}; the '
                                  'file is incomplete, convert it again with llama.cpp')
-
-    def _modern_bert(self, key, layers: int, head_dim: int, pooling: int) -> dict:
-        """Return ModernBERT's spec fields (llama.cpp's modern-bert.cpp load_arch_hparams)."""
-        act = str(key('hidden_activation', 'gelu'))
-        glu = {'gelu': 'gelu', 'geglu': 'gelu', 'silu': 'silu', 'swish': 'silu',
-               'swiglu': 'silu'}.get(act)
-        if glu is None:
-            raise UnsupportedModelError(f'{self.path}: modern-bert hidden_activation {act!r} '
-                                        'is not gelu/geglu or silu/swiglu; this converter '
-                                        'builds those two MLPs only')
-        if POOLING_NAMES[pooling] == 'rank':
-            raise UnsupportedModelError(f'{self.path}: a modern-bert reranker (its cls / '
-                                        'cls_norm head) is not built; convert an embedding '
-                                        'model, or use a bert cross-encoder')
-        window = int(key('attention.sliding_window', 0))
-        local = (False,) * layers
-        if window > 0:  # every n-th layer global, layer 0 first (dense_first)
-            pattern = key('attention.sliding_window_pattern', 3)
-            local = (tuple(bool(x) for x in pattern) if isinstance(pattern, (list, tuple))
-                     else tuple(int(pattern) == 0 or i % int(pattern) != 0
-                                for i in range(layers)))
-        # llama.cpp's rope_freq_base_train_swa is 10000 unless the file says otherwise
-        return {'head_dim': head_dim, 'rope_base': float(key('rope.freq_base', 10000.0)),
-                'local_layers': local, 'window': window, 'glu': glu,
-                'local_rope_base': float(key('rope.freq_base_swa', 10000.0))}
-
-    def required(self):
-        """Tensor names llama.cpp's loader of the architecture requires."""
-        if self.spec.arch in DECODER_EMBEDDERS:
-            names = ['token_embd.weight', 'output_norm.weight']
-            for i in range(self.spec.layers):
-                names += [f'blk.{i}.{r}.weight' for r in (
-                    'attn_norm', 'attn_q', 'attn_k', 'attn_v', 'attn_output', 'attn_q_norm',
-                    'attn_k_norm', 'ffn_norm', 'ffn_gate', 'ffn_up', 'ffn_down')]
-                if self.spec.arch == 'gemma-embedding':
-                    names += [f'blk.{i}.{r}.weight' for r in ('post_attention_norm',
-                                                              'post_ffw_norm')]
-            return names
-        if self.spec.arch == 'modern-bert':
-            names = ['token_embd.weight', 'token_embd_norm.weight', 'output_norm.weight']
-            for i in range(self.spec.layers):
-                names += [f'blk.{i}.{r}.weight' for r in ('attn_qkv', 'attn_output', 'ffn_up',
-                                                          'ffn_down', 'ffn_norm')]
-                names += [f'blk.{i}.attn_norm.weight'] if i else []
-            return names
-        nomic = self.spec.arch == 'nomic-bert'
-        names = ['token_embd.weight', 'token_embd_norm.weight', 'token_embd_norm.bias']
-        names += ['position_embd.weight'] if self.spec.arch == 'bert' else []
-        names += ['token_types.weight'] if self.spec.alibi_bias else []
-        for i in range(self.spec.layers):
-            names += [f'blk.{i}.{r}.weight' for r in ('attn_output', 'attn_output_norm',
-                                                      'ffn_up', 'ffn_down', 'layer_output_norm')]
-            names += [f'blk.{i}.{r}.bias' for r in ('attn_output_norm', 'layer_output_norm')]
-            names += [f'blk.{i}.ffn_gate.weight'] if nomic else []
-            if f'blk.{i}.attn_qkv.weight' not in self.tensors:
-                names += [f'blk.{i}.attn_{r}.weight' for r in 'qkv']
-        return names
 
     def display_name(self) -> str:
         return str(gguf_field(self.reader, 'general.name') or self.path.stem)
@@ -257,6 +233,36 @@ class EncoderGguf(EncoderSource):
     def write_tokenizer(self, out_dir: pathlib.Path) -> Dict[str, object]:
         from edge_llm_ros.convert.gguf_tokenizer import write_tokenizer_files
         return write_tokenizer_files(self.reader, out_dir)
+
+
+def modern_bert_fields(path: pathlib.Path, key, layers: int, head_dim: int,
+                       pooling: int) -> dict:
+    """Return ModernBERT's spec fields (llama.cpp's modern-bert.cpp load_arch_hparams).
+
+    key(name, default) reads the `modern-bert.` keys of a GGUF, or their HF config values.
+    """
+    act = str(key('hidden_activation', 'gelu'))
+    glu = {'gelu': 'gelu', 'geglu': 'gelu', 'silu': 'silu', 'swish': 'silu',
+           'swiglu': 'silu'}.get(act)
+    if glu is None:
+        raise UnsupportedModelError(f'{path}: modern-bert hidden_activation {act!r} '
+                                    'is not gelu/geglu or silu/swiglu; this converter '
+                                    'builds those two MLPs only')
+    if POOLING_NAMES[pooling] == 'rank':
+        raise UnsupportedModelError(f'{path}: a modern-bert reranker (its cls / '
+                                    'cls_norm head) is not built; convert an embedding '
+                                    'model, or use a bert cross-encoder')
+    window = int(key('attention.sliding_window', 0))
+    local = (False,) * layers
+    if window > 0:  # every n-th layer global, layer 0 first (dense_first)
+        pattern = key('attention.sliding_window_pattern', 3)
+        local = (tuple(bool(x) for x in pattern) if isinstance(pattern, (list, tuple))
+                 else tuple(int(pattern) == 0 or i % int(pattern) != 0
+                            for i in range(layers)))
+    # llama.cpp's rope_freq_base_train_swa is 10000 unless the file says otherwise
+    return {'head_dim': head_dim, 'rope_base': float(key('rope.freq_base', 10000.0)),
+            'local_layers': local, 'window': window, 'glu': glu,
+            'local_rope_base': float(key('rope.freq_base_swa', 10000.0))}
 
 
 def linear(g: _Graph, m: EncoderSource, x: str, prefix: str) -> str:

@@ -4,6 +4,9 @@ Prints the answer as it streams, then one line of timings on stderr. Ctrl-C canc
 and prints the partial answer. Exit status: 0 answered, 1 refused or failed, 130 cancelled.
 
 `--video FILE --fps 2` sends a clip (a Qwen-VL model; --max-frames caps it) with the images.
+`--window 3 --perception /perception` asks instead about the last 3 seconds the perception
+node's camera saw: llm_node takes that node's time window (sampled at --fps, at most
+--max-frames, default 8) as the clip ("what just happened?").
 `--image FILE` (repeatable) sends images to a vision model: they are decoded here into one
 slot of a pool this command owns (its socket in the same EDGE_LLM_IPC_DIR as the node's), and
 the goal carries only their handles; llm_node maps the slot while the goal runs. The pool
@@ -22,7 +25,8 @@ import numpy as np
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 
-from edge_llm_ros.client import GenerationOutcome, LLMClient, LLMClientError, NodeNotActiveError
+from edge_llm_ros.client import (GenerationOutcome, LLMClient, LLMClientError,
+                                 NodeNotActiveError, VideoWindow)
 from edge_llm_ros.errors import InvalidRequestError
 from edge_llm_ros.ipc.errors import IpcError
 from edge_llm_ros.nodes import spin
@@ -55,8 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f'{MEDIA_MARKER}, after those of --image, else ahead of the text)')
     parser.add_argument('--fps', type=float, default=2.0,
                         help='frames per second taken from --video (0: every frame)')
-    parser.add_argument('--max-frames', type=int, default=DEFAULT_MAX_FRAMES,
-                        help='most frames taken from --video, from its start')
+    parser.add_argument('--max-frames', type=int, default=None,
+                        help=f'most frames taken from --video, from its start (default '
+                             f'{DEFAULT_MAX_FRAMES}), or from --window (default 8)')
+    parser.add_argument('--window', type=float, default=None, metavar='SECONDS',
+                        help="a Qwen-VL model: the last SECONDS of --perception's camera as "
+                             f'the clip (one {MEDIA_MARKER}, as --video), sampled at --fps')
+    parser.add_argument('--perception', default='/perception', metavar='NODE',
+                        help='the perception node whose time window --window names (it runs '
+                             'with window.seconds > 0; default /perception)')
     parser.add_argument('--max-image-tokens', type=int, default=0, metavar='N',
                         help="most tokens one image may take (default 0: the node's "
                              'vision.max_image_tokens)')
@@ -131,13 +142,17 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
     """
     frames = list(images[len(images) - len(clip.frames):]) if clip is not None else []
     images = list(images[:len(images) - len(frames)])
+    seconds = getattr(args, 'window', None)
+    window = (VideoWindow(args.perception, seconds, args.max_frames or 0)
+              if seconds is not None else None)
     sampling = {}
     if args.temperature is not None:
         sampling['temperature'] = args.temperature
     if args.seed is not None:
         sampling['seed'] = args.seed
     raw = bool(getattr(args, 'raw', False))
-    handle = client.generate(prompt_with_markers(args.prompt, len(images) + bool(frames), raw),
+    handle = client.generate(prompt_with_markers(args.prompt,
+                                                 len(images) + bool(frames or window), raw),
                              system_prompt=args.system, max_tokens=args.max_tokens,
                              session_id=args.session,
                              json_schema=getattr(args, 'json_schema', ''),
@@ -145,7 +160,9 @@ def stream_answer(client: LLMClient, args: argparse.Namespace, out: TextIO = sys
                              max_image_tokens=int(getattr(args, 'max_image_tokens', 0) or 0),
                              video_frames=frames,
                              video_timestamps=clip.timestamps if clip is not None else (),
-                             video_fps=clip.fps if clip is not None else 0.0, **sampling)
+                             video_fps=(clip.fps if clip is not None else
+                                        args.fps if window is not None else 0.0),
+                             video_window=window, **sampling)
     cancelled = False
     try:
         for delta in handle.stream(timeout=args.timeout):
@@ -195,7 +212,11 @@ def wait_for_node(client: LLMClient, wait_s: float, err: TextIO = sys.stderr) ->
 def run(args: argparse.Namespace) -> int:
     try:   # before anything connects: a bad file is the first thing to say
         pixels = decode_images(getattr(args, 'image', ()))
-        clip = (read_clip(args.video, args.fps, args.max_frames, f'--video {args.video}')
+        if getattr(args, 'video', '') and getattr(args, 'window', None) is not None:
+            raise InvalidRequestError('give --video FILE or --window SECONDS, not both: a goal '
+                                      'takes one clip')
+        clip = (read_clip(args.video, args.fps, DEFAULT_MAX_FRAMES if args.max_frames is None
+                          else args.max_frames, f'--video {args.video}')
                 if getattr(args, 'video', '') else None)
     except InvalidRequestError as exc:
         print(f'ask: {exc}', file=sys.stderr)

@@ -27,11 +27,12 @@ from edge_llm_msgs.action import Generate
 from edge_llm_msgs.msg import Transcript
 from edge_llm_ros.metrics import figures
 from edge_llm_ros.nodes.llm_admission import Admission, error_kind_of, NodeGoal
+from edge_llm_ros.nodes.llm_window import fill_clip, window_ask, WindowCalls
 from edge_llm_ros.nodes.messages import (error_kind, fill_result, ros_string, stopped_kind,
                                          tool_call_delta_msgs)
 from edge_llm_ros.qos import FEEDBACK_QOS
 from edge_llm_ros.runtime.types import StopReason
-from edge_llm_ros.serving.goal import CancelReason, error_result, Feedback
+from edge_llm_ros.serving.goal import cancelled_result, CancelReason, error_result, Feedback
 
 
 class GenerateServer:
@@ -57,6 +58,8 @@ class GenerateServer:
         # In the action server's group: runs only after the cancel request that triggered it.
         self._cancels_recorded_gc = node.create_guard_condition(
             self._on_cancels_recorded, callback_group=self._group)
+        # Goals that name a perception node's time window wait here for its frames.
+        self._windows = WindowCalls(node, lambda: node.runtime.window_timeout_s)
 
     # ---- callbacks --------------------------------------------------------------------------
     def on_goal(self, msg: Generate.Goal) -> GoalResponse:
@@ -103,14 +106,49 @@ class GenerateServer:
         if goal.done:
             self._admission.resolve(goal)
             return
+        try:
+            ask = window_ask(msg)
+            if ask is not None:   # the clip is a perception node's window: ask it first
+                self._check_video()
+                self._windows.start(goal, ask, functools.partial(self._window_done, msg, goal,
+                                                                 ask))
+                return
+        except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
+            self._refuse(goal, exc)
+            return
         # Queued last: the woken worker then never waits for the GIL while this thread still
         # publishes the EXECUTING status and schedules the execute coroutine.
+        self._enqueue(msg, goal)
+
+    def _enqueue(self, msg, goal: NodeGoal) -> None:
         try:
             self._admission.enqueue(msg, goal)
         except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
-            goal.error_kind = error_kind_of(exc)
-            goal.finish(error_result(self._admission.refusal(exc, '~/generate')))
-            self._admission.resolve(goal)
+            self._refuse(goal, exc)
+
+    def _refuse(self, goal: NodeGoal, exc: BaseException) -> None:
+        """End an accepted goal that was never queued, with why (its place given back)."""
+        self._admission.give_back(goal)
+        goal.error_kind = error_kind_of(exc)
+        goal.finish(error_result(self._admission.refusal(exc, '~/generate')))
+        self._admission.resolve(goal)
+
+    def _check_video(self) -> None:
+        """Refuse a window for a model that takes no clip, before asking for any frame."""
+        check = getattr(self._node.engine, 'check_video', None)   # a remote engine: its own
+        if check is not None:
+            check("the goal's video window")
+
+    def _window_done(self, msg, goal: NodeGoal, ask, response, error) -> None:
+        """Take the window's reply (or why none came) as the goal's clip, then queue the goal."""
+        try:
+            if error is not None:
+                raise error
+            fill_clip(msg, ask, response)
+        except Exception as exc:  # noqa: B902 - every failure aborts the goal with a message
+            self._refuse(goal, exc)
+            return
+        self._enqueue(msg, goal)
 
     def on_cancel(self, goal_handle) -> CancelResponse:
         """Accept every cancel request and stop the goal.
@@ -133,6 +171,12 @@ class GenerateServer:
     def _stop(self, goal: NodeGoal) -> None:
         """Cancel a goal for its client, wherever it is: held by a model update, or queued."""
         if self._admission.cancel_held(goal, CancelReason.CLIENT):
+            return
+        if self._windows.cancel(goal):   # still waiting for its window: never queued
+            self._admission.give_back(goal)
+            goal.cancel_reason = CancelReason.CLIENT
+            goal.finish(cancelled_result())
+            self._admission.resolve(goal)
             return
         worker = self._node.worker
         if goal.request is not None and worker is not None:

@@ -51,6 +51,7 @@ class RuntimeConfig:
 
     defaults: RequestDefaults
     feedback: FeedbackPolicy
+    window_timeout_s: float = 2.0   # vision.window_timeout_s (nodes/llm_window.py)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,8 @@ def runtime_config(values: Dict[str, Any]) -> RuntimeConfig:
                                  max_tokens=int(values['max_tokens']),
                                  system_prompt=str(values['system_prompt'])),
         feedback=FeedbackPolicy(tokens=int(values['feedback.period_tokens']),
-                                period_s=period_ms / 1000.0 if period_ms else 0.0))
+                                period_s=period_ms / 1000.0 if period_ms else 0.0),
+        window_timeout_s=float(values['vision.window_timeout_s']))
 
 
 def read_config(node: Node) -> LLMNodeConfig:

@@ -300,7 +300,8 @@ REQUEST_FIELDS = ('prompt', 'messages', 'system_prompt', 'sampling', 'max_tokens
                   'reasoning_mode', 'reasoning_budget')
 # Generate goals only (a ~/complete record keeps 0 / false).
 GOAL_ONLY_FIELDS = ('priority', 'preempt', 'no_speculation', 'images', 'raw_prompt',
-                    'max_image_tokens', 'video_frames', 'video_timestamps', 'video_fps')
+                    'max_image_tokens', 'video_frames', 'video_timestamps', 'video_fps',
+                    'video_window_source', 'video_window_seconds', 'video_window_max_frames')
 OUTCOME_FIELDS = ('text', 'token_ids', 'finish_reason', 'prompt_tokens', 'completion_tokens',
                   'timings', 'tool_calls', 'reasoning', 'logprobs', 'dropped_turns')
 

@@ -41,6 +41,11 @@ and no detections; it needs no translation.
 Interface version 8 (issue 40) only added fields: Generate.Goal/Transcript `video_frames`,
 `video_timestamps` and `video_fps` (a clip for a Qwen-VL model). An older record reads no
 clip, which is how every older goal was served: it needs no translation.
+
+Interface version 9 (issue 40) only added fields: Generate.Goal/Transcript
+`video_window_source`, `video_window_seconds` and `video_window_max_frames` (the clip named as
+a perception node's time window). A record of such a goal carries the clip the window resolved
+to in its video fields, which replay resends; an older record reads no window.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ UNSET_FLOAT = -1.0
 UNSET_INT = -1
 UNSET_PENALTY = -1000.0
 # Transcript.INTERFACE_VERSION of this build; records without the field are version 1.
-INTERFACE_VERSION = 8
+INTERFACE_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,10 @@ class TranscriptRecord:
     video_frames: list = field(default_factory=list)   # version 8: TensorHandleRecord each
     video_timestamps: list = field(default_factory=list)   # version 8: seconds per frame
     video_fps: float = 0.0             # version 8: the clip's sampling rate (0: not said)
+    # Version 9: the perception node whose time window gave the clip above ('' : none).
+    video_window_source: str = ''
+    video_window_seconds: float = 0.0  # version 9: the window's length (s)
+    video_window_max_frames: int = 0   # version 9: its frame cap (0: llm_node's)
     lora: list = field(default_factory=list)   # version 8: AdapterUseRecord per adapter
     accepted: bool = False
     text: str = ''
@@ -310,6 +314,9 @@ def transcript_from_msg(msg: Any, bag_stamp_ns: int = 0, topic: str = '') -> Tra
         video_frames=[tensor_handle_from_msg(h) for h in getattr(msg, 'video_frames', ())],
         video_timestamps=[float(t) for t in getattr(msg, 'video_timestamps', ())],
         video_fps=float(getattr(msg, 'video_fps', 0.0)),
+        video_window_source=str(getattr(msg, 'video_window_source', '')),
+        video_window_seconds=float(getattr(msg, 'video_window_seconds', 0.0)),
+        video_window_max_frames=int(getattr(msg, 'video_window_max_frames', 0)),
         lora=[AdapterUseRecord(str(u.name), float(u.scale), str(u.digest))
               for u in getattr(msg, 'lora', ())],
         session_turns=[chat_from_msg(m) for m in getattr(msg, 'session_turns', ())],

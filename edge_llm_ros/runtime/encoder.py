@@ -9,7 +9,9 @@ graph with a `pooled` output pools itself: EmbeddingGemma's dense projections fo
 A rerank pair is the tokenizer's pair ([CLS] query [SEP] document [SEP]), or, where the model
 has a rerank prompt (model.yaml `embedding.rerank_template`: Qwen3-Reranker), that prompt
 with {query} and {document} replaced, special tokens parsed and none added, as llama-server's
-format_prompt_rerank builds it; the score is the classifier's first output.
+format_prompt_rerank builds it; the score is the classifier's first output. With `truncate`,
+a text over the context keeps its first tokens and its last; a pair keeps its query and
+prompt whole and loses the end of its document.
 """
 from dataclasses import dataclass
 import os
@@ -103,9 +105,9 @@ class TextEncoder:
         if pairs is None:
             enc = self.tokenizer.encode_batch(list(texts))
         elif self.rerank_template:
-            prompts = [self.rerank_template.replace('{query}', q).replace('{document}', d)
-                       for q, d in zip(texts, pairs)]
-            enc = self.tokenizer.encode_batch(prompts, add_special_tokens=False)
+            enc = self.tokenizer.encode_batch(
+                [self._rerank_prompt(q, d) for q, d in zip(texts, pairs)],
+                add_special_tokens=False)
         else:
             enc = self.tokenizer.encode_batch(list(zip(texts, pairs)))
         out = []
@@ -113,12 +115,48 @@ class TextEncoder:
             ids = list(e.ids)
             if len(ids) > self.context:
                 if not truncate:
+                    what = 'text' if pairs is None else 'rerank pair'
                     raise EmbeddingInputError(
-                        f'text {i} is {len(ids)} tokens, over the context of {self.context}: '
+                        f'{what} {i} is {len(ids)} tokens, over the context of {self.context}: '
                         'shorten it or set truncate')
-                ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP] / EOS
+                if pairs is None:
+                    ids = ids[:self.context - 1] + ids[-1:]  # keep the closing [SEP] / EOS
+                else:
+                    ids = self._cut_pair(i, texts[i], pairs[i])
             out.append(ids)
         return out
+
+    def _rerank_prompt(self, query: str, document: str) -> str:
+        return self.rerank_template.replace('{query}', query).replace('{document}', document)
+
+    def _cut_pair(self, i: int, query: str, document: str) -> List[int]:
+        """Fit a rerank pair to the context by cutting the end of its document only.
+
+        The query, the separators and the rerank prompt stay whole: cutting them would score
+        something other than "this document for this query".
+        """
+        def pair_ids(text: str) -> List[int]:
+            if self.rerank_template:
+                return self.tokenizer.encode(self._rerank_prompt(query, text),
+                                             add_special_tokens=False).ids
+            return self.tokenizer.encode(query, text).ids
+
+        # The document's text is cut where its kept tokens end (their character offsets), so
+        # the kept part tokenizes as it did inside the whole document.
+        ends = [end for _, end in self.tokenizer.encode(document,
+                                                        add_special_tokens=False).offsets]
+        keep, ids = len(ends), pair_ids(document)
+        for _ in range(4):   # a cut may still tokenize a little longer at its seam: cut again
+            keep -= len(ids) - self.context
+            if keep < 1:
+                raise EmbeddingInputError(
+                    f'rerank pair {i}: the query (with the separators or rerank prompt) fills '
+                    f'the context of {self.context} tokens: shorten the query')
+            ids = pair_ids(document[:ends[keep - 1]])
+            if len(ids) <= self.context:
+                return ids
+        raise EmbeddingInputError(f'rerank pair {i} does not fit the context of {self.context} '
+                                  'tokens even with its document cut: shorten the document')
 
     def embed(self, texts: Sequence[str], dimensions: int = 0,
               truncate: bool = False) -> Embeddings:

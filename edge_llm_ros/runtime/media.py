@@ -92,6 +92,8 @@ class ImageLayout(Protocol):
 
     def place_clip(self, height: int, width: int, frames: int, name: str) -> Placement: ...
 
+    def check_clips(self, name: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class MediaPrompt:
@@ -154,6 +156,15 @@ def as_rgb(view: np.ndarray) -> np.ndarray:
         return view
     mono = view if view.ndim == 3 else view[:, :, None]
     return np.broadcast_to(mono, mono.shape[:2] + (3,))
+
+
+def check_video(layout: Optional[ImageLayout], name: str) -> None:
+    """Raise ImageInputError naming `name` unless the model takes video clips (no frames read)."""
+    if layout is None:
+        raise ImageInputError(f'{name} is a video clip, but this model has no vision encoder '
+                              '(convert a Qwen2.5-VL or Qwen3-VL model with its mmproj: '
+                              'edge-llm-convert ... --mmproj)')
+    layout.check_clips(name)
 
 
 def check_images(images: Sequence[ImageInput], layout: Optional[ImageLayout]

@@ -99,6 +99,14 @@ class PromptLayout:
         Each two frames are one chunk placed like an image (an odd last frame alone); only
         Qwen-VL's mergers take a clip (llama.cpp's clip_model_n_temporal_merge is 1 for others).
         """
+        self.check_clips(name)
+        one = self.place(height, width)
+        chunks = (frames + 1) // 2
+        return ImagePlacement(tuple(merge_items(one.items * chunks)), one.rows * chunks, chunks,
+                              False, one.grid, one.input_size)
+
+    def check_clips(self, name: str) -> None:
+        """Raise ImageInputError naming `name` unless this model takes video clips."""
         if self.refusal:
             raise ImageInputError(self.refusal)
         if self.projector not in QWEN:
@@ -107,10 +115,6 @@ class PromptLayout:
                 'merge (only Qwen2.5-VL and Qwen3-VL take video): send its frames as images')
         if self.clip_refusal:
             raise ImageInputError(f'{name}: {self.clip_refusal}')
-        one = self.place(height, width)
-        chunks = (frames + 1) // 2
-        return ImagePlacement(tuple(merge_items(one.items * chunks)), one.rows * chunks, chunks,
-                              False, one.grid, one.input_size)
 
     def place_encoded(self, encoded: DeclaredEncoded, name: str) -> ImagePlacement:
         """Return the items of an image already encoded (media.DeclaredEncoded).

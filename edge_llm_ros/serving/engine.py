@@ -39,7 +39,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequ
 from edge_llm_ros.errors import EngineError, InvalidRequestError, ModelLoadError
 from edge_llm_ros.model_format import (CHAT_TEMPLATE_FILE, embedded_model, KV_INT8_MODEL_FILE,
                                        load_model_info, ModelInfo)
-from edge_llm_ros.runtime import constraint as constraint_mod
+from edge_llm_ros.runtime import constraint as constraint_mod, media
 from edge_llm_ros.runtime.conversation import committed, Conversation, reply_turn
 from edge_llm_ros.runtime.decoder import OnnxDecoder, SessionConfig
 from edge_llm_ros.runtime.kv_cache import KVCache, Reuse, SNAPSHOT_DTYPES
@@ -562,6 +562,10 @@ class Engine:
 
     def token_strings(self, ids) -> List[str]:
         return self.tokenizer.token_strings(ids)
+
+    def check_video(self, name: str) -> None:
+        """Raise ImageInputError naming `name` unless this model takes video clips."""
+        media.check_video(self._layout, name)
 
     def detokenize(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of token ids (InvalidRequestError for an id outside the vocabulary)."""

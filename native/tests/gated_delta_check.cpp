@@ -1,7 +1,8 @@
 // Prints a hash of GatedDeltaNet's outputs and states over fixed pseudo-random rows (several
 // shapes, fresh and continued rows). test_native_gated_delta builds this file twice, with
 // the AVX2 clone and with the baseline code alone (-DELK_GDN_BASELINE), and asks for the
-// same hash: the two paths give the same bits.
+// same hash: the two paths (the op's column tiles in the clones, the definition's token-by-token
+// sweeps in the baseline) give the same bits.
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -32,13 +33,15 @@ uint64_t fnv(const std::vector<float> &v, uint64_t h) {
 
 int main() {
   uint64_t hash = 1469598103934665603ULL;
-  const int64_t shapes[][4] = {{2, 4, 32, 4}, {16, 16, 128, 4}, {1, 3, 24, 3}};
+  // Head sizes under, at and over the op's column tile (32), one with a remainder (40).
+  const int64_t shapes[][4] = {{2, 4, 32, 4}, {16, 16, 128, 4}, {1, 3, 24, 3}, {2, 2, 40, 4}};
   for (const auto &sh : shapes) {
     const elk_gdn_shape shape{sh[0], sh[1], sh[2], sh[3], 1e-6f};
     const int64_t d = sh[2], channels = (2 * sh[0] + sh[1]) * d, value = sh[1] * d;
     const int64_t floats = (sh[3] - 1) * channels + sh[1] * d * d;
-    const elk_row rows[] = {{0, 0, 0, 5, 0}, {1, 7, 5, 1, 0}, {2, 3, 6, 3, 0}};
-    const int64_t tokens = 9;
+    // Fresh and continued rows, one longer than the op's run of tokens (32).
+    const elk_row rows[] = {{0, 0, 0, 5, 0}, {1, 7, 5, 1, 0}, {2, 3, 6, 3, 0}, {0, 5, 9, 70, 0}};
+    const int64_t tokens = 79;
     std::vector<float> qkv(tokens * channels), z(tokens * value), alpha(tokens * sh[1]),
         beta(tokens * sh[1]), weight(channels * sh[3]), dt(sh[1]), a(sh[1]), norm(d),
         state(3 * floats), conv(tokens * channels), y(tokens * value);
