@@ -94,11 +94,13 @@ BATCHED_INPUTS: Tuple[str, ...] = ('input_ids', 'seqlens_k', 'total_sequence_len
 # cuts them); the graph normalizes them itself.
 VISION_INPUT = 'pixels'
 # A Qwen-VL vision.onnx (any image size) also takes the 2-D rotary tables of its patches and
-# the windowed attention's additive mask, which depend on the image's size only
-# (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice and [N, N].
+# (Qwen2.5-VL) its windowed layers' window layout, which depend on the image's size only
+# (runtime/mmproj_qwen.py computes them): float32 [N, head_dim / 2] twice, then each window's
+# patches (int64 [W x S]), their additive key bias (float32 [W, S]: 0 on a patch, lowest on an
+# empty slot) and each patch's slot (int64 [N]), so no [N, N] mask.
 VISION_ROPE_INPUTS = ('vision_cos', 'vision_sin')
-VISION_WINDOW_MASK = 'window_mask'
-# A Qwen3-VL vision.onnx takes, instead of the window mask, its learned position embeddings'
+VISION_WINDOW_INPUTS = ('window_index', 'window_bias', 'window_inverse')
+# A Qwen3-VL vision.onnx takes, instead of the window layout, its learned position embeddings'
 # bilinear interpolation to the image's grid: per patch (merge order) the 4 source rows
 # (int64 [N, 4]) and their weights (float32 [N, 4]).
 VISION_POS_INPUTS = ('pos_index', 'pos_weight')

@@ -70,6 +70,7 @@ def our_embeddings(mmproj, img: np.ndarray) -> np.ndarray:
     (150, 230),   # wide, resized to 140 x 224 (letterboxed by a few columns)
     (250, 100),   # tall, resized to 252 x 112
     (97, 131),    # odd sides
+    (600, 700),   # 2,100 patches, over FLASH_FROM: per-window and flash attention (blocked)
 ])
 def test_image_embeddings_match_llamacpps_mtmd(tmp_path, qwen_pair, height, width):
     text, mmproj = qwen_pair

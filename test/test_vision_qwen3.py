@@ -55,6 +55,7 @@ def qwen3_pair(tmp_path_factory):
     (250, 100),   # tall, resized to 256 x 96
     (97, 131),    # odd sides
     (224, 320),   # larger than the position grid: interpolated up
+    (700, 760),   # 2,112 patches, over FLASH_FROM: flash attention (blocked)
 ])
 def test_image_embeddings_match_llamacpps_mtmd(tmp_path, qwen3_pair, height, width):
     text, mmproj = qwen3_pair

@@ -67,6 +67,7 @@ class _Graph:
         self.inits: Dict[str, onnx.TensorProto] = {}
         self._n = 0
         self._data, self._location = data, location
+        self.shared: Dict[str, str] = {}  # values a builder computes once per graph
 
     def init(self, name: str, value: np.ndarray) -> str:
         self.inits[name] = initializer(name, value, self._data, self._location)

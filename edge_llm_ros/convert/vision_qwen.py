@@ -11,15 +11,17 @@ any size whose sides are multiples of patch x merge (28 for Qwen2.5-VL):
 - the patches in merge order: 2 x 2 blocks row by row, each block's patches row by row;
 - per layer: RMSNorm, biased q/k/v, 2-D RoPE (NEOX halves; the first quarter of each head's
   pairs turn with the patch's row, the second with its column: the `vision_cos` /
-  `vision_sin` inputs, runtime/mmproj_qwen.py), softmax(q k^T x scale + mask) where the layer
-  is windowed (`window_mask`: 0 inside a patch's window of 112 pixels, float lowest outside)
-  and no mask where (i + 1) % n_wa_pattern == 0, biased output, RMSNorm, SwiGLU MLP
-  silu(gate) x up, down;
+  `vision_sin` inputs, runtime/mmproj_qwen.py), softmax(q k^T x scale) within each window
+  of 112 pixels where the layer is windowed (the window layout `window_index`,
+  `window_bias`, `window_inverse`) and over all patches where (i + 1) % n_wa_pattern == 0
+  (up to FLASH_FROM patches over [N, N] scores as libmtmd, with the window mask; above,
+  blocked: per gathered window, and MultiHeadAttention's flash kernel for the full
+  layers), biased output, RMSNorm, SwiGLU MLP silu(gate) x up, down;
 - v.post_ln (RMSNorm), then each merge block's 4 patches side by side (4 C wide) through
   mm.0, GELU (tanh), mm.2.
-llama.cpp regroups the patches window by window and back; attention with the mask over the
-patches in their own order is the same computation (test/test_vision_qwen.py checks it
-against libmtmd). Output `image_embeds` [1, N / 4, n_out], merged tokens row by row.
+llama.cpp regroups the patches window by window and back and masks [N, N]; attention per
+gathered window is the same computation (test/test_vision_qwen.py checks it against libmtmd).
+Output `image_embeds` [1, N / 4, n_out], merged tokens row by row.
 
 Qwen3-VL (`qwen3vl_merger`, clip_graph_qwen3vl) shares the patch embedding (plus its bias),
 the merge order and the 2-D RoPE, and differs in:
@@ -43,9 +45,12 @@ from edge_llm_ros.convert.onnx_graph import MS_DOMAIN
 from edge_llm_ros.convert.vision_graph import (_f16, _gelu, _Graph, _layer_norm, _linear,
                                                _normalized, OPSET)
 from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
-                                       VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
+                                       VISION_ROPE_INPUTS, VISION_WINDOW_INPUTS)
 
 COS, SIN = VISION_ROPE_INPUTS
+# Attention over more patches than this runs blocked (`_attention`): 2,048 patches are
+# Qwen3-VL's 512 tokens (a 640x480 frame is 1,200 patches, a capped 1080p one 4,600).
+FLASH_FROM = 2048
 POS_INDEX, POS_WEIGHT = VISION_POS_INPUTS
 
 
@@ -62,20 +67,109 @@ def _rms_norm(g: _Graph, mm: Mmproj, x: str, prefix: str) -> str:
 
 
 def _rotated(g: _Graph, x: str, half: int) -> str:
-    """Return NEOX RoPE of x [1, H, N, d]: halves (a, b) -> (a cos - b sin, a sin + b cos)."""
+    """Return NEOX RoPE of x [1, N, H, d]: halves (a, b) -> (a cos - b sin, a sin + b cos)."""
+    cos, sin = (g.node('Unsqueeze', [t, g.const([1])]) for t in (COS, SIN))  # [N, 1, d / 2]
     a = g.node('Slice', [x, g.const([0]), g.const([half]), g.const([3])])
     b = g.node('Slice', [x, g.const([half]), g.const([2 * half]), g.const([3])])
-    first = g.node('Sub', [g.node('Mul', [a, COS]), g.node('Mul', [b, SIN])])
-    second = g.node('Add', [g.node('Mul', [a, SIN]), g.node('Mul', [b, COS])])
+    first = g.node('Sub', [g.node('Mul', [a, cos]), g.node('Mul', [b, sin])])
+    second = g.node('Add', [g.node('Mul', [a, sin]), g.node('Mul', [b, cos])])
     return g.node('Concat', [first, second], axis=3)
 
 
+def _windowed(g: _Graph, q: str, k: str, v: str, heads: int, d: int) -> str:
+    """Return attention within each window of q, k, v [1, N, C] (Qwen2.5-VL's windowed layers).
+
+    The patches are gathered window by window (`window_index`) into [W, S] slots, attention
+    runs per window with `window_bias` on the keys (empty slots: float lowest, as the [N, N]
+    mask's off-window entries, so the same softmax), and `window_inverse` takes each patch's
+    row back: W x S x S scores instead of N x N.
+    """
+    index, bias, inverse = VISION_WINDOW_INPUTS
+    shape = g.node('Concat', [g.node('Shape', [bias]), g.const([heads, d])], axis=0)
+
+    def windows(x: str) -> str:  # [1, N, C] -> [W, H, S, d]
+        rows = g.node('Gather', [g.node('Squeeze', [x, g.const([0])]), index], axis=0)
+        return g.node('Transpose', [g.node('Reshape', [rows, shape])], perm=[0, 2, 1, 3])
+
+    keys = g.node('Transpose', [windows(k)], perm=[0, 1, 3, 2])
+    scores = g.node('Mul', [g.node('MatMul', [windows(q), keys]),
+                            g.const(1.0 / np.sqrt(d), np.float32)])
+    scores = g.node('Add', [scores, g.node('Unsqueeze', [bias, g.const([1, 2])])])
+    attn = g.node('MatMul', [g.node('Softmax', [scores], axis=-1), windows(v)])
+    rows = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
+                              g.const([-1, heads * d])])  # [W x S, C]
+    return g.node('Unsqueeze', [g.node('Gather', [rows, inverse], axis=0), g.const([0])])
+
+
+def _window_mask(g: _Graph) -> str:
+    """Return the windowed layers' additive mask [N, N]: 0 within a window, lowest across."""
+    _, bias, inverse = VISION_WINDOW_INPUTS
+    size = g.node('Slice', [g.node('Shape', [bias]), g.const([1]), g.const([2])])
+    window = g.node('Div', [inverse, size])  # each patch's window
+    same = g.node('Equal', [g.node('Unsqueeze', [window, g.const([1])]),
+                            g.node('Unsqueeze', [window, g.const([0])])])
+    return g.node('Where', [same, g.const(0.0, np.float32),
+                            g.const(np.finfo(np.float32).min, np.float32)])
+
+
+def _plain(g: _Graph, q: str, k: str, v: str, heads: int, d: int,
+           mask: Optional[str] = None) -> str:
+    """Return softmax(q k^T x scale + mask) v of q, k, v [1, N, C] over [1, H, N, N] scores.
+
+    libmtmd's order of operations (its [N, N] window mask included), so the tiny pairs'
+    near-tied greedy paths stay mtmd's.
+    """
+    def heads_of(x: str) -> str:  # [1, H, N, d]
+        return g.node('Transpose', [g.node('Reshape', [x, g.const([0, -1, heads, d])])],
+                      perm=[0, 2, 1, 3])
+    keys = g.node('Transpose', [heads_of(k)], perm=[0, 1, 3, 2])
+    scores = g.node('Mul', [g.node('MatMul', [heads_of(q), keys]),
+                            g.const(1.0 / np.sqrt(d), np.float32)])
+    if mask:
+        scores = g.node('Add', [scores, mask])
+    attn = g.node('MatMul', [g.node('Softmax', [scores], axis=-1), heads_of(v)])
+    return g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
+                              g.const([0, -1, heads * d])])
+
+
+def _flash(g: _Graph, q: str, k: str, v: str, heads: int, d: int) -> str:
+    """Return full attention of q, k, v [1, N, C] as onnxruntime's MultiHeadAttention.
+
+    Its CPU kernel (MLAS flash attention) runs blocks of queries x keys with a running max
+    and sum, never the [H, N, N] scores (at 4,600 patches 1.35 GB a layer, written and read
+    again by each op of `_plain`).
+    """
+    return g.node('MultiHeadAttention', [q, k, v], domain=MS_DOMAIN, num_heads=heads,
+                  scale=float(1.0 / np.sqrt(d)))
+
+
+def _by_size(g: _Graph, large, small) -> str:
+    """Return an If: large() above FLASH_FROM patches, else small() (each builds a branch)."""
+    if 'long' not in g.shared:  # once per graph
+        n = g.node('Slice', [g.node('Shape', [COS]), g.const([0]), g.const([1])])
+        g.shared['long'] = g.node('Greater', [n, g.const([FLASH_FROM])])
+    return g.node('If', [g.shared['long']], then_branch=_branch(g, large),
+                  else_branch=_branch(g, small))
+
+
+def _branch(g: _Graph, build) -> onnx.GraphProto:
+    """Return an If branch: the nodes build() adds, its output the one it returns."""
+    outer, g.nodes = g.nodes, []
+    out = build()
+    nodes, g.nodes = g.nodes, outer
+    return helper.make_graph(nodes, f'{out}_branch', [],
+                             [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+
+
 def _attention(g: _Graph, mm: Mmproj, h: str, i: int) -> str:
-    """Return layer i's attention output (before the residual) of the normed patches h."""
+    """Return layer i's attention output (before the residual) of the normed patches h.
+
+    Up to FLASH_FROM patches as libmtmd computes it (`_plain`, windowed layers with the
+    window mask); above, blocked: `_flash` for full attention, `_windowed` per window.
+    """
     cfg = mm.config
     heads, d, c = cfg.n_head, cfg.n_embd // cfg.n_head, cfg.n_embd
     b = f'v.blk.{i}'
-    split = g.const([0, -1, heads, d])
     if cfg.projector == QWEN3VL:  # one fused q|k|v matmul
         qkv = _linear(g, mm, h, f'{b}.attn_qkv')
         parts = {n: g.node('Slice', [qkv, g.const([j * c]), g.const([(j + 1) * c]),
@@ -83,22 +177,16 @@ def _attention(g: _Graph, mm: Mmproj, h: str, i: int) -> str:
                  for j, n in enumerate(('attn_q', 'attn_k', 'attn_v'))}
     else:
         parts = {n: _linear(g, mm, h, f'{b}.{n}') for n in ('attn_q', 'attn_k', 'attn_v')}
-
-    def heads_of(name: str) -> str:
-        t = g.node('Reshape', [parts[name], split])
-        return g.node('Transpose', [t], perm=[0, 2, 1, 3])  # [1, H, N, d]
-
-    q = _rotated(g, heads_of('attn_q'), d // 2)
-    k = _rotated(g, heads_of('attn_k'), d // 2)
-    v = heads_of('attn_v')
-    scores = g.node('Mul', [g.node('MatMul', [q, g.node('Transpose', [k], perm=[0, 1, 3, 2])]),
-                            g.const(1.0 / np.sqrt(d), np.float32)])
+    split, join = g.const([0, -1, heads, d]), g.const([0, -1, c])
+    q, k = (g.node('Reshape', [_rotated(g, g.node('Reshape', [parts[n], split]), d // 2), join])
+            for n in ('attn_q', 'attn_k'))
+    qkv = (q, k, parts['attn_v'], heads, d)
     if cfg.wa_pattern and (i + 1) % cfg.wa_pattern:
-        scores = g.node('Add', [scores, VISION_WINDOW_MASK])
-    attn = g.node('MatMul', [g.node('Softmax', [scores], axis=-1), v])
-    merged = g.node('Reshape', [g.node('Transpose', [attn], perm=[0, 2, 1, 3]),
-                                g.const([0, -1, c])])
-    return _linear(g, mm, merged, f'{b}.attn_out')
+        attn = _by_size(g, lambda: _windowed(g, *qkv),
+                        lambda: _plain(g, *qkv, mask=_window_mask(g)))
+    else:
+        attn = _by_size(g, lambda: _flash(g, *qkv), lambda: _plain(g, *qkv))
+    return _linear(g, mm, attn, f'{b}.attn_out')
 
 
 def _block(g: _Graph, mm: Mmproj, x: str, i: int) -> str:
@@ -182,8 +270,12 @@ def build_qwen_encoder(mm: Mmproj, name: Optional[str] = None, data: Optional[Bi
     extra = ([helper.make_tensor_value_info(POS_INDEX, TensorProto.INT64, ['patches', 4]),
               helper.make_tensor_value_info(POS_WEIGHT, TensorProto.FLOAT, ['patches', 4])]
              if qwen3 else
-             [helper.make_tensor_value_info(VISION_WINDOW_MASK, TensorProto.FLOAT,
-                                            ['patches', 'patches'])])
+             [helper.make_tensor_value_info(VISION_WINDOW_INPUTS[0], TensorProto.INT64,
+                                            ['window_slots']),
+              helper.make_tensor_value_info(VISION_WINDOW_INPUTS[1], TensorProto.FLOAT,
+                                            ['windows', 'window_size']),
+              helper.make_tensor_value_info(VISION_WINDOW_INPUTS[2], TensorProto.INT64,
+                                            ['patches'])])
     graph = helper.make_graph(
         g.nodes, name or ('qwen3vl_vision' if qwen3 else 'qwen25vl_vision'),
         [helper.make_tensor_value_info(PIXELS, TensorProto.UINT8,

@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.model_format import (VISION_INPUT as PIXELS, VISION_POS_INPUTS,
-                                       VISION_ROPE_INPUTS, VISION_WINDOW_MASK)
+                                       VISION_ROPE_INPUTS, VISION_WINDOW_INPUTS)
 from edge_llm_ros.runtime.decoder import check_providers
 from edge_llm_ros.runtime.media import (clip_digest, clip_pairs, declared_encoding,
                                         encoded_form, encoded_rows, image_digest,
@@ -65,7 +65,7 @@ class ImageEncoder:
         except Exception as exc:  # noqa: B902 - onnxruntime raises its own types
             raise ModelLoadError(f'cannot load {path}: {exc}') from exc
         inputs = [(i.name, i.type) for i in self._session.get_inputs()]
-        # Qwen-VL (any image size) also takes its RoPE tables and window mask (Qwen2.5-VL)
+        # Qwen-VL (any image size) also takes its RoPE tables and window layout (Qwen2.5-VL)
         # or its learned positions' interpolation (Qwen3-VL).
         # Gemma 4 (positions 'rope_2d') takes its RoPE tables alone.
         self._mrope = vision.get('positions') == 'mrope'
@@ -73,12 +73,15 @@ class ImageEncoder:
         extra = [(n, 'tensor(float)') for n in VISION_ROPE_INPUTS] + (
             [] if self._rope_2d else
             [(VISION_POS_INPUTS[0], 'tensor(int64)'), (VISION_POS_INPUTS[1], 'tensor(float)')]
-            if vision.get('position_grid') else [(VISION_WINDOW_MASK, 'tensor(float)')])
+            if vision.get('position_grid') else
+            [(n, f'tensor({t})') for n, t in zip(VISION_WINDOW_INPUTS,
+                                                 ('int64', 'float', 'int64'))])
         dynamic = self._mrope or self._rope_2d
         if inputs != [(PIXELS, 'tensor(uint8)')] + (extra if dynamic else []):
             raise ModelLoadError(f'{path} takes {inputs}, not uint8 tiles {PIXELS!r} (a vision '
-                                 'graph from before the normalization moved into it): '
-                                 'reconvert the model with --mmproj')
+                                 'graph from before the normalization moved into it, or a '
+                                 "Qwen2.5-VL one from before the windows' layout replaced "
+                                 'the [N, N] window mask): reconvert the model with --mmproj')
         # A Qwen-VL graph of any frame count takes a video chunk's 2 frames (one temporal
         # patch); one converted before video support takes exactly 1.
         self.takes_clips = self._mrope and self._session.get_inputs()[0].shape[0] != 1

@@ -9,18 +9,19 @@
   first: mmproj_preprocess.letterbox, which is libmtmd's PAD_CEIL resize).
 - `encoder_inputs`: vision.onnx's `vision_cos` / `vision_sin` (ggml's GGML_ROPE_TYPE_VISION:
   pair k < d/4 turns by row x base^(-4k/d), the next d/4 by column, the angles multiplied up
-  in float32 as ggml does) and `window_mask` (0 between patches of one window of 112 pixels,
-  float32 lowest otherwise), for the patches in merge order (2 x 2 blocks row by row);
-  for Qwen3-VL (vision `position_grid`) no window mask but `pos_index` / `pos_weight`: the
-  learned position embeddings' bilinear interpolation from their square grid to the image's
-  (ggml_interpolate with align corners, clip.cpp's resize_position_embeddings).
+  in float32 as ggml does) and the windowed layers' window layout (`window_layout`: the
+  patches gathered window by window, 112 pixels a side), for the patches in merge order
+  (2 x 2 blocks row by row); for Qwen3-VL (vision `position_grid`) no windows but
+  `pos_index` / `pos_weight`: the learned position embeddings' bilinear interpolation from
+  their square grid to the image's (ggml_interpolate with align corners, clip.cpp's
+  resize_position_embeddings).
 """
 import math
 from typing import Dict, Mapping, Tuple
 
 import numpy as np
 
-from edge_llm_ros.model_format import VISION_POS_INPUTS, VISION_ROPE_INPUTS, VISION_WINDOW_MASK
+from edge_llm_ros.model_format import VISION_POS_INPUTS, VISION_ROPE_INPUTS, VISION_WINDOW_INPUTS
 
 MERGE = 2            # clip.cpp's merge_ratio for the positions and windows
 WINDOW_PIXELS = 112  # clip.cpp's attn_window_size default (qwen2.5vl sets none)
@@ -100,13 +101,34 @@ def rope_tables(rows: int, cols: int, head_dim: int) -> Tuple[np.ndarray, np.nda
     return np.cos(theta), np.sin(theta)
 
 
-def window_mask(rows: int, cols: int, patch: int) -> np.ndarray:
-    """Return the windowed layers' additive mask [N, N] of the patches in merge order."""
+def window_layout(rows: int, cols: int, patch: int
+                  ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return the windowed layers' `window_index`, `window_bias`, `window_inverse`.
+
+    The patches (merge order) gathered window by window into W windows of S slots (S the
+    patches of a full 112-pixel window; the image's last row and column of windows have
+    fewer): `window_index` int64 [W x S] the patch in each slot (0 in an empty one),
+    `window_bias` float32 [W, S] 0 on a patch and float32 lowest on an empty slot (the keys
+    attention skips), `window_inverse` int64 [N] each patch's slot. Attention within each
+    window alone is the [N, N] block mask's computation without its N x N scores.
+    """
     grid = max(WINDOW_PIXELS // patch // MERGE, 1)
+    across = -(-cols // grid)
+    count = -(-rows // grid) * across
+    size = (grid * MERGE) ** 2
     uy, ux = np.meshgrid(np.arange(rows), np.arange(cols), indexing='ij')
-    window = np.repeat(((uy // grid) * (cols + grid) + ux // grid).reshape(-1), MERGE * MERGE)
-    same = window[:, None] == window[None, :]
-    return np.where(same, np.float32(0), np.finfo(np.float32).min).astype(np.float32)
+    window = np.repeat(((uy // grid) * across + ux // grid).reshape(-1), MERGE * MERGE)
+    order = np.argsort(window, kind='stable')
+    filled = np.bincount(window, minlength=count)
+    first = np.cumsum(filled) - filled
+    slot = window[order] * size + np.arange(order.shape[0]) - first[window[order]]
+    index = np.zeros(count * size, np.int64)
+    index[slot] = order
+    bias = np.full(count * size, np.finfo(np.float32).min, np.float32)
+    bias[slot] = 0
+    inverse = np.empty(order.shape[0], np.int64)
+    inverse[order] = slot
+    return index, bias.reshape(count, size), inverse
 
 
 def _axis_weights(n_out: int, n_in: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,5 +171,5 @@ def encoder_inputs(image: np.ndarray, vision: Mapping) -> Dict[str, np.ndarray]:
         index, weight = position_interpolation(rows, cols, int(vision['position_grid']))
         feeds.update({VISION_POS_INPUTS[0]: index, VISION_POS_INPUTS[1]: weight})
     else:
-        feeds[VISION_WINDOW_MASK] = window_mask(rows, cols, patch)
+        feeds.update(zip(VISION_WINDOW_INPUTS, window_layout(rows, cols, patch)))
     return feeds
