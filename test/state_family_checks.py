@@ -249,27 +249,42 @@ def check_session_continues(model_dir: pathlib.Path, two_turns_whole: tuple) -> 
     return ends
 
 
-def check_speculation_equals_plain(model_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:
-    """Rejected drafts (prompt lookup, a draft model) go back to the verify start: plain's ids."""
-    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
+GREEDY = SamplingConfig(temperature=0.0, logprobs=True)
+
+
+def check_speculation_equals_plain(model_dir: pathlib.Path, draft_dir: pathlib.Path,
+                                   slots: int = 2, n_texts: int = 2, max_tokens: int = 20,
+                                   samplings=(GREEDY,), some_rejected: bool = True) -> None:
+    """Rejected drafts (prompt lookup, a draft model) go back to the verify start: plain's ids.
+
+    Each sampling runs the texts with speculation off, prompt lookup and the draft model; the
+    two speculative runs must give plain's ids and logprobs. `some_rejected`: the drafts must
+    also have been rejected at least once (else only accepted drafts were checked).
+    """
+    texts = [' '.join([t] * 4) for t in TEXTS[:n_texts]]   # repetitive: prompt lookup drafts
     modes = {'off': SpeculativeConfig(mode='off'),
              'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
              'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
-    runs = {}
-    for mode, config in modes.items():
-        eng = engine(model_dir, 2, max_context=256, speculative=config)
-        try:
-            sched = eng.scheduler()
-            goals = [sched.submit(goal(eng, t, max_tokens=20)) for t in texts]
-            while not all(g.done for g in goals):
-                eng.run_plan()
-            runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
-        finally:
-            eng.close()
-    plain, _ = runs.pop('off')
-    for mode, (spec, stats) in runs.items():
-        assert spec == plain, mode
-        assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
+    for sampling in samplings:
+        runs = {}
+        for mode, config in modes.items():
+            eng = engine(model_dir, slots, max_context=256, speculative=config)
+            try:
+                sched = eng.scheduler()
+                goals = [sched.submit(Goal(eng.prepare(GenerationRequest(
+                    prompt=t, max_tokens=max_tokens, use_chat_template=False,
+                    sampling=sampling)))) for t in texts]
+                while not all(g.done for g in goals):
+                    eng.run_plan()
+                runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
+            finally:
+                eng.close()
+        plain, _ = runs.pop('off')
+        for mode, (spec, stats) in runs.items():
+            assert spec == plain, (mode, sampling)
+            assert stats.passes > 0 and stats.accepted > 0, (mode, stats)
+            if some_rejected:
+                assert stats.accepted < stats.drafted, (mode, stats)
 
 
 def check_uncleared_states_matter(work: pathlib.Path, source: pathlib.Path,
@@ -309,16 +324,17 @@ MOVE_TO = [{'type': 'function', 'function': {
                    'required': ['place']}}}]
 
 
-def check_forced_tool_call(model_dir: pathlib.Path, tool_call_format: str, **kw) -> None:
+def check_forced_tool_call(model_dir: pathlib.Path, tool_call_format: str, **kw) -> dict:
     """Check that a required tool call comes back parsed by the family's format.
 
     A random model writes no call by itself: the tool constraint forces one (a Hermes JSON
     object between <tool_call> markers), which the family's parser must read. `kw` go to
-    the request (reasoning_budget=0 closes a think block at once).
+    the request (reasoning_budget=0 closes a think block at once). Returns the model_info.
     """
     eng = engine(model_dir, max_context=1024)
     try:
-        assert eng.model_info()['tool_call_format'] == tool_call_format
+        info = eng.model_info()
+        assert info['tool_call_format'] == tool_call_format
         result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=MOVE_TO,
                                                 tool_choice='required', max_tokens=200,
                                                 parallel_tool_calls=False, **kw)).run_to_end()
@@ -326,3 +342,4 @@ def check_forced_tool_call(model_dir: pathlib.Path, tool_call_format: str, **kw)
         eng.close()
     assert [c.name for c in result.tool_calls] == ['move_to'], result
     assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
+    return info

@@ -21,7 +21,6 @@ plain decoding, greedy and seeded, solo and batched). A session_id and sessions.
 refused, and so is an lfm2 draft model, each with what to do. The KV budget counts the conv
 states' bytes.
 """
-import json
 import pathlib
 
 import gguf
@@ -30,20 +29,21 @@ import numpy as np
 import onnx
 from ort_driver import OrtDriver
 import pytest
-from state_family_checks import (alone_bits, bits, check_batched_equals_alone,
-                                 check_int8_kv_session, check_preempted_goals_resume,
+from state_family_checks import (alone_bits, check_batched_equals_alone,
+                                 check_forced_tool_call, check_int8_kv_session,
+                                 check_preempted_goals_resume,
                                  check_prefix_reuse_equals_uncached, check_session_continues,
-                                 check_sqlite_session_after_restart, engine, result_bits, TEXTS,
-                                 turn, two_turns_sent_whole, USER2)
+                                 check_speculation_equals_plain,
+                                 check_sqlite_session_after_restart, engine, GREEDY,
+                                 result_bits, TEXTS, turn, two_turns_sent_whole, USER2)
 import yaml
 
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import ConversionError, ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.runtime.speculative import DraftModel, SpeculativeConfig
-from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
+from edge_llm_ros.runtime.types import ChatMessage, SamplingConfig
 from edge_llm_ros.serving.engine import kv_budget_bytes
-from edge_llm_ros.serving.goal import Goal
 
 CASE = ParityCase('lfm2', 'Q8_0', dims=LFM2_DIMS, seed=6, chain=0.3)
 PROMPT = [5, 17, 99, 120, 3, 250, 44, 61, 7, 12, 31]
@@ -274,29 +274,9 @@ def test_speculation_rewinds_conv_states_to_the_verify_start(kquant_dir, draft_d
     With an lfm2 draft model its own slots go back to a position they kept states at too.
     """
     compat('lfm2', CASE.wtype, 'speculation')
-    texts = [' '.join([t] * 4) for t in TEXTS[:3]]   # repetitive: prompt lookup drafts
     seeded = SamplingConfig(temperature=0.8, top_k=20, seed=3, logprobs=True)
-    modes = {'off': SpeculativeConfig(mode='off'),
-             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
-             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft_dir))}
-    for sampling in (SamplingConfig(temperature=0.0, logprobs=True), seeded):
-        runs = {}
-        for mode, config in modes.items():
-            eng = engine(kquant_dir, slots, max_context=256, speculative=config)
-            try:
-                sched = eng.scheduler()
-                goals = [sched.submit(Goal(eng.prepare(GenerationRequest(
-                    prompt=t, max_tokens=24, use_chat_template=False, sampling=sampling))))
-                    for t in texts]
-                while not all(g.done for g in goals):
-                    eng.run_plan()
-                runs[mode] = ([bits(g) for g in goals], eng.speculation.stats)
-            finally:
-                eng.close()
-        plain, _ = runs.pop('off')
-        for mode, (spec, stats) in runs.items():
-            assert spec == plain, mode
-            assert stats.passes > 0 and 0 < stats.accepted < stats.drafted, (mode, stats)
+    check_speculation_equals_plain(kquant_dir, draft_dir, slots=slots, n_texts=3,
+                                   max_tokens=24, samplings=(GREEDY, seeded))
 
 
 def test_an_lfm2_draft_model_goes_back_to_kept_states_after_a_rejection(kquant_dir, draft_dir):
@@ -338,24 +318,9 @@ def test_the_kv_budget_counts_the_conv_states(kquant_dir):
 
 def test_the_lfm2_family_names_the_model_and_forces_its_tool_calls(kquant_dir, compat):
     compat('lfm2', CASE.wtype, 'tools')
-    tools = [{'type': 'function', 'function': {
-        'name': 'move_to', 'description': 'Drive to a point.',
-        'parameters': {'type': 'object',
-                       'properties': {'place': {'type': 'string', 'enum': ['dock', 'shelf']}},
-                       'required': ['place']}}}]
-    eng = engine(kquant_dir, max_context=1024)
-    try:
-        info = eng.model_info()
-        assert (info['family'], info['tool_call_format']) == ('lfm2', 'lfm2')
-        assert info['model_name'].startswith('LFM2 ') and '(lfm2, Q8_0)' in info['model_name']
-        result = eng.generate(GenerationRequest(prompt='Go to the dock.', tools=tools,
-                                                tool_choice='required', max_tokens=200,
-                                                parallel_tool_calls=False)
-                              ).run_to_end()
-    finally:
-        eng.close()
-    assert [c.name for c in result.tool_calls] == ['move_to'], result
-    assert json.loads(result.tool_calls[0].arguments)['place'] in ('dock', 'shelf')
+    info = check_forced_tool_call(kquant_dir, 'lfm2')
+    assert info['family'] == 'lfm2'
+    assert info['model_name'].startswith('LFM2 ') and '(lfm2, Q8_0)' in info['model_name']
 
 
 def test_a_warm_prompt_keeps_its_conv_states_across_a_restart_bit_for_bit(kquant_dir, tmp_path):

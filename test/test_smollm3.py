@@ -21,8 +21,9 @@ from llama_cpp_parity import compare, converted, engine_logits, llama_cpp_greedy
 import numpy as np
 import onnx
 import pytest
-from state_family_checks import (alone_bits, check_batched_equals_alone, engine, result_bits,
-                                 TEXTS, turn, USER1, USER2)
+from state_family_checks import (alone_bits, check_batched_equals_alone,
+                                 check_speculation_equals_plain, engine, result_bits, turn,
+                                 USER1, USER2)
 from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
@@ -30,9 +31,7 @@ from edge_llm_ros.convert.checkpoint import load_checkpoint
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import ModelLoadError
 from edge_llm_ros.runtime import model_config as mc
-from edge_llm_ros.runtime.speculative import SpeculativeConfig
-from edge_llm_ros.runtime.types import ChatMessage, GenerationRequest, SamplingConfig
-from edge_llm_ros.serving.goal import Goal
+from edge_llm_ros.runtime.types import ChatMessage
 
 CASE = smollm3_case('Q8_0')
 
@@ -138,26 +137,7 @@ def test_speculation_equals_plain_decoding(work, kquant_dir, compat):
     compat('smollm3', CASE.wtype, 'speculation')
     draft = convert(str(gguf_of(work, smollm3_case('Q8_0', seed=7, chain=0.3))),
                     str(work / 'draft'), progress=False, overwrite=True)
-    texts = [' '.join([t] * 4) for t in TEXTS[:2]]   # repetitive: prompt lookup drafts
-    modes = {'off': SpeculativeConfig(mode='off'),
-             'prompt_lookup': SpeculativeConfig(mode='prompt_lookup'),
-             'draft': SpeculativeConfig(mode='draft', draft_model=str(draft))}
-    runs = {}
-    for mode, config in modes.items():
-        eng = engine(kquant_dir, 2, max_context=256, speculative=config)
-        try:
-            goals = [eng.scheduler().submit(Goal(eng.prepare(GenerationRequest(
-                prompt=t, max_tokens=24, use_chat_template=False,
-                sampling=SamplingConfig(temperature=0.0, logprobs=True))))) for t in texts]
-            while not all(g.done for g in goals):
-                eng.run_plan()
-            runs[mode] = ([result_bits(g.result) for g in goals], eng.speculation.stats)
-        finally:
-            eng.close()
-    plain, _ = runs.pop('off')
-    for mode, (spec, stats) in runs.items():
-        assert spec == plain, mode
-        assert stats.passes > 0 and stats.accepted > 0, (mode, stats)
+    check_speculation_equals_plain(kquant_dir, draft, max_tokens=24, some_rejected=False)
 
 
 def test_an_hf_folder_converts_to_the_ggufs_graph(work):
