@@ -39,8 +39,12 @@ constexpr const char *kDomain = "edge_llm_ros";
 // whole to elk_gemm, which tiles it so each weight block is unpacked once for several
 // activation rows. Consecutive tasks share a column block (its weights stay in cache while
 // the threads take its row blocks). A GEMV (up to 4 rows) takes 16..64 columns a task, at
-// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns.
-constexpr int64_t kColumnsPerTask = 64, kMinColumnsPerTask = 16, kBatchColumnsPerTask = 128;
+// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns,
+// 128 for the legacy types (blocks of 32: each task's elk_gemm works out its activation
+// rows' block terms again, at 32 columns 15 % of a Q8_0 batch; 128 columns, single-thread,
+// Qwen3-0.6B's shapes at 512 rows: 1.10-1.18x; the K types, 8x the work a block, the same).
+constexpr int64_t kColumnsPerTask = 64, kMinColumnsPerTask = 16, kBatchColumnsPerTask = 32;
+constexpr int64_t kLegacyBatchColumnsPerTask = 128;
 constexpr int64_t kRowsPerTask = 64;
 // A batch task's scratch rows are cols + this many floats apart: a stride of a power of two
 // (cols 128: 512 bytes) would still crowd the rows' sums into a few L1 sets.
@@ -56,6 +60,7 @@ struct Work {
   int type, glu;
   int64_t columns_per_task, rows_per_task, row_tasks;
   size_t tasks;
+  bool scratch;  // a legacy type's batch: the sums in a task scratch (columns())
   // LoRA (lora.h): this call's deltas [rows, W rows] and which rows have one, or nullptr
   // when no row of the call adapts this node (the base path).
   const float *lora = nullptr;
@@ -68,8 +73,10 @@ Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias,
           size_t activation_row_bytes, int type, int glu) {
   const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
   const int64_t gemv_columns = n / 64 / 4 * 4;
+  const bool legacy_batch = rows_per_task > 4 && elk_block_weights(type) == 32;
   const int64_t columns_per_task =
-      rows_per_task > 4 ? kBatchColumnsPerTask
+      legacy_batch ? kLegacyBatchColumnsPerTask
+      : rows_per_task > 4 ? kBatchColumnsPerTask
       : gemv_columns < kMinColumnsPerTask ? kMinColumnsPerTask
       : gemv_columns > kColumnsPerTask ? kColumnsPerTask : gemv_columns;
   const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
@@ -77,7 +84,7 @@ Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias,
       static_cast<size_t>(row_tasks * ((n + columns_per_task - 1) / columns_per_task));
   return Work{weights, activations, bias, out, rows, n, k, weight_row_bytes,
               activation_row_bytes, type, glu, columns_per_task, rows_per_task, row_tasks,
-              tasks};
+              tasks, legacy_batch};
 }
 
 // A task's product of weight rows [first, first + cols) into out (row stride ldo), bias added.
@@ -113,16 +120,17 @@ void columns(void *data, size_t task) {
   const int64_t rows = row + w.rows_per_task < w.rows ? w.rows_per_task : w.rows - row;
   float *out = w.out + row * w.n + first;
   thread_local std::vector<float> scratch;
-  if (w.glu == elk::glu::kNone && rows <= 4) {
+  if (w.glu == elk::glu::kNone && !w.scratch) {
     product(w, first, cols, row, rows, out, w.n);
     if (w.lora != nullptr) add_lora(w, first, cols, row, rows, out, w.n);
     return;
   }
   if (w.glu == elk::glu::kNone) {
-    // A batch keeps its running sums in memory between blocks (x86_common.h's
-    // tile_in_memory): in a task-sized scratch, rows `cols` floats apart, not in the output,
-    // whose rows lie N floats apart (N * 4 bytes a multiple of 4 KB puts every row's sums
-    // in one L1 set: 2-3x slower). The same sums, copied out whole.
+    // A legacy type's batch keeps its running sums in memory between blocks of 32
+    // (x86_common.h's tile_in_memory): in a task-sized scratch, its rows cols + kScratchPad
+    // floats apart, not in the output, whose rows lie N floats apart (N * 4 bytes a multiple
+    // of 4 KB puts every row's sums in one L1 set: Q8_0 at Qwen3-0.6B's shapes, 512 rows,
+    // one thread, 1.3-1.45x slower). The same sums, copied out whole.
     const int64_t ldo = cols + kScratchPad;
     scratch.resize(static_cast<size_t>(rows * ldo));
     product(w, first, cols, row, rows, scratch.data(), ldo);
