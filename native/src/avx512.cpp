@@ -985,7 +985,9 @@ const GemmKernels *avx512_vnni_gemm_kernels() {
                                    avx2_gemm_kernels()->quantize_q8_K,
                                    legacy::gemm16<BlockQ4_0>, legacy::gemm16<BlockQ4_1>,
                                    legacy::gemm16<BlockQ5_0>, legacy::gemm16<BlockQ5_1>,
-                                   legacy::gemm16<BlockQ8_0>};
+                                   legacy::gemm16<BlockQ8_0>,
+                                   avx2_gemm_kernels()->quantize_q8_0,
+                                   avx2_gemm_kernels()->quantize_q8_1};
   return &kernels;
 }
 
