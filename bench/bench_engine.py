@@ -538,7 +538,8 @@ def main(argv=None) -> int:
     if args.rows or len(args.model) > 1:
         config = bench_models.RowConfig(
             threads=args.threads, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-            repeats=args.repeats, kl_steps=args.kl_steps, max_context=args.max_context)
+            repeats=args.repeats, kl_steps=args.kl_steps, max_context=args.max_context,
+            kl_kv=args.kl_kv)
         return bench_models.run_rows(args.model or ['default'], args.gguf, config,
                                      args.json_out)
     if len(args.gguf) > 1:

@@ -20,7 +20,11 @@ BOS where the model adds one. Each row has:
   matrices whole, its KQuantGather table too when a tied head reads it), llama.cpp's from the
   GGUF tensor sizes, the token embedding excluded unless it is also the head;
 - KL(llama.cpp || ours) on llama.cpp's greedy path: the prompt's last position and the next
-  `--kl-steps` steps, ours teacher-forced with llama.cpp's ids;
+  `--kl-steps` steps, ours teacher-forced with llama.cpp's ids. By default llama.cpp's KV cache
+  is f32 for it (`--kl-kv f32`, one more llama.cpp run: the precision of our cache, as the
+  parity tests run it); the timed runs' f16 cache alone moves llama.cpp by as much as the
+  target at 16-24 random layers (docs/benchmarks.md), and their KL is kept beside it
+  (`kl_f16_kv`); `--kl-kv f16` takes the KL from the timed runs only;
 - resident memory of each engine, and met / missed against TARGETS.
 llama.cpp runs with its defaults (f16 KV cache) and n_ctx = --max-context, as a llama_ros user
 would run it.
@@ -63,6 +67,7 @@ class RowConfig:
     repeats: int = 2
     kl_steps: int = 4
     max_context: int = 512
+    kl_kv: str = 'f32'  # llama.cpp's KV cache type for the KL columns (timing: its default f16)
 
 
 # --- bytes per token ---------------------------------------------------------------------------
@@ -168,7 +173,8 @@ def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int, kv_type: str = 
 
     One sequence, n_batch = n_ubatch, `threads` for decode and batches; SystemExit when
     llama.cpp cannot load it or make the context. kv_type 'q8_0': its KV cache in q8_0 (K and
-    V, with flash attention on, which a quantized V needs), else llama.cpp's default f16.
+    V, with flash attention on, which a quantized V needs); 'f32': in f32 with flash attention
+    off (as test/llama_cpp_runner.py --kv f32); else llama.cpp's default f16.
     """
     import llama_cpp
     llama_cpp.llama_backend_init()
@@ -185,8 +191,11 @@ def open_peer(gguf: str, n_ctx: int, n_batch: int, threads: int, kv_type: str = 
     if kv_type == 'q8_0':
         cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_Q8_0
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif kv_type == 'f32':
+        cparams.type_k = cparams.type_v = llama_cpp.GGML_TYPE_F32
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     elif kv_type != 'f16':
-        raise SystemExit(f'open_peer: kv_type {kv_type!r} is not f16 or q8_0')
+        raise SystemExit(f'open_peer: kv_type {kv_type!r} is not f16, f32 or q8_0')
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     if not ctx:
         raise SystemExit('llama.cpp could not create a context')
@@ -214,7 +223,7 @@ def peer_main(args) -> Dict:
     import numpy as np
     import psutil
     ids = json.loads(args.prompt_ids)
-    model, ctx, n_vocab = open_peer(args.gguf, args.max_context, 512, args.threads)
+    model, ctx, n_vocab = open_peer(args.gguf, args.max_context, 512, args.threads, args.kv)
 
     def step(batch: List[int]):
         arr = (llama_cpp.llama_token * len(batch))(*batch)
@@ -248,12 +257,16 @@ def peer_main(args) -> Dict:
 
 
 def run_peer(python: str, gguf: str, ids: Sequence[int], config: RowConfig,
-             logits_out: str = '') -> Dict:
-    """One llama.cpp measurement in its own process; PeerFailed when it gives no result."""
+             logits_out: str = '', kv: str = 'f16', new_tokens: int = 0) -> Dict:
+    """One llama.cpp measurement in its own process; PeerFailed when it gives no result.
+
+    kv: its KV cache type (open_peer); new_tokens: that many instead of config.new_tokens.
+    """
     cmd = [python, __file__, '--peer', '--gguf', gguf, '--prompt-ids', json.dumps(list(ids)),
-           '--threads', str(config.threads), '--new-tokens', str(config.new_tokens),
+           '--threads', str(config.threads),
+           '--new-tokens', str(new_tokens or config.new_tokens),
            '--max-context', str(config.max_context), '--kl-steps', str(config.kl_steps),
-           '--logits-out', logits_out]
+           '--logits-out', logits_out, '--kv', kv]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
@@ -318,21 +331,30 @@ def measure_rows(model_dirs: Sequence[str], gguf: str, python: str,
             for j in order:
                 ours[j].append(runners[j].run(ids))
             peer.append(run_peer(python, gguf, ids, config, logits_path if i == 0 else ''))
-        ref = np.load(logits_path)
-    follow = peer[0]['ids'][:len(ref) - 1]
+        # The KL's reference: the timed run's logits (f16 KV cache), and with kl_kv f32 one
+        # more run with an f32 cache (its own greedy ids), untimed.
+        refs = {'f16': (np.load(logits_path), peer[0]['ids'])}
+        if config.kl_kv != 'f16':
+            kl_path = os.path.join(tmp, 'llama_logits_kl.npy')
+            kl_peer = run_peer(python, gguf, ids, config, kl_path, kv=config.kl_kv,
+                               new_tokens=config.kl_steps + 1)
+            refs[config.kl_kv] = (np.load(kl_path), kl_peer['ids'])
     llama_bytes = gguf_bytes_per_token(gguf)
     rows = []
     for model_dir, runner, runs in zip(model_dirs, runners, ours):
-        kl = kl_divergence(ref, runner.logits_on(ids, follow))
-        rows.append(_row(model_dir, gguf, config, ids, runner, runs, peer, kl,
+        kls = {kv: kl_divergence(ref, runner.logits_on(ids, ref_ids[:len(ref) - 1]))
+               for kv, (ref, ref_ids) in refs.items()}
+        rows.append(_row(model_dir, gguf, config, ids, runner, runs, peer, kls,
                          onnx_bytes_per_token(model_dir), llama_bytes, load0))
     del runners
     return rows
 
 
 def _row(model_dir: str, gguf: str, config: RowConfig, ids: Sequence[int], runner: OursRunner,
-         ours: List[Dict], peer: List[Dict], kl, ours_bytes: Dict, llama_bytes: Dict,
+         ours: List[Dict], peer: List[Dict], kls: Dict, ours_bytes: Dict, llama_bytes: Dict,
          load0) -> Dict:
+    """One row's JSON; kls: KL per llama.cpp KV cache type, config.kl_kv's the row's KL."""
+    kl = kls[config.kl_kv]
     row = {
         'model': runner.info.name, 'architecture': runner.info.architecture,
         'model_dir': model_dir, 'gguf': gguf, 'gguf_bytes': os.path.getsize(gguf),
@@ -351,6 +373,8 @@ def _row(model_dir: str, gguf: str, config: RowConfig, ids: Sequence[int], runne
                             'tied_head': llama_bytes['tied_head']},
         'greedy_prefix_equal': common_prefix(ours[0]['ids'], peer[0]['ids']),
         'kl_steps': len(kl), 'max_kl': float(kl.max()), 'mean_kl': float(kl.mean()),
+        'kl_kv': config.kl_kv,
+        'kl_f16_kv': {'max_kl': float(kls['f16'].max()), 'mean_kl': float(kls['f16'].mean())},
         'loadavg': {'start': load0, 'end': os.getloadavg(), 'cores': os.cpu_count()},
     }
     for side, runs in (('ours', ours), ('llama_cpp', peer)):
@@ -578,6 +602,9 @@ def add_row_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument('--prompt-tokens', type=int, default=RowConfig.prompt_tokens)
     p.add_argument('--new-tokens', type=int, default=RowConfig.new_tokens)
     p.add_argument('--kl-steps', type=int, default=RowConfig.kl_steps)
+    p.add_argument('--kl-kv', choices=('f32', 'f16'), default=RowConfig.kl_kv,
+                   help="llama.cpp's KV cache type for the KL columns (f32: an extra untimed "
+                        'run with the precision of our cache; f16: the timed runs, its default)')
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -601,6 +628,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument('--peer', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--prompt-ids', default='[]', help=argparse.SUPPRESS)
     p.add_argument('--logits-out', default='', help=argparse.SUPPRESS)
+    p.add_argument('--kv', default='f16', help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer:
         args.gguf = args.gguf[0]
@@ -608,7 +636,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     config = RowConfig(threads=args.threads, prompt_tokens=args.prompt_tokens,
                        new_tokens=args.new_tokens, repeats=args.repeats,
-                       kl_steps=args.kl_steps, max_context=args.max_context)
+                       kl_steps=args.kl_steps, max_context=args.max_context,
+                       kl_kv=args.kl_kv)
     if args.through_node:
         family = '' if args.through_node == 'auto' else args.through_node
         return run_node(args.model or ['default'], args.gguf, family, config, args.json_out)

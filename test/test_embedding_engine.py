@@ -42,7 +42,7 @@ def test_embed_shapes_norms_and_token_counts(engine):
     assert out.token_counts[4] == 3  # [CLS] a [SEP]
 
 
-def test_batched_equals_alone_and_padding_is_by_bucket(engine, monkeypatch):
+def test_batched_equals_alone_and_padding_is_by_plan(engine, monkeypatch):
     widths = []
     run = engine.encoder._session.run
 
@@ -55,9 +55,27 @@ def test_batched_equals_alone_and_padding_is_by_bucket(engine, monkeypatch):
     calls = list(widths)
     alone = np.stack([engine.embed([t]).vectors[0] for t in TEXTS])
     assert np.abs(together - alone).max() < 1e-5
-    # 7 texts of 3..29 tokens: buckets of 16 and 32 tokens, not one call padded to 29+.
-    assert sorted(w for _, w in calls) == [16, 32]
-    assert all(w % encoder_mod.BUCKET == 0 for _, w in calls)
+    # 7 texts of 3..29 tokens: each call padded to its own longest text, as plan_batches
+    # cut them, not one call padded to 29.
+    lengths = sorted(len(i) for i in engine.encoder.tokenize(list(TEXTS), truncate=False))
+    cuts = encoder_mod.plan_batches(lengths, 4096)
+    assert sorted(calls) == sorted((end - start, lengths[end - 1]) for start, end in cuts)
+    assert len(calls) > 1 and sum(b * w for b, w in calls) < len(TEXTS) * lengths[-1]
+
+
+def test_plan_batches_pads_the_fewest_tokens_a_call_costing_call_tokens():
+    cost = encoder_mod.CALL_TOKENS
+    # Three short texts share a call; the long one goes alone (padding the short ones to 29
+    # would cost more than a call).
+    assert encoder_mod.plan_batches([3, 4, 5, 29], 4096) == [(0, 3), (3, 4)]
+    # Equal lengths always share a call, up to batch_tokens padded tokens a call.
+    assert encoder_mod.plan_batches([8] * 6, 4096) == [(0, 6)]
+    assert encoder_mod.plan_batches([8] * 6, 16) == [(0, 2), (2, 4), (4, 6)]
+    # A text over batch_tokens still runs, alone.
+    assert encoder_mod.plan_batches([5, 40], 16) == [(0, 1), (1, 2)]
+    # Two lengths close enough: one call (padding 2 tokens beats a second call).
+    assert encoder_mod.plan_batches([10, 11, 12], 4096) == [(0, 3)]
+    assert cost > 3
 
 
 def test_matryoshka_truncates_and_renormalizes(engine):

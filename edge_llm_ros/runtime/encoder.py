@@ -1,9 +1,11 @@
 """Run an embedding / rerank model folder (convert/encoder.py): texts in, vectors or scores out.
 
-Texts are tokenized, sorted by length and cut into batches whose rows are padded to a length
-bucket (the next multiple of BUCKET tokens), not to the longest text of the call; each batch
-is one model call. The states are pooled as the GGUF said (mean over the text's tokens, the
-first token (CLS), the last token, or none), as llama.cpp pools them, then L2-normalized (a
+Texts are tokenized, sorted by length and cut into batches of neighbouring lengths, each
+batch one model call whose rows are padded to its own longest row, not to the longest text
+of the request: plan_batches picks the cut that pads the fewest tokens, a call costing
+CALL_TOKENS padded tokens (one short text alone is one call of its own length, unpadded).
+The states are pooled as the GGUF said (mean over the text's tokens, the first token (CLS),
+the last token, or none), as llama.cpp pools them, then L2-normalized (a
 graph with a `pooled` output pools itself: EmbeddingGemma's dense projections follow its mean);
 `dimensions` below the model's keeps the first ones (Matryoshka) and normalizes again.
 A rerank pair is the tokenizer's pair ([CLS] query [SEP] document [SEP]), or, where the model
@@ -25,7 +27,11 @@ from edge_llm_ros.errors import EmbeddingInputError, ModelLoadError, WrongModelK
 from edge_llm_ros.model_format import MODEL_FILE, MODEL_YAML, TOKENIZER_FILE
 from edge_llm_ros.runtime import native_ops
 
-BUCKET = 16            # rows are padded to a multiple of this many tokens
+# A model call's fixed cost in padded tokens (its ops' overhead, one more pass over the
+# weights), what plan_batches trades fewer calls against. bench_embed's 256 bge-small texts:
+# 8 pads 1.0 % of the tokens in 40 calls, 32 2.6 % in 21, 64 3.7 % in 16 (buckets of 16
+# tokens padded 9.9 % in 9; docs/benchmarks.md).
+CALL_TOKENS = 32
 KINDS = ('embedding', 'rerank')
 
 
@@ -202,9 +208,10 @@ class TextEncoder:
     def _run(self, ids: List[List[int]], rank: bool) -> np.ndarray:
         order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
         results: List[Optional[np.ndarray]] = [None] * len(ids)
-        for batch in self._batches(order, ids):
-            width = -(-max(len(ids[i]) for i in batch) // BUCKET) * BUCKET
-            width = min(width, max(self.context, max(len(ids[i]) for i in batch)))
+        cuts = plan_batches([len(ids[i]) for i in order], self.config.batch_tokens)
+        for start, end in cuts:
+            batch = order[start:end]
+            width = len(ids[batch[-1]])   # the longest: rows are sorted by length
             tok = np.full((len(batch), width), self.pad_id, np.int64)
             mask = np.zeros((len(batch), width), np.int64)
             for r, i in enumerate(batch):
@@ -220,18 +227,6 @@ class TextEncoder:
                     results[i] = self._pool(outs[0][r, :len(ids[i])])
         return np.stack(results)
 
-    def _batches(self, order: List[int], ids: List[List[int]]):
-        batch: List[int] = []
-        for i in order:
-            width = -(-len(ids[i]) // BUCKET) * BUCKET
-            if batch and (width * (len(batch) + 1) > self.config.batch_tokens
-                          or width > -(-len(ids[batch[0]]) // BUCKET) * BUCKET):
-                yield batch
-                batch = []
-            batch.append(i)
-        if batch:
-            yield batch
-
     def _pool(self, states: np.ndarray) -> np.ndarray:
         if self.pooling == 'mean':
             return states.mean(axis=0)
@@ -240,3 +235,31 @@ class TextEncoder:
         if self.pooling == 'last':
             return states[-1]
         return states  # 'none': every token's state
+
+
+def plan_batches(lengths: Sequence[int], batch_tokens: int) -> List[Tuple[int, int]]:
+    """Cut sorted lengths into batches [start, end) that pad the fewest tokens.
+
+    A batch's rows are padded to its last (longest) length and it costs CALL_TOKENS more;
+    a batch holds at most batch_tokens padded tokens unless it is one row. Exact over all
+    cuts into neighbours (a shortest path over the n + 1 cut points).
+    """
+    n = len(lengths)
+    best = [0] + [0] * n
+    start = [0] * (n + 1)
+    for end in range(1, n + 1):
+        width = lengths[end - 1]
+        best[end], start[end] = best[end - 1] + width + CALL_TOKENS, end - 1
+        for first in range(end - 2, -1, -1):
+            padded = width * (end - first)
+            if padded > batch_tokens:
+                break
+            cost = best[first] + padded + CALL_TOKENS
+            if cost < best[end]:
+                best[end], start[end] = cost, first
+    cuts: List[Tuple[int, int]] = []
+    end = n
+    while end:
+        cuts.append((start[end], end))
+        end = start[end]
+    return cuts[::-1]

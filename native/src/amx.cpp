@@ -823,7 +823,8 @@ const GemmKernels *amx_gemm_kernels() {
   static const GemmKernels kernels{
       "amx", gemm<Q45<false>>, gemm<Q45<true>>, gemm<Q6>, vnni.quantize_q8_K,
       legacy32::gemm<BlockQ4_0>, legacy32::gemm<BlockQ4_1>, legacy32::gemm<BlockQ5_0>,
-      legacy32::gemm<BlockQ5_1>, legacy32::gemm<BlockQ8_0>};
+      legacy32::gemm<BlockQ5_1>, legacy32::gemm<BlockQ8_0>, vnni.quantize_q8_0,
+      vnni.quantize_q8_1};
   return &kernels;
 }
 

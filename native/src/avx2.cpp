@@ -865,6 +865,63 @@ void gemm8(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_
 }  // namespace legacy
 }  // namespace
 
+namespace {
+// ref.cpp's quantize_q8_32, 8 floats a step and byte for byte: the same largest magnitude
+// (max(|x|, m) keeps m where |x| is NaN, as std::fmax(amax, |x|) does), the same scale and
+// product, std::round's half away from zero (trunc, then +-1 where the exact remainder is at
+// least a half), and the cast's truncation to int8 (a NaN's 0x80000000 is 0 in its low
+// byte; every other value is within int8, so the saturating packs keep it).
+template <bool kSum>
+void quantize_q8_32(const float *x, void *out, int64_t k) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256i nan_code = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
+  auto *bytes = static_cast<uint8_t *>(out);
+  const size_t block = kSum ? sizeof(BlockQ8_1) : sizeof(BlockQ8_0);
+  for (int64_t i = 0; i < k / QK; ++i, x += QK, bytes += block) {
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(x + 8 * j);
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m);
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 vid = _mm256_set1_ps(id);
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 p = _mm256_mul_ps(v[j], vid);
+      const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+      const __m256 rest = _mm256_andnot_ps(sign, _mm256_sub_ps(p, t));
+      const __m256 step = _mm256_or_ps(_mm256_and_ps(sign, p), one);   // +-1, p's sign
+      const __m256 r = _mm256_add_ps(
+          t, _mm256_and_ps(_mm256_cmp_ps(rest, half, _CMP_GE_OQ), step));
+      const __m256i c = _mm256_cvttps_epi32(r);
+      q[j] = _mm256_andnot_si256(_mm256_cmpeq_epi32(c, nan_code), c);
+    }
+    // packs interleave 128-bit lanes: dwords 0-3 of q0, q1, then 4-7 ...; the permute
+    // puts the 32 bytes back in order.
+    const __m256i w16a = _mm256_packs_epi32(q[0], q[1]), w16b = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i w8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w16a, w16b),
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const uint16_t dh = fp32_to_fp16(d);
+    std::memcpy(bytes, &dh, sizeof(dh));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(bytes + block - QK), w8);
+    if (kSum) {
+      __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+      const uint16_t sh = fp32_to_fp16(static_cast<float>(_mm_cvtsi128_si32(s4)) * d);
+      std::memcpy(bytes + sizeof(uint16_t), &sh, sizeof(sh));
+    }
+  }
+}
+}  // namespace
+
 const GemmKernels *avx2_gemm_kernels() {
   static const GemmKernels kernels{"avx2", interleaved::gemm_k45<BlockQ4_K, Q4Tile>,
                                    interleaved::gemm_k45<BlockQ5_K, Q5Tile>,
@@ -872,7 +929,8 @@ const GemmKernels *avx2_gemm_kernels() {
                                    quantize_q8_K,
                                    legacy::gemm8<BlockQ4_0>, legacy::gemm8<BlockQ4_1>,
                                    legacy::gemm8<BlockQ5_0>, legacy::gemm8<BlockQ5_1>,
-                                   legacy::gemm<BlockQ8_0>};
+                                   legacy::gemm<BlockQ8_0>,
+                                   quantize_q8_32<false>, quantize_q8_32<true>};
   return &kernels;
 }
 

@@ -154,6 +154,159 @@ void tile_k45(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t 
   store_tile<MR, NR>(sum, out, ldo);
 }
 
+// The GEMV of Q4_K / Q5_K: one activation row against 4 weight rows at a time, the integer
+// sums of tile_k45<kQ5, 1, 4> in fewer instructions:
+// - a zmm load takes 64 code bytes (128 weights): its low nibbles are sub-blocks 2h and
+//   2h + 2, its high nibbles 2h + 1 and 2h + 3 (h = 0 for bytes 0-63, 4 for 64-127), so the
+//   activations are reordered to match, once a call (gemv_order);
+// - each row's first 16 bytes (d, dmin and the 12 packed scale bytes) go to a 128-bit lane of
+//   one zmm: one unpack gives the 4 rows' scales and mins, one conversion their d and dmin,
+//   one multiply their min terms, and each scale vector is one in-lane byte shuffle.
+// Same integer sums, the same k_block4 per block in order: the reference's bits.
+constexpr int kGemvRows = 4;
+
+// Q8_K codes of nb blocks in the order gemv_k45_4 reads them: per block, 32-byte runs
+// 0, 2, 1, 3, 4, 6, 5, 7 (weights 0-31, 64-95, 32-63, 96-127, ...).
+inline const int8_t *gemv_order(const BlockQ8_K *y, int64_t nb) {
+  thread_local std::vector<int8_t> codes;
+  codes.resize(static_cast<size_t>(nb) * QK_K);
+  for (int64_t b = 0; b < nb; ++b) {
+    int8_t *dst = codes.data() + b * QK_K;
+    for (int r = 0; r < 8; ++r) {
+      const int from = (r & ~3) | ((r & 1) << 1) | ((r >> 1) & 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst + 32 * r),
+                          load256(y[b].qs + 32 * from));
+    }
+  }
+  return codes.data();
+}
+
+template <bool kQ5>
+void gemv_k45_4(const uint8_t *w, size_t ws, const BlockQ8_K *y, const int8_t *codes,
+                int64_t nb, float *out, const uint8_t *prefetch) {
+  using Block = typename std::conditional<kQ5, BlockQ5_K, BlockQ4_K>::type;
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  // scales_mins_k4's shuffles and masks, shifted by the 4 bytes of d and dmin.
+  const __m512i take_a = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i take_b = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11, 8, 9, 10, 11));
+  const __m512i mask_low = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m512i mask_nibble = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15));
+  const __m512i mask_top = _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48));
+  // Qwords: the 4 rows' scales (each lane's qword 0), then their mins (qword 1).
+  const __m512i split = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
+  // Words: d of rows 0-3, then dmin of rows 0-3 (words 0 and 1 of each 128-bit lane).
+  const __m512i halves = _mm512_setr_epi32(0x00080000, 0x00180010, 0x00090001, 0x00190011,
+                                           0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i row_sums = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  // Scale vectors: a row's 8 scales as int16 in every 128-bit lane; lanes 0-1 take word s,
+  // lanes 2-3 word s + 2 (the sub-blocks of a zmm's low or high nibbles).
+  __m512i pick[4];
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const int lo = s < 2 ? s : s + 2;  // s: 0, 1, 4, 5
+    const __m128i a = _mm_set1_epi16(static_cast<int16_t>((2 * lo + 1) << 8 | 2 * lo));
+    const __m128i c =
+        _mm_set1_epi16(static_cast<int16_t>((2 * lo + 5) << 8 | (2 * lo + 4)));
+    pick[s] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(a, a)),
+                                 _mm256_set_m128i(c, c), 1);
+  }
+  __m128 sum = _mm_setzero_ps();
+  const size_t slice = prefetch_slice(kGemvRows * ws, nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    prefetch_lines(prefetch + b * slice, slice);
+    const uint8_t *x[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) x[j] = w + j * ws + b * sizeof(Block);
+    const __m512i head = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu2_m128i(reinterpret_cast<const __m128i *>(x[1]),
+                                                   reinterpret_cast<const __m128i *>(x[0]))),
+        _mm256_loadu2_m128i(reinterpret_cast<const __m128i *>(x[3]),
+                            reinterpret_cast<const __m128i *>(x[2])), 1);
+    const __m512i sa = _mm512_shuffle_epi8(head, take_a), sb = _mm512_shuffle_epi8(head, take_b);
+    const __m512i sm = _mm512_permutexvar_epi64(split, _mm512_or_si512(
+        _mm512_or_si512(_mm512_and_si512(sa, mask_low),
+                        _mm512_and_si512(_mm512_srli_epi16(sa, 4), mask_nibble)),
+        _mm512_and_si512(_mm512_srli_epi16(sb, 2), mask_top)));
+    const __m512i sc16 = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(sm));  // row j: 8j..8j+7
+    const __m512i mn16 = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(sm, 1));
+    const int8_t *act = codes + b * QK_K;
+    __m512i acc[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      // Row j's scales (sc16's lane j) in every lane.
+      const __m512i scales = _mm512_permutexvar_epi64(
+          _mm512_setr_epi64(2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j,
+                            2 * j + 1), sc16);
+      __m512i hb = _mm512_setzero_si512();
+      if (kQ5) hb = broadcast256(x[j] + offsetof(BlockQ5_K, qh));
+      acc[j] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // code bytes 64h ..: sub-blocks 4h .. 4h + 3
+        const __m512i bytes = load512(x[j] + offsetof(Block, qs) + 64 * h);
+        __m512i q[2] = {_mm512_and_si512(bytes, low4),
+                        _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4)};
+#pragma GCC unroll 2
+        for (int r = 0; r < 2; ++r) {
+          if (kQ5) {
+            // qh bit k of byte l: bit 4 of weight l of sub-block k. Sub-blocks 4h + r (low
+            // 256 bits) and 4h + r + 2 (high): the same qh bytes, bits 4h + r and 4h + r + 2.
+            const __mmask64 set = _mm512_test_epi8_mask(
+                hb, bytes_by_half(static_cast<uint8_t>(1u << (4 * h + r)),
+                                  static_cast<uint8_t>(1u << (4 * h + r + 2))));
+            q[r] = _mm512_mask_add_epi8(q[r], set, q[r], _mm512_set1_epi8(0x10));
+          }
+          acc[j] = _mm512_dpwssd_epi32(
+              acc[j], _mm512_maddubs_epi16(q[r], load512(act + 128 * h + 64 * r)),
+              _mm512_shuffle_epi8(scales, pick[2 * h + r]));
+          keep_in_register(acc[j]);
+        }
+      }
+    }
+    // The 4 rows' dots: {sum acc[0], .., sum acc[3]}, exactly.
+    const __m512i a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[0], acc[1]),
+                                         _mm512_unpackhi_epi32(acc[0], acc[1]));
+    const __m512i a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(acc[2], acc[3]),
+                                         _mm512_unpackhi_epi32(acc[2], acc[3]));
+    const __m512i a0123 = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23),
+                                           _mm512_unpackhi_epi64(a01, a23));
+    const __m256i a8 = fold(a0123);
+    const __m128i dots =
+        _mm_add_epi32(_mm256_castsi256_si128(a8), _mm256_extracti128_si256(a8, 1));
+    // Min terms: the 8 sub-block sums of the activations against each row's 8 mins.
+    const __m512i pairs = _mm512_broadcast_i32x4(
+        _mm_hadd_epi16(load128(y[b].bsums), load128(y[b].bsums + 8)));
+    __m512i mins = _mm512_madd_epi16(mn16, pairs);  // lane j: row j's 4 partial sums
+    mins = _mm512_add_epi32(mins, _mm512_shuffle_epi32(mins, _MM_PERM_CDAB));
+    mins = _mm512_add_epi32(mins, _mm512_shuffle_epi32(mins, _MM_PERM_BADC));
+    const __m128i min = _mm512_castsi512_si128(_mm512_permutexvar_epi32(row_sums, mins));
+    const __m256 dd = _mm256_cvtph_ps(
+        _mm512_castsi512_si128(_mm512_permutexvar_epi16(halves, head)));
+    sum = _mm_add_ps(sum, k_block4(_mm256_castps256_ps128(dd), _mm256_extractf128_ps(dd, 1),
+                                   _mm_set1_ps(y[b].d), dots, min));
+  }
+  _mm_storeu_ps(out, sum);
+}
+
+// One activation row: gemv_k45_4 over rows 4 at a time, the row-major tiles for the rest.
+template <bool kQ5, template <int, int> class Tile>
+void gemv_k45(const void *w, size_t ws, int64_t n, const void *a, int64_t nb, float *out) {
+  const auto *wb = static_cast<const uint8_t *>(w);
+  const auto *y = static_cast<const BlockQ8_K *>(a);
+  const int8_t *codes = gemv_order(y, nb);
+  int64_t j = 0;
+  for (; j + kGemvRows <= n; j += kGemvRows) {
+    gemv_k45_4<kQ5>(wb + j * ws, ws, y, codes, nb, out + j, wb + (j + kGemvRows) * ws);
+  }
+  if (j < n) {
+    tiled_gemm<Tile, TileShape<4, 4, 4>>(wb + j * ws, ws, n - j, a, 0, 1, nb, out + j, n - j);
+  }
+}
+
 // One MR x NR tile of Q6_K weights times Q8_K activations (arguments as tile_k45).
 template <int MR, int NR>
 void tile_q6(const uint8_t *w, size_t ws, const uint8_t *a, size_t as, int64_t nb,
@@ -449,6 +602,10 @@ void rows_of_panel(const Panel &p, const uint8_t *a, size_t as, int64_t b, __m25
 template <typename Block, template <int, int> class Tile>
 void gemm_k45(const void *w, size_t ws, int64_t n, const void *a, size_t as, int64_t m,
               int64_t nb, float *out, int64_t ldo) {
+  if (m == 1) {
+    gemv_k45<std::is_same<Block, BlockQ5_K>::value, Tile>(w, ws, n, a, nb, out);
+    return;
+  }
   if (m < kMinBatch || n < kRows) {
     gemm<Tile>(w, ws, n, a, as, m, nb, out, ldo);
     return;
@@ -828,7 +985,9 @@ const GemmKernels *avx512_vnni_gemm_kernels() {
                                    avx2_gemm_kernels()->quantize_q8_K,
                                    legacy::gemm16<BlockQ4_0>, legacy::gemm16<BlockQ4_1>,
                                    legacy::gemm16<BlockQ5_0>, legacy::gemm16<BlockQ5_1>,
-                                   legacy::gemm16<BlockQ8_0>};
+                                   legacy::gemm16<BlockQ8_0>,
+                                   avx2_gemm_kernels()->quantize_q8_0,
+                                   avx2_gemm_kernels()->quantize_q8_1};
   return &kernels;
 }
 

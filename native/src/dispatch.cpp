@@ -255,6 +255,22 @@ extern "C" int elk_gemm_q8_K(int type, int64_t k, const void *w, size_t w_stride
   return elk_gemm(type, k, w, w_stride, n, a, a_stride, m, out, ldo);
 }
 
+extern "C" int elk_quantize_row(int activation_type, const float *x, void *y, int64_t k) {
+  const GemmKernels *tiles = selected_gemm();
+  QuantizeFn fn = nullptr;
+  if (tiles != nullptr && k % QK == 0) {
+    if (activation_type == ELK_Q8_0) fn = tiles->quantize_q8_0;
+    if (activation_type == ELK_Q8_1) fn = tiles->quantize_q8_1;
+  }
+  if (activation_type == ELK_Q8_K && k % QK_K == 0) {
+    elk_quantize_row_q8_K(x, y, k);
+    return 0;
+  }
+  if (fn == nullptr) return elk_quantize_row_ref(activation_type, x, y, k);
+  fn(x, y, k);
+  return 0;
+}
+
 extern "C" void elk_quantize_row_q8_K(const float *x, void *y, int64_t k) {
   const GemmKernels *tiles = selected_gemm();
   if (tiles != nullptr && tiles->quantize_q8_K != nullptr) {

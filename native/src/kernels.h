@@ -58,6 +58,9 @@ struct GemmKernels {
   GemmFn q4_K, q5_K, q6_K;
   QuantizeFn quantize_q8_K;
   GemmFn q4_0 = nullptr, q4_1 = nullptr, q5_0 = nullptr, q5_1 = nullptr, q8_0 = nullptr;
+  // Activations to Q8_0 / Q8_1 blocks, byte for byte elk_quantize_row_ref's (k a multiple
+  // of 32); null runs the reference.
+  QuantizeFn quantize_q8_0 = nullptr, quantize_q8_1 = nullptr;
 };
 
 // The tiled kernels of an ISA, or nullptr where it has none (dispatch.cpp then runs its

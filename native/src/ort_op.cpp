@@ -39,9 +39,16 @@ constexpr const char *kDomain = "edge_llm_ros";
 // whole to elk_gemm, which tiles it so each weight block is unpacked once for several
 // activation rows. Consecutive tasks share a column block (its weights stay in cache while
 // the threads take its row blocks). A GEMV (up to 4 rows) takes 16..64 columns a task, at
-// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns.
+// least 64 tasks where N allows (small N: the threads still share it); batches 32 columns,
+// 128 for the legacy types (blocks of 32: each task's elk_gemm works out its activation
+// rows' block terms again, at 32 columns 15 % of a Q8_0 batch; 128 columns, single-thread,
+// Qwen3-0.6B's shapes at 512 rows: 1.10-1.18x; the K types, 8x the work a block, the same).
 constexpr int64_t kColumnsPerTask = 64, kMinColumnsPerTask = 16, kBatchColumnsPerTask = 32;
+constexpr int64_t kLegacyBatchColumnsPerTask = 128;
 constexpr int64_t kRowsPerTask = 64;
+// A batch task's scratch rows are cols + this many floats apart: a stride of a power of two
+// (cols 128: 512 bytes) would still crowd the rows' sums into a few L1 sets.
+constexpr int64_t kScratchPad = 16;
 
 struct Work {
   const uint8_t *weights;
@@ -53,6 +60,7 @@ struct Work {
   int type, glu;
   int64_t columns_per_task, rows_per_task, row_tasks;
   size_t tasks;
+  bool scratch;  // a legacy type's batch: the sums in a task scratch (columns())
   // LoRA (lora.h): this call's deltas [rows, W rows] and which rows have one, or nullptr
   // when no row of the call adapts this node (the base path).
   const float *lora = nullptr;
@@ -65,8 +73,10 @@ Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias,
           size_t activation_row_bytes, int type, int glu) {
   const int64_t rows_per_task = rows < kRowsPerTask ? rows : kRowsPerTask;
   const int64_t gemv_columns = n / 64 / 4 * 4;
+  const bool legacy_batch = rows_per_task > 4 && elk_block_weights(type) == 32;
   const int64_t columns_per_task =
-      rows_per_task > 4 ? kBatchColumnsPerTask
+      legacy_batch ? kLegacyBatchColumnsPerTask
+      : rows_per_task > 4 ? kBatchColumnsPerTask
       : gemv_columns < kMinColumnsPerTask ? kMinColumnsPerTask
       : gemv_columns > kColumnsPerTask ? kColumnsPerTask : gemv_columns;
   const int64_t row_tasks = (rows + rows_per_task - 1) / rows_per_task;
@@ -74,7 +84,7 @@ Work plan(const uint8_t *weights, const uint8_t *activations, const float *bias,
       static_cast<size_t>(row_tasks * ((n + columns_per_task - 1) / columns_per_task));
   return Work{weights, activations, bias, out, rows, n, k, weight_row_bytes,
               activation_row_bytes, type, glu, columns_per_task, rows_per_task, row_tasks,
-              tasks};
+              tasks, legacy_batch};
 }
 
 // A task's product of weight rows [first, first + cols) into out (row stride ldo), bias added.
@@ -109,14 +119,29 @@ void columns(void *data, size_t task) {
   const int64_t cols = first + w.columns_per_task < w.n ? w.columns_per_task : w.n - first;
   const int64_t rows = row + w.rows_per_task < w.rows ? w.rows_per_task : w.rows - row;
   float *out = w.out + row * w.n + first;
-  if (w.glu == elk::glu::kNone) {
+  thread_local std::vector<float> scratch;
+  if (w.glu == elk::glu::kNone && !w.scratch) {
     product(w, first, cols, row, rows, out, w.n);
     if (w.lora != nullptr) add_lora(w, first, cols, row, rows, out, w.n);
     return;
   }
+  if (w.glu == elk::glu::kNone) {
+    // A legacy type's batch keeps its running sums in memory between blocks of 32
+    // (x86_common.h's tile_in_memory): in a task-sized scratch, its rows cols + kScratchPad
+    // floats apart, not in the output, whose rows lie N floats apart (N * 4 bytes a multiple
+    // of 4 KB puts every row's sums in one L1 set: Q8_0 at Qwen3-0.6B's shapes, 512 rows,
+    // one thread, 1.3-1.45x slower). The same sums, copied out whole.
+    const int64_t ldo = cols + kScratchPad;
+    scratch.resize(static_cast<size_t>(rows * ldo));
+    product(w, first, cols, row, rows, scratch.data(), ldo);
+    if (w.lora != nullptr) add_lora(w, first, cols, row, rows, scratch.data(), ldo);
+    for (int64_t m = 0; m < rows; ++m) {
+      std::memcpy(out + m * w.n, scratch.data() + m * ldo, sizeof(float) * cols);
+    }
+    return;
+  }
   // The gate and up columns of this task (rows first.. and n + first.. of W), then the
   // activation: a task-sized scratch per pool thread, reused.
-  thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(2 * rows * cols));
   float *gate = scratch.data(), *up = gate + rows * cols;
   product(w, first, cols, row, rows, gate, cols);
@@ -197,6 +222,27 @@ OrtStatusPtr create(const OrtApi &api, const OrtKernelInfo *info, void **kernel)
   }
 }
 
+// Activation rows to the weight type's activation blocks, kQuantizeRows rows a task.
+constexpr int64_t kQuantizeRows = 16;
+
+struct Quantize {
+  const float *input;
+  uint8_t *out;
+  int64_t k;
+  size_t row_bytes;
+  int type;
+  int64_t rows;
+};
+
+void quantize_rows(void *data, size_t task) {
+  const Quantize &q = *static_cast<const Quantize *>(data);
+  const int64_t first = static_cast<int64_t>(task) * kQuantizeRows;
+  const int64_t last = first + kQuantizeRows < q.rows ? first + kQuantizeRows : q.rows;
+  for (int64_t m = first; m < last; ++m) {
+    elk_quantize_row(q.type, q.input + m * q.k, q.out + m * q.row_bytes, q.k);
+  }
+}
+
 // elk::ParallelForFn over an op's KernelContext (lora_deltas' tasks on the intra-op pool).
 void ort_parallel_for(void *context, void (*fn)(void *, size_t), size_t tasks, void *data) {
   static_cast<Ort::KernelContext *>(context)->ParallelFor(fn, tasks, 0, data);
@@ -261,14 +307,14 @@ struct KQuantMatMulKernel {
     // This call's own scratch: ORT may run one session (one kernel object) from several
     // threads at once, so nothing a Compute writes lives in the kernel.
     std::vector<uint8_t> activations(static_cast<size_t>(rows) * activation_row_bytes_);
-    for (int64_t m = 0; m < rows; ++m) {
-      if (activation_type_ == ELK_Q8_K) {
-        elk_quantize_row_q8_K(input + m * k_, activations.data() + m * activation_row_bytes_,
-                              k_);
-      } else {
-        elk_quantize_row_ref(activation_type_, input + m * k_,
-                             activations.data() + m * activation_row_bytes_, k_);
-      }
+    // The rows' quantization on the intra-op pool too (it was a serial 10 % of a batched
+    // call, the other threads waiting): each row by itself, so the bytes are the same.
+    Quantize q{input, activations.data(), k_, activation_row_bytes_, activation_type_, rows};
+    const size_t quantize_tasks = static_cast<size_t>((rows + kQuantizeRows - 1) / kQuantizeRows);
+    if (quantize_tasks == 1) {
+      quantize_rows(&q, 0);
+    } else {
+      ctx.ParallelFor(quantize_rows, quantize_tasks, 0, &q);
     }
     Work work = plan(w.GetTensorData<uint8_t>(), activations.data(), bias,
                      y.GetTensorMutableData<float>(), rows, out_n, k_, row_bytes_,

@@ -64,6 +64,9 @@ ELK_API int elk_gemm(int type, int64_t k, const void *w, size_t w_stride, int64_
 
 // elk_quantize_row_q8_K_ref with the selected kernels: the same bytes.
 ELK_API void elk_quantize_row_q8_K(const float *x, void *y, int64_t k);
+// elk_quantize_row_ref with the selected kernels (any activation type): the same bytes.
+// Returns 0, or -1.
+ELK_API int elk_quantize_row(int activation_type, const float *x, void *y, int64_t k);
 
 // The running kernels' ISA ("scalar", "avx2", "neon", "neon_dotprod"), the features found,
 // and a pin: "auto" or one of those names. Returns 0, or -1 when this CPU or build lacks that
