@@ -1,12 +1,15 @@
 """LoRA adapters per goal (issue 43): decode cost against the base model and llama.cpp.
 
     .venv/bin/python bench/bench_lora.py [--threads 2] [--tokens 64] [--repeats 3]
-        [--json-out bench/results/bench_lora.json]
+        [--shape smollm2|qwen2-1.5b] [--json-out bench/results/bench_lora.json]
 
-One run, same files, same threads, on the real SmolLM2 GGUF (converted with weights='kquant'):
+One run, same files, same threads, on the real SmolLM2 GGUF (converted with weights='kquant'),
+or with --shape qwen2-1.5b on bench/make_random_gguf.py's random-weight Qwen2.5-1.5B GGUF at
+its real shape (llama.cpp's Q4_K_M mix, converted with weights='kquant'; results in
+bench/results/bench_lora_qwen2-1.5b.json unless --json-out says otherwise):
 
 - single goal: decode tok/s with a rank-16 adapter on every projection (q, k, v, o, gate, up,
-  down of all 30 layers; random, F16, written as convert_lora_to_gguf.py does) against the
+  down of every layer; random, F16, written as convert_lora_to_gguf.py does) against the
   base model: OnnxDecoder rows, one decode step a call, after a 32-token prompt; base and
   adapter take turns, best of --repeats;
 - 4 goals at once: 4 rows a call, each with its own adapter, against 4 rows on the base;
@@ -39,6 +42,7 @@ DEFAULT_JSON = ROOT / 'bench' / 'results' / 'bench_lora.json'
 WORK = ROOT / '.cache' / 'bench_lora'
 RANK = 16
 SMOLLM2_FFN = 1536   # SmolLM2-135M's feed_forward_length (model.yaml does not keep it)
+SHAPES = ('smollm2', 'qwen2-1.5b')   # the real SmolLM2, make_random_gguf's Qwen2.5-1.5B
 PROMPT = [1, 504, 3101, 314, 253, 4264, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282,
           253, 1124, 2151, 30, 1551, 284, 9009, 22, 3049, 28, 260, 2114, 282, 253, 1124, 30]
 
@@ -84,27 +88,38 @@ def rss_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
 
 
-def smollm2_files() -> Tuple[pathlib.Path, pathlib.Path]:
+def model_files(shape: str = 'smollm2') -> Tuple[pathlib.Path, pathlib.Path, int]:
+    """Return the shape's GGUF, its kquant conversion (made once) and its n_ff."""
     from edge_llm_ros.convert.converter import convert
-    from edge_llm_ros.convert.default_model import ensure_default_gguf
     from edge_llm_ros.model_format import is_current, load_model_info
-    gguf = ensure_default_gguf()
-    folder = WORK / 'smollm2-kquant'
+    if shape == 'smollm2':
+        from edge_llm_ros.convert.default_model import ensure_default_gguf
+        gguf, ffn = pathlib.Path(ensure_default_gguf()), SMOLLM2_FFN
+    else:
+        import make_random_gguf
+        gguf = ROOT / '.cache' / 'random_gguf' / f'{shape}.gguf'   # bench_kquant's too
+        if not gguf.is_file():
+            print(f'bench_lora: writing {gguf}', file=sys.stderr, flush=True)
+            make_random_gguf.write_random_gguf(gguf, shape)
+        ffn = make_random_gguf.SHAPES[shape].ff
+    folder = WORK / f'{shape}-kquant'
     # lora_targets: where adapters go (a folder converted before it lacks it)
     if not is_current(folder) or 'lora_targets' not in load_model_info(str(folder)).extra:
+        print(f'bench_lora: converting {gguf} -> {folder}', file=sys.stderr, flush=True)
         convert(str(gguf), str(folder), weights='kquant', progress=False, overwrite=True)
-    return pathlib.Path(gguf), folder
+    return gguf, folder, ffn
 
 
-def write_adapters(info, n: int) -> List[pathlib.Path]:
+def write_adapters(info, n: int, ffn: int = SMOLLM2_FFN,
+                   shape: str = 'smollm2') -> List[pathlib.Path]:
     from lora_fixtures import random_pairs, write_lora_gguf
     from tiny_model import TinyDims
     dims = TinyDims(hidden=info.hidden_size, layers=info.num_layers, heads=info.num_heads,
-                    kv_heads=info.num_kv_heads, intermediate=SMOLLM2_FFN,
+                    kv_heads=info.num_kv_heads, intermediate=ffn,
                     key_length=info.head_dim)
     paths = []
     for seed in range(1, n + 1):
-        path = WORK / f'smollm2-r{RANK}-s{seed}.gguf'
+        path = WORK / f'{shape}-r{RANK}-s{seed}.gguf'
         if not path.is_file():
             write_lora_gguf(path, info.architecture, dims,
                             random_pairs(dims, RANK, seed=seed, std=0.02), alpha=RANK,
@@ -183,13 +198,21 @@ def main(argv=None) -> int:
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--tokens', type=int, default=64)
     p.add_argument('--repeats', type=int, default=3)
-    p.add_argument('--json-out', default=str(DEFAULT_JSON))
+    p.add_argument('--shape', choices=SHAPES, default='smollm2')
+    p.add_argument('--json-out', default=None,
+                   help=f'default {DEFAULT_JSON.relative_to(ROOT)} (SmolLM2), '
+                   'bench/results/bench_lora_SHAPE.json (another shape)')
     args = p.parse_args(argv)
+    if args.json_out is None:
+        args.json_out = str(DEFAULT_JSON if args.shape == 'smollm2' else
+                            DEFAULT_JSON.with_name(f'bench_lora_{args.shape}.json'))
     WORK.mkdir(parents=True, exist_ok=True)
     from edge_llm_ros.model_format import load_model_info
-    gguf, folder = smollm2_files()
-    adapters = write_adapters(load_model_info(str(folder)), 4)
-    res = {'model': 'SmolLM2-135M-Instruct Q4_1 (kquant)', 'rank': RANK,
+    gguf, folder, ffn = model_files(args.shape)
+    adapters = write_adapters(load_model_info(str(folder)), 4, ffn, args.shape)
+    model = ('SmolLM2-135M-Instruct Q4_1 (kquant)' if args.shape == 'smollm2' else
+             f'{args.shape} random weights, Q4_K_M mix (make_random_gguf, kquant)')
+    res = {'model': model, 'shape': args.shape, 'rank': RANK,
            'threads': args.threads, 'tokens': args.tokens, 'repeats': args.repeats,
            'ours': ours(folder, adapters, args.threads, args.tokens, args.repeats),
            'llama_cpp': llama_cpp(gguf, adapters[0], args.threads, args.tokens, args.repeats)}

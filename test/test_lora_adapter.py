@@ -1,4 +1,6 @@
 """LoRA adapters as users have them (convert/lora.py: GGUF, PEFT) and their numpy form."""
+import json
+
 from lora_fixtures import random_pairs, write_lora_gguf, write_peft
 import numpy as np
 import pytest
@@ -7,7 +9,7 @@ from tiny_model import TinyDims
 from edge_llm_ros.convert.lora import check_base, load_adapter, write_converted
 from edge_llm_ros.errors import AdapterFileError, AdapterMismatchError
 from edge_llm_ros.model_format import ModelInfo
-from edge_llm_ros.runtime.lora_adapter import load_converted
+from edge_llm_ros.runtime.lora_adapter import ADAPTER_MANIFEST, load_converted
 
 DIMS = TinyDims(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
 
@@ -98,3 +100,29 @@ def test_numpy_form_gives_back_the_same_pairs(tmp_path):
         np.testing.assert_array_equal(back.pairs[key].b, pair.b)
     with pytest.raises(AdapterMismatchError, match='architecture llama.*is qwen2'):
         load_converted(str(folder), info('qwen2'))
+
+
+@pytest.mark.parametrize('wtype, stored', [('F16', {'f16'}), ('BF16', {'bf16', 'f16'}),
+                                           ('Q8_0', {'f32'})])
+def test_numpy_form_keeps_half_files_in_two_bytes(tmp_path, wtype, stored):
+    """F16 / BF16 pairs stay 2 bytes a value (exact); an older format's folder is refused.
+
+    A BF16 file's values may all fit F16 too (either is exact).
+    """
+    dims = TinyDims(hidden=64, layers=1, heads=4, kv_heads=2, intermediate=128)
+    pairs = random_pairs(dims, rank=32, roles=('q', 'v', 'down'))
+    path = write_lora_gguf(tmp_path / 'a.gguf', 'qwen2', dims, pairs, wtype=wtype)
+    adapter = check_base(load_adapter(str(path)), info('qwen2', dims))
+    folder = write_converted(adapter, info('qwen2', dims), str(tmp_path / 'np'), 'abc')
+    back = load_converted(str(folder), info('qwen2', dims))
+    for key, pair in adapter.pairs.items():
+        assert back.pairs[key].dtype in stored
+        wide = back.pairs[key].widened()
+        assert np.array_equal(wide.a.view(np.uint32), pair.a.view(np.uint32))
+        assert np.array_equal(wide.b.view(np.uint32), pair.b.view(np.uint32))
+    assert back.nbytes == adapter.nbytes // (1 if stored == {'f32'} else 2)
+    manifest = json.loads((folder / ADAPTER_MANIFEST).read_text())
+    manifest['format_version'] = 1
+    (folder / ADAPTER_MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(AdapterFileError, match='format version 1.*convert it again'):
+        load_converted(str(folder), info('qwen2', dims))

@@ -24,7 +24,8 @@ from edge_llm_ros.convert.lora import convert_adapters, default_cache_dir, ensur
 from edge_llm_ros.errors import (AdapterFileError, AdapterMismatchError, AdapterRequestError,
                                  LoraTargetsMissingError)
 from edge_llm_ros.runtime.conversation import Conversation
-from edge_llm_ros.runtime.lora_adapter import ADAPTER_MANIFEST, ADAPTER_PAIRS
+from edge_llm_ros.runtime.lora_adapter import (ADAPTER_FORMAT_VERSION, ADAPTER_MANIFEST,
+                                               ADAPTER_PAIRS)
 from edge_llm_ros.runtime.speculative_config import SpeculativeConfig
 from edge_llm_ros.runtime.types import GenerationRequest, SamplingConfig
 from edge_llm_ros.serving.engine import Engine, EngineConfig
@@ -151,6 +152,12 @@ def test_conversion_is_cached_beside_the_model(files):
     assert ensure_converted(str(a1), str(model)) == first       # found, not written again
     assert (pathlib.Path(first) / ADAPTER_PAIRS).stat().st_mtime_ns == stamp
     assert ensure_converted(first, str(model)) == first         # the numpy form as it is
+    manifest_path = pathlib.Path(first) / ADAPTER_MANIFEST      # an older format's cache entry
+    manifest = json.loads(manifest_path.read_text())
+    manifest['format_version'] = ADAPTER_FORMAT_VERSION - 1
+    manifest_path.write_text(json.dumps(manifest))
+    assert ensure_converted(str(a1), str(model)) == first       # converted again by itself
+    assert json.loads(manifest_path.read_text())['format_version'] == ADAPTER_FORMAT_VERSION
 
 
 def test_a_folder_converted_before_lora_targets_asks_for_reconversion(files, tmp_path):

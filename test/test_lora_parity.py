@@ -1,7 +1,8 @@
 """LoRA adapters per row against llama.cpp's own adapter API, on tiny random models.
 
 Each family's Q8_0 fixture (gguf_fixtures) is converted with weights='kquant'; tiny random
-adapters on every projection (lora_fixtures, written as convert_lora_to_gguf.py does) are
+adapters on every projection (lora_fixtures, written as convert_lora_to_gguf.py does: the
+first in F32, the second in F16, which the engine keeps in F16 and widens in the kernels) are
 loaded by llama.cpp (llama_adapter_lora_init + llama_set_adapters_lora) and by the engine
 (converted once: convert/lora.py, read in numpy form: runtime/lora_adapter.py, registered on
 the op nodes: runtime/lora_ops.py). Both greedy-decode
@@ -52,7 +53,7 @@ def setup_case(work: pathlib.Path, case: ParityCase):
             roles = FUSED_ROLES if case.arch == 'phi3' else ALL_ROLES
             write_lora_gguf(path, case.arch, case.dims,
                             random_pairs(case.dims, RANK, seed=seed, std=STD, roles=roles),
-                            alpha=16.0)
+                            alpha=16.0, wtype='F32' if seed == 1 else 'F16')
         adapters.append(path)
     model = converted(base, work, accuracy_level=4, weights='kquant')
     dec = OnnxDecoder(str(model), load_model_info(str(model)),

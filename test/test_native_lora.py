@@ -2,13 +2,16 @@
 
 native/src/lora.cpp (reference), avx2.cpp, avx512.cpp: a row's result does not depend on
 the rows beside it, a scale of 0 leaves the row untouched, and the result is B·(A·x) scaled
-(float64 to 1e-5).
+(float64 to 1e-5). A and B stored as F16 or BF16 (widened as the kernels read them) give the
+bits of the same values stored as float32, on every path.
 """
 import ctypes
 
 from native_build import native_build
 import numpy as np
 import pytest
+
+from edge_llm_ros.runtime.lora_adapter import LoraPair, narrowest_storage
 
 F32P = ctypes.POINTER(ctypes.c_float)
 
@@ -18,6 +21,9 @@ def lib():
     lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
     lib.elk_lora_apply.argtypes = [F32P, ctypes.c_int64, ctypes.c_int64, F32P, ctypes.c_int64,
                                    F32P, ctypes.c_int64, F32P, F32P]
+    lib.elk_lora_apply_typed.argtypes = [F32P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int, F32P, F32P]
     lib.elk_select_kernel.argtypes = [ctypes.c_char_p]
     lib.elk_kernel_name.restype = ctypes.c_char_p
     yield lib
@@ -60,3 +66,61 @@ def test_isa_paths_equal_the_reference(lib, k, r, n):
         alone = apply(lib, x[m:m + 1].copy(), a_t, b_t, scales[m:m + 1].copy(),
                       y[m:m + 1].copy())
         assert np.array_equal(alone[0], ref[m])
+
+
+def apply_typed(lib, x, a_t, b_t, dtype, scales, y):
+    y = y.copy()
+    rc = lib.elk_lora_apply_typed(ptr(x), x.shape[0], x.shape[1], a_t.ctypes.data, a_t.shape[1],
+                                  b_t.ctypes.data, b_t.shape[1], {'f16': 1, 'bf16': 2}[dtype],
+                                  ptr(scales), ptr(y))
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize('dtype', ['f16', 'bf16'])
+@pytest.mark.parametrize('k, r, n', [(576, 16, 1536), (100, 7, 33), (64, 24, 200), (32, 8, 5)])
+def test_half_storage_gives_the_float32_bits(lib, dtype, k, r, n):
+    rng = np.random.default_rng(7 * k + r + n)
+    rows = 4
+    x = rng.normal(size=(rows, k)).astype(np.float32)
+    a32 = rng.normal(0, 0.1, (k, r)).astype(np.float32)
+    b32 = rng.normal(0, 0.1, (r, n)).astype(np.float32)
+    if dtype == 'f16':
+        a32[0, 0], b32[0, 0] = 3e-7, -5e-8          # F16 subnormals widen exactly too
+        a_t, b_t = a32.astype(np.float16), b32.astype(np.float16)
+    else:
+        a_t, b_t = ((v.view(np.uint32) >> 16).astype(np.uint16) for v in (a32, b32))
+    pair = LoraPair(a_t.T, b_t.T, dtype).widened()   # the values the kernels compute with
+    a_w, b_w = np.ascontiguousarray(pair.a.T), np.ascontiguousarray(pair.b.T)
+    y = rng.normal(size=(rows, n)).astype(np.float32)
+    scales = np.array([0.5, 0.0, 2.0, -1.0], dtype=np.float32)
+    lib.elk_select_kernel(b'scalar')
+    ref = apply(lib, x, a_w, b_w, scales, y)         # float32 storage, the reference
+    for isa in ('scalar', 'avx2', 'avx512_vnni', 'amx'):
+        if lib.elk_select_kernel(isa.encode()) == 0:
+            out = apply_typed(lib, x, a_t, b_t, dtype, scales, y)
+            assert np.array_equal(out.view(np.uint32), ref.view(np.uint32)), isa
+            alone = apply_typed(lib, x[2:3].copy(), a_t, b_t, dtype, scales[2:3].copy(),
+                                y[2:3].copy())
+            assert np.array_equal(alone[0].view(np.uint32), ref[2].view(np.uint32)), isa
+    lib.elk_select_kernel(b'auto')
+    assert np.array_equal(ref[1], y[1])
+
+
+@pytest.mark.parametrize('source', ['F16', 'BF16', 'F32', 'Q8_0'])
+def test_pairs_keep_the_narrowest_exact_storage(source):
+    """An F16 / BF16 file's values stay 2 bytes; other sources stay float32 (narrowest_storage)."""
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(0, 0.02, (16, 64)).astype(np.float32), rng.normal(0, 0.02, (96, 16))
+    b = b.astype(np.float32)
+    if source == 'F16':
+        a, b = (v.astype(np.float16).astype(np.float32) for v in (a, b))
+    elif source == 'BF16':
+        a, b = ((v.view(np.uint32) & 0xFFFF0000).view(np.float32) for v in (a, b))
+    elif source == 'Q8_0':   # fp16 scale times int8: more bits than F16 or BF16 keep
+        a = (np.float32(0.0123) * rng.integers(-127, 128, a.shape)).astype(np.float32)
+    stored = narrowest_storage(LoraPair(a, b))
+    assert stored.dtype == {'F16': 'f16', 'BF16': 'bf16'}.get(source, 'f32')
+    back = stored.widened()
+    assert np.array_equal(back.a.view(np.uint32), a.view(np.uint32))
+    assert np.array_equal(back.b.view(np.uint32), b.view(np.uint32))

@@ -47,7 +47,7 @@ from edge_llm_ros.runtime.lora_adapter import (ADAPTER_FORMAT, ADAPTER_FORMAT_VE
                                                ADAPTER_MANIFEST, ADAPTER_PAIRS, base_sha256,
                                                check_shapes, describe, describe_base,
                                                is_converted, LoraAdapter, LoraPair,
-                                               read_manifest)
+                                               narrowest_storage, read_manifest)
 
 _GGUF_ROLES = {'attn_q': 'q', 'attn_k': 'k', 'attn_v': 'v', 'attn_output': 'o',
                'ffn_gate': 'gate', 'ffn_up': 'up', 'ffn_down': 'down', 'attn_qkv': 'qkv'}
@@ -306,9 +306,10 @@ def write_converted(adapter: LoraAdapter, info: ModelInfo, out_dir: str,
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f'.{out.name}.', dir=out.parent))
     try:
         arrays = {}
-        for (layer, role), pair in sorted(adapter.pairs.items()):
-            arrays[f'{layer}.{role}.a'] = np.ascontiguousarray(pair.a, dtype=np.float32)
-            arrays[f'{layer}.{role}.b'] = np.ascontiguousarray(pair.b, dtype=np.float32)
+        stored = {key: narrowest_storage(pair) for key, pair in adapter.pairs.items()}
+        for (layer, role), pair in sorted(stored.items()):
+            arrays[f'{layer}.{role}.a'] = pair.a
+            arrays[f'{layer}.{role}.b'] = pair.b
         np.savez(tmp / ADAPTER_PAIRS, **arrays)
         manifest = {
             'format': ADAPTER_FORMAT, 'format_version': ADAPTER_FORMAT_VERSION,
@@ -317,8 +318,8 @@ def write_converted(adapter: LoraAdapter, info: ModelInfo, out_dir: str,
             'source': {'path': str(adapter.path), 'sha256': source_sha},
             'base': {'name': info.name, 'architecture': info.architecture,
                      'sha256': base_sha256(info)},
-            'pairs': [[layer, role, pair.rank] for (layer, role), pair
-                      in sorted(adapter.pairs.items())]}
+            'pairs': [[layer, role, pair.rank, pair.dtype] for (layer, role), pair
+                      in sorted(stored.items())]}
         (tmp / ADAPTER_MANIFEST).write_text(json.dumps(manifest, indent=1))
         if out.exists():
             shutil.rmtree(out)

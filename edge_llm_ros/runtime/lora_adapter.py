@@ -1,7 +1,9 @@
 """LoRA adapters in the engine's numpy form (written by convert/lora.py), read with numpy only.
 
 An adapter is a set of low-rank pairs per (layer, projection): y = W·x + s·B·(A·x), with
-A [rank, in] and B [out, rank] in float32, in the layout of the engine's weights. The
+A [rank, in] and B [out, rank] in the layout of the engine's weights, kept in the narrowest of
+float32, F16 and BF16 that holds the file's values exactly (an F16 or BF16 adapter file: half
+the bytes; the op library widens them as it reads, so the sums see the same float32 values). The
 effective scale of a pair is llama.cpp's: `scale * alpha / rank`, or `scale` when the adapter
 has no alpha.
 
@@ -31,19 +33,55 @@ ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 ADAPTER_MANIFEST = 'lora_adapter.json'
 ADAPTER_PAIRS = 'lora_pairs.npz'
 ADAPTER_FORMAT = 'edge_llm_ros-lora'
-ADAPTER_FORMAT_VERSION = 1
+# 2: pairs stored as F16 / BF16 (uint16 bits) when exact; 1 (float32 only) is converted again.
+ADAPTER_FORMAT_VERSION = 2
+# A pair's storage type (the manifest's name) and its numpy dtype (BF16: its bits as uint16).
+STORAGE_DTYPES = {'f32': np.float32, 'f16': np.float16, 'bf16': np.uint16}
 
 
 @dataclass(frozen=True, eq=False)
 class LoraPair:
-    """One projection's low-rank pair: A float32 [rank, in], B float32 [out, rank]."""
+    """One projection's low-rank pair: A [rank, in], B [out, rank] of storage type `dtype`.
+
+    dtype: 'f32' (float32 arrays), 'f16' (float16) or 'bf16' (uint16: float32's upper halves).
+    """
 
     a: np.ndarray
     b: np.ndarray
+    dtype: str = 'f32'
 
     @property
     def rank(self) -> int:
         return int(self.a.shape[0])
+
+    def widened(self) -> 'LoraPair':
+        """Return the pair in float32 (exact: the values the op library computes with)."""
+        return LoraPair(widen(self.a, self.dtype), widen(self.b, self.dtype))
+
+
+def widen(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Return a stored array (STORAGE_DTYPES) as float32, exactly."""
+    if dtype == 'bf16':
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def narrowest_storage(pair: LoraPair) -> LoraPair:
+    """Return a float32 pair in the narrowest storage type holding its values exactly.
+
+    F16 first (a value of an F16 file), then BF16 (its float32 bits' low half zero), else
+    float32 (a Q8_0 file's products, a PEFT folder's float32 weights).
+    """
+    a = np.ascontiguousarray(pair.a, dtype=np.float32)
+    b = np.ascontiguousarray(pair.b, dtype=np.float32)
+    halves = [x.astype(np.float16) for x in (a, b)]
+    if all(np.array_equal(h.astype(np.float32).view(np.uint32), x.view(np.uint32))
+           for h, x in zip(halves, (a, b))):
+        return LoraPair(halves[0], halves[1], 'f16')
+    if not any((x.view(np.uint32) & 0xFFFF).any() for x in (a, b)):
+        return LoraPair(*((x.view(np.uint32) >> 16).astype(np.uint16) for x in (a, b)),
+                        dtype='bf16')
+    return LoraPair(a, b)
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,8 +171,14 @@ def read_manifest(folder: str) -> dict:
     except (OSError, ValueError) as exc:
         raise AdapterFileError(f'{path} is not readable JSON ({exc}): convert the adapter '
                                'again (load its .gguf or PEFT folder)') from None
-    if not isinstance(manifest, dict) or manifest.get('format') != ADAPTER_FORMAT or \
+    if isinstance(manifest, dict) and manifest.get('format') == ADAPTER_FORMAT and \
             manifest.get('format_version') != ADAPTER_FORMAT_VERSION:
+        raise AdapterFileError(f'{path} was converted by another edge_llm_ros (format version '
+                               f'{manifest.get("format_version")}, this one reads '
+                               f'{ADAPTER_FORMAT_VERSION}): load the adapter from its .gguf or '
+                               'PEFT folder to convert it again (a cached conversion is redone '
+                               'by itself)')
+    if not isinstance(manifest, dict) or manifest.get('format') != ADAPTER_FORMAT:
         raise AdapterFileError(f'{path} is not a LoRA adapter of format {ADAPTER_FORMAT} '
                                f'{ADAPTER_FORMAT_VERSION}: convert the adapter again (load its '
                                '.gguf or PEFT folder)')
@@ -163,10 +207,14 @@ def load_converted(folder: str, info: ModelInfo, name: str = '') -> LoraAdapter:
     pairs: Dict[Tuple[int, str], LoraPair] = {}
     try:
         with np.load(path, allow_pickle=False) as data:
-            for layer, role in (tuple(e[:2]) for e in manifest.get('pairs') or ()):
-                a = np.ascontiguousarray(data[f'{layer}.{role}.a'], dtype=np.float32)
-                b = np.ascontiguousarray(data[f'{layer}.{role}.b'], dtype=np.float32)
-                pairs[(int(layer), str(role))] = LoraPair(a, b)
+            for layer, role, _, dtype in (tuple(e[:4]) for e in manifest.get('pairs') or ()):
+                want = STORAGE_DTYPES[dtype]
+                a, b = data[f'{layer}.{role}.a'], data[f'{layer}.{role}.b']
+                if a.dtype != want or b.dtype != want:
+                    raise ValueError(f'pair {layer}.{role} is {a.dtype} / {b.dtype}, the '
+                                     f'manifest says {dtype}')
+                pairs[(int(layer), str(role))] = LoraPair(
+                    np.ascontiguousarray(a), np.ascontiguousarray(b), dtype)
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as exc:
         raise AdapterFileError(f'{path} cannot be read ({exc}): the converted adapter is '
                                'truncated or corrupt; delete its folder and load the adapter '

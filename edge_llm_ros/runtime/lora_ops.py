@@ -30,6 +30,8 @@ from edge_llm_ros.runtime.lora_adapter import LoraAdapter
 Use = Tuple[int, float]   # (adapter id, the goal's scale)
 _F32P = ctypes.POINTER(ctypes.c_float)
 _I64P = ctypes.POINTER(ctypes.c_int64)
+# LoraPair.dtype -> lora.h's ELK_LORA_* (the op library widens F16 / BF16 as it reads).
+_TYPES = {'f32': 0, 'f16': 1, 'bf16': 2}
 # Adapter ids are unique in the process: the op library's registry is one per process, and two
 # models' nodes share names (a draft model's layers.0.attn.q_proj is the target's name too).
 _IDS = itertools.count(1)
@@ -69,8 +71,10 @@ def node_layout(info: ModelInfo) -> Dict[Tuple[int, str], Segment]:
 
 def _lib(path: pathlib.Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))   # the handle onnxruntime loaded: the same registry
-    lib.elk_lora_add.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                 _F32P, ctypes.c_int64, _F32P, ctypes.c_int64, ctypes.c_float]
+    lib.elk_lora_add_typed.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                       ctypes.c_int]
     lib.elk_lora_remove.argtypes = [ctypes.c_int64]
     lib.elk_lora_remove.restype = ctypes.c_int64
     lib.elk_lora_pairs.restype = ctypes.c_int64
@@ -103,11 +107,12 @@ class LoraOps:
         adapter_id = next(_IDS)
         for key, pair in sorted(adapter.pairs.items()):
             seg = self.layout[key]
-            a_t = np.ascontiguousarray(pair.a.T, dtype=np.float32)   # [k, r]
-            b_t = np.ascontiguousarray(pair.b.T, dtype=np.float32)   # [r, n]
-            rc = self._lib.elk_lora_add(seg.node.encode(), adapter_id, a_t.shape[0],
-                                        a_t.shape[1], _f32(a_t), b_t.shape[1], _f32(b_t),
-                                        seg.col, float(adapter.alpha))
+            a_t = np.ascontiguousarray(pair.a.T)   # [k, r], in the pair's storage type
+            b_t = np.ascontiguousarray(pair.b.T)   # [r, n]
+            rc = self._lib.elk_lora_add_typed(seg.node.encode(), adapter_id, a_t.shape[0],
+                                              a_t.shape[1], a_t.ctypes.data, b_t.shape[1],
+                                              b_t.ctypes.data, seg.col, float(adapter.alpha),
+                                              _TYPES[pair.dtype])
             if rc != 0:
                 self._lib.elk_lora_remove(adapter_id)
                 raise AdapterMismatchError(f'LoRA adapter {adapter.name}: the op library '

@@ -1000,38 +1000,124 @@ const DotKernels *avx512_vnni_kernels() {
 }
 
 // ---- LoRA (lora.cpp): the reference's sums, 16 lanes across q (shrink) or j (expand) ------
+// At / Bt widen as they load (F16C, a 16-bit shift: exact); 8 lanes for a rank's or a block's
+// rest of 8. Several vectors a pass: independent sums in flight; each lane's is the reference's.
 namespace {
-void lora_shrink_avx512(const float *x, const float *a_t, int64_t k, int64_t r, float *u) {
+template <int T>
+inline __m512 lora_load16(const void *p, int64_t i) {
+  if constexpr (T == ELK_LORA_F16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p) + i)));
+  } else if constexpr (T == ELK_LORA_BF16) {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i *>(static_cast<const uint16_t *>(p) + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_loadu_ps(static_cast<const float *>(p) + i);
+  }
+}
+
+template <int T>
+inline __m256 lora_load8(const void *p, int64_t i) {
+  if constexpr (T == ELK_LORA_F16) {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
+  } else if constexpr (T == ELK_LORA_BF16) {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float *>(p) + i);
+  }
+}
+
+template <int T>
+void lora_shrink_avx512_t(const float *x, const void *a_t, int64_t k, int64_t r, float *u) {
   int64_t q = 0;
+  for (; q + 32 <= r; q += 32) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      const __m512 xi = _mm512_set1_ps(x[i]);
+      acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(xi, lora_load16<T>(a_t, i * r + q)));
+      acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(xi, lora_load16<T>(a_t, i * r + q + 16)));
+    }
+    _mm512_storeu_ps(u + q, acc0);
+    _mm512_storeu_ps(u + q + 16, acc1);
+  }
   for (; q + 16 <= r; q += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; ++i) {
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(x[i]), _mm512_loadu_ps(a_t + i * r + q)));
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(x[i]), lora_load16<T>(a_t, i * r + q)));
     }
     _mm512_storeu_ps(u + q, acc);
   }
+  for (; q + 8 <= r; q += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; ++i) {
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(x[i]), lora_load8<T>(a_t, i * r + q)));
+    }
+    _mm256_storeu_ps(u + q, acc);
+  }
   for (; q < r; ++q) {
     float acc = 0.0f;
-    for (int64_t i = 0; i < k; ++i) acc = acc + x[i] * a_t[i * r + q];
+    for (int64_t i = 0; i < k; ++i) acc = acc + x[i] * lora_value(a_t, T, i * r + q);
     u[q] = acc;
   }
 }
 
-void lora_expand_avx512(const float *u, const float *b_t, int64_t r, int64_t n, int64_t ldb,
-                        float *t) {
+template <int T>
+void lora_expand_avx512_t(const float *u, const void *b_t, int64_t r, int64_t n, int64_t ldb,
+                          float *t) {
   int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+    for (int64_t q = 0; q < r; ++q) {
+      const __m512 uq = _mm512_set1_ps(u[q]);
+      const int64_t at = q * ldb + j;
+      acc0 = _mm512_add_ps(acc0, _mm512_mul_ps(uq, lora_load16<T>(b_t, at)));
+      acc1 = _mm512_add_ps(acc1, _mm512_mul_ps(uq, lora_load16<T>(b_t, at + 16)));
+      acc2 = _mm512_add_ps(acc2, _mm512_mul_ps(uq, lora_load16<T>(b_t, at + 32)));
+      acc3 = _mm512_add_ps(acc3, _mm512_mul_ps(uq, lora_load16<T>(b_t, at + 48)));
+    }
+    _mm512_storeu_ps(t + j, acc0);
+    _mm512_storeu_ps(t + j + 16, acc1);
+    _mm512_storeu_ps(t + j + 32, acc2);
+    _mm512_storeu_ps(t + j + 48, acc3);
+  }
   for (; j + 16 <= n; j += 16) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t q = 0; q < r; ++q) {
-      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(u[q]), _mm512_loadu_ps(b_t + q * ldb + j)));
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_set1_ps(u[q]), lora_load16<T>(b_t, q * ldb + j)));
     }
     _mm512_storeu_ps(t + j, acc);
   }
+  for (; j + 8 <= n; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t q = 0; q < r; ++q) {
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(u[q]), lora_load8<T>(b_t, q * ldb + j)));
+    }
+    _mm256_storeu_ps(t + j, acc);
+  }
   for (; j < n; ++j) {
     float acc = 0.0f;
-    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * b_t[q * ldb + j];
+    for (int64_t q = 0; q < r; ++q) acc = acc + u[q] * lora_value(b_t, T, q * ldb + j);
     t[j] = acc;
   }
+}
+
+void lora_shrink_avx512(const float *x, const void *a_t, int type, int64_t k, int64_t r,
+                        float *u) {
+  if (type == ELK_LORA_F16) return lora_shrink_avx512_t<ELK_LORA_F16>(x, a_t, k, r, u);
+  if (type == ELK_LORA_BF16) return lora_shrink_avx512_t<ELK_LORA_BF16>(x, a_t, k, r, u);
+  lora_shrink_avx512_t<ELK_LORA_F32>(x, a_t, k, r, u);
+}
+
+void lora_expand_avx512(const float *u, const void *b_t, int type, int64_t r, int64_t n,
+                        int64_t ldb, float *t) {
+  if (type == ELK_LORA_F16) return lora_expand_avx512_t<ELK_LORA_F16>(u, b_t, r, n, ldb, t);
+  if (type == ELK_LORA_BF16) return lora_expand_avx512_t<ELK_LORA_BF16>(u, b_t, r, n, ldb, t);
+  lora_expand_avx512_t<ELK_LORA_F32>(u, b_t, r, n, ldb, t);
 }
 }  // namespace
 

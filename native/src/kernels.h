@@ -11,6 +11,7 @@
 
 #include "blocks.h"
 #include "edge_llm_kquant/attention_i8.h"
+#include "edge_llm_kquant/lora.h"
 
 namespace elk {
 
@@ -127,11 +128,24 @@ inline int32_t k_mins(const uint8_t *scales, const int16_t *bsums) {
 // ---- LoRA (edge_llm_kquant/lora.h, lora.cpp) ------------------------------------------------
 namespace elk {
 // shrink: u[q] = sum_i x[i] * At[i * r + q]; expand: t[j] = sum_q u[q] * Bt[q * ldb + j] for
-// j < n (ldb: Bt's row stride, >= n: a block of columns of a wider Bt); each sum from 0 in
-// index order, a product then an add: an ISA path runs lanes across q or j, and a column's
-// value does not depend on the block it is computed in.
-using LoraShrinkFn = void (*)(const float *x, const float *a_t, int64_t k, int64_t r, float *u);
-using LoraExpandFn = void (*)(const float *u, const float *b_t, int64_t r, int64_t n,
+// j < n (ldb: Bt's row stride in elements, >= n: a block of columns of a wider Bt); each sum
+// from 0 in index order, a product then an add: an ISA path runs lanes across q or j, and a
+// column's value does not depend on the block it is computed in. At and Bt hold elements of
+// `type` (ELK_LORA_F32 / F16 / BF16, lora.h): F16 and BF16 widen to float32 exactly
+// (lora_value), so the sums see the same floats whatever the storage.
+inline float lora_value(const void *p, int type, int64_t i) {
+  if (type == ELK_LORA_F32) return static_cast<const float *>(p)[i];
+  const uint16_t h = static_cast<const uint16_t *>(p)[i];
+  if (type == ELK_LORA_F16) return fp16_to_fp32(h);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;  // BF16: float32's upper half
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline size_t lora_type_bytes(int type) { return type == ELK_LORA_F32 ? 4 : 2; }
+using LoraShrinkFn = void (*)(const float *x, const void *a_t, int type, int64_t k, int64_t r,
+                              float *u);
+using LoraExpandFn = void (*)(const float *u, const void *b_t, int type, int64_t r, int64_t n,
                               int64_t ldb, float *t);
 struct LoraKernels {
   const char *isa;

@@ -24,29 +24,48 @@ const LoraKernels *avx512_lora_kernels() { return nullptr; }
 namespace {
 
 // u[q] = sum_i x[i] * At[i][q], i in order, a product then an add.
-void shrink_ref(const float *x, const float *a_t, int64_t k, int64_t r, float *u) {
+template <int T>
+void shrink_ref_t(const float *x, const void *a_t, int64_t k, int64_t r, float *u) {
   for (int64_t q = 0; q < r; ++q) u[q] = 0.0f;
   for (int64_t i = 0; i < k; ++i) {
     const float xi = x[i];
-    const float *row = a_t + i * r;
-    for (int64_t q = 0; q < r; ++q) u[q] = u[q] + xi * row[q];
+    for (int64_t q = 0; q < r; ++q) u[q] = u[q] + xi * lora_value(a_t, T, i * r + q);
   }
 }
 
 // t[j] = sum_q u[q] * Bt[q][j], q in order (Bt's rows ldb apart: a block of its columns).
-void expand_ref(const float *u, const float *b_t, int64_t r, int64_t n, int64_t ldb, float *t) {
+template <int T>
+void expand_ref_t(const float *u, const void *b_t, int64_t r, int64_t n, int64_t ldb,
+                  float *t) {
   for (int64_t j = 0; j < n; ++j) t[j] = 0.0f;
   for (int64_t q = 0; q < r; ++q) {
     const float uq = u[q];
-    const float *row = b_t + q * ldb;
-    for (int64_t j = 0; j < n; ++j) t[j] = t[j] + uq * row[j];
+    for (int64_t j = 0; j < n; ++j) t[j] = t[j] + uq * lora_value(b_t, T, q * ldb + j);
   }
+}
+
+void shrink_ref(const float *x, const void *a_t, int type, int64_t k, int64_t r, float *u) {
+  if (type == ELK_LORA_F16) return shrink_ref_t<ELK_LORA_F16>(x, a_t, k, r, u);
+  if (type == ELK_LORA_BF16) return shrink_ref_t<ELK_LORA_BF16>(x, a_t, k, r, u);
+  shrink_ref_t<ELK_LORA_F32>(x, a_t, k, r, u);
+}
+
+void expand_ref(const float *u, const void *b_t, int type, int64_t r, int64_t n, int64_t ldb,
+                float *t) {
+  if (type == ELK_LORA_F16) return expand_ref_t<ELK_LORA_F16>(u, b_t, r, n, ldb, t);
+  if (type == ELK_LORA_BF16) return expand_ref_t<ELK_LORA_BF16>(u, b_t, r, n, ldb, t);
+  expand_ref_t<ELK_LORA_F32>(u, b_t, r, n, ldb, t);
+}
+
+bool known_type(int type) {
+  return type == ELK_LORA_F32 || type == ELK_LORA_F16 || type == ELK_LORA_BF16;
 }
 
 struct Pair {
   int64_t adapter, k, r, n, col;
   float alpha;
-  std::vector<float> a_t, b_t;
+  int type;                        // ELK_LORA_*: the elements of a_t and b_t
+  std::vector<uint8_t> a_t, b_t;   // At [k, r], Bt [r, n]
 };
 
 struct Registry {
@@ -114,8 +133,8 @@ struct LoraCall {
 void shrink_task(void *data, size_t task) {
   LoraCall &c = *static_cast<LoraCall *>(data);
   const LoraUse &use = c.uses[task];
-  c.kern->shrink(c.x + use.row * c.k, use.pair->a_t.data(), c.k, use.pair->r,
-                 c.u.data() + use.u_at);
+  c.kern->shrink(c.x + use.row * c.k, use.pair->a_t.data(), use.pair->type, c.k,
+                 use.pair->r, c.u.data() + use.u_at);
 }
 
 // Row m's columns [j0, j1): every use of the row in order, d[j] += s * t[j] per column.
@@ -131,7 +150,8 @@ void expand_task(void *data, size_t task) {
     const Pair &p = *use.pair;
     const int64_t lo = std::max(j0, p.col), hi = std::min(j1, p.col + p.n);
     if (lo >= hi) continue;
-    c.kern->expand(c.u.data() + use.u_at, p.b_t.data() + (lo - p.col), p.r, hi - lo, p.n, t);
+    c.kern->expand(c.u.data() + use.u_at, p.b_t.data() + (lo - p.col) * lora_type_bytes(p.type),
+                   p.type, p.r, hi - lo, p.n, t);
     for (int64_t j = lo; j < hi; ++j) d[j] = d[j] + use.scale * t[j - lo];
   }
 }
@@ -207,31 +227,48 @@ int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64
 
 using namespace elk;
 
-extern "C" int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t,
-                              int64_t r, const float *b_t, int64_t n, const float *scales,
-                              float *y) {
-  if (rows < 0 || k < 1 || r < 1 || n < 1) return -1;
+extern "C" int elk_lora_apply_typed(const float *x, int64_t rows, int64_t k, const void *a_t,
+                                    int64_t r, const void *b_t, int64_t n, int type,
+                                    const float *scales, float *y) {
+  if (rows < 0 || k < 1 || r < 1 || n < 1 || !known_type(type)) return -1;
   const LoraKernels &kern = selected_lora();
   std::vector<float> u(static_cast<size_t>(r)), t(static_cast<size_t>(n));
   for (int64_t m = 0; m < rows; ++m) {
     if (scales[m] == 0.0f) continue;
-    kern.shrink(x + m * k, a_t, k, r, u.data());
-    kern.expand(u.data(), b_t, r, n, n, t.data());
+    kern.shrink(x + m * k, a_t, type, k, r, u.data());
+    kern.expand(u.data(), b_t, type, r, n, n, t.data());
     for (int64_t j = 0; j < n; ++j) y[m * n + j] = y[m * n + j] + scales[m] * t[j];
   }
+  return 0;
+}
+
+extern "C" int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t,
+                              int64_t r, const float *b_t, int64_t n, const float *scales,
+                              float *y) {
+  return elk_lora_apply_typed(x, rows, k, a_t, r, b_t, n, ELK_LORA_F32, scales, y);
+}
+
+extern "C" int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, int64_t r,
+                                  const void *a_t, int64_t n_seg, const void *b_t, int64_t col,
+                                  float alpha, int type) {
+  if (node == nullptr || adapter < 1 || k < 1 || r < 1 || n_seg < 1 || col < 0 ||
+      !known_type(type)) {
+    return -1;
+  }
+  const size_t bytes = lora_type_bytes(type);
+  const uint8_t *a = static_cast<const uint8_t *>(a_t), *b = static_cast<const uint8_t *>(b_t);
+  Pair p{adapter, k, r, n_seg, col, alpha, type,
+         std::vector<uint8_t>(a, a + k * r * bytes), std::vector<uint8_t>(b, b + r * n_seg * bytes)};
+  Registry &reg = registry();
+  std::unique_lock<std::shared_mutex> lock(reg.mutex);
+  reg.nodes[node].push_back(std::move(p));
   return 0;
 }
 
 extern "C" int elk_lora_add(const char *node, int64_t adapter, int64_t k, int64_t r,
                             const float *a_t, int64_t n_seg, const float *b_t, int64_t col,
                             float alpha) {
-  if (node == nullptr || adapter < 1 || k < 1 || r < 1 || n_seg < 1 || col < 0) return -1;
-  Pair p{adapter, k, r, n_seg, col, alpha,
-         std::vector<float>(a_t, a_t + k * r), std::vector<float>(b_t, b_t + r * n_seg)};
-  Registry &reg = registry();
-  std::unique_lock<std::shared_mutex> lock(reg.mutex);
-  reg.nodes[node].push_back(std::move(p));
-  return 0;
+  return elk_lora_add_typed(node, adapter, k, r, a_t, n_seg, b_t, col, alpha, ELK_LORA_F32);
 }
 
 extern "C" int64_t elk_lora_remove(int64_t adapter) {

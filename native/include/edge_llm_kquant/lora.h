@@ -9,6 +9,11 @@
 // multiply-add), so every ISA path (avx2.cpp, avx512.cpp: lanes across q or j) gives the
 // scalar reference's bits. A row with no adapter (or scale 0) is not touched.
 //
+// A and B are kept in the type the adapter file had when it widens to float32 exactly (F16,
+// BF16: half the bytes of float32, and the delta path is bound by reading them); the kernels
+// widen each element as they load it (F16C / a 16-bit shift), so the sums see the same floats
+// and give the same bits as with float32 storage.
+//
 // The registry: adapter pairs per op node (the graph's KQuantMatMul name, e.g.
 // "layers.3.attn.q_proj"), each a segment of the node's output columns (a fused qkv or
 // gate|up node holds one per part); and the current call's table of which rows use which
@@ -25,11 +30,18 @@
 extern "C" {
 #endif
 
+// The element types of At and Bt.
+enum { ELK_LORA_F32 = 0, ELK_LORA_F16 = 1, ELK_LORA_BF16 = 2 };
+
 // For every row m < rows with scales[m] != 0: y[m * n + j] += scales[m] * t[j], t the row's
 // expand of its shrink (x [rows, k], At [k, r], Bt [r, n]). With the selected kernels
 // (elk_select_kernel). Returns 0, or -1 for a bad shape.
 ELK_API int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t, int64_t r,
                            const float *b_t, int64_t n, const float *scales, float *y);
+// The same with At and Bt of element type `type` (ELK_LORA_*).
+ELK_API int elk_lora_apply_typed(const float *x, int64_t rows, int64_t k, const void *a_t,
+                                 int64_t r, const void *b_t, int64_t n, int type,
+                                 const float *scales, float *y);
 
 // Register adapter `adapter` (an id the caller chooses, > 0) on op node `node`: At [k, r] and
 // Bt [r, n_seg] (copied), for output columns [col, col + n_seg) of the node's W rows; alpha
@@ -37,6 +49,10 @@ ELK_API int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float 
 ELK_API int elk_lora_add(const char *node, int64_t adapter, int64_t k, int64_t r,
                          const float *a_t, int64_t n_seg, const float *b_t, int64_t col,
                          float alpha);
+// The same with At and Bt of element type `type` (ELK_LORA_*); -1 for an unknown type.
+ELK_API int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, int64_t r,
+                               const void *a_t, int64_t n_seg, const void *b_t, int64_t col,
+                               float alpha, int type);
 // Drop every pair of `adapter`; returns how many were dropped.
 ELK_API int64_t elk_lora_remove(int64_t adapter);
 // Pairs registered, over all nodes and adapters.
