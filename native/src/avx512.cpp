@@ -1017,19 +1017,6 @@ inline __m512 lora_load16(const void *p, int64_t i) {
   }
 }
 
-template <int T>
-inline __m256 lora_load8(const void *p, int64_t i) {
-  if constexpr (T == ELK_LORA_F16) {
-    return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
-  } else if constexpr (T == ELK_LORA_BF16) {
-    const __m128i h =
-        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm256_loadu_ps(static_cast<const float *>(p) + i);
-  }
-}
 
 template <int T>
 void lora_shrink_avx512_t(const float *x, const void *a_t, int64_t k, int64_t r, float *u) {

@@ -694,5 +694,21 @@ inline void i8_dots_x86(Madd madd, const int8_t *a, const int8_t *b, int64_t n, 
   i8_dots_scalar(a, b + j * n, n, count - j, out + j);
 }
 
+// LoRA pairs (lora.cpp) widen as they load: F16C or a 16-bit shift, both exact, so the sums
+// see the reference's float32 values.
+template <int T>
+inline __m256 lora_load8(const void *p, int64_t i) {
+  if constexpr (T == ELK_LORA_F16) {
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i)));
+  } else if constexpr (T == ELK_LORA_BF16) {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i *>(static_cast<const uint16_t *>(p) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float *>(p) + i);
+  }
+}
+
 }  // namespace
 }  // namespace elk
