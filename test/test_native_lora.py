@@ -19,8 +19,6 @@ F32P = ctypes.POINTER(ctypes.c_float)
 @pytest.fixture(scope='module')
 def lib():
     lib = ctypes.CDLL(str(native_build() / 'libedge_llm_kquant.so'))
-    lib.elk_lora_apply.argtypes = [F32P, ctypes.c_int64, ctypes.c_int64, F32P, ctypes.c_int64,
-                                   F32P, ctypes.c_int64, F32P, F32P]
     lib.elk_lora_apply_typed.argtypes = [F32P, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                          ctypes.c_int, F32P, F32P]
@@ -36,8 +34,10 @@ def ptr(a: np.ndarray):
 
 def apply(lib, x, a_t, b_t, scales, y):
     y = y.copy()
-    rc = lib.elk_lora_apply(ptr(x), x.shape[0], x.shape[1], ptr(a_t), a_t.shape[1], ptr(b_t),
-                            b_t.shape[1], ptr(scales), ptr(y))
+    a_t = np.ascontiguousarray(a_t, dtype=np.float32)
+    b_t = np.ascontiguousarray(b_t, dtype=np.float32)
+    rc = lib.elk_lora_apply_typed(ptr(x), x.shape[0], x.shape[1], a_t.ctypes.data, a_t.shape[1],
+                                  b_t.ctypes.data, b_t.shape[1], 0, ptr(scales), ptr(y))
     assert rc == 0
     return y
 

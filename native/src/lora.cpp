@@ -242,12 +242,6 @@ extern "C" int elk_lora_apply_typed(const float *x, int64_t rows, int64_t k, con
   return 0;
 }
 
-extern "C" int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t,
-                              int64_t r, const float *b_t, int64_t n, const float *scales,
-                              float *y) {
-  return elk_lora_apply_typed(x, rows, k, a_t, r, b_t, n, ELK_LORA_F32, scales, y);
-}
-
 extern "C" int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, int64_t r,
                                   const void *a_t, int64_t n_seg, const void *b_t, int64_t col,
                                   float alpha, int type) {
@@ -263,12 +257,6 @@ extern "C" int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, 
   std::unique_lock<std::shared_mutex> lock(reg.mutex);
   reg.nodes[node].push_back(std::move(p));
   return 0;
-}
-
-extern "C" int elk_lora_add(const char *node, int64_t adapter, int64_t k, int64_t r,
-                            const float *a_t, int64_t n_seg, const float *b_t, int64_t col,
-                            float alpha) {
-  return elk_lora_add_typed(node, adapter, k, r, a_t, n_seg, b_t, col, alpha, ELK_LORA_F32);
 }
 
 extern "C" int64_t elk_lora_remove(int64_t adapter) {

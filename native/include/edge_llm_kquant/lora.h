@@ -36,20 +36,15 @@ enum { ELK_LORA_F32 = 0, ELK_LORA_F16 = 1, ELK_LORA_BF16 = 2 };
 // For every row m < rows with scales[m] != 0: y[m * n + j] += scales[m] * t[j], t the row's
 // expand of its shrink (x [rows, k], At [k, r], Bt [r, n]). With the selected kernels
 // (elk_select_kernel). Returns 0, or -1 for a bad shape.
-ELK_API int elk_lora_apply(const float *x, int64_t rows, int64_t k, const float *a_t, int64_t r,
-                           const float *b_t, int64_t n, const float *scales, float *y);
-// The same with At and Bt of element type `type` (ELK_LORA_*).
+// At and Bt are of element type `type` (ELK_LORA_*).
 ELK_API int elk_lora_apply_typed(const float *x, int64_t rows, int64_t k, const void *a_t,
                                  int64_t r, const void *b_t, int64_t n, int type,
                                  const float *scales, float *y);
 
 // Register adapter `adapter` (an id the caller chooses, > 0) on op node `node`: At [k, r] and
 // Bt [r, n_seg] (copied), for output columns [col, col + n_seg) of the node's W rows; alpha
-// and rank give llama.cpp's scale (alpha 0: the goal's scale as is). Returns 0, or -1.
-ELK_API int elk_lora_add(const char *node, int64_t adapter, int64_t k, int64_t r,
-                         const float *a_t, int64_t n_seg, const float *b_t, int64_t col,
-                         float alpha);
-// The same with At and Bt of element type `type` (ELK_LORA_*); -1 for an unknown type.
+// and rank give llama.cpp's scale (alpha 0: the goal's scale as is). At and Bt are of
+// element type `type` (ELK_LORA_*). Returns 0, or -1 (a bad argument or an unknown type).
 ELK_API int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, int64_t r,
                                const void *a_t, int64_t n_seg, const void *b_t, int64_t col,
                                float alpha, int type);
