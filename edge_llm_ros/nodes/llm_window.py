@@ -147,11 +147,12 @@ class WindowCalls:
         pending = _Pending(ask, self._client(ask.service), time.monotonic() + timeout, done)
         with self._lock:
             self._pending[key] = pending
+            # Never cancelled once made: cancelling it from another thread after the executor
+            # took it as ready raised RCLError ('timer is canceled') and stopped the node. A
+            # tick with nothing pending does nothing.
             if self._timer is None:
                 self._timer = self._node.create_timer(POLL_S, self._tick,
                                                       callback_group=self._group)
-            elif self._timer.is_canceled():
-                self._timer.reset()
         self._try_send(key, pending)
 
     def cancel(self, key: Any) -> bool:
@@ -165,10 +166,7 @@ class WindowCalls:
 
     def _claim(self, key: Any) -> Optional[_Pending]:
         with self._lock:
-            pending = self._pending.pop(key, None)
-            if not self._pending and self._timer is not None:
-                self._timer.cancel()
-            return pending
+            return self._pending.pop(key, None)
 
     def _try_send(self, key: Any, pending: _Pending) -> None:
         from edge_llm_msgs.srv import GetWindow
