@@ -7,9 +7,12 @@ bits of the same values stored as float32, on every path.
 """
 import ctypes
 
-from native_build import native_build
+from native_build import native_build, op_session
 import numpy as np
+from onnx import helper, numpy_helper, TensorProto
 import pytest
+from test_native_op import glu, kquant_library
+from test_native_ref import random_blocks
 
 from edge_llm_ros.runtime.lora_adapter import LoraPair, narrowest_storage
 
@@ -124,3 +127,98 @@ def test_pairs_keep_the_narrowest_exact_storage(source):
     back = stored.widened()
     assert np.array_equal(back.a.view(np.uint32), a.view(np.uint32))
     assert np.array_equal(back.b.view(np.uint32), b.view(np.uint32))
+
+
+def op_node_session(weights, k: int, n: int, glu: str = '', threads: int = 2):
+    """One KQuantMatMul node named 'lora_node' (where pairs register) over Q8_0 weights."""
+    attributes = {'glu': glu} if glu else {}
+    node = helper.make_node('KQuantMatMul', ['A', 'W'], ['Y'], name='lora_node',
+                            domain='edge_llm_ros', quant_type=8, K=k, N=n, **attributes)
+    graph = helper.make_graph(
+        [node], 'lora', [helper.make_tensor_value_info('A', TensorProto.FLOAT, ['M', k])],
+        [helper.make_tensor_value_info('Y', TensorProto.FLOAT, ['M', None])],
+        [numpy_helper.from_array(weights, 'W')])
+    return op_session(graph, threads)
+
+
+def set_rows(ops, table):
+    """Set the op library's row table: table[m] = [(adapter id, scale), ...]."""
+    offsets = np.cumsum([0] + [len(uses) for uses in table]).astype(np.int64)
+    ids = np.array([i for uses in table for i, _ in uses] or [0], dtype=np.int64)
+    scales = np.array([s for uses in table for _, s in uses] or [0], dtype=np.float32)
+    assert ops.elk_lora_set_rows(len(table), offsets.ctypes.data, ids.ctypes.data,
+                                 scales.ctypes.data) == 0
+
+
+@pytest.mark.parametrize('glu', ['', 'silu'])
+def test_registered_pairs_off_the_panel_grid_give_the_reference_bits(lib, glu):
+    """Pairs whose columns start and end off the op's 16-column panels and task blocks.
+
+    Segments of odd widths at odd columns, two adapters overlapping on a column range: each
+    adapted output is the base product plus, per column, a sum from 0 of scale * B(A x) in the
+    row table's order (the reference's t per pair from elk_lora_apply_typed), and a row alone
+    gives the bits it has in the batch.
+    """
+    ops = ctypes.CDLL(str(native_build() / 'libedge_llm_ort_ops.so'))
+    ops.elk_lora_add_typed.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                       ctypes.c_int]
+    ops.elk_lora_remove.restype = ctypes.c_int64
+    ops.elk_lora_remove.argtypes = [ctypes.c_int64]
+    ops.elk_lora_set_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p]
+    rng = np.random.default_rng(43)
+    k, r, n_w = 64, 5, 2 * 70   # W rows; with a glu: gate 0..69, up 70..139
+    weights = random_blocks(rng, 'Q8_0', n_w * k // 32).reshape(n_w, -1)
+    x = rng.normal(size=(5, k)).astype(np.float32)
+    # (adapter, col, width): adapter 1 in two segments, adapter 2 across both of them.
+    segments = [(1, 3, 21), (1, 24, 101), (2, 17, 57)]
+    pairs = []
+    for adapter, col, width in segments:
+        a_t = rng.normal(0, 0.3, (k, r)).astype(np.float16)
+        b_t = rng.normal(0, 0.3, (r, width)).astype(np.float16)
+        pairs.append((adapter, col, width, a_t, b_t))
+    table = [[(1, 0.5)], [], [(1, 1.0), (2, -2.0)], [(2, 1.5)], [(1, 0.0)]]
+    plain = op_node_session(weights, k, n_w)
+    set_rows(ops, [])
+    base = plain.run(None, {'A': x})[0]
+    want = base.copy()
+    for m, uses in enumerate(table):
+        d = np.zeros(n_w, np.float32)
+        used = False
+        for adapter, scale in uses:
+            if scale == 0.0:
+                continue
+            for pair_adapter, col, width, a_t, b_t in pairs:
+                if pair_adapter != adapter:
+                    continue
+                t = apply_typed(lib, x[m:m + 1].copy(), a_t, b_t, 'f16',
+                                np.ones(1, np.float32), np.zeros((1, width), np.float32))[0]
+                d[col:col + width] = d[col:col + width] + np.float32(scale) * t
+                used = True
+        if used:
+            want[m] = want[m] + d
+    try:
+        for adapter, col, width, a_t, b_t in pairs:
+            assert ops.elk_lora_add_typed(b'lora_node', adapter, k, r, a_t.ctypes.data, width,
+                                          b_t.ctypes.data, col, 0.0, 1) == 0
+        run = op_node_session(weights, k, n_w, glu) if glu else plain
+        if glu:
+            want = glu_of(want)
+        set_rows(ops, table)
+        batched = run.run(None, {'A': x})[0]
+        assert batched.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+        for m in range(len(table)):
+            set_rows(ops, [table[m]])
+            alone = run.run(None, {'A': x[m:m + 1]})[0]
+            assert alone.tobytes() == batched[m:m + 1].tobytes()
+    finally:
+        set_rows(ops, [])
+        ops.elk_lora_remove(1)
+        ops.elk_lora_remove(2)
+
+
+def glu_of(product: np.ndarray) -> np.ndarray:
+    """Return elk_glu('silu') of each [gate | up] row."""
+    return glu(kquant_library(), 'silu', product)
