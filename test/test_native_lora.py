@@ -151,8 +151,8 @@ def set_rows(ops, table):
 
 
 @pytest.mark.parametrize('glu', ['', 'silu'])
-def test_registered_pairs_off_the_panel_grid_give_the_reference_bits(lib, glu):
-    """Pairs whose columns start and end off the op's 16-column panels and task blocks.
+def test_registered_pairs_off_the_column_blocks_give_the_reference_bits(lib, glu):
+    """Pairs whose columns start and end off the op's column blocks and tasks.
 
     Segments of odd widths at odd columns, two adapters overlapping on a column range: each
     adapted output is the base product plus, per column, a sum from 0 of scale * B(A x) in the

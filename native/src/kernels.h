@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -159,42 +158,18 @@ const LoraKernels *avx512_lora_kernels();
 const LoraKernels &selected_lora();         // the selected dot kernels' ISA (or the reference)
 // Whether the current call's row table names any adapter (the op's base path reads only this).
 bool lora_active();
-struct LoraPair;  // one adapter's At and Bt on one op node (lora.cpp's registry)
-// One op call's LoRA rows: which adapter pairs each row uses (prepare), their shrinks (run
-// in the op's quantization pass), then the rows' deltas added by the product's own tasks
-// (add) while their outputs are in cache: no delta buffer and no pass of its own over the
-// pool. Holds the registry's shared lock until it goes, so the pairs it points to stay.
-class LoraRows {
- public:
-  // The uses of `node` by this call's rows (the row table, lora.h).
-  // Returns 1 (some row adapts the node), 0 (none), -1 (error set).
-  int prepare(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
-              std::string *error);
-  // The shrinks u = A x, one per use: the caller runs shrink(i) for every i < shrinks(), on
-  // any threads (the op: beside its activation quantization), before any add.
-  size_t shrinks() const { return uses_.size(); }
-  void shrink(size_t use_index);
-  // Adds row m's delta sum_e s_e * B_e u_e, for W rows [first, first + cols), to out[0..cols):
-  // each column's sum from 0 over the row's uses in table order, then one add to out, so a
-  // value does not depend on the task that computes it.
-  void add(int64_t m, int64_t first, int64_t cols, float *out) const;
-
- private:
-  struct Use {
-    int64_t row;
-    const LoraPair *pair;
-    float scale;  // llama.cpp's: the goal's scale * alpha / rank (or the goal's scale)
-    size_t u_at;  // the row's shrink of this pair in u_
-  };
-
-  std::shared_lock<std::shared_mutex> lock_;
-  const LoraKernels *kern_ = nullptr;
-  const float *x_ = nullptr;
-  int64_t k_ = 0;
-  std::vector<Use> uses_;         // row, then table entry, then pair
-  std::vector<size_t> row_first_;  // [rows + 1]: row m's uses are row_first_[m]..
-  std::vector<float> u_;
-};
+// Runs fn(data, task) for every task < tasks, on any threads (the op's: ONNX Runtime's
+// intra-op pool); nullptr runs them in order on the calling thread.
+using ParallelForFn = void (*)(void *context, void (*fn)(void *, size_t), size_t tasks,
+                               void *data);
+// The deltas [rows, n_w] of `node`'s output for this call's rows (used[m]: row m has one).
+// Two parallel steps over `parallel_for`: the shrinks (one task per row and pair), then the
+// expands by blocks of columns of one row; each value is computed by one task, in the order
+// the single-thread run takes, so the bits do not depend on the threads.
+// Returns 1 (deltas written), 0 (no row of this call adapts the node), -1 (error set).
+int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
+                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error,
+                ParallelForFn parallel_for = nullptr, void *context = nullptr);
 // ---- int8 dots of attention over an int8 KV cache (attention_i8.cpp) ---------------------
 // The scalar reference (i8_dot.cpp), also the ISA paths' tail; each ISA file's dots, nullptr
 // when that file is not built (another architecture).

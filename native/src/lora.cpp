@@ -61,29 +61,16 @@ bool known_type(int type) {
   return type == ELK_LORA_F32 || type == ELK_LORA_F16 || type == ELK_LORA_BF16;
 }
 
-}  // namespace
-
-// Bt's columns in panels of kLoraPanel: panel b holds columns [b * kLoraPanel, ..) as
-// [r][kLoraPanel], the last one zero-padded. A product task's expand then reads r * kLoraPanel
-// contiguous elements per panel, not r short pieces of rows n apart (which the prefetchers
-// missed: the expand was 10 % of a 4-adapter decode step). Each column's sum is unchanged.
-constexpr int64_t kLoraPanel = 16;
-
-struct LoraPair {
+struct Pair {
   int64_t adapter, k, r, n, col;
   float alpha;
-  int type;                         // ELK_LORA_*: the elements of a_t and b_panels
-  std::vector<uint8_t> a_t;         // At [k, r]
-  std::vector<uint8_t> b_panels;    // Bt [r, n] in panels of kLoraPanel columns
+  int type;                        // ELK_LORA_*: the elements of a_t and b_t
+  std::vector<uint8_t> a_t, b_t;   // At [k, r], Bt [r, n]
 };
-
-namespace {
-
-using Pair = LoraPair;
 
 struct Registry {
   std::shared_mutex mutex;
-  std::map<std::string, std::vector<Pair>, std::less<>> nodes;  // find(const char *)
+  std::map<std::string, std::vector<Pair>> nodes;
   // The current call's rows: offsets [rows + 1], ids and scales per use.
   std::vector<int64_t> offsets, ids;
   std::vector<float> scales;
@@ -122,22 +109,71 @@ bool lora_active() { return active().load(std::memory_order_acquire); }
 
 namespace {
 
-// Columns of one expand step inside a product task (a multiple of every ISA's lanes).
-constexpr int64_t kExpandColumns = 64;
+// Columns of one expand task: a multiple of every ISA's lanes (8, 16).
+constexpr int64_t kLoraColumnsPerTask = 64;
+
+// One (row, pair) of a call: its shrink u (at u_at in the call's buffer) and its scale.
+struct LoraUse {
+  int64_t row;
+  const Pair *pair;
+  float scale;  // llama.cpp's: the goal's scale * alpha / rank (or the goal's scale)
+  size_t u_at;
+};
+
+struct LoraCall {
+  const LoraKernels *kern;
+  const float *x;
+  int64_t k, n_w, blocks;  // blocks: column blocks of one row
+  std::vector<LoraUse> uses;     // in the single-thread order: row, then table entry, then pair
+  std::vector<size_t> row_first;  // [rows + 1]: the uses of row m are row_first[m]..
+  std::vector<float> u;
+  float *delta;
+};
+
+void shrink_task(void *data, size_t task) {
+  LoraCall &c = *static_cast<LoraCall *>(data);
+  const LoraUse &use = c.uses[task];
+  c.kern->shrink(c.x + use.row * c.k, use.pair->a_t.data(), use.pair->type, c.k,
+                 use.pair->r, c.u.data() + use.u_at);
+}
+
+// Row m's columns [j0, j1): every use of the row in order, d[j] += s * t[j] per column.
+void expand_task(void *data, size_t task) {
+  LoraCall &c = *static_cast<LoraCall *>(data);
+  const int64_t m = static_cast<int64_t>(task) / c.blocks;
+  const int64_t j0 = static_cast<int64_t>(task) % c.blocks * kLoraColumnsPerTask;
+  const int64_t j1 = std::min(j0 + kLoraColumnsPerTask, c.n_w);
+  float t[kLoraColumnsPerTask];
+  float *d = c.delta + m * c.n_w;
+  for (size_t e = c.row_first[m]; e < c.row_first[m + 1]; ++e) {
+    const LoraUse &use = c.uses[e];
+    const Pair &p = *use.pair;
+    const int64_t lo = std::max(j0, p.col), hi = std::min(j1, p.col + p.n);
+    if (lo >= hi) continue;
+    c.kern->expand(c.u.data() + use.u_at, p.b_t.data() + (lo - p.col) * lora_type_bytes(p.type),
+                   p.type, p.r, hi - lo, p.n, t);
+    for (int64_t j = lo; j < hi; ++j) d[j] = d[j] + use.scale * t[j - lo];
+  }
+}
+
+void run_tasks(ParallelForFn parallel_for, void *context, void (*fn)(void *, size_t),
+               size_t tasks, void *data) {
+  if (tasks == 0) return;
+  if (parallel_for != nullptr && tasks > 1) {
+    parallel_for(context, fn, tasks, data);
+    return;
+  }
+  for (size_t i = 0; i < tasks; ++i) fn(data, i);
+}
 
 }  // namespace
 
-void LoraRows::shrink(size_t use_index) {
-  const Use &use = uses_[use_index];
-  kern_->shrink(x_ + use.row * k_, use.pair->a_t.data(), use.pair->type, k_, use.pair->r,
-                u_.data() + use.u_at);
-}
-
-int LoraRows::prepare(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
-                      std::string *error) {
+int lora_deltas(const char *node, const float *x, int64_t rows, int64_t k, int64_t n_w,
+                std::vector<float> *delta, std::vector<uint8_t> *used, std::string *error,
+                ParallelForFn parallel_for, void *context) {
   Registry &reg = registry();
-  // Held until this object goes: the product's tasks read the pairs without locking.
-  lock_ = std::shared_lock<std::shared_mutex>(reg.mutex);
+  // Held through both steps: the tasks read the pairs without locking.
+  std::shared_lock<std::shared_mutex> lock(reg.mutex);
   auto it = reg.nodes.find(node);
   if (it == reg.nodes.end()) return 0;
   const std::vector<Pair> &pairs = it->second;
@@ -147,14 +183,16 @@ int LoraRows::prepare(const char *node, const float *x, int64_t rows, int64_t k,
              " rows but the call's adapter table has " + std::to_string(table_rows);
     return -1;
   }
-  kern_ = &selected_lora();
-  x_ = x;
-  k_ = k;
-  uses_.clear();
-  row_first_.assign(static_cast<size_t>(rows) + 1, 0);
+  LoraCall call;
+  call.kern = &selected_lora();
+  call.x = x;
+  call.k = k;
+  call.n_w = n_w;
+  call.blocks = (n_w + kLoraColumnsPerTask - 1) / kLoraColumnsPerTask;
+  call.row_first.assign(static_cast<size_t>(rows) + 1, 0);
   size_t u_size = 0;
   for (int64_t m = 0; m < rows; ++m) {
-    row_first_[m] = uses_.size();
+    call.row_first[m] = call.uses.size();
     for (int64_t e = reg.offsets[m]; e < reg.offsets[m + 1]; ++e) {
       const float scale = reg.scales[e];
       if (scale == 0.0f) continue;
@@ -168,50 +206,21 @@ int LoraRows::prepare(const char *node, const float *x, int64_t rows, int64_t k,
         }
         // llama.cpp's llama_adapter_lora_weight::get_scale.
         const float s = p.alpha != 0.0f ? scale * p.alpha / static_cast<float>(p.r) : scale;
-        uses_.push_back(Use{m, &p, s, u_size});
+        call.uses.push_back(LoraUse{m, &p, s, u_size});
         u_size += static_cast<size_t>(p.r);
       }
     }
   }
-  row_first_[rows] = uses_.size();
-  if (uses_.empty()) return 0;
-  u_.assign(u_size, 0.0f);
+  call.row_first[rows] = call.uses.size();
+  if (call.uses.empty()) return 0;
+  delta->assign(static_cast<size_t>(rows * n_w), 0.0f);
+  used->assign(static_cast<size_t>(rows), 0);
+  for (const LoraUse &use : call.uses) (*used)[use.row] = 1;
+  call.u.assign(u_size, 0.0f);
+  call.delta = delta->data();
+  run_tasks(parallel_for, context, shrink_task, call.uses.size(), &call);
+  run_tasks(parallel_for, context, expand_task, static_cast<size_t>(rows * call.blocks), &call);
   return 1;
-}
-
-void LoraRows::add(int64_t m, int64_t first, int64_t cols, float *out) const {
-  const size_t e0 = row_first_[m], e1 = row_first_[m + 1];
-  if (e0 == e1) return;
-  float t[kLoraPanel], d[kExpandColumns];
-  for (int64_t j0 = first; j0 < first + cols; j0 += kExpandColumns) {
-    const int64_t j1 = std::min(j0 + kExpandColumns, first + cols);
-    // d = the row's uses in table order, each s * t added to a sum from 0; then out += d:
-    // the order of the single-thread run whatever the task's columns.
-    for (int64_t j = j0; j < j1; ++j) d[j - j0] = 0.0f;
-    for (size_t e = e0; e < e1; ++e) {
-      const Use &use = uses_[e];
-      const Pair &p = *use.pair;
-      const int64_t lo = std::max(j0, p.col), hi = std::min(j1, p.col + p.n);
-      if (lo >= hi) continue;
-      const size_t panel_bytes = static_cast<size_t>(p.r * kLoraPanel) * lora_type_bytes(p.type);
-      // The panels holding the pair's columns [lo, hi), each expanded whole.
-      for (int64_t b = (lo - p.col) / kLoraPanel; b * kLoraPanel < hi - p.col; ++b) {
-        kern_->expand(u_.data() + use.u_at, p.b_panels.data() + b * panel_bytes, p.type, p.r,
-                      kLoraPanel, kLoraPanel, t);
-        const int64_t c0 = p.col + b * kLoraPanel;  // W row of t[0]
-        if (c0 >= lo && c0 + kLoraPanel <= hi) {  // the whole panel: a fixed-length loop
-          float *dd = d + (c0 - j0);
-          for (int64_t j = 0; j < kLoraPanel; ++j) dd[j] = dd[j] + use.scale * t[j];
-          continue;
-        }
-        for (int64_t j = std::max(lo, c0); j < std::min(hi, c0 + kLoraPanel); ++j) {
-          d[j - j0] = d[j - j0] + use.scale * t[j - c0];
-        }
-      }
-    }
-    float *o = out + (j0 - first);
-    for (int64_t j = j0; j < j1; ++j) o[j - j0] = o[j - j0] + d[j - j0];
-  }
 }
 
 }  // namespace elk
@@ -242,18 +251,8 @@ extern "C" int elk_lora_add_typed(const char *node, int64_t adapter, int64_t k, 
   }
   const size_t bytes = lora_type_bytes(type);
   const uint8_t *a = static_cast<const uint8_t *>(a_t), *b = static_cast<const uint8_t *>(b_t);
-  const int64_t panels = (n_seg + kLoraPanel - 1) / kLoraPanel;
-  std::vector<uint8_t> b_panels(static_cast<size_t>(panels * r * kLoraPanel) * bytes, 0);
-  for (int64_t q = 0; q < r; ++q) {
-    for (int64_t pb = 0; pb < panels; ++pb) {
-      const int64_t j0 = pb * kLoraPanel, width = std::min(kLoraPanel, n_seg - j0);
-      std::memcpy(b_panels.data() + static_cast<size_t>((pb * r + q) * kLoraPanel) * bytes,
-                  b + static_cast<size_t>(q * n_seg + j0) * bytes,
-                  static_cast<size_t>(width) * bytes);
-    }
-  }
   Pair p{adapter, k, r, n_seg, col, alpha, type,
-         std::vector<uint8_t>(a, a + k * r * bytes), std::move(b_panels)};
+         std::vector<uint8_t>(a, a + k * r * bytes), std::vector<uint8_t>(b, b + r * n_seg * bytes)};
   Registry &reg = registry();
   std::unique_lock<std::shared_mutex> lock(reg.mutex);
   reg.nodes[node].push_back(std::move(p));

@@ -61,9 +61,10 @@ struct Work {
   int64_t columns_per_task, rows_per_task, row_tasks;
   size_t tasks;
   bool scratch;  // a legacy type's batch: the sums in a task scratch (columns())
-  // LoRA (lora.h): this call's rows' adapter uses with their shrinks done, or nullptr when
-  // no row of the call adapts this node (the base path).
-  const elk::LoraRows *lora = nullptr;
+  // LoRA (lora.h): this call's deltas [rows, W rows] and which rows have one, or nullptr
+  // when no row of the call adapts this node (the base path).
+  const float *lora = nullptr;
+  const uint8_t *lora_used = nullptr;
 };
 
 // The tasks for rows x n outputs.
@@ -100,11 +101,15 @@ void product(const Work &w, int64_t first, int64_t cols, int64_t row, int64_t ro
   }
 }
 
-// Add the LoRA deltas of W rows [first, first + cols) to a task's outputs (rows row..),
-// expanded here while the task's outputs are in cache.
+// Add the LoRA deltas of W rows [first, first + cols) to a task's outputs (rows row..).
 void add_lora(const Work &w, int64_t first, int64_t cols, int64_t row, int64_t rows, float *out,
               int64_t ldo) {
-  for (int64_t m = 0; m < rows; ++m) w.lora->add(row + m, first, cols, out + m * ldo);
+  const int64_t n_w = w.glu == elk::glu::kNone ? w.n : 2 * w.n;
+  for (int64_t m = 0; m < rows; ++m) {
+    if (!w.lora_used[row + m]) continue;
+    const float *d = w.lora + (row + m) * n_w + first;
+    for (int64_t j = 0; j < cols; ++j) out[m * ldo + j] = out[m * ldo + j] + d[j];
+  }
 }
 
 void columns(void *data, size_t task) {
@@ -227,23 +232,20 @@ struct Quantize {
   size_t row_bytes;
   int type;
   int64_t rows;
-  size_t tasks;             // the quantization's; LoRA shrinks, if any, come after them
-  elk::LoraRows *lora = nullptr;
 };
 
-// One pass over the pool before the product: the activation rows' quantization and, when
-// rows of the call use adapters on this node, their shrinks (both read only the input).
 void quantize_rows(void *data, size_t task) {
   const Quantize &q = *static_cast<const Quantize *>(data);
-  if (task >= q.tasks) {
-    q.lora->shrink(task - q.tasks);
-    return;
-  }
   const int64_t first = static_cast<int64_t>(task) * kQuantizeRows;
   const int64_t last = first + kQuantizeRows < q.rows ? first + kQuantizeRows : q.rows;
   for (int64_t m = first; m < last; ++m) {
     elk_quantize_row(q.type, q.input + m * q.k, q.out + m * q.row_bytes, q.k);
   }
+}
+
+// elk::ParallelForFn over an op's KernelContext (lora_deltas' tasks on the intra-op pool).
+void ort_parallel_for(void *context, void (*fn)(void *, size_t), size_t tasks, void *data) {
+  static_cast<Ort::KernelContext *>(context)->ParallelFor(fn, tasks, 0, data);
 }
 
 struct KQuantMatMulKernel {
@@ -307,28 +309,28 @@ struct KQuantMatMulKernel {
     std::vector<uint8_t> activations(static_cast<size_t>(rows) * activation_row_bytes_);
     // The rows' quantization on the intra-op pool too (it was a serial 10 % of a batched
     // call, the other threads waiting): each row by itself, so the bytes are the same.
-    Quantize q{input, activations.data(), k_, activation_row_bytes_, activation_type_, rows,
-               static_cast<size_t>((rows + kQuantizeRows - 1) / kQuantizeRows)};
+    Quantize q{input, activations.data(), k_, activation_row_bytes_, activation_type_, rows};
+    const size_t quantize_tasks = static_cast<size_t>((rows + kQuantizeRows - 1) / kQuantizeRows);
+    if (quantize_tasks == 1) {
+      quantize_rows(&q, 0);
+    } else {
+      ctx.ParallelFor(quantize_rows, quantize_tasks, 0, &q);
+    }
     Work work = plan(w.GetTensorData<uint8_t>(), activations.data(), bias,
                      y.GetTensorMutableData<float>(), rows, out_n, k_, row_bytes_,
                      activation_row_bytes_, type_, glu_);
-    elk::LoraRows lora;
+    std::vector<float> lora_delta;
+    std::vector<uint8_t> lora_used;
     if (elk::lora_active()) {  // some row of this call names an adapter
       std::string error;
-      // The shrinks go with the quantization's tasks, the expands inside the product's: an
-      // adapted node takes no pass over the pool of its own.
-      const int got = lora.prepare(name_.c_str(), input, rows, k_, n_, &error);
+      // Its shrinks and expands on ONNX Runtime's intra-op pool, as the product's columns.
+      const int got = elk::lora_deltas(name_.c_str(), input, rows, k_, n_, &lora_delta,
+                                       &lora_used, &error, ort_parallel_for, &ctx);
       if (got < 0) throw Ort::Exception("KQuantMatMul: " + error, ORT_INVALID_ARGUMENT);
       if (got > 0) {
-        q.lora = &lora;
-        work.lora = &lora;
+        work.lora = lora_delta.data();
+        work.lora_used = lora_used.data();
       }
-    }
-    const size_t first_tasks = q.tasks + (q.lora != nullptr ? q.lora->shrinks() : 0);
-    if (first_tasks == 1) {
-      quantize_rows(&q, 0);
-    } else {
-      ctx.ParallelFor(quantize_rows, first_tasks, 0, &q);
     }
     ctx.ParallelFor(columns, work.tasks, 0, &work);
   }
