@@ -5,8 +5,8 @@
 //
 // The definition (delta_rows_reference, built alone with ELK_GDN_BASELINE) sweeps a head's
 // whole state twice a token. The delta rule keeps each value column j of S apart (S[:, j]
-// reads only k, q, v[j], the decay and beta), so the op's loop (delta_tile) takes kCols
-// columns at a time through a run of tokens: their state (d x kCols floats) stays in the
+// reads only k, q, v[j], the decay and beta), so the op's loop (delta_tile) takes a tile of
+// columns at a time through a run of tokens: their state (d x tile floats) stays in the
 // first-level cache and their sums in registers, loaded and stored once a token (two sweeps a
 // token of the whole 64 KiB state at d = 128 were the op's time), and each element sees the
 // definition's operations in its order: the same bits (native/tests/gated_delta_check.cpp
@@ -145,22 +145,29 @@ void delta_rows_reference(const elk_gdn_shape *shape, const elk_row *row, int64_
   }
 }
 #else
-// Value columns a tile takes (two 16-float vectors: one AVX-512 register each, two AVX2 or
-// four SSE registers), and tokens a run takes (their q, k, decay and beta computed once).
-constexpr int64_t kCols = 32;
+// Tokens a run takes (their q, k, decay and beta computed once).
 constexpr int64_t kRun = 32;
-typedef float vcols __attribute__((vector_size(kCols / 2 * sizeof(float)), aligned(4),
-                                   may_alias));
+// A tile takes two vectors of value columns. Their width is the machine's register: GCC
+// lowers a vector wider than the registers lane by lane through the stack (16 floats in the
+// AVX2 clone made the op 30 % of a Qwen3.5 prefill, 4x slower than 8 floats). Each lane is
+// the definition's float expression whatever the width: the same bits.
+// The lanes are a template's number, the vector type made inside it: a vector typedef passed
+// as a template argument loses its aligned(4), and the state is not 32-byte aligned.
+template <int kLanes>
+constexpr int64_t tile_cols() { return 2 * kLanes; }
 
-// Columns [j0, j0 + kCols) of S through the run's tokens: the definition's two passes per
+// Columns [j0, j0 + tile_cols) of S through the run's tokens: the definition's two passes per
 // token (elementwise vector operations: each lane is the definition's float expression),
 // o * scale written to out (the head's output of each token, normed afterwards). A token's
 // second pass and the next token's first are one sweep (an element's operations keep their
 // order, and the two sums are apart): the state is loaded and stored once a token.
+template <int kLanes>
 __attribute__((always_inline)) inline void delta_tile(int64_t d, int64_t j0, int64_t run,
                                                       const float *qs, const float *ks,
                                                       const TokenInputs *ins, float scale,
                                                       float *s_mat, float *const *outs) {
+  typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
+                                     may_alias));
   vcols o0 = vcols{}, o1 = vcols{};  // sum_i S[i][j] k[i] of token s (after its decay)
   {
     const float *k = ks;
@@ -211,7 +218,7 @@ __attribute__((always_inline)) inline void delta_tile(int64_t d, int64_t j0, int
   }
 }
 
-// The same for one column j (head sizes that are not a multiple of kCols).
+// The same for one column j (head sizes that are not a multiple of the tile).
 __attribute__((always_inline)) inline void delta_column(int64_t d, int64_t j, int64_t run,
                                                         const float *qs, const float *ks,
                                                         const TokenInputs *ins, float scale,
@@ -281,7 +288,22 @@ ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *ro
     sum_squares(vecs, run, d, sums);
     for (int64_t s = 0; s < run; ++s) l2_norm(ins[s].k, sums[s], d, shape->eps, ks + s * d);
     int64_t j = 0;
-    for (; j + kCols <= d; j += kCols) delta_tile(d, j, run, qs, ks, ins, scale, s_mat, outs);
+#if defined(__x86_64__)
+    // The AVX-512 clone runs on AVX-512 CPUs only (16-float registers there); the others 8.
+    static const bool wide = __builtin_cpu_supports("avx512f");
+    if (wide) {
+      for (; j + tile_cols<16>() <= d; j += tile_cols<16>()) {
+        delta_tile<16>(d, j, run, qs, ks, ins, scale, s_mat, outs);
+      }
+    }
+    for (; j + tile_cols<8>() <= d; j += tile_cols<8>()) {
+      delta_tile<8>(d, j, run, qs, ks, ins, scale, s_mat, outs);
+    }
+#else
+    for (; j + tile_cols<4>() <= d; j += tile_cols<4>()) {
+      delta_tile<4>(d, j, run, qs, ks, ins, scale, s_mat, outs);
+    }
+#endif
     for (; j < d; ++j) delta_column(d, j, run, qs, ks, ins, scale, s_mat, outs);
     for (int64_t s = 0; s < run; ++s) vecs[s] = outs[s];
     sum_squares(vecs, run, d, sums);
