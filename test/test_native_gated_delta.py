@@ -8,10 +8,11 @@ rounding), and for the bits the engine relies on: one call over a prompt equals 
 positions in chunks or one at a time, a row equals itself alone in any batch and on any
 number of threads, a row that starts its sequence reads zeros whatever its slot holds, and
 the state after a call is what the next call continues from. Bad shapes are ORT errors that
-say what is wrong. The AVX2 clone gives the baseline code's bits
-(native/tests/gated_delta_check.cpp, built both ways).
+say what is wrong. The AVX2 clone, and the aarch64 build's 4-float tiles under qemu, give the
+baseline code's bits (native/tests/gated_delta_check.cpp, built both ways).
 """
 import pathlib
+import shutil
 import subprocess
 
 from native_build import op_session
@@ -184,3 +185,28 @@ def test_the_avx2_clone_gives_the_baseline_bits(tmp_path):
         hashes.append(subprocess.run([str(exe)], capture_output=True, text=True,
                                      check=True).stdout)
     assert hashes[0] == hashes[1]
+
+
+def test_the_aarch64_tiles_give_the_baseline_bits(tmp_path):
+    """native/tests/gated_delta_check cross-built for aarch64 both ways, run under qemu: one hash.
+
+    On aarch64 the op's tiles are 4-float NEON vectors (x86 takes 8 or 16): the same float
+    expression per lane, so the same bits as the token-by-token baseline.
+    """
+    for tool in ('aarch64-linux-gnu-g++', 'qemu-aarch64-static'):
+        if shutil.which(tool) is None:
+            pytest.fail(f'{tool} is missing: scripts/arm64_rootfs.sh installs it '
+                        '(apt-get install g++-aarch64-linux-gnu qemu-user-static)')
+    root = pathlib.Path(__file__).resolve().parents[1] / 'native'
+    hashes = []
+    for flags in ([], ['-DELK_GDN_BASELINE']):
+        exe = tmp_path / f'check{len(flags)}'
+        subprocess.run(['aarch64-linux-gnu-g++', '-O3', '-std=gnu++17', '-ffp-contract=off',
+                        *flags, f'-I{root / "include"}',
+                        str(root / 'tests' / 'gated_delta_check.cpp'),
+                        str(root / 'src' / 'gated_delta.cpp'),
+                        str(root / 'src' / 'causal_conv.cpp'), '-o', str(exe)], check=True)
+        hashes.append(subprocess.run(['qemu-aarch64-static', '-L', '/usr/aarch64-linux-gnu',
+                                      str(exe)], capture_output=True, text=True, check=True,
+                                     timeout=300).stdout)
+    assert hashes[0] and hashes[0] == hashes[1]
