@@ -692,12 +692,15 @@ def granite_case(wtype: str, seed: int = 0, **options) -> ParityCase:
 
 
 def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict] = None,
-                       moe: bool = False, rope: bool = False) -> pathlib.Path:
+                       moe: bool = False, rope: bool = False,
+                       from_a_log: bool = False) -> pathlib.Path:
     """Write a random granitehybrid GGUF as llama.cpp's converter lays it out.
 
     ssm: GRANITE_SSM's keys (attention: the attention layers' indices); moe: the FFNs of a
     mixture-of-experts variant (H-Tiny / H-Small: router and expert tensors) instead; rope:
-    rope.scaling.finetuned true (Granite's switch on: the attention layers rotate).
+    rope.scaling.finetuned true (Granite's switch on: the attention layers rotate);
+    from_a_log: ssm_a = -exp(A_log) of a float32 A_log, as the converter makes it from a
+    checkpoint (not every float32 is an exp of one: write_granite_hf needs this).
     """
     c, d, m = case, case.dims, ssm or GRANITE_SSM
     rng = np.random.default_rng(c.seed)
@@ -756,8 +759,10 @@ def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict]
                 matrix=False)
             put(b + 'ssm_dt.bias', (0.5 * rng.standard_normal(m['heads'])).astype(np.float32),
                 matrix=False)
-            put(b + 'ssm_a', -rng.uniform(0.5, 4.0, (m['heads'], 1)).astype(np.float32),
-                matrix=False)
+            rate = rng.uniform(0.5, 4.0, (m['heads'], 1)).astype(np.float32)
+            if from_a_log:
+                rate = np.exp(np.log(rate))   # float32 in, float32 out: an exp of a float32
+            put(b + 'ssm_a', -rate, matrix=False)
             put(b + 'ssm_d', rng.uniform(0.5, 1.5, (m['heads'], 1)).astype(np.float32),
                 matrix=False)
             put(b + 'ssm_norm.weight', norm(inner).reshape(m['groups'], -1), matrix=False)
@@ -778,6 +783,93 @@ def write_granite_gguf(path: pathlib.Path, case: ParityCase, ssm: Optional[dict]
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_granite_hf(folder, gguf_path: pathlib.Path, ssm: Optional[dict] = None,
+                     moe: bool = False) -> pathlib.Path:
+    """Write an F32 granitehybrid GGUF's weights as its GraniteMoeHybrid HF folder (its twin).
+
+    Undoes what llama.cpp's converter does: q / k rows back from the interleaved RoPE pairs,
+    gate and up rows fused into shared_mlp.input_linear, ssm_a as A_log (an A_log whose float32
+    -exp is ssm_a exactly: a GGUF written with from_a_log), Conv1d's [channels, 1, kernel],
+    dt_bias, D and the grouped norm as vectors. moe: num_local_experts 4 in the config
+    (H-Tiny's kind), for the refusal.
+    """
+    from safetensors.numpy import save_file
+    m, d = ssm or GRANITE_SSM, GRANITE_DIMS
+    reader = gguf.GGUFReader(str(gguf_path))
+    w = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors}
+
+    def unpermute(x: np.ndarray, n_head: int) -> np.ndarray:
+        rows = x.shape[0]
+        return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2) \
+            .reshape(x.shape)
+
+    out = {'model.embed_tokens.weight': w['token_embd.weight'],
+           'model.norm.weight': w['output_norm.weight'],
+           'lm_head.weight': w['output.weight']}
+    for i in range(d.layers):
+        b, h = f'blk.{i}.', f'model.layers.{i}.'
+        out[h + 'input_layernorm.weight'] = w[b + 'attn_norm.weight']
+        out[h + 'post_attention_layernorm.weight'] = w[b + 'ffn_norm.weight']
+        out[h + 'shared_mlp.input_linear.weight'] = np.concatenate(
+            [w[b + 'ffn_gate.weight'], w[b + 'ffn_up.weight']])
+        out[h + 'shared_mlp.output_linear.weight'] = w[b + 'ffn_down.weight']
+        if i in m['attention']:
+            out[h + 'self_attn.q_proj.weight'] = unpermute(w[b + 'attn_q.weight'], d.heads)
+            out[h + 'self_attn.k_proj.weight'] = unpermute(w[b + 'attn_k.weight'], d.kv_heads)
+            out[h + 'self_attn.v_proj.weight'] = w[b + 'attn_v.weight']
+            out[h + 'self_attn.o_proj.weight'] = w[b + 'attn_output.weight']
+            continue
+        out[h + 'mamba.in_proj.weight'] = w[b + 'ssm_in.weight']
+        out[h + 'mamba.conv1d.weight'] = w[b + 'ssm_conv1d.weight'][:, None, :]
+        out[h + 'mamba.conv1d.bias'] = w[b + 'ssm_conv1d.bias']
+        out[h + 'mamba.dt_bias'] = w[b + 'ssm_dt.bias']
+        out[h + 'mamba.A_log'] = a_log_of(w[b + 'ssm_a'].reshape(-1))
+        out[h + 'mamba.D'] = w[b + 'ssm_d'].reshape(-1)
+        out[h + 'mamba.norm.weight'] = w[b + 'ssm_norm.weight'].reshape(-1)
+        out[h + 'mamba.out_proj.weight'] = w[b + 'ssm_out.weight']
+    folder = write_hf_folder(folder, {'embed': out['model.embed_tokens.weight'],
+                                      'final_norm': out['model.norm.weight']},
+                             {'model_type': 'granitemoehybrid', 'num_hidden_layers': 0})
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in out.items()},
+              str(folder / 'model.safetensors'), metadata={'format': 'pt'})
+    config = {'architectures': ['GraniteMoeHybridForCausalLM'],
+              'model_type': 'granitemoehybrid', 'hidden_size': d.hidden,
+              'num_hidden_layers': d.layers, 'num_attention_heads': d.heads,
+              'num_key_value_heads': d.kv_heads, 'intermediate_size': d.intermediate,
+              'shared_intermediate_size': d.intermediate, 'hidden_act': 'silu',
+              'rms_norm_eps': d.rms_eps, 'rope_theta': d.rope_theta,
+              'max_position_embeddings': d.context, 'position_embedding_type': 'nope',
+              'tie_word_embeddings': False, 'vocab_size': out['lm_head.weight'].shape[0],
+              'layer_types': ['attention' if i in m['attention'] else 'mamba'
+                              for i in range(d.layers)],
+              'mamba_d_conv': m['kernel'], 'mamba_d_state': m['state'],
+              'mamba_n_groups': m['groups'], 'mamba_n_heads': m['heads'],
+              'mamba_d_head': 2 * d.hidden // m['heads'], 'mamba_expand': 2,
+              'mamba_conv_bias': True, 'mamba_proj_bias': False,
+              'num_local_experts': 4 if moe else 0, 'num_experts_per_tok': 2 if moe else 0,
+              'embedding_multiplier': GRANITE_SCALES['embedding_scale'],
+              'residual_multiplier': GRANITE_SCALES['residual_scale'],
+              'attention_multiplier': GRANITE_SCALES['attention_scale'],
+              'logits_scaling': GRANITE_SCALES['logit_scale']}
+    (folder / 'config.json').write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def a_log_of(a: np.ndarray) -> np.ndarray:
+    """Return float32 A_log with -exp(A_log) (float32, as the converter takes it) equal to a."""
+    a = a.astype(np.float32)
+    x = np.log(-a.astype(np.float64)).astype(np.float32)
+    found = np.zeros(a.shape, bool)
+    best = x.copy()
+    for step in range(9):   # x, then its neighbours 1..4 ulps either side
+        k = (step + 1) // 2 * (1 if step % 2 else -1)
+        cand = (x.view(np.int32) + np.int32(k)).view(np.float32)
+        hit = ~found & (-np.exp(cand) == a)
+        best[hit], found = cand[hit], found | hit
+    assert found.all(), 'no float32 A_log gives these ssm_a values exactly'
+    return best
 
 
 # --- gemma4 -----------------------------------------------------------------------------------

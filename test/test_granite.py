@@ -20,8 +20,8 @@ speculation goes back to the states at the verify's start (output equal to plain
 import pathlib
 
 from gguf_fixtures import (granite_case, GRANITE_DIMS, GRANITE_SCALES, GRANITE_SSM,
-                           write_granite_gguf)
-from llama_cpp_parity import compare, converted, llama_cpp_greedy
+                           write_granite_gguf, write_granite_hf)
+from llama_cpp_parity import compare, converted, engine_logits, llama_cpp_greedy
 import numpy as np
 import onnx
 import pytest
@@ -230,3 +230,34 @@ def test_speculation_goes_back_to_the_verify_start_and_equals_plain_decoding(
     """Rejected drafts (prompt lookup, a granitehybrid draft): output equals plain decoding."""
     compat('granitehybrid', CASE.wtype, 'speculation')
     check_speculation_equals_plain(kquant_dir, draft_dir)
+
+
+# --- HF folders ----------------------------------------------------------------------------------
+def test_an_hf_folder_converts_to_the_model_of_its_gguf(work, native_library):
+    """The same float32 weights as a GGUF and a GraniteMoeHybrid HF folder: one graph, one model.
+
+    The folder holds what llama.cpp's converter reads: q / k in HF's row order, the shared
+    MLP's gate and up rows fused in input_linear, A_log, Conv1d's kernel, the multipliers
+    and position_embedding_type "nope" in config.json.
+    """
+    from edge_llm_ros.convert.converter import convert
+    gguf_path = write_granite_gguf(work / 'from-a-log.gguf', granite_case('F32'),
+                                   from_a_log=True)
+    gguf_dir = convert(str(gguf_path), str(work / 'f32-gguf'), progress=False, overwrite=True)
+    hf = write_granite_hf(work / 'hf', gguf_path)
+    hf_dir = convert(str(hf), str(work / 'f32-hf'), progress=False, overwrite=True)
+    for name in ('model.onnx', 'model.onnx.data'):
+        assert (hf_dir / name).read_bytes() == (gguf_dir / name).read_bytes(), name
+    follow = [7, 8, 9]
+    np.testing.assert_array_equal(engine_logits(hf_dir, LONG_PROMPT, follow),
+                                  engine_logits(gguf_dir, LONG_PROMPT, follow))
+    assert yaml.safe_load((hf_dir / 'model.yaml').read_text())['layer_states'] == \
+        yaml.safe_load((gguf_dir / 'model.yaml').read_text())['layer_states']
+
+
+def test_an_hf_moe_folder_is_refused_by_name(work):
+    gguf_path = write_granite_gguf(work / 'moe-twin.gguf', granite_case('F32'), from_a_log=True)
+    hf = write_granite_hf(work / 'hf-moe', gguf_path, moe=True)
+    with pytest.raises(UnsupportedModelError,
+                       match=r'Granite 4.0-H Tiny and Small .*supported: Granite 4.0-H Micro'):
+        load_checkpoint(str(hf))

@@ -556,6 +556,29 @@ GRANITE_DENSE = 'Granite 4.0-H Micro (dense FFNs)'
 GRANITE_MOE = 'Granite 4.0-H Tiny and Small (mixture-of-experts FFNs)'
 
 
+def mamba_shape_runs(kernel: int, state: int, groups: int, heads: int, inner: int) -> bool:
+    """Whether Mamba-2 layers of this shape are ones the op library's Mamba2 runs."""
+    return (2 <= kernel <= MAX_CONV_KERNEL and state > 0 and groups > 0 and heads > 0 and
+            heads % groups == 0 and inner % heads == 0 and 0 < inner // heads <= 256)
+
+
+def hf_layer_kinds(src: pathlib.Path, types, layers: int,
+                   kinds: Dict[str, str]) -> Tuple[str, ...]:
+    """Map config.json's layer_types (names: `kinds`' keys) to ModelSpec.layer_kinds.
+
+    One entry per layer, and at least one attention layer (the converter needs one).
+    """
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= set(kinds):
+        raise ModelLoadError(f'{src}: layer_types is not one {" / ".join(kinds)} '
+                             'entry per layer; download config.json again')
+    out = tuple(kinds[t] for t in types)
+    if ATTENTION not in out:
+        attention = next(name for name, kind in kinds.items() if kind == ATTENTION)
+        raise UnsupportedModelError(f'{src}: no {attention} layer; the converter needs '
+                                    'at least one')
+    return out
+
+
 def _check_mamba(path: pathlib.Path, key, names: dict, kinds: Tuple[str, ...],
                  hidden: int) -> dict:
     """Read a granitehybrid GGUF's Mamba-2 hyper-parameters and Granite's multipliers.
@@ -572,8 +595,7 @@ def _check_mamba(path: pathlib.Path, key, names: dict, kinds: Tuple[str, ...],
     groups = int(key('ssm.group_count', 0) or 0)
     heads = int(key('ssm.time_step_rank', 0) or 0)
     inner = int(key('ssm.inner_size', 0) or 0)
-    if not (2 <= kernel <= MAX_CONV_KERNEL and state > 0 and groups > 0 and heads > 0 and
-            heads % groups == 0 and inner % heads == 0 and 0 < inner // heads <= 256):
+    if not mamba_shape_runs(kernel, state, groups, heads, inner):
         raise ModelLoadError(
             f'{path}: ssm.conv_kernel {kernel}, ssm.state_size {state}, ssm.group_count '
             f'{groups}, ssm.time_step_rank {heads}, ssm.inner_size {inner} do not describe '
@@ -802,6 +824,10 @@ def load_hf_folder(folder: pathlib.Path) -> Checkpoint:
         from edge_llm_ros.convert.gemma4 import load_gemma4_hf
         return load_gemma4_hf(folder, cfg, read_safetensors,
                               lambda out_dir: write_hf_tokenizer(folder, cfg, out_dir))
+    from edge_llm_ros.convert import granite
+    if model_type in granite.HF_MODEL_TYPES:
+        return granite.load_granite_hf(folder, cfg, read_safetensors,
+                                       lambda out_dir: write_hf_tokenizer(folder, cfg, out_dir))
     from edge_llm_ros.convert import qwen35
     if model_type in qwen35.HF_MODEL_TYPES + qwen35.MOE_MODEL_TYPES:
         return qwen35.load_qwen35_hf(folder, cfg, read_safetensors,
@@ -820,11 +846,7 @@ def load_hf_folder(folder: pathlib.Path) -> Checkpoint:
         raise UnsupportedModelError(f'{folder}: activation {act!r} is not what {arch} uses '
                                     f'({family.activation}); the checkpoint is not a plain '
                                     f'{arch} model')
-    files = sorted(folder.glob('*.safetensors'))
-    if not files:
-        raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
-                             'not read (convert them to safetensors first)')
-    raw = hf_model_prefixed(read_safetensors(files))
+    raw = hf_model_prefixed(read_safetensors(safetensors_files(folder)))
     heads = int(cfg['num_attention_heads'])
     hidden = int(cfg['hidden_size'])
     head_dim = int(cfg.get('head_dim') or hidden // heads)
@@ -1046,6 +1068,15 @@ def _hf_rope_scaling(folder: pathlib.Path, scaling: Optional[dict], rope_dims: i
                                     '(supported: default, linear, llama3, longrope); use a '
                                     'checkpoint without it')
     return out
+
+
+def safetensors_files(folder: pathlib.Path) -> List[pathlib.Path]:
+    """Return the folder's *.safetensors files, sorted (a typed error when it has none)."""
+    files = sorted(folder.glob('*.safetensors'))
+    if not files:
+        raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
+                             'not read (convert them to safetensors first)')
+    return files
 
 
 def read_safetensors(files: List[pathlib.Path]) -> Dict[str, SourceTensor]:

@@ -25,8 +25,9 @@ import numpy as np
 
 from edge_llm_ros.convert.architectures import ARCHITECTURES
 from edge_llm_ros.convert.checkpoint import (_check_shapes, _family_extras, _qwen35_tensors,
-                                             ATTENTION, Checkpoint, MAX_CONV_KERNEL, ModelSpec,
-                                             RECURRENT, SourceTensor)
+                                             ATTENTION, Checkpoint, hf_layer_kinds,
+                                             MAX_CONV_KERNEL, ModelSpec, RECURRENT,
+                                             safetensors_files, SourceTensor)
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 HF_MODEL_TYPES = ('qwen3_5', 'qwen3_5_text')
@@ -88,14 +89,7 @@ def load_qwen35_hf(folder: pathlib.Path, cfg: dict, read_safetensors, write_toke
         interval = int(text.get('full_attention_interval', 4))
         types = ['full_attention' if (i + 1) % interval == 0 else 'linear_attention'
                  for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or \
-            not set(types) <= set(_LAYER_KINDS):
-        raise ModelLoadError(f'{src}: layer_types is not one linear_attention / '
-                             'full_attention entry per layer; download config.json again')
-    kinds = tuple(_LAYER_KINDS[t] for t in types)
-    if ATTENTION not in kinds:
-        raise UnsupportedModelError(f'{src}: no full_attention layer; the converter needs '
-                                    'at least one')
+    kinds = hf_layer_kinds(src, types, layers, _LAYER_KINDS)
     kernel = int(text.get('linear_conv_kernel_dim', 4))
     d_k = int(text.get('linear_key_head_dim', 128))
     d_v = int(text.get('linear_value_head_dim', 128))
@@ -111,11 +105,7 @@ def load_qwen35_hf(folder: pathlib.Path, cfg: dict, read_safetensors, write_toke
     if text.get('attn_output_gate') is False:
         raise UnsupportedModelError(f'{src}: attention without its output gate is not '
                                     'Qwen3.5 (attn_output_gate false)')
-    files = sorted(folder.glob('*.safetensors'))
-    if not files:
-        raise ModelLoadError(f'{folder}: no *.safetensors files; PyTorch .bin checkpoints are '
-                             'not read (convert them to safetensors first)')
-    raw = read_safetensors(files)
+    raw = read_safetensors(safetensors_files(folder))
     wanted = {'embed': prefix + 'embed_tokens.weight', 'final_norm': prefix + 'norm.weight',
               'lm_head': 'lm_head.weight'}
     for i in range(layers):
@@ -172,9 +162,7 @@ def _linear_attention(tensors: Dict[str, SourceTensor], kinds, k_heads: int, v_h
         p = f'{i}.'
         a = tensors.get(p + 'ssm_a')
         if a is not None:
-            values = -np.exp(_float(a).reshape(-1))
-            if a.qtype == 'BF16':   # llama.cpp's torch.exp keeps the checkpoint's bfloat16
-                values = _round_bf16(values)
+            values = ssm_a_of(a)
             tensors[p + 'ssm_a'] = _as_source(a, values[v_heads_order] if reorder else values)
         conv = tensors.get(p + 'ssm_conv')
         if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
@@ -199,6 +187,15 @@ def _linear_attention(tensors: Dict[str, SourceTensor], kinds, k_heads: int, v_h
         if out is not None and len(out.shape) == 2 and out.shape[1] == v_heads * d:
             tensors[p + 'ssm_out'] = SourceTensor(out.name, out.qtype, out.shape,
                                                   np.ascontiguousarray(out.data[:, v_rows]))
+
+
+def ssm_a_of(a_log: SourceTensor) -> np.ndarray:
+    """Return ssm_a = -exp(A_log), as llama.cpp's converter computes it from a checkpoint.
+
+    Its torch.exp keeps the checkpoint's bfloat16: a BF16 A_log gives bfloat16 rates.
+    """
+    values = -np.exp(_float(a_log).reshape(-1))
+    return _round_bf16(values) if a_log.qtype == 'BF16' else values
 
 
 def _round_bf16(values: np.ndarray) -> np.ndarray:
