@@ -145,6 +145,13 @@ def qwen_engine(tmp_path_factory):
         engine.close()
 
 
+# The largest log-prob gap to mtmd allowed, as a share of mtmd's largest |logit|. mtmd's own
+# sums change with the CPU's ISA: 0.0105-0.0120 on a 2-core AVX2-only EPYC (2026-12-07),
+# under 0.01 on the AVX-512 machine the bound was first set on. The control below (positions
+# at their KV index) stays above 7x this (over 0.1 of the largest logit).
+GAP_TOLERANCE = 0.015
+
+
 def _check_against_mtmd(engine, text, mmproj, sizes, prompt, work):
     from test_vision_llm_parity import generate, image as vimage, logprob_gap, mtmd_layout, \
         mtmd_run
@@ -157,7 +164,7 @@ def _check_against_mtmd(engine, text, mmproj, sizes, prompt, work):
     result = generate(engine, prompt, images)
     assert result.error == ''
     return result, data, logprob_gap(result, data['logits']), \
-        0.01 * float(np.abs(data['logits']).max())
+        GAP_TOLERANCE * float(np.abs(data['logits']).max())
 
 
 @pytest.mark.parametrize('sizes, prompt', LM_CASES)
@@ -179,7 +186,7 @@ def test_kv_index_positions_would_not_match(tmp_path, qwen_engine, monkeypatch):
     engine = make(prefix_reuse=False)
     result, data, gap, tolerance = _check_against_mtmd(engine, text, mmproj, *LM_CASES[2],
                                                        tmp_path)
-    assert result.token_ids != [int(t) for t in data['tokens']] and gap > 10 * tolerance
+    assert result.token_ids != [int(t) for t in data['tokens']] and gap > 7 * tolerance
 
 
 def test_a_reused_prefix_with_an_image_keeps_its_positions(tmp_path, qwen_engine):
