@@ -17,7 +17,9 @@ so does a preempted goal; prefix reuse stops at kept states and equals the uncac
 session continues from its saved states bit for bit, in memory and in SQLite after a restart;
 speculation goes back to the states at the verify's start (output equal to plain decoding).
 """
+import json
 import pathlib
+import shutil
 
 from gguf_fixtures import (granite_case, GRANITE_DIMS, GRANITE_SCALES, GRANITE_SSM,
                            write_granite_gguf, write_granite_hf)
@@ -37,7 +39,7 @@ from test_llama_cpp_parity import KQUANT_MAX_ABS_DIFF, KQUANT_TYPES, MAX_ABS_DIF
 import yaml
 
 from edge_llm_ros.convert.checkpoint import load_checkpoint
-from edge_llm_ros.errors import UnsupportedModelError
+from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
 from edge_llm_ros.serving.engine import kv_budget_bytes
 
@@ -260,4 +262,34 @@ def test_an_hf_moe_folder_is_refused_by_name(work):
     hf = write_granite_hf(work / 'hf-moe', gguf_path, moe=True)
     with pytest.raises(UnsupportedModelError,
                        match=r'Granite 4.0-H Tiny and Small .*supported: Granite 4.0-H Micro'):
+        load_checkpoint(str(hf))
+
+
+@pytest.mark.parametrize('edit, error, message', [
+    ({'layer_types': ['mamba']}, ModelLoadError, 'layer_types is not one mamba / attention'),
+    ({'layer_types': ['mamba', 'mamba', 'mamba']}, UnsupportedModelError, 'no attention layer'),
+    ({'mamba_n_heads': 7}, UnsupportedModelError, 'are not Mamba-2 layers the op library runs'),
+    ({'mamba_proj_bias': True}, UnsupportedModelError, 'mamba_proj_bias true'),
+    ({'hidden_act': 'gelu'}, UnsupportedModelError, "activation 'gelu'"),
+], ids=['layer-count', 'no-attention', 'mamba-heads', 'proj-bias', 'activation'])
+def test_a_bad_hf_config_is_refused_before_any_weight_is_read(work, edit, error, message):
+    gguf_path = work / 'bad-cfg-twin.gguf'
+    if not gguf_path.is_file():
+        write_granite_gguf(gguf_path, granite_case('F32'), from_a_log=True)
+    hf = work / f'hf-bad-{"-".join(edit)}'
+    shutil.rmtree(hf, ignore_errors=True)
+    write_granite_hf(hf, gguf_path)
+    config = json.loads((hf / 'config.json').read_text())
+    (hf / 'config.json').write_text(json.dumps(dict(config, **edit)))
+    (hf / 'model.safetensors').unlink()   # refused before the weights: none are needed
+    with pytest.raises(error, match=message):
+        load_checkpoint(str(hf))
+
+
+def test_an_hf_folder_without_safetensors_says_so(work):
+    gguf_path = write_granite_gguf(work / 'no-st-twin.gguf', granite_case('F32'),
+                                   from_a_log=True)
+    hf = write_granite_hf(work / 'hf-no-st', gguf_path)
+    (hf / 'model.safetensors').unlink()
+    with pytest.raises(ModelLoadError, match=r'no \*\.safetensors files'):
         load_checkpoint(str(hf))
