@@ -121,6 +121,26 @@ def test_the_reembed_command_moves_a_store_to_the_new_model(ros, tmp_path):
     store.close()
 
 
+def test_a_failed_reembed_leaves_the_store_as_it_was_and_can_be_run_again(tmp_path):
+    """No embedding service: exit 2 naming it, the store untouched, no half-written new store."""
+    path = tmp_path / 'memory.db'
+    old = Memory(MemoryStore(StoreConfig(str(path))), hashed_embed)
+    old.remember('the red door leads to the lab', Pose('map', 1.0, 2.0, 0.0), ('door',), 5.0)
+    old.store.close()
+    before = path.read_bytes()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    missing = f'/no_embedder_{os.getpid()}/embed'
+    for _ in range(2):   # the second run is not refused for a leftover of the first
+        done = subprocess.run([sys.executable, '-m', 'edge_llm_ros.nodes.memory_reembed',
+                               '--store', str(path), '--embed-service', missing,
+                               '--timeout', '1'], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert f'service {missing} is not available' in done.stderr
+        assert 'exists' not in done.stderr
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+
+
 def test_every_acknowledged_remember_survives_kill_9_of_the_node(served, tmp_path):
     _, client, _, embedder = served
     name = f'memory_crash_{os.getpid()}'

@@ -64,12 +64,7 @@ def _with_client(args: argparse.Namespace, what: str,
     except (LLMClientError, TimeoutError) as exc:
         print(f'{what}: {exc}', file=sys.stderr)
     finally:
-        spin.ignore_signals()
-        spinning.stop()
-        spin.shutdown_executor(executor, timeout=1.0)
-        client.destroy()
-        node.destroy_node()
-        rclpy.try_shutdown()
+        spin.close_client(spinning, executor, node, client)
     return EXIT_FAILED
 
 

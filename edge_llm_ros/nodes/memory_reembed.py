@@ -13,7 +13,6 @@ import argparse
 import os
 import re
 import sys
-import threading
 from typing import Optional, Sequence
 
 import rclpy
@@ -23,7 +22,15 @@ from edge_llm_msgs.srv import Embed
 from edge_llm_ros.errors import EngineError
 from edge_llm_ros.memory.reembed import reembed
 from edge_llm_ros.memory.store import MemoryStore, StoreConfig
+from edge_llm_ros.nodes import spin
 from edge_llm_ros.nodes.memory_calls import embed_call, ServiceCaller
+
+
+def _discard(out: str) -> None:
+    """Remove a half-written new store, so that the same command can simply be run again."""
+    for path in (out, out + '-wal', out + '-shm', out + '-journal', out + '.lock'):
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -44,12 +51,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f'edge-llm-memory-reembed: error: {out} exists: remove it or choose --out',
               file=sys.stderr)
         return 2
-    rclpy.init()
-    node = rclpy.create_node('memory_reembed')
+    spin.init()
+    node = rclpy.create_node('memory_reembed', start_parameter_services=False)
     executor = SingleThreadedExecutor()
     executor.add_node(node)
-    spinner = threading.Thread(target=executor.spin, daemon=True)
-    spinner.start()
+    # Stopped and joined before the context goes down: a context shut down under a spinning
+    # thread aborts the process at exit ("terminate called without an active exception").
+    spinning = spin.BackgroundSpin(executor)
     try:
         old = MemoryStore(StoreConfig(store))
         old_model = old.model_id or 'none'
@@ -57,12 +65,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         caller = ServiceCaller(node, Embed, args.embed_service, args.timeout)
         count = reembed(store, out, lambda texts, q: embed_call(caller, texts, q))
     except EngineError as exc:
+        _discard(out)
         print(f'edge-llm-memory-reembed: error: {exc}', file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        _discard(out)
+        print(f'edge-llm-memory-reembed: interrupted; {store} is unchanged', file=sys.stderr)
+        return 130
     finally:
-        executor.shutdown(timeout_sec=2)
-        node.destroy_node()
-        rclpy.try_shutdown()
+        spin.close_client(spinning, executor, node)
     if not args.out:
         backup = f'{store}.{re.sub(r"[^A-Za-z0-9._-]", "_", old_model)}.bak'
         os.replace(store, backup)
