@@ -38,6 +38,7 @@ def ros():
     spin.start()
     yield node
     executor.shutdown(timeout_sec=2)
+    spin.join(timeout=5)   # before the nodes and context go: nothing spins on a dead context
     for made in nodes:
         made.destroy_node()
     rclpy.try_shutdown(context=context)

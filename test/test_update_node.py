@@ -338,6 +338,7 @@ def _in_process_node(overrides: dict) -> Iterator[tuple]:
         yield node, caller
     finally:
         executor.shutdown(timeout_sec=2)
+        spin.join(timeout=5)
         node.destroy_node()
         caller.destroy_node()
         rclpy.try_shutdown(context=context)
