@@ -25,7 +25,7 @@ from edge_llm_ros.convert.checkpoint import (_check_shapes, _f32, _family_extras
                                              GRANITE_DENSE, GRANITE_MOE, hf_layer_kinds,
                                              mamba_shape_runs, MAX_CONV_KERNEL, ModelSpec,
                                              RECURRENT, safetensors_files, SourceTensor)
-from edge_llm_ros.convert.qwen35 import _as_source, ssm_a_of
+from edge_llm_ros.convert.qwen35 import recurrent_a_and_conv
 from edge_llm_ros.errors import ModelLoadError, UnsupportedModelError
 
 HF_MODEL_TYPES = ('granitemoehybrid',)
@@ -140,11 +140,4 @@ def _mamba_mixers(tensors: Dict[str, SourceTensor], kinds) -> None:
     for i, kind in enumerate(kinds):
         if kind != RECURRENT:
             continue
-        p = f'{i}.'
-        a = tensors.get(p + 'ssm_a')
-        if a is not None:
-            tensors[p + 'ssm_a'] = _as_source(a, ssm_a_of(a))
-        conv = tensors.get(p + 'ssm_conv')
-        if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
-            tensors[p + 'ssm_conv'] = _as_source(
-                conv, conv.dequantize().reshape(conv.shape[0], conv.shape[2]))
+        recurrent_a_and_conv(tensors, f'{i}.')

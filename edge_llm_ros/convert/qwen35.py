@@ -19,7 +19,7 @@ The tensors then go through the GGUF reader's own qwen35 step (checkpoint._qwen3
 the q / output-gate split and the partial-rotary reorder).
 """
 import pathlib
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
@@ -149,6 +149,26 @@ def load_qwen35_hf(folder: pathlib.Path, cfg: dict, read_safetensors, write_toke
     return ckpt
 
 
+def recurrent_a_and_conv(tensors: Dict[str, SourceTensor], p: str,
+                         head_order: Optional[np.ndarray] = None,
+                         conv_rows: Optional[np.ndarray] = None) -> None:
+    """Store a recurrent layer's A_log as the GGUF's A, its Conv1d kernel [C, 1, K] as [C, K].
+
+    Shared by the DeltaNet (qwen35) and Mamba-2 (granite) layers; head_order and conv_rows
+    reorder the heads and channels where the GGUF tiles them otherwise.
+    """
+    a = tensors.get(p + 'ssm_a')
+    if a is not None:
+        values = ssm_a_of(a)
+        tensors[p + 'ssm_a'] = _as_source(a, values if head_order is None else values[head_order])
+    conv = tensors.get(p + 'ssm_conv')
+    if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
+        values = _float(conv).reshape(conv.shape[0], conv.shape[2])
+        if conv_rows is not None and values.shape[0] == conv_rows.shape[0]:
+            values = values[conv_rows]
+        tensors[p + 'ssm_conv'] = _as_source(conv, values)
+
+
 def _linear_attention(tensors: Dict[str, SourceTensor], kinds, k_heads: int, v_heads: int,
                       d: int) -> None:
     """Turn each DeltaNet layer's HF tensors into the GGUF's (A_log, conv squeeze, V order)."""
@@ -156,22 +176,15 @@ def _linear_attention(tensors: Dict[str, SourceTensor], kinds, k_heads: int, v_h
     v_rows = tiled_v_order(k_heads, v_heads, d)
     v_heads_order = tiled_v_order(k_heads, v_heads, 1)
     qk = 2 * k_heads * d
+    conv_rows = np.concatenate([np.arange(qk), qk + v_rows])
     for i, kind in enumerate(kinds):
         if kind != RECURRENT:
             continue
         p = f'{i}.'
-        a = tensors.get(p + 'ssm_a')
-        if a is not None:
-            values = ssm_a_of(a)
-            tensors[p + 'ssm_a'] = _as_source(a, values[v_heads_order] if reorder else values)
-        conv = tensors.get(p + 'ssm_conv')
-        if conv is not None and len(conv.shape) == 3 and conv.shape[1] == 1:
-            values = _float(conv).reshape(conv.shape[0], conv.shape[2])
-            if reorder and values.shape[0] == qk + v_heads * d:
-                values = np.concatenate([values[:qk], values[qk:][v_rows]])
-            tensors[p + 'ssm_conv'] = _as_source(conv, values)
         if not reorder:
+            recurrent_a_and_conv(tensors, p)
             continue
+        recurrent_a_and_conv(tensors, p, v_heads_order, conv_rows)
         dt = tensors.get(p + 'ssm_dt')
         if dt is not None and dt.shape == (v_heads,):
             tensors[p + 'ssm_dt'] = _as_source(dt, _float(dt)[v_heads_order])
