@@ -279,6 +279,7 @@ def emit(report: Dict, json_out: str) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if json_out:
+        pathlib.Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(json_out).write_text(text + '\n')
 
 

@@ -588,6 +588,7 @@ def _compare(args) -> int:
     print(json.dumps(res, indent=1))
     print_table(res)
     if args.json_out:
+        pathlib.Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json_out).write_text(json.dumps(res, indent=1))
     return 0
 

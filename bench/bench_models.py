@@ -571,6 +571,7 @@ def run_rows(models: Sequence[str], ggufs: Sequence[str], config: RowConfig,
         for row in got:
             print(json.dumps(row), flush=True)
         if json_out:  # written after every row: a long run keeps what it measured
+            pathlib.Path(json_out).parent.mkdir(parents=True, exist_ok=True)
             pathlib.Path(json_out).write_text(json.dumps(
                 {'config': asdict(config), 'targets': TARGETS, 'rows': rows}, indent=1))
     print(table(rows), file=sys.stderr)
@@ -593,6 +594,7 @@ def run_node(models: Sequence[str], ggufs: Sequence[str], family: str, config: R
     text = json.dumps({'config': asdict(config), 'node': row}, indent=1)
     print(text)
     if json_out:
+        pathlib.Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(json_out).write_text(text)
     return 0
 
