@@ -111,8 +111,15 @@ SHAPES: Dict[str, Shape] = {
     'gemma4-e2b': Shape('gemma4', 1536, 35, 8, 1, 512, 6144, 262144, 131072, 1e6, 1e-6, True,
                         'default', 'gemma-4-E2B-it',
                         {'sliding_window': 512, 'swa_head_dim': 256, 'swa_every': 5,
-                         'shared_kv': 20, 'per_layer': 256, 'rope_swa': 1e4,
-                         'rope_dims': 512, 'softcap': 30.0}),
+                         'real_layers': 35, 'shared_kv': 20, 'double_wide': True,
+                         'per_layer': 256, 'rope_swa': 1e4, 'rope_dims': 512, 'softcap': 30.0}),
+    # Gemma 4 E4B: 42 layers, each 6th global; two KV heads; the last 18 layers share KV
+    # and keep E4B's single-width MLP (use_double_wide_mlp false); the rest as E2B.
+    'gemma4-e4b': Shape('gemma4', 2560, 42, 8, 2, 512, 10240, 262144, 131072, 1e6, 1e-6, True,
+                        'default', 'gemma-4-E4B-it',
+                        {'sliding_window': 512, 'swa_head_dim': 256, 'swa_every': 6,
+                         'real_layers': 42, 'shared_kv': 18, 'double_wide': False,
+                         'per_layer': 256, 'rope_swa': 1e4, 'rope_dims': 512, 'softcap': 30.0}),
     # The language models of the Qwen-VL pairs (bench/bench_vlm.py): qwen2 / qwen3 with M-RoPE
     # (rope.dimension_sections in rotary pairs) and the image wrapper tokens in the vocabulary;
     # Qwen3-VL's image rows are 1 + 3 DeepStack widths wide (n_deepstack_layers).
@@ -255,24 +262,25 @@ def _qwen35_layer(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ..
 def gemma4_layout(s: Shape) -> Tuple[List[bool], int]:
     """Return (sliding-window flag per layer, KV-owning layers) of a gemma4 shape.
 
-    Every `swa_every`-th layer is global. With fewer layers than the real 35, the owners
-    shrink to a whole number of periods in E2B's proportion (15 of 35), so the last owner is
-    global and the one before sliding-window, as llama.cpp's reuse reads them.
+    Every `swa_every`-th layer is global. With fewer layers than the real model's, the
+    owners shrink to a whole number of periods in its proportion (E2B: 15 of 35), so the
+    last owner is global and the one before sliding-window, as llama.cpp's reuse reads them.
     """
     x = s.extra
     period = int(x['swa_every'])
     pattern = [(i + 1) % period != 0 for i in range(s.layers)]
-    real = SHAPES['gemma4-e2b']
-    owners = real.layers - int(real.extra['shared_kv'])
-    if s.layers != real.layers:
-        owners = period * max(1, round(s.layers * owners / real.layers / period))
+    real_layers = int(x['real_layers'])
+    owners = real_layers - int(x['shared_kv'])
+    if s.layers != real_layers:
+        owners = period * max(1, round(s.layers * owners / real_layers / period))
     return pattern, min(owners, s.layers)
 
 
 def _gemma4_ff(s: Shape) -> List[int]:
-    """Return each layer's MLP width (the shared-KV layers' are double, E2B's rule)."""
+    """Return each layer's MLP width (E2B's shared-KV layers have double-wide MLPs)."""
     owners = gemma4_layout(s)[1]
-    return [s.ff * (2 if i >= owners else 1) for i in range(s.layers)]
+    wide = 2 if s.extra['double_wide'] else 1
+    return [s.ff * (wide if i >= owners else 1) for i in range(s.layers)]
 
 
 def _gemma4_layer(s: Shape, p: str, i: int) -> Iterator[Tuple[str, Tuple[int, ...], str]]:

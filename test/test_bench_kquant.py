@@ -255,3 +255,16 @@ def test_the_gemma4_e2b_shape_is_a_file_the_converter_reads(tmp_path, monkeypatc
     assert make_random_gguf.gemma4_layout(shape)[1] == 15
     assert {n: sh for n, sh, _ in make_random_gguf.gguf_plan(shape)}[
         'per_layer_token_embd.weight'] == (262144, 8960)
+
+
+def test_the_gemma4_e4b_shape_has_its_own_layout():
+    """E4B: 42 layers, each 6th global, 24 KV owners, two KV heads, single-width MLPs."""
+    shape = make_random_gguf.SHAPES['gemma4-e4b']
+    pattern, owners = make_random_gguf.gemma4_layout(shape)
+    assert [i for i, local in enumerate(pattern) if not local] == [5, 11, 17, 23, 29, 35, 41]
+    assert owners == 24 and not pattern[owners - 1] and pattern[owners - 2]
+    plan = {n: sh for n, sh, _ in make_random_gguf.gguf_plan(shape)}
+    assert plan['blk.41.ffn_up.weight'] == (10240, 2560) == plan['blk.0.ffn_up.weight']
+    assert plan['blk.23.attn_k.weight'] == (2 * 512, 2560) and 'blk.24.attn_k.weight' not in plan
+    assert plan['blk.0.attn_q.weight'] == (8 * 256, 2560)
+    assert plan['per_layer_token_embd.weight'] == (262144, 42 * 256)
