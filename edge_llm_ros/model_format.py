@@ -38,7 +38,9 @@ MODEL_YAML = 'model.yaml'
 # 9: graphs with the op library's attention are varlen (VARLEN_INPUTS: one call runs the rows
 # of a step, each over its own slot). An older folder still runs, a call per row length
 # (runtime/decoder.py), except a hybrid's, whose conv states need the row table.
-CONVERTER_VERSION = '9'
+# 10: qwen35's GatedDeltaNet runs the chunked form (its `chunk` attribute, a larger state); the
+# op refuses an older qwen35 graph, asking for a reconversion.
+CONVERTER_VERSION = '10'
 # The decoder families a folder may hold (the converter's registry, convert/architectures.py,
 # has exactly these keys: test_model_format checks it).
 ARCHITECTURES: Tuple[str, ...] = ('llama', 'qwen2', 'qwen3', 'gemma3', 'phi3', 'lfm2',

@@ -15,16 +15,18 @@ import pathlib
 import shutil
 import subprocess
 
-from native_build import op_session
+from native_build import native_build, op_session
 import numpy as np
 from onnx import helper, numpy_helper, TensorProto
 import onnxruntime as ort
 import pytest
 
-K_HEADS, V_HEADS, D, KERNEL, EPS = 2, 4, 32, 4, 1e-6
+from edge_llm_ros.convert.checkpoint import DELTA_CHUNK
+
+K_HEADS, V_HEADS, D, KERNEL, EPS, CHUNK = 2, 4, 32, 4, 1e-6, 4
 CHANNELS = (2 * K_HEADS + V_HEADS) * D
 VALUE = V_HEADS * D
-FLOATS = (KERNEL - 1) * CHANNELS + V_HEADS * D * D
+FLOATS = (KERNEL - 1) * CHANNELS + V_HEADS * (D * D + CHUNK * (2 * D + 1))
 
 
 @pytest.fixture(scope='module')
@@ -36,11 +38,13 @@ def weights() -> dict:
             'norm': (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)}
 
 
-def session(weights: dict, threads: int = 2) -> ort.InferenceSession:
+def session(weights: dict, threads: int = 2, **attrs) -> ort.InferenceSession:
     """Build a one-node session over rows (the varlen form the converter writes)."""
     names = ['qkv', 'z', 'alpha', 'beta', 'W', 'dt_bias', 'a', 'norm', 'past', '', 'rows']
+    attrs = {'k_heads': K_HEADS, 'v_heads': V_HEADS, 'head_dim': D, 'epsilon': EPS,
+             'chunk': CHUNK, **attrs}
     node = helper.make_node('GatedDeltaNet', names, ['Y', 'present'], domain='edge_llm_ros',
-                            k_heads=K_HEADS, v_heads=V_HEADS, head_dim=D, epsilon=EPS)
+                            **{k: v for k, v in attrs.items() if v is not None})
     f = TensorProto.FLOAT
     graph = helper.make_graph(
         [node], 'gdn',
@@ -210,3 +214,27 @@ def test_the_aarch64_tiles_give_the_baseline_bits(tmp_path):
                                       str(exe)], capture_output=True, text=True, check=True,
                                      timeout=300).stdout)
     assert hashes[0] and hashes[0] == hashes[1]
+
+
+@pytest.mark.parametrize('chunk, message', [
+    (None, 'no chunk attribute .* reconvert the model'),   # an older converter's graph
+    (0, 'chunk 0 .*chunk 1..64'), (65, 'chunk 65 .*chunk 1..64')])
+def test_a_graph_without_a_valid_chunk_is_refused_with_what_to_do(weights, chunk, message):
+    with pytest.raises(Exception, match=message):
+        sess = session(weights, chunk=chunk)
+        run(sess, tokens(8, 2), np.zeros((1, FLOATS), np.float32), [(0, 0, 2)])
+
+
+def test_the_op_benchmark_times_the_chunked_form_and_writes_its_json(tmp_path):
+    """bench/bench_gated_delta.py at Qwen3.5-2B's layer shape, a short run of this build."""
+    import json
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'bench'))
+    import bench_gated_delta
+    out = tmp_path / 'results' / 'gdn.json'
+    assert bench_gated_delta.main(['--lib', str(native_build() / 'libedge_llm_ort_ops.so'),
+                                   '--prompt-tokens', '11', '--decode-steps', '2',
+                                   '--repeats', '1', '--json-out', str(out)]) == 0
+    got = json.loads(out.read_text())['libraries']['chunked']
+    assert got['prefill_us_per_token'] > 0 and got['decode_us_per_token'] > 0
+    assert got['state_kib'] == bench_gated_delta.state_floats(DELTA_CHUNK) * 4 / 1024

@@ -41,7 +41,7 @@ from state_family_checks import (alone_bits, check_batched_equals_alone,
 from test_llama_cpp_parity import KQUANT_TYPES, MAX_ABS_DIFF, MIN_MARGIN
 import yaml
 
-from edge_llm_ros.convert.checkpoint import load_checkpoint, rotary_order
+from edge_llm_ros.convert.checkpoint import DELTA_CHUNK, load_checkpoint, rotary_order
 from edge_llm_ros.convert.converter import convert
 from edge_llm_ros.errors import UnsupportedModelError
 from edge_llm_ros.model_format import LayerState, load_model_info
@@ -62,7 +62,7 @@ def state_floats() -> int:
     g = QWEN35_GDN
     d = g['head_dim']
     return ((g['kernel'] - 1) * (2 * g['k_heads'] + g['v_heads']) * d
-            + g['v_heads'] * d * d)
+            + g['v_heads'] * (d * d + DELTA_CHUNK * (2 * d + 1)))
 
 
 @pytest.fixture(scope='module')

@@ -27,6 +27,13 @@ LAYER_ROLES = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
 # A hybrid layer's kind (ModelSpec.layer_kinds): GQA, a gated short convolution (lfm2), or a
 # Gated DeltaNet layer (qwen35).
 ATTENTION, CONV, RECURRENT = 'attention', 'conv', 'recurrent'
+# Positions per chunk of Gated DeltaNet's chunked form (the op's `chunk`): a token reads its
+# chunk's start state (not written until the chunk ends) and solves against the chunk's
+# earlier tokens, which a slot keeps beside that state. On CPU the chunk's own terms grow with
+# its length while the state's do not: at Qwen3.5-2B's shape 8 was the fastest of 4-64
+# (bench/bench_gated_delta.py: 1.1x the recurrent form's op, prefill and decode) and keeps
+# the state at 1.12x the d x d state alone (32: 1.47x and no faster).
+DELTA_CHUNK = 8
 GGUF_LAYER_NAMES = {
     'attn_norm': 'attn_norm.weight', 'ffn_norm': 'ffn_norm.weight',
     'q': 'attn_q.weight', 'k': 'attn_k.weight', 'v': 'attn_v.weight',
@@ -214,14 +221,17 @@ class ModelSpec:
     def recurrent_state_floats(self) -> int:
         """Floats of one recurrent layer's state per slot (conv inputs, then the SSM state).
 
-        Gated DeltaNet: the delta state, heads x d x d; Mamba-2: heads x state x head_dim.
+        Gated DeltaNet: per value head the chunked form's state (native gated_delta.h): the
+        d x d delta state at the chunk's start and the chunk's tokens so far; Mamba-2: heads x
+        state x head_dim.
         """
         if self.mamba_heads:
             return ((self.conv_kernel - 1) * self.mamba_channels
                     + self.mamba_heads * self.mamba_state * self.mamba_head_dim)
         d = self.ssm_head_dim
         channels = (2 * self.ssm_k_heads + self.ssm_v_heads) * d
-        return (self.conv_kernel - 1) * channels + self.ssm_v_heads * d * d
+        head = d * d + DELTA_CHUNK * (2 * d + 1)   # S0, then the chunk's keys, values, decays
+        return (self.conv_kernel - 1) * channels + self.ssm_v_heads * head
 
     def is_nope(self, layer: int) -> bool:
         """Whether `layer` attends without RoPE (its q and k are not rotated)."""

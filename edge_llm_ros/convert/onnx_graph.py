@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper, TensorProto
 
-from edge_llm_ros.convert.checkpoint import ModelSpec
+from edge_llm_ros.convert.checkpoint import DELTA_CHUNK, ModelSpec
 from edge_llm_ros.convert.gguf_weights import GgufWeights
 from edge_llm_ros.convert.quant import BlockWeights, fold_offsets
 from edge_llm_ros.model_format import (CONV_STATE_PAST, CONV_STATE_PRESENT, DATA_FILE,
@@ -656,7 +656,7 @@ class DecoderGraph:
                           outputs=[self._name(f'{p}/gdn/out'), CONV_STATE_PRESENT.format(i)],
                           domain=KQUANT_DOMAIN, name=f'{p}/gdn', k_heads=s.ssm_k_heads,
                           v_heads=s.ssm_v_heads, head_dim=s.ssm_head_dim,
-                          epsilon=float(s.rms_norm_eps))
+                          epsilon=float(s.rms_norm_eps), chunk=DELTA_CHUNK)
         o = self._linear(y, rw.out, f'{p}.gdn.out_proj')
         self._mlp(o, residual, rw.ffn_norm, rw.gate_up, rw.down, p)
 

@@ -1,16 +1,15 @@
-// Gated DeltaNet over a per-slot state (see gated_delta.h): the scalar definition. Every
-// output element is one sum in one fixed order (-ffp-contract=off: no fused multiply-adds),
-// a row's tokens are taken one at a time, so a row's bits do not depend on its batch, on the
-// calls its tokens came in, or on the threads.
+// Gated DeltaNet over a per-slot state (see gated_delta.h): the chunked form. Every output
+// element is one sum in one fixed order (-ffp-contract=off: no fused multiply-adds), and a
+// token's sums depend only on its chunk position, never on the call it came in, so a row's
+// bits do not depend on its batch, on how its tokens were split into calls, or on the threads.
 //
-// The definition (delta_rows_reference, built alone with ELK_GDN_BASELINE) sweeps a head's
-// whole state twice a token. The delta rule keeps each value column j of S apart (S[:, j]
-// reads only k, q, v[j], the decay and beta), so the op's loop (delta_tile) takes a tile of
-// columns at a time through a run of tokens: their state (d x tile floats) stays in the
-// first-level cache and their sums in registers, loaded and stored once a token (two sweeps a
-// token of the whole 64 KiB state at d = 128 were the op's time), and each element sees the
-// definition's operations in its order: the same bits (native/tests/gated_delta_check.cpp
-// compares the two builds).
+// Per chunk segment of a row (its tokens in one chunk), the op computes S0^T k and S0^T q of
+// every token (s0_products: column tiles of S0 against two tokens at a time, its sums in
+// registers; S0 is read, not written, until the chunk ends). The definition (built alone with
+// ELK_GDN_BASELINE) forms those sums token by token; everything else (the chunk's forward
+// substitution, the outputs, the fold) is one code for both. native/tests/gated_delta_check.cpp
+// compares the two builds.
+
 #include "edge_llm_kquant/gated_delta.h"
 
 #include "edge_llm_kquant/causal_conv.h"
@@ -81,10 +80,10 @@ inline void gated_norm(int64_t d, float eps, const float *o, double sq, const fl
   for (int64_t j = 0; j < d; ++j) out[j] = ((o[j] * inv) * norm[j]) * (gate[j] / (1.0f + e[j]));
 }
 
-// One token's inputs: its q and k (before their L2 norms), its values, decay and beta.
+// One token's inputs: its q and k (before their L2 norms), its values, log decay and beta.
 struct TokenInputs {
   const float *q, *k, *v;  // the token's heads in the conv output
-  float decay, b;
+  float log_decay, b;
 };
 
 inline TokenInputs token_inputs(const elk_gdn_shape *shape, int64_t h, int64_t t,
@@ -95,153 +94,321 @@ inline TokenInputs token_inputs(const elk_gdn_shape *shape, int64_t h, int64_t t
   const int64_t kh = h % hk;  // ggml_gated_delta_net: value head h reads key head h % k_heads
   const float *in = conv + t * channels;
   return TokenInputs{in + kh * d, in + (hk + kh) * d, in + (2 * hk + h) * d,
-                     std::exp(softplus(alpha[t * hv + h] + dt_bias[h]) * a[h]),
+                     softplus(alpha[t * hv + h] + dt_bias[h]) * a[h],
                      sigmoid(beta[t * hv + h])};
 }
 
+// A value head's part of a slot's state (gated_delta.h).
+struct HeadState {
+  float *s0;  // [d][d]: the delta state at the chunk's first position
+  float *kt;  // [d][chunk]: the chunk's normed keys, transposed
+  float *u;   // [chunk][d]: the chunk's corrected values (the delta rule's deltas)
+  float *l;   // [chunk]: the chunk's cumulative log decays
+};
+
 #ifdef ELK_GDN_BASELINE
-// The definition: token by token, two passes over the head's state S [i][j] (i: key dim,
-// j: value dim): S *= decay with delta[j] = (v[j] - sum_i S[i][j] k[i]) * b, then
-// S[i][j] += k[i] * delta[j] with o[j] = (sum_i S[i][j] q[i]) * scale; each sum from i = 0
-// up, from 0.0f.
-void delta_rows_reference(const elk_gdn_shape *shape, const elk_row *row, int64_t h,
-                          const float *conv, const float *z, const float *alpha,
-                          const float *beta, const float *dt_bias, const float *a,
-                          const float *norm, float *s_mat, float *y) {
-  const int64_t d = shape->head_dim, hv = shape->v_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float q[ELK_GDN_MAX_HEAD], k[ELK_GDN_MAX_HEAD], delta[ELK_GDN_MAX_HEAD], o[ELK_GDN_MAX_HEAD];
-  for (int64_t s = 0; s < row->length; ++s) {
-    const int64_t t = row->offset + s;
-    const TokenInputs in = token_inputs(shape, h, t, conv, alpha, beta, dt_bias, a);
-    double sum;
-    sum_squares(&in.q, 1, d, &sum);
-    l2_norm(in.q, sum, d, shape->eps, q);
-    sum_squares(&in.k, 1, d, &sum);
-    l2_norm(in.k, sum, d, shape->eps, k);
-    for (int64_t j = 0; j < d; ++j) o[j] = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-      float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) {
-        m[j] *= in.decay;
-        o[j] += m[j] * k[i];
-      }
-    }
+// The definition of S0^T k and S0^T q: for each token and value dim j, sum_i S0[i][j] k[i]
+// from i = 0 up, from 0.0f.
+void s0_products_reference(int64_t d, int64_t n, const float *s0, const float *qs,
+                           const float *ks, float *ak, float *aq) {
+  for (int64_t t = 0; t < n; ++t) {
     for (int64_t j = 0; j < d; ++j) {
-      delta[j] = (in.v[j] - o[j]) * in.b;
-      o[j] = 0.0f;
-    }
-    for (int64_t i = 0; i < d; ++i) {
-      float *m = s_mat + i * d;
-      for (int64_t j = 0; j < d; ++j) {
-        m[j] += k[i] * delta[j];
-        o[j] += m[j] * q[i];
+      float sk = 0.0f, sq = 0.0f;
+      for (int64_t i = 0; i < d; ++i) {
+        sk += s0[i * d + j] * ks[t * d + i];
+        sq += s0[i * d + j] * qs[t * d + i];
       }
+      ak[t * d + j] = sk;
+      aq[t * d + j] = sq;
     }
-    for (int64_t j = 0; j < d; ++j) o[j] = o[j] * scale;
-    const float *o_ptr = o;
-    sum_squares(&o_ptr, 1, d, &sum);
-    gated_norm(d, shape->eps, o, sum, norm, z + t * hv * d + h * d, y + t * hv * d + h * d);
   }
 }
 #else
-// Tokens a run takes (their q, k, decay and beta computed once).
-constexpr int64_t kRun = 32;
-// A tile takes two vectors of value columns. Their width is the machine's register: GCC
-// lowers a vector wider than the registers lane by lane through the stack (16 floats in the
-// AVX2 clone made the op 34 % of a Qwen3.5-2B prefill, against 4 % with 8). Each lane is
-// the definition's float expression whatever the width: the same bits.
-// The lanes are a template's number, the vector type made inside it: a vector typedef passed
-// as a template argument loses its aligned(4), and the state is not 32-byte aligned.
+// The same sums over a tile of two vectors of value columns and two tokens (eight sums in
+// registers, two loads of S0 per key dim). The vectors' width is the machine's register (a
+// wider one is lowered lane by lane through the stack); each lane is the definition's float
+// expression whatever the width. The lanes are a template's number, the vector type made
+// inside it: a vector typedef passed as a template argument loses its aligned(4).
 template <int kLanes>
-constexpr int64_t tile_cols() { return 2 * kLanes; }
-
-// Columns [j0, j0 + tile_cols) of S through the run's tokens: the definition's two passes per
-// token (elementwise vector operations: each lane is the definition's float expression),
-// o * scale written to out (the head's output of each token, normed afterwards). A token's
-// second pass and the next token's first are one sweep (an element's operations keep their
-// order, and the two sums are apart): the state is loaded and stored once a token.
-template <int kLanes>
-__attribute__((always_inline)) inline void delta_tile(int64_t d, int64_t j0, int64_t run,
-                                                      const float *qs, const float *ks,
-                                                      const TokenInputs *ins, float scale,
-                                                      float *s_mat, float *const *outs) {
+__attribute__((always_inline)) inline int64_t s0_tiles(int64_t d, int64_t n, const float *s0,
+                                                       const float *qs, const float *ks,
+                                                       float *ak, float *aq, int64_t j0) {
   typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
                                      may_alias));
-  vcols o0 = vcols{}, o1 = vcols{};  // sum_i S[i][j] k[i] of token s (after its decay)
-  {
-    const float *k = ks;
-    const vcols decay = vcols{} + ins[0].decay;
-    for (int64_t i = 0; i < d; ++i) {
-      vcols *m = reinterpret_cast<vcols *>(s_mat + i * d + j0);
-      const vcols m0 = m[0] * decay, m1 = m[1] * decay;
-      m[0] = m0;
-      m[1] = m1;
-      o0 += m0 * k[i];
-      o1 += m1 * k[i];
+  for (; j0 + 2 * kLanes <= d; j0 += 2 * kLanes) {
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {
+      const float *k0 = ks + t * d, *k1 = k0 + d, *q0 = qs + t * d, *q1 = q0 + d;
+      vcols a00 = vcols{}, a01 = vcols{}, a10 = vcols{}, a11 = vcols{};
+      vcols b00 = vcols{}, b01 = vcols{}, b10 = vcols{}, b11 = vcols{};
+      for (int64_t i = 0; i < d; ++i) {
+        const vcols *m = reinterpret_cast<const vcols *>(s0 + i * d + j0);
+        const vcols m0 = m[0], m1 = m[1];
+        a00 += m0 * k0[i];
+        a01 += m1 * k0[i];
+        a10 += m0 * k1[i];
+        a11 += m1 * k1[i];
+        b00 += m0 * q0[i];
+        b01 += m1 * q0[i];
+        b10 += m0 * q1[i];
+        b11 += m1 * q1[i];
+      }
+      vcols *o = reinterpret_cast<vcols *>(ak + t * d + j0);
+      o[0] = a00, o[1] = a01;
+      o = reinterpret_cast<vcols *>(ak + (t + 1) * d + j0);
+      o[0] = a10, o[1] = a11;
+      o = reinterpret_cast<vcols *>(aq + t * d + j0);
+      o[0] = b00, o[1] = b01;
+      o = reinterpret_cast<vcols *>(aq + (t + 1) * d + j0);
+      o[0] = b10, o[1] = b11;
+    }
+    for (; t < n; ++t) {
+      const float *k0 = ks + t * d, *q0 = qs + t * d;
+      vcols a00 = vcols{}, a01 = vcols{}, b00 = vcols{}, b01 = vcols{};
+      for (int64_t i = 0; i < d; ++i) {
+        const vcols *m = reinterpret_cast<const vcols *>(s0 + i * d + j0);
+        const vcols m0 = m[0], m1 = m[1];
+        a00 += m0 * k0[i];
+        a01 += m1 * k0[i];
+        b00 += m0 * q0[i];
+        b01 += m1 * q0[i];
+      }
+      vcols *o = reinterpret_cast<vcols *>(ak + t * d + j0);
+      o[0] = a00, o[1] = a01;
+      o = reinterpret_cast<vcols *>(aq + t * d + j0);
+      o[0] = b00, o[1] = b01;
     }
   }
-  for (int64_t s = 0; s < run; ++s) {
-    const float *q = qs + s * d, *k = ks + s * d;
-    const vcols *v = reinterpret_cast<const vcols *>(ins[s].v + j0);
-    const vcols delta0 = (v[0] - o0) * ins[s].b, delta1 = (v[1] - o1) * ins[s].b;
-    vcols y0 = vcols{}, y1 = vcols{};
-    if (s + 1 < run) {
-      const float *kn = ks + (s + 1) * d;
-      const vcols decay = vcols{} + ins[s + 1].decay;
-      o0 = vcols{};
-      o1 = vcols{};
-      for (int64_t i = 0; i < d; ++i) {
-        vcols *m = reinterpret_cast<vcols *>(s_mat + i * d + j0);
-        const vcols u0 = m[0] + k[i] * delta0, u1 = m[1] + k[i] * delta1;
-        y0 += u0 * q[i];
-        y1 += u1 * q[i];
-        const vcols m0 = u0 * decay, m1 = u1 * decay;
-        m[0] = m0;
-        m[1] = m1;
-        o0 += m0 * kn[i];
-        o1 += m1 * kn[i];
-      }
-    } else {
-      for (int64_t i = 0; i < d; ++i) {
-        vcols *m = reinterpret_cast<vcols *>(s_mat + i * d + j0);
-        const vcols u0 = m[0] + k[i] * delta0, u1 = m[1] + k[i] * delta1;
-        m[0] = u0;
-        m[1] = u1;
-        y0 += u0 * q[i];
-        y1 += u1 * q[i];
-      }
-    }
-    vcols *out = reinterpret_cast<vcols *>(outs[s] + j0);
-    out[0] = y0 * scale;
-    out[1] = y1 * scale;
-  }
+  return j0;
 }
 
-// The same for one column j (head sizes that are not a multiple of the tile).
-__attribute__((always_inline)) inline void delta_column(int64_t d, int64_t j, int64_t run,
-                                                        const float *qs, const float *ks,
-                                                        const TokenInputs *ins, float scale,
-                                                        float *s_mat, float *const *outs) {
-  for (int64_t s = 0; s < run; ++s) {
-    const float *q = qs + s * d, *k = ks + s * d;
-    float o = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-      float &m = s_mat[i * d + j];
-      m *= ins[s].decay;
-      o += m * k[i];
+__attribute__((always_inline)) inline void s0_products(int64_t d, int64_t n, const float *s0,
+                                                       const float *qs, const float *ks,
+                                                       float *ak, float *aq) {
+  int64_t j = 0;
+#if defined(__x86_64__)
+  // The AVX-512 clone runs on AVX-512 CPUs only (16-float registers there); the others 8.
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (wide) j = s0_tiles<16>(d, n, s0, qs, ks, ak, aq, j);
+  j = s0_tiles<8>(d, n, s0, qs, ks, ak, aq, j);
+#else
+  j = s0_tiles<4>(d, n, s0, qs, ks, ak, aq, j);
+#endif
+  for (; j < d; ++j) {  // head sizes that are not a multiple of the tile
+    for (int64_t t = 0; t < n; ++t) {
+      float sk = 0.0f, sq = 0.0f;
+      for (int64_t i = 0; i < d; ++i) {
+        sk += s0[i * d + j] * ks[t * d + i];
+        sq += s0[i * d + j] * qs[t * d + i];
+      }
+      ak[t * d + j] = sk;
+      aq[t * d + j] = sq;
     }
-    const float delta = (ins[s].v[j] - o) * ins[s].b;
-    o = 0.0f;
-    for (int64_t i = 0; i < d; ++i) {
-      float &m = s_mat[i * d + j];
-      m += k[i] * delta;
-      o += m * q[i];
-    }
-    outs[s][j] = o * scale;
   }
 }
 #endif
+
+// The token at chunk position c (its key in kt's column c, its cumulative log decay in l[c]):
+// with g = exp(l[c]) and w[s] = exp(l[c] - l[s]) (the decay from token s to this one),
+//   delta[j] = (v[j] - (g * ak[j] + sum_{s < c} (w[s] * (k_s . k)) * u[s][j])) * b,
+//   o[j] = (g * aq[j] + sum_{s <= c} (w[s] * (k_s . q)) * u[s][j]) * scale,
+// each sum from s = 0 up; delta is stored as u[c]. These are the recurrent form's delta and
+// output of this token, S's terms expanded over the chunk (S_t = g S0 + sum w[s] k_s u[s]^T).
+struct TokenTerms {
+  float g;                             // exp(l[c])
+  float ck[ELK_GDN_MAX_CHUNK];         // w[s] * (k_s . k), s < c
+  float cq[ELK_GDN_MAX_CHUNK];         // w[s] * (k_s . q), s <= c
+};
+
+inline void token_terms(int64_t d, int64_t chunk, int64_t c, const HeadState &hs,
+                        const float *q, const float *k, TokenTerms *terms) {
+  float kk[ELK_GDN_MAX_CHUNK], qk[ELK_GDN_MAX_CHUNK];
+  for (int64_t s = 0; s <= c; ++s) kk[s] = 0.0f, qk[s] = 0.0f;
+  for (int64_t i = 0; i < d; ++i) {  // k_s . k and k_s . q, each from i = 0 up
+    const float *col = hs.kt + i * chunk;
+    const float ki = k[i], qi = q[i];
+    for (int64_t s = 0; s <= c; ++s) {
+      kk[s] += col[s] * ki;
+      qk[s] += col[s] * qi;
+    }
+  }
+  const float lc = hs.l[c];
+  terms->g = std::exp(lc);
+  for (int64_t s = 0; s <= c; ++s) {
+    const float w = std::exp(lc - hs.l[s]);
+    terms->ck[s] = w * kk[s];
+    terms->cq[s] = w * qk[s];
+  }
+}
+
+// Value dims [j0, d) of the token's delta and output, one at a time: the definition.
+inline void token_columns(int64_t d, int64_t j0, int64_t c, const HeadState &hs,
+                          const TokenTerms &terms, const float *ak, const float *aq,
+                          const float *v, float b, float scale, float *out) {
+  for (int64_t j = j0; j < d; ++j) {
+    float x = terms.g * ak[j], o = terms.g * aq[j];
+    for (int64_t s = 0; s < c; ++s) {
+      const float u = hs.u[s * d + j];
+      x += terms.ck[s] * u;
+      o += terms.cq[s] * u;
+    }
+    const float delta = (v[j] - x) * b;
+    hs.u[c * d + j] = delta;
+    o += terms.cq[c] * delta;
+    out[j] = o * scale;
+  }
+}
+
+// The chunk's last token done: S0[i][j] = g * S0[i][j] + sum_s (w[s] * kt[i][s]) * u[s][j]
+// from s = 0 up (g, w as in chunk_token at the last position): the delta state after the
+// chunk, the next chunk's S0. coef [d][chunk] holds w[s] * kt[i][s].
+inline void fold_coefficients(int64_t d, int64_t chunk, const HeadState &hs, float *g,
+                              float *coef) {
+  const float last = hs.l[chunk - 1];
+  *g = std::exp(last);
+  float w[ELK_GDN_MAX_CHUNK];
+  for (int64_t s = 0; s < chunk; ++s) w[s] = std::exp(last - hs.l[s]);
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t s = 0; s < chunk; ++s) coef[i * chunk + s] = w[s] * hs.kt[i * chunk + s];
+  }
+}
+
+// Value dims [j0, d) of the fold, one at a time: the definition.
+inline void fold_columns(int64_t d, int64_t chunk, int64_t j0, const HeadState &hs, float g,
+                         const float *coef) {
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t j = j0; j < d; ++j) {
+      float m = g * hs.s0[i * d + j];
+      for (int64_t s = 0; s < chunk; ++s) m += coef[i * chunk + s] * hs.u[s * d + j];
+      hs.s0[i * d + j] = m;
+    }
+  }
+}
+
+#ifndef ELK_GDN_BASELINE
+// The same, a tile of two vectors of value dims at a time (their sums in registers, each lane
+// the definition's float expression): returns the first dim not done.
+template <int kLanes>
+__attribute__((always_inline)) inline int64_t token_tiles(int64_t d, int64_t c,
+                                                          const HeadState &hs,
+                                                          const TokenTerms &terms,
+                                                          const float *ak, const float *aq,
+                                                          const float *v, float b, float scale,
+                                                          float *out, int64_t j0) {
+  typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
+                                     may_alias));
+  for (; j0 + 2 * kLanes <= d; j0 += 2 * kLanes) {
+    const vcols *a = reinterpret_cast<const vcols *>(ak + j0);
+    const vcols *q = reinterpret_cast<const vcols *>(aq + j0);
+    vcols x0 = terms.g * a[0], x1 = terms.g * a[1];
+    vcols o0 = terms.g * q[0], o1 = terms.g * q[1];
+    for (int64_t s = 0; s < c; ++s) {
+      const vcols *u = reinterpret_cast<const vcols *>(hs.u + s * d + j0);
+      const vcols u0 = u[0], u1 = u[1];
+      x0 += terms.ck[s] * u0;
+      x1 += terms.ck[s] * u1;
+      o0 += terms.cq[s] * u0;
+      o1 += terms.cq[s] * u1;
+    }
+    const vcols *vv = reinterpret_cast<const vcols *>(v + j0);
+    const vcols delta0 = (vv[0] - x0) * b, delta1 = (vv[1] - x1) * b;
+    vcols *uc = reinterpret_cast<vcols *>(hs.u + c * d + j0);
+    uc[0] = delta0;
+    uc[1] = delta1;
+    o0 += terms.cq[c] * delta0;
+    o1 += terms.cq[c] * delta1;
+    vcols *y = reinterpret_cast<vcols *>(out + j0);
+    y[0] = o0 * scale;
+    y[1] = o1 * scale;
+  }
+  return j0;
+}
+
+// The fold over four rows of S0 and a tile of two vectors of value dims at a time.
+template <int kLanes>
+__attribute__((always_inline)) inline int64_t fold_tiles(int64_t d, int64_t chunk,
+                                                         const HeadState &hs, float g,
+                                                         const float *coef, int64_t j0) {
+  typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
+                                     may_alias));
+  for (; j0 + 2 * kLanes <= d; j0 += 2 * kLanes) {
+    int64_t i = 0;
+    for (; i + 4 <= d; i += 4) {
+      vcols *m0 = reinterpret_cast<vcols *>(hs.s0 + i * d + j0);
+      vcols *m1 = reinterpret_cast<vcols *>(hs.s0 + (i + 1) * d + j0);
+      vcols *m2 = reinterpret_cast<vcols *>(hs.s0 + (i + 2) * d + j0);
+      vcols *m3 = reinterpret_cast<vcols *>(hs.s0 + (i + 3) * d + j0);
+      vcols a00 = g * m0[0], a01 = g * m0[1], a10 = g * m1[0], a11 = g * m1[1];
+      vcols a20 = g * m2[0], a21 = g * m2[1], a30 = g * m3[0], a31 = g * m3[1];
+      const float *c0 = coef + i * chunk, *c1 = c0 + chunk, *c2 = c1 + chunk, *c3 = c2 + chunk;
+      for (int64_t s = 0; s < chunk; ++s) {
+        const vcols *u = reinterpret_cast<const vcols *>(hs.u + s * d + j0);
+        const vcols u0 = u[0], u1 = u[1];
+        a00 += c0[s] * u0;
+        a01 += c0[s] * u1;
+        a10 += c1[s] * u0;
+        a11 += c1[s] * u1;
+        a20 += c2[s] * u0;
+        a21 += c2[s] * u1;
+        a30 += c3[s] * u0;
+        a31 += c3[s] * u1;
+      }
+      m0[0] = a00, m0[1] = a01, m1[0] = a10, m1[1] = a11;
+      m2[0] = a20, m2[1] = a21, m3[0] = a30, m3[1] = a31;
+    }
+    for (; i < d; ++i) {
+      vcols *m = reinterpret_cast<vcols *>(hs.s0 + i * d + j0);
+      vcols a0 = g * m[0], a1 = g * m[1];
+      for (int64_t s = 0; s < chunk; ++s) {
+        const vcols *u = reinterpret_cast<const vcols *>(hs.u + s * d + j0);
+        a0 += coef[i * chunk + s] * u[0];
+        a1 += coef[i * chunk + s] * u[1];
+      }
+      m[0] = a0, m[1] = a1;
+    }
+  }
+  return j0;
+}
+#endif
+
+// A token's delta, output (scaled) and state entries.
+__attribute__((always_inline)) inline void chunk_token(int64_t d, int64_t chunk, int64_t c,
+                                                       const HeadState &hs, const float *q,
+                                                       const float *k, const float *ak,
+                                                       const float *aq, const float *v,
+                                                       float b, float scale, float *out) {
+  TokenTerms terms;
+  token_terms(d, chunk, c, hs, q, k, &terms);
+  int64_t j = 0;
+#ifndef ELK_GDN_BASELINE
+#if defined(__x86_64__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (wide) j = token_tiles<16>(d, c, hs, terms, ak, aq, v, b, scale, out, j);
+  j = token_tiles<8>(d, c, hs, terms, ak, aq, v, b, scale, out, j);
+#else
+  j = token_tiles<4>(d, c, hs, terms, ak, aq, v, b, scale, out, j);
+#endif
+#endif
+  token_columns(d, j, c, hs, terms, ak, aq, v, b, scale, out);
+}
+
+// The fold at the chunk's end; coef: d * chunk floats of scratch.
+__attribute__((always_inline)) inline void fold_chunk(int64_t d, int64_t chunk,
+                                                      const HeadState &hs, float *coef) {
+  float g;
+  fold_coefficients(d, chunk, hs, &g, coef);
+  int64_t j = 0;
+#ifndef ELK_GDN_BASELINE
+#if defined(__x86_64__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  if (wide) j = fold_tiles<16>(d, chunk, hs, g, coef, j);
+  j = fold_tiles<8>(d, chunk, hs, g, coef, j);
+#else
+  j = fold_tiles<4>(d, chunk, hs, g, coef, j);
+#endif
+#endif
+  fold_columns(d, chunk, j, hs, g, coef);
+}
 
 }  // namespace
 
@@ -261,58 +428,60 @@ ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *ro
                                    const float *norm, int64_t state_floats, float *state,
                                    float *y) {
   const int64_t d = shape->head_dim, hk = shape->k_heads, hv = shape->v_heads;
-  const int64_t channels = (2 * hk + hv) * d;
-  float *s_mat = state + row->slot * state_floats + (shape->kernel - 1) * channels + h * d * d;
-  if (row->start == 0) std::memset(s_mat, 0, static_cast<size_t>(d * d) * sizeof(float));
-#ifdef ELK_GDN_BASELINE
-  delta_rows_reference(shape, row, h, conv, z, alpha, beta, dt_bias, a, norm, s_mat, y);
-#else
+  const int64_t chunk = shape->chunk, channels = (2 * hk + hv) * d;
+  float *head = state + row->slot * state_floats + (shape->kernel - 1) * channels +
+                h * elk_gdn_head_floats(shape);
+  const HeadState hs{head, head + d * d, head + d * d + d * chunk, head + d * d + 2 * d * chunk};
+  if (row->start == 0) std::memset(hs.s0, 0, static_cast<size_t>(d * d) * sizeof(float));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> qk(static_cast<size_t>(2 * kRun * d));
-  float *qs = qk.data(), *ks = qk.data() + kRun * d;
-  TokenInputs ins[kRun];
-  const float *vecs[kRun];
-  float *outs[kRun];
-  double sums[kRun];
-  for (int64_t s0 = 0; s0 < row->length; s0 += kRun) {
-    const int64_t run = std::min(kRun, row->length - s0);
-    for (int64_t s = 0; s < run; ++s) {
+  // The segment's normed q and k, S0^T k and S0^T q ([tokens][d] each), the fold's scratch.
+  std::vector<float> work(static_cast<size_t>(5 * chunk * d));
+  float *qs = work.data(), *ks = qs + chunk * d, *ak = ks + chunk * d, *aq = ak + chunk * d;
+  float *coef = aq + chunk * d;
+  TokenInputs ins[ELK_GDN_MAX_CHUNK];
+  const float *vecs[ELK_GDN_MAX_CHUNK];
+  float *outs[ELK_GDN_MAX_CHUNK];
+  double sums[ELK_GDN_MAX_CHUNK];
+  for (int64_t s0 = 0, n = 0; s0 < row->length; s0 += n) {
+    // The row's tokens in one chunk, from chunk position c0.
+    const int64_t c0 = (row->start + s0) % chunk;
+    n = std::min(chunk - c0, row->length - s0);
+    for (int64_t s = 0; s < n; ++s) {
       const int64_t t = row->offset + s0 + s;
       ins[s] = token_inputs(shape, h, t, conv, alpha, beta, dt_bias, a);
       outs[s] = y + t * hv * d + h * d;
     }
-    for (int64_t s = 0; s < run; ++s) vecs[s] = ins[s].q;
-    sum_squares(vecs, run, d, sums);
-    for (int64_t s = 0; s < run; ++s) l2_norm(ins[s].q, sums[s], d, shape->eps, qs + s * d);
-    for (int64_t s = 0; s < run; ++s) vecs[s] = ins[s].k;
-    sum_squares(vecs, run, d, sums);
-    for (int64_t s = 0; s < run; ++s) l2_norm(ins[s].k, sums[s], d, shape->eps, ks + s * d);
-    int64_t j = 0;
-#if defined(__x86_64__)
-    // The AVX-512 clone runs on AVX-512 CPUs only (16-float registers there); the others 8.
-    static const bool wide = __builtin_cpu_supports("avx512f");
-    if (wide) {
-      for (; j + tile_cols<16>() <= d; j += tile_cols<16>()) {
-        delta_tile<16>(d, j, run, qs, ks, ins, scale, s_mat, outs);
-      }
+    for (int64_t s = 0; s < n; ++s) vecs[s] = ins[s].q;
+    sum_squares(vecs, n, d, sums);
+    for (int64_t s = 0; s < n; ++s) l2_norm(ins[s].q, sums[s], d, shape->eps, qs + s * d);
+    for (int64_t s = 0; s < n; ++s) vecs[s] = ins[s].k;
+    sum_squares(vecs, n, d, sums);
+    for (int64_t s = 0; s < n; ++s) l2_norm(ins[s].k, sums[s], d, shape->eps, ks + s * d);
+    for (int64_t i = 0; i < d; ++i) {
+      float *col = hs.kt + i * chunk + c0;
+      for (int64_t s = 0; s < n; ++s) col[s] = ks[s * d + i];
     }
-    for (; j + tile_cols<8>() <= d; j += tile_cols<8>()) {
-      delta_tile<8>(d, j, run, qs, ks, ins, scale, s_mat, outs);
+    for (int64_t s = 0; s < n; ++s) {
+      const int64_t c = c0 + s;
+      hs.l[c] = c == 0 ? ins[s].log_decay : hs.l[c - 1] + ins[s].log_decay;
     }
+#ifdef ELK_GDN_BASELINE
+    s0_products_reference(d, n, hs.s0, qs, ks, ak, aq);
 #else
-    for (; j + tile_cols<4>() <= d; j += tile_cols<4>()) {
-      delta_tile<4>(d, j, run, qs, ks, ins, scale, s_mat, outs);
-    }
+    s0_products(d, n, hs.s0, qs, ks, ak, aq);
 #endif
-    for (; j < d; ++j) delta_column(d, j, run, qs, ks, ins, scale, s_mat, outs);
-    for (int64_t s = 0; s < run; ++s) vecs[s] = outs[s];
-    sum_squares(vecs, run, d, sums);
-    for (int64_t s = 0; s < run; ++s) {
+    for (int64_t s = 0; s < n; ++s) {
+      chunk_token(d, chunk, c0 + s, hs, qs + s * d, ks + s * d, ak + s * d, aq + s * d,
+                  ins[s].v, ins[s].b, scale, outs[s]);
+    }
+    for (int64_t s = 0; s < n; ++s) vecs[s] = outs[s];
+    sum_squares(vecs, n, d, sums);
+    for (int64_t s = 0; s < n; ++s) {
       const int64_t t = row->offset + s0 + s;
       gated_norm(d, shape->eps, outs[s], sums[s], norm, z + t * hv * d + h * d, outs[s]);
     }
+    if (c0 + n == chunk) fold_chunk(d, chunk, hs, coef);
   }
-#endif
 }
 
 }  // extern "C"

@@ -1142,11 +1142,18 @@ struct GatedDeltaKernel {
     v_heads_ = i.GetAttribute<int64_t>("v_heads");
     head_dim_ = i.GetAttribute<int64_t>("head_dim");
     eps_ = i.GetAttribute<float>("epsilon");
+    // A graph of an older converter has no chunk: its state was the recurrent form's.
+    try {
+      chunk_ = i.GetAttribute<int64_t>("chunk");
+    } catch (const Ort::Exception &) {
+      fail("no chunk attribute (a graph written before the chunked form)");
+    }
     if (k_heads_ < 1 || v_heads_ < 1 || v_heads_ % k_heads_ != 0 || head_dim_ < 1 ||
-        head_dim_ > ELK_GDN_MAX_HEAD) {
+        head_dim_ > ELK_GDN_MAX_HEAD || chunk_ < 1 || chunk_ > ELK_GDN_MAX_CHUNK) {
       fail("k_heads " + std::to_string(k_heads_) + ", v_heads " + std::to_string(v_heads_) +
-           ", head_dim " + std::to_string(head_dim_) + " (v_heads a multiple of k_heads, "
-           "head_dim 1.." + std::to_string(ELK_GDN_MAX_HEAD) + ")");
+           ", head_dim " + std::to_string(head_dim_) + ", chunk " + std::to_string(chunk_) +
+           " (v_heads a multiple of k_heads, head_dim 1.." + std::to_string(ELK_GDN_MAX_HEAD) +
+           ", chunk 1.." + std::to_string(ELK_GDN_MAX_CHUNK) + ")");
     }
   }
 
@@ -1197,7 +1204,8 @@ struct GatedDeltaKernel {
     check(dt_bias, "dt_bias", {v_heads_});
     check(a, "a", {v_heads_});
     check(norm, "norm", {d});
-    const int64_t state_floats = (kernel - 1) * channels + v_heads_ * d * d;
+    const elk_gdn_shape shape{k_heads_, v_heads_, d, kernel, eps_, chunk_};
+    const int64_t state_floats = elk_gdn_state_floats(&shape);
     if (s_shape.size() != 2 || (!varlen && s_shape[0] != batch) ||
         s_shape[1] != state_floats) {
       fail("the state is not [" + std::string(varlen ? "slots" : "batch") + ", " +
@@ -1216,7 +1224,7 @@ struct GatedDeltaKernel {
     const int64_t tokens = batch * seq;
     if (tokens == 0) return;
     std::vector<float> conv(static_cast<size_t>(tokens * channels));
-    GatedDeltaWork work{elk_gdn_shape{k_heads_, v_heads_, d, kernel, eps_}, table.data(),
+    GatedDeltaWork work{shape, table.data(),
                         qkv.GetTensorData<float>(), weight.GetTensorData<float>(),
                         z.GetTensorData<float>(), alpha.GetTensorData<float>(),
                         beta.GetTensorData<float>(), dt_bias.GetTensorData<float>(),
@@ -1239,7 +1247,7 @@ struct GatedDeltaKernel {
 
  private:
   static constexpr int64_t kInline = 1 << 14;
-  int64_t k_heads_ = 0, v_heads_ = 0, head_dim_ = 0;
+  int64_t k_heads_ = 0, v_heads_ = 0, head_dim_ = 0, chunk_ = 0;
   float eps_ = 0.0f;
 };
 

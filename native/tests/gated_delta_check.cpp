@@ -33,13 +33,15 @@ uint64_t fnv(const std::vector<float> &v, uint64_t h) {
 
 int main() {
   uint64_t hash = 1469598103934665603ULL;
-  // Head sizes under, at and over the op's column tile (32), one with a remainder (40).
-  const int64_t shapes[][4] = {{2, 4, 32, 4}, {16, 16, 128, 4}, {1, 3, 24, 3}, {2, 2, 40, 4}};
+  // Head sizes under, at and over the op's column tile (32), one with a remainder (40);
+  // chunks of 32 (the converter's), 8, 5 and 1.
+  const int64_t shapes[][5] = {
+      {2, 4, 32, 4, 32}, {16, 16, 128, 4, 32}, {1, 3, 24, 3, 5}, {2, 2, 40, 4, 8}, {1, 2, 16, 4, 1}};
   for (const auto &sh : shapes) {
-    const elk_gdn_shape shape{sh[0], sh[1], sh[2], sh[3], 1e-6f};
+    const elk_gdn_shape shape{sh[0], sh[1], sh[2], sh[3], 1e-6f, sh[4]};
     const int64_t d = sh[2], channels = (2 * sh[0] + sh[1]) * d, value = sh[1] * d;
-    const int64_t floats = (sh[3] - 1) * channels + sh[1] * d * d;
-    // Fresh and continued rows, one longer than the op's run of tokens (32).
+    const int64_t floats = elk_gdn_state_floats(&shape);
+    // Fresh and continued rows, one over several chunks.
     const elk_row rows[] = {{0, 0, 0, 5, 0}, {1, 7, 5, 1, 0}, {2, 3, 6, 3, 0}, {0, 5, 9, 70, 0}};
     const int64_t tokens = 79;
     std::vector<float> qkv(tokens * channels), z(tokens * value), alpha(tokens * sh[1]),
