@@ -124,60 +124,48 @@ void s0_products_reference(int64_t d, int64_t n, const float *s0, const float *q
   }
 }
 #else
-// The same sums over a tile of two vectors of value columns and two tokens (eight sums in
-// registers, two loads of S0 per key dim). The vectors' width is the machine's register (a
-// wider one is lowered lane by lane through the stack); each lane is the definition's float
-// expression whatever the width. The lanes are a template's number, the vector type made
-// inside it: a vector typedef passed as a template argument loses its aligned(4).
+// The same sums over a tile of two vectors of value columns and kTokens tokens (4 kTokens
+// sums in registers, two loads of S0 per key dim). The vectors' width is the machine's
+// register (a wider one is lowered lane by lane through the stack); each lane is the
+// definition's float expression whatever the width. The lanes are a template's number, the
+// vector type made inside it: a vector typedef passed as a template argument loses its
+// aligned(4).
+template <int kLanes, int kTokens>
+__attribute__((always_inline)) inline void s0_tile(int64_t d, int64_t t, const float *s0,
+                                                   const float *qs, const float *ks, float *ak,
+                                                   float *aq, int64_t j0) {
+  typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
+                                     may_alias));
+  vcols sk[kTokens][2], sq[kTokens][2];
+  for (int r = 0; r < kTokens; ++r) sk[r][0] = sk[r][1] = sq[r][0] = sq[r][1] = vcols{};
+  for (int64_t i = 0; i < d; ++i) {
+    const vcols *m = reinterpret_cast<const vcols *>(s0 + i * d + j0);
+    const vcols m0 = m[0], m1 = m[1];
+    for (int r = 0; r < kTokens; ++r) {
+      const float k = ks[(t + r) * d + i], q = qs[(t + r) * d + i];
+      sk[r][0] += m0 * k;
+      sk[r][1] += m1 * k;
+      sq[r][0] += m0 * q;
+      sq[r][1] += m1 * q;
+    }
+  }
+  for (int r = 0; r < kTokens; ++r) {
+    vcols *o = reinterpret_cast<vcols *>(ak + (t + r) * d + j0);
+    o[0] = sk[r][0], o[1] = sk[r][1];
+    o = reinterpret_cast<vcols *>(aq + (t + r) * d + j0);
+    o[0] = sq[r][0], o[1] = sq[r][1];
+  }
+}
+
+// Tiles of columns from j0 over all n tokens, two at a time: returns the first column not done.
 template <int kLanes>
 __attribute__((always_inline)) inline int64_t s0_tiles(int64_t d, int64_t n, const float *s0,
                                                        const float *qs, const float *ks,
                                                        float *ak, float *aq, int64_t j0) {
-  typedef float vcols __attribute__((vector_size(kLanes * sizeof(float)), aligned(4),
-                                     may_alias));
   for (; j0 + 2 * kLanes <= d; j0 += 2 * kLanes) {
     int64_t t = 0;
-    for (; t + 2 <= n; t += 2) {
-      const float *k0 = ks + t * d, *k1 = k0 + d, *q0 = qs + t * d, *q1 = q0 + d;
-      vcols a00 = vcols{}, a01 = vcols{}, a10 = vcols{}, a11 = vcols{};
-      vcols b00 = vcols{}, b01 = vcols{}, b10 = vcols{}, b11 = vcols{};
-      for (int64_t i = 0; i < d; ++i) {
-        const vcols *m = reinterpret_cast<const vcols *>(s0 + i * d + j0);
-        const vcols m0 = m[0], m1 = m[1];
-        a00 += m0 * k0[i];
-        a01 += m1 * k0[i];
-        a10 += m0 * k1[i];
-        a11 += m1 * k1[i];
-        b00 += m0 * q0[i];
-        b01 += m1 * q0[i];
-        b10 += m0 * q1[i];
-        b11 += m1 * q1[i];
-      }
-      vcols *o = reinterpret_cast<vcols *>(ak + t * d + j0);
-      o[0] = a00, o[1] = a01;
-      o = reinterpret_cast<vcols *>(ak + (t + 1) * d + j0);
-      o[0] = a10, o[1] = a11;
-      o = reinterpret_cast<vcols *>(aq + t * d + j0);
-      o[0] = b00, o[1] = b01;
-      o = reinterpret_cast<vcols *>(aq + (t + 1) * d + j0);
-      o[0] = b10, o[1] = b11;
-    }
-    for (; t < n; ++t) {
-      const float *k0 = ks + t * d, *q0 = qs + t * d;
-      vcols a00 = vcols{}, a01 = vcols{}, b00 = vcols{}, b01 = vcols{};
-      for (int64_t i = 0; i < d; ++i) {
-        const vcols *m = reinterpret_cast<const vcols *>(s0 + i * d + j0);
-        const vcols m0 = m[0], m1 = m[1];
-        a00 += m0 * k0[i];
-        a01 += m1 * k0[i];
-        b00 += m0 * q0[i];
-        b01 += m1 * q0[i];
-      }
-      vcols *o = reinterpret_cast<vcols *>(ak + t * d + j0);
-      o[0] = a00, o[1] = a01;
-      o = reinterpret_cast<vcols *>(aq + t * d + j0);
-      o[0] = b00, o[1] = b01;
-    }
+    for (; t + 2 <= n; t += 2) s0_tile<kLanes, 2>(d, t, s0, qs, ks, ak, aq, j0);
+    if (t < n) s0_tile<kLanes, 1>(d, t, s0, qs, ks, ak, aq, j0);
   }
   return j0;
 }
