@@ -106,13 +106,12 @@ struct HeadState {
   float *l;   // [chunk]: the chunk's cumulative log decays
 };
 
-#ifdef ELK_GDN_BASELINE
-// The definition of S0^T k and S0^T q: for each token and value dim j, sum_i S0[i][j] k[i]
-// from i = 0 up, from 0.0f.
-void s0_products_reference(int64_t d, int64_t n, const float *s0, const float *qs,
-                           const float *ks, float *ak, float *aq) {
+// The definition of S0^T k and S0^T q, value dims [j0, d): for each token and dim j,
+// sum_i S0[i][j] k[i] from i = 0 up, from 0.0f.
+inline void s0_columns(int64_t d, int64_t n, int64_t j0, const float *s0, const float *qs,
+                       const float *ks, float *ak, float *aq) {
   for (int64_t t = 0; t < n; ++t) {
-    for (int64_t j = 0; j < d; ++j) {
+    for (int64_t j = j0; j < d; ++j) {
       float sk = 0.0f, sq = 0.0f;
       for (int64_t i = 0; i < d; ++i) {
         sk += s0[i * d + j] * ks[t * d + i];
@@ -123,7 +122,8 @@ void s0_products_reference(int64_t d, int64_t n, const float *s0, const float *q
     }
   }
 }
-#else
+
+#ifndef ELK_GDN_BASELINE
 // The same sums over a tile of two vectors of value columns and kTokens tokens (4 kTokens
 // sums in registers, two loads of S0 per key dim). The vectors' width is the machine's
 // register (a wider one is lowered lane by lane through the stack); each lane is the
@@ -182,17 +182,7 @@ __attribute__((always_inline)) inline void s0_products(int64_t d, int64_t n, con
 #else
   j = s0_tiles<4>(d, n, s0, qs, ks, ak, aq, j);
 #endif
-  for (; j < d; ++j) {  // head sizes that are not a multiple of the tile
-    for (int64_t t = 0; t < n; ++t) {
-      float sk = 0.0f, sq = 0.0f;
-      for (int64_t i = 0; i < d; ++i) {
-        sk += s0[i * d + j] * ks[t * d + i];
-        sq += s0[i * d + j] * qs[t * d + i];
-      }
-      ak[t * d + j] = sk;
-      aq[t * d + j] = sq;
-    }
-  }
+  s0_columns(d, n, j, s0, qs, ks, ak, aq);  // head sizes that are not a multiple of the tile
 }
 #endif
 
@@ -454,7 +444,7 @@ ELK_CLONES void elk_gdn_delta_rows(const elk_gdn_shape *shape, const elk_row *ro
       hs.l[c] = c == 0 ? ins[s].log_decay : hs.l[c - 1] + ins[s].log_decay;
     }
 #ifdef ELK_GDN_BASELINE
-    s0_products_reference(d, n, hs.s0, qs, ks, ak, aq);
+    s0_columns(d, n, 0, hs.s0, qs, ks, ak, aq);
 #else
     s0_products(d, n, hs.s0, qs, ks, ak, aq);
 #endif
