@@ -3,12 +3,12 @@
 // token's sums depend only on its chunk position, never on the call it came in, so a row's
 // bits do not depend on its batch, on how its tokens were split into calls, or on the threads.
 //
-// Per chunk segment of a row (its tokens in one chunk), the op computes S0^T k and S0^T q of
-// every token (s0_products: column tiles of S0 against two tokens at a time, its sums in
-// registers; S0 is read, not written, until the chunk ends). The definition (built alone with
-// ELK_GDN_BASELINE) forms those sums token by token; everything else (the chunk's forward
-// substitution, the outputs, the fold) is one code for both. native/tests/gated_delta_check.cpp
-// compares the two builds.
+// Three steps have a definition, one element at a time (s0_columns, token_columns,
+// fold_columns), which the build with ELK_GDN_BASELINE runs alone, and register tiles that the
+// clones run over the same operations in the same order: S0^T k and S0^T q of a chunk
+// segment's tokens (s0_tiles: two tokens at a time; S0 is read, not written, until the chunk
+// ends), a token's delta and output (token_tiles) and the chunk's fold (fold_tiles: four rows
+// of S0 at a time). native/tests/gated_delta_check.cpp compares the two builds.
 
 #include "edge_llm_kquant/gated_delta.h"
 
